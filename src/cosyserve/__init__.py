@@ -1,0 +1,1 @@
+"""cosyserve: serve CosyVoice text-to-speech models, ready in milliseconds."""

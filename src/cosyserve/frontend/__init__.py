@@ -1,0 +1,1 @@
+"""Text and audio front end: tokenizer, features, resampling."""

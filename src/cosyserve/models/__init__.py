@@ -1,0 +1,1 @@
+"""Pure PyTorch CosyVoice modules, state-dict compatible with the official checkpoints."""

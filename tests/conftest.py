@@ -1,0 +1,20 @@
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fixtures_root() -> Path:
+    env = os.environ.get("COSYSERVE_FIXTURES")
+    return Path(env) if env else ROOT.parent / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixture_set_dir() -> Path:
+    """The tiny CosyVoice-300M conformance set; skips when the fixtures are not beside the clone."""
+    path = _fixtures_root() / "cosyvoice-300m-tiny"
+    if not (path / "cases.json").is_file():
+        pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
+    return path
