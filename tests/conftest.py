@@ -18,3 +18,13 @@ def fixture_set_dir() -> Path:
     if not (path / "cases.json").is_file():
         pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight model dir in the official layout, made once per test session by make-test-model."""
+    from cosyserve.testmodel import make_test_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    make_test_model(out, size="tiny", seed=0)
+    return out

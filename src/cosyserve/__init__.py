@@ -1,1 +1,16 @@
-"""cosyserve: serve CosyVoice text-to-speech models, ready in milliseconds."""
+"""cosyserve: serve CosyVoice text-to-speech models, ready in milliseconds.
+
+``import cosyserve`` stays light (no torch); :func:`load` imports the runtime on first use.
+"""
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "load"]
+
+
+def load(path: Any, **kwargs: Any) -> Any:
+    """Load a CosyVoice-300M model directory; see :func:`cosyserve.api.load`."""
+    from cosyserve.api import load as _load
+
+    return _load(path, **kwargs)

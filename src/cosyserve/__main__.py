@@ -1,0 +1,3 @@
+from cosyserve.cli import main
+
+main()

@@ -1,0 +1,114 @@
+"""Read an official CosyVoice model directory without executing anything in it.
+
+Weights are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling), the yaml with a safe loader
+(:mod:`cosyserve.config`). Every problem is a :class:`ModelDirError` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMPONENT_FILES", "ModelDirError", "load_component", "load_speakers", "read_state_dict"]
+
+COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
+
+
+class ModelDirError(ValueError):
+    """An official model directory that cannot be used; the message names the file and the problem."""
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Load a ``.pt`` state dict safely: tensors only, no code. Raises :class:`ModelDirError`."""
+    import pickle
+
+    import torch
+
+    if not path.is_file():
+        raise ModelDirError(f"missing weights file {path}")
+    try:
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # legacy (pre-zip) serialization cannot be mapped; read it into memory instead
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ModelDirError(f"cannot read {path} as a weights-only torch checkpoint: {e}") from e
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ModelDirError(f"{path} is not a state dict (a mapping of parameter names to tensors)")
+    return sd
+
+
+def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> None:
+    try:
+        module.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ModelDirError(f"{path} does not match the architecture in cosyvoice.yaml: {e}") from e
+
+
+def load_component(model_dir: str | Path, name: str, cfg: Any) -> torch.nn.Module:
+    """Build component ``name`` (llm, flow or hift) from its config and load the official weights strictly.
+
+    Args:
+        model_dir: official model directory.
+        name: ``"llm"``, ``"flow"`` or ``"hift"``.
+        cfg: that component's config from :func:`cosyserve.config.load_model_config`.
+    Returns:
+        The module in eval mode on CPU.
+    """
+    model_dir = Path(model_dir)
+    t0 = time.perf_counter()
+    if name == "llm":
+        from cosyserve.models.llm import TransformerLM as cls
+    elif name == "flow":
+        from cosyserve.models.flow import MaskedDiffWithXvec as cls
+    elif name == "hift":
+        from cosyserve.models.hift import HiFTGenerator as cls
+    else:
+        raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
+    path = model_dir / COMPONENT_FILES[name]
+    sd = read_state_dict(path)
+    if name == "hift":
+        # HiFiGAN training checkpoints nest the generator; the reference strips the prefix the same way.
+        sd = {k.removeprefix("generator."): v for k, v in sd.items()}
+    module = cls(cfg)
+    _strict_load(module, sd, path)
+    module.eval()
+    if hasattr(module, "remove_weight_norm"):
+        module.remove_weight_norm()
+    logger.debug("loaded %s from %s in %.1f ms", name, path, (time.perf_counter() - t0) * 1e3)
+    return module
+
+
+def load_speakers(model_dir: str | Path, embed_dim: int = 192) -> dict[str, dict[str, torch.Tensor]]:
+    """Read ``spk2info.pt`` (speaker id -> {"embedding": [1, 192], ...}); a dir without it has no speakers."""
+    import torch
+
+    path = Path(model_dir) / "spk2info.pt"
+    if not path.is_file():
+        return {}
+    try:
+        info = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise ModelDirError(f"cannot read {path} as a weights-only torch file: {e}") from e
+    if not isinstance(info, dict):
+        raise ModelDirError(f"{path} should map speaker ids to dicts of tensors, got {type(info).__name__}")
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for spk, entry in info.items():
+        if not isinstance(spk, str) or not isinstance(entry, dict):
+            raise ModelDirError(f"{path}: entry {spk!r} should be a str -> dict of tensors")
+        emb = entry.get("embedding")
+        if not isinstance(emb, torch.Tensor) or emb.numel() != embed_dim:
+            raise ModelDirError(f"{path}: speaker {spk!r} has no {embed_dim}-value 'embedding' tensor")
+        out[spk] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        out[spk]["embedding"] = emb.reshape(1, embed_dim).float()
+    return out

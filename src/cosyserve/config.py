@@ -1,0 +1,301 @@
+"""Read an official ``cosyvoice.yaml`` as data and map it onto our config dataclasses.
+
+The official file is a hyperpyyaml document: ``!new:pkg.Class`` builds an object, ``!name:pkg.fn`` binds a
+function, ``!apply:pkg.fn`` calls one, ``!ref <key>`` points at another key. We execute none of it. A safe
+YAML loader turns every tag into a :class:`Tagged` record, ``!ref`` is resolved by lookup, and
+:func:`build_config` maps each record onto the dataclass declared for that field, checking the class name the
+tag names, every key (unknown keys and missing required keys are errors that name the key and the file) and
+every value's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+__all__ = ["ConfigError", "ModelConfig", "Tagged", "build_config", "load_model_config", "read_yaml"]
+
+
+class ConfigError(ValueError):
+    """A model config that cannot be used: names the file, the key path and what was expected."""
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """A hyperpyyaml tag kept as data: ``kind`` is new/name/apply, ``target`` the dotted name it points at."""
+
+    kind: str
+    target: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class _Ref:
+    key: str
+
+
+_REF_RE = re.compile(r"^<([A-Za-z_][\w.]*)>$")
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _construct_tagged(kind: str):
+    def construct(loader: _Loader, suffix: str, node: yaml.Node) -> Tagged:
+        if isinstance(node, yaml.MappingNode):
+            value: Any = loader.construct_mapping(node, deep=True)
+        elif isinstance(node, yaml.SequenceNode):
+            value = loader.construct_sequence(node, deep=True)
+        else:
+            raw = loader.construct_scalar(node)
+            value = None if raw in ("", None) else raw
+        return Tagged(kind, suffix, value)
+
+    return construct
+
+
+def _construct_ref(loader: _Loader, node: yaml.Node) -> _Ref:
+    text = str(loader.construct_scalar(node)).strip()
+    m = _REF_RE.match(text)
+    if not m:
+        raise ConfigError(
+            f"unsupported !ref expression {text!r} at line {node.start_mark.line + 1}: "
+            "only a plain reference like <key> or <a.b> is understood"
+        )
+    return _Ref(m.group(1))
+
+
+for _kind in ("new", "name", "apply"):
+    _Loader.add_multi_constructor(f"!{_kind}:", _construct_tagged(_kind))
+_Loader.add_constructor("!ref", _construct_ref)
+# hyperpyyaml also knows !copy, !tuple, !include, !PLACEHOLDER; none appear in CosyVoice configs. Without a
+# constructor the safe loader refuses them with an error naming the tag and line, which is what we want.
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a hyperpyyaml file safely into plain data with ``!ref`` resolved and tags kept as :class:`Tagged`.
+
+    Args:
+        path: the ``cosyvoice.yaml`` to read.
+    Returns:
+        The top-level mapping. Nothing in the file is imported, called or executed.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read model config {path}: {e}") from e
+    try:
+        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(doc).__name__}")
+    return _resolve(doc, doc, path, "", set())
+
+
+def _lookup(root: dict[str, Any], key: str, path: Path, where: str) -> Any:
+    node: Any = root
+    for part in key.split("."):
+        if isinstance(node, Tagged):
+            node = node.value
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{path}: !ref <{key}> at '{where}' points at a key that does not exist")
+        node = node[part]
+    return node
+
+
+def _resolve(node: Any, root: dict[str, Any], path: Path, where: str, active: set[str]) -> Any:
+    if isinstance(node, _Ref):
+        if node.key in active:
+            raise ConfigError(f"{path}: !ref <{node.key}> at '{where}' is circular")
+        target = _lookup(root, node.key, path, where)
+        return _resolve(target, root, path, where, active | {node.key})
+    if isinstance(node, Tagged):
+        return Tagged(node.kind, node.target, _resolve(node.value, root, path, where, active))
+    if isinstance(node, dict):
+        return {k: _resolve(v, root, path, f"{where}.{k}" if where else str(k), active) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, root, path, f"{where}[{i}]", active) for i, v in enumerate(node)]
+    return node
+
+
+def _unwrap_dictconfig(node: Tagged) -> Any:
+    # `!new:omegaconf.DictConfig {content: {...}}` is only a wrapper around a mapping.
+    if node.target == "omegaconf.DictConfig" and isinstance(node.value, dict) and set(node.value) == {"content"}:
+        return node.value["content"]
+    return node.value
+
+
+def build_config(cls: type, node: Any, *, source: str | Path = "<config>", where: str = "") -> Any:
+    """Map parsed yaml data onto the dataclass ``cls``, recursively, checking tags, keys and value types.
+
+    Args:
+        cls: a dataclass; may declare ``TARGET: ClassVar[str]``, the dotted class name the yaml tag must name.
+        node: a :class:`Tagged` record or a plain mapping.
+        source: the file, for error messages.
+        where: the key path of ``node``, for error messages.
+    Returns:
+        An instance of ``cls``.
+    """
+    target = getattr(cls, "TARGET", None)
+    if isinstance(node, Tagged):
+        if target is not None and node.target != target:
+            raise ConfigError(
+                f"{source}: '{where}' is {node.target}, but cosyserve supports only {target} there"
+            )
+        node = _unwrap_dictconfig(node)
+    if node is None:
+        node = {}
+    if not isinstance(node, dict):
+        raise ConfigError(f"{source}: '{where}' should be a mapping of {cls.__name__} arguments, got {node!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(node) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key(s) {', '.join(repr(_join(where, k)) for k in unknown)} for {cls.__name__}; "
+            f"known keys: {', '.join(sorted(fields))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = _join(where, name)
+        if name not in node:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{source}: missing required key '{key}' for {cls.__name__}")
+            continue
+        kwargs[name] = _coerce(hints[name], node[name], source, key)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: invalid values for '{where or cls.__name__}': {e}") from e
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(tp: Any, value: Any, source: str | Path, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, source, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if errors else f"{source}: bad value for '{key}'")
+    if dataclasses.is_dataclass(tp):
+        return build_config(tp, value, source=source, where=key)
+    if isinstance(value, Tagged):
+        raise ConfigError(f"{source}: '{key}' is a !{value.kind}:{value.target} object where a {_tname(tp)} belongs")
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: '{key}' should be a list, got {value!r}")
+        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_t = typing.get_args(tp) or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' should be a mapping, got {value!r}")
+        return {str(k): _coerce(val_t, v, source, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-06" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be one of {typing.get_args(tp)}, got {value!r}")
+    else:
+        return value
+    raise ConfigError(f"{source}: '{key}' should be {_tname(tp)}, got {value!r}")
+
+
+def _tname(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+# The top-level keys a CosyVoice-300M yaml carries besides the model: training, data pipeline and GAN entries.
+# They are read (so a typo in them is still a YAML error) but not mapped: serving never uses them.
+_IGNORED_TOP_LEVEL = re.compile(
+    r"^(__set_seed\d*|text_encoder_input_size|llm_input_size|llm_output_size|spk_embed_dim|qwen_pretrain_path|"
+    r"token_frame_rate|token_mel_ratio|chunk_size|num_decoding_left_chunks|mel_spec_transform\d*|hifigan|"
+    r"parquet_opener|tokenize|filter|resample|truncate|feat_extractor|compute_fbank|compute_f0|parse_embedding|"
+    r"shuffle|sort|batch|padding|data_pipeline\w*|train_conf\w*|get_tokenizer|allowed_special)$"
+)
+
+
+@dataclass
+class ModelConfig:
+    """The parts of ``cosyvoice.yaml`` that serving needs."""
+
+    sample_rate: int
+    llm: Any
+    flow: Any
+    hift: Any
+    source: str = ""
+
+    KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``MODEL_DIR/cosyvoice.yaml`` and build the LLM, flow and HiFT configs.
+
+    Args:
+        model_dir: an official CosyVoice-300M model directory (or the yaml file itself).
+    Returns:
+        A :class:`ModelConfig`. Raises :class:`ConfigError` naming the file and key for anything unusable.
+    """
+    from cosyserve.models.flow import FlowConfig
+    from cosyserve.models.hift import HiFTConfig
+    from cosyserve.models.llm import LLMConfig
+
+    path = Path(model_dir)
+    if path.is_dir():
+        path = path / "cosyvoice.yaml"
+    if not path.is_file():
+        raise ConfigError(f"model config not found: {path} (an official model dir holds cosyvoice.yaml)")
+    doc = read_yaml(path)
+    unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
+    if unknown:
+        raise ConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
+    for key in ModelConfig.KNOWN:
+        if key not in doc:
+            raise ConfigError(f"{path}: missing required top-level key '{key}'")
+    sample_rate = _coerce(int, doc["sample_rate"], path, "sample_rate")
+    return ModelConfig(
+        sample_rate=sample_rate,
+        llm=build_config(LLMConfig, doc["llm"], source=path, where="llm"),
+        flow=build_config(FlowConfig, doc["flow"], source=path, where="flow"),
+        hift=build_config(HiFTConfig, doc["hift"], source=path, where="hift"),
+        source=str(path),
+    )

@@ -1,0 +1,184 @@
+"""``cosyserve conformance DIR``: replay the reference's recorded cases and compare within their tolerances.
+
+A fixture set is ``cases.json`` plus ``tensors.safetensors`` (format in ``shared/fixtures/README.md``). Each
+case's kind names a function in one of the ``kinds_*`` modules here; the function computes the outputs from
+the inputs, and this module compares them: floats elementwise ``|got - exp| <= atol + rtol*|exp|``, integer
+tensors, integers and strings exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CaseResult", "KIND_MODULES", "run_conformance"]
+
+# kind -> module holding it (resolved lazily, so a run of one kind imports only what it needs)
+KIND_MODULES = {
+    "tokenize": "cosyserve.conformance.kinds_text",
+    "llm_logprobs": "cosyserve.conformance.kinds_llm",
+    "flow_inference": "cosyserve.conformance.kinds_flow",
+    "hift_inference": "cosyserve.conformance.kinds_hift",
+    "token2wav_stream": "cosyserve.conformance.kinds_token2wav",
+    "token2wav_full": "cosyserve.conformance.kinds_token2wav",
+    "mel": "cosyserve.conformance.kinds_features",
+    "fbank": "cosyserve.conformance.kinds_features",
+    "whisper_logmel": "cosyserve.conformance.kinds_features",
+    "resample": "cosyserve.conformance.kinds_features",
+}
+
+
+@dataclass
+class CaseResult:
+    name: str
+    kind: str
+    passed: bool
+    max_abs_err: float
+    atol: float
+    rtol: float
+    seconds: float
+    message: str = ""
+
+    def line(self) -> str:
+        err = "-" if math.isnan(self.max_abs_err) else f"{self.max_abs_err:.3g}"
+        status = "PASS" if self.passed else "FAIL"
+        msg = f"  {self.message}" if self.message else ""
+        return (
+            f"{self.name:<28} {self.kind:<22} max_abs_err={err:<10} tol=atol {self.atol:g} + rtol {self.rtol:g}"
+            f"  {status} ({self.seconds * 1e3:.0f} ms){msg}"
+        )
+
+
+def _kind_function(kind: str) -> Callable[..., dict[str, Any]] | None:
+    module_name = KIND_MODULES.get(kind)
+    if module_name is None:
+        return None
+    module = importlib.import_module(module_name)
+    return module.KINDS.get(kind)
+
+
+def _resolve_inputs(inputs: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, dict) and set(value) == {"tensor"}:
+            if value["tensor"] not in tensors:
+                raise KeyError(f"{where}: input {key!r} names tensor {value['tensor']!r}, not in tensors.safetensors")
+            out[key] = tensors[value["tensor"]]
+        else:
+            out[key] = value
+    return out
+
+
+def _compare(name: str, got: Any, exp: Any, atol: float, rtol: float) -> tuple[bool, float, str]:
+    """Returns (ok, max_abs_err for float tensors or nan, message)."""
+    import torch
+
+    if isinstance(exp, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            try:
+                got = torch.as_tensor(got)
+            except (TypeError, ValueError):
+                return False, math.nan, f"{name}: expected a tensor, got {type(got).__name__}"
+        got = got.detach().cpu()
+        if tuple(got.shape) != tuple(exp.shape):
+            return False, math.nan, f"{name}: shape {tuple(got.shape)} != expected {tuple(exp.shape)}"
+        if not exp.is_floating_point():
+            if got.is_floating_point():
+                return False, math.nan, f"{name}: expected integer tensor, got {got.dtype}"
+            bad = int((got.long() != exp.long()).sum())
+            return bad == 0, 0.0 if bad == 0 else math.nan, f"{name}: {bad} of {exp.numel()} ids differ" if bad else ""
+        if exp.numel() == 0:
+            return True, 0.0, ""
+        g64, e64 = got.double(), exp.double()
+        if not torch.isfinite(g64).all():
+            return False, math.inf, f"{name}: non-finite values"
+        diff = (g64 - e64).abs()
+        ok = bool((diff <= atol + rtol * e64.abs()).all())
+        err = float(diff.max())
+        return ok, err, "" if ok else f"{name}: max abs err {err:.3g} exceeds tolerance"
+    if got != exp:
+        return False, math.nan, f"{name}: {got!r} != expected {exp!r}"
+    return True, math.nan, ""
+
+
+def run_case(case: dict[str, Any], tensors: dict[str, Any], ctx: Any) -> CaseResult:
+    name, kind = case.get("name", "?"), case.get("kind", "?")
+    atol, rtol = float(case.get("atol", 0.0)), float(case.get("rtol", 0.0))
+    t0 = time.perf_counter()
+    fn = _kind_function(kind)
+    if fn is None:
+        return CaseResult(name, kind, False, math.nan, atol, rtol, 0.0, f"unknown kind {kind!r}")
+    try:
+        inputs = _resolve_inputs(case.get("inputs", {}), tensors, name)
+        expected = _resolve_inputs(case.get("outputs", {}), tensors, name)
+        got = fn(ctx, inputs)
+    except Exception as e:  # noqa: BLE001 - a crashing case is a failing case, reported with its cause
+        return CaseResult(name, kind, False, math.nan, atol, rtol, time.perf_counter() - t0, f"error: {e!r}")
+    seconds = time.perf_counter() - t0
+    ok_all, worst, messages = True, math.nan, []
+    for out_name, exp in expected.items():
+        if out_name not in got:
+            ok_all = False
+            messages.append(f"missing output {out_name!r}")
+            continue
+        ok, err, msg = _compare(out_name, got[out_name], exp, atol, rtol)
+        ok_all &= ok
+        if not math.isnan(err):
+            worst = err if math.isnan(worst) else max(worst, err)
+        if msg:
+            messages.append(msg)
+    return CaseResult(name, kind, ok_all, worst, atol, rtol, seconds, "; ".join(messages))
+
+
+def run_conformance(
+    set_dir: str | Path,
+    kinds: Iterable[str] | None = None,
+    report: Callable[[str], None] | None = print,
+) -> list[CaseResult]:
+    """Run every case of a fixture set (optionally only some kinds) and report one line per case.
+
+    Args:
+        set_dir: folder holding ``cases.json`` and ``tensors.safetensors``.
+        kinds: restrict the run to these kinds (an unknown name is an error).
+        report: called with each case line and the summary line; ``None`` to stay quiet.
+    Returns:
+        The per-case results; the run passed when every ``passed`` is true.
+    """
+    from safetensors.torch import load_file
+
+    from cosyserve.conformance.context import CaseContext
+
+    set_dir = Path(set_dir)
+    cases_path = set_dir / "cases.json"
+    try:
+        doc = json.loads(cases_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read fixture cases {cases_path}: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("cases"), list):
+        raise ValueError(f"{cases_path}: expected {{'format': 1, 'cases': [...]}}")
+    wanted = set(kinds) if kinds is not None else None
+    if wanted is not None:
+        unknown = sorted(wanted - set(KIND_MODULES))
+        if unknown:
+            raise ValueError(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(KIND_MODULES))}")
+    tensors_path = set_dir / "tensors.safetensors"
+    tensors = load_file(str(tensors_path)) if tensors_path.is_file() else {}
+    ctx = CaseContext(set_dir, set_dir / doc.get("model", "model"))
+    results = []
+    for case in doc["cases"]:
+        if wanted is not None and case.get("kind") not in wanted:
+            continue
+        result = run_case(case, tensors, ctx)
+        results.append(result)
+        if report:
+            report(result.line())
+    if report:
+        passed = sum(r.passed for r in results)
+        report(f"conformance {set_dir}: {passed} passed, {len(results) - passed} failed")
+    return results

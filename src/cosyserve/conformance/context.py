@@ -1,0 +1,46 @@
+"""What a conformance kind function gets: the set's paths, its parsed config and lazily loaded modules."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CaseContext"]
+
+
+class CaseContext:
+    """Shared, lazily built state for the cases of one fixture set (modules are loaded once per run)."""
+
+    def __init__(self, set_dir: Path, model_dir: Path) -> None:
+        self.set_dir = set_dir
+        self.model_dir = model_dir
+        self._modules: dict[str, Any] = {}
+
+    @cached_property
+    def config(self) -> Any:
+        from cosyserve.config import load_model_config
+
+        return load_model_config(self.model_dir)
+
+    def _component(self, name: str) -> Any:
+        if name not in self._modules:
+            from cosyserve.bundle.official import load_component
+
+            self._modules[name] = load_component(self.model_dir, name, getattr(self.config, name))
+        return self._modules[name]
+
+    def llm(self) -> Any:
+        return self._component("llm")
+
+    def flow(self) -> Any:
+        return self._component("flow")
+
+    def hift(self) -> Any:
+        return self._component("hift")
+
+    @cached_property
+    def speakers(self) -> dict[str, Any]:
+        from cosyserve.bundle.official import load_speakers
+
+        return load_speakers(self.model_dir)

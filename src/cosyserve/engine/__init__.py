@@ -1,0 +1,1 @@
+"""Synthesis engine: token-to-audio streaming, the text-to-audio pipeline."""

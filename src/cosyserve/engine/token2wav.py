@@ -1,0 +1,214 @@
+"""Speech tokens -> audio, one-shot or streaming, with the reference's chunking, overlap and fade rules.
+
+Streaming works on windows of tokens: while at least ``hop + overlap`` tokens are buffered, the first
+``hop + overlap`` go through the flow, the mel's first frames are cross-faded with the tail the previous call
+kept, the vocoder runs with the previous call's last mel frames and source samples prepended, its first samples
+are cross-faded with the previous speech tail, and the window slides by ``hop``. Whatever is left at the end
+goes through one finalizing call. All per-request state lives in a :class:`_StreamState` owned by the generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CallDraws", "StreamPolicy", "Token2Wav"]
+
+
+@dataclass(frozen=True)
+class StreamPolicy:
+    """The chunking rules, in tokens and mel frames, as the reference's CosyVoiceModel sets them.
+
+    ``token_min_hop_len`` is 2 s of tokens; the hop is multiplied by ``stream_scale_factor`` after each chunk up
+    to ``token_max_hop_len`` (4 s). The reference ships ``stream_scale_factor = 1`` (a constant 2 s hop); raise
+    it to trade first-chunk latency for fewer, longer chunks.
+    """
+
+    input_frame_rate: int = 50
+    sample_rate: int = 22050
+    hop_length: int = 256
+    token_overlap_len: int = 20
+    mel_cache_len: int = 20
+    stream_scale_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.stream_scale_factor < 1:
+            raise ValueError(f"stream_scale_factor must be >= 1, got {self.stream_scale_factor}")
+
+    @property
+    def token_min_hop_len(self) -> int:
+        return 2 * self.input_frame_rate
+
+    @property
+    def token_max_hop_len(self) -> int:
+        return 4 * self.input_frame_rate
+
+    @property
+    def mel_overlap_len(self) -> int:
+        return int(self.token_overlap_len / self.input_frame_rate * self.sample_rate / self.hop_length)
+
+    @property
+    def source_cache_len(self) -> int:
+        return self.mel_cache_len * self.hop_length
+
+
+@dataclass
+class CallDraws:
+    """Random draws for one token2wav call, injected (fixtures, reproducible audio) instead of drawn."""
+
+    flow_noise: torch.Tensor | None = None
+    sine_phase: torch.Tensor | None = None
+    sine_noise: torch.Tensor | None = None
+
+
+@dataclass
+class _StreamState:
+    flow_cache: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 80, 0, 2))
+    mel_overlap: torch.Tensor | None = None  # last mel frames of the previous call, faded into the next
+    cache_mel: torch.Tensor | None = None  # vocoder context: last mel frames ...
+    cache_source: torch.Tensor | None = None  # ... their source excitation ...
+    cache_speech: torch.Tensor | None = None  # ... and their audio, cross-faded into the next chunk
+
+
+@lru_cache(maxsize=8)
+def _hamming(n: int) -> torch.Tensor:
+    return torch.from_numpy(np.hamming(n))  # float64, as the reference multiplies
+
+
+def _fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    # The reference multiplies float32 audio by a float64 numpy window: products and sum in float64, stored
+    # back into the float32 tensor.
+    n = window.shape[0] // 2
+    out = fade_in.clone()
+    mixed = fade_in[..., :n].double() * window[:n] + fade_out[..., -n:].double() * window[n:]
+    out[..., :n] = mixed.to(out.dtype)
+    return out
+
+
+class Token2Wav:
+    """Turns speech tokens into audio with a flow model and a HiFT vocoder.
+
+    Args:
+        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
+        hift: a :class:`cosyserve.models.hift.HiFTGenerator`.
+        policy: the streaming rules; defaults follow the reference.
+    """
+
+    def __init__(self, flow: Any, hift: Any, policy: StreamPolicy | None = None) -> None:
+        self.flow = flow
+        self.hift = hift
+        self.policy = policy or StreamPolicy(input_frame_rate=int(flow.input_frame_rate))
+
+    def _call(
+        self,
+        tokens: list[int],
+        state: _StreamState,
+        prompt_token: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        embedding: torch.Tensor,
+        finalize: bool,
+        speed: float,
+        draws: CallDraws,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        p = self.policy
+        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        mel, state.flow_cache = self.flow.inference(
+            token,
+            torch.tensor([token.shape[1]], dtype=torch.int32),
+            prompt_token,
+            torch.tensor([prompt_token.shape[1]], dtype=torch.int32),
+            prompt_feat,
+            torch.tensor([prompt_feat.shape[1]], dtype=torch.int32),
+            embedding,
+            state.flow_cache,
+            noise=draws.flow_noise,
+            generator=generator,
+        )
+        if state.mel_overlap is not None:
+            mel = _fade_in_out(mel, state.mel_overlap, _hamming(2 * p.mel_overlap_len))
+        if state.cache_mel is not None:
+            mel = torch.cat([state.cache_mel, mel], dim=2)
+            cache_source = state.cache_source
+        else:
+            cache_source = torch.zeros(1, 1, 0)
+        if not finalize:
+            state.mel_overlap = mel[:, :, -p.mel_overlap_len :]
+            mel = mel[:, :, : -p.mel_overlap_len]
+        elif speed != 1.0:
+            if state.cache_mel is not None:
+                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+        speech, source = self.hift.inference(
+            mel, cache_source, generator=generator, sine_phase=draws.sine_phase, sine_noise=draws.sine_noise
+        )
+        if state.cache_speech is not None:
+            speech = _fade_in_out(speech, state.cache_speech, _hamming(2 * p.source_cache_len))
+        if not finalize:
+            state.cache_mel = mel[:, :, -p.mel_cache_len :]
+            state.cache_source = source[:, :, -p.source_cache_len :]
+            state.cache_speech = speech[:, -p.source_cache_len :]
+            speech = speech[:, : -p.source_cache_len]
+        return speech
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: torch.Tensor,
+        prompt_token: torch.Tensor | None = None,
+        prompt_feat: torch.Tensor | None = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        generator: torch.Generator | None = None,
+        draws: Iterator[CallDraws] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
+
+        Args:
+            tokens: speech token ids; may be a generator (the LLM's), consumed as it produces.
+            embedding: flow speaker embedding ``[1, 192]``.
+            prompt_token: ``[1, P]`` prompt speech tokens (zero-shot), default none.
+            prompt_feat: ``[1, F, 80]`` prompt mel, default none.
+            stream: chunk as tokens arrive (True) or synthesize once at the end (False).
+            speed: tempo factor, one-shot mode only (the reference's rule).
+            generator: source of random draws not injected through ``draws``.
+            draws: per-call injected draws, in call order.
+        """
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream and speed != 1.0:
+            raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+        p = self.policy
+        prompt_token = torch.zeros(1, 0, dtype=torch.int32) if prompt_token is None else prompt_token
+        prompt_feat = torch.zeros(1, 0, 80) if prompt_feat is None else prompt_feat
+        state = _StreamState()
+        draws = draws if draws is not None else iter(())
+
+        def run(window: list[int], finalize: bool, speed: float = 1.0) -> torch.Tensor:
+            return self._call(
+                window, state, prompt_token, prompt_feat, embedding, finalize, speed, next(draws, CallDraws()), generator
+            )
+
+        if not stream:
+            all_tokens = list(tokens)
+            if all_tokens:
+                yield run(all_tokens, True, speed)
+            return
+        buffer: list[int] = []
+        hop = p.token_min_hop_len
+        for tok in tokens:
+            buffer.append(tok)
+            if len(buffer) >= hop + p.token_overlap_len:
+                yield run(buffer[: hop + p.token_overlap_len], False)
+                del buffer[:hop]
+                hop = min(p.token_max_hop_len, int(hop * p.stream_scale_factor))
+        if buffer:
+            yield run(buffer, True)

@@ -1,0 +1,59 @@
+"""The conformance runner against the reference fixtures, through the CLI as CI runs it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+
+# every kind implemented so far; the rest join as their issues land
+IMPLEMENTED = [
+    "tokenize", "llm_logprobs", "flow_inference", "hift_inference", "token2wav_stream", "token2wav_full",
+    "mel", "fbank", "whisper_logmel", "resample",
+]  # fmt: skip
+
+
+def conformance(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cosyserve", "conformance", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900)
+
+
+def test_fixture_set_passes(fixture_set_dir: Path) -> None:
+    r = conformance(str(fixture_set_dir), "--kinds", ",".join(IMPLEMENTED))
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
+    doc = json.loads((fixture_set_dir / "cases.json").read_text())
+    assert len(lines) == sum(c["kind"] in IMPLEMENTED for c in doc["cases"])
+
+
+def test_wrong_expectation_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
+    # a case whose expected output is wrong must fail the run: the runner really compares
+    work = tmp_path / "set"
+    work.mkdir()
+    for name in ("tensors.safetensors", "model", "assets"):
+        (work / name).symlink_to(fixture_set_dir / name)
+    doc = json.loads((fixture_set_dir / "cases.json").read_text())
+    case = next(c for c in doc["cases"] if c["kind"] == "tokenize" and c["inputs"]["text"] == "<|endoftext|>")
+    case["inputs"]["text"] = "<|zh|>"
+    doc["cases"] = [case]
+    (work / "cases.json").write_text(json.dumps(doc))
+    r = conformance(str(work))
+    assert r.returncode == 1 and "FAIL" in r.stdout and "1 failed" in r.stdout
+
+
+def test_unknown_kind_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
+    work = tmp_path / "set"
+    shutil.copytree(fixture_set_dir / "assets", work / "assets")
+    doc = {"format": 1, "model": "model", "cases": [{"name": "x", "kind": "no_such_kind", "inputs": {}, "outputs": {}}]}
+    (work / "cases.json").write_text(json.dumps(doc))
+    r = conformance(str(work))
+    assert r.returncode == 1 and "unknown kind 'no_such_kind'" in r.stdout
+
+
+def test_unknown_kind_filter_is_an_error(fixture_set_dir: Path) -> None:
+    r = conformance(str(fixture_set_dir), "--kinds", "bogus")
+    assert r.returncode == 1 and "unknown kind(s) bogus" in r.stderr
