@@ -236,6 +236,9 @@ def make_test_model(out: str | Path, *, size: str = "tiny", seed: int = 0, force
         raise FileExistsError(f"{out} already exists (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model dir is an ordinary directory
     info: dict[str, tuple[int, int]] = {}
     try:
         (tmp / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
