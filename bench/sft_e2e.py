@@ -60,7 +60,11 @@ def main() -> None:
     for run in range(args.runs):
         gen = torch.Generator().manual_seed(run)
         t = time.perf_counter()
-        tokens = list(pipe.llm.inference(ids, torch.tensor([ids.shape[1]]), empty, zero, empty, zero, emb, generator=gen))
+        tokens = list(
+            pipe.llm.inference(
+                ids, torch.tensor([ids.shape[1]]), empty, zero, empty, zero, emb, generator=gen
+            )
+        )
         llm_s = time.perf_counter() - t
         timers.update(flow=0.0, hift=0.0)
         audio = torch.cat(list(pipe.token2wav(tokens, embedding=emb, stream=False, generator=gen)), dim=1)
@@ -78,7 +82,9 @@ def main() -> None:
     print(f"flow  {med[2]:.2f} s, RTF {med[2] / med[4]:.3f}  (audio {med[4]:.2f} s)")
     print(f"hift  {med[3]:.2f} s, RTF {med[3] / med[4]:.3f}")
     print(f"total {total:.2f} s, RTF {total / med[4]:.2f}; peak RSS {peak_gb:.2f} GB")
-    print("reference here (fp32, same weights): 81 ms/token, flow 2.9 s, hift 0.7 s for 3.19 s, RTF 5.2, 4.95 GB")
+    print(
+        "reference here (fp32, same weights): 81 ms/token, flow 2.9 s, hift 0.7 s for 3.19 s, RTF 5.2, 4.95 GB"
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "sr
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cosyserve", *args], capture_output=True, text=True, env=env or ENV, timeout=300
+        [sys.executable, "-m", "cosyserve", *args],
+        capture_output=True,
+        text=True,
+        env=env or ENV,
+        timeout=300,
     )
 
 
@@ -30,14 +34,38 @@ def test_import_and_help_do_not_import_torch() -> None:
 
 def test_synth_writes_wav(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "a.wav"
-    r = cli("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hello there.", "--seed", "3", "--out", str(out))
+    r = cli(
+        "synth",
+        "--model",
+        str(tiny_model_dir),
+        "--speaker",
+        "英文女",
+        "--text",
+        "Hello there.",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     with wave.open(str(out)) as w:
         assert w.getframerate() == 22050 and w.getnchannels() == 1 and w.getsampwidth() == 2
         assert w.getnframes() > 0
     # the same seed gives the same file
     out2 = tmp_path / "b.wav"
-    r = cli("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hello there.", "--seed", "3", "--out", str(out2))
+    r = cli(
+        "synth",
+        "--model",
+        str(tiny_model_dir),
+        "--speaker",
+        "英文女",
+        "--text",
+        "Hello there.",
+        "--seed",
+        "3",
+        "--out",
+        str(out2),
+    )
     assert r.returncode == 0, r.stderr
     assert out.read_bytes() == out2.read_bytes()
 
@@ -66,12 +94,32 @@ def test_synth_bad_request_is_one_line_error_without_output(
 
 
 def test_synth_bad_model_dir(tmp_path: Path) -> None:
-    r = cli("synth", "--model", str(tmp_path / "missing"), "--speaker", "a", "--text", "Hi.", "--out", str(tmp_path / "x.wav"))
+    r = cli(
+        "synth",
+        "--model",
+        str(tmp_path / "missing"),
+        "--speaker",
+        "a",
+        "--text",
+        "Hi.",
+        "--out",
+        str(tmp_path / "x.wav"),
+    )
     assert r.returncode != 0
     assert "model directory not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "cosyvoice.yaml").write_text("llm: [unclosed\n")
-    r = cli("synth", "--model", str(tmp_path / "m"), "--speaker", "a", "--text", "Hi.", "--out", str(tmp_path / "x.wav"))
+    r = cli(
+        "synth",
+        "--model",
+        str(tmp_path / "m"),
+        "--speaker",
+        "a",
+        "--text",
+        "Hi.",
+        "--out",
+        str(tmp_path / "x.wav"),
+    )
     assert r.returncode != 0 and "not valid YAML" in r.stderr
     assert not (tmp_path / "x.wav").exists()
 
@@ -82,17 +130,42 @@ def test_synth_corrupt_weights_named(tiny_model_dir: Path, tmp_path: Path) -> No
     for f in tiny_model_dir.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / "flow.pt").write_bytes(b"not a checkpoint")
-    r = cli("synth", "--model", str(bad), "--speaker", "英文女", "--text", "Hi.", "--out", str(tmp_path / "x.wav"))
+    r = cli(
+        "synth", "--model", str(bad), "--speaker", "英文女", "--text", "Hi.", "--out", str(tmp_path / "x.wav")
+    )
     assert r.returncode != 0 and "flow.pt" in r.stderr, r.stderr
 
 
 def test_synth_unwritable_output(tiny_model_dir: Path, tmp_path: Path) -> None:
-    r = cli("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--out", str(tmp_path / "no" / "x.wav"))
+    r = cli(
+        "synth",
+        "--model",
+        str(tiny_model_dir),
+        "--speaker",
+        "英文女",
+        "--text",
+        "Hi.",
+        "--out",
+        str(tmp_path / "no" / "x.wav"),
+    )
     assert r.returncode != 0 and "does not exist" in r.stderr
 
 
 def test_stream_with_speed_is_a_usage_error(tiny_model_dir: Path, tmp_path: Path) -> None:
-    r = cli("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--stream", "--speed", "1.5", "--out", str(tmp_path / "x.wav"))
+    r = cli(
+        "synth",
+        "--model",
+        str(tiny_model_dir),
+        "--speaker",
+        "英文女",
+        "--text",
+        "Hi.",
+        "--stream",
+        "--speed",
+        "1.5",
+        "--out",
+        str(tmp_path / "x.wav"),
+    )
     assert r.returncode == 2 and "--speed" in r.stderr
 
 

@@ -39,7 +39,9 @@ def test_python_object_tags_are_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:
-    text = render_yaml("tiny").replace("        num_class: 1\n", "        num_class: 1\n        bogus_key: 3\n")
+    text = render_yaml("tiny").replace(
+        "        num_class: 1\n", "        num_class: 1\n        bogus_key: 3\n"
+    )
     _write(tmp_path, text)
     with pytest.raises(ConfigError, match=r"hift\.f0_predictor\.bogus_key") as e:
         load_model_config(tmp_path)

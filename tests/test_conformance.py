@@ -48,7 +48,11 @@ def test_wrong_expectation_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
 def test_unknown_kind_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
     work = tmp_path / "set"
     shutil.copytree(fixture_set_dir / "assets", work / "assets")
-    doc = {"format": 1, "model": "model", "cases": [{"name": "x", "kind": "no_such_kind", "inputs": {}, "outputs": {}}]}
+    doc = {
+        "format": 1,
+        "model": "model",
+        "cases": [{"name": "x", "kind": "no_such_kind", "inputs": {}, "outputs": {}}],
+    }
     (work / "cases.json").write_text(json.dumps(doc))
     r = conformance(str(work))
     assert r.returncode == 1 and "unknown kind 'no_such_kind'" in r.stdout

@@ -31,7 +31,9 @@ def test_seed_reproducible_and_seeds_differ(model) -> None:  # type: ignore[no-u
 
 def test_stream_yields_chunks_in_hop_sized_steps(model) -> None:  # type: ignore[no-untyped-def]
     # a ~10-token text allows up to 200 speech tokens: enough for at least one 120-token window
-    chunks = list(model.synthesize("This is a somewhat longer sentence to speak.", "英文男", stream=True, seed=1))
+    chunks = list(
+        model.synthesize("This is a somewhat longer sentence to speak.", "英文男", stream=True, seed=1)
+    )
     assert len(chunks) >= 2
     assert all(c.dtype == np.float32 and c.ndim == 1 for c in chunks)
     # reference window rules: 120 tokens -> int(120/50*22050/256) mel frames, 34 kept back for the fade,

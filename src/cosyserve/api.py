@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
+import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CosyVoiceModel", "load"]
+__all__ = ["CosyVoiceModel", "load", "resolve_bundle"]
 
 
 class CosyVoiceModel:
@@ -22,10 +21,19 @@ class CosyVoiceModel:
     Build it with :func:`load`; the constructor takes already-built parts.
     """
 
-    def __init__(self, pipeline: Any, model_dir: Path, timings_ms: dict[str, float]) -> None:
+    def __init__(self, pipeline: Any, model_dir: Path, clock: Any, bundle: Any = None) -> None:
         self._pipeline = pipeline
         self.model_dir = model_dir
-        self.timings_ms = timings_ms
+        self.clock = clock
+        self.bundle = bundle
+        self._parts: Any = None
+
+    def warm_up(self, text: str = "Hello.") -> None:
+        """Run one short synthesis so kernels, caches and the touched weight pages are ready for requests."""
+        speakers = self.speakers
+        if speakers:
+            for _ in self.synthesize(text, speakers[0], seed=0):
+                pass
 
     @property
     def speakers(self) -> list[str]:
@@ -64,45 +72,115 @@ class CosyVoiceModel:
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
-def load(path: str | Path, *, threads: int | None = None) -> CosyVoiceModel:
-    """Load an official CosyVoice-300M model directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt).
+def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
+    """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
+    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged.
+    """
+    import hashlib
 
-    Nothing in the directory is executed: the yaml is read by a safe loader and the weights with
-    ``torch.load(weights_only=True)``. Components load in parallel threads.
+    from cosyserve.bundle.loader import is_bundle
+    from cosyserve.bundle.official import ModelDirError
+    from cosyserve.settings import cache_dir
+
+    path = Path(path)
+    if is_bundle(path):
+        return path
+    if not path.is_dir():
+        raise ModelDirError(f"model directory not found: {path}")
+    if not (path / "cosyvoice.yaml").is_file():
+        raise ModelDirError(
+            f"{path} is neither a bundle (manifest.json) nor an official model dir (cosyvoice.yaml)"
+        )
+    key = hashlib.sha256(str(path.resolve()).encode())
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    target = cache_dir() / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
+    if not is_bundle(target):
+        from cosyserve.bundle.convert import convert
+
+        logger.warning("converting %s into the bundle cache %s (once; later starts reuse it)", path, target)
+        convert(path, target, force=True, progress=progress)
+    return target
+
+
+def load(
+    path: str | Path,
+    *,
+    threads: int | None = None,
+    strategy: str | None = None,
+    verify: str | None = None,
+    warmup: bool | None = None,
+    warmup_text: str | None = None,
+    use_mmap: bool | None = None,
+    clock: Any = None,
+) -> CosyVoiceModel:
+    """Load a model: a bundle (``cosyserve convert``), or an official CosyVoice-300M model directory
+    (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt), converted once into the cache and reused.
+
+    Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
+    ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving). Arguments left ``None``
+    come from the environment (see :mod:`cosyserve.settings`).
 
     Args:
-        path: the model directory.
-        threads: torch intra-op threads (default: torch's choice).
+        path: bundle or official model directory.
+        threads: torch intra-op threads (env ``COSYSERVE_THREADS``; default torch's choice).
+        strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
+        verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
+        warmup: run a short synthesis before returning (env ``PREWARM_MODELS``; default on).
+        warmup_text: the warm-up text (env ``COSYSERVE_WARMUP_TEXT``; default "Hello.").
+        use_mmap: map the weights (True) or copy them into private memory (env ``USE_MMAP_LOADING``).
+        clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
-        cosyserve.config.ConfigError / cosyserve.bundle.official.ModelDirError: the directory cannot be used.
+        ConfigError, ModelDirError, BundleError, SettingsError (all ValueError): the input cannot be used.
     """
-    t0 = time.perf_counter()
-    import torch
+    from cosyserve import settings
+    from cosyserve.startup import PhaseClock
 
-    from cosyserve.bundle.official import ModelDirError, load_component, load_speakers
-    from cosyserve.config import load_model_config
-    from cosyserve.engine.pipeline import Pipeline
-    from cosyserve.engine.token2wav import StreamPolicy
+    clock = clock or PhaseClock()
+    strategy = strategy or settings.load_strategy()
+    verify = verify or settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp")
+    warmup = settings.prewarm() if warmup is None else warmup
+    warmup_text = warmup_text or os.environ.get("COSYSERVE_WARMUP_TEXT") or "Hello."
+    use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
+    threads = threads or settings.env_int("COSYSERVE_THREADS", None)
+    with clock.phase("imports"):
+        import torch
 
-    model_dir = Path(path)
-    if not model_dir.is_dir():
-        raise ModelDirError(f"model directory not found: {model_dir}")
+        from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
+        from cosyserve.engine.pipeline import Pipeline
+        from cosyserve.engine.token2wav import StreamPolicy
+        from cosyserve.frontend.tokenizer import get_tokenizer
+
     if threads:
         torch.set_num_threads(threads)
-    timings = {"import_torch": (time.perf_counter() - t0) * 1e3}
-    t1 = time.perf_counter()
-    cfg = load_model_config(model_dir)
-    timings["config"] = (time.perf_counter() - t1) * 1e3
-    t1 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="cosyserve-load") as pool:
-        futures = {name: pool.submit(load_component, model_dir, name, getattr(cfg, name)) for name in ("llm", "flow", "hift")}
-        speakers = load_speakers(model_dir, cfg.llm.spk_embed_dim)
-        parts = {name: f.result() for name, f in futures.items()}
-    timings["weights"] = (time.perf_counter() - t1) * 1e3
-    policy = StreamPolicy(input_frame_rate=parts["flow"].input_frame_rate, sample_rate=cfg.sample_rate)
-    pipeline = Pipeline(parts["llm"], parts["flow"], parts["hift"], speakers, cfg.sample_rate, policy)
-    timings["total"] = (time.perf_counter() - t0) * 1e3
-    logger.info("loaded %s in %.0f ms (%s)", model_dir, timings["total"], timings)
-    return CosyVoiceModel(pipeline, model_dir, timings)
+    bundle_dir = resolve_bundle(path)
+    with clock.phase("manifest"):
+        bundle = open_bundle(bundle_dir)
+    parts = bundle.load(LoadOptions(strategy=strategy if use_mmap else "lazy", verify=verify), clock)  # type: ignore[arg-type]
+    if not use_mmap:
+        with clock.phase("first_touch"):
+            for module in parts.modules.values():
+                for p in module.parameters():
+                    p.data = p.data.clone()
+    with clock.phase("construct"):
+        cfg = bundle.config
+        flow = parts.modules["flow"]
+        policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
+        get_tokenizer()
+        pipeline = Pipeline(
+            parts.modules["llm"], flow, parts.modules["hift"], parts.speakers, cfg.sample_rate, policy
+        )
+    model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
+    if warmup:
+        with clock.phase("warmup"):
+            model.warm_up(warmup_text)
+    clock.mark("ready")
+    if strategy == "prefetch" and use_mmap:
+        start_prefetch(parts)
+    model._parts = parts
+    logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
+    return model

@@ -31,7 +31,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         "--model",
         default=_env("model"),
         required=_env("model") is None,
-        help="official CosyVoice-300M model directory (env COSYSERVE_MODEL)",
+        help="bundle (cosyserve convert) or official CosyVoice-300M model directory, converted once into the "
+        "cache (env COSYSERVE_MODEL)",
     )
 
 
@@ -49,6 +50,33 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
 
 
+def _cmd_convert(args: argparse.Namespace) -> None:
+    import time
+
+    from cosyserve.bundle.convert import convert
+
+    t0 = time.perf_counter()
+    out = convert(args.model_dir, args.out, dtype=args.dtype, force=args.force)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote bundle {out} ({size / 1e9:.3f} GB, {args.dtype}) in {time.perf_counter() - t0:.1f} s")
+
+
+def _cmd_startup_report(args: argparse.Namespace) -> None:
+    from cosyserve.report import startup_report
+
+    startup_report(
+        args.model,
+        runs=args.runs,
+        cold=args.cold,
+        as_json=args.json,
+        svg=args.svg,
+        flamegraph=args.flamegraph,
+        strategy=args.strategy,
+        warmup=not args.no_warmup,
+        threads=args.threads,
+    )
+
+
 def _cmd_speakers(args: argparse.Namespace) -> None:
     model = _load(args.model, args.threads)
     for spk in model.speakers:
@@ -60,7 +88,7 @@ def _cmd_conformance(args: argparse.Namespace) -> None:
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
-        results = run_conformance(args.dir, kinds=kinds)
+        results = run_conformance(args.dir, kinds=kinds, via_bundle=args.via_bundle)
     except ValueError as e:
         raise CLIError(str(e)) from e
     if not results:
@@ -79,16 +107,20 @@ def _cmd_make_test_model(args: argparse.Namespace) -> None:
     print(f"wrote random-weight {args.size} model to {out} (it makes noise, not speech)")
 
 
-def _load(model: str, threads: int | None) -> object:
+def _load(model: str, threads: int | None, **kwargs: object) -> object:
     import cosyserve
 
-    return cosyserve.load(model, threads=threads)
+    return cosyserve.load(model, threads=threads, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="cosyserve", description="Serve CosyVoice text-to-speech models.", formatter_class=fmt)
-    parser.add_argument("--log-level", default=_env("log_level", "warning"), help="logging level (env COSYSERVE_LOG_LEVEL)")
+    parser = argparse.ArgumentParser(
+        prog="cosyserve", description="Serve CosyVoice text-to-speech models.", formatter_class=fmt
+    )
+    parser.add_argument(
+        "--log-level", default=_env("log_level", "warning"), help="logging level (env COSYSERVE_LOG_LEVEL)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("synth", help="synthesize text to a WAV file", formatter_class=fmt)
@@ -97,10 +129,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--out", required=True, help="output WAV path (16-bit PCM)")
     p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks (as a server would)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible audio (default: random)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed for reproducible audio (default: random)"
+    )
     p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.5, 2.0]; not with --stream")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser(
+        "convert", help="convert an official model dir into a fast bundle", formatter_class=fmt
+    )
+    p.add_argument("model_dir", help="official CosyVoice-300M model directory")
+    p.add_argument("out", help="bundle directory to write (atomically)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weight storage dtype"
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser(
+        "startup-report",
+        help="start fresh processes and report where start-up time goes",
+        formatter_class=fmt,
+    )
+    _add_model(p)
+    p.add_argument("--runs", type=int, default=5, help="fresh process starts to time")
+    p.add_argument(
+        "--cold", action="store_true", help="evict the bundle from the page cache before each start"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--svg", default=None, help="write a waterfall of the phases to this SVG file")
+    p.add_argument(
+        "--flamegraph", default=None, help="sample the starts with py-spy into this flame graph SVG"
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["preload", "lazy", "prefetch"],
+        default=None,
+        help="load strategy (env COSYSERVE_PRELOAD; default prefetch)",
+    )
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up synthesis")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads in the started processes")
+    p.set_defaults(func=_cmd_startup_report)
 
     p = sub.add_parser("speakers", help="list the model's pre-defined speakers", formatter_class=fmt)
     _add_model(p)
@@ -110,11 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("conformance", help="check outputs against reference fixtures", formatter_class=fmt)
     p.add_argument("dir", help="fixture set folder (cases.json, tensors.safetensors, model/)")
     p.add_argument("--kinds", default=None, help="comma-separated kinds to run (default: all)")
+    p.add_argument(
+        "--via-bundle",
+        action="store_true",
+        help="convert the set's model to a bundle and load the modules from it",
+    )
     p.set_defaults(func=_cmd_conformance)
 
-    p = sub.add_parser("make-test-model", help="write a random-weight model dir in the official layout", formatter_class=fmt)
+    p = sub.add_parser(
+        "make-test-model", help="write a random-weight model dir in the official layout", formatter_class=fmt
+    )
     p.add_argument("out", help="output directory (must not exist unless --force)")
-    p.add_argument("--size", choices=["tiny", "full"], default="tiny", help="tiny for tests; full = CosyVoice-300M dimensions")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "full"],
+        default="tiny",
+        help="tiny for tests; full = CosyVoice-300M dimensions",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=_cmd_make_test_model)
@@ -126,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "synth" and args.stream and args.speed != 1.0:
         parser.error("--speed needs one-shot synthesis: drop --stream or --speed")
+    if args.command == "startup-report" and args.runs < 1:
+        parser.error("--runs must be at least 1")
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r}")

@@ -122,7 +122,9 @@ def _resolve(node: Any, root: dict[str, Any], path: Path, where: str, active: se
     if isinstance(node, Tagged):
         return Tagged(node.kind, node.target, _resolve(node.value, root, path, where, active))
     if isinstance(node, dict):
-        return {k: _resolve(v, root, path, f"{where}.{k}" if where else str(k), active) for k, v in node.items()}
+        return {
+            k: _resolve(v, root, path, f"{where}.{k}" if where else str(k), active) for k, v in node.items()
+        }
     if isinstance(node, list):
         return [_resolve(v, root, path, f"{where}[{i}]", active) for i, v in enumerate(node)]
     return node
@@ -130,7 +132,11 @@ def _resolve(node: Any, root: dict[str, Any], path: Path, where: str, active: se
 
 def _unwrap_dictconfig(node: Tagged) -> Any:
     # `!new:omegaconf.DictConfig {content: {...}}` is only a wrapper around a mapping.
-    if node.target == "omegaconf.DictConfig" and isinstance(node.value, dict) and set(node.value) == {"content"}:
+    if (
+        node.target == "omegaconf.DictConfig"
+        and isinstance(node.value, dict)
+        and set(node.value) == {"content"}
+    ):
         return node.value["content"]
     return node.value
 
@@ -156,7 +162,9 @@ def build_config(cls: type, node: Any, *, source: str | Path = "<config>", where
     if node is None:
         node = {}
     if not isinstance(node, dict):
-        raise ConfigError(f"{source}: '{where}' should be a mapping of {cls.__name__} arguments, got {node!r}")
+        raise ConfigError(
+            f"{source}: '{where}' should be a mapping of {cls.__name__} arguments, got {node!r}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(node) - set(fields))
@@ -201,7 +209,9 @@ def _coerce(tp: Any, value: Any, source: str | Path, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_config(tp, value, source=source, where=key)
     if isinstance(value, Tagged):
-        raise ConfigError(f"{source}: '{key}' is a !{value.kind}:{value.target} object where a {_tname(tp)} belongs")
+        raise ConfigError(
+            f"{source}: '{key}' is a !{value.kind}:{value.target} object where a {_tname(tp)} belongs"
+        )
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, list):

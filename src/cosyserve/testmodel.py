@@ -213,7 +213,9 @@ def _voice_f0_head(hift: Any, generator: Any) -> None:
         head.bias.fill_(150.0 - scale * float(z.mean()))
 
 
-def make_test_model(out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False) -> dict[str, tuple[int, int]]:
+def make_test_model(
+    out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False
+) -> dict[str, tuple[int, int]]:
     """Write a random-weight model directory in the official layout.
 
     Args:

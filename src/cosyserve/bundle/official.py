@@ -16,7 +16,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENT_FILES", "ModelDirError", "load_component", "load_speakers", "read_state_dict"]
+__all__ = [
+    "COMPONENT_FILES",
+    "ModelDirError",
+    "load_component",
+    "load_speakers",
+    "module_class",
+    "read_state_dict",
+]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 
@@ -43,7 +50,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         raise ModelDirError(f"cannot read {path} as a weights-only torch checkpoint: {e}") from e
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+    if not isinstance(sd, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
+    ):
         raise ModelDirError(f"{path} is not a state dict (a mapping of parameter names to tensors)")
     return sd
 
@@ -53,6 +62,23 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> Non
         module.load_state_dict(sd, strict=True)
     except RuntimeError as e:
         raise ModelDirError(f"{path} does not match the architecture in cosyvoice.yaml: {e}") from e
+
+
+def module_class(name: str) -> type:
+    """The module class of component ``name`` (llm, flow or hift)."""
+    if name == "llm":
+        from cosyserve.models.llm import TransformerLM
+
+        return TransformerLM
+    if name == "flow":
+        from cosyserve.models.flow import MaskedDiffWithXvec
+
+        return MaskedDiffWithXvec
+    if name == "hift":
+        from cosyserve.models.hift import HiFTGenerator
+
+        return HiFTGenerator
+    raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
 
 
 def load_component(model_dir: str | Path, name: str, cfg: Any) -> torch.nn.Module:
@@ -67,14 +93,7 @@ def load_component(model_dir: str | Path, name: str, cfg: Any) -> torch.nn.Modul
     """
     model_dir = Path(model_dir)
     t0 = time.perf_counter()
-    if name == "llm":
-        from cosyserve.models.llm import TransformerLM as cls
-    elif name == "flow":
-        from cosyserve.models.flow import MaskedDiffWithXvec as cls
-    elif name == "hift":
-        from cosyserve.models.hift import HiFTGenerator as cls
-    else:
-        raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
+    cls = module_class(name)
     path = model_dir / COMPONENT_FILES[name]
     sd = read_state_dict(path)
     if name == "hift":

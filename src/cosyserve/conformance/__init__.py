@@ -68,7 +68,9 @@ def _resolve_inputs(inputs: dict[str, Any], tensors: dict[str, Any], where: str)
     for key, value in inputs.items():
         if isinstance(value, dict) and set(value) == {"tensor"}:
             if value["tensor"] not in tensors:
-                raise KeyError(f"{where}: input {key!r} names tensor {value['tensor']!r}, not in tensors.safetensors")
+                raise KeyError(
+                    f"{where}: input {key!r} names tensor {value['tensor']!r}, not in tensors.safetensors"
+                )
             out[key] = tensors[value["tensor"]]
         else:
             out[key] = value
@@ -92,7 +94,11 @@ def _compare(name: str, got: Any, exp: Any, atol: float, rtol: float) -> tuple[b
             if got.is_floating_point():
                 return False, math.nan, f"{name}: expected integer tensor, got {got.dtype}"
             bad = int((got.long() != exp.long()).sum())
-            return bad == 0, 0.0 if bad == 0 else math.nan, f"{name}: {bad} of {exp.numel()} ids differ" if bad else ""
+            return (
+                bad == 0,
+                0.0 if bad == 0 else math.nan,
+                f"{name}: {bad} of {exp.numel()} ids differ" if bad else "",
+            )
         if exp.numel() == 0:
             return True, 0.0, ""
         g64, e64 = got.double(), exp.double()
@@ -140,6 +146,7 @@ def run_conformance(
     set_dir: str | Path,
     kinds: Iterable[str] | None = None,
     report: Callable[[str], None] | None = print,
+    via_bundle: bool = False,
 ) -> list[CaseResult]:
     """Run every case of a fixture set (optionally only some kinds) and report one line per case.
 
@@ -147,6 +154,8 @@ def run_conformance(
         set_dir: folder holding ``cases.json`` and ``tensors.safetensors``.
         kinds: restrict the run to these kinds (an unknown name is an error).
         report: called with each case line and the summary line; ``None`` to stay quiet.
+        via_bundle: convert the set's model dir into a temporary bundle and take the modules from it (proves
+            that conversion and mmap loading change nothing).
     Returns:
         The per-case results; the run passed when every ``passed`` is true.
     """
@@ -166,10 +175,20 @@ def run_conformance(
     if wanted is not None:
         unknown = sorted(wanted - set(KIND_MODULES))
         if unknown:
-            raise ValueError(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(KIND_MODULES))}")
+            raise ValueError(
+                f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(KIND_MODULES))}"
+            )
     tensors_path = set_dir / "tensors.safetensors"
     tensors = load_file(str(tensors_path)) if tensors_path.is_file() else {}
     ctx = CaseContext(set_dir, set_dir / doc.get("model", "model"))
+    tmp = None
+    if via_bundle:
+        import tempfile
+
+        from cosyserve.bundle.convert import convert
+
+        tmp = tempfile.TemporaryDirectory(prefix="cosyserve-conformance-")
+        ctx.bundle_dir = convert(ctx.model_dir, Path(tmp.name) / "bundle", progress=False)
     results = []
     for case in doc["cases"]:
         if wanted is not None and case.get("kind") not in wanted:
@@ -178,6 +197,8 @@ def run_conformance(
         results.append(result)
         if report:
             report(result.line())
+    if tmp is not None:
+        tmp.cleanup()
     if report:
         passed = sum(r.passed for r in results)
         report(f"conformance {set_dir}: {passed} passed, {len(results) - passed} failed")

@@ -16,6 +16,7 @@ class CaseContext:
         self.set_dir = set_dir
         self.model_dir = model_dir
         self._modules: dict[str, Any] = {}
+        self.bundle_dir: Path | None = None  # when set, modules come from this bundle instead of model_dir
 
     @cached_property
     def config(self) -> Any:
@@ -25,9 +26,15 @@ class CaseContext:
 
     def _component(self, name: str) -> Any:
         if name not in self._modules:
-            from cosyserve.bundle.official import load_component
+            if self.bundle_dir is not None:
+                from cosyserve.bundle.loader import LoadOptions, open_bundle
 
-            self._modules[name] = load_component(self.model_dir, name, getattr(self.config, name))
+                parts = open_bundle(self.bundle_dir).load(LoadOptions(strategy="lazy", verify="full"))
+                self._modules.update(parts.modules)
+            else:
+                from cosyserve.bundle.official import load_component
+
+                self._modules[name] = load_component(self.model_dir, name, getattr(self.config, name))
         return self._modules[name]
 
     def llm(self) -> Any:

@@ -8,7 +8,9 @@ from cosyserve.engine.token2wav import CallDraws, Token2Wav
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    calls = sorted({int(k[1 : k.index("_")]) for k in inputs if k.startswith("c") and k.endswith("_flow_noise")})
+    calls = sorted(
+        {int(k[1 : k.index("_")]) for k in inputs if k.startswith("c") and k.endswith("_flow_noise")}
+    )
     draws = iter(
         CallDraws(
             flow_noise=inputs[f"c{c}_flow_noise"],

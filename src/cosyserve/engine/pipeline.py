@@ -116,5 +116,7 @@ class Pipeline:
                 embedding,
                 generator=generator,
             )
-            for chunk in self.token2wav(tokens, embedding=embedding, stream=stream, speed=speed, generator=generator):
+            for chunk in self.token2wav(
+                tokens, embedding=embedding, stream=stream, speed=speed, generator=generator
+            ):
                 yield chunk[0].numpy().astype(np.float32, copy=False)

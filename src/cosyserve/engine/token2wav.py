@@ -194,7 +194,15 @@ class Token2Wav:
 
         def run(window: list[int], finalize: bool, speed: float = 1.0) -> torch.Tensor:
             return self._call(
-                window, state, prompt_token, prompt_feat, embedding, finalize, speed, next(draws, CallDraws()), generator
+                window,
+                state,
+                prompt_token,
+                prompt_feat,
+                embedding,
+                finalize,
+                speed,
+                next(draws, CallDraws()),
+                generator,
             )
 
         if not stream:

@@ -1,0 +1,220 @@
+"""``cosyserve convert MODEL_DIR BUNDLE_DIR``: an official model dir -> the fast bundle, once.
+
+The bundle is one safetensors file per component (``llm``, ``flow``, ``hift``, ``speakers``), and
+``manifest.json`` with the format version, the parsed config, each file's size and each tensor's dtype, shape
+and sha256, and the source files' sizes and sha256. Weight-norm is folded at conversion (the vocoder stores
+plain weights). The official ONNX files, when present, are copied unchanged. Everything is written into a
+temporary sibling directory that is renamed into place only when complete, so an interrupted conversion never
+leaves a directory that looks like a bundle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "COMPONENTS", "ONNX_FILES", "convert", "sha256_file"]
+
+logger = logging.getLogger(__name__)
+
+BUNDLE_FORMAT = "cosyserve-bundle"
+BUNDLE_VERSION = 1
+COMPONENTS = ("llm", "flow", "hift")
+ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tensor_sha256(t: Any) -> str:
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else flat
+    return hashlib.sha256(memoryview(raw.numpy())).hexdigest()
+
+
+def _progress(label: str) -> Callable[[str], None]:
+    # one line per step on a terminal, silent otherwise (a converter run from a server's log stays readable)
+    tty = sys.stderr.isatty()
+    t0 = time.perf_counter()
+
+    def step(msg: str) -> None:
+        if tty:
+            print(
+                f"\r[{time.perf_counter() - t0:6.1f}s] {label}: {msg:<60}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        logger.info("%s: %s", label, msg)
+
+    return step
+
+
+def _component_tensors(model_dir: Path, name: str, cfg: Any) -> dict[str, Any]:
+    """The component's state dict as we store it: strict-loaded into our module (so keys and shapes are
+    checked against the yaml), post-processed (weight norm folded), back out."""
+    from cosyserve.bundle.construct import assert_materialized, empty_modules
+    from cosyserve.bundle.official import COMPONENT_FILES, ModelDirError, module_class, read_state_dict
+
+    path = model_dir / COMPONENT_FILES[name]
+    sd = read_state_dict(path)
+    if name == "hift":
+        sd = {k.removeprefix("generator."): v for k, v in sd.items()}
+    with empty_modules():
+        module = module_class(name)(cfg)
+    try:
+        module.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ModelDirError(f"{path} does not match the architecture in cosyvoice.yaml: {e}") from e
+    assert_materialized(module, str(path))
+    if hasattr(module, "remove_weight_norm"):
+        module.remove_weight_norm()
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def convert(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "float32",
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert an official CosyVoice-300M model directory into a bundle.
+
+    Args:
+        model_dir: official directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, optional spk2info.pt and ONNX).
+        out: bundle directory to create.
+        dtype: storage dtype of floating-point weights: float32, bfloat16 or float16.
+        force: replace an existing ``out``.
+        progress: report steps on stderr.
+    Returns:
+        ``out`` as a Path.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from cosyserve import __version__
+    from cosyserve.bundle.official import ModelDirError, load_speakers
+    from cosyserve.config import load_model_config
+
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    model_dir, out = Path(model_dir), Path(out)
+    if not model_dir.is_dir():
+        raise ModelDirError(f"model directory not found: {model_dir}")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists (use --force to replace it)")
+    step = _progress(f"convert {model_dir.name}") if progress else (lambda msg: None)
+    torch_dtype = getattr(torch, dtype)
+    cfg = load_model_config(model_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting.", dir=out.parent))
+    try:
+        manifest: dict[str, Any] = {
+            "format": BUNDLE_FORMAT,
+            "version": BUNDLE_VERSION,
+            "converter": f"cosyserve {__version__}",
+            "dtype": dtype,
+            "config": {
+                "sample_rate": cfg.sample_rate,
+                **{name: dataclasses.asdict(getattr(cfg, name)) for name in COMPONENTS},
+            },
+            "components": {},
+            "source": {"dir": str(model_dir.resolve()), "files": {}},
+            "extras": {},
+        }
+        for name in COMPONENTS:
+            step(f"{name}: reading and checking")
+            tensors = _component_tensors(model_dir, name, getattr(cfg, name))
+            tensors = {
+                k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
+                for k, v in tensors.items()
+            }
+            step(f"{name}: hashing {sum(v.numel() for v in tensors.values()) / 1e6:.1f}M values")
+            entry = {
+                k: {
+                    "dtype": str(v.dtype).removeprefix("torch."),
+                    "shape": list(v.shape),
+                    "sha256": _tensor_sha256(v),
+                }
+                for k, v in tensors.items()
+            }
+            step(f"{name}: writing")
+            fname = f"{name}.safetensors"
+            save_file(tensors, str(tmp / fname), metadata={"format": BUNDLE_FORMAT, "component": name})
+            manifest["components"][name] = {
+                "file": fname,
+                "bytes": (tmp / fname).stat().st_size,
+                "tensors": entry,
+            }
+            del tensors
+        speakers = load_speakers(model_dir, cfg.llm.spk_embed_dim)
+        names = sorted(speakers)
+        spk_tensors = {
+            f"{i}.{field}": t.contiguous() for i, s in enumerate(names) for field, t in speakers[s].items()
+        }
+        save_file(spk_tensors, str(tmp / "speakers.safetensors"), metadata={"format": BUNDLE_FORMAT})
+        manifest["speakers"] = {
+            "file": "speakers.safetensors",
+            "bytes": (tmp / "speakers.safetensors").stat().st_size,
+            "names": names,
+            "tensors": {
+                k: {
+                    "dtype": str(v.dtype).removeprefix("torch."),
+                    "shape": list(v.shape),
+                    "sha256": _tensor_sha256(v),
+                }
+                for k, v in spk_tensors.items()
+            },
+        }
+        for fname in ONNX_FILES:
+            src = model_dir / fname
+            if src.is_file():
+                step(f"copying {fname}")
+                shutil.copyfile(src, tmp / fname)
+                manifest["extras"][fname] = {"bytes": src.stat().st_size, "sha256": sha256_file(tmp / fname)}
+        step("hashing source files")
+        for src in sorted(model_dir.iterdir()):
+            if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx")):
+                manifest["source"]["files"][src.name] = {
+                    "bytes": src.stat().st_size,
+                    "sha256": sha256_file(src),
+                }
+        # the manifest is written last: a directory without it is never taken for a bundle
+        (tmp / "manifest.json").write_text(
+            json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8"
+        )
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old.{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        step("done")
+        if progress and sys.stderr.isatty():
+            print(file=sys.stderr)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,95 @@
+"""Start-up phase timing: one clock that the loader, the startup report and the server's metrics all read.
+
+Phases are named spans in milliseconds since the process started. The process start is taken from the
+``COSYSERVE_SPAWN_T0`` environment variable when a parent that spawned us set it (``time.time()`` just before
+exec: exact), else from ``/proc/self/stat`` (clock-tick resolution, ~10 ms), else from the first import of
+this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["PHASES", "PhaseClock", "process_start_time"]
+
+# the phases of a start, in order; "ready" and "first_audio" are points measured from process start
+PHASES = (
+    "interpreter",
+    "imports",
+    "manifest",
+    "construct",
+    "map_assign",
+    "first_touch",
+    "warmup",
+    "ready",
+    "first_audio",
+)
+
+_MODULE_T0 = time.time()
+
+
+def _proc_start_time() -> float | None:
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read().decode()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        return None
+    # field 22 (starttime, clock ticks since boot) comes after the parenthesised command name
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = int(fields[19])
+    hz = os.sysconf("SC_CLK_TCK")
+    return time.time() - uptime + ticks / hz
+
+
+def process_start_time() -> float:
+    """Wall-clock time (``time.time()``) at which this process was started."""
+    env = os.environ.get("COSYSERVE_SPAWN_T0")
+    if env:
+        try:
+            return float(env)
+        except ValueError:
+            raise ValueError(f"COSYSERVE_SPAWN_T0 must be a float timestamp, got {env!r}") from None
+    start = _proc_start_time()
+    return start if start is not None and start <= _MODULE_T0 else _MODULE_T0
+
+
+class PhaseClock:
+    """Records phase durations (ms) and points in time (ms since process start); thread-safe."""
+
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = process_start_time() if t0 is None else t0
+        self.durations: dict[str, float] = {}
+        self.points: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def now_ms(self) -> float:
+        return (time.time() - self.t0) * 1e3
+
+    def add(self, phase: str, ms: float) -> None:
+        with self._lock:
+            self.durations[phase] = self.durations.get(phase, 0.0) + ms
+
+    def mark(self, point: str) -> float:
+        """Record that ``point`` (e.g. ``ready``) happened now; returns ms since process start."""
+        ms = self.now_ms()
+        with self._lock:
+            self.points[point] = ms
+        return ms
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, (time.perf_counter() - t) * 1e3)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {"phases_ms": dict(self.durations), "points_ms": dict(self.points)}
