@@ -9,10 +9,11 @@ from pathlib import Path
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
 
-# every kind implemented so far; the rest join as their issues land
+# every kind of fixtures/KINDS.md
 IMPLEMENTED = [
     "tokenize", "llm_logprobs", "flow_inference", "hift_inference", "token2wav_stream", "token2wav_full",
-    "mel", "fbank", "whisper_logmel", "resample",
+    "mel", "fbank", "whisper_logmel", "resample", "text_frontend", "zero_shot_frontend",
+    "cross_lingual_frontend", "instruct_frontend",
 ]  # fmt: skip
 
 

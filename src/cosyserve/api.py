@@ -32,7 +32,7 @@ class CosyVoiceModel:
         """Run one short synthesis so kernels, caches and the touched weight pages are ready for requests."""
         speakers = self.speakers
         if speakers:
-            for _ in self.synthesize(text, speakers[0], seed=0):
+            for _ in self._pipeline.synthesize(text, speakers[0], seed=0, normalize=False):
                 pass
 
     @property
@@ -70,6 +70,21 @@ class CosyVoiceModel:
         """The whole utterance as one float32 array (same arguments as :meth:`synthesize`)."""
         chunks = list(self.synthesize(text, speaker, **kwargs))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+
+def _load_text_frontend_in_background() -> None:
+    # wetext's FSTs take ~0.4 s to load: after READY, not before, so the first request rarely waits for them
+    import threading
+
+    from cosyserve.frontend.text import load_normalizers
+
+    def run() -> None:
+        try:
+            load_normalizers()
+        except Exception:  # noqa: BLE001 - the request path raises the same error with its context
+            logger.warning("background load of the text normaliser failed", exc_info=True)
+
+    threading.Thread(target=run, name="cosyserve-text-frontend", daemon=True).start()
 
 
 def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
@@ -181,6 +196,7 @@ def load(
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
+    _load_text_frontend_in_background()
     model._parts = parts
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return model

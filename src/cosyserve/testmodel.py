@@ -214,7 +214,7 @@ def _voice_f0_head(hift: Any, generator: Any) -> None:
 
 
 def make_test_model(
-    out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False
+    out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False, onnx: bool = True
 ) -> dict[str, tuple[int, int]]:
     """Write a random-weight model directory in the official layout.
 
@@ -223,6 +223,7 @@ def make_test_model(
         size: ``tiny`` (tests) or ``full`` (CosyVoice-300M dimensions, ~1.7 GB).
         seed: seed for every random weight.
         force: replace ``out`` if it exists.
+        onnx: also write small random campplus.onnx / speech_tokenizer_v1.onnx (needs the ``onnx`` package).
     Returns:
         component -> (parameter count, file size in bytes).
     """
@@ -261,6 +262,10 @@ def make_test_model(
             info[name] = (sum(v.numel() for v in sd.values()), path.stat().st_size)
         spk2info = {spk: {"embedding": torch.randn(1, 192, generator=gen)} for spk in SPEAKERS}
         torch.save(spk2info, tmp / "spk2info.pt")
+        if onnx:
+            from cosyserve.frontend.onnx_testmodels import write_test_onnx_models
+
+            write_test_onnx_models(tmp, seed=seed)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -31,6 +31,10 @@ KIND_MODULES = {
     "fbank": "cosyserve.conformance.kinds_features",
     "whisper_logmel": "cosyserve.conformance.kinds_features",
     "resample": "cosyserve.conformance.kinds_features",
+    "text_frontend": "cosyserve.conformance.kinds_frontend",
+    "zero_shot_frontend": "cosyserve.conformance.kinds_frontend",
+    "cross_lingual_frontend": "cosyserve.conformance.kinds_frontend",
+    "instruct_frontend": "cosyserve.conformance.kinds_frontend",
 }
 
 

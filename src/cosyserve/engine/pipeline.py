@@ -86,6 +86,7 @@ class Pipeline:
         stream: bool = False,
         speed: float = 1.0,
         seed: int | None = None,
+        normalize: bool = True,
     ) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks (1-D numpy arrays at ``sample_rate``) speaking ``text``.
 
@@ -96,9 +97,11 @@ class Pipeline:
             speed: tempo factor in [0.5, 2.0]; one-shot mode only.
             seed: seeds every random draw (token sampling, flow noise, vocoder phases): the same seed gives
                 the same audio. ``None`` draws a fresh seed.
+            normalize: run the text frontend (wetext normalisation and splitting); False speaks ``text`` as
+                one piece (warm-up uses it so the normaliser stays off the start path).
         """
         self._verify(text, speaker, speed, stream)
-        pieces = self.split_text(text)
+        pieces = self.split_text(text) if normalize else [text]
         if not pieces:
             raise SynthesisError(f"text {text!r} has nothing to speak (only punctuation or blanks)")
         generator = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))

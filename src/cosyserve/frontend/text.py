@@ -1,72 +1,203 @@
-"""Text clean-up and sentence splitting before tokenization.
+"""Text normalisation and sentence splitting: the reference's ``CosyVoiceFrontEnd.text_normalize``.
 
-This is the reference frontend's structure without the number/date normaliser (wetext), which a later issue
-adds: markup-bearing text (``<|...|>``) passes untouched; Chinese text gets the reference's punctuation and
-blank rules; the text is split at sentence punctuation into pieces of about 60-80 tokens (characters for
-Chinese), short tails merged; pieces that are only punctuation are dropped.
+Text that carries markup (both ``<|`` and ``|>``) passes untouched. Otherwise, after stripping:
+
+- Chinese (any CJK ideograph): wetext's zh normaliser (``remove_erhua=False``) spells numbers, dates, money;
+  then newlines go, blanks between non-ASCII characters go, ``²``/``³`` become 平方/立方, ``.`` becomes ``。``,
+  `` - `` becomes ``，``, brackets and backticks go, trailing commas become ``。``; pieces are measured in
+  characters.
+- Everything else: wetext's en normaliser, then any digits left are spelled by inflect; pieces are measured
+  in tokenizer tokens.
+
+Then the text is split at sentence punctuation into pieces of about 60-80 (tokens or characters), a short
+tail (< 20) merged into the piece before, and pieces that are only punctuation dropped.
+
+wetext reads all its FSTs (~40 MB, ~0.5 s) when imported, so it is imported on the first call that needs it,
+never by importing this module; one load is shared by concurrent first callers. The strings match the
+reference run with wetext 0.1.8 (whose FSTs ship in its wheel and load offline).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["contains_chinese", "normalize_and_split", "split_paragraph"]
+__all__ = [
+    "load_normalizers",
+    "contains_chinese",
+    "is_only_punctuation",
+    "normalize_and_split",
+    "normalizers_loaded",
+    "remove_bracket",
+    "replace_blank",
+    "replace_corner_mark",
+    "spell_out_number",
+    "split_paragraph",
+    "text_normalize",
+]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_MAX_N = 80
+TOKEN_MIN_N = 60
+MERGE_LEN = 20
 
 _CJK = re.compile(r"[\u4e00-\u9fff]+")
 _ZH_PUNCT = ("。", "？", "！", "；", "：", "、", ".", "?", "!", ";")
 _EN_PUNCT = (".", "?", "!", ";", ":")
+_CLOSING_QUOTES = ('"', "”")
+_TRAILING_COMMAS = re.compile(r"[，,、]+$")
 
 
 def contains_chinese(text: str) -> bool:
     return bool(_CJK.search(text))
 
 
-def _is_only_punctuation(text: str) -> bool:
+def is_only_punctuation(text: str) -> bool:
+    """True when ``text`` is empty or consists only of Unicode punctuation (P*) and symbols (S*)."""
     import regex  # a tiktoken dependency; understands \p{...} classes
 
     return bool(regex.fullmatch(r"[\p{P}\p{S}]*", text))
 
 
-def _replace_blank(text: str) -> str:
-    # keep a space only between two non-space ASCII characters (words of embedded English)
+def replace_blank(text: str) -> str:
+    """Drop spaces except those between two non-space ASCII characters (words of embedded English)."""
     out = []
     for i, c in enumerate(text):
         if c == " ":
-            prev = text[i - 1] if i > 0 else " "
+            # the reference reads text[i - 1] (so text[-1] at i == 0) and text[i + 1] (past the end: dropped)
             nxt = text[i + 1] if i + 1 < len(text) else " "
-            if prev.isascii() and prev != " " and nxt.isascii() and nxt != " ":
+            prev = text[i - 1]
+            if nxt.isascii() and nxt != " " and prev.isascii() and prev != " ":
                 out.append(c)
         else:
             out.append(c)
     return "".join(out)
 
 
-def _clean_zh(text: str) -> str:
-    text = text.replace("\n", "")
-    text = _replace_blank(text)
-    text = text.replace("²", "平方").replace("³", "立方")
-    text = text.replace(".", "。").replace(" - ", "，")
+def replace_corner_mark(text: str) -> str:
+    return text.replace("²", "平方").replace("³", "立方")
+
+
+def remove_bracket(text: str) -> str:
     for ch in ("（", "）", "【", "】", "`"):
         text = text.replace(ch, "")
-    text = text.replace("——", " ")
-    return re.sub(r"[，,、]+$", "。", text)
+    return text.replace("——", " ")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# lazily loaded normalisers
+
+_load_lock = threading.Lock()
+_use_lock = threading.Lock()  # inflect keeps per-call state on the engine; wetext is serialised with it
+_normalizers: tuple[Any, Any] | None = None
+_inflect: Any = None
+_load_seconds: float | None = None
+
+
+def normalizers_loaded() -> bool:
+    """Whether wetext's normalisers have been created (they are, on the first :func:`text_normalize` call)."""
+    return _normalizers is not None
+
+
+def _get_normalizers() -> tuple[Any, Any]:
+    global _normalizers, _load_seconds
+    if _normalizers is None:
+        with _load_lock:
+            if _normalizers is None:
+                t0 = time.perf_counter()
+                try:
+                    from wetext import Normalizer
+                except ImportError as e:
+                    raise RuntimeError(
+                        "text normalisation needs the 'wetext' package (pip install wetext==0.1.8)"
+                    ) from e
+                # zh, en: both with language "auto", constructed as the reference does
+                pair = (Normalizer(remove_erhua=False), Normalizer())
+                _load_seconds = time.perf_counter() - t0
+                logger.info("loaded wetext text normalisers in %.0f ms", _load_seconds * 1e3)
+                _normalizers = pair
+    return _normalizers
+
+
+def load_normalizers() -> float:
+    """Create wetext's normalisers and the number speller now (e.g. in a background thread after READY);
+    returns the seconds it took to create them (0 if they already existed)."""
+    existed = _normalizers is not None
+    _get_normalizers()
+    _get_inflect()
+    return 0.0 if existed else float(_load_seconds or 0.0)
+
+
+def _get_inflect() -> Any:
+    global _inflect
+    if _inflect is None:
+        with _load_lock:
+            if _inflect is None:
+                import inflect
+
+                _inflect = inflect.engine()
+    return _inflect
+
+
+def spell_out_number(text: str, engine: Any = None) -> str:
+    """Replace every run of digits (``str.isdigit``) with inflect's ``number_to_words`` of it.
+
+    Args:
+        text: any text.
+        engine: an ``inflect.engine()``; default a shared one (calls on it are serialised).
+    """
+    if not any(c.isdigit() for c in text):
+        return text
+    engine = engine if engine is not None else _get_inflect()
+    out: list[str] = []
+    start: int | None = None
+    with _use_lock:
+        for i, c in enumerate(text):
+            if c.isdigit():
+                if start is None:
+                    start = i
+                continue
+            if start is not None:
+                out.append(engine.number_to_words(text[start:i]))
+                start = None
+            out.append(c)
+        if start is not None:
+            out.append(engine.number_to_words(text[start:]))
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# splitting
 
 
 def split_paragraph(
     text: str,
     tokenize: Callable[[str], list[int]],
     lang: str = "zh",
-    token_max_n: int = 80,
-    token_min_n: int = 60,
-    merge_len: int = 20,
+    token_max_n: int = TOKEN_MAX_N,
+    token_min_n: int = TOKEN_MIN_N,
+    merge_len: int = MERGE_LEN,
     comma_split: bool = False,
 ) -> list[str]:
-    """Split ``text`` at sentence punctuation into pieces of at most ~``token_max_n`` tokens.
+    """Split ``text`` at sentence punctuation into pieces of at most ~``token_max_n`` units.
 
-    Length is measured in characters for ``lang="zh"`` and in tokenizer tokens otherwise; a piece is closed
-    once adding the next sentence would pass ``token_max_n`` and it already holds more than ``token_min_n``; a
-    last piece shorter than ``merge_len`` joins the one before.
+    Units are characters for ``lang="zh"`` and tokenizer tokens otherwise. A sentence ends at a punctuation
+    mark (a closing quote right after it stays with it); text without final punctuation gets ``。``/``.``.
+    A piece is closed once adding the next sentence would pass ``token_max_n`` and it already holds more than
+    ``token_min_n``; a last piece shorter than ``merge_len`` joins the one before.
+
+    Args:
+        text: normalised text.
+        tokenize: text -> token ids (only called for ``lang != "zh"``).
+        lang: ``"zh"`` or anything else (treated as English).
+        comma_split: also end sentences at ``，`` and ``,``.
+    Returns:
+        The pieces, in order; their concatenation is ``text`` (plus the added final punctuation).
     """
     if not text:
         return []
@@ -79,6 +210,7 @@ def split_paragraph(
         punct += ["，", ","]
     if text[-1] not in punct:
         text += "。" if lang == "zh" else "."
+
     sentences: list[str] = []
     start = 0
     for i, c in enumerate(text):
@@ -86,11 +218,12 @@ def split_paragraph(
             continue
         if i > start:
             sentences.append(text[start : i + 1])
-        if i + 1 < len(text) and text[i + 1] in ('"', "”") and sentences:
-            sentences[-1] += text[i + 1]  # a closing quote stays with its sentence
+        if i + 1 < len(text) and text[i + 1] in _CLOSING_QUOTES and sentences:
+            sentences[-1] += text[i + 1]
             start = i + 2
         else:
             start = i + 1
+
     pieces: list[str] = []
     current = ""
     for s in sentences:
@@ -106,15 +239,68 @@ def split_paragraph(
     return pieces
 
 
-def normalize_and_split(text: str, tokenize: Callable[[str], list[int]]) -> list[str]:
-    """Clean ``text`` and split it into synthesis pieces (see the module docstring)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# the text frontend
+
+
+def _default_tokenize(text: str) -> list[int]:
+    from cosyserve.frontend.tokenizer import get_tokenizer
+
+    return get_tokenizer().encode(text)
+
+
+def _normalize_zh(text: str) -> str:
+    zh, _ = _get_normalizers()
+    with _use_lock:
+        text = zh.normalize(text)
+    text = text.replace("\n", "")
+    text = replace_blank(text)
+    text = replace_corner_mark(text)
+    text = text.replace(".", "。").replace(" - ", "，")
+    text = remove_bracket(text)
+    return _TRAILING_COMMAS.sub("。", text)
+
+
+def _normalize_en(text: str) -> str:
+    _, en = _get_normalizers()
+    with _use_lock:
+        text = en.normalize(text)
+    return spell_out_number(text)
+
+
+def text_normalize(
+    text: str, split: bool = True, *, tokenize: Callable[[str], list[int]] | None = None
+) -> list[str] | str:
+    """Normalise ``text`` for synthesis and (by default) split it into pieces, as the reference frontend does.
+
+    Args:
+        text: user text. With both ``<|`` and ``|>`` in it, it is returned unchanged (``[text]`` or ``text``).
+        split: return the list of pieces (True) or the whole normalised string (False).
+        tokenize: text -> token ids for measuring English pieces; default the whisper tokenizer.
+    Returns:
+        The pieces (only-punctuation pieces dropped; empty for blank text), or the normalised string.
+        The reference returns ``['']`` for ``''`` and fails on blank text; here blank text gives ``[]``.
+    """
     if "<|" in text and "|>" in text:
-        return [text]
+        return [text] if split else text
     text = text.strip()
     if not text:
-        return []
+        return [] if split else ""
+    tokenize = tokenize or _default_tokenize
     if contains_chinese(text):
-        pieces = split_paragraph(_clean_zh(text), tokenize, "zh")
+        text = _normalize_zh(text)
+        lang = "zh"
     else:
-        pieces = split_paragraph(text, tokenize, "en")
-    return [p for p in pieces if not _is_only_punctuation(p)]
+        text = _normalize_en(text)
+        lang = "en"
+    if not split:
+        return text
+    pieces = split_paragraph(text, tokenize, lang, TOKEN_MAX_N, TOKEN_MIN_N, MERGE_LEN, comma_split=False)
+    return [p for p in pieces if not is_only_punctuation(p)]
+
+
+def normalize_and_split(text: str, tokenize: Callable[[str], list[int]]) -> list[str]:
+    """Normalise ``text`` and split it into synthesis pieces (:func:`text_normalize` with ``split=True``)."""
+    pieces = text_normalize(text, split=True, tokenize=tokenize)
+    assert isinstance(pieces, list)
+    return pieces

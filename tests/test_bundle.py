@@ -1,0 +1,308 @@
+"""The fast bundle: conversion round trip, atomicity, every corruption refused, zero-copy loading."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyserve.bundle.convert import convert
+from cosyserve.bundle.loader import BundleError, LoadOptions, is_bundle, open_bundle
+from cosyserve.bundle.official import load_component, read_state_dict
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert(tiny_model_dir, tmp_path_factory.mktemp("bundles") / "tiny", progress=False)
+
+
+def _copy(bundle: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "b"
+    shutil.copytree(bundle, dst)
+    (dst / ".verified.json").unlink(missing_ok=True)
+    return dst
+
+
+def test_roundtrip_equals_official_weights(tiny_model_dir: Path, bundle_dir: Path) -> None:
+    from cosyserve.config import load_model_config
+
+    cfg = load_model_config(tiny_model_dir)
+    parts = open_bundle(bundle_dir).load(LoadOptions(verify="full"))
+    for name in ("llm", "flow", "hift"):
+        official = load_component(tiny_model_dir, name, getattr(cfg, name)).state_dict()
+        ours = parts.modules[name].state_dict()
+        assert official.keys() == ours.keys(), name
+        for k in official:
+            assert torch.equal(official[k], ours[k]), f"{name}.{k} changed in conversion"
+    assert sorted(parts.speakers) == open_bundle(bundle_dir).speaker_names
+    spk = read_state_dict  # noqa: F841 - keeps the import honest for the next check
+    src = torch.load(tiny_model_dir / "spk2info.pt", weights_only=True)
+    for name, entry in src.items():
+        assert torch.equal(parts.speakers[name]["embedding"], entry["embedding"].reshape(1, -1))
+
+
+def test_weights_are_mapped_not_copied(bundle_dir: Path) -> None:
+    parts = open_bundle(bundle_dir).load(LoadOptions(strategy="lazy", verify="none"))
+    w = parts.modules["llm"].llm_decoder.weight
+    f = parts.files["llm"]
+    # the parameter's memory lies inside the file mapping: zero-copy
+    import ctypes
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(f._mm))
+    assert base <= w.data_ptr() < base + f.size
+    assert all(not p.is_meta for m in parts.modules.values() for p in m.parameters())
+
+
+def test_bundle_conformance_passes(fixture_set_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    kinds = "llm_logprobs,flow_inference,hift_inference,token2wav_stream,token2wav_full"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cosyserve",
+            "conformance",
+            str(fixture_set_dir),
+            "--kinds",
+            kinds,
+            "--via-bundle",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 failed" in r.stdout
+
+
+def test_bfloat16_bundle_halves_the_files(tiny_model_dir: Path, bundle_dir: Path, tmp_path: Path) -> None:
+    b16 = convert(tiny_model_dir, tmp_path / "b16", dtype="bfloat16", progress=False)
+    parts = open_bundle(b16).load(LoadOptions(verify="full"))
+    assert parts.modules["llm"].llm_decoder.weight.dtype == torch.bfloat16
+    size = (b16 / "llm.safetensors").stat().st_size
+    assert size < 0.55 * (bundle_dir / "llm.safetensors").stat().st_size
+
+
+def test_existing_output_refused_without_force(tiny_model_dir: Path, bundle_dir: Path) -> None:
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(tiny_model_dir, bundle_dir, progress=False)
+
+
+def test_interrupted_convert_leaves_no_bundle(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # kill -9 the converter in the middle of writing the second component
+    out = tmp_path / "out"
+    code = (
+        "import os, signal, safetensors.torch as st\n"
+        "orig = st.save_file\n"
+        "calls = []\n"
+        "def save(*a, **k):\n"
+        "    calls.append(1)\n"
+        "    orig(*a, **k)\n"
+        "    if len(calls) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "st.save_file = save\n"
+        "from cosyserve.bundle.convert import convert\n"
+        f"convert({str(tiny_model_dir)!r}, {str(out)!r}, progress=False)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": SRC}, timeout=300)
+    assert r.returncode == -9
+    assert not out.exists()
+    leftovers = list(tmp_path.iterdir())
+    assert leftovers and not any(is_bundle(p) for p in leftovers), "a half-written dir looks like a bundle"
+
+
+def test_failed_convert_cleans_up(tiny_model_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "hift.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="hift.pt"):
+        convert(bad, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bad"]
+
+
+def _flip_byte_in_tensor(bundle: Path, component: str, tensor: str) -> None:
+    path = bundle / f"{component}.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    begin = 8 + n + header[tensor]["data_offsets"][0]
+    raw[begin] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_checksum_mismatch_names_tensor(bundle_dir: Path, tmp_path: Path) -> None:
+    b = _copy(bundle_dir, tmp_path)
+    open_bundle(b).load(LoadOptions(verify="stamp"))  # verified once, stamp written
+    _flip_byte_in_tensor(b, "flow", "encoder_proj.weight")  # the rewrite changes mtime/ctime: re-verified
+    with pytest.raises(
+        BundleError, match=r"flow.safetensors: checksum mismatch in tensor 'encoder_proj.weight'"
+    ):
+        open_bundle(b).load(LoadOptions(verify="stamp"))
+
+
+def test_stamp_skips_rehash_of_unchanged_files(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cosyserve.bundle import loader
+
+    b = _copy(bundle_dir, tmp_path)
+    open_bundle(b).load(LoadOptions(verify="stamp"))
+    assert (b / ".verified.json").is_file()
+
+    def fail(*args: object) -> None:
+        raise AssertionError("re-hashed a file whose stat did not change")
+
+    monkeypatch.setattr(loader.Bundle, "_hash_check", fail)
+    open_bundle(b).load(LoadOptions(verify="stamp"))
+    with pytest.raises(AssertionError):
+        open_bundle(b).load(LoadOptions(verify="full"))
+
+
+def test_truncated_file_refused(bundle_dir: Path, tmp_path: Path) -> None:
+    b = _copy(bundle_dir, tmp_path)
+    path = b / "llm.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(BundleError, match="llm.safetensors.*(truncated|past the end)"):
+        open_bundle(b).load()
+
+
+def test_missing_tensor_refused(bundle_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    b = _copy(bundle_dir, tmp_path)
+    sd = load_file(str(b / "hift.safetensors"))
+    del sd["conv_post.weight"]
+    save_file(sd, str(b / "hift.safetensors"))
+    manifest = json.loads((b / "manifest.json").read_text())
+    manifest["components"]["hift"]["bytes"] = (b / "hift.safetensors").stat().st_size
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="missing tensor.*conv_post.weight"):
+        open_bundle(b).load()
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda m: m["components"]["llm"]["tensors"]["llm_decoder.weight"].update(dtype="float16"),
+            "is F32, the manifest says float16",
+        ),
+        (lambda m: m["components"]["llm"]["tensors"]["llm_decoder.weight"].update(shape=[1, 2]), "has shape"),
+        (lambda m: m.update(version=99), "format version 99"),
+        (lambda m: m["components"].pop("flow"), "no 'flow' component"),
+        (lambda m: m["components"]["llm"].update(bytes=1), "the manifest says 1"),
+    ],
+)
+def test_manifest_mismatch_refused(bundle_dir: Path, tmp_path: Path, edit, needle: str) -> None:  # type: ignore[no-untyped-def]
+    b = _copy(bundle_dir, tmp_path)
+    manifest = json.loads((b / "manifest.json").read_text())
+    edit(manifest)
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=needle):
+        open_bundle(b).load()
+
+
+def test_not_a_bundle(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match="no manifest.json"):
+        open_bundle(tmp_path)
+
+
+def test_official_dir_converted_once_into_cache(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cosyserve.api import resolve_bundle
+
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    first = resolve_bundle(tiny_model_dir, progress=False)
+    assert is_bundle(first) and first.is_relative_to(tmp_path / "cache")
+    mtime = (first / "manifest.json").stat().st_mtime_ns
+    assert resolve_bundle(tiny_model_dir, progress=False) == first
+    assert (first / "manifest.json").stat().st_mtime_ns == mtime, "an unchanged source was converted again"
+
+
+def test_sft_path_never_loads_zero_shot_tier(bundle_dir: Path) -> None:
+    code = (
+        "import sys, cosyserve\n"
+        f"m = cosyserve.load({str(bundle_dir)!r}, warmup=True)\n"
+        "list(m.synthesize('Hello there.', m.speakers[0], seed=1))\n"
+        "assert 'onnxruntime' not in sys.modules, 'the SFT path imported onnxruntime'\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_env_settings_are_checked(monkeypatch: pytest.MonkeyPatch, bundle_dir: Path) -> None:
+    import cosyserve
+    from cosyserve.settings import SettingsError
+
+    monkeypatch.setenv("COSYSERVE_PRELOAD", "sometimes")
+    with pytest.raises(SettingsError, match="COSYSERVE_PRELOAD='sometimes'"):
+        cosyserve.load(bundle_dir)
+    monkeypatch.setenv("COSYSERVE_PRELOAD", "1")
+    monkeypatch.setenv("USE_MMAP_LOADING", "maybe")
+    with pytest.raises(SettingsError, match="USE_MMAP_LOADING"):
+        cosyserve.load(bundle_dir)
+
+
+@pytest.mark.parametrize("strategy", ["preload", "lazy", "prefetch"])
+def test_strategies_give_same_audio(bundle_dir: Path, strategy: str) -> None:
+    import cosyserve
+
+    m = cosyserve.load(bundle_dir, strategy=strategy, warmup=False)
+    a = m.synthesize_all("Hello.", m.speakers[0], seed=4)
+    ref = cosyserve.load(bundle_dir, strategy="lazy", use_mmap=False, warmup=False).synthesize_all(
+        "Hello.", m.speakers[0], seed=4
+    )
+    assert a.size > 0 and (a == ref).all()
+    if strategy == "preload":
+        assert m.clock.durations.get("first_touch", 0) > 0
+
+
+def test_startup_report_json(bundle_dir: Path, tmp_path: Path) -> None:
+    svg = tmp_path / "w.svg"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cosyserve",
+            "startup-report",
+            "--model",
+            str(bundle_dir),
+            "--runs",
+            "1",
+            "--json",
+            "--svg",
+            str(svg),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+    assert rep["runs"] == 1
+    for key in ("ready_ms", "floor_ms", "first_audio_ms"):
+        assert set(rep[key]) == {"min", "median", "max"}
+    assert rep["ratio_ready_to_floor"] == pytest.approx(rep["ready_ms"]["median"] / rep["floor_ms"]["median"])
+    assert {"interpreter", "imports", "manifest", "construct", "map_assign", "warmup"} <= set(
+        rep["phases_ms"]
+    )
+    # ready comes after everything before it, and first audio after ready
+    assert rep["first_audio_ms"]["median"] > rep["ready_ms"]["median"] > rep["phases_ms"]["imports"]["median"]
+    assert svg.read_text().startswith("<svg")
