@@ -207,9 +207,11 @@ class Bundle:
 
         def build(name: str) -> Any:
             with clock.phase("construct"), empty_modules():
-                module = module_class(name)(getattr(cfg, name))
-                if hasattr(module, "remove_weight_norm"):
-                    module.remove_weight_norm()  # the bundle holds folded weights
+                cls = module_class(name)
+                # the bundle holds folded weight-norm weights: build the vocoder with plain convolutions
+                module = (
+                    cls(getattr(cfg, name), weight_norm=False) if name == "hift" else cls(getattr(cfg, name))
+                )
             with clock.phase("map_assign"):
                 module.load_state_dict(files[name].state_dict(), strict=True, assign=True)
                 assert_materialized(module, str(files[name].path))
