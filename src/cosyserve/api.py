@@ -27,18 +27,46 @@ class CosyVoiceModel:
         self.clock = clock
         self.bundle = bundle
         self._parts: Any = None
+        self._configure_modes()
 
-    def warm_up(self, text: str = "Hello.") -> None:
-        """Run one short synthesis so kernels, caches and the touched weight pages are ready for requests."""
-        speakers = self.speakers
-        if speakers:
-            for _ in self._pipeline.synthesize(text, speakers[0], seed=0, normalize=False):
-                pass
+    def warm_up(self, text: str = "Hello.", max_tokens: int = 4) -> None:
+        """Run one tiny synthesis through every component (LLM prefill and ``max_tokens`` decode steps, flow,
+        vocoder) so one-time costs (allocator, kernel set-up, first page faults of the hot weights) are paid
+        before READY, not by the first request. The text frontend is not loaded here (see ``load``)."""
+        import torch
+
+        p = self._pipeline
+        names = self.speakers
+        embedding = p.speakers[names[0]]["embedding"] if names else torch.zeros(1, 192)
+        ids = torch.tensor([p.tokenizer.encode(text) or [0]], dtype=torch.int32)
+        ratio = max(max_tokens, 1) / ids.shape[1]  # min = max: exactly max_tokens tokens, no early EOS
+        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(0)
+        tokens = list(
+            p.llm.inference(
+                ids,
+                torch.tensor([ids.shape[1]], dtype=torch.int32),
+                empty,
+                zero,
+                empty,
+                zero,
+                embedding,
+                max_token_text_ratio=ratio,
+                min_token_text_ratio=ratio,
+                generator=gen,
+            )
+        )
+        for _ in p.token2wav(tokens, embedding=embedding, stream=False, generator=gen):
+            pass
 
     @property
     def speakers(self) -> list[str]:
-        """Pre-defined speaker ids (from spk2info.pt), sorted."""
-        return sorted(self._pipeline.speakers)
+        """Pre-defined speaker ids (from spk2info.pt), sorted, then the default tenant's registered speakers
+        (see :meth:`list_speakers`) that are not pre-defined, sorted."""
+        builtin = sorted(self._pipeline.speakers)
+        registry = self._pipeline.registry
+        registered = registry.names() if registry is not None else []
+        return builtin + [n for n in registered if n not in self._pipeline.speakers]
 
     @property
     def sample_rate(self) -> int:
@@ -46,30 +74,170 @@ class CosyVoiceModel:
 
     def synthesize(
         self,
-        text: str,
-        speaker: str,
+        text: str = "",
+        speaker: str | None = None,
         *,
         stream: bool = False,
         speed: float = 1.0,
         seed: int | None = None,
+        mode: str | None = None,
+        prompt_text: str = "",
+        prompt_wav: Any = None,
+        source_wav: Any = None,
+        instruct_text: str = "",
+        tenant: str = "default",
     ) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks (1-D numpy arrays at ``sample_rate``) of ``speaker`` saying ``text``.
 
+        The request is checked and its prompt features extracted before this returns; errors raise here.
+
         Args:
-            text: text to speak (split into sentences internally).
-            speaker: one of :attr:`speakers`.
+            text: text to speak (split into sentences internally); not for vc.
+            speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
+                (zero_shot, cross_lingual).
             stream: yield ~2 s chunks as soon as they exist (True) or one chunk per sentence (False).
             speed: tempo in [0.5, 2.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
+            mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
+                :mod:`cosyserve.engine.modes` for the fields each takes). ``None``: ``zero_shot`` when
+                ``speaker`` is a registered voice, else ``sft``.
+            prompt_text: transcript of ``prompt_wav`` (zero_shot).
+            prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the file's bytes.
+            source_wav: the recording to convert (vc): a path or bytes.
+            instruct_text: the style instruction (instruct, with a -Instruct model).
+            tenant: registry namespace in which ``speaker`` is looked up.
         Raises:
-            cosyserve.engine.pipeline.SynthesisError: unknown speaker, empty text or a bad option.
+            cosyserve.engine.pipeline.SynthesisError: unknown speaker, empty text, bad option or field combination.
+            cosyserve.frontend.zeroshot.ModeUnavailableError: the model lacks the mode's ONNX models.
+            cosyserve.frontend.audio.AudioError: unusable prompt or source audio.
         """
-        return self._pipeline.synthesize(text, speaker, stream=stream, speed=speed, seed=seed)
+        if mode is None:
+            mode = "sft"
+            registry = self._pipeline.registry
+            if speaker and speaker not in self._pipeline.speakers and registry is not None:
+                registered = registry.get(speaker, tenant)
+                if registered is not None and registered.kind == "zero_shot":
+                    mode = "zero_shot"
+        return self.synthesize_request(
+            self.request(
+                mode=mode,
+                text=text,
+                speaker=speaker,
+                prompt_text=prompt_text,
+                prompt_wav=prompt_wav,
+                source_wav=source_wav,
+                instruct_text=instruct_text,
+                stream=stream,
+                speed=speed,
+                seed=seed,
+                tenant=tenant,
+            )
+        )
 
-    def synthesize_all(self, text: str, speaker: str, **kwargs: Any) -> np.ndarray:
+    def synthesize_all(self, text: str = "", speaker: str | None = None, **kwargs: Any) -> np.ndarray:
         """The whole utterance as one float32 array (same arguments as :meth:`synthesize`)."""
         chunks = list(self.synthesize(text, speaker, **kwargs))
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+    # --- modes and the speaker registry (issue 6) ---------------------------------------------------------------
+
+    def _configure_modes(self) -> None:
+        # ONNX paths from the bundle (nothing is loaded) and the registry location (nothing is read)
+        from cosyserve.engine.pipeline import ONNX_FILES
+        from cosyserve.registry import SpeakerRegistry, default_registry_dir
+
+        if self.bundle is not None:
+            paths = {name: self.bundle.onnx_path(name) for name in ONNX_FILES}
+            self._pipeline.set_onnx_paths(paths, self.model_dir)
+        if self._pipeline.registry is None:
+            self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir))
+
+    @staticmethod
+    def request(**fields: Any) -> Any:
+        """A :class:`cosyserve.engine.pipeline.SynthesisRequest` (its fields as keyword arguments)."""
+        from cosyserve.engine.pipeline import SynthesisRequest
+
+        return SynthesisRequest(**fields)
+
+    def synthesize_request(self, request: Any) -> Iterator[np.ndarray]:
+        """Run a :class:`cosyserve.engine.pipeline.SynthesisRequest`; checks and prompt extraction happen before
+        this returns, then the generator yields float32 audio chunks."""
+        return self._pipeline.run(request)
+
+    @property
+    def available_modes(self) -> list[str]:
+        """Modes this model can run: sft and instruct always; zero_shot, cross_lingual and vc need
+        campplus.onnx and speech_tokenizer_v1.onnx (see :meth:`unavailable_modes` for why one is missing)."""
+        return self._pipeline.available_modes()
+
+    def unavailable_modes(self) -> dict[str, str]:
+        """mode -> why this model cannot run it (empty when all can)."""
+        return self._pipeline.unavailable_modes()
+
+    @property
+    def registry(self) -> Any:
+        """The :class:`cosyserve.registry.SpeakerRegistry` (``COSYSERVE_REGISTRY_DIR`` or the cache dir)."""
+        return self._pipeline.registry
+
+    def use_registry(self, root: str | Path) -> None:
+        """Keep registered speakers under ``root`` instead of the default location."""
+        from cosyserve.registry import SpeakerRegistry
+
+        self._pipeline.registry = SpeakerRegistry(root)
+
+    def add_speaker(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+        normalize: bool = True,
+    ) -> Any:
+        """Clone a voice once and keep it under ``name``: later zero_shot / cross_lingual requests with
+        ``speaker=name`` skip the extraction. Persists across restarts.
+
+        Args:
+            name: 1-64 characters, no path separators; not a pre-defined speaker.
+            prompt_wav: the voice (a path or the file's bytes; at most 30 s).
+            prompt_text: its transcript.
+            tenant: registry namespace.
+            overwrite: replace an existing registration of ``name``.
+            normalize: run the text frontend on ``prompt_text`` first (as zero_shot requests do).
+        Returns:
+            The registered :class:`cosyserve.registry.Speaker`.
+        """
+        return self._pipeline.add_speaker(
+            name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite, normalize=normalize
+        )
+
+    def remove_speaker(self, name: str, *, tenant: str = "default") -> None:
+        """Delete a registered speaker (pre-defined speakers cannot be removed)."""
+        if name in self._pipeline.speakers:
+            raise ValueError(
+                f"{name!r} is a pre-defined speaker of the model (spk2info.pt); it cannot be removed"
+            )
+        self._pipeline.registry.remove(name, tenant)
+
+    def list_speakers(self, tenant: str = "default") -> list[Any]:
+        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
+        return self._pipeline.registry.list(tenant)
+
+    def import_speakers(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
+        """Register the entries of a reference ``spk2info.pt`` (read with ``torch.load(weights_only=True)``); this
+        model's pre-defined speakers in it are skipped. Returns an :class:`cosyserve.registry.ImportResult`."""
+        return self._pipeline.registry.import_spk2info(
+            path, tenant=tenant, overwrite=overwrite, reserved=self._pipeline.speakers
+        )
+
+    def export_speakers(
+        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
+    ) -> list[str]:
+        """Write ``tenant``'s registered speakers (and with ``include_builtin`` the pre-defined ones) as a
+        reference ``spk2info.pt``. Returns the names written."""
+        extra = self._pipeline.speakers if include_builtin else None
+        return self._pipeline.registry.export_spk2info(path, tenant=tenant, extra=extra)
 
 
 def _load_text_frontend_in_background() -> None:
@@ -160,9 +328,12 @@ def load(
     verify = verify or settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp")
     warmup = settings.prewarm() if warmup is None else warmup
     warmup_text = warmup_text or os.environ.get("COSYSERVE_WARMUP_TEXT") or "Hello."
+    warmup_tokens = settings.env_int("COSYSERVE_WARMUP_TOKENS", 4) or 4
     use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
     threads = threads or settings.env_int("COSYSERVE_THREADS", None)
     with clock.phase("imports"):
+        import threading
+
         import torch
 
         from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
@@ -172,6 +343,9 @@ def load(
 
     if threads:
         torch.set_num_threads(threads)
+    # build the tokenizer (~70 ms) beside the weight loading, whose file I/O and hashing release the GIL
+    tokenizer_thread = threading.Thread(target=get_tokenizer, name="cosyserve-tokenizer", daemon=True)
+    tokenizer_thread.start()
     bundle_dir = resolve_bundle(path)
     with clock.phase("manifest"):
         bundle = open_bundle(bundle_dir)
@@ -185,14 +359,14 @@ def load(
         cfg = bundle.config
         flow = parts.modules["flow"]
         policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
-        get_tokenizer()
+        tokenizer_thread.join()
         pipeline = Pipeline(
             parts.modules["llm"], flow, parts.modules["hift"], parts.speakers, cfg.sample_rate, policy
         )
     model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
     if warmup:
         with clock.phase("warmup"):
-            model.warm_up(warmup_text)
+            model.warm_up(warmup_text, warmup_tokens)
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)

@@ -1,0 +1,157 @@
+"""Cold start, side by side in one run: the floor, the reference's naive load path, and cosyserve's bundle.
+
+    python bench/cold_start.py --model-dir out/full-model --bundle out/full-bundle \
+        [--bundle-bf16 out/full-bundle-bf16] [--runs 3] [--threads 2]
+
+Every configuration is a fresh process, started in turn (round-robin, so drift hits all alike):
+- floor: ``python -c "import torch"``;
+- naive: what the reference does: build the modules with random initialisation, ``torch.load`` each .pt,
+  ``load_state_dict`` (our modules, so the comparison is of the loading strategy alone);
+- bundle fp32 / bf16, warm page cache and cold (pages evicted with posix_fadvise first): ``cosyserve.load``
+  without warm-up (the load phases), and fp32 warm with the default warm-up (READY as a server reaches it).
+Prints, per configuration, the medians of start-to-READY (ms since exec) and of the load phases alone
+(construct + weights), peak RSS, and the ratios the cold-start issue sets targets for. Make the inputs with
+``cosyserve make-test-model out/full-model --size full`` and ``cosyserve convert``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NAIVE = r"""
+import time, resource, sys
+import torch
+t_imp = time.time()
+torch.set_num_threads({threads})
+from cosyserve.config import load_model_config
+from cosyserve.bundle.official import module_class
+d = {model_dir!r}
+cfg = load_model_config(d)
+t0 = time.perf_counter()
+mods = {{n: module_class(n)(getattr(cfg, n)) for n in ("llm", "flow", "hift")}}
+t1 = time.perf_counter()
+for n, m in mods.items():
+    sd = torch.load(f"{{d}}/{{n}}.pt", map_location="cpu", weights_only=True)
+    m.load_state_dict({{k.removeprefix("generator."): v for k, v in sd.items()}}, strict=True)
+    m.eval()
+t2 = time.perf_counter()
+print("BENCH", time.time(), (t1 - t0) * 1e3, (t2 - t1) * 1e3, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+BUNDLE = r"""
+import time, resource
+import torch
+torch.set_num_threads({threads})
+import cosyserve
+from cosyserve.startup import PhaseClock
+clock = PhaseClock()
+m = cosyserve.load({bundle!r}, warmup={warmup}, clock=clock, strategy="lazy", verify="stamp")
+ph = clock.durations
+print("BENCH", time.time(), ph.get("construct", 0), ph.get("map_assign", 0) + ph.get("manifest", 0),
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+FLOOR = "import time, torch; print('BENCH', time.time(), 0, 0, 0)"
+
+
+def run(code: str, env: dict[str, str]) -> tuple[float, float, float, float]:
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**env, "COSYSERVE_SPAWN_T0": repr(t0)},
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"benchmark process failed:\n{r.stderr[-3000:]}")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("BENCH "))
+    t_end, construct, weights, rss = map(float, line.split()[1:])
+    return (t_end - t0) * 1e3, construct, weights, rss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--bundle-bf16", default=None)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from cosyserve.report import evict
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = (
+        str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    )
+    env.pop("COSYSERVE_PRELOAD", None)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI sets it
+    bundles = {"fp32": args.bundle}
+    if args.bundle_bf16:
+        bundles["bf16"] = args.bundle_bf16
+    configs: dict[str, tuple[str, list[Path]]] = {
+        "floor (import torch)": (FLOOR, []),
+        "naive (random init + torch.load)": (
+            NAIVE.format(model_dir=args.model_dir, threads=args.threads),
+            [],
+        ),
+    }
+    for tag, b in bundles.items():
+        files = sorted(Path(b).glob("*.safetensors"))
+        code = BUNDLE.format(bundle=b, warmup=False, threads=args.threads)
+        configs[f"bundle {tag} warm"] = (code, [])
+        configs[f"bundle {tag} cold"] = (code, files)
+    configs["bundle fp32 warm + warm-up"] = (
+        BUNDLE.format(bundle=args.bundle, warmup=True, threads=args.threads),
+        [],
+    )
+    # first start of each bundle writes its verification stamp: do it once, outside the timings
+    for b in bundles.values():
+        run(BUNDLE.format(bundle=b, warmup=False, threads=args.threads), env)
+    results: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in configs}
+    for _ in range(args.runs):
+        for name, (code, cold_files) in configs.items():
+            if cold_files:
+                evict(cold_files)
+            results[name].append(run(code, env))
+
+    def med(name: str, i: int) -> float:
+        return statistics.median(r[i] for r in results[name])
+
+    print(f"\n{args.runs} runs each, {args.threads} torch threads; medians")
+    print(
+        f"{'configuration':<36} {'ready ms':>9} {'construct':>10} {'weights':>9} {'load sum':>9} {'peak RSS':>9}"
+    )
+    for name in configs:
+        print(
+            f"{name:<36} {med(name, 0):9.0f} {med(name, 1):10.1f} {med(name, 2):9.1f} "
+            f"{med(name, 1) + med(name, 2):9.1f} {med(name, 3):8.0f}M"
+        )
+    floor = med("floor (import torch)", 0)
+    naive_load = med("naive (random init + torch.load)", 1) + med("naive (random init + torch.load)", 2)
+    print()
+    for name in configs:
+        if name.startswith("bundle"):
+            load = med(name, 1) + med(name, 2)
+            print(
+                f"{name:<36} ready/floor {med(name, 0) / floor:5.2f}x   naive load / this load "
+                f"{naive_load / max(load, 1e-6):6.1f}x"
+            )
+    print(
+        f"{'naive (random init + torch.load)':<36} ready/floor {med('naive (random init + torch.load)', 0) / floor:5.2f}x"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,481 @@
+"""Engine state machine, admission, cancellation and queue bound, on fake models (fast, exact).
+
+One test runs the tiny real model through the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cosyserve.engine.engine import (
+    STATE_TRANSITION_ERROR,
+    Engine,
+    EngineState,
+    SynthesisRequest,
+)
+from cosyserve.engine.errors import (
+    ClientError,
+    DeadlineExceededError,
+    EngineDeadError,
+    EngineStateError,
+    InternalError,
+    NotReadyError,
+    OverloadedError,
+)
+
+S = EngineState
+
+
+class FakeLLM:
+    """Yields tokens forever (until the consumer stops): counts how many were made and where it was closed."""
+
+    def __init__(self, step_s: float = 0.001) -> None:
+        self.step_s = step_s
+        self.made = 0
+        self.closed_in: list[str] = []
+
+    def inference(self, n: int) -> Iterator[int]:
+        try:
+            for i in range(n):
+                time.sleep(self.step_s)
+                self.made += 1
+                yield i
+        finally:
+            self.closed_in.append(threading.current_thread().name)
+
+
+class FakePipeline:
+    def __init__(self, llm: FakeLLM) -> None:
+        self.llm = llm
+
+
+class FakeModel:
+    """Mimics CosyVoiceModel: ``synthesize`` is a lazy generator; in non-stream mode it drains the LM first.
+
+    ``hold`` (an Event) blocks each chunk until set, so tests control when work progresses.
+    """
+
+    sample_rate = 100
+    speakers = ["alice", "bob"]
+
+    def __init__(
+        self, chunks: int = 3, chunk_len: int = 50, hold: threading.Event | None = None, delay: float = 0.0
+    ) -> None:
+        self.chunks = chunks
+        self.delay = delay
+        self.yielded = 0
+        self.chunk_len = chunk_len
+        self.hold = hold
+        self._pipeline = FakePipeline(FakeLLM())
+        self.running = 0
+        self.max_running = 0
+        self.closed_in: list[str] = []
+        self._lock = threading.Lock()
+
+    def synthesize(
+        self, text: str, speaker: str, *, stream: bool, speed: float, seed: int | None
+    ) -> Iterator[np.ndarray]:
+        with self._lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            if text == "boom":
+                raise RuntimeError("kaboom")
+            if text == "tokens":  # non-streaming: the whole LM loop runs before the first chunk
+                toks = list(self._pipeline.llm.inference(10_000))
+                yield np.zeros(len(toks), np.float32)
+                return
+            for i in range(self.chunks):
+                if self.hold is not None:
+                    self.hold.wait(5)
+                time.sleep(self.delay)
+                self.yielded += 1
+                yield np.full(self.chunk_len, float(seed or 0) + i, np.float32)
+        finally:
+            with self._lock:
+                self.running -= 1
+            self.closed_in.append(threading.current_thread().name)
+
+
+def req(text: str = "hello", **kw: Any) -> SynthesisRequest:
+    return SynthesisRequest(text=text, speaker=kw.pop("speaker", "alice"), **kw)
+
+
+def loaded(model: FakeModel | None = None, **kw: Any) -> tuple[Engine, FakeModel]:
+    m = model or FakeModel()
+    e = Engine("fake", lambda: m, torch_threads=None, **kw)
+    e.load_sync(5)
+    return e, m
+
+
+def wait_until(cond: Any, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+# -- state machine --------------------------------------------------------------------------------------------
+
+
+def test_lifecycle_transitions_are_recorded_and_illegal_ones_raise() -> None:
+    seen: list[tuple[str, str]] = []
+    e = Engine("m", FakeModel, torch_threads=None)
+    e.add_listener(lambda eng, tr: seen.append((tr.old.value, tr.new.value)))
+    assert e.state is S.NEW
+    with pytest.raises(EngineStateError, match="illegal state transition NEW -> READY"):
+        e.transition(S.READY)
+    e.load_sync(5)
+    assert e.state is S.READY and e.sample_rate == 100 and e.speakers == ["alice", "bob"]
+    with pytest.raises(EngineStateError):
+        e.transition(S.LOADING)  # READY cannot go back to LOADING
+    e.release_sync(5)
+    assert e.state is S.RELEASED
+    with pytest.raises(EngineStateError):
+        e.transition(S.READY)  # RELEASED is terminal
+    assert seen == [("new", "loading"), ("loading", "ready"), ("ready", "draining"), ("draining", "released")]
+    assert [t.new for t in e.transitions] == [S.LOADING, S.READY, S.DRAINING, S.RELEASED]
+    assert all(a.at <= b.at for a, b in zip(e.transitions, e.transitions[1:], strict=False))
+    assert "{old} -> {new}" in STATE_TRANSITION_ERROR
+
+
+def test_failed_load_reports_cause_and_refuses_requests() -> None:
+    def bad_loader() -> Any:
+        raise OSError("disk gone")
+
+    e = Engine("m", bad_loader, torch_threads=None)
+    with pytest.raises(EngineDeadError, match="failed to load") as info:
+        e.load_sync(5)
+    assert isinstance(info.value.__cause__, OSError)
+    assert e.state is S.FAILED and isinstance(e.cause, OSError)
+    with pytest.raises(EngineDeadError):
+        e.synthesize_sync(req())
+    e.release_sync(5)  # release of a failed engine is a no-op, not an error
+    assert e.state is S.FAILED
+
+
+def test_concurrent_loaders_share_one_load() -> None:
+    calls = []
+    gate = threading.Event()
+
+    def loader() -> FakeModel:
+        calls.append(1)
+        gate.wait(5)
+        return FakeModel()
+
+    e = Engine("m", loader, torch_threads=None)
+
+    async def main() -> list[Engine]:
+        tasks = [asyncio.ensure_future(e.load()) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        assert e.state is S.LOADING
+        gate.set()
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert calls == [1], "concurrent load() callers must share one load"
+    assert all(r is e for r in results) and e.state is S.READY
+
+
+def test_requests_before_ready_are_refused_never_served_half_loaded() -> None:
+    gate = threading.Event()
+    e = Engine("m", lambda: (gate.wait(5), FakeModel())[1], torch_threads=None)
+    with pytest.raises(NotReadyError, match="new"):
+        e.synthesize_sync(req())
+    fut = e.start_load()
+    with pytest.raises(NotReadyError, match="loading"):
+        e.synthesize_sync(req())
+    gate.set()
+    fut.result(5)
+    assert len(list(e.synthesize_sync(req()))) == 3
+
+
+def test_race_many_threads_load_synthesize_release() -> None:
+    """Threads race load, synthesize and release: every request either gets the full audio or a typed refusal;
+    nothing deadlocks; afterwards nothing is in flight and the engine is RELEASED."""
+    for _ in range(5):
+        _race_once()
+
+
+def _race_once() -> None:
+    models: list[FakeModel] = []
+
+    def loader() -> FakeModel:
+        time.sleep(0.005)
+        m = FakeModel(chunks=4)
+        models.append(m)
+        return m
+
+    e = Engine("m", loader, instances=2, queue_limit=64, torch_threads=None)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(17)
+
+    def client(i: int) -> None:
+        start.wait()
+        for _ in range(20):
+            try:
+                if i % 4 == 0:
+                    e.start_load()
+                chunks = list(e.synthesize_sync(req(seed=i)))
+                assert len(chunks) == 4 and chunks[3][0] == i + 3, "a request saw partial output"
+                r = "ok"
+            except (NotReadyError, EngineDeadError):
+                r = "refused"
+            except EngineStateError:
+                r = "state"  # start_load after release
+            with lock:
+                outcomes.append(r)
+            time.sleep(0.001)
+
+    def releaser() -> None:
+        start.wait()
+        time.sleep(0.03)
+        e.start_release(5).result(10)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    threads.append(threading.Thread(target=releaser))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+        assert not t.is_alive(), "deadlock: a thread did not finish"
+    assert e.state is S.RELEASED and e.in_flight == 0 and e.active == 0
+    assert len(outcomes) == 320 and "ok" in outcomes and "refused" in outcomes
+    assert all(m.running == 0 for m in models)
+    # one instance serves one request at a time (its KV cache is per module)
+    assert all(m.max_running <= 1 for m in models)
+
+
+# -- requests -------------------------------------------------------------------------------------------------
+
+
+def test_async_stream_yields_chunks_and_records_stats() -> None:
+    e, m = loaded()
+
+    async def main() -> list[np.ndarray]:
+        return [c async for c in e.synthesize(req(seed=7))]
+
+    chunks = asyncio.run(main())
+    assert [float(c[0]) for c in chunks] == [7.0, 8.0, 9.0]
+    s = e.stats.snapshot()
+    assert s["requests"] == 1 and s["outcomes"] == {"ok": 1}
+    assert s["audio_s"] == pytest.approx(1.5) and s["ttfa_p50_s"] is not None
+    assert m.closed_in and m.closed_in[0].startswith("cosyserve-fake"), "model work must run on a worker"
+    e.release_sync()
+
+
+def test_bad_requests_fail_at_once_with_client_errors() -> None:
+    e, _ = loaded()
+    with pytest.raises(ClientError, match="unknown speaker 'zed'"):
+        e.synthesize_sync(req(speaker="zed"))
+    with pytest.raises(ClientError, match="empty"):
+        e.synthesize_sync(req(text="  "))
+    with pytest.raises(ClientError, match="speed"):
+        e.synthesize_sync(req(speed=3.0))
+    with pytest.raises(ClientError, match="mode 'instruct'"):
+        e.synthesize_sync(req(mode="instruct"))
+    with pytest.raises(InternalError, match="kaboom") as info:
+        list(e.synthesize_sync(req(text="boom")))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert e.in_flight == 0
+    e.release_sync()
+
+
+def test_queue_bound_gives_overloaded_with_retry_after() -> None:
+    hold = threading.Event()
+    e, _ = loaded(FakeModel(hold=hold), queue_limit=2)
+    streams = [e.synthesize_sync(req()) for _ in range(3)]  # 1 running + 2 waiting
+    wait_until(lambda: e.active == 1)
+    t = time.monotonic()
+    with pytest.raises(OverloadedError) as info:
+        e.synthesize_sync(req())
+    assert time.monotonic() - t < 0.5, "a full queue must refuse at once, not wait"
+    assert info.value.retry_after > 0
+    assert e.stats.snapshot()["rejected"] == {"overloaded": 1}
+    hold.set()
+    for s in streams:
+        assert len(list(s)) == 3
+    assert len(list(e.synthesize_sync(req()))) == 3  # room again
+    e.release_sync()
+
+
+def test_cancel_stops_the_generation_in_the_worker_and_frees_state() -> None:
+    e, m = loaded(FakeModel(chunks=100, delay=0.01))
+
+    async def main() -> None:
+        stream = e.synthesize(req())
+        first = await stream.__anext__()
+        assert first.shape == (50,)
+        await stream.aclose()
+
+    asyncio.run(main())
+    wait_until(lambda: e.in_flight == 0 and e.active == 0)
+    assert m.running == 0, "the model generator must be closed"
+    assert m.closed_in[-1].startswith("cosyserve-fake"), "closing must happen in the worker thread"
+    assert e.stats.snapshot()["outcomes"] == {"cancelled": 1}
+    assert m.yielded < 10, "generation went on after the stream was closed"
+    e.release_sync()
+
+
+def test_client_task_cancelled_stops_generation_at_next_token() -> None:
+    """Non-streaming: the whole LM loop runs before any chunk; cancelling the client task must stop the LM
+    within a token (the token gate), not after 10k tokens."""
+    e, m = loaded()
+    llm = m._pipeline.llm.__dict__["_llm"] if hasattr(m._pipeline.llm, "_llm") else m._pipeline.llm
+
+    async def main() -> None:
+        stream = e.synthesize(req(text="tokens"))
+
+        async def consume() -> None:
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_until(lambda: e.in_flight == 0 and e.active == 0)
+    made = llm.made
+    time.sleep(0.05)
+    assert llm.made == made, "the token loop kept running after cancellation"
+    assert 0 < made < 1000
+    assert llm.closed_in and llm.closed_in[-1].startswith("cosyserve-fake")
+    e.release_sync()
+
+
+def test_deadline_stops_request() -> None:
+    e, m = loaded(FakeModel(chunks=100, delay=0.01))
+    with pytest.raises(DeadlineExceededError):
+        for _ in e.synthesize_sync(req(deadline=time.monotonic() + 0.05)):
+            pass
+    wait_until(lambda: e.in_flight == 0 and m.running == 0)
+
+    async def main() -> None:
+        async for _ in e.synthesize(req(text="tokens", deadline=time.monotonic() + 0.05)):
+            pass
+
+    with pytest.raises(DeadlineExceededError):
+        asyncio.run(main())
+    wait_until(lambda: e.in_flight == 0 and e.active == 0)
+    assert e.stats.snapshot()["outcomes"].get("deadline", 0) >= 1
+    e.release_sync()
+
+
+def test_cancel_while_queued_frees_slot_at_once() -> None:
+    hold = threading.Event()
+    e, _ = loaded(FakeModel(hold=hold), queue_limit=1)
+    running = e.synthesize_sync(req())
+    wait_until(lambda: e.active == 1)
+    queued = e.synthesize_sync(req())
+    assert e.in_flight == 2
+    queued.close()  # never started: ends without a worker
+    assert e.in_flight == 1
+    hold.set()
+    assert len(list(running)) == 3
+    e.release_sync()
+
+
+def test_drain_refuses_new_lets_in_flight_finish_then_releases() -> None:
+    hold = threading.Event()
+    e, m = loaded(FakeModel(hold=hold))
+    stream = e.synthesize_sync(req())
+    wait_until(lambda: e.active == 1)
+    fut = e.start_release(timeout=5)
+    wait_until(lambda: e.state is S.DRAINING)
+    with pytest.raises(NotReadyError, match="draining"):
+        e.synthesize_sync(req())
+    hold.set()
+    assert len(list(stream)) == 3, "an in-flight request must finish during DRAINING"
+    fut.result(5)
+    assert e.state is S.RELEASED and e.resident_hint is None and e._instances == []
+
+
+def test_drain_deadline_cancels_leftovers() -> None:
+    e, m = loaded(FakeModel(chunks=1000, delay=0.005))
+    stream = e.synthesize_sync(req())
+    next(stream)
+    e.release_sync(timeout=0.05)
+    assert e.state is S.RELEASED and m.running == 0
+    with pytest.raises(EngineDeadError, match="released while serving"):
+        list(stream)
+
+
+def test_instances_serve_in_parallel() -> None:
+    models: list[FakeModel] = []
+    hold = threading.Event()
+
+    def loader() -> FakeModel:
+        models.append(FakeModel(hold=hold))
+        return models[-1]
+
+    e = Engine("m", loader, instances=2, torch_threads=None)
+    e.load_sync(5)
+    a, b = e.synthesize_sync(req()), e.synthesize_sync(req())
+    wait_until(lambda: e.active == 2)
+    assert sorted(m.running for m in models) == [1, 1]
+    hold.set()
+    assert len(list(a)) == len(list(b)) == 3
+    e.release_sync()
+
+
+# -- real model -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from cosyserve.bundle.convert import convert
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    convert(tiny_model_dir, out)
+    return out
+
+
+def test_real_tiny_model_through_engine_matches_direct_call(tiny_bundle: Any) -> None:
+    import cosyserve
+
+    e = Engine("tiny", lambda: cosyserve.load(tiny_bundle, warmup=False), torch_threads=1)
+    e.load_sync(60)
+    model = e.resident_hint
+    speaker = e.speakers[0]
+    text = "Hello there."
+
+    def direct_call() -> np.ndarray:
+        import torch
+
+        torch.set_num_threads(1)  # as the engine's workers: the same reductions, bit-identical audio
+        return np.concatenate(list(model.synthesize(text, speaker, seed=3)))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        direct = ex.submit(direct_call).result()
+
+    async def main() -> np.ndarray:
+        return np.concatenate([c async for c in e.synthesize(req(text=text, speaker=speaker, seed=3))])
+
+    via_engine = asyncio.run(main())
+    np.testing.assert_array_equal(via_engine, direct)
+
+    # cancel a long streaming request mid-way: the worker stops within a token and frees the instance
+    long = SynthesisRequest(text="one two three four five six seven eight nine ten " * 4, speaker=speaker)
+    it = e.synthesize_sync(long)
+    gate = model._pipeline.llm
+    before = gate.tokens
+    wait_until(lambda: gate.tokens > before + 5, 30)  # the LM loop is running
+    it.close()
+    at_close = gate.tokens
+    wait_until(lambda: e.in_flight == 0 and e.active == 0, 30)
+    assert gate.tokens - at_close <= 1, "the LM kept generating after the request was cancelled"
+    e.release_sync(30)
+    assert e.state is S.RELEASED

@@ -1,0 +1,256 @@
+"""Tenant isolation (quotas on concurrency, models, memory) and the TOML + env pool configuration."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cosyserve.engine.engine import SynthesisRequest
+from cosyserve.engine.errors import QuotaExceededError, UnknownModelError
+from cosyserve.engine.pool import ModelPool, ModelSpec
+from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
+from cosyserve.engine.tenants import Tenant, TenantQuota
+
+
+class FakeModel:
+    sample_rate = 100
+    speakers = ["alice"]
+
+    def __init__(self, size: int, hold: threading.Event) -> None:
+        self.resident_bytes = size
+        self.hold = hold
+
+    def synthesize(self, text: str, speaker: str, **kw: Any) -> Iterator[np.ndarray]:
+        self.hold.wait(5)
+        yield np.zeros(100, np.float32)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def req() -> SynthesisRequest:
+    return SynthesisRequest("hi", "alice")
+
+
+def make(
+    specs: list[ModelSpec], tenants: list[Tenant], **kw: Any
+) -> tuple[ModelPool, threading.Event, Clock]:
+    hold = threading.Event()
+    hold.set()
+    clock = Clock()
+    pool = ModelPool(
+        specs,
+        tenants=tenants,
+        load_model=lambda s, r: FakeModel(s.size_bytes or 0, hold),
+        memory_probe=None,
+        clock=clock,
+        torch_threads=None,
+        **kw,
+    )
+    return pool, hold, clock
+
+
+def use(view: Any, model: str, clock: Clock, at: float) -> None:
+    clock.t = at
+    assert len(list(view.submit_sync(model, req(), load_timeout=5))) == 1
+
+
+def settle(pool: ModelPool) -> None:
+    end = time.monotonic() + 5
+    while any(e.retiring is not None for e in pool._entries.values()):
+        assert time.monotonic() < end
+        time.sleep(0.002)
+
+
+def resident(pool: ModelPool) -> list[str]:
+    return sorted(n for n in pool.names if pool.engine(n) is not None)
+
+
+def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
+    specs = [ModelSpec("shared", size_bytes=10, queue_limit=8)]
+    tenants = [
+        Tenant("a", frozenset({"shared"}), TenantQuota(max_concurrent=2)),
+        Tenant("b", frozenset({"shared"}), TenantQuota(max_concurrent=2)),
+    ]
+    pool, hold, _ = make(specs, tenants)
+    a, b = pool.view("a"), pool.view("b")
+    hold.clear()
+    held = [a.submit_sync("shared", req(), load_timeout=5) for _ in range(2)]
+    for _ in range(5):
+        with pytest.raises(QuotaExceededError, match="tenant 'a'") as info:
+            a.submit_sync("shared", req())
+        assert info.value.retry_after > 0 and info.value.status_code == 429
+    other = b.submit_sync("shared", req())  # b's slots are untouched by a's flood
+    assert a.in_flight == 2 and b.in_flight == 1
+    hold.set()
+    for s in [*held, other]:
+        assert len(list(s)) == 1
+    assert a.in_flight == 0 and b.in_flight == 0
+    assert len(list(a.submit_sync("shared", req()))) == 1  # a's slots are back
+    pool.close_sync()
+
+
+def test_tenant_sees_only_its_models() -> None:
+    pool, _, _ = make(
+        [ModelSpec("x", size_bytes=1), ModelSpec("y", size_bytes=1)], [Tenant("a", frozenset({"x"}))]
+    )
+    with pytest.raises(UnknownModelError, match="for tenant 'a'"):
+        pool.view("a").submit_sync("y", req())
+    with pytest.raises(UnknownModelError, match="unknown tenant"):
+        pool.view("nobody")
+    pool.close_sync()
+
+
+def test_memory_quota_evicts_only_the_tenants_own_models() -> None:
+    """b1 is the global LRU-K victim (one old use), but a's quota is full: a's own LRU-K victim goes."""
+    specs = [ModelSpec(n, size_bytes=100) for n in ("a1", "a2", "a3", "b1")]
+    tenants = [
+        Tenant("a", frozenset({"a1", "a2", "a3"}), TenantQuota(max_memory_bytes=250)),
+        Tenant("b", frozenset({"b1"})),
+    ]
+    pool, _, clock = make(specs, tenants)
+    a, b = pool.view("a"), pool.view("b")
+    use(b, "b1", clock, 0)
+    use(a, "a1", clock, 1)
+    use(a, "a1", clock, 2)
+    use(a, "a2", clock, 3)
+    use(a, "a3", clock, 4)  # a holds 200; +100 > 250: a2 (one use) goes, never b1
+    settle(pool)
+    assert resident(pool) == ["a1", "a3", "b1"]
+    assert pool.stats()["models"]["a2"]["evictions"] == {"tenant_quota": 1}
+    pool.close_sync()
+
+
+def test_model_count_quota_and_busy_models() -> None:
+    specs = [ModelSpec(n, size_bytes=10) for n in ("a1", "a2", "b1")]
+    tenants = [
+        Tenant("a", frozenset({"a1", "a2"}), TenantQuota(max_models=1)),
+        Tenant("b", frozenset({"b1"})),
+    ]
+    pool, hold, clock = make(specs, tenants)
+    a = pool.view("a")
+    use(pool.view("b"), "b1", clock, 0)
+    hold.clear()
+    busy = a.submit_sync("a1", req(), load_timeout=5)
+    with pytest.raises(QuotaExceededError, match="quota"):
+        a.submit_sync("a2", req())  # its only model slot is busy: refused, b1 untouched
+    assert resident(pool) == ["a1", "b1"] and a.in_flight == 1
+    hold.set()
+    list(busy)
+    use(a, "a2", clock, 1)
+    settle(pool)
+    assert resident(pool) == ["a2", "b1"]
+    pool.close_sync()
+
+
+def test_shared_budget_takes_the_requesting_tenants_idle_models_first() -> None:
+    specs = [ModelSpec(n, size_bytes=100) for n in ("a1", "a2", "b1")]
+    tenants = [Tenant("a", frozenset({"a1", "a2"})), Tenant("b", frozenset({"b1"}))]
+    pool, _, clock = make(specs, tenants, memory_budget=200)
+    a = pool.view("a")
+    use(pool.view("b"), "b1", clock, 0)  # global LRU-K would pick b1 (one use, oldest)
+    use(a, "a1", clock, 1)
+    use(a, "a2", clock, 2)
+    settle(pool)
+    assert resident(pool) == ["a2", "b1"]
+    pool.close_sync()
+
+
+# -- configuration --------------------------------------------------------------------------------------------
+
+GOOD = """
+[pool]
+memory_budget = "1GiB"
+pressure_threshold = 0.9
+instances = 2
+
+[models.sft]
+path = "bundles/sft"
+policy = "preload"
+pinned = true
+load = { verify = "none" }
+
+[models.inst]
+path = "/abs/inst"
+instances = 3
+idle_ttl_s = 60
+size_bytes = "200MB"
+
+[tenants.acme]
+models = ["sft"]
+max_memory = "512MiB"
+max_concurrent = 4
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pool.toml"
+    p.write_text(text)
+    return p
+
+
+def test_config_reads_file_and_env_overrides(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD)
+    cfg = load_pool_config(p, env={})
+    assert cfg.memory_budget == 1024**3 and cfg.pressure_threshold == 0.9
+    sft, inst = cfg.models["sft"], cfg.models["inst"]
+    assert sft.path == str(tmp_path / "bundles/sft") and sft.policy == "preload" and sft.pinned
+    assert sft.instances == 2 and inst.instances == 3 and inst.idle_ttl_s == 60
+    assert inst.size_bytes == 200_000_000 and dict(sft.load_options) == {"verify": "none"}
+    assert cfg.tenants["acme"].quota == TenantQuota(None, 512 * 1024**2, 4)
+    env = {"MODEL_POOL_SIZE": "4", "COSYSERVE_MEMORY_BUDGET": "50%", "COSYSERVE_POOL_CONFIG": str(p)}
+    cfg = load_pool_config(env=env, limit=lambda: 1000)
+    assert cfg.memory_budget == 500
+    assert cfg.models["sft"].instances == 4 and cfg.models["inst"].instances == 4, "env wins over the file"
+    pool = build_pool(cfg, memory_probe=None)
+    assert pool.names == ["sft", "inst"] and pool.memory_budget == 500 and "acme" in pool.tenants
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[models.a]\npath='x'\npolcy='lazy'\n", r"pool.toml: \[models.a\]: unknown key 'polcy'"),
+        ("[models.a]\npath='x'\npolicy='eager'\n", r"\[models.a\]: policy = 'eager'"),
+        ("[models.a]\n", r"\[models.a\]: path = None"),
+        ("[pool]\nmemory_budget='lots'\n", r"pool.toml: \[pool\] memory_budget = 'lots'"),
+        ("[pool]\npressure_threshold=1.5\n", r"pressure_threshold: 1.5: expected a number in"),
+        ("[pool]\nlru_k=0\n", r"\[pool\] lru_k: 0: expected an integer >= 1"),
+        ("[models.a]\npath='x'\n[tenants.t]\nmodels=['b']\n", r"\[tenants.t\]: models: unknown model 'b'"),
+        ("[models.a]\npath='x'\npinned='yes'\n", r"pinned: 'yes': expected true or false"),
+        ("[pool\n", r"not valid TOML"),
+    ],
+)
+def test_config_errors_name_file_key_and_value(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(PoolConfigError, match=match):
+        load_pool_config(write(tmp_path, text), env={})
+
+
+def test_config_env_errors_name_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(PoolConfigError, match="MODEL_POOL_SIZE='two'"):
+        load_pool_config(env={"MODEL_POOL_SIZE": "two"})
+    with pytest.raises(PoolConfigError, match="environment COSYSERVE_MEMORY_BUDGET.*'12 parsecs'"):
+        load_pool_config(env={"COSYSERVE_MEMORY_BUDGET": "12 parsecs"})
+    with pytest.raises(PoolConfigError, match="not found"):
+        load_pool_config(env={"COSYSERVE_POOL_CONFIG": str(tmp_path / "missing.toml")})
+    assert load_pool_config(env={}).models == {}
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes(5, "k") == 5
+    assert parse_bytes("1.5G", "k") == 1_500_000_000
+    assert parse_bytes("2KiB", "k") == 2048
+    assert parse_bytes("25%", "k", limit=lambda: 400) == 100
+    for bad in ("0%", "-1", "x", True, 0):
+        with pytest.raises(PoolConfigError, match="k = "):
+            parse_bytes(bad, "k")
