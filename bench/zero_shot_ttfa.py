@@ -58,6 +58,11 @@ def main() -> None:
     model.use_registry(tmp / "registry")
     pipe = model._pipeline
 
+    from cosyserve.frontend.text import load_normalizers
+
+    t = time.perf_counter()
+    load_normalizers()  # (normally loaded in the background after READY)
+    tn_s = time.perf_counter() - t
     t = time.perf_counter()
     pipe.frontend().load_sessions()
     onnx_s = time.perf_counter() - t
@@ -98,7 +103,8 @@ def main() -> None:
     import soundfile
 
     print(
-        f"\nmodel {args.model}, {args.threads} thread(s), load {load_s:.2f} s, ONNX sessions {onnx_s * 1e3:.0f} ms, "
+        f"\nmodel {args.model}, {args.threads} thread(s), load {load_s:.2f} s, text normaliser {tn_s:.2f} s, "
+        f"ONNX sessions {onnx_s * 1e3:.0f} ms, "
         f"add_speaker {add_s * 1e3:.0f} ms; prompt {soundfile.info(str(prompt)).duration:.2f} s"
     )
     print(

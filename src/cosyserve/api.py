@@ -36,7 +36,7 @@ class CosyVoiceModel:
         import torch
 
         p = self._pipeline
-        names = self.speakers
+        names = sorted(p.speakers)  # pre-defined only: self.speakers also lists registered voices
         embedding = p.speakers[names[0]]["embedding"] if names else torch.zeros(1, 192)
         ids = torch.tensor([p.tokenizer.encode(text) or [0]], dtype=torch.int32)
         ratio = max(max_tokens, 1) / ids.shape[1]  # min = max: exactly max_tokens tokens, no early EOS

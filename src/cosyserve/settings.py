@@ -12,6 +12,7 @@ the bad value and what is accepted: a typo in a deployment manifest fails the st
 | ``COSYSERVE_WARMUP_TOKENS`` | speech tokens the warm-up generates (its length) | 4 |
 | ``COSYSERVE_VERIFY`` | bundle checksum policy: ``stamp``/``full``/``none`` | stamp |
 | ``COSYSERVE_CACHE_DIR`` | where official dirs are converted to bundles | ~/.cache/cosyserve |
+| ``COSYSERVE_REGISTRY_DIR`` | registered (zero-shot) voices; set it in deployments: caches get wiped | cache dir/speakers |
 | ``COSYSERVE_THREADS`` | torch intra-op threads | torch's default |
 """
 

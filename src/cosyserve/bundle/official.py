@@ -126,6 +126,12 @@ def load_speakers(model_dir: str | Path, embed_dim: int = 192) -> dict[str, dict
         if not isinstance(spk, str) or not isinstance(entry, dict):
             raise ModelDirError(f"{path}: entry {spk!r} should be a str -> dict of tensors")
         emb = entry.get("embedding")
+        if emb is None and ("llm_embedding" in entry or "flow_embedding" in entry):
+            # a voice the reference's add_zero_shot_spk saved: not a pre-defined speaker
+            logger.warning(
+                "%s: skipping zero-shot voice %r; bring it in with `cosyserve speakers import`", path, spk
+            )
+            continue
         if not isinstance(emb, torch.Tensor) or emb.numel() != embed_dim:
             raise ModelDirError(f"{path}: speaker {spk!r} has no {embed_dim}-value 'embedding' tensor")
         out[spk] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}

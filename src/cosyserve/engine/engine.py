@@ -335,11 +335,22 @@ def _worker_init(torch_threads: int | None) -> None:
         torch.set_num_threads(torch_threads)  # per-thread (OpenMP ICV): leaves other threads alone
 
 
+_CLIENT_ERRORS = (
+    ("cosyserve.engine.pipeline", "SynthesisError"),
+    ("cosyserve.frontend.audio", "AudioError"),  # bad prompt/source audio (PromptAudioError is one)
+    ("cosyserve.frontend.zeroshot", "FrontendError"),  # unknown speaker, mode unavailable
+    ("cosyserve.registry", "RegistryError"),
+)
+
+
 def _client_error_types() -> tuple[type[BaseException], ...]:
-    # the pipeline's SynthesisError means "bad request"; imported only if the pipeline is (fakes never are)
-    mod = sys.modules.get("cosyserve.engine.pipeline")
-    err = getattr(mod, "SynthesisError", None)
-    return (ClientError, err) if err is not None else (ClientError,)
+    # errors that mean "bad request"; looked up only in modules already imported (fakes import none of them)
+    found: list[type[BaseException]] = [ClientError]
+    for module, name in _CLIENT_ERRORS:
+        err = getattr(sys.modules.get(module), name, None)
+        if isinstance(err, type) and issubclass(err, BaseException):
+            found.append(err)
+    return tuple(found)
 
 
 class Engine:

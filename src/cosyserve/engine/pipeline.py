@@ -1,26 +1,55 @@
-"""Text -> speech tokens -> audio: the chain of generators behind every synthesis.
+"""Request -> model inputs -> speech tokens -> audio: the chain of generators behind every synthesis.
 
-The LLM yields speech tokens one at a time; :class:`~cosyserve.engine.token2wav.Token2Wav` consumes them as
-they come and yields audio chunks; :meth:`Pipeline.synthesize` yields those chunks to the caller. Nothing is
-shared between requests but the (read-only) modules, so concurrent requests only need their own generators.
+A :class:`SynthesisRequest` names a mode (``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``vc``; see
+:mod:`cosyserve.engine.modes`). :meth:`Pipeline.prepare` turns it into the reference frontend's model-input dicts,
+one per text piece, key for key (``CosyVoiceFrontEnd.frontend_*`` as ``CosyVoice.inference_*`` calls them), and
+:meth:`Pipeline._tts` runs each dict as the reference's ``CosyVoiceModel.tts`` does: the LLM gets ``text``,
+``prompt_text``, ``llm_prompt_speech_token`` and ``llm_embedding`` (each empty when the dict lacks it); token2wav
+gets ``flow_prompt_speech_token``, ``prompt_speech_feat`` and ``flow_embedding``; with ``source_speech_token``
+(vc) the LLM is bypassed and those tokens go straight to token2wav.
+
+Which parts each mode drops (the reference's rules):
+
+- sft: no prompt; the speaker's ``embedding`` to both LLM and flow.
+- zero_shot: prompt text + prompt speech tokens to the LLM; prompt tokens + prompt mel to the flow; the prompt's
+  campplus embedding to both.
+- cross_lingual: zero_shot without the LLM prompt (no prompt text, no LLM prompt tokens).
+- instruct: the instruction as the LLM's prompt text; no speaker embedding in the LLM (flow only).
+- vc: the source recording's speech tokens to token2wav with the prompt's tokens, mel and embedding.
+
+The zero-shot tier (the :class:`~cosyserve.frontend.zeroshot.Frontend` and its ONNX sessions) is created on the
+first request that needs it; SFT and instruct never touch it. The LLM yields speech tokens one at a time;
+:class:`~cosyserve.engine.token2wav.Token2Wav` consumes them as they come and yields audio chunks. Nothing is
+shared between requests but the read-only modules, so concurrent requests only need their own generators.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors
 from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "SynthesisError"]
+__all__ = ["Pipeline", "PreparedRequest", "SynthesisError", "SynthesisRequest"]
+
+ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # the zero-shot tier's models
+_LLM_PROMPT_KEYS = (
+    "prompt_text",
+    "prompt_text_len",
+    "llm_prompt_speech_token",
+    "llm_prompt_speech_token_len",
+)
 
 
 class SynthesisError(ValueError):
@@ -28,20 +57,77 @@ class SynthesisError(ValueError):
 
 
 @dataclass(frozen=True)
-class _SpeakerInputs:
-    embedding: torch.Tensor  # [1, 192]
+class SynthesisRequest:
+    """One synthesis request; override fields with :func:`dataclasses.replace`.
+
+    Args:
+        mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc``.
+        text: what to say (all modes but vc); split into sentence pieces.
+        speaker: sft/instruct: a pre-defined speaker id (or a registered embedding); zero_shot/cross_lingual:
+            a registered voice (instead of prompt_wav / prompt_text), the reference's ``zero_shot_spk_id``.
+        prompt_text: transcript of ``prompt_wav`` (zero_shot).
+        prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the encoded file's bytes.
+        source_wav: the recording to convert (vc): a path or bytes.
+        instruct_text: the style instruction (instruct, with a -Instruct model).
+        stream: yield chunks as soon as ~2 s of tokens exist (True) or one chunk per piece (False).
+        speed: tempo factor in [0.5, 2.0]; only with ``stream=False`` (as in the reference).
+        seed: seeds every random draw; the same seed gives the same audio. ``None`` draws a fresh seed.
+        normalize: run the text frontend on text, prompt_text and instruct_text (the reference's
+            ``text_frontend``); False speaks ``text`` as one piece.
+        tenant: the registry namespace in which ``speaker`` is looked up.
+    """
+
+    mode: str = "sft"
+    text: str = ""
+    speaker: str | None = None
+    prompt_text: str = ""
+    prompt_wav: Any = None
+    source_wav: Any = None
+    instruct_text: str = ""
+    stream: bool = False
+    speed: float = 1.0
+    seed: int | None = None
+    normalize: bool = True
+    tenant: str = "default"
+
+    def present(self) -> set[str]:
+        """Names of the content fields this request gives (non-blank strings, non-None audio)."""
+        out = {
+            name
+            for name in ("text", "speaker", "prompt_text", "instruct_text")
+            if isinstance(getattr(self, name), str) and getattr(self, name).strip()
+        }
+        return out | {name for name in ("prompt_wav", "source_wav") if getattr(self, name) is not None}
+
+
+@dataclass
+class PreparedRequest:
+    """A checked request and its model inputs: one reference model-input dict per text piece (vc: one)."""
+
+    request: SynthesisRequest
+    inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+
+
+def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.tensor([ids], dtype=torch.int32)  # [1, n]
+    return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32)
 
 
 class Pipeline:
-    """Pre-defined-speaker (SFT) synthesis over loaded modules.
+    """Synthesis in every CosyVoice-300M mode over loaded modules.
 
     Args:
         llm: :class:`cosyserve.models.llm.TransformerLM`.
         flow: :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
         hift: :class:`cosyserve.models.hift.HiFTGenerator`.
-        speakers: speaker id -> ``{"embedding": [1, 192], ...}`` (spk2info).
+        speakers: pre-defined speaker id -> ``{"embedding": [1, 192], ...}`` (spk2info).
         sample_rate: output rate in Hz (22050 for CosyVoice-300M).
         policy: streaming rules; default the reference's.
+        onnx_paths: ``campplus.onnx`` / ``speech_tokenizer_v1.onnx`` -> their path, or None where the model has
+            none (the prompt modes are then unavailable). Default: none.
+        registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered speakers; default none.
+        model_dir: the model directory, named in messages about missing files.
     """
 
     def __init__(
@@ -52,6 +138,10 @@ class Pipeline:
         speakers: dict[str, dict[str, torch.Tensor]],
         sample_rate: int,
         policy: StreamPolicy | None = None,
+        *,
+        onnx_paths: Mapping[str, Path | None] | None = None,
+        registry: Any = None,
+        model_dir: str | Path | None = None,
     ) -> None:
         from cosyserve.frontend.tokenizer import get_tokenizer
 
@@ -60,24 +150,252 @@ class Pipeline:
         self.speakers = speakers
         self.sample_rate = sample_rate
         self.tokenizer = get_tokenizer()
+        self.registry = registry
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
+        self._frontend: Any = None
+        self._frontend_lock = threading.Lock()
+        if onnx_paths is not None:
+            self.set_onnx_paths(onnx_paths, model_dir)
+
+    # --- the zero-shot tier ---------------------------------------------------------------------------------------
+
+    def set_onnx_paths(self, paths: Mapping[str, Path | None], model_dir: str | Path | None = None) -> None:
+        """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use."""
+        unknown = set(paths) - set(ONNX_FILES)
+        if unknown:
+            raise ValueError(f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(ONNX_FILES)}")
+        assert self._frontend is None, "set the ONNX paths before the zero-shot tier is created"
+        self.onnx_paths.update({k: Path(v) if v is not None else None for k, v in paths.items()})
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+
+    def unavailable_modes(self) -> dict[str, str]:
+        """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
+        missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
+        if not missing:
+            return {}
+        where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
+        why = f"{where} has no {' or '.join(missing)}"
+        return dict.fromkeys(PROMPT_MODES, why)
+
+    def available_modes(self) -> list[str]:
+        """The modes this model can run (sft and instruct always; the prompt modes need the ONNX models)."""
+        unavailable = self.unavailable_modes()
+        return [m for m in MODES if m not in unavailable]
+
+    def require(self, mode: str) -> None:
+        """Raise :class:`~cosyserve.frontend.zeroshot.ModeUnavailableError` when ``mode`` cannot run here."""
+        why = self.unavailable_modes().get(mode)
+        if why is not None:
+            from cosyserve.frontend.zeroshot import ModeUnavailableError
+
+            raise ModeUnavailableError(
+                f"{mode} synthesis is unavailable: {why} (copy it from the official model dir to enable {mode}; "
+                f"available modes: {', '.join(self.available_modes())})"
+            )
+
+    @property
+    def frontend_loaded(self) -> bool:
+        return self._frontend is not None
+
+    def frontend(self) -> Any:
+        """The zero-shot tier's :class:`~cosyserve.frontend.zeroshot.Frontend`, created on first use (its ONNX
+        sessions are created on their first run)."""
+        if self._frontend is None:
+            with self._frontend_lock:
+                if self._frontend is None:
+                    from cosyserve.frontend.zeroshot import Frontend, OnnxModel
+
+                    base = self.model_dir or Path(".")
+                    frontend = Frontend(base, self.speakers, tokenizer=self.tokenizer)
+                    frontend.campplus = OnnxModel(self.onnx_paths[ONNX_FILES[0]] or base / ONNX_FILES[0])
+                    frontend.speech_tokenizer = OnnxModel(
+                        self.onnx_paths[ONNX_FILES[1]] or base / ONNX_FILES[1]
+                    )
+                    self._frontend = frontend
+        return self._frontend
+
+    # --- text -----------------------------------------------------------------------------------------------------
 
     def split_text(self, text: str) -> list[str]:
         from cosyserve.frontend.text import normalize_and_split
 
         return normalize_and_split(text, self.tokenizer.encode)
 
-    def _verify(self, text: str, speaker: str, speed: float, stream: bool) -> None:
-        if not isinstance(text, str) or not text.strip():
+    def _normalize_prompt(self, text: str, normalize: bool) -> str:
+        # the reference's text_normalize(..., split=False) for prompt and instruct texts
+        if not normalize:
+            return text
+        from cosyserve.frontend.text import text_normalize
+
+        out = text_normalize(text, split=False, tokenize=self.tokenizer.encode)
+        assert isinstance(out, str)
+        return out
+
+    def _text_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return _ids(self.tokenizer.encode(text))
+
+    # --- speakers -------------------------------------------------------------------------------------------------
+
+    def resolve_speaker(self, name: str, tenant: str = "default") -> tuple[str, dict[str, torch.Tensor]]:
+        """``(kind, entry)`` for a pre-defined (``sft``) or registered (``sft`` / ``zero_shot``) speaker.
+
+        Raises:
+            SynthesisError: unknown speaker (the message lists the known ones).
+        """
+        if name in self.speakers:
+            return "sft", self.speakers[name]
+        speaker = self.registry.get(name, tenant) if self.registry is not None else None
+        if speaker is None:
+            known = sorted(self.speakers)
+            if self.registry is not None:
+                known += [n for n in self.registry.names(tenant) if n not in self.speakers]
+            listed = ", ".join(known) or "none (this model dir has no spk2info.pt and nothing is registered)"
+            raise SynthesisError(f"unknown speaker {name!r}; known speakers: {listed}")
+        return speaker.kind, speaker.features
+
+    def extract_prompt(
+        self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot"
+    ) -> dict[str, torch.Tensor]:
+        """The zero-shot prompt features of a recording and its transcript: the entry the reference's
+        ``add_zero_shot_spk`` stores (``frontend_zero_shot`` without ``text``/``text_len``).
+
+        Raises:
+            ModeUnavailableError: the model has no ONNX models; PromptAudioError / AudioError: unusable audio.
+        """
+        self.require(mode)
+        with torch.inference_mode():
+            features = self.frontend().frontend_zero_shot("", prompt_text, prompt_wav, self.sample_rate, "")
+        del features["text"], features["text_len"]
+        return features
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def _verify(self, r: SynthesisRequest) -> None:
+        if r.mode not in MODES:
+            raise SynthesisError(f"unknown mode {r.mode!r}; expected one of {', '.join(MODES)}")
+        if r.mode != "vc" and (not isinstance(r.text, str) or not r.text.strip()):
             raise SynthesisError("text is empty: give at least one word to speak")
-        if speaker not in self.speakers:
-            known = ", ".join(sorted(self.speakers)) or "none (this model dir has no spk2info.pt)"
-            raise SynthesisError(f"unknown speaker {speaker!r}; known speakers: {known}")
-        if not (0.5 <= speed <= 2.0):
-            raise SynthesisError(f"speed must be between 0.5 and 2.0, got {speed}")
-        if stream and speed != 1.0:
+        errors = field_errors(r.mode, r.present())
+        if errors:
+            raise SynthesisError("; ".join(errors))
+        if not (0.5 <= r.speed <= 2.0):
+            raise SynthesisError(f"speed must be between 0.5 and 2.0, got {r.speed}")
+        if r.stream and r.speed != 1.0:
             raise SynthesisError("speed change is only supported with stream=False (as in the reference)")
 
+    def _speaker_of_kind(self, r: SynthesisRequest, kind: str) -> dict[str, torch.Tensor]:
+        assert r.speaker is not None
+        got, entry = self.resolve_speaker(r.speaker, r.tenant)
+        if got != kind:
+            if kind == "sft":
+                raise SynthesisError(
+                    f"speaker {r.speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
+                    f"use it in zero_shot or cross_lingual mode, not {r.mode}"
+                )
+            raise SynthesisError(
+                f"speaker {r.speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
+                f"sft or instruct mode, or register a voice with add_speaker for {r.mode}"
+            )
+        return entry
+
     @torch.inference_mode()
+    def prepare(self, request: SynthesisRequest) -> PreparedRequest:
+        """Check ``request`` and build its model inputs (extracting prompt features where needed).
+
+        Returns:
+            A :class:`PreparedRequest`: ``inputs[i]`` is the reference frontend's dict for text piece ``i``.
+        Raises:
+            SynthesisError: a bad request; ModeUnavailableError: the model lacks the mode's ONNX models;
+            PromptAudioError / AudioError: unusable prompt or source audio.
+        """
+        r = request
+        self._verify(r)
+        if r.mode in PROMPT_MODES and not (r.mode != "vc" and r.speaker):
+            self.require(r.mode)  # before any audio is read: a missing model is the clearer error
+        prepared = PreparedRequest(r)
+        if r.mode == "vc":
+            prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
+            return prepared
+
+        pieces = self.split_text(r.text) if r.normalize else [r.text]
+        if not pieces:
+            raise SynthesisError(f"text {r.text!r} has nothing to speak (only punctuation or blanks)")
+        prepared.pieces = pieces
+        if r.mode in ("sft", "instruct"):
+            embedding = self._speaker_of_kind(r, "sft")["embedding"]
+            shared: dict[str, torch.Tensor] = {"flow_embedding": embedding}
+            if r.mode == "sft":
+                shared["llm_embedding"] = embedding
+            else:  # the reference drops the LLM embedding in instruct mode ("information leakage")
+                instruct = self._normalize_prompt(r.instruct_text, r.normalize)
+                shared["prompt_text"], shared["prompt_text_len"] = self._text_ids(instruct)
+        else:
+            if r.speaker:
+                shared = dict(self._speaker_of_kind(r, "zero_shot"))
+            else:
+                prompt_text = (
+                    self._normalize_prompt(r.prompt_text, r.normalize) if r.mode == "zero_shot" else ""
+                )
+                # extracted once for all pieces: the reference re-extracts per piece with identical results
+                shared = self.extract_prompt(r.prompt_wav, prompt_text, mode=r.mode)
+            if r.mode == "cross_lingual":
+                for key in _LLM_PROMPT_KEYS:
+                    shared.pop(key, None)
+        for piece in pieces:
+            model_input = dict(shared)
+            model_input["text"], model_input["text_len"] = self._text_ids(piece)
+            prepared.inputs.append(model_input)
+        return prepared
+
+    def run(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
+        """Check and prepare ``request`` now (errors raise here, before any audio), then return a generator of
+        float32 mono audio chunks (1-D numpy arrays at ``sample_rate``)."""
+        prepared = self.prepare(request)
+        return self._generate(prepared)
+
+    @torch.inference_mode()
+    def _generate(self, prepared: PreparedRequest) -> Iterator[np.ndarray]:
+        r = prepared.request
+        generator = torch.Generator().manual_seed(r.seed if r.seed is not None else secrets.randbits(63))
+        for model_input in prepared.inputs:
+            yield from self._tts(model_input, stream=r.stream, speed=r.speed, generator=generator)
+
+    def _tts(
+        self, model_input: dict[str, torch.Tensor], *, stream: bool, speed: float, generator: torch.Generator
+    ) -> Iterator[np.ndarray]:
+        # the reference's CosyVoiceModel.tts: absent keys are its defaults; lengths come from the shapes
+        empty_ids = torch.zeros(1, 0, dtype=torch.int32)
+        empty_embedding = torch.zeros(0, 192)
+        source = model_input.get("source_speech_token", empty_ids)
+        if source.shape[1] == 0:
+            text = model_input["text"]
+            prompt_text = model_input.get("prompt_text", empty_ids)
+            prompt_tokens = model_input.get("llm_prompt_speech_token", empty_ids)
+            tokens: Any = self.llm.inference(
+                text,
+                torch.tensor([text.shape[1]], dtype=torch.int32),
+                prompt_text,
+                torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+                prompt_tokens,
+                torch.tensor([prompt_tokens.shape[1]], dtype=torch.int32),
+                model_input.get("llm_embedding", empty_embedding),
+                generator=generator,
+            )
+        else:  # vc: the LLM is bypassed
+            tokens = source.flatten().tolist()
+        for chunk in self.token2wav(
+            tokens,
+            embedding=model_input.get("flow_embedding", empty_embedding),
+            prompt_token=model_input.get("flow_prompt_speech_token", empty_ids),
+            prompt_feat=model_input.get("prompt_speech_feat", torch.zeros(1, 0, 80)),
+            stream=stream,
+            speed=speed,
+            generator=generator,
+        ):
+            yield chunk[0].numpy().astype(np.float32, copy=False)
+
     def synthesize(
         self,
         text: str,
@@ -88,38 +406,55 @@ class Pipeline:
         seed: int | None = None,
         normalize: bool = True,
     ) -> Iterator[np.ndarray]:
-        """Yield float32 mono audio chunks (1-D numpy arrays at ``sample_rate``) speaking ``text``.
+        """SFT synthesis: yield float32 mono audio chunks of pre-defined ``speaker`` saying ``text``.
 
         Args:
             text: what to say; split into sentence pieces, each synthesized in turn.
             speaker: a pre-defined speaker id (see ``speakers``).
-            stream: yield chunks as soon as ~2 s of tokens exist (True) or one chunk per piece (False).
-            speed: tempo factor in [0.5, 2.0]; one-shot mode only.
-            seed: seeds every random draw (token sampling, flow noise, vocoder phases): the same seed gives
-                the same audio. ``None`` draws a fresh seed.
+            stream, speed, seed: as :class:`SynthesisRequest`.
             normalize: run the text frontend (wetext normalisation and splitting); False speaks ``text`` as
                 one piece (warm-up uses it so the normaliser stays off the start path).
         """
-        self._verify(text, speaker, speed, stream)
-        pieces = self.split_text(text) if normalize else [text]
-        if not pieces:
-            raise SynthesisError(f"text {text!r} has nothing to speak (only punctuation or blanks)")
-        generator = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
-        embedding = self.speakers[speaker]["embedding"]
-        empty_ids = torch.zeros(1, 0, dtype=torch.int32)
-        for piece in pieces:
-            ids = torch.tensor([self.tokenizer.encode(piece)], dtype=torch.int32)
-            tokens = self.llm.inference(
-                ids,
-                torch.tensor([ids.shape[1]], dtype=torch.int32),
-                empty_ids,
-                torch.tensor([0], dtype=torch.int32),
-                empty_ids,
-                torch.tensor([0], dtype=torch.int32),
-                embedding,
-                generator=generator,
+        return self.run(
+            SynthesisRequest(
+                mode="sft",
+                text=text,
+                speaker=speaker,
+                stream=stream,
+                speed=speed,
+                seed=seed,
+                normalize=normalize,
             )
-            for chunk in self.token2wav(
-                tokens, embedding=embedding, stream=stream, speed=speed, generator=generator
-            ):
-                yield chunk[0].numpy().astype(np.float32, copy=False)
+        )
+
+    # --- the registry ---------------------------------------------------------------------------------------------
+
+    def _registry(self) -> Any:
+        if self.registry is None:
+            raise SynthesisError("this pipeline has no speaker registry (construct it with registry=...)")
+        return self.registry
+
+    def add_speaker(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+        normalize: bool = True,
+    ) -> Any:
+        """Extract the zero-shot prompt features of ``prompt_wav`` + ``prompt_text`` and register them as ``name``
+        (the reference's ``add_zero_shot_spk`` + ``save_spkinfo``). Returns the registry's ``Speaker``."""
+        registry = self._registry()
+        from cosyserve.registry import validate_name
+
+        validate_name(name)
+        if name in self.speakers:
+            raise SynthesisError(f"{name!r} is a pre-defined speaker of this model; choose another name")
+        if not isinstance(prompt_text, str) or not prompt_text.strip():
+            raise SynthesisError("prompt_text (the transcript of prompt_wav) is empty")
+        if not overwrite and registry.get(name, tenant) is not None:
+            raise SynthesisError(f"speaker {name!r} is already registered for tenant {tenant!r}")
+        features = self.extract_prompt(prompt_wav, self._normalize_prompt(prompt_text, normalize))
+        return registry.add(name, features, tenant=tenant, prompt_text=prompt_text, overwrite=overwrite)

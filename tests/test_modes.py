@@ -1,0 +1,459 @@
+"""Every synthesis mode end to end on the tiny random-weight model (with its tiny test ONNX models).
+
+The input-assembly tests replace the LLM and token2wav with recorders and compare what reaches them with the
+reference frontend's dicts (``cosyserve.frontend.zeroshot.Frontend``, itself checked against the reference's
+recorded fixtures) and the reference's ``CosyVoiceModel.tts``, which sends ``text``, ``prompt_text``,
+``llm_prompt_speech_token``, ``llm_embedding`` to the LLM and ``flow_prompt_speech_token``,
+``prompt_speech_feat``, ``flow_embedding`` to token2wav (each defaulting to empty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+import cosyserve
+from cosyserve.engine.pipeline import SynthesisError, SynthesisRequest
+from cosyserve.frontend.audio import AudioError
+from cosyserve.frontend.zeroshot import Frontend, ModeUnavailableError, PromptAudioError
+
+SPK = "英文女"
+PROMPT_TEXT = "Hello there, this is my voice."
+
+
+def write_voice(path: Path, seconds: float, sr: int = 16000, seed: int = 0, amp: float = 0.3) -> Path:
+    """A voice-like test signal (harmonics with a wobbling pitch and some noise), 16-bit PCM."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    f0 = 140 + 20 * np.sin(2 * np.pi * 3 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    x = sum(np.sin(k * phase) / k for k in range(1, 6)) * (0.6 + 0.4 * np.sin(2 * np.pi * 2 * t))
+    x = amp * x / np.abs(x).max() + 0.01 * rng.standard_normal(t.size)
+    soundfile.write(path, x.astype(np.float32), sr, subtype="PCM_16")
+    return path
+
+
+def mel_samples(tokens: int) -> int:
+    # one-shot token2wav: int(T / 50 * 22050 / 256) mel frames, 256 samples each (reference flow + hift)
+    return int(tokens / 50 * 22050 / 256) * 256
+
+
+@pytest.fixture(scope="module")
+def audio(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("audio")
+    return {
+        "prompt": write_voice(d / "prompt.wav", 2.0, seed=1),
+        "prompt_24k": write_voice(d / "prompt_24k.wav", 1.5, sr=24000, seed=2),
+        "source": write_voice(d / "source.wav", 1.0, seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    m = cosyserve.load(tiny_model_dir, warmup=False)
+    m.use_registry(tmp_path_factory.mktemp("registry"))
+    return m
+
+
+@pytest.fixture(scope="module")
+def reference_frontend(tiny_model_dir: Path) -> Frontend:
+    from cosyserve.bundle.official import load_speakers
+
+    return Frontend(tiny_model_dir, load_speakers(tiny_model_dir))
+
+
+class Recorder:
+    """Stands in for the LLM (fixed tokens) and token2wav (one short chunk), recording their inputs."""
+
+    def __init__(self, n_tokens: int = 12) -> None:
+        self.n_tokens = n_tokens
+        self.llm_calls: list[dict[str, torch.Tensor]] = []
+        self.t2w_calls: list[dict[str, Any]] = []
+
+    def inference(
+        self, text, text_len, prompt_text, prompt_text_len, tokens, tokens_len, embedding, *, generator
+    ):  # type: ignore[no-untyped-def]
+        self.llm_calls.append(
+            dict(
+                text=text,
+                text_len=text_len,
+                prompt_text=prompt_text,
+                prompt_text_len=prompt_text_len,
+                prompt_speech_token=tokens,
+                prompt_speech_token_len=tokens_len,
+                embedding=embedding,
+            )
+        )
+        return iter(range(100, 100 + self.n_tokens))
+
+    def token2wav(self, tokens, **kwargs):  # type: ignore[no-untyped-def]
+        self.t2w_calls.append({"tokens": list(tokens), **kwargs})
+        return iter([torch.zeros(1, 256)])
+
+
+@pytest.fixture
+def rec(model: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    r = Recorder()
+    monkeypatch.setattr(model._pipeline, "llm", r)
+    monkeypatch.setattr(model._pipeline, "token2wav", r.token2wav)
+    return r
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def normalized(text: str) -> str:
+    from cosyserve.frontend.text import text_normalize
+
+    out = text_normalize(text, split=False)
+    assert isinstance(out, str)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# end to end: length and determinism
+
+
+MODE_KWARGS = {
+    "sft": lambda a: dict(mode="sft", speaker=SPK),
+    "zero_shot": lambda a: dict(mode="zero_shot", prompt_wav=a["prompt"], prompt_text=PROMPT_TEXT),
+    "cross_lingual": lambda a: dict(mode="cross_lingual", prompt_wav=a["prompt_24k"]),
+    "instruct": lambda a: dict(mode="instruct", speaker=SPK, instruct_text="Speak slowly and calmly."),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODE_KWARGS))
+def test_mode_end_to_end_length_and_seed(model: Any, audio: dict[str, Path], mode: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pipeline = model._pipeline
+    real = pipeline.token2wav
+    seen: list[int] = []
+
+    def counting(tokens, **kwargs):  # type: ignore[no-untyped-def]
+        tokens = list(tokens)
+        seen.append(len(tokens))
+        return real(tokens, **kwargs)
+
+    monkeypatch.setattr(pipeline, "token2wav", counting)
+    kwargs = MODE_KWARGS[mode](audio)
+    a = model.synthesize_all("Hi.", seed=11, **kwargs)
+    b = model.synthesize_all("Hi.", seed=11, **kwargs)
+    assert a.dtype == np.float32 and a.ndim == 1
+    # the audio is exactly what the reference's one-shot token2wav makes of the LLM's tokens
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0] > 0
+    assert a.size == mel_samples(seen[0]), f"{mode}: audio length does not follow the token count"
+    assert np.array_equal(a, b), f"{mode}: the same seed gave different audio"
+
+
+def test_vc_length_follows_source_tokens_and_seed(model: Any, audio: dict[str, Path]) -> None:
+    a = model.synthesize_all(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"], seed=3)
+    b = model.synthesize_all(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"], seed=3)
+    # 1 s at 16 kHz -> 100 whisper frames -> 50 speech tokens (50 Hz) straight to token2wav
+    assert a.size == mel_samples(50)
+    assert np.array_equal(a, b)
+    c = model.synthesize_all(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"], seed=4)
+    assert not np.array_equal(a, c), "the seed does not reach the flow / vocoder draws in vc mode"
+
+
+def test_zero_shot_tier_loads_on_first_prompt_request_only(
+    tiny_model_dir: Path, audio: dict[str, Path]
+) -> None:
+    m = cosyserve.load(tiny_model_dir, warmup=False)
+    p = m._pipeline
+    list(m.synthesize("Hi.", SPK, seed=0))
+    list(m.synthesize("Hi.", SPK, mode="instruct", instruct_text="Be happy.", seed=0))
+    assert not p.frontend_loaded, "SFT / instruct created the zero-shot tier"
+    list(m.synthesize("Hi.", mode="cross_lingual", prompt_wav=audio["prompt"], seed=0))
+    assert p.frontend_loaded and p.frontend().campplus.loaded and p.frontend().speech_tokenizer.loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# input assembly, mode by mode
+
+
+def test_sft_assembly(model: Any, rec: Recorder) -> None:
+    list(model.synthesize("Hello world.", SPK, seed=0))
+    (llm,) = rec.llm_calls
+    emb = model._pipeline.speakers[SPK]["embedding"]
+    assert same(
+        llm["text"], torch.tensor([model._pipeline.tokenizer.encode("Hello world.")], dtype=torch.int32)
+    )
+    assert llm["prompt_text"].shape == (1, 0) and llm["prompt_speech_token"].shape == (1, 0)
+    assert same(llm["embedding"], emb)
+    (t2w,) = rec.t2w_calls
+    assert (
+        same(t2w["embedding"], emb)
+        and t2w["prompt_token"].shape == (1, 0)
+        and t2w["prompt_feat"].shape == (1, 0, 80)
+    )
+
+
+def test_zero_shot_assembly_matches_reference_frontend(
+    model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
+) -> None:
+    list(
+        model.synthesize(
+            "Hello world.", mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT
+        )
+    )
+    ref = reference_frontend.frontend_zero_shot(
+        "Hello world.", normalized(PROMPT_TEXT), audio["prompt"], 22050, ""
+    )
+    (llm,) = rec.llm_calls
+    assert same(llm["text"], ref["text"]) and same(llm["text_len"], ref["text_len"])
+    assert same(llm["prompt_text"], ref["prompt_text"]) and same(
+        llm["prompt_text_len"], ref["prompt_text_len"]
+    )
+    assert same(llm["prompt_speech_token"], ref["llm_prompt_speech_token"])
+    assert same(llm["prompt_speech_token_len"], ref["llm_prompt_speech_token_len"])
+    assert same(llm["embedding"], ref["llm_embedding"])
+    (t2w,) = rec.t2w_calls
+    assert t2w["tokens"] == list(range(100, 112))
+    assert same(t2w["prompt_token"], ref["flow_prompt_speech_token"])
+    assert same(t2w["prompt_feat"], ref["prompt_speech_feat"])
+    assert same(t2w["embedding"], ref["flow_embedding"])
+
+
+def test_zero_shot_long_text_one_llm_call_per_piece_same_prompt(
+    model: Any, rec: Recorder, audio: dict[str, Path]
+) -> None:
+    text = " ".join(["This sentence is here to make the text long enough to be split into pieces."] * 8)
+    pieces = model._pipeline.split_text(text)
+    assert len(pieces) >= 2
+    list(model.synthesize(text, mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT))
+    assert len(rec.llm_calls) == len(pieces) == len(rec.t2w_calls)
+    enc = model._pipeline.tokenizer.encode
+    for call, piece in zip(rec.llm_calls, pieces, strict=True):
+        assert call["text"].tolist() == [enc(piece)]
+        assert same(call["prompt_speech_token"], rec.llm_calls[0]["prompt_speech_token"])
+        assert same(call["prompt_text"], rec.llm_calls[0]["prompt_text"])
+
+
+def test_cross_lingual_assembly_drops_llm_prompt(
+    model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
+) -> None:
+    list(model.synthesize("Hello world.", mode="cross_lingual", prompt_wav=audio["prompt_24k"]))
+    ref = reference_frontend.frontend_cross_lingual("Hello world.", audio["prompt_24k"], 22050, "")
+    assert "prompt_text" not in ref and "llm_prompt_speech_token" not in ref
+    (llm,) = rec.llm_calls
+    assert same(llm["text"], ref["text"])
+    assert llm["prompt_text"].shape == (1, 0) and llm["prompt_speech_token"].shape == (1, 0)
+    assert same(llm["embedding"], ref["llm_embedding"])
+    (t2w,) = rec.t2w_calls
+    assert same(t2w["prompt_token"], ref["flow_prompt_speech_token"])
+    assert same(t2w["prompt_feat"], ref["prompt_speech_feat"])
+    assert same(t2w["embedding"], ref["flow_embedding"])
+
+
+def test_instruct_assembly_has_no_llm_embedding(
+    model: Any, rec: Recorder, reference_frontend: Frontend
+) -> None:
+    instruct = "Speak slowly and calmly."
+    list(model.synthesize("Hello world.", SPK, mode="instruct", instruct_text=instruct))
+    ref = reference_frontend.frontend_instruct("Hello world.", SPK, normalized(instruct))
+    (llm,) = rec.llm_calls
+    assert same(llm["text"], ref["text"])
+    assert same(llm["prompt_text"], ref["prompt_text"]) and same(
+        llm["prompt_text_len"], ref["prompt_text_len"]
+    )
+    assert llm["prompt_speech_token"].shape == (1, 0)
+    assert llm["embedding"].shape == (0, 192), "instruct mode must not give the LLM a speaker embedding"
+    (t2w,) = rec.t2w_calls
+    assert same(t2w["embedding"], ref["flow_embedding"])
+    assert t2w["prompt_token"].shape == (1, 0) and t2w["prompt_feat"].shape == (1, 0, 80)
+
+
+def test_vc_assembly_bypasses_llm(
+    model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
+) -> None:
+    list(model.synthesize(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"], stream=True))
+    ref = reference_frontend.frontend_vc(audio["source"], audio["prompt"], 22050)
+    assert rec.llm_calls == []
+    (t2w,) = rec.t2w_calls
+    assert t2w["tokens"] == ref["source_speech_token"].flatten().tolist()
+    assert same(t2w["prompt_token"], ref["flow_prompt_speech_token"])
+    assert same(t2w["prompt_feat"], ref["prompt_speech_feat"])
+    assert same(t2w["embedding"], ref["flow_embedding"])
+    assert t2w["stream"] is True
+
+
+def test_registered_voice_is_the_reference_zero_shot_spk_entry(
+    model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
+) -> None:
+    spk = model.add_speaker("assembly-voice", audio["prompt"], PROMPT_TEXT, overwrite=True)
+    ref = reference_frontend.frontend_zero_shot("", normalized(PROMPT_TEXT), audio["prompt"], 22050, "")
+    del ref["text"], ref["text_len"]
+    assert set(spk.features) == set(ref) and all(same(spk.features[k], ref[k]) for k in ref)
+    list(model.synthesize("Hello world.", "assembly-voice"))  # a registered voice: zero_shot by default
+    list(model.synthesize("Hello world.", "assembly-voice", mode="cross_lingual"))
+    zs, cl = rec.llm_calls
+    assert same(zs["prompt_speech_token"], ref["llm_prompt_speech_token"]) and same(
+        zs["prompt_text"], ref["prompt_text"]
+    )
+    assert cl["prompt_speech_token"].shape == (1, 0) and cl["prompt_text"].shape == (1, 0)
+    assert same(cl["embedding"], ref["llm_embedding"])
+    assert all(same(c["prompt_feat"], ref["prompt_speech_feat"]) for c in rec.t2w_calls)
+
+
+def test_registered_voice_gives_the_same_audio_as_its_prompt(
+    model: Any, audio: dict[str, Path], tmp_path: Path
+) -> None:
+    model.add_speaker("same-voice", audio["prompt"], PROMPT_TEXT, overwrite=True)
+    inline = model.synthesize_all(
+        "Hello world.", mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT, seed=5
+    )
+    registered = model.synthesize_all("Hello world.", "same-voice", seed=5)
+    assert np.array_equal(inline, registered)
+    # persisted: a fresh registry over the same folder (a restart) serves the voice
+    from cosyserve.registry import SpeakerRegistry
+
+    again = SpeakerRegistry(model.registry.root).get("same-voice")
+    assert again is not None and again.prompt_text == PROMPT_TEXT
+    assert "same-voice" in model.speakers and model.speakers.index(SPK) < model.speakers.index("same-voice")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_model_without_onnx_serves_sft_and_names_missing_file(
+    tmp_path: Path, audio: dict[str, Path], model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cosyserve.testmodel import make_test_model
+
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    make_test_model(tmp_path / "bare", size="tiny", seed=0, onnx=False)
+    m = cosyserve.load(tmp_path / "bare", warmup=False)
+    m.use_registry(tmp_path / "registry")
+    assert m.available_modes == ["sft", "instruct"]
+    assert "campplus.onnx" in m.unavailable_modes()["zero_shot"]
+    assert m.synthesize_all("Hi.", SPK, seed=0).size > 0
+    for kwargs in (
+        dict(mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT),
+        dict(mode="cross_lingual", prompt_wav=audio["prompt"]),
+    ):
+        with pytest.raises(
+            ModeUnavailableError, match=r"unavailable: .*campplus\.onnx or speech_tokenizer_v1\.onnx"
+        ):
+            m.synthesize("Hi.", **kwargs)
+    with pytest.raises(ModeUnavailableError, match="vc synthesis is unavailable"):
+        m.synthesize(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"])
+    with pytest.raises(ModeUnavailableError, match="campplus.onnx"):
+        m.add_speaker("x", audio["prompt"], PROMPT_TEXT)
+    assert not m._pipeline.frontend_loaded
+    # features registered elsewhere need no extraction: an imported voice works without the ONNX models
+    model.add_speaker("portable", audio["prompt"], PROMPT_TEXT, overwrite=True)
+    model.export_speakers(tmp_path / "spk2info.pt")
+    m.import_speakers(tmp_path / "spk2info.pt")
+    assert m.synthesize_all("Hi.", "portable", seed=0).size > 0
+
+
+@pytest.fixture(scope="module")
+def bad_audio(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, str]]:
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.wav").write_bytes(b"")
+    (d / "junk.wav").write_bytes(b"this is not audio at all\n" * 50)
+    soundfile.write(d / "silent.wav", np.zeros(32000, dtype=np.float32), 16000, subtype="PCM_16")
+    square = np.sign(np.sin(2 * np.pi * 200 * np.arange(32000) / 16000)).astype(np.float32)
+    soundfile.write(d / "clipped.wav", square, 16000, subtype="PCM_16")
+    write_voice(d / "long.wav", 31.0)
+    soundfile.write(d / "8k.wav", np.full(16000, 0.1, dtype=np.float32), 8000, subtype="PCM_16")
+    return {
+        "empty file": (d / "empty.wav", r"cannot decode|empty|no samples"),
+        "empty bytes": (b"", "empty"),
+        "missing file": (d / "nope.wav", "does not exist"),
+        "undecodable": (d / "junk.wav", "cannot decode"),
+        "undecodable bytes": (b"\x00\x01junk" * 40, "cannot decode"),
+        "silent": (d / "silent.wav", "silent"),
+        "clipped": (d / "clipped.wav", "clipped"),
+        "over 30 s": (d / "long.wav", r"at most 30 s"),
+        "8 kHz": (d / "8k.wav", "sample rate 8000"),
+    }
+
+
+BAD_CASES = [
+    "empty file",
+    "empty bytes",
+    "missing file",
+    "undecodable",
+    "undecodable bytes",
+    "silent",
+    "clipped",
+    "over 30 s",
+    "8 kHz",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_prompt_audio_is_a_clear_error(
+    model: Any, bad_audio: dict[str, tuple[Any, str]], audio: dict[str, Path], case: str
+) -> None:
+    wav, needle = bad_audio[case]
+    with pytest.raises(AudioError, match=needle) as e:
+        model.synthesize("Hi.", mode="zero_shot", prompt_wav=wav, prompt_text=PROMPT_TEXT)
+    assert "prompt audio" in str(e.value) or case == "empty bytes"
+    with pytest.raises(AudioError, match=needle) as e:
+        model.synthesize(mode="vc", source_wav=wav, prompt_wav=audio["prompt"])
+    assert "source audio" in str(e.value) or case == "empty bytes"
+    with pytest.raises(AudioError, match=needle):
+        model.add_speaker("bad", wav, PROMPT_TEXT)
+    assert model.registry.get("bad") is None
+
+
+def test_prompt_audio_error_is_raised_before_any_audio(
+    model: Any, bad_audio: dict[str, tuple[Any, str]]
+) -> None:
+    # errors come from synthesize() itself, so a server can answer 4xx before streaming starts
+    with pytest.raises(PromptAudioError):
+        model.synthesize("Hi.", mode="cross_lingual", prompt_wav=bad_audio["silent"][0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(mode="zero_shot", prompt_wav="P"), "needs prompt_text"),
+        (dict(mode="zero_shot", prompt_text=PROMPT_TEXT), "needs prompt_wav"),
+        (
+            dict(mode="cross_lingual", prompt_wav="P", prompt_text="x"),
+            "prompt_text is not used in cross_lingual",
+        ),
+        (dict(mode="sft", speaker=SPK, prompt_wav="P"), "prompt_wav is not used in sft"),
+        (dict(mode="instruct", speaker=SPK), "needs instruct_text"),
+        (dict(mode="instruct", instruct_text="x"), "needs speaker"),
+        (dict(mode="vc", prompt_wav="P"), "vc mode needs source_wav"),
+        (dict(mode="zero_shot", speaker="v", prompt_wav="P"), "not both"),
+        (dict(mode="karaoke", speaker=SPK), "unknown mode 'karaoke'"),
+        (dict(mode="zero_shot", speaker=SPK), "pre-defined speaker"),
+        (dict(mode="zero_shot", speaker="nobody"), "unknown speaker 'nobody'"),
+    ],
+)
+def test_bad_field_combinations(model: Any, kwargs: dict[str, Any], needle: str) -> None:
+    text = "" if kwargs.get("mode") == "vc" else "Hi."
+    with pytest.raises(SynthesisError, match=needle):
+        model.synthesize(text, **kwargs)
+
+
+def test_vc_refuses_text_and_registered_voice_refuses_sft(model: Any, audio: dict[str, Path]) -> None:
+    with pytest.raises(SynthesisError, match="text is not used in vc"):
+        model.synthesize("Hi.", mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"])
+    model.add_speaker("zs-only", audio["prompt"], PROMPT_TEXT, overwrite=True)
+    with pytest.raises(SynthesisError, match="registered zero-shot voice"):
+        model.synthesize("Hi.", "zs-only", mode="sft")
+    with pytest.raises(SynthesisError, match="pre-defined speaker"):
+        model.add_speaker(SPK, audio["prompt"], PROMPT_TEXT)
+
+
+def test_request_object_and_replace(model: Any, audio: dict[str, Path]) -> None:
+    req = SynthesisRequest(mode="sft", text="Hi.", speaker=SPK, seed=2)
+    a = np.concatenate(list(model.synthesize_request(req)))
+    b = np.concatenate(list(model.synthesize_request(dataclasses.replace(req, speed=2.0))))
+    assert math.isclose(b.size, a.size / 2, abs_tol=256)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.mode = "vc"  # type: ignore[misc]
