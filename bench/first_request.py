@@ -38,7 +38,6 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     configs = {
         "warm-up on, prefetch": (True, "prefetch"),
         "warm-up off, prefetch": (False, "prefetch"),

@@ -11,6 +11,14 @@ def _fixtures_root() -> Path:
     return Path(env) if env else ROOT.parent / "shared" / "fixtures"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep conversions and registered voices of the tests (and their subprocesses) out of the user's cache."""
+    root = tmp_path_factory.mktemp("cache")
+    os.environ["COSYSERVE_CACHE_DIR"] = str(root / "cache")
+    os.environ["COSYSERVE_REGISTRY_DIR"] = str(root / "registry")
+
+
 @pytest.fixture(scope="session")
 def fixture_set_dir() -> Path:
     """The tiny CosyVoice-300M conformance set; skips when the fixtures are not beside the clone."""

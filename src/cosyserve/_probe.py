@@ -15,9 +15,6 @@ import sys  # noqa: E402
 
 def main(argv: list[str]) -> None:
     opts = json.loads(argv[0])
-    from cosyserve.cli import passive_openmp
-
-    passive_openmp()
     from cosyserve.startup import PhaseClock
 
     clock = PhaseClock()

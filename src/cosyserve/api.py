@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ class CosyVoiceModel:
         self._configure_modes()
 
     def warm_up(self, text: str = "Hello.", max_tokens: int = 4) -> None:
-        """Run one tiny synthesis through every component (LLM prefill and ``max_tokens`` decode steps, flow,
-        vocoder) so one-time costs (allocator, kernel set-up, first page faults of the hot weights) are paid
+        """Run one tiny synthesis through every component (LLM prefill and ``max_tokens`` decode steps, one
+        flow step, vocoder) so one-time costs (allocator, kernel set-up, first page faults of the hot weights) are paid
         before READY, not by the first request. The text frontend is not loaded here (see ``load``)."""
         import torch
 
@@ -56,8 +57,22 @@ class CosyVoiceModel:
                 generator=gen,
             )
         )
-        for _ in p.token2wav(tokens, embedding=embedding, stream=False, generator=gen):
-            pass
+        # one Euler step exercises every flow kernel; the other nine would only repeat them (~90 ms each)
+        flow, hift = p.token2wav.flow, p.token2wav.hift
+        token = torch.tensor([tokens or [0]], dtype=torch.int32)
+        mel, _ = flow.inference(
+            token,
+            torch.tensor([token.shape[1]], dtype=torch.int32),
+            empty,
+            zero,
+            torch.zeros(1, 0, 80),
+            zero,
+            embedding,
+            torch.zeros(1, 80, 0, 2),
+            generator=gen,
+            n_timesteps=1,
+        )
+        hift.inference(mel, None, generator=gen)
 
     @property
     def speakers(self) -> list[str]:
@@ -240,21 +255,6 @@ class CosyVoiceModel:
         return self._pipeline.registry.export_spk2info(path, tenant=tenant, extra=extra)
 
 
-def _load_text_frontend_in_background() -> None:
-    # wetext's FSTs take ~0.4 s to load: after READY, not before, so the first request rarely waits for them
-    import threading
-
-    from cosyserve.frontend.text import load_normalizers
-
-    def run() -> None:
-        try:
-            load_normalizers()
-        except Exception:  # noqa: BLE001 - the request path raises the same error with its context
-            logger.warning("background load of the text normaliser failed", exc_info=True)
-
-    threading.Thread(target=run, name="cosyserve-text-frontend", daemon=True).start()
-
-
 def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
     into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged.
@@ -320,6 +320,32 @@ def load(
     Raises:
         ConfigError, ModelDirError, BundleError, SettingsError (all ValueError): the input cannot be used.
     """
+    import gc
+
+    # A full garbage collection walks every object torch created at import (~80 ms here) and the loader's
+    # allocations trigger several: hold collections off while loading, then freeze what loading built (the
+    # modules live as long as the model) so collections during serving skip it.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        model = _load(path, threads, strategy, verify, warmup, warmup_text, use_mmap, clock)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    gc.freeze()
+    return model
+
+
+def _load(
+    path: str | Path,
+    threads: int | None,
+    strategy: str | None,
+    verify: str | None,
+    warmup: bool | None,
+    warmup_text: str | None,
+    use_mmap: bool | None,
+    clock: Any,
+) -> CosyVoiceModel:
     from cosyserve import settings
     from cosyserve.startup import PhaseClock
 
@@ -336,6 +362,9 @@ def load(
 
         import torch
 
+        import cosyserve.models.flow
+        import cosyserve.models.hift
+        import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
         from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
         from cosyserve.engine.pipeline import Pipeline
         from cosyserve.engine.token2wav import StreamPolicy
@@ -347,9 +376,12 @@ def load(
     tokenizer_thread = threading.Thread(target=get_tokenizer, name="cosyserve-tokenizer", daemon=True)
     tokenizer_thread.start()
     bundle_dir = resolve_bundle(path)
+    t_load = time.perf_counter()
     with clock.phase("manifest"):
         bundle = open_bundle(bundle_dir)
     parts = bundle.load(LoadOptions(strategy=strategy if use_mmap else "lazy", verify=verify), clock)  # type: ignore[arg-type]
+    # wall clock of the whole load (the phases above are summed over the loader threads)
+    clock.add("load_wall", (time.perf_counter() - t_load) * 1e3)
     if not use_mmap:
         with clock.phase("first_touch"):
             for module in parts.modules.values():
@@ -370,7 +402,6 @@ def load(
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
-    _load_text_frontend_in_background()
     model._parts = parts
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return model

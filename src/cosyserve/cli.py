@@ -341,15 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def passive_openmp() -> None:
-    """Make OpenMP threads sleep instead of spin while idle, unless the user chose otherwise.
-
-    With the default spin-waiting, two torch threads on a 2-vCPU machine run 3-7x slower whenever any other
-    process wants the CPU (measured: warm-up 27 s vs 8 s). Only effective before torch is imported.
-    """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -365,7 +356,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    passive_openmp()
     try:
         args.func(args)
     except CLIError as e:

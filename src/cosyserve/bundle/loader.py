@@ -1,8 +1,8 @@
 """Open a bundle and load its components: meta construction, zero-copy mmap assignment, parallel, tiered.
 
 Strategies (what happens to the mapped pages before READY):
-- ``preload``: every page is read (readahead advice, then one touch per page) before READY: resident, no disk
-  on the request path; start pays the read.
+- ``preload``: every page is mapped in (``MADV_POPULATE_READ``: read from disk if needed) before READY:
+  resident, no disk and no page faults on the request path; start pays the read (~70 ms/GB from page cache).
 - ``lazy``: nothing is read; pages fault in on first use.
 - ``prefetch`` (default): like lazy, then a background thread reads the pages after READY, so the first
   request rarely waits on the disk.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -239,8 +238,7 @@ class Bundle:
 
 
 def _read_all(f: Any) -> None:
-    f.advise(getattr(mmap, "MADV_WILLNEED", 3))
-    f.touch()
+    f.populate()
 
 
 def start_prefetch(parts: LoadedParts) -> threading.Thread:

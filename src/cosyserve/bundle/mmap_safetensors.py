@@ -36,6 +36,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _MAX_HEADER = 100 * 1024 * 1024
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class BundleFileError(ValueError):
@@ -137,6 +138,19 @@ class MappedFile:
             page = mmap.PAGESIZE
             start = begin - begin % page
             self._mm.madvise(advice, start, (length or self.size - start) if length else self.size - start)
+
+    def populate(self) -> None:
+        """Map every page of the file into this process now (page-cache hits become mapped pages; misses are
+        read from disk), without copying: ``MADV_POPULATE_READ`` (Linux 5.14+) fills the page tables in one
+        call (~70 ms per GB from the page cache, vs ~250 ms faulting page by page). Older kernels: readahead
+        advice plus one touch per page."""
+        if self._mm is None:
+            return
+        try:
+            self._mm.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError, AttributeError):
+            self.advise(getattr(mmap, "MADV_WILLNEED", 3))
+            self.touch()
 
     def touch(self) -> int:
         """Fault every page in (read one byte per page); returns bytes covered. Releases no GIL: use threads
