@@ -1,7 +1,8 @@
 """The ``cosyserve`` command line. Parsing only: each command calls a typed function of the Python API.
 
 Heavy modules (torch and everything under it) are imported inside the commands, so ``cosyserve --help`` is fast.
-Every flag can also come from the environment as ``COSYSERVE_<FLAG>`` (for example ``COSYSERVE_MODEL``).
+``--model`` and ``--log-level`` also come from the environment (``COSYSERVE_MODEL``, ``COSYSERVE_LOG_LEVEL``); the
+loading options from the variables listed in :mod:`cosyserve.settings`.
 """
 
 from __future__ import annotations
