@@ -15,59 +15,16 @@ import time
 import torch
 
 from cosyserve.models.flow import (
-    CFMParams,
-    ConditionalCFMConfig,
     FlowConfig,
-    InterpolateRegulatorConfig,
     MaskedDiffWithXvec,
     mel_length,
 )
-from cosyserve.models.flow_decoder import ConditionalDecoderConfig
-from cosyserve.models.transformer import ConformerEncoderConfig
+from cosyserve.testmodel import model_config
 
 
 def full_config() -> FlowConfig:
-    return FlowConfig(
-        input_size=512,
-        output_size=80,
-        spk_embed_dim=192,
-        vocab_size=4096,
-        input_frame_rate=50,
-        encoder=ConformerEncoderConfig(
-            input_size=512,
-            output_size=512,
-            attention_heads=8,
-            linear_units=2048,
-            num_blocks=6,
-            dropout_rate=0.1,
-            positional_dropout_rate=0.1,
-            attention_dropout_rate=0.1,
-            normalize_before=True,
-            input_layer="linear",
-            pos_enc_layer_type="rel_pos_espnet",
-            selfattention_layer_type="rel_selfattn",
-            use_cnn_module=False,
-            macaron_style=False,
-        ),
-        length_regulator=InterpolateRegulatorConfig(channels=80, sampling_ratios=[1, 1, 1, 1]),
-        decoder=ConditionalCFMConfig(
-            in_channels=240,
-            n_spks=1,
-            spk_emb_dim=80,
-            cfm_params=CFMParams(),
-            estimator=ConditionalDecoderConfig(
-                in_channels=320,
-                out_channels=80,
-                channels=[256, 256],
-                dropout=0.0,
-                attention_head_dim=64,
-                n_blocks=4,
-                num_mid_blocks=12,
-                num_heads=8,
-                act_fn="gelu",
-            ),
-        ),
-    )
+    # the CosyVoice-300M release dimensions, as make-test-model --size full writes them
+    return model_config("full").flow
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> None:

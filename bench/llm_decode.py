@@ -13,45 +13,13 @@ import time
 
 import torch
 
-from cosyserve.models.llm import LLMConfig, SamplingConfig, TransformerLM
-from cosyserve.models.transformer import ConformerEncoderConfig, TransformerEncoderConfig
+from cosyserve.models.llm import LLMConfig, TransformerLM
+from cosyserve.testmodel import model_config
 
 
 def full_config() -> LLMConfig:
-    # examples/libritts/cosyvoice/conf/cosyvoice.yaml (CosyVoice-300M)
-    return LLMConfig(
-        text_encoder_input_size=512,
-        llm_input_size=1024,
-        llm_output_size=1024,
-        text_token_size=51866,
-        speech_token_size=4096,
-        spk_embed_dim=192,
-        text_encoder=ConformerEncoderConfig(
-            input_size=512,
-            output_size=1024,
-            attention_heads=16,
-            linear_units=4096,
-            num_blocks=6,
-            input_layer="linear",
-            pos_enc_layer_type="rel_pos_espnet",
-            selfattention_layer_type="rel_selfattn",
-            use_cnn_module=False,
-            macaron_style=False,
-            static_chunk_size=1,
-        ),
-        llm=TransformerEncoderConfig(
-            input_size=1024,
-            output_size=1024,
-            attention_heads=16,
-            linear_units=4096,
-            num_blocks=14,
-            input_layer="linear_legacy",
-            pos_enc_layer_type="rel_pos_espnet",
-            selfattention_layer_type="rel_selfattn",
-            static_chunk_size=1,
-        ),
-        sampling=SamplingConfig(),
-    )
+    # the CosyVoice-300M release dimensions, as make-test-model --size full writes them
+    return model_config("full").llm
 
 
 def timed_generation(model: TransformerLM, args: tuple, n_tokens: int, text_len: int, seed: int):

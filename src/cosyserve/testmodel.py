@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIZES", "SPEAKERS", "make_test_model", "render_yaml"]
+__all__ = ["SIZES", "SPEAKERS", "make_test_model", "model_config", "render_yaml"]
 
 SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
 
@@ -191,6 +191,15 @@ def render_yaml(size: str) -> str:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     return _TEMPLATE.format(size=size, **SIZES[size])
+
+
+def model_config(size: str) -> Any:
+    """The parsed :class:`cosyserve.config.ModelConfig` of a test model of ``size`` (no weights written)."""
+    from cosyserve.config import load_model_config
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
+        return load_model_config(d)
 
 
 def _voice_f0_head(hift: Any, generator: Any) -> None:
