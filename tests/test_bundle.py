@@ -306,3 +306,21 @@ def test_startup_report_json(bundle_dir: Path, tmp_path: Path) -> None:
     # ready comes after everything before it, and first audio after ready
     assert rep["first_audio_ms"]["median"] > rep["ready_ms"]["median"] > rep["phases_ms"]["imports"]["median"]
     assert svg.read_text().startswith("<svg")
+
+
+def test_zero_shot_tier_loads_after_ready_when_configured(
+    bundle_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyserve
+
+    monkeypatch.setenv("COSYSERVE_ZERO_SHOT_TIER", "background")
+    m = cosyserve.load(bundle_dir, warmup=False)
+    assert m.zero_shot_thread is not None
+    m.zero_shot_thread.join(timeout=60)
+    # the sessions were created off the start path, and their load time is a recorded phase
+    assert m._pipeline.frontend_loaded and m.clock.durations["zero_shot_tier"] > 0
+    monkeypatch.setenv("COSYSERVE_ZERO_SHOT_TIER", "eager")
+    from cosyserve.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="COSYSERVE_ZERO_SHOT_TIER"):
+        cosyserve.load(bundle_dir, warmup=False)

@@ -28,6 +28,7 @@ class CosyVoiceModel:
         self.clock = clock
         self.bundle = bundle
         self._parts: Any = None
+        self.zero_shot_thread: Any = None  # set when the zero-shot tier loads in the background
         self._configure_modes()
 
     def warm_up(self, text: str = "Hello.", max_tokens: int = 4) -> None:
@@ -255,6 +256,24 @@ class CosyVoiceModel:
         return self._pipeline.registry.export_spk2info(path, tenant=tenant, extra=extra)
 
 
+def _load_zero_shot_tier_in_background(pipeline: Any, clock: Any) -> Any:
+    # after READY: the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+    import threading
+
+    def run() -> None:
+        t = time.perf_counter()
+        try:
+            pipeline.frontend().load_sessions()
+        except Exception:  # noqa: BLE001 - the first zero-shot request raises the same error with its context
+            logger.warning("background load of the zero-shot tier failed", exc_info=True)
+            return
+        clock.add("zero_shot_tier", (time.perf_counter() - t) * 1e3)
+
+    thread = threading.Thread(target=run, name="cosyserve-zero-shot-tier", daemon=True)
+    thread.start()
+    return thread
+
+
 def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
     into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged.
@@ -402,6 +421,9 @@ def _load(
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
+    tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
+    if tier == "background" and "zero_shot" in pipeline.available_modes():
+        model.zero_shot_thread = _load_zero_shot_tier_in_background(pipeline, clock)
     model._parts = parts
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return model

@@ -14,6 +14,7 @@ the bad value and what is accepted: a typo in a deployment manifest fails the st
 | ``COSYSERVE_CACHE_DIR`` | where official dirs are converted to bundles | ~/.cache/cosyserve |
 | ``COSYSERVE_REGISTRY_DIR`` | registered (zero-shot) voices; set it in deployments: caches get wiped | cache dir/speakers |
 | ``COSYSERVE_THREADS`` | torch intra-op threads | torch's default |
+| ``COSYSERVE_ZERO_SHOT_TIER`` | ONNX sessions of the zero-shot tier: ``lazy`` (first request that needs them) or ``background`` (created after READY) | lazy |
 """
 
 from __future__ import annotations

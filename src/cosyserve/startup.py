@@ -27,6 +27,7 @@ PHASES = (
     "warmup",
     "ready",
     "first_audio",
+    "zero_shot_tier",  # after READY, in the background, when COSYSERVE_ZERO_SHOT_TIER=background
 )
 
 _MODULE_T0 = time.time()
