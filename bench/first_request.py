@@ -39,10 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     configs = {
-        "warm-up on, prefetch": (True, "prefetch"),
-        "warm-up off, prefetch": (False, "prefetch"),
-        "warm-up off, lazy": (False, "lazy"),
+        "warm-up off, preload": (False, "preload"),
         "warm-up on, preload": (True, "preload"),
+        "warm-up off, prefetch": (False, "prefetch"),
+        "warm-up on, prefetch": (True, "prefetch"),
+        "warm-up off, lazy": (False, "lazy"),
     }
     rows: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
     for _ in range(args.runs):

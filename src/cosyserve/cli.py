@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategy",
         choices=["preload", "lazy", "prefetch"],
         default=None,
-        help="load strategy (env COSYSERVE_PRELOAD; default prefetch)",
+        help="load strategy (env COSYSERVE_PRELOAD; default preload)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up synthesis")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads in the started processes")

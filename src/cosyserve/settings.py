@@ -5,7 +5,7 @@ the bad value and what is accepted: a typo in a deployment manifest fails the st
 
 | variable | meaning | default |
 |---|---|---|
-| ``COSYSERVE_PRELOAD`` | load strategy: ``preload``/``lazy``/``prefetch``, or a boolean (true = preload) | prefetch |
+| ``COSYSERVE_PRELOAD`` | load strategy: ``preload``/``lazy``/``prefetch``, or a boolean (true = preload) | preload |
 | ``USE_MMAP_LOADING`` | map bundle weights (true) or copy them into private memory (false) | true |
 | ``PREWARM_MODELS`` | run a warm-up synthesis before READY: boolean, or ``all`` / ``none`` | true |
 | ``COSYSERVE_WARMUP_TEXT`` | the warm-up text | "Hello." |
@@ -67,7 +67,7 @@ def env_int(name: str, default: int | None, minimum: int = 1) -> int | None:
     return v
 
 
-def load_strategy(default: str = "prefetch") -> str:
+def load_strategy(default: str = "preload") -> str:
     """``COSYSERVE_PRELOAD``: a strategy name, or a boolean (true = preload, false = lazy)."""
     raw = os.environ.get("COSYSERVE_PRELOAD")
     if raw is None or raw.strip() == "":

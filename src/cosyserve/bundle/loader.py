@@ -1,10 +1,10 @@
 """Open a bundle and load its components: meta construction, zero-copy mmap assignment, parallel, tiered.
 
 Strategies (what happens to the mapped pages before READY):
-- ``preload``: every page is mapped in (``MADV_POPULATE_READ``: read from disk if needed) before READY:
+- ``preload`` (default): every page is mapped in (``MADV_POPULATE_READ``: read from disk if needed) before READY:
   resident, no disk and no page faults on the request path; start pays the read (~70 ms/GB from page cache).
 - ``lazy``: nothing is read; pages fault in on first use.
-- ``prefetch`` (default): like lazy, then a background thread reads the pages after READY, so the first
+- ``prefetch``: like lazy, then a background thread reads the pages after READY, so the first
   request rarely waits on the disk.
 
 Checks, before any module is built: the manifest's format and version; each file's size; each file's header
@@ -45,7 +45,7 @@ class BundleError(ValueError):
 
 @dataclass(frozen=True)
 class LoadOptions:
-    strategy: Strategy = "prefetch"
+    strategy: Strategy = "preload"
     verify: Verify = "stamp"
     threads: int = 3  # loader threads: I/O-bound mapping and hashing, GIL released in both
 
