@@ -376,6 +376,7 @@ def _load(
     warmup_tokens = settings.env_int("COSYSERVE_WARMUP_TOKENS", 4) or 4
     use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
     threads = threads or settings.env_int("COSYSERVE_THREADS", None)
+    tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
     with clock.phase("imports"):
         import threading
 
@@ -421,7 +422,6 @@ def _load(
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
-    tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
     if tier == "background" and "zero_shot" in pipeline.available_modes():
         model.zero_shot_thread = _load_zero_shot_tier_in_background(pipeline, clock)
     model._parts = parts
