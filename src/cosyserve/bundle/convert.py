@@ -70,24 +70,10 @@ def _progress(label: str) -> Callable[[str], None]:
 
 def _component_tensors(model_dir: Path, name: str, cfg: Any) -> dict[str, Any]:
     """The component's state dict as we store it: strict-loaded into our module (so keys and shapes are
-    checked against the yaml), post-processed (weight norm folded), back out."""
-    from cosyserve.bundle.construct import assert_materialized, empty_modules
-    from cosyserve.bundle.official import COMPONENT_FILES, ModelDirError, module_class, read_state_dict
+    checked against the yaml), weight norm folded by the vocoder's load hook, back out."""
+    from cosyserve.bundle.official import load_component
 
-    path = model_dir / COMPONENT_FILES[name]
-    sd = read_state_dict(path)
-    if name == "hift":
-        sd = {k.removeprefix("generator."): v for k, v in sd.items()}
-    with empty_modules():
-        module = module_class(name)(cfg)
-    try:
-        module.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ModelDirError(f"{path} does not match the architecture in cosyvoice.yaml: {e}") from e
-    assert_materialized(module, str(path))
-    if hasattr(module, "remove_weight_norm"):
-        module.remove_weight_norm()
-    return {k: v.detach() for k, v in module.state_dict().items()}
+    return {k: v.detach() for k, v in load_component(model_dir, name, cfg).state_dict().items()}
 
 
 def convert(

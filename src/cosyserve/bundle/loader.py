@@ -182,8 +182,8 @@ class Bundle:
 
     def load(self, options: LoadOptions | None = None, clock: PhaseClock | None = None) -> LoadedParts:
         """Check the files, build the modules and assign the mapped weights. Returns the loaded parts."""
-        from cosyserve.bundle.construct import assert_materialized, empty_modules
-        from cosyserve.bundle.official import module_class
+        from cosyserve.bundle.construct import assert_materialized
+        from cosyserve.bundle.official import new_module
 
         options = options or LoadOptions()
         clock = clock or PhaseClock()
@@ -205,12 +205,8 @@ class Bundle:
                         self._write_stamps(stamps)
 
         def build(name: str) -> Any:
-            with clock.phase("construct"), empty_modules():
-                cls = module_class(name)
-                # the bundle holds folded weight-norm weights: build the vocoder with plain convolutions
-                module = (
-                    cls(getattr(cfg, name), weight_norm=False) if name == "hift" else cls(getattr(cfg, name))
-                )
+            with clock.phase("construct"):
+                module = new_module(name, getattr(cfg, name))
             with clock.phase("map_assign"):
                 module.load_state_dict(files[name].state_dict(), strict=True, assign=True)
                 assert_materialized(module, str(files[name].path))
