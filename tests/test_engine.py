@@ -282,8 +282,10 @@ def test_bad_requests_fail_at_once_with_client_errors() -> None:
         e.synthesize_sync(req(text="  "))
     with pytest.raises(ClientError, match="speed"):
         e.synthesize_sync(req(speed=3.0))
-    with pytest.raises(ClientError, match="mode 'instruct'"):
+    with pytest.raises(ClientError, match="instruct mode needs instruct_text"):
         e.synthesize_sync(req(mode="instruct"))
+    with pytest.raises(ClientError, match="serves only sft"):  # the fake has no synthesize_request
+        list(e.synthesize_sync(req(mode="instruct", instruct_text="calm")))
     with pytest.raises(InternalError, match="kaboom") as info:
         list(e.synthesize_sync(req(text="boom")))
     assert isinstance(info.value.__cause__, RuntimeError)

@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -51,12 +51,14 @@ from cosyserve.engine.errors import (
     OverloadedError,
     RequestCancelledError,
 )
+from cosyserve.engine.modes import MODES, Mode, field_errors
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "STATE_TRANSITION_ERROR",
     "AudioStream",
+    "MODES",
     "Engine",
     "EngineState",
     "ModelStats",
@@ -65,8 +67,8 @@ __all__ = [
     "Transition",
 ]
 
-Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "vc"]
-SUPPORTED_MODES: tuple[str, ...] = ("sft",)
+# Fields of a request that a model's pipeline takes beyond text/speaker (all modes, issue 6)
+_PIPELINE_FIELDS = ("prompt_text", "prompt_wav", "source_wav", "instruct_text", "normalize", "tenant")
 
 
 class EngineState(enum.Enum):
@@ -95,9 +97,12 @@ class SynthesisRequest:
     """One synthesis request (frozen; derive variants with ``dataclasses.replace``).
 
     Args:
-        text: what to say.
-        speaker: a pre-defined speaker id of the model.
-        mode: ``sft`` (pre-defined speaker); the other modes are refused until the pipeline serves them.
+        text: what to say (every mode but ``vc``).
+        speaker: a pre-defined speaker id, or a registered voice of ``tenant``.
+        mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
+            :mod:`cosyserve.engine.modes` for the fields each takes).
+        prompt_text, prompt_wav, source_wav, instruct_text, normalize, tenant: as
+            :class:`cosyserve.engine.pipeline.SynthesisRequest` (audio as a path or the encoded file's bytes).
         stream: yield chunks as they are made (True) or one chunk per sentence (False).
         speed: tempo in [0.5, 2.0] (non-streaming only).
         seed: makes the audio reproducible; None draws one.
@@ -106,23 +111,39 @@ class SynthesisRequest:
         request_id: for logs and metrics.
     """
 
-    text: str
-    speaker: str
+    text: str = ""
+    speaker: str | None = None
     mode: Mode = "sft"
+    prompt_text: str = ""
+    prompt_wav: Any = None
+    source_wav: Any = None
+    instruct_text: str = ""
+    normalize: bool = True
+    tenant: str = "default"
     stream: bool = False
     speed: float = 1.0
     seed: int | None = None
     deadline: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
+    def present(self) -> set[str]:
+        """Names of the content fields given (non-blank strings, non-None audio)."""
+        out = {
+            name
+            for name in ("text", "speaker", "prompt_text", "instruct_text")
+            if isinstance(getattr(self, name), str) and getattr(self, name).strip()
+        }
+        return out | {name for name in ("prompt_wav", "source_wav") if getattr(self, name) is not None}
+
     def verify(self) -> None:
         """Raise :class:`ClientError` naming the first bad field (checks that need no model)."""
-        if self.mode not in SUPPORTED_MODES:
-            raise ClientError(
-                f"mode {self.mode!r} is not served yet; supported: {', '.join(SUPPORTED_MODES)}"
-            )
-        if not isinstance(self.text, str) or not self.text.strip():
+        if self.mode not in MODES:
+            raise ClientError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.mode != "vc" and (not isinstance(self.text, str) or not self.text.strip()):
             raise ClientError("text is empty: give at least one word to speak")
+        errors = field_errors(self.mode, self.present())
+        if errors:
+            raise ClientError("; ".join(errors))
         if not isinstance(self.speed, int | float) or not (0.5 <= self.speed <= 2.0):
             raise ClientError(f"speed must be between 0.5 and 2.0, got {self.speed!r}")
         if self.stream and self.speed != 1.0:
@@ -328,6 +349,26 @@ def _install_gate(model: Any) -> _TokenGate | None:
     return gate
 
 
+def _start(model: Any, r: SynthesisRequest) -> Iterator[np.ndarray]:
+    # a full model (cosyserve.load) runs every mode; a minimal one (tests' fakes) only sft via synthesize()
+    if callable(getattr(model, "synthesize_request", None)):
+        fields = {name: getattr(r, name) for name in _PIPELINE_FIELDS}
+        return model.synthesize_request(
+            model.request(
+                mode=r.mode,
+                text=r.text,
+                speaker=r.speaker,
+                stream=r.stream,
+                speed=r.speed,
+                seed=r.seed,
+                **fields,
+            )
+        )
+    if r.mode != "sft":
+        raise ClientError(f"model serves only sft mode; {r.mode!r} needs a full CosyVoice model")
+    return model.synthesize(r.text, r.speaker, stream=r.stream, speed=r.speed, seed=r.seed)
+
+
 def _worker_init(torch_threads: int | None) -> None:
     if torch_threads:
         import torch
@@ -410,6 +451,9 @@ class Engine:
         self._service_ewma = default_service_s
         self.sample_rate: int | None = None
         self.speakers: list[str] = []
+        self._full_pipeline = (
+            False  # the model runs every mode (synthesize_request) and checks speakers itself
+        )
         self.resident_hint: Any = None  # the first instance, for the pool's byte accounting
 
     # -- state machine ---------------------------------------------------------------------------------------
@@ -512,6 +556,7 @@ class Engine:
                     first = models[0]
                     self.sample_rate = int(getattr(first, "sample_rate", 0)) or None
                     self.speakers = list(getattr(first, "speakers", []) or [])
+                    self._full_pipeline = callable(getattr(first, "synthesize_request", None))
                     self.resident_hint = first
                     tr = self._transition_locked(EngineState.READY)
                 else:
@@ -581,7 +626,7 @@ class Engine:
             if self._state is not EngineState.READY:
                 self.stats.record_reject("not_ready")
                 raise self._refuse_locked()
-            if self.speakers and request.speaker not in self.speakers:
+            if not self._full_pipeline and self.speakers and request.speaker not in self.speakers:
                 raise ClientError(
                     f"unknown speaker {request.speaker!r} for model {self.name!r}; known: "
                     + ", ".join(sorted(self.speakers))
@@ -654,7 +699,7 @@ class Engine:
         try:
             job.check()
             r = job.request
-            gen = inst.model.synthesize(r.text, r.speaker, stream=r.stream, speed=r.speed, seed=r.seed)
+            gen = _start(inst.model, r)
             if inst.gate is not None:
                 inst.gate.check = job.check
             try:
