@@ -194,6 +194,32 @@ def _cmd_make_test_model(args: argparse.Namespace) -> None:
     print(f"wrote random-weight {args.size} model to {out} (it makes noise, not speech)")
 
 
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from cosyserve.server.config import ServerConfig, ServerConfigError
+
+    try:
+        cfg = ServerConfig.from_args(
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            models=args.model,
+            pool_config=args.config,
+            api_keys_file=args.api_keys_file,
+            cors_origins=args.cors_origins,
+            max_text_chars=args.max_text_chars,
+            max_upload_bytes=args.max_upload_bytes,
+            request_timeout_s=args.request_timeout,
+            shutdown_grace_s=args.shutdown_grace,
+            default_voice=args.default_voice,
+            log_level=str(args.serve_log_level),
+        )
+    except ServerConfigError as e:
+        raise CLIError(str(e)) from e
+    from cosyserve.server import serve
+
+    sys.exit(serve(cfg))
+
+
 def _load(model: str, threads: int | None, **kwargs: object) -> object:
     import cosyserve
 
@@ -325,6 +351,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert the set's model to a bundle and load the modules from it",
     )
     p.set_defaults(func=_cmd_conformance)
+
+    p = sub.add_parser(
+        "serve",
+        help="HTTP server: OpenAI /v1/audio/speech, the reference's /inference_*, health, metrics",
+        formatter_class=fmt,
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[m for m in [_env("model")] if m],
+        help="[NAME=]bundle, official model dir or hub id (iic/..., FunAudioLLM/...); repeat for several; "
+        "none: a tiny random-weight demo model (env COSYSERVE_MODEL)",
+    )
+    p.add_argument(
+        "--config", default=None, help="pool config TOML: models, tenants, budget (env COSYSERVE_POOL_CONFIG)"
+    )
+    p.add_argument(
+        "--host", default=None, help="address to listen on (env COSYSERVE_HOST; default 127.0.0.1)"
+    )
+    p.add_argument("--port", type=int, default=None, help="port (env COSYSERVE_PORT; default 8000)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="server processes (env COSYSERVE_WORKERS; default 1)"
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="file of KEY=TENANT lines; with keys, requests need a Bearer key (env COSYSERVE_API_KEYS_FILE, "
+        "or COSYSERVE_API_KEYS=KEY=TENANT,...)",
+    )
+    p.add_argument(
+        "--cors-origins",
+        default=None,
+        help="comma-separated CORS origins, * for any (env COSYSERVE_CORS_ORIGINS; default off)",
+    )
+    p.add_argument(
+        "--max-text-chars",
+        type=int,
+        default=None,
+        help="longest text accepted (env COSYSERVE_MAX_TEXT_CHARS; default 4096)",
+    )
+    p.add_argument(
+        "--max-upload-bytes",
+        type=int,
+        default=None,
+        help="largest audio upload (env COSYSERVE_MAX_UPLOAD_BYTES; default 16 MiB)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds per request (env COSYSERVE_REQUEST_TIMEOUT; default 300)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=None,
+        help="seconds in-flight requests get after SIGTERM (env COSYSERVE_SHUTDOWN_GRACE; default 30)",
+    )
+    p.add_argument(
+        "--default-voice",
+        default=None,
+        help="speaker for OpenAI voice names (alloy, ...) (env COSYSERVE_DEFAULT_VOICE; default the first speaker)",
+    )
+    p.add_argument(
+        "--serve-log-level",
+        default=_env("serve_log_level", "info"),
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (env COSYSERVE_SERVE_LOG_LEVEL)",
+    )
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
         "make-test-model", help="write a random-weight model dir in the official layout", formatter_class=fmt

@@ -12,7 +12,10 @@ under the same lock and only in READY, so no request ever sees a half-loaded or 
 is a count of requests in flight inside READY, not a state.
 
 Model work runs on a bounded executor: one worker thread per model instance (``instances``), each owning its
-instance (the LM's KV cache is per module, so one instance serves one request at a time). A request's audio
+instance (the LM's KV cache is per module, so one instance serves one request at a time). With ``batch_size``
+N > 1 each instance gets N workers instead, and its LM is wrapped in a
+:class:`~cosyserve.engine.batching.BatchingLM`: their LM steps run as one batch, flow and vocoder concurrently
+in the workers (they keep no per-call state on the modules). A request's audio
 chunks travel from the worker to the request's own ``asyncio.Queue`` through ``loop.call_soon_threadsafe``;
 nothing is polled. A cancelled request (client gone, stream closed, deadline passed) stops at the next speech
 token where the model exposes its LM (:class:`_TokenGate`), else at the next chunk, and its generator is
@@ -316,8 +319,16 @@ class _TokenGate:
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
-        self.check: Callable[[], None] | None = None
+        self._local = threading.local()  # the check of the request this worker thread serves (batch_size > 1)
         self.tokens = 0
+
+    @property
+    def check(self) -> Callable[[], None] | None:
+        return getattr(self._local, "check", None)
+
+    @check.setter
+    def check(self, check: Callable[[], None] | None) -> None:
+        self._local.check = check
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -335,6 +346,7 @@ class _TokenGate:
 class _Instance:
     model: Any
     gate: _TokenGate | None
+    batcher: Any = None  # the BatchingLM shared by this instance's workers (batch_size > 1)
 
 
 def _install_gate(model: Any) -> _TokenGate | None:
@@ -347,6 +359,17 @@ def _install_gate(model: Any) -> _TokenGate | None:
     gate = _TokenGate(llm)
     pipeline.llm = gate
     return gate
+
+
+def _make_instance(model: Any, batch_size: int, torch_threads: int | None, name: str) -> _Instance:
+    pipeline = getattr(model, "_pipeline", None)
+    llm = getattr(pipeline, "llm", None)
+    batcher = None
+    if batch_size > 1 and llm is not None and not isinstance(llm, _TokenGate) and hasattr(llm, "prefill"):
+        from cosyserve.engine.batching import BatchingLM
+
+        batcher = pipeline.llm = BatchingLM(llm, batch_size, torch_threads=torch_threads, name=name)
+    return _Instance(model, _install_gate(model), batcher)
 
 
 def _start(model: Any, r: SynthesisRequest) -> Iterator[np.ndarray]:
@@ -403,6 +426,8 @@ class Engine:
             ``synthesize(text, speaker, *, stream, speed, seed) -> Iterator[np.ndarray]``, ``sample_rate`` and
             (optionally) ``speakers``.
         instances: model instances, each with its own worker thread (``MODEL_POOL_SIZE``).
+        batch_size: requests each instance serves at once (its workers), their LM steps batched (continuous
+            batching); 1 serves one request at a time per instance.
         queue_limit: requests allowed to wait for a worker; one more fails at once with
             :class:`OverloadedError`.
         torch_threads: torch intra-op threads in each worker thread (None leaves torch's default).
@@ -417,6 +442,7 @@ class Engine:
         loader: Callable[[], Any],
         *,
         instances: int = 1,
+        batch_size: int = 1,
         queue_limit: int = 16,
         torch_threads: int | None = 1,
         stats: ModelStats | None = None,
@@ -425,11 +451,15 @@ class Engine:
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if queue_limit < 0:
             raise ValueError(f"queue_limit must be >= 0, got {queue_limit}")
         self.name = name
         self._loader = loader
         self.instances = instances
+        self.batch_size = batch_size
+        self.slots = instances * batch_size  # requests served at once
         self.queue_limit = queue_limit
         self.torch_threads = torch_threads
         self.stats = stats or ModelStats(name)
@@ -537,9 +567,9 @@ class Engine:
             else:
                 with concurrent.futures.ThreadPoolExecutor(self.instances) as ex:
                     models = list(ex.map(lambda _: self._loader(), range(self.instances)))
-            instances = [_Instance(m, _install_gate(m)) for m in models]
+            instances = [_make_instance(m, self.batch_size, self.torch_threads, self.name) for m in models]
             executor = concurrent.futures.ThreadPoolExecutor(
-                self.instances,
+                self.slots,
                 thread_name_prefix=f"cosyserve-{self.name}",
                 initializer=_worker_init,
                 initargs=(self.torch_threads,),
@@ -551,7 +581,8 @@ class Engine:
                 if error is None:
                     self._instances = instances
                     for inst in instances:
-                        self._idle.put(inst)
+                        for _ in range(self.batch_size):
+                            self._idle.put(inst)
                     self._executor = executor
                     first = models[0]
                     self.sample_rate = int(getattr(first, "sample_rate", 0)) or None
@@ -592,8 +623,8 @@ class Engine:
             return self._retry_after_locked()
 
     def _retry_after_locked(self) -> float:
-        waiting = max(0, self._in_flight - self.instances)
-        return max(0.05, (waiting + 1) * self._service_ewma / self.instances)
+        waiting = max(0, self._in_flight - self.slots)
+        return max(0.05, (waiting + 1) * self._service_ewma / self.slots)
 
     def _refuse_locked(self) -> EngineError:
         st = self._state
@@ -631,8 +662,8 @@ class Engine:
                     f"unknown speaker {request.speaker!r} for model {self.name!r}; known: "
                     + ", ".join(sorted(self.speakers))
                 )
-            waiting = max(0, self._in_flight - self.instances)
-            if self._in_flight >= self.instances + self.queue_limit:
+            waiting = max(0, self._in_flight - self.slots)
+            if self._in_flight >= self.slots + self.queue_limit:
                 self.stats.record_reject("overloaded")
                 raise OverloadedError(
                     f"model {self.name!r}: {waiting} requests already waiting "
@@ -690,7 +721,7 @@ class Engine:
 
     def _run(self, job: _Job) -> None:
         # worker thread: runs one request to its end on one instance
-        inst = self._idle.get()  # never waits: one worker per instance
+        inst = self._idle.get()  # never waits: one worker per slot of an instance
         error: BaseException | None = None
         t0 = time.perf_counter()
         with self._lock:
@@ -827,6 +858,9 @@ class Engine:
                 executor = self._executor
                 if executor is not None:
                     executor.shutdown(wait=True)  # workers stop at their next token
+                for inst in self._instances:
+                    if inst.batcher is not None:
+                        inst.batcher.close()
                 with self._lock:
                     self._instances = []
                     self._idle = queue.SimpleQueue()
@@ -852,6 +886,7 @@ class Engine:
                 "state": self._state.value,
                 "cause": repr(self.cause) if self.cause is not None else None,
                 "instances": self.instances,
+                "batch_size": self.batch_size,
                 "in_flight": self._in_flight,
                 "active": self._active,
                 "queue_depth": self.queue_depth,

@@ -179,6 +179,15 @@ class TransformerLM(nn.Module):
         """Allocate the LM's KV caches (idempotent; grows them if needed). Each row is an independent sequence."""
         self.llm.setup_caches(max_batch_size, max_seq_len)
 
+    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """As :meth:`setup_caches`, but growing keeps what every row holds (rows decoding go on undisturbed)."""
+        self.llm.grow_caches(max_batch_size, max_seq_len)
+
+    def cache_shape(self) -> tuple[int, int]:
+        """(rows, positions per row) of the KV caches; (0, 0) before :meth:`setup_caches`."""
+        cache = self.llm.encoders[0].self_attn.kv_cache
+        return (0, 0) if cache is None else (cache.k_cache.size(0), cache.k_cache.size(2))
+
     def _logprobs(self, hidden: Tensor) -> Tensor:
         return self.llm_decoder(hidden).float().log_softmax(dim=-1)
 

@@ -515,6 +515,28 @@ class _BaseEncoder(nn.Module):
             attn.pos_proj = torch.zeros(attn.h, max_seq_len, attn.d_k, dtype=dtype, device=device)
         self._pos_proj_rows = 0
 
+    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """As :meth:`setup_caches`, but caches that must grow keep what they hold (every row's keys/values and
+        the projected distances), so sequences being decoded in other rows continue undisturbed."""
+        attn0: RelPositionMultiHeadedAttention = self.encoders[0].self_attn
+        old = attn0.kv_cache
+        if old is None:
+            self.setup_caches(max_batch_size, max_seq_len)
+            return
+        b, _, s, _ = old.k_cache.shape
+        if b >= max_batch_size and s >= max_seq_len:
+            return
+        kept = self._pos_proj_rows
+        saved = [(layer.self_attn.kv_cache, layer.self_attn.pos_proj) for layer in self.encoders]
+        self.setup_caches(max_batch_size, max_seq_len, old.k_cache.dtype, old.k_cache.device)
+        for layer, (kv, proj) in zip(self.encoders, saved, strict=True):
+            attn: RelPositionMultiHeadedAttention = layer.self_attn
+            assert attn.kv_cache is not None and attn.pos_proj is not None
+            attn.kv_cache.k_cache[:b, :, :s] = kv.k_cache  # (B, H, S, D)
+            attn.kv_cache.v_cache[:b, :, :s] = kv.v_cache
+            attn.pos_proj[:, :s] = proj  # (H, S, D)
+        self._pos_proj_rows = kept
+
     def max_seq_len(self) -> int:
         """Positions per cache row (0 when no cache is set up)."""
         cache = self.encoders[0].self_attn.kv_cache

@@ -1,0 +1,5 @@
+"""The HTTP server: :func:`create_app` (ASGI) and :func:`serve` (uvicorn)."""
+
+from cosyserve.server.run import serve
+
+__all__ = ["serve"]

@@ -1,0 +1,70 @@
+"""API keys -> tenants. With keys configured, every API route needs ``Authorization: Bearer KEY`` (401 without
+one); the key's tenant then limits which models and registered voices the request can see or use. Health, metrics,
+the web page and the OpenAPI document stay open (probes and scrapers carry no keys).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cosyserve.server.errors import error_response
+
+__all__ = ["AuthMiddleware", "OPEN_PATHS"]
+
+OPEN_PATHS = (
+    "/",
+    "/health/live",
+    "/health/ready",
+    "/health/startup",
+    "/metrics",
+    "/openapi.json",
+    "/v1/startup",
+)
+
+
+class AuthMiddleware:
+    """Pure ASGI (no response buffering, so streams stay streams)."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self.keys: dict[str, str] = dict(state.config.api_keys)
+
+    def _tenant(self, header: str) -> str | None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        token = token.strip()
+        found = None
+        for key, tenant in self.keys.items():  # compare every key in constant time
+            if hmac.compare_digest(key.encode(), token.encode()):
+                found = tenant
+        return found
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or not self.keys
+            or scope["path"] in OPEN_PATHS
+            or scope["method"] == "OPTIONS"
+        ):
+            await self.app(scope, receive, send)
+            return
+        header = ""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                header = v.decode("latin-1")
+        tenant = self._tenant(header) if header else None
+        if tenant is None:
+            msg = (
+                "missing API key: send 'Authorization: Bearer YOUR_KEY'"
+                if not header
+                else "invalid API key in the Authorization header"
+            )
+            resp = error_response(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await resp(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)

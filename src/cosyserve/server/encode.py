@@ -1,0 +1,203 @@
+"""Audio encoders for responses: whole files and streams, one object per response.
+
+| format | media type | streamed | encoder |
+|---|---|---|---|
+| ``wav`` | audio/wav | yes: 16-bit PCM after a header with unknown sizes (0xFFFFFFFF), which players accept | ours |
+| ``pcm`` | audio/pcm | yes: raw 16-bit signed little-endian mono at the model's rate (header ``X-Sample-Rate``) | ours |
+| ``opus`` | audio/ogg | yes: Ogg/Opus pages, resampled to 48 kHz (Opus takes 8/12/16/24/48 kHz) | libsndfile |
+| ``flac`` | audio/flac | no: encoded when synthesis ends | libsndfile |
+| ``mp3`` | audio/mpeg | no: encoded when synthesis ends (LAME inside libsndfile >= 1.1) | libsndfile |
+
+FLAC and MP3 are not streamed because libsndfile patches their headers at close (STREAMINFO, the LAME tag):
+bytes sent before that stay wrong, and a streamed MP3 measured here decoded to a quarter of its samples.
+
+Samples are clipped to [-1, 1) before 16-bit conversion (the reference multiplies by 2**15 and casts, which
+wraps around on a full-scale sample; clipping is the honest version of the same scale).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FORMATS", "MEDIA_TYPES", "STREAMABLE", "Encoder", "encode_all", "to_int16"]
+
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+}
+FORMATS = tuple(MEDIA_TYPES)
+STREAMABLE = ("wav", "pcm", "opus")
+_SF = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
+_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def to_int16(chunk: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> little-endian int16 bytes (scaled by 2**15, clipped)."""
+    x = np.clip(np.asarray(chunk, dtype=np.float32) * 32768.0, -32768.0, 32767.0)
+    return x.astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
+    """44-byte RIFF/WAVE header for mono 16-bit PCM; ``None`` = unknown length (streaming)."""
+    data = 0xFFFFFFFF if data_bytes is None else data_bytes
+    riff = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data)
+    )
+
+
+def _codec_rate(fmt: str, sample_rate: int) -> int:
+    return 48000 if fmt == "opus" and sample_rate not in _OPUS_RATES else sample_rate
+
+
+def _resample(chunk: np.ndarray, rate: int, out_rate: int) -> np.ndarray:
+    if out_rate == rate:
+        return chunk
+    # linear interpolation is enough ahead of a lossy codec
+    n_out = int(round(len(chunk) * out_rate / rate))
+    if n_out == 0:
+        return chunk[:0]
+    pos = np.arange(n_out) * (rate / out_rate)
+    return np.interp(pos, np.arange(len(chunk)), chunk).astype(np.float32)
+
+
+class _Sink(io.RawIOBase):
+    """A write-only file for libsndfile that hands out appended bytes as they come.
+
+    Bytes already sent cannot change, so a seek back to patch them at close is dropped (Ogg does not need it).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._sent = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        end = self._pos + len(data)
+        if end > len(self._buf):
+            self._buf.extend(b"\0" * (end - len(self._buf)))
+        start = max(self._pos, self._sent)
+        if start < end:
+            self._buf[start:end] = data[start - self._pos :]
+        self._pos = end
+        return len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._buf) if n is None or n < 0 else min(len(self._buf), self._pos + n)
+        out = bytes(self._buf[self._pos : end])
+        self._pos = end
+        return out
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._buf)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def take(self) -> bytes:
+        out = bytes(self._buf[self._sent :])
+        self._sent = len(self._buf)
+        return out
+
+
+class Encoder:
+    """Turns float32 chunks into the bytes of one response in ``fmt``.
+
+    ``header()`` first (for a streamed response), ``encode(chunk)`` per chunk, ``finish()`` last; each returns
+    the bytes to send now (maybe empty).
+    """
+
+    def __init__(self, fmt: str, sample_rate: int) -> None:
+        if fmt not in STREAMABLE:
+            raise ValueError(
+                f"audio format {fmt!r} cannot be streamed; expected one of {', '.join(STREAMABLE)}"
+            )
+        self.fmt = fmt
+        self.sample_rate = sample_rate
+        self.media_type = MEDIA_TYPES[fmt]
+        self._sf: Any = None
+        self._sink: _Sink | None = None
+        self._out_rate = sample_rate
+        if fmt in _SF:
+            import soundfile as sf
+
+            self._out_rate = _codec_rate(fmt, sample_rate)
+            self._sink = _Sink()
+            kind, subtype = _SF[fmt]
+            self._sf = sf.SoundFile(
+                self._sink, mode="w", samplerate=self._out_rate, channels=1, format=kind, subtype=subtype
+            )
+
+    def header(self) -> bytes:
+        return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
+
+    def _resample(self, chunk: np.ndarray) -> np.ndarray:
+        return _resample(chunk, self.sample_rate, self._out_rate)
+
+    def encode(self, chunk: np.ndarray) -> bytes:
+        if self._sf is None:
+            return to_int16(chunk)
+        assert self._sink is not None
+        self._sf.write(np.clip(self._resample(np.asarray(chunk, dtype=np.float32)), -1.0, 1.0))
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        if self._sf is None:
+            return b""
+        assert self._sink is not None
+        self._sf.close()
+        return self._sink.take()
+
+
+def encode_all(chunks: list[np.ndarray], fmt: str, sample_rate: int) -> bytes:
+    """A whole (non-streamed) file: exact sizes in the WAV header."""
+    if fmt == "wav":
+        pcm = b"".join(to_int16(c) for c in chunks)
+        return wav_header(sample_rate, len(pcm)) + pcm
+    if fmt == "pcm":
+        return b"".join(to_int16(c) for c in chunks)
+    import soundfile as sf
+
+    if fmt not in _SF:
+        raise ValueError(f"unknown audio format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    out_rate = _codec_rate(fmt, sample_rate)
+    buf = io.BytesIO()
+    kind, subtype = _SF[fmt]
+    sf.write(
+        buf,
+        np.clip(_resample(audio, sample_rate, out_rate), -1.0, 1.0),
+        out_rate,
+        format=kind,
+        subtype=subtype,
+    )
+    return buf.getvalue()

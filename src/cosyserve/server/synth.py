@@ -1,0 +1,221 @@
+"""One synthesis request from HTTP to audio bytes, shared by the OpenAI and the reference routes.
+
+The response starts only once the first audio chunk exists (or the request failed): a request that cannot be
+served gets a proper JSON error with its status code instead of a 200 with a truncated body. After that,
+chunks are encoded and sent as they come; a client that disconnects cancels the generation in the engine
+(starlette cancels the streaming task; the engine stream's ``aclose`` stops the model at its next token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from cosyserve.engine.engine import SynthesisRequest
+from cosyserve.engine.errors import EngineError
+from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
+
+logger = logging.getLogger("cosyserve.access")
+
+__all__ = ["engine_request", "new_request_id", "synthesize_response"]
+
+
+def new_request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if given and len(given) <= 64 and given.replace("-", "").replace("_", "").isalnum():
+        return given
+    return uuid.uuid4().hex[:16]
+
+
+class _Record:
+    """What one request did, for the access log line and the metrics (filled as it goes)."""
+
+    def __init__(self, state: Any, route: str, model: str, ereq: SynthesisRequest, fmt: str) -> None:
+        self.state = state
+        self.route = route
+        self.model = model
+        self.req = ereq
+        self.fmt = fmt
+        self.t0 = time.perf_counter()
+        self.ttfa_s: float | None = None
+        self.samples = 0
+        self.bytes = 0
+        self.status = 200
+        self.outcome = "ok"
+        self.sample_rate = 0
+
+    def done(self) -> None:
+        total = time.perf_counter() - self.t0
+        audio_s = self.samples / self.sample_rate if self.sample_rate else 0.0
+        self.state.metrics.observe_request(
+            self.route, self.model, self.status, self.outcome, self.ttfa_s, total, audio_s
+        )
+        logger.info(
+            json.dumps(
+                {
+                    "event": "request",
+                    "id": self.req.request_id,
+                    "route": self.route,
+                    "model": self.model,
+                    "mode": self.req.mode,
+                    "voice": self.req.speaker,
+                    "format": self.fmt,
+                    "stream": self.req.stream,
+                    "chars": len(self.req.text),
+                    "status": self.status,
+                    "outcome": self.outcome,
+                    "ttfa_ms": None if self.ttfa_s is None else round(self.ttfa_s * 1e3, 1),
+                    "total_ms": round(total * 1e3, 1),
+                    "audio_s": round(audio_s, 3),
+                    "bytes": self.bytes,
+                },
+                ensure_ascii=False,
+            )
+        )
+
+
+async def _submit(state: Any, model: str, ereq: SynthesisRequest, tenant: str | None) -> Any:
+    if tenant is not None and tenant in state.pool.tenants:
+        return await state.pool.view(tenant).submit(model, ereq)
+    return await state.pool.submit(model, ereq)
+
+
+async def synthesize_response(
+    state: Any,
+    *,
+    route: str,
+    model: str,
+    ereq: SynthesisRequest,
+    fmt: str,
+    tenant: str | None,
+) -> Response:
+    """Run ``ereq`` on ``model`` and answer with its audio in ``fmt`` (``raw`` = the reference's int16 PCM).
+
+    ``ereq.stream`` decides both how the engine cuts the audio and whether the response is streamed
+    (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
+    them to JSON errors); after it, they end the stream early and are logged.
+    """
+    rec = _Record(state, route, model, ereq, fmt)
+    if state.draining:
+        from cosyserve.engine.errors import NotReadyError
+
+        rec.status, rec.outcome = 503, "draining"
+        rec.done()
+        raise NotReadyError("the server is shutting down")
+    try:
+        stream = await _submit(state, model, ereq, tenant)
+        try:
+            first: Any = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+    except EngineError as e:
+        rec.status = int(getattr(e, "status_code", 500))
+        rec.outcome = type(e).__name__
+        rec.done()
+        raise
+    except BaseException:
+        rec.status, rec.outcome = 499, "cancelled"
+        rec.done()
+        raise
+    rec.ttfa_s = time.perf_counter() - rec.t0
+    rec.sample_rate = int(stream.sample_rate or 0)
+    rate = rec.sample_rate
+    headers = {"X-Request-Id": ereq.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
+    if state.demo:
+        headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
+    if first is not None:
+        rec.samples += len(first)
+
+    if fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE):
+        chunks = [] if first is None else [first]
+        try:
+            async for c in stream:
+                chunks.append(c)
+                rec.samples += len(c)
+        except EngineError as e:
+            rec.status = int(getattr(e, "status_code", 500))
+            rec.outcome = type(e).__name__
+            rec.done()
+            raise
+        except BaseException:
+            rec.status, rec.outcome = 499, "cancelled"
+            rec.done()
+            await stream.aclose()
+            raise
+        body = await asyncio.to_thread(encode_all, chunks, fmt, rate)
+        rec.bytes = len(body)
+        rec.done()
+        return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
+
+    enc = Encoder(fmt, rate) if fmt != "raw" else None
+
+    def encode(chunk: Any) -> bytes:
+        return enc.encode(chunk) if enc is not None else to_int16(chunk)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            head = enc.header() if enc is not None else b""
+            data = head + (encode(first) if first is not None else b"")
+            if data:
+                rec.bytes += len(data)
+                yield data
+            async for c in stream:
+                rec.samples += len(c)
+                data = encode(c)
+                if data:
+                    rec.bytes += len(data)
+                    yield data
+            if enc is not None:
+                tail = enc.finish()
+                if tail:
+                    rec.bytes += len(tail)
+                    yield tail
+        except EngineError as e:  # headers are gone: end the stream short and say why in the log
+            rec.outcome = type(e).__name__
+            logger.warning("request %s: stream ended early: %s", ereq.request_id, e)
+        except (asyncio.CancelledError, GeneratorExit):
+            rec.outcome = "client_gone"
+            await stream.aclose()
+            raise
+        finally:
+            await stream.aclose()
+            rec.done()
+
+    media = MEDIA_TYPES.get(fmt, "application/octet-stream")
+    return StreamingResponse(body(), media_type=media, headers=headers)
+
+
+def engine_request(
+    state: Any,
+    request_id: str,
+    *,
+    text: str = "",
+    speaker: str | None = None,
+    mode: str = "sft",
+    stream: bool,
+    speed: float = 1.0,
+    seed: int | None = None,
+    tenant: str | None = None,
+    **fields: Any,
+) -> SynthesisRequest:
+    """An engine request with the server's deadline and the tenant's registry namespace."""
+    return SynthesisRequest(
+        text=text,
+        speaker=speaker,
+        mode=mode,  # type: ignore[arg-type]
+        stream=stream,
+        speed=speed,
+        seed=seed,
+        deadline=time.monotonic() + state.config.request_timeout_s,
+        request_id=request_id,
+        tenant=tenant or "default",
+        **fields,
+    )
