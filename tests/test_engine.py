@@ -481,3 +481,27 @@ def test_real_tiny_model_through_engine_matches_direct_call(tiny_bundle: Any) ->
     assert gate.tokens - at_close <= 1, "the LM kept generating after the request was cancelled"
     e.release_sync(30)
     assert e.state is S.RELEASED
+
+
+def test_a_cancelled_waiter_does_not_cancel_the_shared_load() -> None:
+    # a client that disconnects while its model loads must not cancel the load the others wait for
+    gate = threading.Event()
+
+    def loader() -> FakeModel:
+        gate.wait(5)
+        return FakeModel()
+
+    e = Engine("m", loader)
+
+    async def main() -> None:
+        first = asyncio.ensure_future(e.load())
+        second = asyncio.ensure_future(e.load())
+        await asyncio.sleep(0.05)
+        first.cancel()
+        gate.set()
+        assert await asyncio.wait_for(second, 5) is e
+        assert first.cancelled()
+
+    asyncio.run(main())
+    assert e.state is EngineState.READY
+    e.release_sync()

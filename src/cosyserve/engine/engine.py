@@ -63,6 +63,7 @@ __all__ = [
     "AudioStream",
     "MODES",
     "Engine",
+    "shared",
     "EngineState",
     "ModelStats",
     "SyncAudioStream",
@@ -372,6 +373,15 @@ def _make_instance(model: Any, batch_size: int, torch_threads: int | None, name:
     return _Instance(model, _install_gate(model), batcher)
 
 
+async def shared(fut: concurrent.futures.Future[Any]) -> Any:
+    """Await a future other callers share (a load, a release): cancelling this waiter leaves it running.
+
+    ``asyncio.wrap_future`` alone would cancel the shared future when one waiting request is cancelled (a
+    client that disconnects during a model load), and the loader thread would then fail to set its result.
+    """
+    return await asyncio.shield(asyncio.wrap_future(fut))
+
+
 def _start(model: Any, r: SynthesisRequest) -> Iterator[np.ndarray]:
     # a full model (cosyserve.load) runs every mode; a minimal one (tests' fakes) only sft via synthesize()
     if callable(getattr(model, "synthesize_request", None)):
@@ -551,7 +561,7 @@ class Engine:
 
     async def load(self) -> Engine:
         """Await the (shared) load; see :meth:`start_load`."""
-        return await asyncio.wrap_future(self.start_load())
+        return await shared(self.start_load())
 
     def load_sync(self, timeout: float | None = None) -> Engine:
         return self.start_load().result(timeout)
@@ -826,7 +836,7 @@ class Engine:
         return fut
 
     async def release(self, timeout: float | None = 30.0) -> None:
-        await asyncio.wrap_future(self.start_release(timeout))
+        await shared(self.start_release(timeout))
 
     def release_sync(self, timeout: float | None = 30.0) -> None:
         self.start_release(timeout).result()

@@ -43,6 +43,7 @@ from cosyserve.engine.engine import (
     ModelStats,
     SyncAudioStream,
     SynthesisRequest,
+    shared,
 )
 from cosyserve.engine.errors import MemoryBudgetError, OverloadedError, QuotaExceededError, UnknownModelError
 
@@ -391,7 +392,7 @@ class ModelPool:
         entry, fut = self._lookup(name, tenant)
         for _ in range(3):
             if fut is not None:
-                await asyncio.wrap_future(fut)
+                await shared(fut)
             stream = self._admit(entry, lambda e, done: e.synthesize(request, done), on_done)
             if stream is not None:
                 return stream
@@ -457,7 +458,7 @@ class ModelPool:
             return self._ensure_loading_locked(entry, None)
 
     async def load(self, name: str) -> Engine:
-        return await asyncio.wrap_future(self.start_load(name))
+        return await shared(self.start_load(name))
 
     def _ensure_loading_locked(self, entry: _Entry, tenant: str | None) -> concurrent.futures.Future[Engine]:
         if entry.load_future is not None and not entry.load_future.done():
@@ -701,7 +702,7 @@ class ModelPool:
     async def start(self, housekeeping_interval_s: float | None = 1.0) -> None:
         """Preload (in parallel; raises if one fails) and start housekeeping."""
         futs = self.start_preload()
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        await asyncio.gather(*(shared(f) for f in futs))
         if housekeeping_interval_s is not None and self._housekeeping is None:
             self._housekeeping = asyncio.ensure_future(self.run_housekeeping(housekeeping_interval_s))
 
@@ -724,7 +725,7 @@ class ModelPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeping
             self._housekeeping = None
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in self.start_close(timeout)))
+        await asyncio.gather(*(shared(f) for f in self.start_close(timeout)))
 
     def close_sync(self, timeout: float | None = None) -> None:
         concurrent.futures.wait(self.start_close(timeout))

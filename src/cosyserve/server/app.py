@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.engine.engine import shared
 from cosyserve.engine.errors import EngineError, UnknownModelError
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
 from cosyserve.server.errors import HTTPError, error_response, from_engine_error
@@ -191,7 +192,9 @@ class ServerState:
         self.preload = [n for n in self.model_names if self.pool._entries[n].spec.policy == "preload"]
         futs = self.pool.start_preload()
         try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+            await asyncio.gather(*(shared(f) for f in futs))
+        except asyncio.CancelledError:
+            raise  # shutting down before the models were ready
         except BaseException as e:  # noqa: BLE001 - reported on /health/startup and by the exit code
             self.startup_error = e
             self.startup_done = True

@@ -11,13 +11,13 @@ wav/pcm/opus, still sent as it comes.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.engine.engine import shared
 from cosyserve.server.errors import HTTPError
 from cosyserve.server.schemas import parse_speech_request
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
@@ -47,7 +47,7 @@ async def loaded_engine(state: Any, model: str) -> Any:
     """The model's engine, loading it first if it is not resident (a lazy model's first request)."""
     eng = state.pool.engine(model)
     if eng is None or eng.state.value != "ready":
-        eng = await asyncio.wrap_future(state.pool.start_load(model))
+        eng = await shared(state.pool.start_load(model))
     return eng
 
 

@@ -1,0 +1,154 @@
+"""Server pieces that need no running server: config checks, audio encoders, request-body checks, API keys."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyserve.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_model_arg
+from cosyserve.server.encode import STREAMABLE, Encoder, encode_all, to_int16, wav_header
+from cosyserve.server.errors import HTTPError
+from cosyserve.server.schemas import parse_speech_request
+
+RATE = 22050
+
+
+def tone(seconds: float = 1.0, rate: int = RATE) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+# -- config ------------------------------------------------------------------------------------------------
+
+
+def test_model_args_name_defaults_to_the_directory_and_can_be_given() -> None:
+    assert parse_model_arg("/models/CosyVoice-300M-SFT/").name == "CosyVoice-300M-SFT"
+    m = parse_model_arg("sft=/models/x")
+    assert (m.name, m.source) == ("sft", "/models/x")
+    with pytest.raises(ServerConfigError, match="model name"):
+        parse_model_arg("bad name!=/x")
+    with pytest.raises(ServerConfigError, match="no path"):
+        parse_model_arg("x=")
+
+
+def test_flags_win_over_env_and_bad_values_name_their_source() -> None:
+    env = {"COSYSERVE_PORT": "9000", "COSYSERVE_MAX_TEXT_CHARS": "100"}
+    cfg = ServerConfig.from_args(env=env)
+    assert (cfg.port, cfg.max_text_chars) == (9000, 100)
+    assert ServerConfig.from_args(port=8001, env=env).port == 8001
+    with pytest.raises(ServerConfigError, match="COSYSERVE_PORT='http'"):
+        ServerConfig.from_args(env={"COSYSERVE_PORT": "http"})
+    with pytest.raises(ServerConfigError, match="between"):
+        ServerConfig.from_args(env={"COSYSERVE_REQUEST_TIMEOUT": "-1"})
+    with pytest.raises(ServerConfigError, match="not an origin"):
+        ServerConfig.from_args(env={"COSYSERVE_CORS_ORIGINS": "example.com"})
+    with pytest.raises(ServerConfigError, match="given twice"):
+        ServerConfig.from_args(models=["/a/m", "/b/m"], env={})
+    assert ServerConfig.from_args(env={}).demo, "no model and no pool config must mean the demo model"
+
+
+def test_api_keys_parse_and_reject_bad_entries(tmp_path) -> None:
+    assert parse_api_keys("k-aaaaaaaa=alice, k-bbbbbbbb=bob # comment", "x") == {
+        "k-aaaaaaaa": "alice",
+        "k-bbbbbbbb": "bob",
+    }
+    with pytest.raises(ServerConfigError, match="KEY=TENANT"):
+        parse_api_keys("justakey12345", "x")
+    with pytest.raises(ServerConfigError, match="at least 8"):
+        parse_api_keys("short=alice", "x")
+    with pytest.raises(ServerConfigError, match="twice"):
+        parse_api_keys("k-aaaaaaaa=a,k-aaaaaaaa=b", "x")
+    f = tmp_path / "keys"
+    f.write_text("# keys\nk-cccccccc=carol\n")
+    cfg = ServerConfig.from_args(api_keys_file=str(f), env={"COSYSERVE_API_KEYS": "k-dddddddd=dan"})
+    assert dict(cfg.api_keys) == {"k-cccccccc": "carol", "k-dddddddd": "dan"}
+    with pytest.raises(ServerConfigError, match="cannot read"):
+        ServerConfig.from_args(api_keys_file=str(tmp_path / "missing"), env={})
+
+
+# -- encoders ----------------------------------------------------------------------------------------------
+
+
+def test_int16_scaling_matches_the_reference_and_clips_instead_of_wrapping() -> None:
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.5], dtype=np.float32)
+    got = np.frombuffer(to_int16(x), dtype="<i2")
+    # the reference sends (x * 2**15).astype(int16); 1.0 and 1.5 would wrap to negative there
+    assert got.tolist() == [0, 16384, -16384, 32767, -32768, 32767]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
+def test_whole_files_decode_to_the_same_duration(fmt: str) -> None:
+    x = tone(1.0)
+    data = encode_all([x[:10000], x[10000:]], fmt, RATE)
+    audio, rate = sf.read(io.BytesIO(data))
+    assert abs(len(audio) / rate - 1.0) < 0.06, f"{fmt}: {len(audio)} samples at {rate} Hz"
+    if fmt in ("wav", "flac"):  # lossless: the samples survive up to 16-bit rounding
+        assert rate == RATE and np.abs(audio - x).max() < 1e-4
+
+
+@pytest.mark.parametrize("fmt", STREAMABLE)
+def test_streamed_bytes_decode_like_the_whole_file(fmt: str) -> None:
+    x = tone(1.5)
+    enc = Encoder(fmt, RATE)
+    parts = [enc.header()] + [enc.encode(x[i : i + 4000]) for i in range(0, len(x), 4000)] + [enc.finish()]
+    data = b"".join(parts)
+    if fmt == "pcm":
+        assert np.array_equal(np.frombuffer(data, "<i2"), np.frombuffer(to_int16(x), "<i2"))
+        return
+    audio, rate = sf.read(io.BytesIO(data))
+    assert abs(len(audio) / rate - 1.5) < 0.06, f"{fmt}: streamed file lost samples ({len(audio)} at {rate})"
+    if fmt == "wav":
+        assert data[:4] == b"RIFF" and np.abs(audio - x).max() < 1e-4
+
+
+def test_wav_header_sizes() -> None:
+    h = wav_header(RATE, 100)
+    assert (
+        len(h) == 44 and int.from_bytes(h[4:8], "little") == 136 and int.from_bytes(h[40:44], "little") == 100
+    )
+    assert wav_header(RATE, None)[40:44] == b"\xff\xff\xff\xff"
+    with pytest.raises(ValueError, match="cannot be streamed"):
+        Encoder("mp3", RATE)
+
+
+# -- request bodies ----------------------------------------------------------------------------------------
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps({"input": "Hello.", "voice": "alloy"} | fields).encode()
+
+
+def test_speech_request_defaults_are_openais() -> None:
+    r = parse_speech_request(body(), 100)
+    assert (r.response_format, r.speed, r.stream, r.seed, r.model) == ("mp3", 1.0, False, None, None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (body(input=""), "input", "empty"),
+        (body(input="x" * 101), "input", "limit is 100"),
+        (body(input=3), "input", "must be a string"),
+        (body(voice=""), "voice", "empty"),
+        (body(response_format="ogg"), "response_format", "not supported"),
+        (body(speed=3), "speed", "between 0.5 and 2.0"),
+        (body(speed="fast"), "speed", "number"),
+        (body(speed=True), "speed", "number"),
+        (body(stream="yes"), "stream", "true or false"),
+        (body(stream=True, speed=1.5), "speed", "stream=false"),
+        (body(seed=-1), "seed", "integer"),
+        (body(temperature=1), "temperature", "unknown field"),
+        (body(stream_format="sse"), "stream_format", "not supported"),
+        (json.dumps({"voice": "alloy"}).encode(), "input", "required"),
+    ],
+)
+def test_bad_speech_requests_name_their_field(raw: bytes, param: str | None, message: str) -> None:
+    with pytest.raises(HTTPError) as info:
+        parse_speech_request(raw, 100)
+    assert info.value.status == 400 and info.value.param == param and message in info.value.message
