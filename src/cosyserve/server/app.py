@@ -114,6 +114,14 @@ class ServerState:
         self.pool = pool
         self.metrics = Metrics(self)
         self.pool.add_listener(self.metrics.on_pool_event)
+        self.load_errors: dict[str, str] = {}  # the pool drops a failed engine; health still names the cause
+        self.pool.add_listener(self._on_pool_event)
+
+    def _on_pool_event(self, ev: Any) -> None:
+        if ev.kind == "load_failed":
+            self.load_errors[ev.model] = ev.detail
+        elif ev.kind == "loaded":
+            self.load_errors.pop(ev.model, None)
 
     def _load_model(self, spec: Any, reload: bool) -> Any:
         import cosyserve
@@ -164,7 +172,9 @@ class ServerState:
 
     def _state(self, name: str) -> str:
         eng = self.pool.engine(name)
-        return eng.state.value if eng is not None else "unloaded"
+        if eng is None:
+            return "failed" if name in self.load_errors else "unloaded"
+        return eng.state.value
 
     def describe_models(self) -> dict[str, Any]:
         out = {}
@@ -175,7 +185,7 @@ class ServerState:
                 "preload": n in self.preload,
                 "in_flight": eng.in_flight if eng is not None else 0,
                 "queue_depth": eng.queue_depth if eng is not None else 0,
-                "cause": repr(eng.cause) if eng is not None and eng.cause is not None else None,
+                "cause": self.load_errors.get(n) if eng is None else (repr(eng.cause) if eng.cause else None),
             }
         return out
 
@@ -288,7 +298,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
     async def openapi(request: Request) -> Response:
         from cosyserve.server.schemas import openapi_document
 
-        return JSONResponse(openapi_document())
+        return JSONResponse(openapi_document(config.max_text_chars))
 
     routes = [
         Route("/", index, methods=["GET"]),
@@ -304,6 +314,8 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPError)
+        route = request.scope.get("route")
+        state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status, exc.code or "error")
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:
@@ -316,6 +328,8 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
             404: f"no route {request.url.path}",
             405: f"method {request.method} not allowed on {request.url.path}",
         }
+        route = request.scope.get("route")
+        state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
     middleware = [Middleware(AuthMiddleware, state=state)]

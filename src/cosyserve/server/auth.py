@@ -31,6 +31,19 @@ class AuthMiddleware:
     def __init__(self, app: ASGIApp, state: Any) -> None:
         self.app = app
         self.keys: dict[str, str] = dict(state.config.api_keys)
+        self.metrics = state.metrics
+
+    @property
+    def _paths(self) -> set[str]:
+        return {
+            "/v1/audio/speech",
+            "/v1/models",
+            "/v1/audio/voices",
+            "/inference_sft",
+            "/inference_zero_shot",
+            "/inference_cross_lingual",
+            "/inference_instruct",
+        }
 
     def _tenant(self, header: str) -> str | None:
         scheme, _, token = header.partition(" ")
@@ -64,6 +77,9 @@ class AuthMiddleware:
                 else "invalid API key in the Authorization header"
             )
             resp = error_response(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            self.metrics.observe_error(
+                scope["path"] if scope["path"] in self._paths else "unmatched", 401, "invalid_api_key"
+            )
             await resp(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant

@@ -193,11 +193,8 @@ def encode_all(chunks: list[np.ndarray], fmt: str, sample_rate: int) -> bytes:
     out_rate = _codec_rate(fmt, sample_rate)
     buf = io.BytesIO()
     kind, subtype = _SF[fmt]
-    sf.write(
-        buf,
-        np.clip(_resample(audio, sample_rate, out_rate), -1.0, 1.0),
-        out_rate,
-        format=kind,
-        subtype=subtype,
-    )
+    samples: np.ndarray = np.clip(_resample(audio, sample_rate, out_rate), -1.0, 1.0)
+    if fmt == "flac":  # lossless: the very int16 samples wav/pcm carry (libsndfile would round, not truncate)
+        samples = np.frombuffer(to_int16(samples), dtype="<i2")
+    sf.write(buf, samples, out_rate, format=kind, subtype=subtype)
     return buf.getvalue()

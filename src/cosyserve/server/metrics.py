@@ -54,6 +54,11 @@ class _PoolCollector:
         rejected = CounterMetricFamily(
             "cosyserve_engine_rejected", "requests refused at admission", labels=["model", "reason"]
         )
+        finished = CounterMetricFamily(
+            "cosyserve_engine_requests",
+            "requests the engine finished, by outcome (ok, cancelled, deadline, client_error, error)",
+            labels=["model", "outcome"],
+        )
         audio = CounterMetricFamily("cosyserve_audio_seconds", "seconds of audio produced", labels=["model"])
         compute = CounterMetricFamily(
             "cosyserve_compute_seconds", "worker seconds spent synthesizing", labels=["model"]
@@ -79,6 +84,8 @@ class _PoolCollector:
             hits.add_metric([name, "miss"], d["misses"])
             for reason, n in d["rejected"].items():
                 rejected.add_metric([name, reason], n)
+            for outcome, n in d["outcomes"].items():
+                finished.add_metric([name, outcome], n)
             audio.add_metric([name], d["audio_s"])
             compute.add_metric([name], d["compute_s"])
             if d["rtf_p50"] is not None:
@@ -96,6 +103,7 @@ class _PoolCollector:
             evictions,
             hits,
             rejected,
+            finished,
             audio,
             compute,
             rtf,
@@ -172,6 +180,12 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
             registry=self.registry,
         )
+        self.errors = Counter(
+            "cosyserve_http_errors",
+            "requests refused before synthesis (bad body, auth, limits, unknown model/voice), by status and code",
+            ["route", "status", "code"],
+            registry=self.registry,
+        )
         self.pool_events = Counter(
             "cosyserve_pool_events", "model pool events", ["model", "kind"], registry=self.registry
         )
@@ -193,6 +207,9 @@ class Metrics:
             self.ttfa.labels(route, model).observe(ttfa_s)
         if audio_s > 0 and outcome == "ok":
             self.rtf.labels(model).observe(total_s / audio_s)
+
+    def observe_error(self, route: str, status: int, code: str) -> None:
+        self.errors.labels(route, str(status), code).inc()
 
     def on_pool_event(self, ev: Any) -> None:
         self.pool_events.labels(ev.model, ev.kind).inc()

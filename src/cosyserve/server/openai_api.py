@@ -51,6 +51,32 @@ async def loaded_engine(state: Any, model: str) -> Any:
     return eng
 
 
+def voice_known(eng: Any, name: str, tenant: str | None) -> bool | None:
+    """Whether ``name`` is a pre-defined speaker of ``eng`` or a voice registered for ``tenant``; None: can't tell.
+
+    Checked before submitting so that an unknown voice is a 400 naming the field, not the engine's bare 400.
+    """
+    if name in eng.speakers:
+        return True
+    registry = getattr(eng.resident_hint, "registry", None) if eng.resident_hint is not None else None
+    if registry is None:
+        return None
+    try:
+        return registry.get(name, tenant or "default") is not None
+    except Exception:  # noqa: BLE001 - a name the registry cannot hold (a path, too long) is no voice
+        return False
+
+
+def unknown_voice(name: str, model: str, param: str) -> HTTPError:
+    return HTTPError(
+        400,
+        f"unknown {param} {name!r}: not a speaker of model {model!r} nor a voice registered for this API key "
+        "(GET /v1/audio/voices lists them)",
+        param=param,
+        code="voice_not_found",
+    )
+
+
 def speaker_list(state: Any, model: str, tenant: str | None) -> list[dict[str, Any]]:
     eng = state.pool.engine(model)
     voices: list[dict[str, Any]] = []
@@ -94,8 +120,10 @@ def routes(state: Any) -> list[Route]:
         if voice not in eng.speakers:
             if voice.lower() in OPENAI_VOICES:
                 speaker = default_voice(eng)
+            elif voice_known(eng, voice, tenant) is False:
+                raise unknown_voice(voice, model, "voice")
             else:
-                mode = "zero_shot"  # a registered voice of this tenant (the pipeline says if there is none)
+                mode = "zero_shot"  # a registered voice of this tenant
         fields: dict[str, Any] = {}
         if sr.instructions.strip():
             if mode != "sft":

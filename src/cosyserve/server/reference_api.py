@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from cosyserve.server.errors import HTTPError
+from cosyserve.server.openai_api import unknown_voice, voice_known
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
 
 __all__ = ["routes"]
@@ -96,6 +97,9 @@ def routes(state: Any) -> list[Route]:
                 await form.close()
             tenant = state.tenant_of(request)
             model = state.resolve_model(request.headers.get("x-model"), tenant, param="X-Model")
+            eng = state.pool.engine(model)
+            if "spk_id" in values and eng is not None and voice_known(eng, values["spk_id"], tenant) is False:
+                raise unknown_voice(values["spk_id"], model, "spk_id")
             fields: dict[str, Any] = {}
             for src, dst in (
                 ("prompt_text", "prompt_text"),

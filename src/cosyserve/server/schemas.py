@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.server.encode import FORMATS
+from cosyserve.server.encode import FORMATS, MEDIA_TYPES
 from cosyserve.server.errors import HTTPError
 
 __all__ = ["SpeechRequest", "openapi_document", "parse_speech_request"]
@@ -52,6 +52,7 @@ def parse_speech_request(body: bytes, max_chars: int) -> SpeechRequest:
     unknown = sorted(set(data) - _SPEECH_FIELDS)
     if unknown:
         raise _bad(f"unknown field {unknown[0]!r}; accepted: {', '.join(sorted(_SPEECH_FIELDS))}", unknown[0])
+    data = {k: v for k, v in data.items() if v is not None}  # null means "not given", as clients send it
 
     def string(name: str, default: str | None = None, required: bool = False) -> str | None:
         v = data.get(name, default)
@@ -134,35 +135,75 @@ def _error_schema() -> dict[str, Any]:
     }
 
 
-def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.1 description of the API (used by clients and by the schema fuzz test)."""
-    err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
-    audio = {
-        t: {"schema": {"type": "string", "format": "binary"}}
-        for t in ("audio/wav", "audio/mpeg", "audio/pcm")
+def _health_schema() -> dict[str, Any]:
+    model = {
+        "type": "object",
+        "required": ["state", "preload", "in_flight", "queue_depth", "cause"],
+        "properties": {
+            "state": {"type": "string"},
+            "preload": {"type": "boolean"},
+            "in_flight": {"type": "integer", "minimum": 0},
+            "queue_depth": {"type": "integer", "minimum": 0},
+            "cause": {"type": ["string", "null"]},
+        },
     }
+    return {
+        "type": "object",
+        "required": ["status", "models", "demo"],
+        "properties": {
+            "status": {"type": "string"},
+            "models": {"type": "object", "additionalProperties": model},
+            "demo": {"type": "boolean"},
+            "error": {"type": "string"},
+        },
+    }
+
+
+def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
+    """OpenAPI 3.1 description of the API (used by clients and by the schema fuzz test).
+
+    ``max_text_chars`` is the server's text limit, so the document promises exactly what the server accepts.
+    Which voices exist is known only at run time (speakers of the model, voices registered per API key): a
+    well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid voice.
+    """
+    err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    binary = {"type": "string", "format": "binary"}
+    audio = {t: {"schema": binary} for t in dict.fromkeys(MEDIA_TYPES.values())}
 
     def errors(*codes: int) -> dict[str, Any]:
         return {str(c): {"description": "error", "content": err} for c in codes}
 
-    form_field = {"type": "string", "minLength": 1}
-    ref_form = {
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "required": ["tts_text", "spk_id"],
-                "properties": {"tts_text": form_field, "spk_id": form_field},
+    def json_body(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+    # a non-blank string, as the server checks it (blank text or names are refused with a 400)
+    text = {"type": "string", "minLength": 1, "maxLength": max_text_chars, "pattern": r"\S"}
+    name = {"type": "string", "minLength": 1, "maxLength": min(256, max_text_chars), "pattern": r"\S"}
+
+    def reference(op_id: str, fields: dict[str, Any], files: tuple[str, ...] = ()) -> dict[str, Any]:
+        props = {**fields, **{f: binary for f in files}}
+        schema = {"type": "object", "required": list(props), "properties": props}
+        content: dict[str, Any] = {"multipart/form-data": {"schema": schema}}
+        if not files:
+            content["application/x-www-form-urlencoded"] = {"schema": schema}
+
+        def op(method: str) -> dict[str, Any]:
+            return {
+                "operationId": op_id + method.capitalize(),
+                "requestBody": {"required": True, "content": content},
+                "responses": {
+                    "200": {
+                        "description": "raw int16 PCM at the model's rate (X-Sample-Rate)",
+                        "content": {"application/octet-stream": {"schema": binary}},
+                    },
+                    **errors(400, 401, 404, 413, 415, 429, 503, 504),
+                },
             }
-        },
-        "application/x-www-form-urlencoded": {
-            "schema": {
-                "type": "object",
-                "required": ["tts_text", "spk_id"],
-                "properties": {"tts_text": form_field, "spk_id": form_field},
-            }
-        },
-    }
-    health = {"200": {"description": "ok"}, "503": {"description": "not ready"}}
+
+        # GET with a form body is what the reference's own client sends
+        return {"get": op("get"), "post": op("post")}
+
+    health = {"200": json_body("ok", _health_schema()), "503": json_body("not (yet) ok", _health_schema())}
     return {
         "openapi": "3.1.0",
         "info": {"title": "cosyserve", "version": "1"},
@@ -178,12 +219,18 @@ def openapi_document() -> dict[str, Any]:
                     },
                     "responses": {
                         "200": {"description": "audio", "content": audio},
-                        **errors(400, 401, 404, 429, 503, 504),
+                        **errors(400, 401, 404, 413, 415, 429, 503, 504),
                     },
                 }
             },
             "/v1/models": {
-                "get": {"operationId": "listModels", "responses": {"200": {"description": "models"}}}
+                "get": {
+                    "operationId": "listModels",
+                    "responses": {
+                        "200": json_body("models", {"$ref": "#/components/schemas/ModelList"}),
+                        **errors(401),
+                    },
+                }
             },
             "/v1/audio/voices": {
                 "get": {
@@ -191,21 +238,55 @@ def openapi_document() -> dict[str, Any]:
                     "parameters": [
                         {"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}
                     ],
-                    "responses": {"200": {"description": "voices"}, **errors(404)},
+                    "responses": {
+                        "200": json_body("voices", {"$ref": "#/components/schemas/VoiceList"}),
+                        **errors(401, 404),
+                    },
                 }
             },
-            "/inference_sft": {
-                "post": {
-                    "operationId": "inferenceSft",
-                    "requestBody": {"required": True, "content": ref_form},
-                    "responses": {"200": {"description": "raw int16 PCM"}, **errors(400, 404, 429, 503)},
+            "/inference_sft": reference("inferenceSft", {"tts_text": text, "spk_id": name}),
+            "/inference_zero_shot": reference(
+                "inferenceZeroShot", {"tts_text": text, "prompt_text": text}, ("prompt_wav",)
+            ),
+            "/inference_cross_lingual": reference(
+                "inferenceCrossLingual", {"tts_text": text}, ("prompt_wav",)
+            ),
+            "/inference_instruct": reference(
+                "inferenceInstruct", {"tts_text": text, "spk_id": name, "instruct_text": text}
+            ),
+            "/health/live": {
+                "get": {
+                    "operationId": "live",
+                    "responses": {
+                        "200": json_body(
+                            "alive",
+                            {
+                                "type": "object",
+                                "required": ["status", "uptime_s"],
+                                "properties": {"status": {"const": "alive"}, "uptime_s": {"type": "number"}},
+                            },
+                        )
+                    },
                 }
             },
-            "/health/live": {"get": {"operationId": "live", "responses": {"200": {"description": "alive"}}}},
             "/health/ready": {"get": {"operationId": "ready", "responses": health}},
             "/health/startup": {"get": {"operationId": "startup", "responses": health}},
             "/metrics": {
-                "get": {"operationId": "metrics", "responses": {"200": {"description": "Prometheus text"}}}
+                "get": {
+                    "operationId": "metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/v1/startup": {
+                "get": {
+                    "operationId": "startupReport",
+                    "responses": {"200": json_body("start-up timings", {"type": "object"})},
+                }
             },
         },
         "components": {
@@ -215,16 +296,63 @@ def openapi_document() -> dict[str, Any]:
                     "type": "object",
                     "required": ["input", "voice"],
                     "additionalProperties": False,
+                    # an optional field given as null means the field is not given
+                    "properties": {
+                        "model": {"type": ["string", "null"]},
+                        "input": text,
+                        "voice": name,
+                        "response_format": {"enum": [*FORMATS, None], "default": "mp3"},
+                        "speed": {"type": ["number", "null"], "minimum": 0.5, "maximum": 2.0, "default": 1.0},
+                        "stream": {"type": ["boolean", "null"], "default": False},
+                        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
+                        "instructions": {"type": ["string", "null"], "maxLength": max_text_chars},
+                        "stream_format": {"enum": ["audio", None]},
+                    },
+                    # speed is applied to whole sentences: a streamed request keeps the natural speed
+                    "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                    "then": {"properties": {"speed": {"const": 1.0}}},
+                    "example": {"input": "Hello there.", "voice": "alloy", "response_format": "wav"},
+                },
+                "ModelList": {
+                    "type": "object",
+                    "required": ["object", "data"],
+                    "properties": {
+                        "object": {"const": "list"},
+                        "data": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["id", "object", "owned_by", "state"],
+                                "properties": {
+                                    "id": {"type": "string"},
+                                    "object": {"const": "model"},
+                                    "owned_by": {"type": "string"},
+                                    "state": {"type": "string"},
+                                    "demo": {"type": "boolean"},
+                                },
+                            },
+                        },
+                    },
+                },
+                "VoiceList": {
+                    "type": "object",
+                    "required": ["model", "state", "voices"],
                     "properties": {
                         "model": {"type": "string"},
-                        "input": {"type": "string", "minLength": 1, "maxLength": 4096},
-                        "voice": {"type": "string", "minLength": 1},
-                        "response_format": {"type": "string", "enum": list(FORMATS), "default": "mp3"},
-                        "speed": {"type": "number", "minimum": 0.5, "maximum": 2.0, "default": 1.0},
-                        "stream": {"type": "boolean", "default": False},
-                        "seed": {"type": "integer", "minimum": 0},
-                        "instructions": {"type": "string"},
-                        "stream_format": {"type": "string", "enum": ["audio"]},
+                        "state": {"type": "string"},
+                        "voices": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["voice_id", "name", "kind"],
+                                "properties": {
+                                    "voice_id": {"type": "string"},
+                                    "name": {"type": "string"},
+                                    "kind": {"enum": ["pre-defined", "registered"]},
+                                },
+                            },
+                        },
+                        "aliases": {"type": "object", "additionalProperties": {"type": "string"}},
                     },
                 },
             }
