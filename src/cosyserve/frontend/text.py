@@ -249,10 +249,25 @@ def _default_tokenize(text: str) -> list[int]:
     return get_tokenizer().encode(text)
 
 
+def _wetext(normalizer: Any, text: str) -> str:
+    """``normalizer.normalize(text)``, or ``text`` unchanged where wetext fails on it (its token parser asserts
+    on some inputs, e.g. "4/"): odd text is spoken as written rather than failing the request."""
+    with _use_lock:
+        try:
+            return str(normalizer.normalize(text))
+        except Exception as e:  # noqa: BLE001 - a third-party grammar; the raw text is a safe fallback
+            logger.warning(
+                "text normaliser failed on %r (%s: %s); using the text as written",
+                text[:80],
+                type(e).__name__,
+                e,
+            )
+            return text
+
+
 def _normalize_zh(text: str) -> str:
     zh, _ = _get_normalizers()
-    with _use_lock:
-        text = zh.normalize(text)
+    text = _wetext(zh, text)
     text = text.replace("\n", "")
     text = replace_blank(text)
     text = replace_corner_mark(text)
@@ -263,8 +278,7 @@ def _normalize_zh(text: str) -> str:
 
 def _normalize_en(text: str) -> str:
     _, en = _get_normalizers()
-    with _use_lock:
-        text = en.normalize(text)
+    text = _wetext(en, text)
     return spell_out_number(text)
 
 

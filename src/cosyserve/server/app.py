@@ -79,6 +79,7 @@ class ServerState:
         self.clock = PhaseClock()
         self.started_wall = time.time()
         self.draining = False
+        self.drain_started: float | None = None
         self.startup_error: BaseException | None = None
         self.startup_done = False
         self.preload: list[str] = []
@@ -192,6 +193,7 @@ class ServerState:
     def begin_drain(self) -> None:
         if not self.draining:
             self.draining = True
+            self.drain_started = time.monotonic()
             logger.info(
                 "shutting down: readiness is 503 now; in-flight requests get %.0f s",
                 self.config.shutdown_grace_s,
@@ -266,7 +268,9 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
             for sig, h in previous.items():
                 with contextlib.suppress(Exception):
                     signal.signal(sig, h)
-            await state.pool.close(timeout=config.shutdown_grace_s)
+            # one grace period in all: uvicorn already spent part of it waiting for open responses
+            spent = time.monotonic() - (state.drain_started or time.monotonic())
+            await state.pool.close(timeout=max(0.0, config.shutdown_grace_s - spent))
             logger.info("all models released")
 
     async def live(request: Request) -> Response:

@@ -96,6 +96,8 @@ def parse_speech_request(body: bytes, max_chars: int) -> SpeechRequest:
     if stream and speed != 1.0:
         raise _bad("speed other than 1.0 needs stream=false (as in the reference)", "speed")
     seed = data.get("seed")
+    if isinstance(seed, float) and seed.is_integer():  # JSON Schema counts 3.0 as an integer
+        seed = int(seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise _bad("seed must be an integer in [0, 2**63)", "seed")
     instructions = string("instructions", "") or ""
@@ -181,7 +183,7 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
     name = {"type": "string", "minLength": 1, "maxLength": min(256, max_text_chars), "pattern": r"\S"}
 
     def reference(op_id: str, fields: dict[str, Any], files: tuple[str, ...] = ()) -> dict[str, Any]:
-        props = {**fields, **{f: binary for f in files}}
+        props = {**fields, **{f: {**binary, "minLength": 1} for f in files}}
         schema = {"type": "object", "required": list(props), "properties": props}
         content: dict[str, Any] = {"multipart/form-data": {"schema": schema}}
         if not files:

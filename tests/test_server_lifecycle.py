@@ -1,0 +1,268 @@
+"""The server's life: readiness while loading, a failed preload, client disconnects and the SIGTERM drain.
+
+Real ``cosyserve serve`` processes on 127.0.0.1 (tests/server_util.py), plus in-process checks of the same
+states where a real process shows them only for a moment (the app via starlette's TestClient, whose lifespan
+runs the preload). What uvicorn does on SIGTERM: it closes the listening socket at its next tick (~0.1 s), so
+after the signal a probe sees either readiness 503 ("draining") or a refused connection, never 200; requests
+already being answered finish within ``--shutdown-grace`` and the process then exits 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from cosyserve.server.app import ServerState, create_app
+from cosyserve.server.config import ModelArg, ServerConfig
+from server_util import ServerProcess, running_server, start_server
+
+# ~6 sentences: a stream that lasts a few seconds on the tiny model, long after its first chunk
+LONG_TEXT = "Hello there, this is a long sentence to speak. " * 6
+GRACE_S = 120  # generous: the 2-core test machine is shared; the drain normally takes a few seconds
+
+
+def speech_body(text: str = LONG_TEXT, seed: int = 7) -> dict[str, Any]:
+    return {"input": text, "voice": "alloy", "stream": True, "response_format": "pcm", "seed": seed}
+
+
+def refused_or_503(client: httpx.Client, method: str, path: str, **kwargs: Any) -> str:
+    """'refused' when the listener is gone, else the 503 body's status (anything else fails the test)."""
+    try:
+        r = client.request(method, path, **kwargs)
+    except httpx.TransportError:  # connection refused or reset: uvicorn closed its listener
+        return "refused"
+    assert r.status_code == 503, f"{method} {path} after SIGTERM answered {r.status_code}: {r.text[:300]}"
+    return str(r.json().get("status") or r.json()["error"]["message"])
+
+
+def wait_for_log(server: ServerProcess, needle: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while needle not in server.log():
+        if time.monotonic() > end:
+            raise AssertionError(
+                f"{needle!r} not in the server log within {timeout_s} s:\n{server.log()[-3000:]}"
+            )
+        time.sleep(0.05)
+
+
+def metric_samples(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def in_flight(samples: dict[Any, float], model: str) -> float:
+    return samples[("cosyserve_in_flight_requests", (("model", model),))]
+
+
+def count(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(tiny_model_dir, tmp_path_factory.mktemp("lifecycle")) as s:
+        yield s
+
+
+# --- readiness while the model loads ---------------------------------------------------------------------
+
+
+def test_probes_before_ready_say_loading(server: ServerProcess) -> None:
+    """The port opens before the model is ready; any probe answered before that is a 503 with the state.
+
+    The tiny model can load before the first probe gets through, so no 503 at all is accepted here (the
+    in-process test below holds the load to see that state for sure); what was seen must have this shape.
+    """
+    seen = server.before_ready
+    if "ready" in seen:
+        status, body = seen["ready"]
+        assert status == 503 and body["status"] == "not_ready"
+        assert body["models"]["tiny"]["state"] in ("new", "loading", "ready")
+        assert body["models"]["tiny"]["preload"] is True
+        assert seen["live"][0] == 200 and seen["live"][1]["status"] == "alive"
+        status, body = seen["startup"]
+        assert status in (200, 503) and body["status"] in ("starting", "started")
+    with server.client() as c:
+        assert c.get("/health/ready").json()["status"] == "ready"
+        assert c.get("/health/startup").json()["status"] == "started"
+
+
+def test_readiness_is_503_with_the_state_until_the_preload_finishes(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, with the load held back until the test lets it go: live 200, startup/ready 503 'loading'."""
+    gate = threading.Event()
+    original = ServerState._load_model
+
+    def held_load(self: ServerState, spec: Any, reload: bool) -> Any:
+        assert gate.wait(120), "the test never released the load"
+        return original(self, spec, reload)
+
+    monkeypatch.setattr(ServerState, "_load_model", held_load)
+    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),))
+    try:
+        with TestClient(create_app(cfg)) as client:
+            assert client.get("/health/live").status_code == 200
+            r = client.get("/health/ready")
+            assert r.status_code == 503
+            assert r.json()["status"] == "not_ready" and r.json()["models"]["m"]["state"] == "loading"
+            r = client.get("/health/startup")
+            assert r.status_code == 503 and r.json()["status"] == "starting"
+            assert r.json()["models"]["m"]["state"] == "loading"
+            # a request that comes while the preload runs waits for it (as a lazy model's first request does)
+            early: list[Any] = []
+            t = threading.Thread(
+                target=lambda: early.append(
+                    client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy", "seed": 1})
+                )
+            )
+            t.start()
+            gate.set()
+            t.join(120)
+            assert early and early[0].status_code == 200, early and early[0].text
+            end = time.monotonic() + 120
+            while client.get("/health/ready").status_code != 200:
+                assert time.monotonic() < end, client.get("/health/startup").json()
+                time.sleep(0.05)
+            assert client.get("/health/startup").json()["status"] == "started"
+    finally:
+        gate.set()
+
+
+# --- a failed preload --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corrupt_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    bad = tmp_path_factory.mktemp("corrupt") / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "llm.pt").write_bytes((tiny_model_dir / "llm.pt").read_bytes()[:1000])  # a truncated checkpoint
+    return bad
+
+
+def test_failed_preload_exits_3_and_says_why(corrupt_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(corrupt_model_dir, tmp_path, wait_ready=False)
+    answers: list[tuple[int, dict[str, Any]]] = []
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=5.0) as c:
+            end = time.monotonic() + 120
+            while server.proc.poll() is None and time.monotonic() < end:
+                try:
+                    r = c.get("/health/startup")
+                    answers.append((r.status_code, r.json()))
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        rc = server.proc.wait(30)
+    finally:
+        server.stop(grace_s=5)
+    log = server.log()
+    assert rc == 3, f"a failed preload must exit 3, got {rc}:\n{log[-3000:]}"
+    assert "start-up failed" in log and "llm.pt" in log, log[-3000:]
+    for status, body in answers:  # the failed state lasts ~0.1 s before uvicorn stops: seen or not
+        assert status == 503, f"/health/startup said {status} for a model that cannot load: {body}"
+        assert body["status"] in ("starting", "failed")
+        if body["status"] == "failed":
+            assert "llm.pt" in body["error"]
+
+
+def test_failed_preload_is_reported_on_startup_in_process(corrupt_model_dir: Path) -> None:
+    cfg = ServerConfig(models=(ModelArg("bad", str(corrupt_model_dir)),))
+    with TestClient(create_app(cfg)) as client:
+        end = time.monotonic() + 120
+        while (r := client.get("/health/startup")).json()["status"] == "starting":
+            assert time.monotonic() < end, r.json()
+            time.sleep(0.05)
+        body = r.json()
+        assert r.status_code == 503 and body["status"] == "failed"
+        assert "llm.pt" in body["error"] and body["models"]["bad"]["state"] == "failed"
+        assert body["models"]["bad"]["cause"]
+        assert client.get("/health/ready").status_code == 503
+        assert client.get("/health/live").status_code == 200
+
+
+# --- client disconnect --------------------------------------------------------------------------------------
+
+
+def test_client_disconnect_cancels_the_generation(server: ServerProcess) -> None:
+    with server.client() as c:
+        before = metric_samples(c)
+        with c.stream("POST", "/v1/audio/speech", json=speech_body(LONG_TEXT * 2)) as r:
+            assert r.status_code == 200
+            first = next(r.iter_raw())
+            assert first, "the stream sent no audio"
+        # leaving the block closes the connection with most of the audio unsent
+        end = time.monotonic() + 60
+        while True:
+            now = metric_samples(c)
+            gone = count(now, "cosyserve_requests_total", outcome="client_gone") - count(
+                before, "cosyserve_requests_total", outcome="client_gone"
+            )
+            cancelled = count(now, "cosyserve_engine_requests_total", outcome="cancelled") - count(
+                before, "cosyserve_engine_requests_total", outcome="cancelled"
+            )
+            if gone == 1 and cancelled == 1 and in_flight(now, "tiny") == 0:
+                break
+            assert time.monotonic() < end, (
+                f"after the disconnect: client_gone +{gone}, engine cancelled +{cancelled}, "
+                f"in flight {in_flight(now, 'tiny')}\n{server.log()[-2000:]}"
+            )
+            time.sleep(0.1)
+        ok = count(now, "cosyserve_engine_requests_total", outcome="ok")
+        assert ok == count(before, "cosyserve_engine_requests_total", outcome="ok"), "it ran to the end"
+        # the server is fine afterwards
+        assert c.get("/health/ready").status_code == 200
+        r = c.post("/v1/audio/speech", json={**speech_body("Hi there."), "stream": False})
+        assert r.status_code == 200 and len(r.content) > 0
+
+
+# --- SIGTERM drain ------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_the_in_flight_stream_and_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_model_dir, tmp_path, args=["--shutdown-grace", str(GRACE_S)])
+    try:
+        with server.client(timeout=GRACE_S) as c:
+            alone = c.post("/v1/audio/speech", json=speech_body())
+            assert alone.status_code == 200 and len(alone.content) > 0
+            with c.stream("POST", "/v1/audio/speech", json=speech_body()) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                got = [next(chunks)]
+                server.proc.send_signal(signal.SIGTERM)
+                wait_for_log(server, "shutting down: readiness is 503 now")
+                with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
+                    ready = refused_or_503(probe, "GET", "/health/ready")
+                    assert ready in ("refused", "draining")
+                    refused_or_503(probe, "POST", "/v1/audio/speech", json=speech_body("Hi."))
+                try:
+                    got.extend(chunks)  # the rest of the stream, to its last byte
+                except httpx.RemoteProtocolError as e:
+                    raise AssertionError(f"the shutdown cut the in-flight stream: {e}") from e
+            drained = b"".join(got)
+        rc = server.proc.wait(GRACE_S)
+    finally:
+        server.stop(grace_s=5)
+    log = server.log()
+    assert rc == 0, f"a drained server must exit 0, got {rc}:\n{log[-3000:]}"
+    assert len(drained) == len(alone.content), "the in-flight stream was cut short by the shutdown"
+    finished_after = log[log.index("shutting down: readiness is 503 now") :]
+    assert '"outcome": "ok"' in finished_after, "the stream ended before SIGTERM: nothing was drained"
+    assert "all models released" in log
+    assert "timeout graceful shutdown exceeded" not in log
