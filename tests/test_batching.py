@@ -82,7 +82,9 @@ def test_batched_equals_unbatched_with_staggered_joins(model: Any, monkeypatch: 
     generators = [torch.Generator().manual_seed(10 + i) for i in range(len(TEXTS))]
     seen = _recording(monkeypatch, llm_module)
     ref = _in_thread(
-        lambda: [list(lm.inference(*_args(model, t), generator=g)) for t, g in zip(TEXTS, generators, strict=True)]
+        lambda: [
+            list(lm.inference(*_args(model, t), generator=g)) for t, g in zip(TEXTS, generators, strict=True)
+        ]
     )
     ref_logp = [torch.cat(seen[id(g)]) for g in generators]
     assert len({len(r) for r in ref}) > 1, "the texts should give different lengths"
@@ -171,8 +173,15 @@ def test_engine_batch_size_serves_concurrently_with_unbatched_audio(tiny_model_d
         SynthesisRequest(text=TEXTS[2], speaker="英文男", seed=2),
         SynthesisRequest(text=TEXTS[3], speaker="中文女", seed=3, stream=True),
     ]
+    # batched only: a long streaming request whose client leaves after its first chunk
+    leaver = SynthesisRequest(text=" ".join(TEXTS), speaker="英文男", seed=4, stream=True)
 
-    def run(batch_size: int) -> tuple[list[np.ndarray], dict[str, Any]]:
+    def first_chunk_then_close(stream: Any) -> np.ndarray:
+        chunk = next(stream)
+        stream.close()  # cancels: its worker stops at the next token, its LM row is freed
+        return chunk
+
+    def run(batch_size: int) -> tuple[list[np.ndarray], Any, dict[str, Any]]:
         e = Engine(
             "tiny",
             lambda: cosyserve.load(tiny_model_dir, warmup=False),
@@ -181,15 +190,59 @@ def test_engine_batch_size_serves_concurrently_with_unbatched_audio(tiny_model_d
         )
         e.load_sync(60)
         streams = [e.synthesize_sync(r) for r in reqs]  # all admitted at once: none waits for a worker
-        described = e.describe()
-        with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
+        leaving = e.synthesize_sync(leaver) if batch_size > 1 else None
+        batcher = e._instances[0].batcher
+        with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
             futures = [pool.submit(lambda s: np.concatenate(list(s)), s) for s in streams]
+            if leaving is not None:
+                assert pool.submit(first_chunk_then_close, leaving).result(60).size > 0
             audio = [f.result(60) for f in futures]
+        assert e.describe()["batch_size"] == batch_size
         e.release_sync(30)
-        return audio, described
+        return audio, batcher, e.stats.snapshot()["outcomes"]
 
-    single, _ = run(1)
-    batched, described = run(3)
-    assert described["batch_size"] == 3 and described["queue_depth"] == 0
+    single, none, _ = run(1)
+    batched, batcher, outcomes = run(4)
+    assert none is None, "batch_size=1 must keep the plain LM"
+    assert batcher is not None and batcher.stats.prefills == len(reqs) + 1
+    assert batcher.active == 0
+    assert outcomes == {"ok": len(reqs), "cancelled": 1}
     for a, b in zip(batched, single, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_pool_config_reads_batch_size(tmp_path: Path) -> None:
+    from cosyserve.engine.poolconfig import PoolConfigError, load_pool_config
+
+    f = tmp_path / "pool.toml"
+    f.write_text('[pool]\nbatch_size = 2\n[models.a]\npath = "a"\n[models.b]\npath = "b"\nbatch_size = 8\n')
+    cfg = load_pool_config(f, env={})
+    assert (cfg.models["a"].batch_size, cfg.models["b"].batch_size) == (2, 8)
+    cfg = load_pool_config(f, env={"COSYSERVE_BATCH_SIZE": "4"})  # the environment wins over the file
+    assert (cfg.models["a"].batch_size, cfg.models["b"].batch_size) == (4, 4)
+    with pytest.raises(PoolConfigError, match="COSYSERVE_BATCH_SIZE"):
+        load_pool_config(f, env={"COSYSERVE_BATCH_SIZE": "0"})
+
+
+@torch.inference_mode()
+def test_growing_the_cache_keeps_rows_being_decoded(model: Any) -> None:
+    lm = model._pipeline.llm
+    prompt = lm.embed_inputs(*_args(model, TEXTS[0]))
+    t0 = prompt.size(1)
+    tokens = torch.arange(12) + 7
+
+    def run(grow_at: int | None) -> torch.Tensor:
+        lm.llm.encoders[0].self_attn.kv_cache = None  # fresh caches: only just big enough for the prompt
+        lm.setup_caches(2, t0 + (4 if grow_at is not None else 64))
+        row = torch.tensor([1])
+        out = [lm.prefill(prompt, rows=row)]
+        for i, token in enumerate(tokens):
+            if i == grow_at:
+                lm.grow_caches(3, t0 + 64)  # more rows and positions while row 1 is mid-sequence
+            out.append(lm.decode_one_token(token.reshape(1), torch.tensor([t0 + i]), t0 + i + 1, row))
+        return torch.cat(out)
+
+    grown, reference = run(grow_at=3), run(grow_at=None)
+    assert lm.cache_shape() == (2, t0 + 64)
+    # a regrown cache that lost row 1's keys or projected distances would change every later step
+    torch.testing.assert_close(grown, reference, atol=1e-5, rtol=0)

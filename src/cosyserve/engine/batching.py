@@ -26,6 +26,7 @@ rows do not depend on the table's length).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -52,7 +53,12 @@ class _Request:
     """One request's LM state: set up by its consumer, then advanced only by the loop thread."""
 
     def __init__(
-        self, lm_input: Tensor, min_len: int, max_len: int, sampling: SamplingConfig, generator: torch.Generator
+        self,
+        lm_input: Tensor,
+        min_len: int,
+        max_len: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
     ) -> None:
         self.lm_input = lm_input  # (1, T0, C)
         self.min_len = min_len
@@ -123,7 +129,7 @@ class BatchingLM:
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()  # joined, no row yet
         self._active: list[_Request] = []  # holding a row
-        self._free_rows = list(range(max_batch_size - 1, -1, -1))
+        self._free_rows = list(range(max_batch_size))  # a heap: the lowest rows are reused first
         self._thread: threading.Thread | None = None
         self._closed = False
         self._step_no = 0
@@ -203,7 +209,9 @@ class BatchingLM:
                 raise RuntimeError(f"batched LM ({self.name}) is closed")
             self._waiting.append(req)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._main, name=f"cosyserve-batch-{self.name}", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._main, name=f"cosyserve-batch-{self.name}", daemon=True
+                )
                 self._thread.start()
             self._cv.notify()
 
@@ -240,7 +248,7 @@ class BatchingLM:
 
     def _finish_locked(self, req: _Request, item: Any = _DONE) -> None:
         if req.row >= 0:
-            self._free_rows.append(req.row)
+            heapq.heappush(self._free_rows, req.row)
             req.row = -1
         req.logp = None
         if not req.finished:
@@ -258,7 +266,7 @@ class BatchingLM:
                 joiners: list[_Request] = []
                 while self._waiting and self._free_rows:
                     req = self._waiting.popleft()
-                    req.row = self._free_rows.pop()
+                    req.row = heapq.heappop(self._free_rows)
                     self._active.append(req)
                     joiners.append(req)
                 if joiners or self._gather_locked():
@@ -289,7 +297,7 @@ class BatchingLM:
         return True
 
     def _reap_locked(self) -> None:
-        gone = []
+        gone = [r for r in self._active if r.cancelled]
         for req in gone:
             self._active.remove(req)
             self._finish_locked(req)
@@ -362,11 +370,14 @@ class BatchingLM:
                 going.append(j)
         if not going:
             return
+        going.sort(key=lambda j: ready[j].row)
         batch = [ready[j] for j in going]
         device = tokens.device
         idx = torch.tensor(going, dtype=torch.int64, device=device)
         pos = torch.tensor([r.pos for r in batch], dtype=torch.int64, device=device)
-        rows = torch.tensor([r.row for r in batch], dtype=torch.int64, device=device)
+        row_ids = [r.row for r in batch]
+        # rows 0..B-1 (the usual case: the lowest rows are reused first) read the caches as views, not copies
+        rows = None if row_ids == list(range(len(batch))) else torch.tensor(row_ids, device=device)
         kv_len = max(r.pos for r in batch) + 1
         try:
             logp = self.lm.decode_one_token(tokens[idx], pos, kv_len, rows)  # (B, V)

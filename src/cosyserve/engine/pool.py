@@ -76,6 +76,7 @@ class ModelSpec:
         pinned: never evicted (neither TTL nor pressure nor budget).
         idle_ttl_s: release after this many idle seconds (None: never).
         instances: prewarmed instances (``MODEL_POOL_SIZE``), each with its own worker.
+        batch_size: requests each instance serves at once, LM steps batched (``COSYSERVE_BATCH_SIZE``).
         queue_limit: requests allowed to wait per model before :class:`OverloadedError`.
         size_bytes: memory estimate used before the first load (default: the bundle's file sizes).
         warmup: warm-up synthesis on the first load.
@@ -89,6 +90,7 @@ class ModelSpec:
     pinned: bool = False
     idle_ttl_s: float | None = None
     instances: int = 1
+    batch_size: int = 1
     queue_limit: int = 16
     size_bytes: int | None = None
     warmup: bool = True
@@ -100,6 +102,8 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: policy must be preload or lazy, got {self.policy!r}")
         if self.instances < 1:
             raise ValueError(f"model {self.name!r}: instances must be >= 1, got {self.instances}")
+        if self.batch_size < 1:
+            raise ValueError(f"model {self.name!r}: batch_size must be >= 1, got {self.batch_size}")
         if self.idle_ttl_s is not None and self.idle_ttl_s <= 0:
             raise ValueError(f"model {self.name!r}: idle_ttl_s must be > 0, got {self.idle_ttl_s}")
 
@@ -479,6 +483,7 @@ class ModelPool:
             spec.name,
             lambda: self._load_model(spec, reload),
             instances=spec.instances,
+            batch_size=spec.batch_size,
             queue_limit=spec.queue_limit,
             torch_threads=self.torch_threads,
             stats=entry.stats,

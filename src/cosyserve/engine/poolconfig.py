@@ -8,6 +8,7 @@ Example::
     pressure_threshold = 0.8     # evict idle models when memory in use / limit goes above this
     lru_k = 2
     instances = 1                # default prewarmed instances per model (env MODEL_POOL_SIZE)
+    batch_size = 1               # default requests per instance at once, LM batched (env COSYSERVE_BATCH_SIZE)
     queue_limit = 16             # default waiting requests per model
     idle_ttl_s = 600             # default idle TTL (omit: never)
     torch_threads = 1            # torch threads per worker
@@ -26,8 +27,9 @@ Example::
     max_concurrent = 4
 
 Environment overrides (win over the file): ``COSYSERVE_POOL_CONFIG`` (the file, when none is given),
-``MODEL_POOL_SIZE`` (pool.instances), ``COSYSERVE_MEMORY_BUDGET``, ``COSYSERVE_MEMORY_PRESSURE``,
-``COSYSERVE_LRU_K``, ``COSYSERVE_QUEUE_LIMIT``, ``COSYSERVE_IDLE_TTL``, ``COSYSERVE_WORKER_THREADS``.
+``MODEL_POOL_SIZE`` (pool.instances), ``COSYSERVE_BATCH_SIZE`` (pool.batch_size), ``COSYSERVE_MEMORY_BUDGET``,
+``COSYSERVE_MEMORY_PRESSURE``, ``COSYSERVE_LRU_K``, ``COSYSERVE_QUEUE_LIMIT``, ``COSYSERVE_IDLE_TTL``,
+``COSYSERVE_WORKER_THREADS``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ _POOL_KEYS = {
     "pressure_threshold",
     "lru_k",
     "instances",
+    "batch_size",
     "queue_limit",
     "idle_ttl_s",
     "torch_threads",
@@ -132,6 +135,7 @@ _MODEL_KEYS = {
     "pinned",
     "idle_ttl_s",
     "instances",
+    "batch_size",
     "queue_limit",
     "size_bytes",
     "warmup",
@@ -230,6 +234,7 @@ def load_pool_config(
     overrides: dict[str, tuple[str, Any]] = {}
     for var, key, cast in (
         ("MODEL_POOL_SIZE", "instances", int),
+        ("COSYSERVE_BATCH_SIZE", "batch_size", int),
         ("COSYSERVE_MEMORY_BUDGET", "memory_budget", None),
         ("COSYSERVE_MEMORY_PRESSURE", "pressure_threshold", float),
         ("COSYSERVE_LRU_K", "lru_k", int),
@@ -268,6 +273,7 @@ def load_pool_config(
         )
     lru_k = rd("lru_k").int_(pool.get("lru_k", 2), "[pool] lru_k")
     d_instances = rd("instances").int_(pool.get("instances", 1), "[pool] instances")
+    d_batch = rd("batch_size").int_(pool.get("batch_size", 1), "[pool] batch_size")
     d_queue = rd("queue_limit").int_(pool.get("queue_limit", 16), "[pool] queue_limit", minimum=0)
     d_ttl = None
     if "idle_ttl_s" in pool:
@@ -302,6 +308,11 @@ def load_pool_config(
                 r.int_(m["instances"], f"{w} instances")
                 if "instances" in m and "instances" not in overrides
                 else d_instances
+            ),
+            batch_size=(
+                r.int_(m["batch_size"], f"{w} batch_size")
+                if "batch_size" in m and "batch_size" not in overrides
+                else d_batch
             ),
             queue_limit=r.int_(m["queue_limit"], f"{w} queue_limit", 0) if "queue_limit" in m else d_queue,
             size_bytes=r.bytes_(m["size_bytes"], f"{w} size_bytes") if "size_bytes" in m else None,

@@ -104,6 +104,7 @@ class ServerState:
                     policy="preload",
                     instances=env_int("MODEL_POOL_SIZE", 1) or 1,
                     queue_limit=env_int("COSYSERVE_QUEUE_LIMIT", 16, minimum=0) or 0,
+                    batch_size=env_int("COSYSERVE_BATCH_SIZE", 1) or 1,
                 )
             import dataclasses
 
