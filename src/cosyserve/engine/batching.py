@@ -166,22 +166,11 @@ class BatchingLM:
         Same arguments, same tokens for the same generator state. Closing the generator (or dropping it) frees
         the request's cache row at the loop's next step.
         """
-        lm = self.lm
-        sampling = sampling or lm.cfg.sampling
-        if generator is None:
-            generator = torch.Generator(device=text.device)
-            generator.seed()
         # The prompt is encoded here, in the consumer's thread: the text encoder has no cache to share.
-        lm_input = lm.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = lm.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        lm_input, min_len, max_len, sampling, generator = self.lm.prepare_inference(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+        )  # fmt: skip
         if max_len <= 0:
             return
         req = _Request(lm_input, min_len, max_len, sampling, generator)

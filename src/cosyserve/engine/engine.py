@@ -54,7 +54,7 @@ from cosyserve.engine.errors import (
     OverloadedError,
     RequestCancelledError,
 )
-from cosyserve.engine.modes import MODES, Mode, field_errors
+from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +132,7 @@ class SynthesisRequest:
 
     def present(self) -> set[str]:
         """Names of the content fields given (non-blank strings, non-None audio)."""
-        out = {
-            name
-            for name in ("text", "speaker", "prompt_text", "instruct_text")
-            if isinstance(getattr(self, name), str) and getattr(self, name).strip()
-        }
-        return out | {name for name in ("prompt_wav", "source_wav") if getattr(self, name) is not None}
+        return present_fields(self)
 
     def verify(self) -> None:
         """Raise :class:`ClientError` naming the first bad field (checks that need no model)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["MODES", "PROMPT_MODES", "Mode", "field_errors"]
+__all__ = ["MODES", "PROMPT_MODES", "Mode", "field_errors", "present_fields"]
 
 Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "vc"]
 MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct", "vc")
@@ -30,6 +30,16 @@ _ACCEPTS: dict[str, tuple[Mode, ...]] = {
     "instruct_text": ("instruct",),
     "source_wav": ("vc",),
 }
+
+
+def present_fields(request: object) -> set[str]:
+    """Names of the content fields ``request`` gives (non-blank strings, non-None audio)."""
+    out = {
+        name
+        for name in ("text", "speaker", "prompt_text", "instruct_text")
+        if isinstance(getattr(request, name, None), str) and getattr(request, name).strip()
+    }
+    return out | {name for name in ("prompt_wav", "source_wav") if getattr(request, name, None) is not None}
 
 
 def field_errors(mode: str, present: set[str], names: Mapping[str, str] | None = None) -> list[str]:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors
+from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields
 from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
@@ -92,12 +92,7 @@ class SynthesisRequest:
 
     def present(self) -> set[str]:
         """Names of the content fields this request gives (non-blank strings, non-None audio)."""
-        out = {
-            name
-            for name in ("text", "speaker", "prompt_text", "instruct_text")
-            if isinstance(getattr(self, name), str) and getattr(self, name).strip()
-        }
-        return out | {name for name in ("prompt_wav", "source_wav") if getattr(self, name) is not None}
+        return present_fields(self)
 
 
 @dataclass

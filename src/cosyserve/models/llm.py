@@ -173,6 +173,38 @@ class TransformerLM(nn.Module):
         n = text_len.reshape(-1)[:1].to(torch.int64)
         return int(n * min_token_text_ratio), int(n * max_token_text_ratio)
 
+    def prepare_inference(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        sampling: SamplingConfig | None,
+        max_token_text_ratio: float,
+        min_token_text_ratio: float,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
+        """What :meth:`inference` (and the batching LM) start from: ``(lm_input (1, T0, C), min_len, max_len,
+        sampling, generator)``, the generator freshly seeded when none is given (never the global RNG)."""
+        sampling = sampling or self.cfg.sampling
+        if generator is None:
+            generator = torch.Generator(device=text.device)
+            generator.seed()
+        lm_input = self.embed_inputs(
+            text,
+            text_len,
+            prompt_text,
+            prompt_text_len,
+            prompt_speech_token,
+            prompt_speech_token_len,
+            embedding,
+        )
+        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        return lm_input, min_len, max_len, sampling, generator
+
     # --- hot path -----------------------------------------------------------------------------------------------
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
@@ -254,20 +286,10 @@ class TransformerLM(nn.Module):
         Yields:
             Speech token ids (ints < speech_token_size); stops at EOS or max_len.
         """
-        sampling = sampling or self.cfg.sampling
-        if generator is None:
-            generator = torch.Generator(device=text.device)
-            generator.seed()
-        lm_input = self.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+        )  # fmt: skip
         if max_len <= 0:
             return
         t0 = lm_input.size(1)

@@ -52,6 +52,14 @@ class _Record:
         self.outcome = "ok"
         self.sample_rate = 0
 
+    def failed(self, e: BaseException) -> None:
+        """The request ended before its response started: an engine error (its status) or a cancel (499)."""
+        if isinstance(e, EngineError):
+            self.status, self.outcome = int(getattr(e, "status_code", 500)), type(e).__name__
+        else:
+            self.status, self.outcome = 499, "cancelled"
+        self.done()
+
     def done(self) -> None:
         total = time.perf_counter() - self.t0
         audio_s = self.samples / self.sample_rate if self.sample_rate else 0.0
@@ -116,14 +124,8 @@ async def synthesize_response(
             first: Any = await stream.__anext__()
         except StopAsyncIteration:
             first = None
-    except EngineError as e:
-        rec.status = int(getattr(e, "status_code", 500))
-        rec.outcome = type(e).__name__
-        rec.done()
-        raise
-    except BaseException:
-        rec.status, rec.outcome = 499, "cancelled"
-        rec.done()
+    except BaseException as e:
+        rec.failed(e)
         raise
     rec.ttfa_s = time.perf_counter() - rec.t0
     rec.sample_rate = int(stream.sample_rate or 0)
@@ -140,14 +142,8 @@ async def synthesize_response(
             async for c in stream:
                 chunks.append(c)
                 rec.samples += len(c)
-        except EngineError as e:
-            rec.status = int(getattr(e, "status_code", 500))
-            rec.outcome = type(e).__name__
-            rec.done()
-            raise
-        except BaseException:
-            rec.status, rec.outcome = 499, "cancelled"
-            rec.done()
+        except BaseException as e:
+            rec.failed(e)
             await stream.aclose()
             raise
         body = await asyncio.to_thread(encode_all, chunks, fmt, rate)
