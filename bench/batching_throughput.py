@@ -1,5 +1,5 @@
 """Continuous batching: throughput at 1/2/4/8 concurrent requests on ONE model instance, with and without
-batching of the LM, side by side in one run.
+batching of the LM (and of the flow), side by side in one run.
 
     PYTHONPATH=src python bench/batching_throughput.py [--model BUNDLE_OR_MODEL_DIR] [--threads 2] \
         [--concurrency 1,2,4,8] [--rounds 1] [--text ...] [--stream]
@@ -9,9 +9,12 @@ Per concurrency level N, N clients each send ``--rounds`` requests (different se
 
 - unbatched: ``Engine(batch_size=1)``: one worker; the requests wait for it in turn (today's behaviour);
 - batched: ``Engine(batch_size=N)``: N workers share the model, their LM steps run as one batch, flow and
-  vocoder run concurrently in the workers.
+  vocoder run concurrently in the workers;
+- +flow: ``Engine(batch_size=N, batch_flow=True)``: as batched, and the workers' flow and vocoder calls of
+  equal shapes run stacked (every request here has the same text, so same-index windows match).
 
-It prints total audio seconds per wall second for both and their ratio, the batched loop's mean batch size,
+It prints total audio seconds per wall second for each, the gains over unbatched, the batched loop's mean
+batch size and the flow / vocoder batchers' mean stacked batch (calls per run),
 then LLM-only tokens/s (N requests through ``TransformerLM.inference`` one after another vs through a
 :class:`BatchingLM` at once). Random weights generate to ``max_len`` (20 tokens per text token), so every
 request makes the same amount of audio. Figures are wall-clock on a shared machine: noisy.
@@ -29,7 +32,15 @@ from typing import Any
 
 
 def _engine_level(
-    bundle: str, batch_size: int, conc: int, rounds: int, text: str, stream: bool, threads: int
+    bundle: str,
+    batch_size: int,
+    conc: int,
+    rounds: int,
+    text: str,
+    stream: bool,
+    threads: int,
+    batch_flow: bool = False,
+    gather_ms: float | None = None,
 ):
     import cosyserve
     from cosyserve.engine.engine import Engine, SynthesisRequest
@@ -38,6 +49,7 @@ def _engine_level(
         "m",
         lambda: cosyserve.load(bundle, warmup=True),
         batch_size=batch_size,
+        batch_flow=batch_flow,
         queue_limit=64,
         torch_threads=threads,
     )
@@ -47,6 +59,11 @@ def _engine_level(
     list(e.synthesize_sync(SynthesisRequest(text, speaker, seed=0, stream=stream)))  # warm the workers' path
     batcher = e._instances[0].batcher
     steps0, rows0 = (batcher.stats.steps, batcher.stats.rows_decoded) if batcher is not None else (0, 0)
+    stackers = [e._instances[0].flow_batcher, e._instances[0].vocoder_batcher]
+    for b in stackers:
+        if b is not None and gather_ms is not None:
+            b.gather_s = gather_ms / 1000
+    before = [(b.stats.calls, b.stats.runs) if b is not None else (0, 0) for b in stackers]
 
     def client(i: int) -> float:
         audio = 0.0
@@ -64,8 +81,13 @@ def _engine_level(
     mean_batch = 1.0
     if batcher is not None:  # of the timed requests only, not the warm-up
         mean_batch = (batcher.stats.rows_decoded - rows0) / max(1, batcher.stats.steps - steps0)
+    # calls per flow / vocoder run (a stacked run counts once), timed requests only
+    stacked = tuple(
+        (b.stats.calls - c0) / max(1, b.stats.runs - r0) if b is not None else 1.0
+        for b, (c0, r0) in zip(stackers, before, strict=True)
+    )
     e.release_sync(60)
-    return audio, wall, mean_batch
+    return audio, wall, mean_batch, stacked
 
 
 def _llm_level(lm: Any, args: tuple, conc: int, threads: int) -> tuple[float, float, float]:
@@ -105,6 +127,10 @@ def main() -> None:
     ap.add_argument("--text", default="Hello there, this is a test.", help="text of every request")
     ap.add_argument("--stream", action="store_true", help="streaming synthesis")
     ap.add_argument("--skip-engine", action="store_true", help="LLM-only figures only")
+    ap.add_argument("--skip-llm", action="store_true", help="engine figures only")
+    ap.add_argument("--no-flow", action="store_true", help="skip the +flow (batch_flow) column")
+    ap.add_argument("--gather-ms", type=float, help="flow/vocoder batchers' gather window (default: theirs)")
+    ap.add_argument("--skip-unbatched", action="store_true", help="batched columns only (gains vs batched)")
     args = ap.parse_args()
 
     import torch
@@ -129,15 +155,27 @@ def main() -> None:
     )
     if not args.skip_engine:
         print(f"{'conc':>4} {'audio s':>8} | {'unbatched s':>11} {'audio s/s':>9} | {'batched s':>9} "
-              f"{'audio s/s':>9} {'mean B':>6} | {'gain':>5}")  # fmt: skip
+              f"{'audio s/s':>9} {'mean B':>6} {'gain':>5} | {'+flow s':>7} {'audio s/s':>9} {'flow/voc B':>10} "
+              f"{'gain':>5}")  # fmt: skip
         for conc in levels:
-            a1, w1, _ = _engine_level(bundle, 1, conc, args.rounds, args.text, args.stream, args.threads)
-            a2, w2, mb = _engine_level(bundle, conc, conc, args.rounds, args.text, args.stream, args.threads)
-            print(
-                f"{conc:>4} {a1:>8.1f} | {w1:>11.2f} {a1 / w1:>9.2f} | {w2:>9.2f} {a2 / w2:>9.2f} {mb:>6.2f} | "
-                f"{(a2 / w2) / (a1 / w1):>4.2f}x",
-                flush=True,
+            run = (conc, args.rounds, args.text, args.stream, args.threads)
+            a2, w2, mb, _ = _engine_level(bundle, conc, *run)
+            a1, w1, _, _ = (a2, w2, 0, 0) if args.skip_unbatched else _engine_level(bundle, 1, *run)
+            line = (
+                f"{conc:>4} {a1:>8.1f} | {w1:>11.2f} {a1 / w1:>9.2f} | {w2:>9.2f} {a2 / w2:>9.2f} {mb:>6.2f} "
+                f"{(a2 / w2) / (a1 / w1):>4.2f}x"
             )
+            if not args.no_flow and conc > 1:
+                a3, w3, _, (fbm, vbm) = _engine_level(
+                    bundle, conc, *run, batch_flow=True, gather_ms=args.gather_ms
+                )
+                line += (
+                    f" | {w3:>7.2f} {a3 / w3:>9.2f} {fbm:>5.2f}/{vbm:>4.2f} {(a3 / w3) / (a1 / w1):>4.2f}x"
+                )
+            print(line, flush=True)
+    if args.skip_llm:
+        tmp.cleanup()
+        return
 
     m = cosyserve.load(bundle, warmup=True)
     p = m._pipeline

@@ -235,13 +235,13 @@ def test_random_tiny_config_runs_deterministically() -> None:
     assert flow.input_frame_rate == 50
 
 
-def test_rejects_batches_and_bad_noise() -> None:
+def test_rejects_padded_batches_and_bad_noise() -> None:
     flow = tiny_flow()
     with pytest.raises(ValueError, match="noise has shape"):
         synth(flow, 10, noise=torch.zeros(1, 80, 3))
     with pytest.raises(ValueError, match="give both"):
         synth(flow, 10, p=3, f=0, generator=torch.Generator())
-    with pytest.raises(ValueError, match="one utterance"):
+    with pytest.raises(ValueError, match="noise given"):  # a batch's noise: one draw per utterance, given
         flow.inference(
             torch.zeros(2, 5, dtype=torch.long),
             torch.tensor([5, 5]),
@@ -252,4 +252,16 @@ def test_rejects_batches_and_bad_noise() -> None:
             torch.zeros(2, 24),
             torch.zeros(1, 80, 0, 2),
             generator=torch.Generator(),
+        )
+    with pytest.raises(ValueError, match="equal lengths"):  # padding is not supported: batches are stacked
+        flow.inference(
+            torch.zeros(2, 5, dtype=torch.long),
+            torch.tensor([5, 4]),
+            torch.zeros(2, 0, dtype=torch.long),
+            torch.tensor([0, 0]),
+            torch.zeros(2, 0, 80),
+            torch.tensor([0, 0]),
+            torch.zeros(2, 24),
+            torch.zeros(2, 80, 0, 2),
+            noise=torch.zeros(2, 80, mel_length(5, 50)),
         )

@@ -15,7 +15,7 @@ Model work runs on a bounded executor: one worker thread per model instance (``i
 instance (the LM's KV cache is per module, so one instance serves one request at a time). With ``batch_size``
 N > 1 each instance gets N workers instead, and its LM is wrapped in a
 :class:`~cosyserve.engine.batching.BatchingLM`: their LM steps run as one batch, flow and vocoder concurrently
-in the workers (they keep no per-call state on the modules). A request's audio
+in the workers (they keep no per-call state on the modules), or, with ``batch_flow``, stacked where shapes match. A request's audio
 chunks travel from the worker to the request's own ``asyncio.Queue`` through ``loop.call_soon_threadsafe``;
 nothing is polled. A cancelled request (client gone, stream closed, deadline passed) stops at the next speech
 token where the model exposes its LM (:class:`_TokenGate`), else at the next chunk, and its generator is
@@ -343,6 +343,8 @@ class _Instance:
     model: Any
     gate: _TokenGate | None
     batcher: Any = None  # the BatchingLM shared by this instance's workers (batch_size > 1)
+    flow_batcher: Any = None  # the FlowBatcher stacking their same-shape flow calls (batch_flow)
+    vocoder_batcher: Any = None  # the VocoderBatcher stacking their same-shape HiFT calls (batch_flow)
 
 
 def _install_gate(model: Any) -> _TokenGate | None:
@@ -357,15 +359,24 @@ def _install_gate(model: Any) -> _TokenGate | None:
     return gate
 
 
-def _make_instance(model: Any, batch_size: int, torch_threads: int | None, name: str) -> _Instance:
+def _make_instance(
+    model: Any, batch_size: int, torch_threads: int | None, name: str, batch_flow: bool = False
+) -> _Instance:
     pipeline = getattr(model, "_pipeline", None)
     llm = getattr(pipeline, "llm", None)
-    batcher = None
+    batcher = flow_batcher = vocoder_batcher = None
     if batch_size > 1 and llm is not None and not isinstance(llm, _TokenGate) and hasattr(llm, "prefill"):
         from cosyserve.engine.batching import BatchingLM
 
         batcher = pipeline.llm = BatchingLM(llm, batch_size, torch_threads=torch_threads, name=name)
-    return _Instance(model, _install_gate(model), batcher)
+    t2w = getattr(pipeline, "token2wav", None)
+    if batch_flow and batch_size > 1 and hasattr(getattr(t2w, "flow", None), "draw_noise"):
+        from cosyserve.engine.batching import FlowBatcher, VocoderBatcher
+
+        flow_batcher = t2w.flow = FlowBatcher(t2w.flow, batch_size, name=f"{name} flow")
+        if hasattr(getattr(t2w, "hift", None), "draw_source_noise"):
+            vocoder_batcher = t2w.hift = VocoderBatcher(t2w.hift, batch_size, name=f"{name} vocoder")
+    return _Instance(model, _install_gate(model), batcher, flow_batcher, vocoder_batcher)
 
 
 async def shared(fut: concurrent.futures.Future[Any]) -> Any:
@@ -433,6 +444,9 @@ class Engine:
         instances: model instances, each with its own worker thread (``MODEL_POOL_SIZE``).
         batch_size: requests each instance serves at once (its workers), their LM steps batched (continuous
             batching); 1 serves one request at a time per instance.
+        batch_flow: with ``batch_size`` > 1, also stack the workers' flow and vocoder calls of equal shapes
+            (:class:`~cosyserve.engine.batching.FlowBatcher`, :class:`~cosyserve.engine.batching.VocoderBatcher`):
+            audio then equals unbatched audio up to float rounding instead of bit for bit. Off by default.
         queue_limit: requests allowed to wait for a worker; one more fails at once with
             :class:`OverloadedError`.
         torch_threads: torch intra-op threads in each worker thread (None leaves torch's default).
@@ -448,6 +462,7 @@ class Engine:
         *,
         instances: int = 1,
         batch_size: int = 1,
+        batch_flow: bool = False,
         queue_limit: int = 16,
         torch_threads: int | None = 1,
         stats: ModelStats | None = None,
@@ -464,6 +479,7 @@ class Engine:
         self._loader = loader
         self.instances = instances
         self.batch_size = batch_size
+        self.batch_flow = batch_flow
         self.slots = instances * batch_size  # requests served at once
         self.queue_limit = queue_limit
         self.torch_threads = torch_threads
@@ -572,7 +588,10 @@ class Engine:
             else:
                 with concurrent.futures.ThreadPoolExecutor(self.instances) as ex:
                     models = list(ex.map(lambda _: self._loader(), range(self.instances)))
-            instances = [_make_instance(m, self.batch_size, self.torch_threads, self.name) for m in models]
+            instances = [
+                _make_instance(m, self.batch_size, self.torch_threads, self.name, self.batch_flow)
+                for m in models
+            ]
             executor = concurrent.futures.ThreadPoolExecutor(
                 self.slots,
                 thread_name_prefix=f"cosyserve-{self.name}",
@@ -892,6 +911,7 @@ class Engine:
                 "cause": repr(self.cause) if self.cause is not None else None,
                 "instances": self.instances,
                 "batch_size": self.batch_size,
+                "batch_flow": self.batch_flow,
                 "in_flight": self._in_flight,
                 "active": self._active,
                 "queue_depth": self.queue_depth,

@@ -185,16 +185,16 @@ class ConditionalCFM(nn.Module):
         """Integrate the flow from ``noise`` to a mel with classifier-free guidance.
 
         Args:
-            mu: [1, n_feats, T] encoder condition.
-            spks: [1, spk_dim] projected speaker embedding.
-            cond: [1, n_feats, T] prompt mel in the first ``prompt_len`` frames, zeros after.
-            noise: [1, n_feats, T] the starting sample z.
+            mu: [B, n_feats, T] encoder condition.
+            spks: [B, spk_dim] projected speaker embedding.
+            cond: [B, n_feats, T] prompt mel in the first ``prompt_len`` frames, zeros after.
+            noise: [B, n_feats, T] the starting sample z.
             prompt_len: prompt frames at the start (kept in the returned cache).
-            cache: [1, n_feats, C, 2] (z, mu) of a previous chunk; its C frames replace the start of z and mu.
+            cache: [B, n_feats, C, 2] (z, mu) of a previous chunk; its C frames replace the start of z and mu.
             n_timesteps: Euler steps.
-            mask: [1, 1, T] float frame mask, or None for no padding (what single-utterance inference has).
+            mask: [B, 1, T] float frame mask, or None for no padding (what equal-length inference has).
         Returns:
-            (mel [1, n_feats, T] float32, cache [1, n_feats, prompt_len + 34, 2]).
+            (mel [B, n_feats, T] float32, cache [B, n_feats, prompt_len + 34, 2]).
         """
         z = noise.to(mu.dtype)
         if cache is not None and cache.shape[2] > 0:
@@ -217,8 +217,8 @@ class ConditionalCFM(nn.Module):
     def solve_euler(
         self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, mask: Tensor | None
     ) -> Tensor:
-        """Fixed-step Euler with CFG as one batch of 2: row 0 conditioned, row 1 with zero mu, spks and cond."""
-        n, T = x.shape[1], x.shape[2]
+        """Fixed-step Euler with CFG as one batch of 2B: rows :B conditioned, rows B: with zero mu, spks, cond."""
+        B, n, T = x.shape[0], x.shape[1], x.shape[2]
         s = spks.shape[1]
         if 2 * n + s + cond.shape[1] != self.estimator.in_channels:
             raise ValueError(
@@ -228,18 +228,19 @@ class ConditionalCFM(nn.Module):
         dtype = spks.dtype
         x = x.to(dtype)
         # The estimator input cat([x, mu, spks, cond]) lives in one buffer; only x changes per step.
-        h = torch.zeros(2, self.estimator.in_channels, T, device=x.device, dtype=dtype)  # (2, C_in, T)
-        h[0, n : 2 * n] = mu[0]
-        h[0, 2 * n : 2 * n + s] = spks[0].unsqueeze(-1)
-        h[0, 2 * n + s : 2 * n + s + cond.shape[1]] = cond[0]
-        t_in = torch.zeros(2, device=x.device, dtype=dtype)
-        mask_in = None if mask is None else mask.to(dtype).expand(2, -1, -1)
+        h = torch.zeros(2 * B, self.estimator.in_channels, T, device=x.device, dtype=dtype)  # (2B, C_in, T)
+        h[:B, n : 2 * n] = mu
+        h[:B, 2 * n : 2 * n + s] = spks.unsqueeze(-1)
+        h[:B, 2 * n + s : 2 * n + s + cond.shape[1]] = cond
+        t_in = torch.zeros(2 * B, device=x.device, dtype=dtype)
+        mask_in = None if mask is None else mask.to(dtype).repeat(2, 1, 1)
         rate = self.inference_cfg_rate
         for t, dt in _euler_schedule(n_timesteps, self.t_scheduler, dtype, x.device):
-            h[:, :n] = x
-            t_in.copy_(t.expand(2))
-            v = self.estimator.forward_packed(h, mask_in, t_in)  # (2, n, T)
-            v = (1.0 + rate) * v[:1] - rate * v[1:]
+            h[:B, :n] = x
+            h[B:, :n] = x
+            t_in.copy_(t.expand(2 * B))
+            v = self.estimator.forward_packed(h, mask_in, t_in)  # (2B, n, T)
+            v = (1.0 + rate) * v[:B] - rate * v[B:]
             x = x + dt * v
         return x.float()
 
@@ -260,6 +261,18 @@ class MaskedDiffWithXvec(nn.Module):
         self.decoder = ConditionalCFM(cfg.decoder)
         self.length_regulator = InterpolateRegulator(cfg.length_regulator)
 
+    def draw_noise(
+        self,
+        num_tokens: int,
+        prompt_frames: int,
+        generator: torch.Generator,
+        device: torch.device | None = None,
+    ) -> Tensor:
+        """The starting noise [1, n_mels, F + M] that :meth:`inference` draws from ``generator`` when not given."""
+        total = prompt_frames + mel_length(num_tokens, self.input_frame_rate)
+        dtype = self.spk_embed_affine_layer.weight.dtype
+        return torch.randn((1, self.output_size, total), generator=generator, device=device, dtype=dtype)
+
     @torch.inference_mode()
     def inference(
         self,
@@ -278,24 +291,33 @@ class MaskedDiffWithXvec(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Speech tokens -> mel, continuing a prompt and (when streaming) a previous chunk's cache.
 
+        A batch of B > 1 utterances must have equal lengths (every ``token_len`` = T, every
+        ``prompt_token_len`` = P; no padding): row b then equals the call with row b alone, up to float rounding
+        (:class:`~cosyserve.engine.batching.FlowBatcher` stacks concurrent requests' calls this way).
+
         Args:
-            token: [1, T] speech token ids to synthesise.
-            token_len: [1] = T.
-            prompt_token: [1, P] prompt speech tokens (P may be 0).
-            prompt_token_len: [1] = P.
-            prompt_feat: [1, F, n_mels] prompt mel (F may be 0).
-            prompt_feat_len: [1] = F.
-            embedding: [1, spk_embed_dim] speaker x-vector (L2-normalised here).
-            flow_cache: [1, n_mels, C, 2] cache returned by the previous call (C may be 0).
-            noise: [1, n_mels, F + M] starting noise; drawn from ``generator`` when None.
+            token: [B, T] speech token ids to synthesise.
+            token_len: [B] = T.
+            prompt_token: [B, P] prompt speech tokens (P may be 0).
+            prompt_token_len: [B] = P.
+            prompt_feat: [B, F, n_mels] prompt mel (F may be 0).
+            prompt_feat_len: [B] = F.
+            embedding: [B, spk_embed_dim] speaker x-vector (L2-normalised here).
+            flow_cache: [B, n_mels, C, 2] cache returned by the previous call (C may be 0).
+            noise: [B, n_mels, F + M] starting noise; drawn from ``generator`` when None (B = 1 only).
             generator: the source of the noise when ``noise`` is None.
             n_timesteps: Euler steps.
         Returns:
-            (mel [1, n_mels, M] float32 with M = int(T / input_frame_rate * 22050 / 256),
-             new_flow_cache [1, n_mels, F + 34, 2]).
+            (mel [B, n_mels, M] float32 with M = int(T / input_frame_rate * 22050 / 256),
+             new_flow_cache [B, n_mels, F + 34, 2]).
         """
-        if token.shape[0] != 1:
-            raise ValueError(f"flow inference takes one utterance, got a batch of {token.shape[0]}")
+        B = token.shape[0]
+        if B > 1:
+            full = token_len.eq(token.shape[1]).all() and prompt_token_len.eq(prompt_token.shape[1]).all()
+            if not full:
+                raise ValueError(
+                    "a batch of flow inputs needs equal lengths (no padding): stack equal shapes only"
+                )
         if (prompt_token.shape[1] == 0) != (prompt_feat.shape[1] == 0):
             raise ValueError(
                 f"prompt_token has {prompt_token.shape[1]} tokens but prompt_feat has {prompt_feat.shape[1]} frames; "
@@ -308,21 +330,23 @@ class MaskedDiffWithXvec(nn.Module):
         p, t = prompt_token.shape[1], token.shape[1]
         tokens = torch.cat([prompt_token, token], dim=1)
         lens = (prompt_token_len + token_len).to(device)
-        mask = (torch.arange(p + t, device=device) < lens.unsqueeze(1)).unsqueeze(-1).to(dtype)  # (1, P+T, 1)
+        mask = (torch.arange(p + t, device=device) < lens.unsqueeze(1)).unsqueeze(-1).to(dtype)  # (B, P+T, 1)
         x = self.input_embedding(tokens.clamp(min=0)) * mask
         h, _ = self.encoder(x, lens)
-        h = self.encoder_proj(h)  # (1, P+T, n_mels)
+        h = self.encoder_proj(h)  # (B, P+T, n_mels)
 
         f, m = prompt_feat.shape[1], mel_length(t, self.input_frame_rate)
         h, total = self.length_regulator.inference(h[:, :p], h[:, p:], f, m, self.input_frame_rate)
         if noise is None:
             if generator is None:
                 raise ValueError("flow inference needs either `noise` or a `generator` to draw it from")
-            noise = torch.randn((1, self.output_size, total), generator=generator, device=device, dtype=dtype)
-        elif tuple(noise.shape) != (1, self.output_size, total):
-            raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {(1, self.output_size, total)}")
+            if B != 1:
+                raise ValueError("a batch of flow inputs needs its noise given, one draw per utterance")
+            noise = self.draw_noise(t, f, generator, device)
+        elif tuple(noise.shape) != (B, self.output_size, total):
+            raise ValueError(f"noise has shape {tuple(noise.shape)}, expected {(B, self.output_size, total)}")
 
-        cond = torch.zeros(1, self.output_size, total, device=device, dtype=dtype)
+        cond = torch.zeros(B, self.output_size, total, device=device, dtype=dtype)
         cond[:, :, :f] = prompt_feat.to(dtype).transpose(1, 2)
         mel, new_cache = self.decoder.inference(
             mu=h.transpose(1, 2).contiguous(),

@@ -270,6 +270,36 @@ class HiFTGenerator(nn.Module):
             source[:, :, : cache_source.shape[-1]] = cache_source
         return self._decode(speech_feat, source), source
 
+    def draw_source_noise(
+        self,
+        batch: int,
+        samples: int,
+        generator: torch.Generator | None,
+        sine_phase: Tensor | None = None,
+        sine_noise: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The (sine_phase, sine_noise) that :meth:`inference` draws from ``generator`` when not given.
+
+        ``samples`` = mel frames x ``upsample_factor``; given draws are returned as they are. Drawing them before
+        the call (:class:`~cosyserve.engine.batching.VocoderBatcher`) leaves the generator as the call would.
+        """
+        if (sine_phase is None or sine_noise is None) and generator is None:
+            raise ValueError(
+                "HiFT inference draws random numbers: pass generator=torch.Generator(...) or both sine_phase= "
+                "and sine_noise="
+            )
+        H = self.cfg.nb_harmonics + 1
+        if sine_phase is None:
+            assert generator is not None
+            # torch.distributions.Uniform(-pi, pi).sample: low + rand * (high - low), in float32.
+            low, high = torch.tensor(-math.pi), torch.tensor(math.pi)
+            rand = torch.rand((batch, H, 1), generator=generator, device=generator.device)
+            sine_phase = low.to(rand.device) + rand * (high - low).to(rand.device)
+        if sine_noise is None:
+            assert generator is not None
+            sine_noise = torch.randn((batch, H, samples), generator=generator, device=generator.device)
+        return sine_phase, sine_noise
+
     def _source(
         self,
         f0: Tensor,
@@ -286,17 +316,9 @@ class HiFTGenerator(nn.Module):
         rad = f0 * harmonics / cfg.sampling_rate  # (B, H, L) cycles per sample
         theta = 2 * math.pi * (torch.cumsum(rad, dim=-1) % 1)
 
-        if (sine_phase is None or sine_noise is None) and generator is None:
-            raise ValueError(
-                "HiFT inference draws random numbers: pass generator=torch.Generator(...) or both sine_phase= "
-                "and sine_noise="
-            )
-        if sine_phase is None:
-            # torch.distributions.Uniform(-pi, pi).sample: low + rand * (high - low), in float32.
-            low, high = torch.tensor(-math.pi), torch.tensor(math.pi)
-            rand = torch.rand((B, H, 1), generator=generator, device=generator.device)
-            sine_phase = (low.to(rand.device) + rand * (high - low).to(rand.device)).to(device)
-        elif sine_phase.shape != (B, H, 1):
+        # both draws up front, in the reference's order: nothing between them uses the generator
+        sine_phase, sine_noise = self.draw_source_noise(B, L, generator, sine_phase, sine_noise)
+        if sine_phase.shape != (B, H, 1):
             raise ValueError(f"sine_phase must be {(B, H, 1)}, got {tuple(sine_phase.shape)}")
         phase = sine_phase.to(device=device, dtype=torch.float32, copy=True)
         phase[:, 0] = 0  # no random phase for the fundamental
@@ -304,9 +326,7 @@ class HiFTGenerator(nn.Module):
 
         uv = (f0 > cfg.nsf_voiced_threshold).float()  # (B, 1, L)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        if sine_noise is None:
-            sine_noise = torch.randn((B, H, L), generator=generator, device=generator.device)
-        elif sine_noise.shape != (B, H, L):
+        if sine_noise.shape != (B, H, L):
             raise ValueError(f"sine_noise must be {(B, H, L)}, got {tuple(sine_noise.shape)}")
         sine = sine * uv + noise_amp * sine_noise.to(device=device, dtype=torch.float32)
         # The reference then draws `source_noise` (randn_like(uv), the noise branch of SourceModuleHnNSF) that no
