@@ -502,9 +502,8 @@ class Engine:
         self._service_ewma = default_service_s
         self.sample_rate: int | None = None
         self.speakers: list[str] = []
-        self._full_pipeline = (
-            False  # the model runs every mode (synthesize_request) and checks speakers itself
-        )
+        # the model runs every mode (synthesize_request) and checks speakers itself
+        self._full_pipeline = False
         self.resident_hint: Any = None  # the first instance, for the pool's byte accounting
 
     # -- state machine ---------------------------------------------------------------------------------------

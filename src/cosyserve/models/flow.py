@@ -236,8 +236,7 @@ class ConditionalCFM(nn.Module):
         mask_in = None if mask is None else mask.to(dtype).repeat(2, 1, 1)
         rate = self.inference_cfg_rate
         for t, dt in _euler_schedule(n_timesteps, self.t_scheduler, dtype, x.device):
-            h[:B, :n] = x
-            h[B:, :n] = x
+            h.unflatten(0, (2, B))[:, :, :n] = x  # both CFG halves, one write
             t_in.copy_(t.expand(2 * B))
             v = self.estimator.forward_packed(h, mask_in, t_in)  # (2B, n, T)
             v = (1.0 + rate) * v[:B] - rate * v[B:]

@@ -193,6 +193,24 @@ class TransformerLM(nn.Module):
         if generator is None:
             generator = torch.Generator(device=text.device)
             generator.seed()
+        lm_input, min_len, max_len = self._input_and_limits(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            max_token_text_ratio, min_token_text_ratio,
+        )  # fmt: skip
+        return lm_input, min_len, max_len, sampling, generator
+
+    def _input_and_limits(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        max_token_text_ratio: float,
+        min_token_text_ratio: float,
+    ) -> tuple[Tensor, int, int]:
         lm_input = self.embed_inputs(
             text,
             text_len,
@@ -203,7 +221,7 @@ class TransformerLM(nn.Module):
             embedding,
         )
         min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
-        return lm_input, min_len, max_len, sampling, generator
+        return lm_input, min_len, max_len
 
     # --- hot path -----------------------------------------------------------------------------------------------
 
@@ -335,16 +353,10 @@ class TransformerLM(nn.Module):
         Returns:
             (K, speech_token_size + 1) float32 log-probabilities, min_len, max_len.
         """
-        lm_input = self.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        lm_input, min_len, max_len = self._input_and_limits(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            max_token_text_ratio, min_token_text_ratio,
+        )  # fmt: skip
         k = teacher_tokens.numel()
         t0 = lm_input.size(1)
         self.setup_caches(1, t0 + k)

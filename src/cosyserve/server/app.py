@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -72,7 +73,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig, pool: Any = None) -> None:
         from cosyserve.engine.pool import ModelSpec
-        from cosyserve.engine.poolconfig import PoolConfig, build_pool, load_pool_config
+        from cosyserve.engine.poolconfig import build_pool, load_pool_config
         from cosyserve.server.metrics import Metrics
 
         self.config = config
@@ -106,9 +107,7 @@ class ServerState:
                     queue_limit=env_int("COSYSERVE_QUEUE_LIMIT", 16, minimum=0) or 0,
                     batch_size=env_int("COSYSERVE_BATCH_SIZE", 1) or 1,
                 )
-            import dataclasses
-
-            cfg = dataclasses.replace(cfg, models=models) if isinstance(cfg, PoolConfig) else cfg
+            cfg = dataclasses.replace(cfg, models=models)
             pool = build_pool(cfg, load_model=self._load_model)
             self.housekeeping_s: float | None = cfg.housekeeping_interval_s
         else:
@@ -337,7 +336,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
-    middleware = [Middleware(AuthMiddleware, state=state)]
+    middleware = [Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes))]
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

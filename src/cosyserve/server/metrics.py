@@ -214,19 +214,18 @@ class Metrics:
     def on_pool_event(self, ev: Any) -> None:
         self.pool_events.labels(ev.model, ev.kind).inc()
         if ev.kind == "loaded":
-            eng = self.state.pool.engine(ev.model)
-            clock = getattr(getattr(eng, "resident_hint", None), "clock", None)
-            if clock is not None:
-                with self._lock:
-                    self._clocks.setdefault(ev.model, clock)  # the first load is the start-up
+            self._keep_clock(ev.model)
 
     def on_ready(self, ms: float) -> None:
         for name in self.state.model_names:  # a preload model's clock, in case its event came before us
-            eng = self.state.pool.engine(name)
-            clock = getattr(getattr(eng, "resident_hint", None), "clock", None)
-            if clock is not None:
-                with self._lock:
-                    self._clocks.setdefault(name, clock)
+            self._keep_clock(name)
+
+    def _keep_clock(self, name: str) -> None:
+        eng = self.state.pool.engine(name)
+        clock = getattr(getattr(eng, "resident_hint", None), "clock", None)
+        if clock is not None:
+            with self._lock:
+                self._clocks.setdefault(name, clock)  # the first load is the start-up
 
     def model_clocks(self) -> dict[str, Any]:
         with self._lock:
