@@ -25,7 +25,7 @@ def download(model_id: str) -> Path:
         except ImportError:
             raise HubError(
                 f"{model_id}: ModelScope ids need the modelscope package: pip install 'cosyserve[hub]' "
-                "(or download the model yourself and pass its directory)"
+                "(or download the model yourself and pass its directory; no local directory of that name exists)"
             ) from None
         try:
             return Path(ms_download(model_id))
@@ -36,7 +36,7 @@ def download(model_id: str) -> Path:
     except ImportError:
         raise HubError(
             f"{model_id}: Hugging Face ids need huggingface_hub: pip install 'cosyserve[hub]' "
-            "(or download the model yourself and pass its directory)"
+            "(or download the model yourself and pass its directory; no local directory of that name exists)"
         ) from None
     try:
         return Path(snapshot_download(model_id))
