@@ -14,9 +14,12 @@ import sys  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    opts = json.loads(argv[0])
-    from cosyserve.startup import PhaseClock
+    from cosyserve.startup import PhaseClock, hold_gc, prefetch_bundles, release_gc
 
+    hold_gc()  # as `cosyserve serve` does from process start to READY
+    opts = json.loads(argv[0])
+    if opts.get("strategy") != "lazy":
+        prefetch_bundles([opts["model"]])  # as `cosyserve serve` does before importing torch
     clock = PhaseClock()
     clock.add("interpreter", (T_MAIN - clock.t0) * 1e3)
     import cosyserve
@@ -28,6 +31,7 @@ def main(argv: list[str]) -> None:
         threads=opts.get("threads"),
         clock=clock,
     )
+    release_gc()
     speaker = model.speakers[0] if model.speakers else None
     first_audio = None
     if speaker is not None:

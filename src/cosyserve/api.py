@@ -7,9 +7,10 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +30,22 @@ class CosyVoiceModel:
         self.bundle = bundle
         self._parts: Any = None
         self.zero_shot_thread: Any = None  # set when the zero-shot tier loads in the background
+        self.text_thread: Any = None  # set when the text normalisers load in the background
         self._configure_modes()
 
-    def warm_up(self, text: str = "Hello.", max_tokens: int = 4) -> None:
+    def warm_up(self, text: str = "Hello.", max_tokens: int = 2) -> None:
         """Run one tiny synthesis through every component (LLM prefill and ``max_tokens`` decode steps, one
-        flow step, vocoder) so one-time costs (allocator, kernel set-up, first page faults of the hot weights) are paid
-        before READY, not by the first request. The text frontend is not loaded here (see ``load``)."""
+        flow step, vocoder) so one-time costs (allocator, kernel set-up) are paid before READY, not by the first
+        request. One layer of each stack of identical layers runs (:func:`cosyserve.models.one_layer_per_stack`):
+        the costs are per kernel and shape, and a full pass would cost ~5x as much here (the first touch of the
+        weights is the loader's job). The text frontend is not loaded here (see ``load``)."""
+        from cosyserve.models import one_layer_per_stack
+
+        p = self._pipeline
+        with one_layer_per_stack(p.llm, p.token2wav.flow, p.token2wav.hift):
+            self._warm_up(text, max_tokens)
+
+    def _warm_up(self, text: str, max_tokens: int) -> None:
         import torch
 
         p = self._pipeline
@@ -153,6 +164,8 @@ class CosyVoiceModel:
     def synthesize_all(self, text: str = "", speaker: str | None = None, **kwargs: Any) -> np.ndarray:
         """The whole utterance as one float32 array (same arguments as :meth:`synthesize`)."""
         chunks = list(self.synthesize(text, speaker, **kwargs))
+        import numpy as np
+
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     # --- modes and the speaker registry (issue 6) ---------------------------------------------------------------
@@ -256,20 +269,21 @@ class CosyVoiceModel:
         return self._pipeline.registry.export_spk2info(path, tenant=tenant, extra=extra)
 
 
-def _load_zero_shot_tier_in_background(pipeline: Any, clock: Any) -> Any:
-    # after READY: the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+def _after_ready(phase: str, work: Any, clock: Any) -> Any:
+    """Run ``work`` in a daemon thread after READY, timed as ``phase``; a failure is logged, and the first request
+    that needs the tier raises the same error with its context."""
     import threading
 
     def run() -> None:
         t = time.perf_counter()
         try:
-            pipeline.frontend().load_sessions()
-        except Exception:  # noqa: BLE001 - the first zero-shot request raises the same error with its context
-            logger.warning("background load of the zero-shot tier failed", exc_info=True)
+            work()
+        except Exception:  # noqa: BLE001 - see above
+            logger.warning("background load of the %s failed", phase.replace("_", " "), exc_info=True)
             return
-        clock.add("zero_shot_tier", (time.perf_counter() - t) * 1e3)
+        clock.add(phase, (time.perf_counter() - t) * 1e3)
 
-    thread = threading.Thread(target=run, name="cosyserve-zero-shot-tier", daemon=True)
+    thread = threading.Thread(target=run, name=f"cosyserve-{phase}", daemon=True)
     thread.start()
     return thread
 
@@ -339,19 +353,11 @@ def load(
     Raises:
         ConfigError, ModelDirError, BundleError, SettingsError (all ValueError): the input cannot be used.
     """
-    import gc
+    from cosyserve.startup import gc_held
 
-    # A full garbage collection walks every object torch created at import (~80 ms here) and the loader's
-    # allocations trigger several: hold collections off while loading, then freeze what loading built (the
-    # modules live as long as the model) so collections during serving skip it.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
+    with gc_held():
         model = _load(path, threads, strategy, verify, warmup, warmup_text, use_mmap, clock)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    gc.freeze()
     return model
 
 
@@ -373,10 +379,11 @@ def _load(
     verify = verify or settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp")
     warmup = settings.prewarm() if warmup is None else warmup
     warmup_text = warmup_text or os.environ.get("COSYSERVE_WARMUP_TEXT") or "Hello."
-    warmup_tokens = settings.env_int("COSYSERVE_WARMUP_TOKENS", 4) or 4
+    warmup_tokens = settings.env_int("COSYSERVE_WARMUP_TOKENS", 2) or 2
     use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
     threads = threads or settings.env_int("COSYSERVE_THREADS", None)
     tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
+    text_tier = settings.env_choice("COSYSERVE_TEXT_TIER", ("background", "lazy"), "background")
     with clock.phase("imports"):
         import threading
 
@@ -388,6 +395,7 @@ def _load(
         from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
         from cosyserve.engine.pipeline import Pipeline
         from cosyserve.engine.token2wav import StreamPolicy
+        from cosyserve.frontend.text import load_normalizers, normalizers_loaded
         from cosyserve.frontend.tokenizer import get_tokenizer
 
     if threads:
@@ -422,8 +430,14 @@ def _load(
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
+    if text_tier == "background" and not normalizers_loaded():
+        # wetext's normalisers (~0.25 s): the first request's text needs them, a start does not
+        model.text_thread = _after_ready("text_tier", load_normalizers, clock)
     if tier == "background" and "zero_shot" in pipeline.available_modes():
-        model.zero_shot_thread = _load_zero_shot_tier_in_background(pipeline, clock)
+        # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+        model.zero_shot_thread = _after_ready(
+            "zero_shot_tier", lambda: pipeline.frontend().load_sessions(), clock
+        )
     model._parts = parts
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return model

@@ -11,14 +11,13 @@ every value's type.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
-
-import yaml
 
 __all__ = ["ConfigError", "ModelConfig", "Tagged", "build_config", "load_model_config", "read_yaml"]
 
@@ -44,12 +43,10 @@ class _Ref:
 _REF_RE = re.compile(r"^<([A-Za-z_][\w.]*)>$")
 
 
-class _Loader(yaml.SafeLoader):
-    pass
+def _construct_tagged(kind: str):  # type: ignore[no-untyped-def]
+    import yaml
 
-
-def _construct_tagged(kind: str):
-    def construct(loader: _Loader, suffix: str, node: yaml.Node) -> Tagged:
+    def construct(loader: Any, suffix: str, node: Any) -> Tagged:
         if isinstance(node, yaml.MappingNode):
             value: Any = loader.construct_mapping(node, deep=True)
         elif isinstance(node, yaml.SequenceNode):
@@ -62,7 +59,7 @@ def _construct_tagged(kind: str):
     return construct
 
 
-def _construct_ref(loader: _Loader, node: yaml.Node) -> _Ref:
+def _construct_ref(loader: Any, node: Any) -> _Ref:
     text = str(loader.construct_scalar(node)).strip()
     m = _REF_RE.match(text)
     if not m:
@@ -73,9 +70,21 @@ def _construct_ref(loader: _Loader, node: yaml.Node) -> _Ref:
     return _Ref(m.group(1))
 
 
-for _kind in ("new", "name", "apply"):
-    _Loader.add_multi_constructor(f"!{_kind}:", _construct_tagged(_kind))
-_Loader.add_constructor("!ref", _construct_ref)
+@functools.cache
+def _loader() -> type:
+    """The safe loader with the hyperpyyaml tags as data; built on first use (importing yaml costs ~15 ms, and a
+    start from a bundle never reads YAML)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    for kind in ("new", "name", "apply"):
+        Loader.add_multi_constructor(f"!{kind}:", _construct_tagged(kind))
+    Loader.add_constructor("!ref", _construct_ref)
+    return Loader
+
+
 # hyperpyyaml also knows !copy, !tuple, !include, !PLACEHOLDER; none appear in CosyVoice configs. Without a
 # constructor the safe loader refuses them with an error naming the tag and line, which is what we want.
 
@@ -93,8 +102,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read model config {path}: {e}") from e
+    import yaml
+
     try:
-        doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+        doc = yaml.load(text, Loader=_loader())  # noqa: S506 - the loader derives from SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(doc, dict):

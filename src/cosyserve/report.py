@@ -10,7 +10,6 @@ checked with mincore) and reports how many bytes the start then read.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -18,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,8 @@ def evict(paths: list[Path]) -> None:
 
 def resident_bytes(paths: list[Path]) -> int:
     """Bytes of the files now in the page cache, by mincore(2) over a fresh mapping."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    from cosyserve.startup import libc
+
     page = mmap.PAGESIZE
     total = 0
     for p in paths:
@@ -59,7 +60,7 @@ def resident_bytes(paths: list[Path]) -> int:
             npages = (size + page - 1) // page
             vec = (ctypes.c_ubyte * npages)()
             addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            if libc().mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore failed on {p}")
             total += sum(b & 1 for b in vec) * page
         finally:
@@ -69,15 +70,50 @@ def resident_bytes(paths: list[Path]) -> int:
 
 
 def _cold_read_rate(paths: list[Path]) -> float:
-    """Bytes per second reading the (evicted) bundle files sequentially."""
-    evict(paths)
-    n = 0
-    t = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while block := f.read(1 << 24):
-                n += len(block)
-    return n / max(time.perf_counter() - t, 1e-9)
+    """Bytes per second reading the (evicted) bundle files the fastest way measured: the better of one sequential
+    reader (16 MiB reads) and four threads sharing 32 MiB pieces (this VM's disk reads ~4x faster in parallel)."""
+
+    def sequential() -> int:
+        n = 0
+        for p in paths:
+            with open(p, "rb", buffering=0) as f:
+                while block := f.read(1 << 24):
+                    n += len(block)
+        return n
+
+    def parallel(workers: int = 4, piece: int = 32 << 20) -> int:
+        jobs = [(p, off) for p in paths for off in range(0, p.stat().st_size, piece)]
+        lock = threading.Lock()
+        done = [0]
+
+        def work() -> None:
+            buf = memoryview(bytearray(4 << 20))
+            while True:
+                with lock:
+                    if not jobs:
+                        return
+                    p, off = jobs.pop()
+                with open(p, "rb", buffering=0) as f:
+                    end = min(off + piece, p.stat().st_size)
+                    while off < end and (n := os.preadv(f.fileno(), [buf[: min(len(buf), end - off)]], off)) > 0:
+                        off += n
+                        with lock:
+                            done[0] += n
+
+        threads = [threading.Thread(target=work) for _ in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return done[0]
+
+    rates = []
+    for read in (sequential, parallel):
+        evict(paths)
+        t = time.perf_counter()
+        n = read()
+        rates.append(n / max(time.perf_counter() - t, 1e-9))
+    return max(rates)
 
 
 def _spawn(cmd: list[str], env: dict[str, str], marker: str) -> tuple[float, str]:

@@ -47,7 +47,7 @@ class BundleError(ValueError):
 class LoadOptions:
     strategy: Strategy = "preload"
     verify: Verify = "stamp"
-    threads: int = 3  # loader threads: I/O-bound mapping and hashing, GIL released in both
+    threads: int = 3  # I/O threads: hashing and paging in, the GIL released in both
 
     def __post_init__(self) -> None:
         if self.strategy not in ("preload", "lazy", "prefetch"):
@@ -181,7 +181,12 @@ class Bundle:
     # -- load ---------------------------------------------------------------------------------------------
 
     def load(self, options: LoadOptions | None = None, clock: PhaseClock | None = None) -> LoadedParts:
-        """Check the files, build the modules and assign the mapped weights. Returns the loaded parts."""
+        """Check the files, build the modules and assign the mapped weights. Returns the loaded parts.
+
+        Modules are built one after another in this thread: construction is pure Python, and threads would only
+        take turns on the GIL (measured: 135 ms in one thread vs 175-200 ms in three, full-size, warm cache).
+        Meanwhile I/O threads hash what needs verifying and (``preload``) page the files in, both with the GIL
+        released; they are waited for before this returns, so a failed check still loads nothing."""
         from cosyserve.bundle.construct import assert_materialized
         from cosyserve.bundle.official import new_module
 
@@ -190,37 +195,39 @@ class Bundle:
         entries = self._entries()
         with clock.phase("manifest"):
             cfg = self.config
-            with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="cosyserve-open") as pool:
-                files = dict(
-                    zip(entries, pool.map(lambda kv: self._open_checked(*kv), entries.items()), strict=True)
+            files = {name: self._open_checked(name, entry) for name, entry in entries.items()}
+            stamps = self._read_stamps() if options.verify == "stamp" else {}
+            unverified = [n for n in entries if stamps.get(entries[n]["file"]) != _stat_key(files[n].path)]
+            if options.verify == "none":
+                unverified = []
+        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="cosyserve-io") as io:
+            try:
+                hashed = [io.submit(self._hash_check, files[n], entries[n]) for n in unverified]
+                paged = (
+                    [io.submit(_read_all, f) for f in files.values()] if options.strategy == "preload" else []
                 )
-            if options.verify != "none":
-                stamps = self._read_stamps() if options.verify == "stamp" else {}
-                todo = [n for n in entries if stamps.get(entries[n]["file"]) != _stat_key(files[n].path)]
-                if todo:
-                    with ThreadPoolExecutor(max_workers=options.threads) as pool:
-                        list(pool.map(lambda n: self._hash_check(files[n], entries[n]), todo))
-                    if options.verify == "stamp":
-                        stamps.update({entries[n]["file"]: _stat_key(files[n].path) for n in todo})
-                        self._write_stamps(stamps)
-
-        def build(name: str) -> Any:
-            with clock.phase("construct"):
-                module = new_module(name, getattr(cfg, name))
-            with clock.phase("map_assign"):
-                module.load_state_dict(files[name].state_dict(), strict=True, assign=True)
-                assert_materialized(module, str(files[name].path))
-                module.eval()
-            return module
-
-        with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="cosyserve-load") as pool:
-            modules = dict(zip(COMPONENTS, pool.map(build, COMPONENTS), strict=True))
-        speakers = self._speakers(files.get("speakers"))
-        parts = LoadedParts(modules, speakers, files)
-        if options.strategy == "preload":
-            with clock.phase("first_touch"), ThreadPoolExecutor(max_workers=options.threads) as pool:
-                list(pool.map(_read_all, files.values()))
-        return parts
+                modules: dict[str, Any] = {}
+                for name in COMPONENTS:
+                    with clock.phase("construct"):
+                        module = new_module(name, getattr(cfg, name))
+                    with clock.phase("map_assign"):
+                        module.load_state_dict(files[name].state_dict(), strict=True, assign=True)
+                        assert_materialized(module, str(files[name].path))
+                        module.eval()
+                    modules[name] = module
+                with clock.phase("verify"):
+                    for fut in hashed:
+                        fut.result()
+                with clock.phase("first_touch"):
+                    for fut in paged:
+                        fut.result()
+            except BaseException:
+                io.shutdown(wait=True, cancel_futures=True)
+                raise
+        if unverified and options.verify == "stamp":
+            stamps.update({entries[n]["file"]: _stat_key(files[n].path) for n in unverified})
+            self._write_stamps(stamps)
+        return LoadedParts(modules, self._speakers(files.get("speakers")), files)
 
     def _speakers(self, f: Any) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

@@ -125,11 +125,11 @@ def _get_normalizers() -> tuple[Any, Any]:
 
 
 def load_normalizers() -> float:
-    """Create wetext's normalisers and the number speller now (e.g. in a background thread after READY);
-    returns the seconds it took to create them (0 if they already existed)."""
+    """Create wetext's normalisers now (e.g. in a background thread after READY); returns the seconds it took
+    (0 if they already existed). inflect, the number speller, stays lazy: importing it costs ~1.3 s, and it is
+    needed only for digits that wetext leaves."""
     existed = _normalizers is not None
     _get_normalizers()
-    _get_inflect()
     return 0.0 if existed else float(_load_seconds or 0.0)
 
 

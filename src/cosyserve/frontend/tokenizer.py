@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import binascii
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 __all__ = ["LANGUAGES", "Tokenizer", "get_tokenizer"]
@@ -28,7 +27,7 @@ _PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 
 def _read_ranks(path: Path | None) -> dict[bytes, int]:
     if path is None:
-        data = resources.files("cosyserve").joinpath("assets/multilingual.tiktoken").read_bytes()
+        data = (Path(__file__).parents[1] / "assets" / "multilingual.tiktoken").read_bytes()
     else:
         data = Path(path).read_bytes()
     # "<base64 token> <rank>" per line; split + map keeps the 50k-entry parse in C (~35 ms, vs ~80 ms per line)

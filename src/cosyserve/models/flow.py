@@ -245,6 +245,8 @@ class ConditionalCFM(nn.Module):
 
 
 class MaskedDiffWithXvec(nn.Module):
+    REPEATED_STACKS = ("encoder.encoders", "decoder.estimator.mid_blocks")  # see TransformerLM
+
     def __init__(self, cfg: FlowConfig):
         super().__init__()
         if cfg.output_type != "mel":

@@ -103,6 +103,9 @@ def ras_sample(scores: Tensor, history: Tensor, cfg: SamplingConfig, generator: 
 class TransformerLM(nn.Module):
     """Text encoder + speech-token LM; attribute names match the official ``llm.pt`` keys."""
 
+    # stacks of identical layers: a warm-up runs one layer of each (cosyserve.models.one_layer_per_stack)
+    REPEATED_STACKS = ("text_encoder.encoders", "llm.encoders")
+
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         if cfg.text_encoder.input_size != cfg.text_encoder_input_size:

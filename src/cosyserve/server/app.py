@@ -36,7 +36,7 @@ from cosyserve.engine.engine import shared
 from cosyserve.engine.errors import EngineError, UnknownModelError
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
 from cosyserve.server.errors import HTTPError, error_response, from_engine_error
-from cosyserve.startup import PhaseClock
+from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -208,6 +208,7 @@ class ServerState:
         except asyncio.CancelledError:
             raise  # shutting down before the models were ready
         except BaseException as e:  # noqa: BLE001 - reported on /health/startup and by the exit code
+            release_gc()
             self.startup_error = e
             self.startup_done = True
             logger.error("start-up failed: %s", e)
@@ -215,6 +216,7 @@ class ServerState:
                 self._server.should_exit = True
             return
         self.startup_done = True
+        release_gc()  # the CLI held the collector since process start (cosyserve.startup.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
         logger.info(

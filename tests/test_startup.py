@@ -1,0 +1,167 @@
+"""The start path's helpers: the garbage-collector hold, the trimmed warm-up, the text tier, the early readahead."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cosyserve.bundle.convert import convert
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert(tiny_model_dir, tmp_path_factory.mktemp("bundles") / "tiny", progress=False)
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC, **env},
+        timeout=300,
+    )
+
+
+def test_gc_hold_nests_then_freezes_and_restores() -> None:
+    """If this fails, a start leaves the garbage collector off for good (cycles leak in a server), turns it on
+    for a program that had it off, or stops holding it while an outer hold is still open."""
+    code = """
+import gc
+from cosyserve.startup import gc_held, hold_gc, release_gc
+assert gc.isenabled() and gc.get_freeze_count() == 0
+hold_gc()
+with gc_held():
+    assert not gc.isenabled()
+assert not gc.isenabled(), "the inner release ended the outer hold"
+release_gc()
+assert gc.isenabled() and gc.get_freeze_count() > 0, "the last release neither froze nor re-enabled"
+release_gc()  # one too many: nothing happens
+assert gc.isenabled()
+gc.disable()
+with gc_held():
+    pass
+assert not gc.isenabled(), "a hold turned on a collector the program had turned off"
+"""
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_load_leaves_gc_on_and_what_it_built_frozen(bundle_dir: Path) -> None:
+    """If this fails, cosyserve.load leaves the collector off (or never freezes its modules, so every later full
+    collection walks them on the request path)."""
+    code = f"""
+import gc, cosyserve
+m = cosyserve.load({str(bundle_dir)!r}, warmup=False)
+assert gc.isenabled() and gc.get_freeze_count() > 0
+"""
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_one_layer_per_stack_trims_inside_and_restores_after(bundle_dir: Path) -> None:
+    """If this fails, the warm-up runs every layer (slow start) or leaves a model with its stacks cut short."""
+    import cosyserve
+    from cosyserve.models import one_layer_per_stack
+
+    m = cosyserve.load(bundle_dir, warmup=False)
+    llm, flow = m._pipeline.llm, m._pipeline.token2wav.flow
+    stacks = [
+        (mod, path, len(mod.get_submodule(path))) for mod in (llm, flow) for path in type(mod).REPEATED_STACKS
+    ]
+    assert all(n >= 1 for _, _, n in stacks)
+    with one_layer_per_stack(llm, flow, m._pipeline.token2wav.hift):
+        assert all(len(mod.get_submodule(path)) == 1 for mod, path, _ in stacks)
+    assert all(len(mod.get_submodule(path)) == n for mod, path, n in stacks)
+    with pytest.raises(RuntimeError, match="boom"), one_layer_per_stack(llm, flow):
+        raise RuntimeError("boom")
+    assert all(len(mod.get_submodule(path)) == n for mod, path, n in stacks)
+
+
+def test_warm_up_does_not_change_the_audio(bundle_dir: Path) -> None:
+    """If this fails, the warm-up leaves state behind (a trimmed stack, a cache, a generator) that changes what
+    the first request hears."""
+    import cosyserve
+
+    warm = cosyserve.load(bundle_dir, warmup=True)
+    cold = cosyserve.load(bundle_dir, warmup=False)
+    spk = cold.speakers[0]
+    a = warm.synthesize_all("Hello there, one two.", spk, seed=3)
+    b = cold.synthesize_all("Hello there, one two.", spk, seed=3)
+    assert a.size > 0 and (a == b).all()
+    assert warm.clock.durations["warmup"] > 0
+
+
+def test_text_tier_loads_after_ready_by_default_and_lazily_when_asked(bundle_dir: Path) -> None:
+    """If this fails, the text normalisers are on the start path (READY later) or, by default, left for the
+    first request to load (~0.25 s added to it)."""
+    code = f"""
+import sys, cosyserve
+from cosyserve.frontend import text
+m = cosyserve.load({str(bundle_dir)!r}, warmup=True)
+mode = sys.argv[1]
+if mode == "lazy":
+    assert m.text_thread is None and "wetext" not in sys.modules
+else:
+    m.text_thread.join(60)
+    assert text.normalizers_loaded() and m.clock.durations["text_tier"] > 0
+"""
+    for mode in ("background", "lazy"):
+        env = {"COSYSERVE_TEXT_TIER": mode} if mode == "lazy" else {}
+        r = subprocess.run(
+            [sys.executable, "-c", code, mode],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": SRC, **env},
+            timeout=300,
+        )
+        assert r.returncode == 0, (mode, r.stderr)
+    r = _run(f"import cosyserve; cosyserve.load({str(bundle_dir)!r})", COSYSERVE_TEXT_TIER="eager")
+    assert r.returncode != 0 and "COSYSERVE_TEXT_TIER" in r.stderr
+
+
+def test_prefetch_reads_bundle_files_into_the_page_cache(
+    bundle_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If this fails, the early readahead reads nothing, and a cold start waits for the disk after importing
+    torch instead of during it."""
+    from cosyserve.report import evict, resident_bytes
+    from cosyserve.startup import prefetch_bundles, prefetch_files
+
+    big = tmp_path / "weights.safetensors"
+    big.write_bytes(os.urandom(8 << 20))
+    evict([big])
+    if resident_bytes([big]) > 0:
+        pytest.skip("this filesystem keeps the file cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    threads = prefetch_files([big, tmp_path / "missing.safetensors"], piece=1 << 20)
+    for t in threads:
+        t.join(30)
+    assert resident_bytes([big]) == big.stat().st_size
+    assert prefetch_bundles([str(tmp_path)]) == []  # not a bundle: no manifest.json
+    monkeypatch.setenv("COSYSERVE_PRELOAD", "lazy")
+    assert prefetch_bundles([str(bundle_dir)]) == []  # lazy: pages come when used
+    monkeypatch.setenv("COSYSERVE_PRELOAD", "preload")
+    threads = prefetch_bundles([str(bundle_dir)])
+    assert threads
+    for t in threads:
+        t.join(30)
+    files = sorted(bundle_dir.glob("*.safetensors"))
+    assert resident_bytes(files) >= sum(f.stat().st_size for f in files)  # whole pages
+
+
+def test_populate_maps_every_page(bundle_dir: Path) -> None:
+    """If this fails, preload leaves the weights' pages to fault in on the first request (populate maps nothing,
+    or its ctypes madvise call is wrong)."""
+    from cosyserve.bundle.mmap_safetensors import MappedFile
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    f = MappedFile(bundle_dir / "llm.safetensors")
+    before = rss()
+    f.populate()
+    assert rss() - before >= 0.9 * f.size
