@@ -1,10 +1,11 @@
-"""First request after READY vs steady state, with and without warm-up (fresh process per configuration).
+"""First request after READY vs steady state: warm-up on/off, text tier, idle gap (fresh process per configuration).
 
-    python bench/first_request.py --model out/full-bundle [--text "..."] [--threads 2] [--runs 3]
+    python bench/first_request.py --model out/full-bundle [--text "..."] [--threads 2] [--runs 3] [--idle 1.0]
 
-Each configuration starts a fresh process that loads the model (warm-up on or off), then times the same
-one-shot synthesis (same text, same seed, so the same work) three times in a row: the first is "first request",
-the median of the other two "steady state". Prints both and their ratio (target: first <= 1.1x steady).
+Each configuration starts a fresh process that loads the model, optionally waits ``--idle`` seconds (a server's
+first request rarely arrives the instant it turns READY), then makes the same streaming request (same text,
+same seed, so the same work) three times in a row: the first is "first request", the median of the other two
+"steady state". Prints time to first audio and total time for both, and their ratios (target: first <= 1.1x).
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ import time, torch
 torch.set_num_threads({threads})
 import cosyserve
 m = cosyserve.load({model!r}, warmup={warmup}, strategy={strategy!r})
-times = []
+time.sleep({idle})
+vals = []
 for _ in range(3):
     t = time.perf_counter()
-    audio = m.synthesize_all({text!r}, m.speakers[0], seed=0)
-    times.append(time.perf_counter() - t)
-print("BENCH", *times, audio.size / m.sample_rate)
+    first = None
+    n = 0
+    for chunk in m.synthesize({text!r}, m.speakers[0], seed=0, stream=True):
+        first = first or time.perf_counter() - t
+        n += chunk.size
+    vals += [first, time.perf_counter() - t]
+print("BENCH", *vals, n / m.sample_rate)
 """
 
 
@@ -36,38 +42,59 @@ def main() -> None:
     ap.add_argument("--text", default="Hello world.")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--idle", type=float, default=1.0, help="seconds between READY and the first request")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env.pop("COSYSERVE_TEXT_TIER", None)
+    # name: (warm-up, strategy, idle seconds, text tier)
     configs = {
-        "warm-up off, preload": (False, "preload"),
-        "warm-up on, preload": (True, "preload"),
-        "warm-up off, prefetch": (False, "prefetch"),
-        "warm-up on, prefetch": (True, "prefetch"),
-        "warm-up off, lazy": (False, "lazy"),
+        "warm-up off, at once": (False, "preload", 0.0, "background"),
+        "warm-up on, at once": (True, "preload", 0.0, "background"),
+        "warm-up off, after idle": (False, "preload", args.idle, "background"),
+        "warm-up on, after idle": (True, "preload", args.idle, "background"),
+        "warm-up on, text lazy": (True, "preload", args.idle, "lazy"),
+        "warm-up on, lazy pages": (True, "lazy", args.idle, "background"),
     }
-    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
+    rows: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in configs}
+    seconds = 0.0
     for _ in range(args.runs):
-        for name, (warmup, strategy) in configs.items():
+        for name, (warmup, strategy, idle, tier) in configs.items():
             code = CODE.format(
-                threads=args.threads, model=args.model, warmup=warmup, strategy=strategy, text=args.text
+                threads=args.threads,
+                model=args.model,
+                warmup=warmup,
+                strategy=strategy,
+                text=args.text,
+                idle=idle,
             )
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+            r = subprocess.run(
+                [sys.executable, "-c", code],
+                capture_output=True,
+                text=True,
+                env={**env, "COSYSERVE_TEXT_TIER": tier},
+            )
             if r.returncode != 0:
                 raise SystemExit(r.stderr[-3000:])
-            vals = [
-                float(v)
-                for v in next(ln for ln in r.stdout.splitlines() if ln.startswith("BENCH")).split()[1:]
+            v = [
+                float(x)
+                for x in next(ln for ln in r.stdout.splitlines() if ln.startswith("BENCH")).split()[1:]
             ]
-            rows[name].append((vals[0], statistics.median(vals[1:3])))
-            seconds = vals[3]
+            # (first TTFA, first total, steady TTFA, steady total)
+            rows[name].append((v[0], v[1], statistics.median([v[2], v[4]]), statistics.median([v[3], v[5]])))
+            seconds = v[6]
     print(
-        f"\n'{args.text}' ({seconds:.2f} s of audio), {args.threads} threads, medians of {args.runs} processes"
+        f"\n'{args.text}' ({seconds:.2f} s of audio), streamed, {args.threads} threads, idle {args.idle:.1f} s "
+        f"where said; medians of {args.runs} processes"
     )
-    print(f"{'configuration':<24} {'first s':>8} {'steady s':>9} {'first/steady':>13}")
+    print(
+        f"{'configuration':<26} {'TTFA first/steady ms':>21} {'ratio':>6} {'total first/steady s':>21} {'ratio':>6}"
+    )
     for name, vals in rows.items():
-        first = statistics.median(v[0] for v in vals)
-        steady = statistics.median(v[1] for v in vals)
-        print(f"{name:<24} {first:8.2f} {steady:9.2f} {first / steady:12.2f}x")
+        f_ttfa, f_tot, s_ttfa, s_tot = (statistics.median(v[i] for v in vals) for i in range(4))
+        print(
+            f"{name:<26} {f_ttfa * 1e3:10.0f} /{s_ttfa * 1e3:7.0f}  {f_ttfa / s_ttfa:5.2f}x "
+            f"{f_tot:10.2f} /{s_tot:7.2f}  {f_tot / s_tot:5.2f}x"
+        )
 
 
 if __name__ == "__main__":

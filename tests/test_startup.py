@@ -88,6 +88,7 @@ def test_warm_up_does_not_change_the_audio(bundle_dir: Path) -> None:
     import cosyserve
 
     warm = cosyserve.load(bundle_dir, warmup=True)
+    assert warm._pipeline.llm.cache_shape() == (0, 0), "the warm-up left its (one-layer) KV caches behind"
     cold = cosyserve.load(bundle_dir, warmup=False)
     spk = cold.speakers[0]
     a = warm.synthesize_all("Hello there, one two.", spk, seed=3)
@@ -97,18 +98,21 @@ def test_warm_up_does_not_change_the_audio(bundle_dir: Path) -> None:
 
 
 def test_text_tier_loads_after_ready_by_default_and_lazily_when_asked(bundle_dir: Path) -> None:
-    """If this fails, the text normalisers are on the start path (READY later) or, by default, left for the
-    first request to load (~0.25 s added to it)."""
+    """If this fails, the tokenizer or the text normalisers are on the start path (READY later) or, by default,
+    left for the first request to build (~0.3 s added to it)."""
     code = f"""
 import sys, cosyserve
 from cosyserve.frontend import text
 m = cosyserve.load({str(bundle_dir)!r}, warmup=True)
 mode = sys.argv[1]
+from cosyserve.frontend import tokenizer
 if mode == "lazy":
     assert m.text_thread is None and "wetext" not in sys.modules
+    assert tokenizer._shared.cache_info().currsize == 0, "the tokenizer was built on the start path"
 else:
     m.text_thread.join(60)
     assert text.normalizers_loaded() and m.clock.durations["text_tier"] > 0
+    assert tokenizer._shared.cache_info().currsize == 1
 """
     for mode in ("background", "lazy"):
         env = {"COSYSERVE_TEXT_TIER": mode} if mode == "lazy" else {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,58 +32,17 @@ class CosyVoiceModel:
         self.text_thread: Any = None  # set when the text normalisers load in the background
         self._configure_modes()
 
-    def warm_up(self, text: str = "Hello.", max_tokens: int = 2) -> None:
-        """Run one tiny synthesis through every component (LLM prefill and ``max_tokens`` decode steps, one
-        flow step, vocoder) so one-time costs (allocator, kernel set-up) are paid before READY, not by the first
-        request. One layer of each stack of identical layers runs (:func:`cosyserve.models.one_layer_per_stack`):
-        the costs are per kernel and shape, and a full pass would cost ~5x as much here (the first touch of the
-        weights is the loader's job). The text frontend is not loaded here (see ``load``)."""
-        from cosyserve.models import one_layer_per_stack
-
+    def warm_up(self, max_tokens: int = 2) -> None:
+        """Run every component once on tiny dummy inputs (the LLM's prefill and ``max_tokens`` decode steps, one
+        flow step, the vocoder) so one-time costs (allocator, kernel set-up) are paid before READY, not by the
+        first request. One layer of each stack of identical layers runs (the costs are per kernel and shape; a
+        full pass costs ~5x as much here), and the first touch of the weights is the loader's job. The text
+        frontend is not loaded here (see ``load``)."""
         p = self._pipeline
-        with one_layer_per_stack(p.llm, p.token2wav.flow, p.token2wav.hift):
-            self._warm_up(text, max_tokens)
-
-    def _warm_up(self, text: str, max_tokens: int) -> None:
-        import torch
-
-        p = self._pipeline
-        names = sorted(p.speakers)  # pre-defined only: self.speakers also lists registered voices
-        embedding = p.speakers[names[0]]["embedding"] if names else torch.zeros(1, 192)
-        ids = torch.tensor([p.tokenizer.encode(text) or [0]], dtype=torch.int32)
-        ratio = max(max_tokens, 1) / ids.shape[1]  # min = max: exactly max_tokens tokens, no early EOS
-        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        gen = torch.Generator().manual_seed(0)
-        tokens = list(
-            p.llm.inference(
-                ids,
-                torch.tensor([ids.shape[1]], dtype=torch.int32),
-                empty,
-                zero,
-                empty,
-                zero,
-                embedding,
-                max_token_text_ratio=ratio,
-                min_token_text_ratio=ratio,
-                generator=gen,
-            )
-        )
-        # one Euler step exercises every flow kernel; the other nine would only repeat them (~90 ms each)
-        flow, hift = p.token2wav.flow, p.token2wav.hift
-        token = torch.tensor([tokens or [0]], dtype=torch.int32)
-        mel, _ = flow.inference(
-            token,
-            torch.tensor([token.shape[1]], dtype=torch.int32),
-            empty,
-            zero,
-            torch.zeros(1, 0, 80),
-            zero,
-            embedding,
-            torch.zeros(1, 80, 0, 2),
-            generator=gen,
-            n_timesteps=1,
-        )
-        hift.inference(mel, None, generator=gen)
+        with self.clock.phase("warmup"):
+            p.llm.warm_up(max_tokens)
+            mel = p.token2wav.flow.warm_up(max_tokens)
+            p.token2wav.hift.warm_up(mel.shape[2])
 
     @property
     def speakers(self) -> list[str]:
@@ -269,6 +227,14 @@ class CosyVoiceModel:
         return self._pipeline.registry.export_spk2info(path, tenant=tenant, extra=extra)
 
 
+def _load_text_tier() -> None:
+    from cosyserve.frontend.text import load_normalizers
+    from cosyserve.frontend.tokenizer import get_tokenizer
+
+    get_tokenizer()
+    load_normalizers()
+
+
 def _after_ready(phase: str, work: Any, clock: Any) -> Any:
     """Run ``work`` in a daemon thread after READY, timed as ``phase``; a failure is logged, and the first request
     that needs the tier raises the same error with its context."""
@@ -328,7 +294,7 @@ def load(
     strategy: str | None = None,
     verify: str | None = None,
     warmup: bool | None = None,
-    warmup_text: str | None = None,
+    warmup_tokens: int | None = None,
     use_mmap: bool | None = None,
     clock: Any = None,
 ) -> CosyVoiceModel:
@@ -345,7 +311,7 @@ def load(
         strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
         warmup: run a short synthesis before returning (env ``PREWARM_MODELS``; default on).
-        warmup_text: the warm-up text (env ``COSYSERVE_WARMUP_TEXT``; default "Hello.").
+        warmup_tokens: speech tokens the warm-up generates (env ``COSYSERVE_WARMUP_TOKENS``; default 2).
         use_mmap: map the weights (True) or copy them into private memory (env ``USE_MMAP_LOADING``).
         clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
     Returns:
@@ -357,7 +323,7 @@ def load(
 
     # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
     with gc_held():
-        model = _load(path, threads, strategy, verify, warmup, warmup_text, use_mmap, clock)
+        model = _load(path, threads, strategy, verify, warmup, warmup_tokens, use_mmap, clock)
     return model
 
 
@@ -367,7 +333,7 @@ def _load(
     strategy: str | None,
     verify: str | None,
     warmup: bool | None,
-    warmup_text: str | None,
+    warmup_tokens: int | None,
     use_mmap: bool | None,
     clock: Any,
 ) -> CosyVoiceModel:
@@ -378,15 +344,12 @@ def _load(
     strategy = strategy or settings.load_strategy()
     verify = verify or settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp")
     warmup = settings.prewarm() if warmup is None else warmup
-    warmup_text = warmup_text or os.environ.get("COSYSERVE_WARMUP_TEXT") or "Hello."
-    warmup_tokens = settings.env_int("COSYSERVE_WARMUP_TOKENS", 2) or 2
+    warmup_tokens = warmup_tokens or settings.env_int("COSYSERVE_WARMUP_TOKENS", 2) or 2
     use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
     threads = threads or settings.env_int("COSYSERVE_THREADS", None)
     tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
     text_tier = settings.env_choice("COSYSERVE_TEXT_TIER", ("background", "lazy"), "background")
     with clock.phase("imports"):
-        import threading
-
         import torch
 
         import cosyserve.models.flow
@@ -395,14 +358,9 @@ def _load(
         from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
         from cosyserve.engine.pipeline import Pipeline
         from cosyserve.engine.token2wav import StreamPolicy
-        from cosyserve.frontend.text import load_normalizers, normalizers_loaded
-        from cosyserve.frontend.tokenizer import get_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    # build the tokenizer (~70 ms) beside the weight loading, whose file I/O and hashing release the GIL
-    tokenizer_thread = threading.Thread(target=get_tokenizer, name="cosyserve-tokenizer", daemon=True)
-    tokenizer_thread.start()
     bundle_dir = resolve_bundle(path)
     t_load = time.perf_counter()
     with clock.phase("manifest"):
@@ -419,20 +377,19 @@ def _load(
         cfg = bundle.config
         flow = parts.modules["flow"]
         policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
-        tokenizer_thread.join()
         pipeline = Pipeline(
             parts.modules["llm"], flow, parts.modules["hift"], parts.speakers, cfg.sample_rate, policy
         )
     model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
     if warmup:
-        with clock.phase("warmup"):
-            model.warm_up(warmup_text, warmup_tokens)
+        model.warm_up(warmup_tokens)
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
-    if text_tier == "background" and not normalizers_loaded():
-        # wetext's normalisers (~0.25 s): the first request's text needs them, a start does not
-        model.text_thread = _after_ready("text_tier", load_normalizers, clock)
+    if text_tier == "background":
+        # the tokenizer (~60 ms) and wetext's normalisers (~0.25 s): the first request's text needs them, a
+        # start does not (the warm-up runs on token ids)
+        model.text_thread = _after_ready("text_tier", _load_text_tier, clock)
     if tier == "background" and "zero_shot" in pipeline.available_modes():
         # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
         model.zero_shot_thread = _after_ready(

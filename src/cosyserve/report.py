@@ -9,7 +9,6 @@ checked with mincore) and reports how many bytes the start then read.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -45,28 +44,10 @@ def evict(paths: list[Path]) -> None:
 
 
 def resident_bytes(paths: list[Path]) -> int:
-    """Bytes of the files now in the page cache, by mincore(2) over a fresh mapping."""
-    from cosyserve.startup import libc
+    """Bytes of the files now in the page cache (whole pages), by mincore(2)."""
+    from cosyserve.startup import resident_pages
 
-    page = mmap.PAGESIZE
-    total = 0
-    for p in paths:
-        size = p.stat().st_size
-        if size == 0:
-            continue
-        with open(p, "rb") as f:
-            mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        try:
-            npages = (size + page - 1) // page
-            vec = (ctypes.c_ubyte * npages)()
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if libc().mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore failed on {p}")
-            total += sum(b & 1 for b in vec) * page
-        finally:
-            del addr
-            mm.close()
-    return total
+    return sum(resident_pages(p).count(1) for p in paths) * mmap.PAGESIZE
 
 
 def _cold_read_rate(paths: list[Path]) -> float:
@@ -95,7 +76,9 @@ def _cold_read_rate(paths: list[Path]) -> float:
                     p, off = jobs.pop()
                 with open(p, "rb", buffering=0) as f:
                     end = min(off + piece, p.stat().st_size)
-                    while off < end and (n := os.preadv(f.fileno(), [buf[: min(len(buf), end - off)]], off)) > 0:
+                    while (
+                        off < end and (n := os.preadv(f.fileno(), [buf[: min(len(buf), end - off)]], off)) > 0
+                    ):
                         off += n
                         with lock:
                             done[0] += n

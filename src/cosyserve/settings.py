@@ -8,13 +8,12 @@ the bad value and what is accepted: a typo in a deployment manifest fails the st
 | ``COSYSERVE_PRELOAD`` | load strategy: ``preload``/``lazy``/``prefetch``, or a boolean (true = preload) | preload |
 | ``USE_MMAP_LOADING`` | map bundle weights (true) or copy them into private memory (false) | true |
 | ``PREWARM_MODELS`` | run a warm-up synthesis before READY: boolean, or ``all`` / ``none`` | true |
-| ``COSYSERVE_WARMUP_TEXT`` | the warm-up text | "Hello." |
 | ``COSYSERVE_WARMUP_TOKENS`` | speech tokens the warm-up generates (its length) | 2 |
 | ``COSYSERVE_VERIFY`` | bundle checksum policy: ``stamp``/``full``/``none`` | stamp |
 | ``COSYSERVE_CACHE_DIR`` | where official dirs are converted to bundles | ~/.cache/cosyserve |
 | ``COSYSERVE_REGISTRY_DIR`` | registered (zero-shot) voices; set it in deployments: caches get wiped | cache dir/speakers |
 | ``COSYSERVE_THREADS`` | torch intra-op threads | torch's default |
-| ``COSYSERVE_TEXT_TIER`` | wetext's text normalisers: ``background`` (loaded after READY) or ``lazy`` (first request) | background |
+| ``COSYSERVE_TEXT_TIER`` | the text tokenizer and wetext's normalisers: ``background`` (built after READY) or ``lazy`` (first request) | background |
 | ``COSYSERVE_ZERO_SHOT_TIER`` | ONNX sessions of the zero-shot tier: ``lazy`` (first request that needs them) or ``background`` (created after READY) | lazy |
 """
 

@@ -185,8 +185,8 @@ class Bundle:
 
         Modules are built one after another in this thread: construction is pure Python, and threads would only
         take turns on the GIL (measured: 135 ms in one thread vs 175-200 ms in three, full-size, warm cache).
-        Meanwhile I/O threads hash what needs verifying and (``preload``) page the files in, both with the GIL
-        released; they are waited for before this returns, so a failed check still loads nothing."""
+        Meanwhile I/O threads hash what needs verifying and (``preload``) one pages the files in, both with the
+        GIL released; they are waited for before this returns, so a failed check still loads nothing."""
         from cosyserve.bundle.construct import assert_materialized
         from cosyserve.bundle.official import new_module
 
@@ -203,9 +203,11 @@ class Bundle:
         with ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="cosyserve-io") as io:
             try:
                 hashed = [io.submit(self._hash_check, files[n], entries[n]) for n in unverified]
-                paged = (
-                    [io.submit(_read_all, f) for f in files.values()] if options.strategy == "preload" else []
-                )
+                # one thread pages in every file, the largest first: one reader reads a cold disk as fast as
+                # four here (the kernel reads ahead within a populate), and each more thread to start waits
+                # for the address-space lock the populate holds (~5-10 ms each, measured)
+                order = sorted(files.values(), key=lambda f: -f.size)
+                paged = [io.submit(_read_all, order)] if options.strategy == "preload" else []
                 modules: dict[str, Any] = {}
                 for name in COMPONENTS:
                     with clock.phase("construct"):
@@ -240,18 +242,16 @@ class Bundle:
         return out
 
 
-def _read_all(f: Any) -> None:
-    f.populate()
+def _read_all(files: list[Any]) -> None:
+    for f in files:
+        f.populate()
 
 
 def start_prefetch(parts: LoadedParts) -> threading.Thread:
     """Read the mapped pages in a background daemon thread (after READY), so requests find them resident."""
-
-    def run() -> None:
-        for f in parts.files.values():
-            _read_all(f)
-
-    t = threading.Thread(target=run, name="cosyserve-prefetch", daemon=True)
+    t = threading.Thread(
+        target=_read_all, args=(list(parts.files.values()),), name="cosyserve-prefetch", daemon=True
+    )
     t.start()
     parts.prefetch_thread = t
     return t

@@ -102,23 +102,24 @@ def read_header(
     return tensors, metadata, start
 
 
-def _madvise_releasing_gil(mm: mmap.mmap, advice: int) -> None:
-    """``madvise`` over the whole mapping through ctypes, which releases the GIL for the call (``mmap.madvise``
-    holds it: a cold populate would stall every other thread for the length of the disk read)."""
+def _madvise_releasing_gil(mm: mmap.mmap, advice: int, piece: int = 64 << 20) -> None:
+    """``madvise`` over the whole mapping through ctypes, which releases the GIL for each call (``mmap.madvise``
+    holds it: a cold populate would stall every other thread for the length of the disk read), ``piece`` bytes
+    per call: a populate holds the address-space lock, and every mmap in the process (thread stacks, large
+    allocations) waits for it; pieces keep each wait short (~1 ms warm)."""
     import ctypes
 
-    buf = ctypes.c_char.from_buffer(
-        mm
-    )  # an export of the mapping: released below, before anyone may close it
-    try:
-        from cosyserve.startup import libc
+    from cosyserve.startup import libc
 
-        rc = libc().madvise(
-            ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(len(mm)), ctypes.c_int(advice)
-        )
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+    # an export of the mapping, released below before anyone may close it
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        base = ctypes.addressof(buf)
+        for off in range(0, len(mm), piece):
+            length = ctypes.c_size_t(min(piece, len(mm) - off))
+            if libc().madvise(ctypes.c_void_p(base + off), length, ctypes.c_int(advice)) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
     finally:
         del buf
 

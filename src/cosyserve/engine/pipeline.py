@@ -138,13 +138,10 @@ class Pipeline:
         registry: Any = None,
         model_dir: str | Path | None = None,
     ) -> None:
-        from cosyserve.frontend.tokenizer import get_tokenizer
-
         self.llm = llm
         self.token2wav = Token2Wav(flow, hift, policy)
         self.speakers = speakers
         self.sample_rate = sample_rate
-        self.tokenizer = get_tokenizer()
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
@@ -189,6 +186,13 @@ class Pipeline:
                 f"{mode} synthesis is unavailable: {why} (copy it from the official model dir to enable {mode}; "
                 f"available modes: {', '.join(self.available_modes())})"
             )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier)."""
+        from cosyserve.frontend.tokenizer import get_tokenizer
+
+        return get_tokenizer()
 
     @property
     def frontend_loaded(self) -> bool:

@@ -143,7 +143,7 @@ _MODEL_KEYS = {
     "load",
 }
 _TENANT_KEYS = {"models", "max_models", "max_memory", "max_concurrent"}
-_LOAD_KEYS = {"strategy", "verify", "use_mmap", "threads", "warmup_text"}
+_LOAD_KEYS = {"strategy", "verify", "use_mmap", "threads", "warmup_tokens"}
 
 
 class _Reader:

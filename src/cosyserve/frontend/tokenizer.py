@@ -10,6 +10,7 @@ transcript, 100 language tags, task and control tokens, then 1501 timestamps: 51
 from __future__ import annotations
 
 import binascii
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -81,7 +82,16 @@ class Tokenizer:
         return self.encoding.decode(ids)
 
 
-@lru_cache(maxsize=4)
+_build_lock = threading.Lock()
+
+
 def get_tokenizer(num_languages: int = 100) -> Tokenizer:
-    """The shared tokenizer instance (building it parses the 50k-entry vocabulary: ~100 ms)."""
+    """The shared tokenizer instance, built once even when several threads ask first (building it parses the
+    50k-entry vocabulary: ~60 ms here)."""
+    with _build_lock:
+        return _shared(num_languages)
+
+
+@lru_cache(maxsize=4)
+def _shared(num_languages: int) -> Tokenizer:
     return Tokenizer(num_languages)

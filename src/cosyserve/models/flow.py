@@ -275,6 +275,28 @@ class MaskedDiffWithXvec(nn.Module):
         return torch.randn((1, self.output_size, total), generator=generator, device=device, dtype=dtype)
 
     @torch.inference_mode()
+    def warm_up(self, n_tokens: int = 2) -> Tensor:
+        """One Euler step over ``n_tokens`` dummy speech tokens through one layer of each stack (every kernel the
+        flow runs, once: see :func:`cosyserve.models.one_layer_per_stack`); returns the mel (1, 80, frames)."""
+        from cosyserve.models import one_layer_per_stack
+
+        tokens = torch.zeros(1, max(n_tokens, 1), dtype=torch.int32)
+        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+        with one_layer_per_stack(self):
+            mel, _ = self.inference(
+                tokens,
+                torch.tensor([tokens.shape[1]], dtype=torch.int32),
+                empty,
+                zero,
+                torch.zeros(1, 0, self.cfg.output_size),
+                zero,
+                torch.zeros(1, self.cfg.spk_embed_dim),
+                torch.zeros(1, self.cfg.output_size, 0, 2),
+                generator=torch.Generator().manual_seed(0),
+                n_timesteps=1,  # the other steps only repeat the same kernels
+            )
+        return mel
+
     def inference(
         self,
         token: Tensor,

@@ -234,6 +234,13 @@ class HiFTGenerator(nn.Module):
     # -- inference -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def warm_up(self, n_frames: int = 4) -> Tensor:
+        """Vocode ``n_frames`` silent mel frames once (every kernel the vocoder runs; its stages differ in shape,
+        so all of them run). Returns the audio."""
+        mel = torch.zeros(1, self.cfg.in_channels, max(n_frames, 1), dtype=self.conv_pre.weight.dtype)
+        audio, _ = self.inference(mel, None, generator=torch.Generator().manual_seed(0))
+        return audio
+
     def inference(
         self,
         speech_feat: Tensor,

@@ -515,6 +515,13 @@ class _BaseEncoder(nn.Module):
             attn.pos_proj = torch.zeros(attn.h, max_seq_len, attn.d_k, dtype=dtype, device=device)
         self._pos_proj_rows = 0
 
+    def release_caches(self) -> None:
+        """Drop the KV caches and projected distances of every layer (the next decode sets them up again)."""
+        for layer in self.encoders:
+            layer.self_attn.kv_cache = None
+            layer.self_attn.pos_proj = None
+        self._pos_proj_rows = 0
+
     def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
         """As :meth:`setup_caches`, but caches that must grow keep what they hold (every row's keys/values and
         the projected distances), so sequences being decoded in other rows continue undisturbed."""
