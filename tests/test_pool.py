@@ -321,3 +321,42 @@ def test_real_model_reload_after_eviction(tiny_model_dir: Any, tmp_path: Any) ->
     print(f"tiny model: first load {s['first_load_s'] * 1e3:.0f} ms, reload {s['last_load_s'] * 1e3:.0f} ms")
     assert s["loads"] == 2 and s["evictions"] == {"manual": 1}
     pool.close_sync()
+
+
+def test_eviction_frees_the_model(tiny_model_dir: Any, tmp_path: Any) -> None:
+    """If this fails, an evicted model stays in memory with its weights mapped: cosyserve.load freezes what it
+    builds for the garbage collector, so the model's reference cycles (the batching LM's among them) are freed
+    only by a collection that looks at frozen objects, which the release must run. (In a fresh process, as a
+    server loads: inside the test process other collections and imports hide it.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cosyserve.bundle.convert import convert
+
+    bundle = convert(tiny_model_dir, tmp_path / "tiny")
+    code = f"""
+import gc, weakref
+from cosyserve.engine.engine import SynthesisRequest
+from cosyserve.engine.pool import ModelPool, ModelSpec
+def main():
+    pool = ModelPool([ModelSpec("tiny", path={str(bundle)!r}, batch_size=2)], memory_probe=None)
+    gc.disable()  # no collection by chance: only the release's own
+    e = pool.start_load("tiny").result(120)
+    llm = weakref.ref(e.resident_hint._pipeline.llm)
+    list(pool.submit_sync("tiny", SynthesisRequest("Hi.", e.speakers[0], seed=1)))
+    del e
+    pool.evict("tiny").result(30)
+    assert llm() is None, "the evicted model is still alive"
+main()
+"""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]

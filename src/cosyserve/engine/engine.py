@@ -55,6 +55,7 @@ from cosyserve.engine.errors import (
     RequestCancelledError,
 )
 from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields
+from cosyserve.startup import collect_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -891,6 +892,10 @@ class Engine:
                     self.resident_hint = None
                     tr = self._transition_locked(EngineState.RELEASED)
                 self._notify(tr)
+                inst = None  # the loop variable held the last instance
+                # cosyserve.load froze what it built (cosyserve.startup.release_gc): the model's reference cycles
+                # are freed only by a collection that looks at frozen objects; without it the weights stay mapped
+                collect_frozen()
             else:  # FAILED: nothing was kept
                 with self._lock:
                     self._instances = []
