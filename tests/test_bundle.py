@@ -14,6 +14,7 @@ import torch
 from cosyserve.bundle.convert import convert
 from cosyserve.bundle.loader import BundleError, LoadOptions, is_bundle, open_bundle
 from cosyserve.bundle.official import load_component
+from proc_util import run_python
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -235,13 +236,7 @@ def test_sft_path_never_loads_zero_shot_tier(bundle_dir: Path) -> None:
         "list(m.synthesize('Hello there.', m.speakers[0], seed=1))\n"
         "assert 'onnxruntime' not in sys.modules, 'the SFT path imported onnxruntime'\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": SRC},
-        timeout=300,
-    )
+    r = run_python(code)
     assert r.returncode == 0, r.stderr
 
 

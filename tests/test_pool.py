@@ -17,6 +17,7 @@ import pytest
 from cosyserve.engine.engine import EngineState, SynthesisRequest
 from cosyserve.engine.errors import MemoryBudgetError, UnknownModelError
 from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent, lru_k_order, memory_usage, rss_of_files
+from proc_util import run_python
 
 
 class Clock:
@@ -328,11 +329,6 @@ def test_eviction_frees_the_model(tiny_model_dir: Any, tmp_path: Any) -> None:
     builds for the garbage collector, so the model's reference cycles (the batching LM's among them) are freed
     only by a collection that looks at frozen objects, which the release must run. (In a fresh process, as a
     server loads: inside the test process other collections and imports hide it.)"""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from cosyserve.bundle.convert import convert
 
     bundle = convert(tiny_model_dir, tmp_path / "tiny")
@@ -351,12 +347,5 @@ def main():
     assert llm() is None, "the evicted model is still alive"
 main()
 """
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": src},
-        timeout=300,
-    )
+    r = run_python(code)
     assert r.returncode == 0, r.stderr[-2000:]

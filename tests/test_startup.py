@@ -1,30 +1,17 @@
 """The start path's helpers: the garbage-collector hold, the trimmed warm-up, the text tier, the early readahead."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cosyserve.bundle.convert import convert
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from proc_util import run_python
 
 
 @pytest.fixture(scope="module")
 def bundle_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert(tiny_model_dir, tmp_path_factory.mktemp("bundles") / "tiny", progress=False)
-
-
-def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": SRC, **env},
-        timeout=300,
-    )
 
 
 def test_gc_hold_nests_then_freezes_and_restores() -> None:
@@ -47,7 +34,7 @@ with gc_held():
     pass
 assert not gc.isenabled(), "a hold turned on a collector the program had turned off"
 """
-    r = _run(code)
+    r = run_python(code)
     assert r.returncode == 0, r.stderr
 
 
@@ -59,7 +46,7 @@ import gc, cosyserve
 m = cosyserve.load({str(bundle_dir)!r}, warmup=False)
 assert gc.isenabled() and gc.get_freeze_count() > 0
 """
-    r = _run(code)
+    r = run_python(code)
     assert r.returncode == 0, r.stderr
 
 
@@ -116,15 +103,9 @@ else:
 """
     for mode in ("background", "lazy"):
         env = {"COSYSERVE_TEXT_TIER": mode} if mode == "lazy" else {}
-        r = subprocess.run(
-            [sys.executable, "-c", code, mode],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": SRC, **env},
-            timeout=300,
-        )
+        r = run_python(code, mode, **env)
         assert r.returncode == 0, (mode, r.stderr)
-    r = _run(f"import cosyserve; cosyserve.load({str(bundle_dir)!r})", COSYSERVE_TEXT_TIER="eager")
+    r = run_python(f"import cosyserve; cosyserve.load({str(bundle_dir)!r})", COSYSERVE_TEXT_TIER="eager")
     assert r.returncode != 0 and "COSYSERVE_TEXT_TIER" in r.stderr
 
 
