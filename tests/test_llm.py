@@ -384,3 +384,27 @@ def test_ras_sample_nucleus_and_repetition_fallback():
     # so each draw differs from its nucleus pick; id 3 becomes reachable.
     picks = {int(ras_sample(logp, seen, cfg, g)) for _ in range(300)}
     assert 3 in picks
+
+
+@torch.inference_mode()
+def test_half_precision_weights_attend_in_float32_on_cpu():
+    torch.manual_seed(4)
+    model = TransformerLM(_tiny_config(0)).eval()
+    g = torch.Generator().manual_seed(4)
+    args = _random_args(model.cfg, g, p=3, s=4)
+    teacher = torch.randint(0, model.cfg.speech_token_size, (12,), generator=g)
+    ref, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    model.to(torch.bfloat16)
+    got, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    cache = model.llm.encoders[0].self_attn.kv_cache
+    # bf16 caches would send every decode step's attention through oneDNN, which keeps a kernel per key length
+    # (~0.7 MB of memory per step at CosyVoice-300M's size); the caches and the attention stay float32 on CPU.
+    assert (
+        cache.k_cache.dtype == torch.float32
+        and model.llm.encoders[0].self_attn.pos_proj.dtype == torch.float32
+    )
+    assert got.dtype == torch.float32
+    # bf16 weights round the activations (~3 significant digits): close to float32, not equal
+    assert (got - ref).abs().max() < 0.25, (got - ref).abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+    assert list(model.inference(*args, generator=torch.Generator().manual_seed(0), max_token_text_ratio=2.0))

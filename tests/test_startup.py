@@ -150,3 +150,58 @@ def test_populate_maps_every_page(bundle_dir: Path) -> None:
     before = rss()
     f.populate()
     assert rss() - before >= 0.9 * f.size
+
+
+def test_row_tables_are_exactly_the_embedding_tables(bundle_dir: Path) -> None:
+    """If this fails, a model's ROW_TABLES names a tensor that is not an embedding table (preload would leave
+    weights that every request reads in bulk to fault in) or misses one (its unused rows cost memory)."""
+    from torch import nn
+
+    import cosyserve
+
+    m = cosyserve.load(bundle_dir, warmup=False)
+    p = m._pipeline
+    for module in (p.llm, p.token2wav.flow, p.token2wav.hift):
+        tables = {f"{n}.weight" for n, sub in module.named_modules() if isinstance(sub, nn.Embedding)}
+        assert set(getattr(module, "ROW_TABLES", ())) == tables, type(module).__name__
+
+
+def test_populate_leaves_row_tables_cached_but_unmapped(tmp_path: Path) -> None:
+    """If this fails, preload maps a whole embedding table (212 MB for CosyVoice-300M's text vocabulary, of which
+    a request reads a few rows), or leaves it to be read from disk on the request path."""
+    import torch
+    from safetensors.torch import save_file
+
+    from cosyserve.bundle.mmap_safetensors import MappedFile
+    from cosyserve.report import evict, resident_bytes
+
+    path = tmp_path / "w.safetensors"
+    save_file(
+        {"a.weight": torch.ones(1 << 20), "emb.weight": torch.ones(2 << 20), "z.bias": torch.ones(1 << 19)},
+        path,
+    )
+    evict([path])
+    f = MappedFile(path)
+    spans = f.spans({"emb.weight"})
+    hole = [(b, e) for b, e, mapped in spans if not mapped]
+    info = f.tensors["emb.weight"]
+    assert len(hole) == 1 and info.begin <= hole[0][0] < hole[0][1] <= info.end
+    assert hole[0][1] - hole[0][0] >= (8 << 20) - 2 * os.sysconf("SC_PAGE_SIZE")
+    assert [s[:2] for s in spans] == sorted(s[:2] for s in spans) and spans[-1][1] == f.size
+
+    def mapped_rss() -> int:  # kB of this file mapped in this process
+        kb, inside = 0, False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                inside = len(parts) > 5 and parts[5] == str(path)
+            elif inside and parts[0] == "Rss:":
+                kb += int(parts[1])
+        return kb * 1024
+
+    f.populate({"emb.weight"})
+    assert resident_bytes([path]) >= f.size - os.sysconf("SC_PAGE_SIZE")  # all of it in the page cache
+    mapped = mapped_rss()
+    assert f.size - (8 << 20) - (1 << 20) <= mapped <= f.size - (8 << 20) + (1 << 20), mapped
+    row = f.tensor("emb.weight")[12345]  # a row faults in when read
+    assert float(row) == 1.0

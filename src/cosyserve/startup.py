@@ -26,7 +26,9 @@ __all__ = [
     "hold_gc",
     "libc",
     "process_start_time",
+    "read_range",
     "release_gc",
+    "resident_map",
 ]
 
 # the phases of a start, in order; "ready" and "first_audio" are points measured from process start
@@ -178,10 +180,34 @@ def collect_frozen() -> None:
 # -- reading the weights while the interpreter imports torch ------------------------------------------------
 
 
-def resident_pages(path: str | os.PathLike[str]) -> bytes:
-    """One byte per page of the file: 1 where the page is in the page cache, else 0 (mincore(2) over a
-    throwaway mapping; the call releases the GIL)."""
+def resident_map(mm: Any, begin: int = 0, end: int | None = None) -> bytes:
+    """One byte per page of ``mm[begin:end]`` (a writable file mapping; ``begin`` page-aligned): 1 where the file's
+    page is in the page cache, mapped here or not, else 0 (mincore(2); the calls release the GIL)."""
     import ctypes
+    import mmap
+
+    end = len(mm) if end is None else end
+    if end <= begin:
+        return b""
+    vec = (ctypes.c_ubyte * (-(-(end - begin) // mmap.PAGESIZE)))()
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        base = ctypes.addressof(buf) + begin
+        step = 256 << 20  # per call: mincore holds the address-space lock, which every mmap waits for
+        for off in range(0, end - begin, step):
+            out = ctypes.byref(vec, off // mmap.PAGESIZE)
+            length = ctypes.c_size_t(min(step, end - begin - off))
+            if libc().mincore(ctypes.c_void_p(base + off), length, out) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore failed: {os.strerror(err)}")
+    finally:
+        del buf
+    return bytes(vec).translate(_LOW_BIT)  # only the lowest bit is defined
+
+
+def resident_pages(path: str | os.PathLike[str]) -> bytes:
+    """One byte per page of the file: 1 where the page is in the page cache, else 0 (:func:`resident_map` over a
+    throwaway mapping)."""
     import mmap
 
     size = os.path.getsize(path)
@@ -190,27 +216,25 @@ def resident_pages(path: str | os.PathLike[str]) -> bytes:
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable: ctypes.from_buffer wants that
     try:
-        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
-        buf = ctypes.c_char.from_buffer(mm)
-        try:
-            base = ctypes.addressof(buf)
-            step = 256 << 20  # per call: mincore holds the address-space lock, which every mmap waits for
-            for off in range(0, size, step):
-                out = ctypes.byref(vec, off // mmap.PAGESIZE)
-                if (
-                    libc().mincore(ctypes.c_void_p(base + off), ctypes.c_size_t(min(step, size - off)), out)
-                    != 0
-                ):
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"mincore failed on {path}: {os.strerror(err)}")
-        finally:
-            del buf
+        return resident_map(mm)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} ({path})") from e
     finally:
         mm.close()
-    return bytes(vec).translate(_LOW_BIT)  # only the lowest bit is defined
 
 
 _LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def read_range(path: str | os.PathLike[str], begin: int, end: int, buf: memoryview) -> None:
+    """Read bytes [begin, end) of the file into the page cache (and into ``buf``, a scratch buffer whose size sets
+    the read size) with ``os.preadv``, which releases the GIL. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while begin < end and (n := os.preadv(fd, [buf[: min(len(buf), end - begin)]], begin)) > 0:
+            begin += n
+    finally:
+        os.close(fd)
 
 
 def prefetch_files(
@@ -253,17 +277,9 @@ def prefetch_files(
                     return
                 path, off, length = jobs.pop(0)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                end = off + length
-                while off < end and (n := os.preadv(fd, [buf[: min(block, end - off)]], off)) > 0:
-                    off += n
+                read_range(path, off, off + length, buf)
             except OSError:
                 pass
-            finally:
-                os.close(fd)
 
     def run() -> None:
         plan()

@@ -246,6 +246,7 @@ class ConditionalCFM(nn.Module):
 
 class MaskedDiffWithXvec(nn.Module):
     REPEATED_STACKS = ("encoder.encoders", "decoder.estimator.mid_blocks")  # see TransformerLM
+    ROW_TABLES = ("input_embedding.weight",)
 
     def __init__(self, cfg: FlowConfig):
         super().__init__()

@@ -105,6 +105,9 @@ class TransformerLM(nn.Module):
 
     # stacks of identical layers: a warm-up runs one layer of each (cosyserve.models.one_layer_per_stack)
     REPEATED_STACKS = ("text_encoder.encoders", "llm.encoders")
+    # tables read by row (embedding lookups): a preload leaves them to fault in row by row, so the rows no request
+    # uses (most of the text vocabulary) cost no memory (cosyserve.bundle.loader)
+    ROW_TABLES = ("text_embedding.weight", "llm_embedding.weight", "speech_embedding.weight")
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
