@@ -30,19 +30,24 @@ class CosyVoiceModel:
         self._parts: Any = None
         self.zero_shot_thread: Any = None  # set when the zero-shot tier loads in the background
         self.text_thread: Any = None  # set when the text normalisers load in the background
+        self.warmup_thread: Any = None  # set when the flow and vocoder warm up in the background
         self._configure_modes()
 
     def warm_up(self, max_tokens: int = 2) -> None:
         """Run every component once on tiny dummy inputs (the LLM's prefill and ``max_tokens`` decode steps, one
-        flow step, the vocoder) so one-time costs (allocator, kernel set-up) are paid before READY, not by the
-        first request. One layer of each stack of identical layers runs (the costs are per kernel and shape; a
-        full pass costs ~5x as much here), and the first touch of the weights is the loader's job. The text
-        frontend is not loaded here (see ``load``)."""
-        p = self._pipeline
+        flow step, the vocoder) so one-time costs (allocator, kernel set-up) are paid now, not by the first
+        request. One layer of each stack of identical layers runs (the costs are per kernel and shape; a full pass
+        costs ~5x as much here), and the first touch of the weights is the loader's job. The text frontend is not
+        loaded here (see ``load``)."""
         with self.clock.phase("warmup"):
-            p.llm.warm_up(max_tokens)
-            mel = p.token2wav.flow.warm_up(max_tokens)
-            p.token2wav.hift.warm_up(mel.shape[2])
+            self._pipeline.llm.warm_up(max_tokens)
+            self._warm_up_token2wav(max_tokens)
+
+    def _warm_up_token2wav(self, max_tokens: int) -> None:
+        # leaves the modules as they were, so it may run while requests do (see one_layer_per_stack)
+        t2w = self._pipeline.token2wav
+        mel = t2w.flow.warm_up(max_tokens)
+        t2w.hift.warm_up(mel.shape[2])
 
     @property
     def speakers(self) -> list[str]:
@@ -235,21 +240,25 @@ def _load_text_tier() -> None:
     load_normalizers()
 
 
-def _after_ready(phase: str, work: Any, clock: Any) -> Any:
-    """Run ``work`` in a daemon thread after READY, timed as ``phase``; a failure is logged, and the first request
-    that needs the tier raises the same error with its context."""
+def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
+    """Run each ``(phase, work)`` of ``steps`` in turn in one thread after READY, timed as ``phase``; a
+    failure is logged and the next step runs (the first request that needs a failed tier raises the same error
+    with its context)."""
     import threading
 
     def run() -> None:
-        t = time.perf_counter()
-        try:
-            work()
-        except Exception:  # noqa: BLE001 - see above
-            logger.warning("background load of the %s failed", phase.replace("_", " "), exc_info=True)
-            return
-        clock.add(phase, (time.perf_counter() - t) * 1e3)
+        for phase, work in steps:
+            t = time.perf_counter()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - see above
+                logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
+                continue
+            clock.add(phase, (time.perf_counter() - t) * 1e3)
 
-    thread = threading.Thread(target=run, name=f"cosyserve-{phase}", daemon=True)
+    # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
+    # tearing torch down under a kernel that still runs ("terminate called without an active exception")
+    thread = threading.Thread(target=run, name=f"cosyserve-{steps[0][0]}", daemon=False)
     thread.start()
     return thread
 
@@ -310,7 +319,8 @@ def load(
         threads: torch intra-op threads (env ``COSYSERVE_THREADS``; default torch's choice).
         strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
-        warmup: run a short synthesis before returning (env ``PREWARM_MODELS``; default on).
+        warmup: run every component once on dummy inputs: the LLM before returning, the flow and the vocoder
+            right after, in the background (``warmup_thread``; env ``PREWARM_MODELS``; default on).
         warmup_tokens: speech tokens the warm-up generates (env ``COSYSERVE_WARMUP_TOKENS``; default 2).
         use_mmap: map the weights (True) or copy them into private memory (env ``USE_MMAP_LOADING``).
         clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
@@ -382,18 +392,28 @@ def _load(
         )
     model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
     if warmup:
-        model.warm_up(warmup_tokens)
+        # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist
+        # (seconds later), so they warm up after READY, below (~0.1 s off the start)
+        with clock.phase("warmup"):
+            pipeline.llm.warm_up(warmup_tokens)
     clock.mark("ready")
     if strategy == "prefetch" and use_mmap:
         start_prefetch(parts)
+    after: list[tuple[str, Any]] = []
     if text_tier == "background":
         # the tokenizer (~60 ms) and wetext's normalisers (~0.25 s): the first request's text needs them, a
         # start does not (the warm-up runs on token ids)
-        model.text_thread = _after_ready("text_tier", _load_text_tier, clock)
+        after.append(("text_tier", _load_text_tier))
+    if warmup:
+        after.append(("warmup_token2wav", lambda: model._warm_up_token2wav(warmup_tokens)))
+    if after:
+        thread = _after_ready(after, clock)
+        model.text_thread = thread if text_tier == "background" else None
+        model.warmup_thread = thread if warmup else None
     if tier == "background" and "zero_shot" in pipeline.available_modes():
         # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
         model.zero_shot_thread = _after_ready(
-            "zero_shot_tier", lambda: pipeline.frontend().load_sessions(), clock
+            [("zero_shot_tier", lambda: pipeline.frontend().load_sessions())], clock
         )
     model._parts = parts
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)

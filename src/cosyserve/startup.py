@@ -44,6 +44,7 @@ PHASES = (
     "ready",
     "first_audio",
     "text_tier",  # after READY, in the background (tokenizer, wetext), unless COSYSERVE_TEXT_TIER=lazy
+    "warmup_token2wav",  # after READY, in the background: the flow's and the vocoder's warm-up
     "zero_shot_tier",  # after READY, in the background, when COSYSERVE_ZERO_SHOT_TIER=background
 )
 

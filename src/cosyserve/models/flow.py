@@ -278,24 +278,24 @@ class MaskedDiffWithXvec(nn.Module):
     @torch.inference_mode()
     def warm_up(self, n_tokens: int = 2) -> Tensor:
         """One Euler step over ``n_tokens`` dummy speech tokens through one layer of each stack (every kernel the
-        flow runs, once: see :func:`cosyserve.models.one_layer_per_stack`); returns the mel (1, 80, frames)."""
+        flow runs, once: see :func:`cosyserve.models.one_layer_per_stack`); returns the mel (1, 80, frames). Leaves
+        the module as it was, so it may run while requests use the flow."""
         from cosyserve.models import one_layer_per_stack
 
         tokens = torch.zeros(1, max(n_tokens, 1), dtype=torch.int32)
         empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        with one_layer_per_stack(self):
-            mel, _ = self.inference(
-                tokens,
-                torch.tensor([tokens.shape[1]], dtype=torch.int32),
-                empty,
-                zero,
-                torch.zeros(1, 0, self.cfg.output_size),
-                zero,
-                torch.zeros(1, self.cfg.spk_embed_dim),
-                torch.zeros(1, self.cfg.output_size, 0, 2),
-                generator=torch.Generator().manual_seed(0),
-                n_timesteps=1,  # the other steps only repeat the same kernels
-            )
+        mel, _ = one_layer_per_stack(self).inference(
+            tokens,
+            torch.tensor([tokens.shape[1]], dtype=torch.int32),
+            empty,
+            zero,
+            torch.zeros(1, 0, self.cfg.output_size),
+            zero,
+            torch.zeros(1, self.cfg.spk_embed_dim),
+            torch.zeros(1, self.cfg.output_size, 0, 2),
+            generator=torch.Generator().manual_seed(0),
+            n_timesteps=1,  # the other steps only repeat the same kernels
+        )
         return mel
 
     def inference(

@@ -242,31 +242,32 @@ class TransformerLM(nn.Module):
     def warm_up(self, n_tokens: int = 2) -> list[int]:
         """Generate exactly ``n_tokens`` speech tokens for four dummy text ids through one layer of each stack
         (:func:`cosyserve.models.one_layer_per_stack`), paying the one-time costs of every kernel the LM runs
-        (prefill, cached decode, sampling); the caches are released after, so no state is left behind."""
+        (prefill, cached decode, sampling); the caches are released after, so no state is left behind. Not while
+        the LM serves requests: the first layer's KV cache is set up and released here."""
         from cosyserve.models import one_layer_per_stack
 
         text = torch.arange(1, 5, dtype=torch.int32).unsqueeze(0)
         empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
         ratio = max(n_tokens, 1) / text.shape[1]  # min = max: exactly n_tokens, no early EOS
         embedding = torch.zeros(1, self.cfg.spk_embed_dim)  # float32, as speakers' embeddings are
-        with one_layer_per_stack(self):
-            try:
-                return list(
-                    self.inference(
-                        text,
-                        torch.tensor([text.shape[1]], dtype=torch.int32),
-                        empty,
-                        zero,
-                        empty,
-                        zero,
-                        embedding,
-                        max_token_text_ratio=ratio,
-                        min_token_text_ratio=ratio,
-                        generator=torch.Generator().manual_seed(0),
-                    )
+        trimmed = one_layer_per_stack(self)
+        try:
+            return list(
+                trimmed.inference(
+                    text,
+                    torch.tensor([text.shape[1]], dtype=torch.int32),
+                    empty,
+                    zero,
+                    empty,
+                    zero,
+                    embedding,
+                    max_token_text_ratio=ratio,
+                    min_token_text_ratio=ratio,
+                    generator=torch.Generator().manual_seed(0),
                 )
-            finally:
-                self.llm.release_caches()
+            )
+        finally:
+            trimmed.llm.release_caches()
 
     def cache_shape(self) -> tuple[int, int]:
         """(rows, positions per row) of the KV caches; (0, 0) before :meth:`setup_caches`."""
