@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--idle", type=float, default=1.0, help="seconds between READY and the first request")
+    ap.add_argument("--only", default=None, help="run only the configurations whose name contains this")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     env.pop("COSYSERVE_TEXT_TIER", None)
@@ -55,6 +56,10 @@ def main() -> None:
         "warm-up on, text lazy": (True, "preload", args.idle, "lazy"),
         "warm-up on, lazy pages": (True, "lazy", args.idle, "background"),
     }
+    if args.only:
+        configs = {k: v for k, v in configs.items() if args.only in k}
+        if not configs:
+            raise SystemExit(f"--only {args.only!r} matches no configuration")
     rows: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in configs}
     seconds = 0.0
     for _ in range(args.runs):

@@ -1,0 +1,70 @@
+"""READY against the floor, many times over: fresh ``import torch`` and fresh ``cosyserve.load`` in pairs.
+
+    python bench/ready_ratio.py --bundle out/full-bundle [--pairs 12]
+
+Each pair starts ``python -c "import torch"`` (the floor), then a process that loads the bundle the way
+``cosyserve serve`` does (GC held, bundle read ahead while torch imports, default strategy and warm-up) and
+stops at READY; both report the instant they got there against the spawn instant passed in
+``COSYSERVE_SPAWN_T0``. On a VM whose speed drifts by tens of percent between runs, many alternating pairs say
+more than ``cosyserve startup-report`` (which also times a first request per start) can in the same minutes.
+Prints the medians, their ratio, and the median of the per-pair ratios (target: <= 1.25x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOAD = """
+import time
+from cosyserve.startup import hold_gc, prefetch_bundles
+hold_gc()
+prefetch_bundles([{bundle!r}])
+import cosyserve
+m = cosyserve.load({bundle!r})
+print("READY", time.time(), flush=True)
+"""
+FLOOR = "import time, torch; print('READY', time.time(), flush=True)"
+
+
+def _start(code: str, env: dict[str, str]) -> float:
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**env, "COSYSERVE_SPAWN_T0": repr(t0)},
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"start failed:\n{r.stderr[-3000:]}")
+    return (float(next(ln for ln in r.stdout.splitlines() if ln.startswith("READY ")).split()[1]) - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--pairs", type=int, default=12)
+    args = ap.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    _start(LOAD.format(bundle=args.bundle), env)  # the first start of a bundle hashes it once: not timed
+    floor, ready = [], []
+    for _ in range(args.pairs):
+        floor.append(_start(FLOOR, env))
+        ready.append(_start(LOAD.format(bundle=args.bundle), env))
+    f, r = statistics.median(floor), statistics.median(ready)
+    ratios = [b / a for a, b in zip(floor, ready, strict=True)]
+    print(
+        f"{args.pairs} pairs: floor {f:.0f} ms, READY {r:.0f} ms (medians); ratio {r / f:.2f}x, ready - floor {r - f:.0f} ms"
+    )
+    print(
+        f"per-pair ratio: median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
