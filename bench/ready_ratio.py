@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 LOAD = """
@@ -33,16 +31,10 @@ FLOOR = "import time, torch; print('READY', time.time(), flush=True)"
 
 
 def _start(code: str, env: dict[str, str]) -> float:
-    t0 = time.time()
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**env, "COSYSERVE_SPAWN_T0": repr(t0)},
-    )
-    if r.returncode != 0:
-        raise SystemExit(f"start failed:\n{r.stderr[-3000:]}")
-    return (float(next(ln for ln in r.stdout.splitlines() if ln.startswith("READY ")).split()[1]) - t0) * 1e3
+    from cosyserve.report import spawn_timed
+
+    t0, rest = spawn_timed([sys.executable, "-c", code], env, "READY")
+    return (float(rest) - t0) * 1e3
 
 
 def main() -> None:
@@ -50,7 +42,9 @@ def main() -> None:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--pairs", type=int, default=12)
     args = ap.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    sys.path.insert(0, src)
+    env = {**os.environ, "PYTHONPATH": src}
     _start(LOAD.format(bundle=args.bundle), env)  # the first start of a bundle hashes it once: not timed
     floor, ready = [], []
     for _ in range(args.pairs):

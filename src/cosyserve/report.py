@@ -23,7 +23,7 @@ from typing import Any
 
 from cosyserve.startup import PHASES
 
-__all__ = ["evict", "resident_bytes", "startup_report"]
+__all__ = ["evict", "resident_bytes", "spawn_timed", "startup_report"]
 
 _FLOOR_CODE = "import time, torch; print('COSYSERVE_FLOOR', time.time(), flush=True)"
 
@@ -99,7 +99,9 @@ def _cold_read_rate(paths: list[Path]) -> float:
     return max(rates)
 
 
-def _spawn(cmd: list[str], env: dict[str, str], marker: str) -> tuple[float, str]:
+def spawn_timed(cmd: list[str], env: dict[str, str], marker: str) -> tuple[float, str]:
+    """Run ``cmd`` with ``COSYSERVE_SPAWN_T0`` set to the spawn instant; returns (that instant, the rest of its
+    first stdout line that starts with ``marker``). Raises RuntimeError if it fails or prints no such line."""
     t0 = time.time()
     env = {**env, "COSYSERVE_SPAWN_T0": repr(t0)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -215,11 +217,11 @@ def startup_report(
     phases: dict[str, list[float]] = {}
     touched = []
     for _ in range(runs):
-        t0, line = _spawn(floor_cmd, env, "COSYSERVE_FLOOR")
+        t0, line = spawn_timed(floor_cmd, env, "COSYSERVE_FLOOR")
         floor.append((float(line) - t0) * 1e3)
         if cold:
             evict(files)
-        _, line = _spawn(probe_cmd, env, "COSYSERVE_PROBE")
+        _, line = spawn_timed(probe_cmd, env, "COSYSERVE_PROBE")
         rec = json.loads(line)
         if cold:
             touched.append(resident_bytes(files))

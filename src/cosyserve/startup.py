@@ -227,15 +227,11 @@ def resident_pages(path: str | os.PathLike[str]) -> bytes:
 _LOW_BIT = bytes(b & 1 for b in range(256))
 
 
-def read_range(path: str | os.PathLike[str], begin: int, end: int, buf: memoryview) -> None:
-    """Read bytes [begin, end) of the file into the page cache (and into ``buf``, a scratch buffer whose size sets
-    the read size) with ``os.preadv``, which releases the GIL. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while begin < end and (n := os.preadv(fd, [buf[: min(len(buf), end - begin)]], begin)) > 0:
-            begin += n
-    finally:
-        os.close(fd)
+def read_range(fd: int, begin: int, end: int, buf: memoryview) -> None:
+    """Read bytes [begin, end) of the open file ``fd`` into the page cache (and into ``buf``, a scratch buffer whose
+    size sets the read size) with ``os.preadv``, which releases the GIL. Raises OSError."""
+    while begin < end and (n := os.preadv(fd, [buf[: min(len(buf), end - begin)]], begin)) > 0:
+        begin += n
 
 
 def prefetch_files(
@@ -278,9 +274,15 @@ def prefetch_files(
                     return
                 path, off, length = jobs.pop(0)
             try:
-                read_range(path, off, off + length, buf)
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                read_range(fd, off, off + length, buf)
             except OSError:
                 pass
+            finally:
+                os.close(fd)
 
     def run() -> None:
         plan()

@@ -212,13 +212,18 @@ class MappedFile:
         assert self._mm is not None
         page = mmap.PAGESIZE
         resident = resident_map(self._mm, begin, end)
+        if (i := resident.find(0)) == -1:
+            return  # all cached: the usual warm start reads nothing
         buf = memoryview(bytearray(block))
-        i = 0
-        while (i := resident.find(0, i)) != -1:
-            j = resident.find(1, i)
-            j = len(resident) if j == -1 else j
-            read_range(self.path, begin + i * page, min(begin + j * page, end), buf)
-            i = j
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while i != -1:
+                j = resident.find(1, i)
+                j = len(resident) if j == -1 else j
+                read_range(fd, begin + i * page, min(begin + j * page, end), buf)
+                i = resident.find(0, j)
+        finally:
+            os.close(fd)
 
     def touch(self, begin: int = 0, end: int | None = None) -> int:
         """Fault the pages of ``[begin, end)`` in (read one byte per page); returns bytes covered. Releases no
