@@ -318,3 +318,108 @@ def test_zero_shot_tier_loads_after_ready_when_configured(
 
     with pytest.raises(SettingsError, match="COSYSERVE_ZERO_SHOT_TIER"):
         cosyserve.load(bundle_dir, warmup=False)
+
+
+# --- the output path: what --force may replace, atomically; stale temporaries; file modes --------------------
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["model", "parent", "inside", "link-to-model", "other-dir", "a-file"])
+def test_force_never_replaces_the_model_or_what_is_not_a_bundle(
+    tiny_model_dir: Path, tmp_path: Path, case: str
+) -> None:
+    from cosyserve.bundle.convert import ConvertError
+
+    parent = tmp_path / "parent"
+    model = parent / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (parent / "notes.txt").write_text("unrelated")
+    out = {
+        "model": model,
+        "parent": parent,
+        "inside": model / "bundle",
+        "link-to-model": tmp_path / "link",
+        "other-dir": parent / "other",
+        "a-file": parent / "notes.txt",
+    }[case]
+    if case == "link-to-model":
+        out.symlink_to(model, target_is_directory=True)
+    if case == "other-dir":
+        out.mkdir()
+        (out / "data.bin").write_bytes(b"user data")
+    before = _tree(tmp_path)
+    reason = {
+        "model": "is the model directory",
+        "parent": "contains the model directory",
+        "inside": "lies inside the model directory",
+        "link-to-model": "is the model directory",
+        "other-dir": "exists and is a directory, not a cosyserve bundle",
+        "a-file": "exists and is a file, not a cosyserve bundle",
+    }[case]
+    with pytest.raises(ConvertError, match=f"{out}.*{reason}"):
+        convert(model, out, force=True, progress=False)
+    assert _tree(tmp_path) == before, "a refused conversion changed files"
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        ["m", "notes.txt"] + (["other"] if case == "other-dir" else [])
+    ), "a refused conversion left something behind"
+
+
+def test_convert_refusal_is_one_line_from_the_cli(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    r = run_python(
+        "from cosyserve.cli import main; main()", "convert", str(model), str(model), "--force", timeout=120
+    )
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("cosyserve convert: error:") and str(model) in lines[0], lines[0]
+    assert (model / "llm.pt").is_file() and _tree(model) == _tree(tiny_model_dir)
+
+
+def test_force_replaces_a_bundle_atomically_and_cleans_killed_runs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(tiny_model_dir, out, progress=False)
+    (tmp_path / "notes.txt").write_text("unrelated")
+    old = _tree(out)
+    # a --force conversion killed in the middle of writing leaves the old bundle in place, complete
+    code = (
+        "import os, signal, sys, safetensors.torch as st\n"
+        "orig = st.save_file\n"
+        "def save(*a, **k):\n"
+        "    orig(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "st.save_file = save\n"
+        "from cosyserve.bundle.convert import convert\n"
+        "convert(sys.argv[1], sys.argv[2], force=True, progress=False)\n"
+    )
+    r = run_python(code, str(tiny_model_dir), str(out))
+    assert r.returncode == -9, r.stderr
+    assert _tree(out) == old, "a killed --force conversion changed the old bundle"
+    open_bundle(out).load(LoadOptions(verify="full"))
+    stale = [p for p in tmp_path.iterdir() if p.name.startswith(".out.converting.")]
+    assert len(stale) == 1
+    # the next conversion removes what the killed one left, and replaces the bundle
+    convert(tiny_model_dir, out, dtype="bfloat16", force=True, progress=False)
+    assert open_bundle(out).dtype == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "out"], "temporaries left behind"
+    assert (tmp_path / "notes.txt").read_text() == "unrelated"
+
+
+@pytest.mark.parametrize(("mask", "dir_mode", "mode"), [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_bundle_files_follow_the_umask(
+    tiny_model_dir: Path, tmp_path: Path, mask: int, dir_mode: int, mode: int
+) -> None:
+    saved = os.umask(mask)
+    try:
+        out = convert(tiny_model_dir, tmp_path / "b", progress=False)
+    finally:
+        os.umask(saved)
+    assert out.stat().st_mode & 0o777 == dir_mode
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert modes == dict.fromkeys(modes, oct(mode)), "bundle files must get the umask's mode, as open() does"

@@ -177,3 +177,18 @@ def test_model_from_env(tiny_model_dir: Path) -> None:
 def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
     r = cli("make-test-model", str(tmp_path))
     assert r.returncode != 0 and "already exists" in r.stderr
+
+
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_synth_wav_follows_the_umask(tmp_path: Path, mask: int, mode: int) -> None:
+    import numpy as np
+
+    from cosyserve.wavfile import write_wav_atomic
+
+    saved = os.umask(mask)
+    try:
+        write_wav_atomic(tmp_path / "a.wav", [np.zeros(100, dtype=np.float32)], 22050)
+    finally:
+        os.umask(saved)
+    got = (tmp_path / "a.wav").stat().st_mode & 0o777
+    assert got == mode, f"{oct(got)}: a WAV must get the umask's mode, as open() gives it"

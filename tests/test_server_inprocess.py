@@ -82,3 +82,26 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
     assert not list(tmp_path.glob("demo-model.tmp*")), (
         "the demo model is written under a temp name, then renamed"
     )
+
+
+def test_demo_model_generation_removes_only_stale_temporaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cosyserve.server.config import DEMO_MODEL
+    from cosyserve.staging import Staging
+    from proc_util import killed_staging
+
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
+    live = Staging(tmp_path / "demo-model", "making").start()  # another process generating it right now
+    try:
+        stale = killed_staging(tmp_path / "demo-model", "making")  # a generation killed with SIGKILL
+        mine = tmp_path / ".demo-model.making.backup01"  # similar name, not ours (no lock file)
+        mine.mkdir()
+        (mine / "keep.txt").write_text("mine")
+        assert _load_source(DEMO_MODEL, DEMO_MODEL) == str(tmp_path / "demo-model")
+        assert (tmp_path / "demo-model" / "cosyvoice.yaml").is_file()
+        assert not stale.exists(), "the killed generation's temporary was left behind"
+        assert live.tmp is not None and live.tmp.exists(), "a live writer's temporary was removed"
+        assert (mine / "keep.txt").read_text() == "mine"
+    finally:
+        live.discard()

@@ -10,7 +10,6 @@ speech; the vocoder's f0 head is rescaled (as in the conformance fixtures) so th
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -242,15 +241,13 @@ def make_test_model(
     from cosyserve.models.flow import MaskedDiffWithXvec
     from cosyserve.models.hift import HiFTGenerator
     from cosyserve.models.llm import TransformerLM
+    from cosyserve.staging import Staging
 
     out = Path(out)
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:
         raise FileExistsError(f"{out} already exists (use --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model dir is an ordinary directory
+    staging = Staging(out, "making").start()
+    tmp = staging.path
     info: dict[str, tuple[int, int]] = {}
     try:
         (tmp / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
@@ -275,10 +272,7 @@ def make_test_model(
             from cosyserve.frontend.onnx_testmodels import write_test_onnx_models
 
             write_test_onnx_models(tmp, seed=seed)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        staging.commit(replace=force)
+    finally:
+        staging.discard()
     return info

@@ -25,9 +25,12 @@ def write_wav_atomic(path: str | Path, chunks: Iterable[np.ndarray], sample_rate
     an exception in the middle (a bad request, Ctrl-C) leaves no partial WAV behind.
     """
     path = Path(path)
+    from cosyserve.staging import file_mode
+
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     samples = 0
     try:
+        os.fchmod(fd, file_mode())  # mkstemp makes it private; the WAV is an ordinary file
         with os.fdopen(fd, "wb") as f, wave.open(f, "wb") as w:
             w.setnchannels(1)
             w.setsampwidth(2)

@@ -4,8 +4,11 @@ The bundle is one safetensors file per component (``llm``, ``flow``, ``hift``, `
 ``manifest.json`` with the format version, the parsed config, each file's size and each tensor's dtype, shape
 and sha256, and the source files' sizes and sha256. Weight-norm is folded at conversion (the vocoder stores
 plain weights). The official ONNX files, when present, are copied unchanged. Everything is written into a
-temporary sibling directory that is renamed into place only when complete, so an interrupted conversion never
-leaves a directory that looks like a bundle.
+temporary sibling directory that is moved into place in one rename only when complete (an existing bundle is
+swapped out in the same rename, see :mod:`cosyserve.staging`), so an interrupted conversion never leaves a
+directory that looks like a bundle, and a crash leaves the old bundle or the new one. The output may only be a new
+path or an existing bundle (with ``force``): never the model dir, a folder around it or inside it, or any other
+existing file or directory.
 """
 
 from __future__ import annotations
@@ -17,13 +20,20 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLE_FORMAT", "BUNDLE_VERSION", "COMPONENTS", "ONNX_FILES", "convert", "sha256_file"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BUNDLE_VERSION",
+    "COMPONENTS",
+    "ONNX_FILES",
+    "ConvertError",
+    "convert",
+    "sha256_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +42,10 @@ BUNDLE_VERSION = 1
 COMPONENTS = ("llm", "flow", "hift")
 ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+class ConvertError(ValueError):
+    """The output path cannot take a bundle; nothing was changed."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -68,6 +82,47 @@ def _progress(label: str) -> Callable[[str], None]:
     return step
 
 
+def _is_bundle_dir(path: Path) -> bool:
+    # any version of our format: an older bundle is still ours to replace
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return path.is_dir() and isinstance(manifest, dict) and manifest.get("format") == BUNDLE_FORMAT
+
+
+def _check_out(model_dir: Path, out: Path, force: bool) -> None:
+    """Refuse an output that would overwrite or nest with the model dir, or replace what is not a bundle."""
+    src, dst = model_dir.resolve(), out.resolve()
+    keep = "nothing was changed; choose a new path for the bundle"
+    if dst == src:
+        raise ConvertError(f"output {out} is the model directory {model_dir}: {keep}")
+    if dst in src.parents:
+        raise ConvertError(f"output {out} contains the model directory {model_dir}: {keep}")
+    if src in dst.parents:
+        raise ConvertError(f"output {out} lies inside the model directory {model_dir}: {keep}")
+    if not os.path.lexists(out):
+        return
+    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    if not (_is_bundle_dir(out) or empty_dir):
+        what = "a directory" if out.is_dir() else "a file"
+        raise ConvertError(
+            f"{out} exists and is {what}, not a cosyserve bundle (no manifest.json of format "
+            f"{BUNDLE_FORMAT!r}): --force replaces only a bundle; {keep}, or remove {out} yourself"
+        )
+    if not force:
+        raise FileExistsError(f"{out} already exists (use --force to replace it)")
+
+
+def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    from cosyserve.staging import file_mode
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, file_mode())  # save_file makes the file private (0600) whatever the umask
+
+
 def _component_tensors(model_dir: Path, name: str, cfg: Any) -> dict[str, Any]:
     """The component's state dict as we store it: strict-loaded into our module (so keys and shapes are
     checked against the yaml), weight norm folded by the vocoder's load hook, back out."""
@@ -90,31 +145,32 @@ def convert(
         model_dir: official directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, optional spk2info.pt and ONNX).
         out: bundle directory to create.
         dtype: storage dtype of floating-point weights: float32, bfloat16 or float16.
-        force: replace an existing ``out``.
+        force: replace ``out`` if it is a bundle (or an empty directory); anything else there is refused.
         progress: report steps on stderr.
     Returns:
         ``out`` as a Path.
+    Raises:
+        ConvertError: ``out`` is, contains or lies inside ``model_dir``, or exists and is not a bundle.
+        FileExistsError: ``out`` is a bundle and ``force`` is False.
     """
     import torch
-    from safetensors.torch import save_file
 
     from cosyserve import __version__
     from cosyserve.bundle.official import ModelDirError, load_speakers
     from cosyserve.config import load_model_config
+    from cosyserve.staging import Staging
 
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     model_dir, out = Path(model_dir), Path(out)
     if not model_dir.is_dir():
         raise ModelDirError(f"model directory not found: {model_dir}")
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} already exists (use --force to replace it)")
+    _check_out(model_dir, out, force)
     step = _progress(f"convert {model_dir.name}") if progress else (lambda msg: None)
     torch_dtype = getattr(torch, dtype)
     cfg = load_model_config(model_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.converting.", dir=out.parent))
-    try:
+    with Staging(out, "converting") as staging:
+        tmp = staging.path
         manifest: dict[str, Any] = {
             "format": BUNDLE_FORMAT,
             "version": BUNDLE_VERSION,
@@ -146,7 +202,7 @@ def convert(
             }
             step(f"{name}: writing")
             fname = f"{name}.safetensors"
-            save_file(tensors, str(tmp / fname), metadata={"format": BUNDLE_FORMAT, "component": name})
+            _save(tensors, tmp / fname, {"format": BUNDLE_FORMAT, "component": name})
             manifest["components"][name] = {
                 "file": fname,
                 "bytes": (tmp / fname).stat().st_size,
@@ -158,7 +214,7 @@ def convert(
         spk_tensors = {
             f"{i}.{field}": t.contiguous() for i, s in enumerate(names) for field, t in speakers[s].items()
         }
-        save_file(spk_tensors, str(tmp / "speakers.safetensors"), metadata={"format": BUNDLE_FORMAT})
+        _save(spk_tensors, tmp / "speakers.safetensors", {"format": BUNDLE_FORMAT})
         manifest["speakers"] = {
             "file": "speakers.safetensors",
             "bytes": (tmp / "speakers.safetensors").stat().st_size,
@@ -189,18 +245,10 @@ def convert(
         (tmp / "manifest.json").write_text(
             json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8"
         )
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old.{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        # checked again: the path may have changed during the conversion
+        _check_out(model_dir, out, force)
+        staging.commit(replace=force)
         step("done")
         if progress and sys.stderr.isatty():
             print(file=sys.stderr)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -57,9 +57,10 @@ def _load_source(source: str, name: str) -> str:
             logger.warning(
                 "demo model: generating a tiny random-weight model in %s (it makes noise, not speech)", path
             )
-            tmp = path.with_name(f"demo-model.tmp{os.getpid()}")
-            make_test_model(tmp)
-            os.replace(tmp, path)
+            try:  # a folder there without the yaml is a broken one of ours: replaced
+                make_test_model(path, force=path.exists())
+            except FileExistsError:  # another process made it meanwhile
+                pass
         return str(path)
     if is_hub_id(source):
         from cosyserve.hub import download
