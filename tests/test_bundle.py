@@ -423,3 +423,46 @@ def test_bundle_files_follow_the_umask(
     assert out.stat().st_mode & 0o777 == dir_mode
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
     assert modes == dict.fromkeys(modes, oct(mode)), "bundle files must get the umask's mode, as open() does"
+
+
+# --- the zero-shot tier's ONNX files are checked like the weights ---------------------------------------------
+
+
+def test_damaged_onnx_is_refused_naming_the_file(bundle_dir: Path, tmp_path: Path) -> None:
+    b = _copy(bundle_dir, tmp_path)
+    onnx = b / "campplus.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:-100])
+    bundle = open_bundle(b)
+    with pytest.raises(
+        BundleError, match=r"campplus.onnx: .* bytes, the manifest says .*truncated.*convert"
+    ) as e:
+        bundle.check_onnx("campplus.onnx")
+    assert str(b) not in e.value.public_message and "campplus.onnx" in e.value.public_message
+
+    raw = bytearray((bundle_dir / "campplus.onnx").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, other content
+    onnx.write_bytes(bytes(raw))
+    for verify in ("stamp", "full"):
+        bundle.verify = verify
+        with pytest.raises(BundleError, match="campplus.onnx: checksum mismatch"):
+            bundle.check_onnx("campplus.onnx")
+    bundle.verify = "none"  # structure only, as for the weights
+    bundle.check_onnx("campplus.onnx")
+
+
+def test_damaged_onnx_fails_the_prompt_request_with_the_bundle_error(
+    bundle_dir: Path, tmp_path: Path
+) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    import cosyserve
+
+    b = _copy(bundle_dir, tmp_path)
+    onnx = b / "campplus.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:1000])
+    wav = tmp_path / "p.wav"
+    sf.write(wav, (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 220)).astype(np.float32), 16000)
+    model = cosyserve.load(b, warmup=False)
+    with pytest.raises(BundleError, match="campplus.onnx.*truncated"):
+        model.synthesize("Hi.", mode="zero_shot", prompt_wav=wav, prompt_text="A prompt.")

@@ -179,6 +179,39 @@ def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
     assert r.returncode != 0 and "already exists" in r.stderr
 
 
+def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    from cosyserve.bundle.convert import convert
+
+    bundle = convert(tiny_model_dir, tmp_path / "b", progress=False)
+    onnx = bundle / "campplus.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:1000])
+    prompt = tmp_path / "p.wav"
+    sf.write(prompt, (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 220)).astype(np.float32), 16000)
+    out = tmp_path / "x.wav"
+    r = cli(
+        "synth",
+        "--model",
+        str(bundle),
+        "--mode",
+        "zero_shot",
+        "--prompt-wav",
+        str(prompt),
+        "--prompt-text",
+        "A short prompt.",
+        "--text",
+        "Hi.",
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(onnx) in lines[0] and "convert" in lines[0], r.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
 def test_synth_wav_follows_the_umask(tmp_path: Path, mask: int, mode: int) -> None:
     import numpy as np

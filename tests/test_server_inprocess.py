@@ -84,6 +84,45 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
     )
 
 
+def test_damaged_onnx_answers_a_clear_error_without_server_paths(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import io
+    import logging
+
+    import numpy as np
+    import soundfile as sf
+
+    from cosyserve.bundle.convert import convert
+
+    bundle = convert(tiny_model_dir, tmp_path / "b", progress=False)
+    onnx = bundle / "campplus.onnx"
+    onnx.write_bytes(onnx.read_bytes()[:1000])
+    buf = io.BytesIO()
+    sf.write(
+        buf,
+        (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 220)).astype(np.float32),
+        16000,
+        "PCM_16",
+        format="WAV",
+    )
+    caplog.set_level(logging.ERROR)
+    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(bundle)),)))) as client:
+        wait_ready(client)
+        r = client.post(
+            "/inference_zero_shot",
+            data={"tts_text": "Hi.", "prompt_text": "A short prompt."},
+            files={"prompt_wav": ("prompt_wav", buf.getvalue(), "application/octet-stream")},
+        )
+    assert r.status_code == 500, r.text
+    message = r.json()["error"]["message"]
+    assert "campplus.onnx" in message and "damaged" in message and "converted again" in message, message
+    assert str(tmp_path) not in r.text, f"a server path reached the client: {message}"
+    rid = message.rsplit("request ", 1)[1].rstrip(")")
+    logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+    assert logged and str(onnx) in (logged[0].exc_text or ""), "the detail (with the path) belongs in the log"
+
+
 def test_demo_model_generation_removes_only_stale_temporaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -152,3 +152,22 @@ def test_bad_speech_requests_name_their_field(raw: bytes, param: str | None, mes
     with pytest.raises(HTTPError) as info:
         parse_speech_request(raw, 100)
     assert info.value.status == 400 and info.value.param == param and message in info.value.message
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def test_engine_error_messages_reach_the_client_without_server_paths() -> None:
+    from cosyserve.engine.errors import ClientError
+    from cosyserve.server.errors import from_engine_error
+
+    e = ClientError(
+        "zero_shot synthesis is unavailable: model dir /srv/models/CosyVoice-300M has no campplus.onnx "
+        "(copy it from the official model dir; available modes: sft, instruct)"
+    )
+    message = from_engine_error(e).message
+    assert "/srv" not in message, message
+    assert message.startswith("zero_shot synthesis is unavailable: model dir CosyVoice-300M has no")
+    assert "sft, instruct" in message
+    for text in ("speed 1/2 of audio/wav", "see http://example.com/a/b"):
+        assert from_engine_error(ClientError(text)).message == text, "text that is not a path was changed"

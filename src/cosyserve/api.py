@@ -139,8 +139,11 @@ class CosyVoiceModel:
         from cosyserve.registry import SpeakerRegistry, default_registry_dir
 
         if self.bundle is not None:
-            paths = {name: self.bundle.onnx_path(name) for name in ONNX_FILES}
-            self._pipeline.set_onnx_paths(paths, self.model_dir)
+            bundle = self.bundle
+            paths = {name: bundle.onnx_path(name) for name in ONNX_FILES}
+            self._pipeline.set_onnx_paths(
+                paths, self.model_dir, check=lambda path: bundle.check_onnx(path.name)
+            )
         if self._pipeline.registry is None:
             self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir))
 

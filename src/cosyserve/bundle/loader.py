@@ -15,6 +15,8 @@ checksums (sha256 per tensor). Hashing 1.7 GB costs about a second, so by defaul
 done once per file version: a stamp records (inode, size, mtime, ctime) of files that hashed clean, and a file
 whose stat differs is hashed again before use. ``verify="full"`` always hashes; ``verify="none"`` only checks
 structure. A failed check raises :class:`BundleError` naming the file and tensor; nothing is half-loaded.
+The zero-shot tier's ONNX files are checked the same way (size always, checksum per the same policy) when that
+tier opens them (:meth:`Bundle.check_onnx`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from cosyserve.startup import PhaseClock
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bundle", "BundleError", "LoadOptions", "LoadedParts", "is_bundle", "open_bundle"]
+__all__ = ["Bundle", "BundleError", "LoadOptions", "LoadedParts", "is_bundle", "model_key", "open_bundle"]
 
 Strategy = Literal["preload", "lazy", "prefetch"]
 Verify = Literal["stamp", "full", "none"]
@@ -42,7 +44,14 @@ STAMP_FILE = ".verified.json"
 
 
 class BundleError(ValueError):
-    """A bundle that cannot be used; names the file, and the tensor where one is at fault."""
+    """A bundle that cannot be used; names the file, and the tensor where one is at fault.
+
+    ``public_message`` (when set) says the same without the server's paths, for a remote client.
+    """
+
+    def __init__(self, message: str, *, public_message: str | None = None) -> None:
+        super().__init__(message)
+        self.public_message = public_message
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,9 @@ class Bundle:
         self.path = path
         self.manifest = manifest
         self.dtype: str = manifest["dtype"]
+        self.verify: Verify = "stamp"  # the checksum policy of the last load, applied to the ONNX files too
         self._config: Any = None
+        self._stamp_lock = threading.Lock()
 
     @property
     def config(self) -> Any:
@@ -117,8 +128,47 @@ class Bundle:
     def speaker_names(self) -> list[str]:
         return list(self.manifest.get("speakers", {}).get("names", []))
 
+    @property
+    def model_key(self) -> str:
+        """What identifies the model, whatever its path, folder name or storage dtype (see :func:`model_key`)."""
+        return model_key(self.manifest)
+
     def onnx_path(self, name: str) -> Path | None:
         return self.path / name if name in self.manifest.get("extras", {}) else None
+
+    def check_onnx(self, name: str) -> None:
+        """Check the ONNX file ``name`` against the manifest before a session opens it, as the weights are:
+        its size always, its sha256 per :attr:`verify` (``stamp``: once per file version). Raises
+        :class:`BundleError` naming the file."""
+        entry = self.manifest.get("extras", {}).get(name)
+        if entry is None:  # not part of the bundle: nothing recorded to check against
+            return
+        path = self.path / name
+        again = "convert the model dir again (cosyserve convert MODEL_DIR BUNDLE --force)"
+        public = f"the model's {name} is damaged ({{}}); its bundle must be converted again"
+        try:
+            key = _stat_key(path)
+        except OSError as e:
+            raise BundleError(
+                f"{path}: cannot read it ({e.strerror}): {again}", public_message=public.format("unreadable")
+            ) from e
+        if key[1] != entry["bytes"]:
+            raise BundleError(
+                f"{path}: {key[1]} bytes, the manifest says {entry['bytes']}: truncated or replaced; {again}",
+                public_message=public.format("truncated or replaced"),
+            )
+        if self.verify == "none" or (self.verify == "stamp" and self._read_stamps().get(name) == key):
+            return
+        from cosyserve.bundle.convert import sha256_file
+
+        if sha256_file(path) != entry["sha256"]:
+            raise BundleError(
+                f"{path}: checksum mismatch: the file is corrupt; {again}",
+                public_message=public.format("checksum mismatch"),
+            )
+        if self.verify == "stamp":
+            with self._stamp_lock:
+                self._write_stamps({**self._read_stamps(), name: key})
 
     # -- checks -------------------------------------------------------------------------------------------
 
@@ -198,6 +248,7 @@ class Bundle:
 
         options = options or LoadOptions()
         clock = clock or PhaseClock()
+        self.verify = options.verify
         entries = self._entries()
         with clock.phase("manifest"):
             cfg = self.config
@@ -232,8 +283,12 @@ class Bundle:
                 io.shutdown(wait=True, cancel_futures=True)
                 raise
         if unverified and options.verify == "stamp":
-            stamps.update({entries[n]["file"]: _stat_key(files[n].path) for n in unverified})
-            self._write_stamps(stamps)
+            with self._stamp_lock:
+                stamps = {
+                    **self._read_stamps(),
+                    **{entries[n]["file"]: _stat_key(files[n].path) for n in unverified},
+                }
+                self._write_stamps(stamps)
         return LoadedParts(modules, self._speakers(files.get("speakers")), files)
 
     def _speakers(self, f: Any) -> dict[str, dict[str, Any]]:
@@ -245,6 +300,23 @@ class Bundle:
             idx, fld = key.split(".", 1)
             out.setdefault(names[int(idx)], {})[fld] = f.tensor(key)
         return out
+
+
+def model_key(manifest: dict[str, Any]) -> str:
+    """32 hex characters that identify a bundle's model: a hash of the sha256 of the source weight files
+    (llm.pt, flow.pt, hift.pt) recorded at conversion, so float32 and bfloat16 bundles of one model, or one
+    model in two folders, share it; without those records, of the stored tensors' checksums."""
+    files = manifest.get("source", {}).get("files", {})
+    names = [f"{c}.pt" for c in COMPONENTS]
+    if all(isinstance(files.get(n), dict) and "sha256" in files[n] for n in names):
+        parts = [f"{n}:{files[n]['sha256']}" for n in names]
+    else:
+        parts = [
+            f"{c}/{t}:{info['sha256']}"
+            for c in COMPONENTS
+            for t, info in sorted(manifest["components"][c]["tensors"].items())
+        ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
 def _page_plan(files: dict[str, Any]) -> list[tuple[Any, tuple[str, ...]]]:

@@ -770,8 +770,12 @@ class Engine:
             if error is not e:
                 error.__cause__ = e
         except Exception as e:
-            logger.exception("engine %s: request %s failed", self.name, job.request.request_id)
-            error = InternalError(f"model {self.name!r}: synthesis failed: {type(e).__name__}: {e}")
+            rid = job.request.request_id
+            logger.exception("engine %s: request %s failed", self.name, rid)
+            # the message reaches remote clients: never the exception's text, which may name server paths;
+            # an error that knows what a client may read says so in public_message
+            what = getattr(e, "public_message", None) or f"synthesis failed ({type(e).__name__})"
+            error = InternalError(f"model {self.name!r}: {what} (details in the server log, request {rid})")
             error.__cause__ = e
         finally:
             if inst.gate is not None:

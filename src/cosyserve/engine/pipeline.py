@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,7 @@ class Pipeline:
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
+        self.onnx_check: Callable[[Path], None] | None = None
         self._frontend: Any = None
         self._frontend_lock = threading.Lock()
         if onnx_paths is not None:
@@ -152,8 +153,14 @@ class Pipeline:
 
     # --- the zero-shot tier ---------------------------------------------------------------------------------------
 
-    def set_onnx_paths(self, paths: Mapping[str, Path | None], model_dir: str | Path | None = None) -> None:
-        """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use."""
+    def set_onnx_paths(
+        self,
+        paths: Mapping[str, Path | None],
+        model_dir: str | Path | None = None,
+        check: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use.
+        ``check(path)`` runs before a session opens a file (e.g. the bundle's size and checksum check)."""
         unknown = set(paths) - set(ONNX_FILES)
         if unknown:
             raise ValueError(f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(ONNX_FILES)}")
@@ -161,6 +168,8 @@ class Pipeline:
         self.onnx_paths.update({k: Path(v) if v is not None else None for k, v in paths.items()})
         if model_dir is not None:
             self.model_dir = Path(model_dir)
+        if check is not None:
+            self.onnx_check = check
 
     def unavailable_modes(self) -> dict[str, str]:
         """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
@@ -208,9 +217,11 @@ class Pipeline:
 
                     base = self.model_dir or Path(".")
                     frontend = Frontend(base, self.speakers, tokenizer=self.tokenizer)
-                    frontend.campplus = OnnxModel(self.onnx_paths[ONNX_FILES[0]] or base / ONNX_FILES[0])
+                    frontend.campplus = OnnxModel(
+                        self.onnx_paths[ONNX_FILES[0]] or base / ONNX_FILES[0], self.onnx_check
+                    )
                     frontend.speech_tokenizer = OnnxModel(
-                        self.onnx_paths[ONNX_FILES[1]] or base / ONNX_FILES[1]
+                        self.onnx_paths[ONNX_FILES[1]] or base / ONNX_FILES[1], self.onnx_check
                     )
                     self._frontend = frontend
         return self._frontend

@@ -43,6 +43,7 @@ __all__ = [
     "FrontendError",
     "ModeUnavailableError",
     "OnnxModel",
+    "OnnxModelError",
     "PromptAudio",
     "PromptAudioError",
     "PromptLimits",
@@ -193,14 +194,29 @@ def load_prompt(
 # onnxruntime sessions
 
 
+class OnnxModelError(ValueError):
+    """An ONNX model file that cannot be used (damaged, or not a model): a fault of the server's files, not
+    of the request. ``public_message`` says so without the server's paths."""
+
+    def __init__(self, message: str, *, public_message: str) -> None:
+        super().__init__(message)
+        self.public_message = public_message
+
+
 class OnnxModel:
     """An onnxruntime CPU session for one model file, created on the first :meth:`run` (thread-safe).
 
     Session options as the reference: graph optimisation ORT_ENABLE_ALL, one intra-op thread.
+
+    Args:
+        path: the ``.onnx`` file.
+        check: called with ``path`` before the session opens it (a bundle checks size and checksum); raises
+            when the file must not be used.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, check: Callable[[Path], None] | None = None) -> None:
         self.path = Path(path)
+        self.check = check
         self._lock = threading.Lock()
         self._session: Any = None
         self.load_seconds: float | None = None
@@ -225,6 +241,8 @@ class OnnxModel:
             raise RuntimeError(
                 f"running {self.path.name} needs the 'onnxruntime' package (pip install onnxruntime)"
             ) from e
+        if self.check is not None:
+            self.check(self.path)
         t0 = time.perf_counter()
         options = onnxruntime.SessionOptions()
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -234,7 +252,10 @@ class OnnxModel:
                 str(self.path), sess_options=options, providers=["CPUExecutionProvider"]
             )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own unrelated exception types
-            raise RuntimeError(f"cannot load ONNX model {self.path}: {e}") from e
+            raise OnnxModelError(
+                f"cannot load ONNX model {self.path}: {e}",
+                public_message=f"the model's {self.path.name} cannot be loaded (damaged or not an ONNX model)",
+            ) from e
         self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s in %.0f ms", self.path.name, self.load_seconds * 1e3)
         return session

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 
 from starlette.responses import JSONResponse
 
 from cosyserve.engine.errors import EngineError, OverloadedError
 
-__all__ = ["HTTPError", "error_response", "from_engine_error"]
+__all__ = ["HTTPError", "error_response", "from_engine_error", "without_paths"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -65,6 +66,16 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# an absolute path: "/" at the start or after a blank, quote, bracket or "=", then path characters
+_ABS_PATH = re.compile(r"(?<![^\s'\"(\[=])/(?:[^\s/'\"()\[\]]+/)*([^\s/'\"()\[\]]+)")
+
+
+def without_paths(message: str) -> str:
+    """``message`` with each absolute filesystem path cut to its last part (``/srv/models/m has ...`` ->
+    ``m has ...``): a remote client is never told where the server keeps its files."""
+    return _ABS_PATH.sub(r"\1", message)
+
+
 def from_engine_error(e: EngineError) -> HTTPError:
     """The engine's typed error as the response the server sends (status from the class, Retry-After)."""
     status = int(getattr(e, "status_code", 500))
@@ -74,4 +85,4 @@ def from_engine_error(e: EngineError) -> HTTPError:
     code = type(e).__name__.removesuffix("Error").lower() or None
     if status == 499:  # nobody is listening; keep a sane status for logs
         status = 400
-    return HTTPError(status, str(e), code=code, headers=headers)
+    return HTTPError(status, without_paths(str(e)), code=code, headers=headers)
