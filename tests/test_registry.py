@@ -275,6 +275,109 @@ def test_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
         default_registry_dir("/m")
 
 
+@pytest.mark.parametrize(("mask", "mode"), [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
+def test_speaker_files_follow_the_umask(tmp_path: Path, mask: int, mode: int) -> None:
+    import os
+
+    saved = os.umask(mask)
+    try:
+        reg = SpeakerRegistry(tmp_path)
+        reg.add("alice", zero_shot_entry(0))
+        reg.export_spk2info(tmp_path / "spk2info.pt")
+    finally:
+        os.umask(saved)
+    for path in (reg.path_for("alice"), tmp_path / "spk2info.pt"):
+        got = path.stat().st_mode & 0o777
+        assert got == mode, f"{path.name}: {oct(got)}; the umask alone decides, as for open()"
+
+
+def test_models_in_folders_of_the_same_name_keep_separate_voices(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyserve
+    from cosyserve.bundle.convert import convert
+    from cosyserve.bundle.loader import open_bundle
+    from cosyserve.testmodel import make_test_model
+
+    monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    other = tmp_path / "other-model"
+    make_test_model(other, size="tiny", seed=1, onnx=False)
+    a = convert(tiny_model_dir, tmp_path / "a" / "bundle", progress=False)
+    b = convert(other, tmp_path / "b" / "bundle", progress=False)
+    model_a = cosyserve.load(a, warmup=False)
+    model_a.registry.add("alice", {"embedding": torch.randn(1, 192)})
+    assert "alice" in model_a.speakers
+    model_b = cosyserve.load(b, warmup=False)
+    assert model_b.registry.root != model_a.registry.root
+    assert "alice" not in model_b.speakers, (
+        "another model in a folder of the same name lists the first's voices"
+    )
+    # the key is the model's weights: a bfloat16 conversion of the same model, elsewhere, shares the voices
+    a16 = convert(tiny_model_dir, tmp_path / "c" / "renamed", dtype="bfloat16", progress=False)
+    assert open_bundle(a16).model_key == open_bundle(a).model_key != open_bundle(b).model_key
+
+
+def _manifest_for(seed: int) -> dict[str, Any]:
+    files = {
+        f"{c}.pt": {"bytes": 1, "sha256": f"{seed:02d}{c}".ljust(64, "0")} for c in ("llm", "flow", "hift")
+    }
+    return {"source": {"files": files}, "components": {}}
+
+
+def test_voices_kept_under_the_folder_name_move_to_their_model_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    speakers = tmp_path / "cache" / "speakers"
+    legacy = default_registry_dir("/models/a/bundle")  # how older versions keyed it
+    assert legacy == speakers / "bundle"
+    SpeakerRegistry(legacy).add("old-voice", zero_shot_entry(1), tenant="t1")
+    key_a, key_b = "a" * 32, "b" * 32
+    caplog.set_level(logging.INFO, logger="cosyserve.registry")
+
+    root_a = default_registry_dir("/models/a/bundle", key_a)
+    assert root_a == speakers / key_a
+    assert SpeakerRegistry(root_a).names("t1") == ["old-voice"], "the model lost its registered voice"
+    assert legacy.is_symlink() and SpeakerRegistry(legacy).names("t1") == ["old-voice"], (
+        "older versions see it"
+    )
+    assert any("moved the registered voices" in r.getMessage() for r in caplog.records)
+    # another model in a folder of the same name starts with its own (empty) registry
+    root_b = default_registry_dir("/models/b/bundle", key_b)
+    assert root_b == speakers / key_b and SpeakerRegistry(root_b).names("t1") == []
+    assert default_registry_dir("/models/a/bundle", key_a) == root_a
+    assert SpeakerRegistry(root_a).names("t1") == ["old-voice"]
+
+
+def test_voices_under_a_folder_name_several_models_had_are_not_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    from cosyserve.bundle.loader import model_key
+
+    monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    legacy = default_registry_dir("/models/v1/CosyVoice-300M")
+    SpeakerRegistry(legacy).add("whose", zero_shot_entry(2))
+    keys = []
+    for seed, digest in ((1, "1" * 16), (2, "2" * 16)):  # the bundle cache converted two such models
+        entry = tmp_path / "cache" / "bundles" / f"CosyVoice-300M-{digest}"
+        entry.mkdir(parents=True)
+        (entry / "manifest.json").write_text(json.dumps(_manifest_for(seed)))
+        keys.append(model_key(_manifest_for(seed)))
+    root = default_registry_dir("/models/v2/CosyVoice-300M", keys[0])
+    assert SpeakerRegistry(root).names() == []
+    assert not legacy.is_symlink() and SpeakerRegistry(legacy).names() == ["whose"], (
+        "ambiguous voices were moved"
+    )
+    assert any("unclear whose voices" in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI
 

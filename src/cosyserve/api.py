@@ -145,7 +145,8 @@ class CosyVoiceModel:
                 paths, self.model_dir, check=lambda path: bundle.check_onnx(path.name)
             )
         if self._pipeline.registry is None:
-            self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir))
+            key = self.bundle.model_key if self.bundle is not None else None
+            self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir, key))
 
     @staticmethod
     def request(**fields: Any) -> Any:

@@ -19,8 +19,9 @@ safe on any filesystem (case-insensitive ones included); the name itself lives i
 The reference's ``spk2info.pt`` (a pickled ``{name: {key: tensor}}``) is imported with
 ``torch.load(weights_only=True)`` and exported with ``torch.save``.
 
-Location: ``COSYSERVE_REGISTRY_DIR`` if set, else ``<cache dir>/speakers/<model dir name>`` (see
-:func:`default_registry_dir`).
+Location: ``COSYSERVE_REGISTRY_DIR`` if set, else ``<cache dir>/speakers/<model key>``, the key a hash of the
+model's weight files' checksums, so models in folders of the same name keep separate voices (see
+:func:`default_registry_dir`, which also moves voices that older versions kept under the folder's name).
 """
 
 from __future__ import annotations
@@ -161,10 +162,18 @@ def validate_tenant(tenant: object) -> str:
     return tenant
 
 
-def default_registry_dir(model: str | os.PathLike[str]) -> Path:
-    """Where a model's registry lives: ``COSYSERVE_REGISTRY_DIR`` if set (used as is), else
-    ``<cache dir>/speakers/<model dir name>`` (the cache dir is ``COSYSERVE_CACHE_DIR`` or
-    ``~/.cache/cosyserve``). Keyed by the directory's name, so a moved or re-converted model keeps its voices.
+def default_registry_dir(model: str | os.PathLike[str], key: str | None = None) -> Path:
+    """Where a model's registry lives: ``COSYSERVE_REGISTRY_DIR`` if set (used as is, by every model), else
+    ``<cache dir>/speakers/<key>`` (the cache dir is ``COSYSERVE_CACHE_DIR`` or ``~/.cache/cosyserve``).
+
+    Args:
+        model: the model's path (bundle or official dir).
+        key: what identifies the model (``Bundle.model_key``: a hash of its weight files' checksums), so two
+            models in folders of the same name keep separate voices, and a moved, renamed or re-converted
+            model keeps its own. ``None``: keyed by the folder's name, as older versions did.
+
+    Voices that older versions kept under ``<cache dir>/speakers/<folder name>`` are moved to the key's folder
+    the first time the model opens it, unless it is unclear whose they are (see :func:`_adopt_legacy`).
     """
     raw = os.environ.get("COSYSERVE_REGISTRY_DIR")
     if raw is not None:
@@ -173,9 +182,108 @@ def default_registry_dir(model: str | os.PathLike[str]) -> Path:
         return Path(raw).expanduser()
     from cosyserve.settings import cache_dir
 
-    name = Path(os.path.abspath(os.fspath(model))).name or "model"
-    key = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "model"
-    return cache_dir() / "speakers" / key
+    speakers = cache_dir() / "speakers"
+    if key is None:
+        return speakers / _legacy_key(model)
+    if not re.fullmatch(r"[0-9a-f]{32}", key):
+        raise RegistryError(f"model key {key!r} is not 32 hex digits")
+    _adopt_legacy(speakers, model, key)
+    return speakers / key
+
+
+def _legacy_key(model: str | os.PathLike[str]) -> str:
+    # older versions' key: the model folder's name
+    return _safe_name(Path(os.path.abspath(os.fspath(model))).name)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "model"
+
+
+def _adopt_legacy(speakers: Path, model: str | os.PathLike[str], key: str) -> None:
+    """Move the voices an older version kept for ``model``'s folder name to ``key``'s folder, when it is clear
+    they are this model's: the old folder is a real folder (not yet moved), this model has no folder of its own
+    yet, and no other model served from a folder of that name is known (the bundle cache records the models it
+    converted). The old name is left as a link to the new folder: older versions still find the voices, and a
+    second model of that name sees they were claimed."""
+    legacy = speakers / _legacy_key(model)
+    new = speakers / key
+    if legacy == new:
+        return
+    if legacy.is_symlink():
+        if not os.path.lexists(new) and os.readlink(legacy) != key:
+            logger.info(
+                "speaker registry %s (keyed by a folder name, as older versions did) went to another model "
+                "(%s); %s starts with its own registry %s",
+                legacy,
+                os.readlink(legacy),
+                model,
+                new,
+            )
+        return
+    if not legacy.is_dir():
+        return
+    if os.path.lexists(new):
+        logger.warning(
+            "speaker registry %s (keyed by the folder name, as older versions did) left as it is: %s already has "
+            "its registry %s; move the voices there yourself if they are this model's",
+            legacy,
+            model,
+            new,
+        )
+        return
+    others = _other_models_named(speakers.parent, legacy.name, key)
+    if others:
+        logger.warning(
+            "speaker registry %s (keyed by the folder name, as older versions did) left as it is: other models "
+            "were served from a folder of that name too (keys %s), so it is unclear whose voices these are; "
+            "%s starts with its own registry %s (move the voices there yourself if they are this model's)",
+            legacy,
+            ", ".join(sorted(others)),
+            model,
+            new,
+        )
+        return
+    try:
+        os.rename(legacy, new)
+    except FileNotFoundError:  # another process moved it first
+        return
+    except OSError as e:
+        logger.warning("could not move speaker registry %s to %s: %s; it stays where it is", legacy, new, e)
+        return
+    try:
+        os.symlink(key, legacy, target_is_directory=True)
+    except OSError as e:
+        logger.info("could not leave a link from %s to %s: %s", legacy, new, e)
+    logger.warning(
+        "moved the registered voices of %s from %s (keyed by the folder name) to %s (keyed by the model's "
+        "weights, so another model in a folder of the same name no longer sees them)",
+        model,
+        legacy,
+        new,
+    )
+
+
+def _other_models_named(cache: Path, legacy_name: str, key: str) -> set[str]:
+    # the keys of the other models the bundle cache converted from folders of this name
+    from cosyserve.bundle.loader import model_key
+
+    found: set[str] = set()
+    try:
+        entries = list((cache / "bundles").iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        stem, dash, digest = entry.name.rpartition("-")
+        if not dash or _safe_name(stem) != legacy_name or not re.fullmatch(r"[0-9a-f]{16}", digest):
+            continue
+        try:
+            other = model_key(json.loads((entry / "manifest.json").read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if other != key:
+            found.add(other)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -271,7 +379,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp file in the same
     folder, fsync, rename over ``path``, fsync the folder."""
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for open()
     try:
         try:
             view = memoryview(data)
