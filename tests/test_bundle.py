@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -359,7 +360,7 @@ def test_force_never_replaces_the_model_or_what_is_not_a_bundle(
         "other-dir": "exists and is a directory, not a cosyserve bundle",
         "a-file": "exists and is a file, not a cosyserve bundle",
     }[case]
-    with pytest.raises(ConvertError, match=f"{out}.*{reason}"):
+    with pytest.raises(ConvertError, match=f"{re.escape(str(out))}.*{reason}"):
         convert(model, out, force=True, progress=False)
     assert _tree(tmp_path) == before, "a refused conversion changed files"
     assert sorted(p.name for p in parent.iterdir()) == sorted(
