@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import QuotaExceededError, UnknownModelError
+from cosyserve.engine.errors import OverloadedError, QuotaExceededError, UnknownModelError
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
 from cosyserve.engine.tenants import Tenant, TenantQuota
@@ -98,6 +98,38 @@ def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
         assert len(list(s)) == 1
     assert a.in_flight == 0 and b.in_flight == 0
     assert len(list(a.submit_sync("shared", req()))) == 1  # a's slots are back
+    pool.close_sync()
+
+
+def wait_until(cond: Any, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_views_of_one_tenant_share_its_concurrency_count() -> None:
+    """The server builds a view per request: if each view counted for itself, max_concurrent would never bite.
+    The count is the pool's, one per tenant, across its models; a request the engine refuses gives its slot
+    back."""
+    specs = [ModelSpec("m", size_bytes=1, queue_limit=0), ModelSpec("n", size_bytes=1, queue_limit=8)]
+    pool, hold, _ = make(specs, [Tenant("a", frozenset({"m", "n"}), TenantQuota(max_concurrent=2))])
+    hold.clear()
+    first = pool.view("a").submit_sync("m", req(), load_timeout=5)
+    assert pool.view("a").in_flight == 1, "a new view must see the request another view admitted"
+    with pytest.raises(OverloadedError) as info:  # m's one slot is busy and it has no queue
+        pool.view("a").submit_sync("m", req())
+    assert not isinstance(info.value, QuotaExceededError), info.value
+    assert pool.tenant_in_flight("a") == 1, "a request the engine refused must give its tenant slot back"
+    second = pool.view("a").submit_sync("n", req(), load_timeout=5)
+    with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
+        pool.view("a").submit_sync("n", req())  # n has room; the tenant has not
+    with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
+        pool.submit_sync("n", req(), tenant="a")  # the pool itself, without a view
+    hold.set()
+    assert len(list(first)) == len(list(second)) == 1
+    wait_until(lambda: pool.tenant_in_flight("a") == 0)
+    assert len(list(pool.view("a").submit_sync("n", req()))) == 1
     pool.close_sync()
 
 

@@ -91,9 +91,10 @@ class _Record:
 
 
 async def _submit(state: Any, model: str, ereq: SynthesisRequest, tenant: str | None) -> Any:
-    if tenant is not None and tenant in state.pool.tenants:
-        return await state.pool.view(tenant).submit(model, ereq)
-    return await state.pool.submit(model, ereq)
+    # the pool counts a tenant's requests against its quota; an API key's tenant that the pool config does not
+    # list has no quota
+    known = tenant if tenant is not None and tenant in state.pool.tenants else None
+    return await state.pool.submit(model, ereq, tenant=known)
 
 
 async def synthesize_response(
