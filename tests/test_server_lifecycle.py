@@ -9,8 +9,10 @@ already being answered finish within ``--shutdown-grace`` and the process then e
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -230,6 +232,53 @@ def test_client_disconnect_cancels_the_generation(server: ServerProcess) -> None
         assert c.get("/health/ready").status_code == 200
         r = c.post("/v1/audio/speech", json={**speech_body("Hi there."), "stream": False})
         assert r.status_code == 200 and len(r.content) > 0
+
+
+def send_and_hold(server: ServerProcess, path: str, body: dict[str, Any], request_id: str) -> socket.socket:
+    """POST ``body`` over a plain socket and leave the connection open; closing it is a client going away."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_client_disconnect_cancels_a_non_streamed_request(server: ServerProcess, fmt: str) -> None:
+    """A non-streamed response starts only once all its audio exists; a client that leaves before that (curl -m,
+    an openai client's timeout) must stop the generation too, not leave it running to its end for nobody."""
+    request_id = f"gone-{fmt}"
+    body = {**speech_body(LONG_TEXT * 2), "stream": False, "response_format": fmt}
+    with server.client() as c:
+        before = metric_samples(c)
+        sock = send_and_hold(server, "/v1/audio/speech", body, request_id)
+        try:
+            end = time.monotonic() + 60
+            while in_flight(metric_samples(c), "tiny") != 1:
+                assert time.monotonic() < end, f"the request never started:\n{server.log()[-2000:]}"
+                time.sleep(0.02)
+        finally:
+            sock.close()  # long before its audio is complete
+        end = time.monotonic() + 120
+        while in_flight(now := metric_samples(c), "tiny") != 0:
+            assert time.monotonic() < end, f"still in flight after the disconnect:\n{server.log()[-2000:]}"
+            time.sleep(0.05)
+
+        def delta(name: str, **labels: str) -> float:
+            return count(now, name, **labels) - count(before, name, **labels)
+
+        assert delta("cosyserve_engine_requests_total", outcome="ok") == 0, "it ran to its end for nobody"
+        assert delta("cosyserve_engine_requests_total", outcome="cancelled") == 1
+        assert delta("cosyserve_requests_total", status="499", outcome="client_gone") == 1, (
+            "the request must be counted as client_gone (499), not as a 200"
+        )
+        line = next(ln for ln in server.log().splitlines() if f'"id": "{request_id}"' in ln)
+        assert '"status": 499' in line and '"outcome": "client_gone"' in line, line
+        r = c.post("/v1/audio/speech", json={**body, "input": "Hi there."})
+        assert r.status_code == 200 and len(r.content) > 0, "the next request must be served"
 
 
 # --- SIGTERM drain ------------------------------------------------------------------------------------------

@@ -142,7 +142,13 @@ def routes(state: Any) -> list[Route]:
             **fields,
         )
         return await synthesize_response(
-            state, route="/v1/audio/speech", model=model, ereq=ereq, fmt=sr.response_format, tenant=tenant
+            state,
+            request,
+            route="/v1/audio/speech",
+            model=model,
+            ereq=ereq,
+            fmt=sr.response_format,
+            tenant=tenant,
         )
 
     async def models(request: Request) -> Response:

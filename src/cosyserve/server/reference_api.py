@@ -119,7 +119,13 @@ def routes(state: Any) -> list[Route]:
                 **fields,
             )
             return await synthesize_response(
-                state, route=f"/inference_{endpoint}", model=model, ereq=ereq, fmt="raw", tenant=tenant
+                state,
+                request,
+                route=f"/inference_{endpoint}",
+                model=model,
+                ereq=ereq,
+                fmt="raw",
+                tenant=tenant,
             )
 
         return handler

@@ -2,8 +2,10 @@
 
 The response starts only once the first audio chunk exists (or the request failed): a request that cannot be
 served gets a proper JSON error with its status code instead of a 200 with a truncated body. After that,
-chunks are encoded and sent as they come; a client that disconnects cancels the generation in the engine
-(starlette cancels the streaming task; the engine stream's ``aclose`` stops the model at its next token).
+chunks are encoded and sent as they come. A client that disconnects cancels the generation in the engine:
+before the response starts (a non-streamed request, or a streamed one waiting for its first chunk) through a
+watch on the connection's ``http.disconnect``, after it through starlette cancelling the streaming task; the
+engine stream's ``aclose`` stops the model at its next token.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -26,6 +28,8 @@ from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all
 logger = logging.getLogger("cosyserve.access")
 
 __all__ = ["engine_request", "new_request_id", "synthesize_response"]
+
+_T = TypeVar("_T")
 
 
 def new_request_id(request: Request) -> str:
@@ -97,8 +101,53 @@ async def _submit(state: Any, model: str, ereq: SynthesisRequest, tenant: str | 
     return await state.pool.submit(model, ereq, tenant=known)
 
 
+async def _until_disconnect(request: Request) -> None:
+    # the body has been read: the next ASGI message is http.disconnect, sent when the client goes away
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) -> _T | None:
+    """``work``'s result, or None once the client disconnects first (``work`` is cancelled then).
+
+    Starlette stops a streaming response whose client goes away, but not a handler still working out its
+    response: without this, a non-streamed request ran to its end for nobody, holding a worker.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # its own clean-up stops the generation
+    return None if task.cancelled() else task.result()
+
+
+async def _start(
+    state: Any, model: str, ereq: SynthesisRequest, tenant: str | None, rec: _Record, whole: bool
+) -> tuple[Any, list[Any]]:
+    """Submit ``ereq``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
+    stream = await _submit(state, model, ereq, tenant)
+    chunks: list[Any] = []
+    try:
+        async for c in stream:
+            if rec.ttfa_s is None:
+                rec.ttfa_s = time.perf_counter() - rec.t0
+            chunks.append(c)
+            rec.samples += len(c)
+            if not whole:
+                break
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream, chunks
+
+
 async def synthesize_response(
     state: Any,
+    request: Request,
     *,
     route: str,
     model: str,
@@ -110,7 +159,8 @@ async def synthesize_response(
 
     ``ereq.stream`` decides both how the engine cuts the audio and whether the response is streamed
     (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
-    them to JSON errors); after it, they end the stream early and are logged.
+    them to JSON errors); after it, they end the stream early and are logged. A client that disconnects
+    before the response starts stops the generation (logged as ``client_gone``, status 499).
     """
     rec = _Record(state, route, model, ereq, fmt)
     if state.draining:
@@ -119,39 +169,32 @@ async def synthesize_response(
         rec.status, rec.outcome = 503, "draining"
         rec.done()
         raise NotReadyError("the server is shutting down")
+    whole = fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE)
     try:
-        stream = await _submit(state, model, ereq, tenant)
-        try:
-            first: Any = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+        started = await _unless_disconnected(request, _start(state, model, ereq, tenant, rec, whole))
     except BaseException as e:
         rec.failed(e)
         raise
-    rec.ttfa_s = time.perf_counter() - rec.t0
+    if started is None:  # nobody to answer
+        rec.status, rec.outcome = 499, "client_gone"
+        rec.done()
+        return Response(status_code=499)
+    stream, chunks = started
+    if rec.ttfa_s is None:  # no audio at all
+        rec.ttfa_s = time.perf_counter() - rec.t0
     rec.sample_rate = int(stream.sample_rate or 0)
     rate = rec.sample_rate
     headers = {"X-Request-Id": ereq.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
     if state.demo:
         headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
-    if first is not None:
-        rec.samples += len(first)
 
-    if fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE):
-        chunks = [] if first is None else [first]
-        try:
-            async for c in stream:
-                chunks.append(c)
-                rec.samples += len(c)
-        except BaseException as e:
-            rec.failed(e)
-            await stream.aclose()
-            raise
+    if whole:
         body = await asyncio.to_thread(encode_all, chunks, fmt, rate)
         rec.bytes = len(body)
         rec.done()
         return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
 
+    first = chunks[0] if chunks else None
     enc = Encoder(fmt, rate) if fmt != "raw" else None
 
     def encode(chunk: Any) -> bytes:
