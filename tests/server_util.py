@@ -17,6 +17,7 @@ so a test can check what a probe sees before the model is loaded.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["ServerProcess", "free_port", "running_server", "start_server"]
+__all__ = ["ServerProcess", "free_port", "post_and_hold", "running_server", "start_server"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _DROP = ("MODEL_POOL_SIZE", "USE_MMAP_LOADING", "PREWARM_MODELS")
@@ -80,6 +81,21 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the server and any workers
             self.proc.wait(10)
             return None
+
+
+def post_and_hold(
+    server: ServerProcess, path: str, body: Any, headers: Mapping[str, str] | None = None
+) -> socket.socket:
+    """POST ``body`` as JSON over a plain socket and leave the connection open, unread: the caller closes it
+    (a client that goes away, as ``curl -m`` does) while the server is still working on the request."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for k, v in (headers or {}).items():
+        head += f"{k}: {v}\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(head.encode() + data)
+    return sock
 
 
 def _child_env(workdir: Path, env: Mapping[str, str] | None) -> dict[str, str]:

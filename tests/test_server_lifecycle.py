@@ -9,10 +9,8 @@ already being answered finish within ``--shutdown-grace`` and the process then e
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from starlette.testclient import TestClient
 
 from cosyserve.server.app import ServerState, create_app
 from cosyserve.server.config import ModelArg, ServerConfig
-from server_util import ServerProcess, running_server, start_server
+from server_util import ServerProcess, post_and_hold, running_server, start_server
 
 # ~6 sentences: a stream that lasts a few seconds on the tiny model, long after its first chunk
 LONG_TEXT = "Hello there, this is a long sentence to speak. " * 6
@@ -234,18 +232,6 @@ def test_client_disconnect_cancels_the_generation(server: ServerProcess) -> None
         assert r.status_code == 200 and len(r.content) > 0
 
 
-def send_and_hold(server: ServerProcess, path: str, body: dict[str, Any], request_id: str) -> socket.socket:
-    """POST ``body`` over a plain socket and leave the connection open; closing it is a client going away."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    sock.sendall(head.encode() + data)
-    return sock
-
-
 @pytest.mark.parametrize("fmt", ["wav", "mp3"])
 def test_client_disconnect_cancels_a_non_streamed_request(server: ServerProcess, fmt: str) -> None:
     """A non-streamed response starts only once all its audio exists; a client that leaves before that (curl -m,
@@ -254,7 +240,7 @@ def test_client_disconnect_cancels_a_non_streamed_request(server: ServerProcess,
     body = {**speech_body(LONG_TEXT * 2), "stream": False, "response_format": fmt}
     with server.client() as c:
         before = metric_samples(c)
-        sock = send_and_hold(server, "/v1/audio/speech", body, request_id)
+        sock = post_and_hold(server, "/v1/audio/speech", body, {"X-Request-Id": request_id})
         try:
             end = time.monotonic() + 60
             while in_flight(metric_samples(c), "tiny") != 1:
