@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -82,3 +85,91 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
     assert not list(tmp_path.glob("demo-model.tmp*")), (
         "the demo model is written under a temp name, then renamed"
     )
+
+
+# --- bodies nobody expected ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_client(tiny_model_dir: Path) -> Iterator[TestClient]:
+    """The app with the tiny model; server errors are not re-raised into the test, they must become responses."""
+    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),)))) as client:
+        yield client
+
+
+def errors_counted(client: TestClient, route: str, status: int, code: str) -> float:
+    metrics = client.app.state.cosy.metrics  # type: ignore[attr-defined]
+    labels = {"route": route, "status": str(status), "code": code}
+    return metrics.registry.get_sample_value("cosyserve_http_errors_total", labels) or 0.0
+
+
+def openai_error(r: Any, status: int) -> dict[str, Any]:
+    assert r.status_code == status, f"expected {status}, got {r.status_code}: {r.text[:300]}"
+    assert r.headers["content-type"].startswith("application/json"), f"not JSON: {r.text[:300]}"
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), err
+    return dict(err)
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_deeply_nested_json_is_a_400(app_client: TestClient, body: bytes) -> None:
+    """json's parser recurses per bracket: a deep body raised RecursionError, a plain-text 500 nobody counted."""
+    before = errors_counted(app_client, "/v1/audio/speech", 400, "invalid_json")
+    r = app_client.post("/v1/audio/speech", content=body, headers={"content-type": "application/json"})
+    assert openai_error(r, 400)["code"] == "invalid_json"
+    assert errors_counted(app_client, "/v1/audio/speech", 400, "invalid_json") == before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs"),
+    [
+        ("/v1/audio/speech", {"json": {"input": "Hi.", "voice": "alloy"}}),
+        ("/inference_sft", {"data": {"tts_text": "Hi.", "spk_id": "x"}}),
+    ],
+)
+def test_an_unexpected_error_is_an_openai_shaped_500_logged_once(
+    app_client: TestClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    kwargs: dict[str, Any],
+) -> None:
+    """A bug in a route answers JSON that gives nothing of the server away (no message, path or traceback),
+    is counted, and its traceback is logged once (the TestClient re-raises whatever escapes the app)."""
+    secret = "cannot open /srv/private/weights.bin"
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError(secret)
+
+    monkeypatch.setattr(app_client.app.state.cosy, "resolve_model", broken)  # type: ignore[attr-defined]
+    before = errors_counted(app_client, path, 500, "internal_error")
+    with caplog.at_level(logging.ERROR):
+        r = app_client.post(path, **kwargs)
+    err = openai_error(r, 500)
+    assert err["type"] == "server_error" and err["code"] == "internal_error", err
+    for leak in ("/srv/private", "RuntimeError", "Traceback", "weights.bin"):
+        assert leak not in r.text, f"the 500 body shows {leak!r}: {r.text}"
+    assert errors_counted(app_client, path, 500, "internal_error") == before + 1, "a 500 must be counted"
+    logged = [rec for rec in caplog.records if rec.exc_info and secret in str(rec.exc_info[1])]
+    assert len(logged) == 1, f"the traceback must be logged once, got {len(logged)}"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"[" * 100_000),
+        ("application/x-www-form-urlencoded", b"tts_text=" + b"%5B" * 30_000),
+        ("application/x-www-form-urlencoded", b"&" * 100_000),
+        ("application/x-www-form-urlencoded", b"tts_text=%ff%fe&spk_id"),
+        ("multipart/form-data", b"no boundary"),
+        ("multipart/form-data; boundary=xyz", b"--xyz\r\nnot a part\r\n--xyz"),
+        ("multipart/form-data; boundary=xyz", b"[" * 100_000),
+        ("application/json", b"[" * 100_000),
+    ],
+)
+def test_reference_routes_answer_odd_bodies_with_openai_errors(
+    app_client: TestClient, content_type: str, body: bytes
+) -> None:
+    r = app_client.post("/inference_sft", content=body, headers={"content-type": content_type})
+    assert 400 <= r.status_code < 500, f"{body[:30]!r} as {content_type}: {r.status_code} {r.text[:200]}"
+    openai_error(r, r.status_code)

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from cosyserve.engine.engine import shared
 from cosyserve.engine.errors import EngineError, UnknownModelError
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
-from cosyserve.server.errors import HTTPError, error_response, from_engine_error
+from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
 from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
@@ -338,7 +338,10 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
-    middleware = [Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes))]
+    middleware = [
+        Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes)),
+        Middleware(LastResortMiddleware, metrics=state.metrics),
+    ]
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Any
 
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyserve.engine.errors import EngineError, OverloadedError
 
-__all__ = ["HTTPError", "error_response", "from_engine_error"]
+__all__ = ["HTTPError", "LastResortMiddleware", "error_response", "from_engine_error"]
+
+logger = logging.getLogger("cosyserve.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -75,3 +80,43 @@ def from_engine_error(e: EngineError) -> HTTPError:
     if status == 499:  # nobody is listening; keep a sane status for logs
         status = 400
     return HTTPError(status, str(e), code=code, headers=headers)
+
+
+class LastResortMiddleware:
+    """Any exception a route did not expect becomes an OpenAI-shaped 500, counted in the error metrics.
+
+    The body says only that the server failed (no message, path or traceback of the server's); the traceback
+    goes to the log once, here (the exception is not re-raised, so the ASGI server does not log it again).
+    An exception after the response started is re-raised: only the server can abort that connection.
+    Pure ASGI, innermost of the app's middleware, so CORS headers still reach a browser's page.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            if started:
+                raise
+            route = getattr(scope.get("route"), "path", "unmatched")  # bounded labels, as the other errors
+            logger.exception("%s %s failed unexpectedly", scope.get("method"), route)
+            self.metrics.observe_error(route, 500, "internal_error")
+            resp = error_response(
+                500,
+                "internal server error: the request failed unexpectedly (details are in the server log)",
+                code="internal_error",
+            )
+            await resp(scope, receive, send)

@@ -45,7 +45,9 @@ def parse_speech_request(body: bytes, max_chars: int) -> SpeechRequest:
     """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest` (400 naming the field otherwise)."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:  # json's C parser recurses once per nested [ or {
+        raise HTTPError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
