@@ -8,11 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.engine.pool import ModelPool, ModelSpec
+from cosyserve.engine.tenants import Tenant
 from cosyserve.server.app import _load_source, create_app
 from cosyserve.server.config import ModelArg, ServerConfig
+from cosyserve.startup import PhaseClock
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
@@ -173,3 +177,48 @@ def test_reference_routes_answer_odd_bodies_with_openai_errors(
     r = app_client.post("/inference_sft", content=body, headers={"content-type": content_type})
     assert 400 <= r.status_code < 500, f"{body[:30]!r} as {content_type}: {r.status_code} {r.text[:200]}"
     openai_error(r, r.status_code)
+
+
+# --- what a tenant sees --------------------------------------------------------------------------------------
+
+
+class TimedModel:
+    """A stand-in model that carries the start-up clock /v1/startup reports."""
+
+    sample_rate = 100
+    speakers = ["s"]
+
+    def __init__(self) -> None:
+        self.clock = PhaseClock(t0=time.time())
+        with self.clock.phase("load"):
+            pass
+        self.clock.mark("ready")
+
+    def synthesize(self, *args: Any, **kwargs: Any) -> Iterator[np.ndarray]:
+        yield np.zeros(10, np.float32)
+
+
+def test_startup_report_names_only_the_callers_models() -> None:
+    """/v1/startup is open (probes, the web page), but with API keys it must not list every model name that
+    /v1/models hides per tenant: a key sees its tenant's models, no key sees none."""
+    pool = ModelPool(
+        [ModelSpec("model-a", policy="preload"), ModelSpec("model-b", policy="preload")],
+        tenants=[Tenant("a", frozenset({"model-a"})), Tenant("b", frozenset({"model-b"}))],
+        load_model=lambda spec, reload: TimedModel(),
+        memory_probe=None,
+        torch_threads=None,
+    )
+    cfg = ServerConfig(api_keys={"key-a": "a", "key-b": "b"})
+    with TestClient(create_app(cfg, pool=pool)) as client:
+        wait_ready(client)
+        as_a = client.get("/v1/startup", headers={"Authorization": "Bearer key-a"})
+        assert as_a.status_code == 200 and list(as_a.json()["models"]) == ["model-a"], as_a.json()
+        assert "model-b" not in as_a.text, "tenant a must not learn tenant b's model names"
+        anonymous = client.get("/v1/startup")
+        assert anonymous.status_code == 200 and anonymous.json()["models"] == {}, anonymous.json()
+        assert "ready" in anonymous.json()["server"]["points_ms"], "the server's own timings stay open"
+        models = client.get("/v1/models", headers={"Authorization": "Bearer key-b"}).json()["data"]
+        assert [m["id"] for m in models] == ["model-b"]
+        as_b = client.get("/v1/startup", headers={"Authorization": "Bearer key-b"}).json()
+        assert list(as_b["models"]) == ["model-b"], "the same models as /v1/models"
+        assert client.get("/openapi.json").status_code == 200, "the OpenAPI document stays open"

@@ -299,7 +299,12 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         return FileResponse(os.path.join(_STATIC, "index.html"), media_type="text/html")
 
     async def startup_report(request: Request) -> Response:
-        return JSONResponse(state.metrics.startup_report())
+        report = state.metrics.startup_report()
+        if state.config.api_keys:  # model names are the caller's business only, as on /v1/models
+            tenant = state.tenant_of(request)
+            visible = set(state.visible_models(tenant)) if tenant is not None else set()
+            report["models"] = {n: c for n, c in report["models"].items() if n in visible}
+        return JSONResponse(report)
 
     async def openapi(request: Request) -> Response:
         from cosyserve.server.schemas import openapi_document
