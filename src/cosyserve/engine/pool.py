@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -206,6 +206,10 @@ def _no_release() -> None:
     pass
 
 
+def _keeps_being_evicted(name: str) -> OverloadedError:
+    return OverloadedError(f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0)
+
+
 class _Entry:
     def __init__(self, spec: ModelSpec, k: int) -> None:
         self.spec = spec
@@ -363,10 +367,23 @@ class ModelPool:
 
     # -- requests --------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _tenant_slot(
+        self, name: str, request: SynthesisRequest, tenant: str | None
+    ) -> Iterator[Callable[[], None]]:
+        # one of the tenant's max_concurrent slots, taken before anything is loaded or queued and given back
+        # if the request is not admitted; once admitted, the engine calls the release when the request ends
+        release = self._take_tenant_slot(name, request, tenant)
+        try:
+            yield release
+        except BaseException:
+            release()
+            raise
+
     def _take_tenant_slot(
         self, name: str, request: SynthesisRequest, tenant: str | None
     ) -> Callable[[], None]:
-        # one of the tenant's max_concurrent slots, before anything is loaded or queued; the release is idempotent
+        # the release is idempotent
         if tenant is None:
             return _no_release
         t = self.tenants.get(tenant)
@@ -452,8 +469,7 @@ class ModelPool:
         Raises:
             UnknownModelError, ClientError, OverloadedError (queue, quota or memory budget), EngineDeadError.
         """
-        release = self._take_tenant_slot(name, request, tenant)
-        try:
+        with self._tenant_slot(name, request, tenant) as release:
             entry, fut = self._lookup(name, tenant)
             for _ in range(3):
                 if fut is not None:
@@ -463,12 +479,7 @@ class ModelPool:
                     return stream
                 with self._lock:  # evicted between its load and our admission: load it again
                     fut = self._ensure_loading_locked(entry, tenant)
-            raise OverloadedError(
-                f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0
-            )
-        except BaseException:
-            release()
-            raise
+        raise _keeps_being_evicted(name)
 
     def submit_sync(
         self,
@@ -480,8 +491,7 @@ class ModelPool:
         load_timeout: float | None = None,
     ) -> SyncAudioStream:
         """Blocking twin of :meth:`submit`."""
-        release = self._take_tenant_slot(name, request, tenant)
-        try:
+        with self._tenant_slot(name, request, tenant) as release:
             entry, fut = self._lookup(name, tenant)
             for _ in range(3):
                 if fut is not None:
@@ -493,12 +503,7 @@ class ModelPool:
                     return stream
                 with self._lock:
                     fut = self._ensure_loading_locked(entry, tenant)
-            raise OverloadedError(
-                f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0
-            )
-        except BaseException:
-            release()
-            raise
+        raise _keeps_being_evicted(name)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
