@@ -177,3 +177,37 @@ def test_model_from_env(tiny_model_dir: Path) -> None:
 def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
     r = cli("make-test-model", str(tmp_path))
     assert r.returncode != 0 and "already exists" in r.stderr
+
+
+def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> None:
+    """If this fails, a plain `pip install cosyserve` (no extras: the `onnx` package is a dev dependency) cannot
+    run `make-test-model` or the demo model of `cosyserve serve` without --model, or the demo loses its zero-shot
+    tier: the stand-in ONNX files must be written without `onnx` and load in onnxruntime."""
+    import numpy as np
+    import soundfile
+
+    wav = tmp_path / "prompt.wav"
+    t = np.arange(22050 * 2) / 22050
+    soundfile.write(wav, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 22050, subtype="PCM_16")
+    code = (
+        "import sys\n"
+        "sys.modules['onnx'] = None  # import onnx -> ImportError, as on a plain install\n"
+        "import cosyserve\n"
+        "from cosyserve.cli import main\n"
+        "from cosyserve.server.app import _load_source\n"
+        "from cosyserve.server.config import DEMO_MODEL\n"
+        f"main(['make-test-model', {str(tmp_path / 'made')!r}])\n"
+        "demo = _load_source(DEMO_MODEL, DEMO_MODEL)\n"
+        "m = cosyserve.load(demo, warmup=False)\n"
+        "assert 'zero_shot' in m.available_modes, m.unavailable_modes()\n"
+        f"m.use_registry({str(tmp_path / 'registry')!r})\n"
+        f"spk = m.add_speaker('me', {str(wav)!r}, 'Hello there.')\n"
+        "assert 'onnx' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print('registered', spk.name)\n"
+    )
+    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "registered me" in r.stdout
+    for made in (tmp_path / "made", tmp_path / "cache" / "demo-model"):
+        assert (made / "campplus.onnx").is_file() and (made / "speech_tokenizer_v1.onnx").is_file(), made
