@@ -1,3 +1,4 @@
+import argparse
 import os
 import subprocess
 import sys
@@ -211,3 +212,176 @@ def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> N
     assert "registered me" in r.stdout
     for made in (tmp_path / "made", tmp_path / "cache" / "demo-model"):
         assert (made / "campplus.onnx").is_file() and (made / "speech_tokenizer_v1.onnx").is_file(), made
+
+
+def _synth_main(model: Path, out: Path, *extra: str) -> None:
+    from cosyserve.cli import main
+
+    main(
+        [
+            "synth",
+            "--model",
+            str(model),
+            "--speaker",
+            "英文女",
+            "--text",
+            "Hi.",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize(("suffix", "container"), [(".mp3", "MP3"), (".flac", "FLAC"), (".opus", "OGG")])
+def test_synth_out_extension_picks_the_encoding(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, container: str
+) -> None:
+    """If this fails, `synth --out x.mp3` (or .flac, .opus) writes a file whose bytes are not in the format its
+    name says (it used to be WAV whatever the extension)."""
+    import soundfile
+
+    monkeypatch.setenv("PREWARM_MODELS", "0")
+    out = tmp_path / f"x{suffix}"
+    _synth_main(tiny_model_dir, out)
+    info = soundfile.info(out)
+    assert info.format == container and info.frames > 0, info
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary file left behind"
+
+
+def test_synth_out_unknown_extension_refused_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, an --out extension no encoder handles (.aiff, none) is written as something else, or is
+    noticed only after the model loaded and synthesized (the model path here does not even exist)."""
+    for name in ("x.aiff", "x"):
+        with pytest.raises(SystemExit) as exc:
+            _synth_main(tmp_path / "no-such-model", tmp_path / name)
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and "unknown audio format" in err and ".mp3" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_synth_unwritable_out_names_the_given_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, a failure to write --out names the hidden temporary file (.x.wav.abc123.part) instead of the
+    path the user gave."""
+    import numpy as np
+
+    from cosyserve.wavfile import write_wav_atomic
+
+    target = tmp_path / "taken.wav"
+    target.mkdir()  # a directory cannot be replaced by the finished file
+    with pytest.raises(IsADirectoryError) as exc:
+        write_wav_atomic(target, [np.zeros(100, np.float32)], 22050)
+    assert str(target) in str(exc.value) and ".part" not in str(exc.value), exc.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.wav"], "temporary file left behind"
+    with pytest.raises(SystemExit):
+        _synth_main(tmp_path / "no-such-model", target)
+    err = capsys.readouterr().err
+    assert f"cannot write {target}" in err and ".part" not in err, err
+
+
+def test_help_shows_real_defaults_only() -> None:
+    """If this fails, --help prints "(default: None)" (also after a help text that states the default itself),
+    or no longer shows a real default such as --speed 1.0 or --runs 5."""
+    from cosyserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {name: p.format_help() for name, p in sub.choices.items()}
+    for name, text in helps.items():
+        assert "(default: None)" not in text and "(default: [])" not in text, name
+    flat = {name: " ".join(text.split()) for name, text in helps.items()}
+    assert "(default: 1.0)" in flat["synth"] and "(default: 5)" in flat["startup-report"]
+    assert "(default: random)" in flat["synth"] and "(default: random) (default" not in flat["synth"]
+
+
+def test_flamegraph_without_py_spy_fails_before_any_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, `startup-report --flamegraph F` without py-spy runs every timed start first and then exits 0
+    saying "skipped", instead of failing at once with a one-line error naming the `profile` extra."""
+    import shutil
+
+    from cosyserve import report
+    from cosyserve.cli import main
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a timed start ran although the flame graph cannot be made")
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))  # no py-spy beside it
+    monkeypatch.setattr(report, "spawn_timed", no_start)
+    with pytest.raises(SystemExit) as exc:
+        main(["startup-report", "--model", str(tiny_model_dir), "--flamegraph", str(tmp_path / "f.svg")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "py-spy" in err and "cosyserve[profile]" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_model_takes_hub_ids_in_every_command(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, `synth` / `speakers` / `startup-report` say "model directory not found" for a hub id that
+    `serve` takes: every --model must go through the hub resolver (the download is stubbed: no network here)."""
+    import cosyserve.hub
+    from cosyserve.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no local folder named like the id
+    monkeypatch.setenv("PREWARM_MODELS", "0")
+    fetched: list[str] = []
+
+    def download(model_id: str) -> Path:
+        fetched.append(model_id)
+        return tiny_model_dir
+
+    monkeypatch.setattr(cosyserve.hub, "download", download)
+    main(["speakers", "--model", "FunAudioLLM/CosyVoice-300M-SFT"])
+    assert "英文女" in capsys.readouterr().out.split()
+    main(
+        [
+            "synth",
+            "--model",
+            "iic/CosyVoice-300M-SFT",
+            "--speaker",
+            "英文女",
+            "--text",
+            "Hi.",
+            "--out",
+            "a.wav",
+        ]
+    )
+    assert (tmp_path / "a.wav").stat().st_size > 44
+    assert fetched == ["FunAudioLLM/CosyVoice-300M-SFT", "iic/CosyVoice-300M-SFT"]
+
+
+def test_hub_id_without_hub_extra_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    """If this fails, `synth --model iic/...` without the hub extra says "model directory not found" or prints a
+    traceback, instead of one line naming `pip install 'cosyserve[hub]'`."""
+    code = (
+        "import sys\n"
+        "sys.modules['modelscope'] = None\n"
+        "from cosyserve.cli import main\n"
+        "main(['synth', '--model', 'iic/CosyVoice-300M-SFT', '--speaker', 'a', '--text', 'Hi.', '--out', 'x.wav'])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+    )
+    assert r.returncode == 1 and "cosyserve[hub]" in r.stderr, r.stderr
+    assert "not found" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """If this fails, a command whose dependency cannot be imported prints a Python traceback instead of one line
+    naming the package."""
+    code = "import sys\nsys.modules['uvicorn'] = None\nfrom cosyserve.cli import main\nmain(['serve', '--port', '0'])\n"
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+    )
+    assert r.returncode == 1 and "'uvicorn'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

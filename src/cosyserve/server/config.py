@@ -30,11 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "parse_api_keys", "parse_model_arg"]
+from cosyserve.hub import is_hub_id
+
+__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "is_hub_id", "parse_api_keys", "parse_model_arg"]
 
 DEMO_MODEL = "demo"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class ServerConfigError(ValueError):
@@ -66,10 +67,6 @@ def parse_model_arg(value: str, where: str = "--model") -> ModelArg:
     if not source:
         raise ServerConfigError(f"{where}={value!r}: no path after '='")
     return ModelArg(name, source)
-
-
-def is_hub_id(source: str) -> bool:
-    return not Path(source).exists() and bool(_HUB_ID.match(source))
 
 
 def parse_api_keys(text: str, where: str) -> dict[str, str]:
