@@ -385,3 +385,30 @@ def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     )
     assert r.returncode == 1 and "'uvicorn'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_first_conversion_is_one_progress_line_not_a_warning(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """If this fails, the expected first conversion of a model dir is logged as a WARNING (it is normal, not a
+    problem), or the CLI user no longer sees one short line saying what the pause is."""
+    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache"), "PREWARM_MODELS": "0"}
+    args = ("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--out")
+    r = cli(*args, str(tmp_path / "a.wav"), env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "WARNING" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("cosyserve: converting ") and "once" in lines[0], lines
+    r = cli(*args, str(tmp_path / "b.wav"), env=env)
+    assert r.returncode == 0 and r.stderr == "", "a cached conversion must start silently: " + r.stderr
+
+
+def test_pyproject_license_is_an_spdx_string() -> None:
+    """If this fails, installing cosyserve prints setuptools' deprecation warning for `project.license` as a table:
+    the license must be an SPDX string, with a build requirement on a setuptools that reads it (>= 77)."""
+    import re
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert meta["project"]["license"] == "Apache-2.0"
+    (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    m = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools)
+    assert m and int(m.group(1)) >= 77, setuptools

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = logging.getLogger(__name__)
+# expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
+progress_logger = logging.getLogger("cosyserve.progress")
 
 __all__ = ["CosyVoiceModel", "load", "resolve_bundle"]
 
@@ -293,7 +295,9 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert
 
-        logger.warning("converting %s into the bundle cache %s (once; later starts reuse it)", path, target)
+        progress_logger.info(
+            "converting %s into the bundle cache %s (once; later runs reuse it)", path, target
+        )
         convert(path, target, force=True, progress=progress)
     return target
 

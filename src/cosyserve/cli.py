@@ -499,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command != "serve" and level > logging.INFO:
+        _show_progress()
     try:
         args.func(args)
     except CLIError as e:
@@ -513,6 +515,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise  # our own code: a bug, not an install to fix
         print(f"cosyserve {args.command}: error: {_missing_package(e)}", file=sys.stderr)
         sys.exit(1)
+
+
+class _ProgressHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"cosyserve: {record.getMessage()}", file=sys.stderr, flush=True)  # today's sys.stderr
+
+
+def _show_progress() -> None:
+    """Expected slow steps (a model dir's first conversion) are INFO records of ``cosyserve.progress``: below the
+    default log level, so the CLI prints them itself, one short line each on stderr."""
+    log = logging.getLogger("cosyserve.progress")
+    if not any(isinstance(h, _ProgressHandler) for h in log.handlers):
+        log.addHandler(_ProgressHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _missing_package(e: ModuleNotFoundError) -> str:
