@@ -190,6 +190,21 @@ def test_test_onnx_models_have_official_signature(test_model_dir: Path, fixture_
         assert sig(ours) == sig(official), name
 
 
+def test_test_onnx_models_are_valid_onnx_in_canonical_bytes(test_model_dir: Path) -> None:
+    """If this fails, the hand-written protobuf of the stand-in ONNX files (written without the ``onnx`` package,
+    so a plain install can make the demo model) is not a valid model by onnx's full checker, or differs from what
+    onnx's own serializer writes for the same graph (a field out of order, a packed or missing field)."""
+    import onnx
+
+    for name in (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE):
+        ours = (test_model_dir / name).read_bytes()
+        model = onnx.load_from_string(ours)
+        onnx.checker.check_model(model, full_check=True)
+        assert model.ir_version == 8 and [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+        assert model.SerializeToString() == ours, f"{name}: not protobuf's canonical serialization"
+        assert len(model.graph.node) >= 6 and len(model.graph.initializer) >= 4, name
+
+
 def test_test_onnx_models_run_in_onnxruntime(test_model_dir: Path) -> None:
     """If this fails, make-test-model writes ONNX files onnxruntime cannot run, or with outputs of the wrong
     shape/dtype (50 Hz int64 ids below 4096, a [1, 192] float embedding)."""

@@ -51,6 +51,22 @@ def test_flags_win_over_env_and_bad_values_name_their_source() -> None:
     assert ServerConfig.from_args(env={}).demo, "no model and no pool config must mean the demo model"
 
 
+def test_bad_flag_values_are_named_as_the_flag() -> None:
+    """If this fails, a bad flag value is reported as "flag for COSYSERVE_PORT=99999" instead of the flag the user
+    typed (--port 99999)."""
+    cases = [
+        ({"port": 99999}, "--port 99999: must be between 0 and 65535"),
+        ({"request_timeout_s": 0.0}, "--request-timeout 0.0: must be between"),
+        ({"cors_origins": "example.com"}, "--cors-origins: 'example.com' is not an origin"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ServerConfigError) as exc:
+            ServerConfig.from_args(env={}, **kwargs)  # type: ignore[arg-type]
+        assert str(exc.value).startswith(message) and "COSYSERVE_" not in str(exc.value), exc.value
+    with pytest.raises(ServerConfigError, match="^COSYSERVE_PORT='99999': must be between"):
+        ServerConfig.from_args(env={"COSYSERVE_PORT": "99999"})
+
+
 def test_api_keys_parse_and_reject_bad_entries(tmp_path) -> None:
     assert parse_api_keys("k-aaaaaaaa=alice, k-bbbbbbbb=bob # comment", "x") == {
         "k-aaaaaaaa": "alice",

@@ -286,3 +286,28 @@ def test_parse_bytes() -> None:
     for bad in ("0%", "-1", "x", True, 0):
         with pytest.raises(PoolConfigError, match="k = "):
             parse_bytes(bad, "k")
+
+
+def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> None:
+    """If this fails, the README's pool config example no longer loads (a key renamed or a value form changed),
+    or a key the loader accepts is missing from it: the README is where users learn the TOML format."""
+    import re
+    import tomllib
+
+    from cosyserve.engine import poolconfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    assert len(blocks) == 1, "expected one ```toml example in the README"
+    f = tmp_path / "pool.toml"
+    f.write_text(blocks[0], encoding="utf-8")
+    cfg = poolconfig.load_pool_config(f, env={}, limit=lambda: 8 << 30)
+    assert cfg.models["sft"].path == str(tmp_path / "bundles" / "cosyvoice-300m-sft")
+    assert cfg.tenants["acme"].quota.max_concurrent == 4 and cfg.memory_budget == 6 << 30
+    raw = tomllib.loads(blocks[0])
+    assert set(raw["pool"]) == poolconfig._POOL_KEYS
+    assert set().union(*(set(m) for m in raw["models"].values())) == poolconfig._MODEL_KEYS
+    assert set().union(*(set(t) for t in raw["tenants"].values())) == poolconfig._TENANT_KEYS
+    for keys in (poolconfig._POOL_KEYS, poolconfig._MODEL_KEYS, poolconfig._TENANT_KEYS):
+        for key in keys:
+            assert f"`{key}`" in readme, f"README does not list the pool config key {key!r}"

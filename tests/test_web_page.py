@@ -271,6 +271,7 @@ def test_demo_notice_and_api_key(tmp_path: Path) -> None:
             "the demo notice",
         )
         assert "noise, not speech" in notice
+        assert notice.lower().count("demo model") == 1, f"the notice repeats itself: {notice!r}"
         assert page.wait_for("document.querySelectorAll('#voice option').length", "voices") > 0
         r = _speak(page, "wav", stream=True)
         assert r["live_samples"] > 0

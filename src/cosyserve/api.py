@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = logging.getLogger(__name__)
+# expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
+progress_logger = logging.getLogger("cosyserve.progress")
 
 __all__ = ["CosyVoiceModel", "load", "resolve_bundle"]
 
@@ -265,15 +267,17 @@ def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
 
 def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
-    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged.
+    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged; for a hub id
+    (``iic/...``, ``FunAudioLLM/...``: :func:`cosyserve.hub.resolve_model`), the same for its download.
     """
     import hashlib
 
     from cosyserve.bundle.loader import is_bundle
     from cosyserve.bundle.official import ModelDirError
+    from cosyserve.hub import resolve_model
     from cosyserve.settings import cache_dir
 
-    path = Path(path)
+    path = resolve_model(path)
     if is_bundle(path):
         return path
     if not path.is_dir():
@@ -291,7 +295,9 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert
 
-        logger.warning("converting %s into the bundle cache %s (once; later starts reuse it)", path, target)
+        progress_logger.info(
+            "converting %s into the bundle cache %s (once; later runs reuse it)", path, target
+        )
         convert(path, target, force=True, progress=progress)
     return target
 
@@ -315,7 +321,7 @@ def load(
     come from the environment (see :mod:`cosyserve.settings`).
 
     Args:
-        path: bundle or official model directory.
+        path: bundle, official model directory or hub id (``iic/CosyVoice-300M-SFT``; needs the ``hub`` extra).
         threads: torch intra-op threads (env ``COSYSERVE_THREADS``; default torch's choice).
         strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
@@ -371,6 +377,9 @@ def _load(
 
     if threads:
         torch.set_num_threads(threads)
+    from cosyserve.hub import resolve_model
+
+    path = resolve_model(path)  # a hub id -> its download, which is the model dir from here on
     bundle_dir = resolve_bundle(path)
     t_load = time.perf_counter()
     with clock.phase("manifest"):

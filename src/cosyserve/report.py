@@ -159,10 +159,18 @@ def _svg(summary: dict[str, Any], path: Path) -> None:
     path.write_text(svg, encoding="utf-8")
 
 
-def _flamegraph(cmd: list[str], env: dict[str, str], out: Path) -> str:
+def _find_pyspy() -> str:
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(pyspy).exists():
-        return "flame graph skipped: py-spy is not installed (pip install py-spy)"
+        # checked before the first start: a flame graph asked for is never skipped after minutes of runs
+        raise ValueError(
+            "--flamegraph needs py-spy, which is not installed: pip install 'cosyserve[profile]'"
+        )
+    return pyspy
+
+
+def _flamegraph(cmd: list[str], env: dict[str, str], out: Path) -> str:
+    pyspy = _find_pyspy()
     r = subprocess.run(
         [
             pyspy,
@@ -206,6 +214,8 @@ def startup_report(
     from cosyserve.api import resolve_bundle
     from cosyserve.settings import load_strategy
 
+    if flamegraph:
+        _find_pyspy()
     bundle = resolve_bundle(model)
     strategy = strategy or load_strategy()
     files = _bundle_files(bundle)

@@ -30,11 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "parse_api_keys", "parse_model_arg"]
+from cosyserve.hub import is_hub_id
+
+__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "is_hub_id", "parse_api_keys", "parse_model_arg"]
 
 DEMO_MODEL = "demo"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class ServerConfigError(ValueError):
@@ -66,10 +67,6 @@ def parse_model_arg(value: str, where: str = "--model") -> ModelArg:
     if not source:
         raise ServerConfigError(f"{where}={value!r}: no path after '='")
     return ModelArg(name, source)
-
-
-def is_hub_id(source: str) -> bool:
-    return not Path(source).exists() and bool(_HUB_ID.match(source))
 
 
 def parse_api_keys(text: str, where: str) -> dict[str, str]:
@@ -140,8 +137,9 @@ class ServerConfig:
         env = os.environ if env is None else env
 
         def pick(flag_value: object, var: str) -> tuple[object, str]:
+            """The value and where it came from, for errors: the flag (``--port``) or the variable."""
             if flag_value is not None:
-                return flag_value, "flag for " + var
+                return flag_value, "--" + var.removeprefix("COSYSERVE_").lower().replace("_", "-")
             raw = env.get(var)
             return (raw if raw is not None and raw.strip() else None), var
 
@@ -149,14 +147,15 @@ class ServerConfig:
             v, where = pick(flag_value, var)
             if v is None:
                 return default
+            given = f"{where} {v}" if where.startswith("--") else f"{where}={v!r}"
             try:
                 x = cast(v)
             except (TypeError, ValueError):
                 raise ServerConfigError(
-                    f"{where}={v!r}: expected a{'n integer' if cast is int else ' number'}"
+                    f"{given}: expected a{'n integer' if cast is int else ' number'}"
                 ) from None
             if not (lo <= x <= hi):
-                raise ServerConfigError(f"{where}={v!r}: must be between {lo:g} and {hi:g}")
+                raise ServerConfigError(f"{given}: must be between {lo:g} and {hi:g}")
             return x
 
         h, _ = pick(host, "COSYSERVE_HOST")
@@ -178,13 +177,11 @@ class ServerConfig:
         raw_keys = env.get("COSYSERVE_API_KEYS")
         if raw_keys and raw_keys.strip():
             keys.update(parse_api_keys(raw_keys, "COSYSERVE_API_KEYS"))
-        co, _ = pick(cors_origins, "COSYSERVE_CORS_ORIGINS")
+        co, co_where = pick(cors_origins, "COSYSERVE_CORS_ORIGINS")
         origins = tuple(o.strip() for o in str(co).split(",") if o.strip()) if co is not None else ()
         for o in origins:
             if o != "*" and not re.match(r"^https?://[^/\s]+$", o):
-                raise ServerConfigError(
-                    f"COSYSERVE_CORS_ORIGINS: {o!r} is not an origin (scheme://host[:port], or *)"
-                )
+                raise ServerConfigError(f"{co_where}: {o!r} is not an origin (scheme://host[:port], or *)")
         dv, _ = pick(default_voice, "COSYSERVE_DEFAULT_VOICE")
         if log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ServerConfigError(f"--log-level {log_level!r}: expected critical/error/warning/info/debug")

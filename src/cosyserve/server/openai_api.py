@@ -161,7 +161,7 @@ def routes(state: Any) -> list[Route]:
                 "owned_by": "cosyserve",
                 "state": desc[name]["state"],
                 "demo": state.demo,
-                **({"note": "demo model: random weights, it makes noise, not speech"} if state.demo else {}),
+                **({"note": "random weights, it makes noise, not speech"} if state.demo else {}),
             }
             for name in state.visible_models(tenant)
         ]
