@@ -11,6 +11,7 @@ sees either readiness 503 or a refused connection, never 200); requests already 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
@@ -55,6 +56,22 @@ def wait_for_log(server: ServerProcess, needle: str, timeout_s: float = 60.0) ->
                 f"{needle!r} not in the server log within {timeout_s} s:\n{server.log()[-3000:]}"
             )
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sigterm_mid_stream(
+    c: httpx.Client, server: ServerProcess, body: dict[str, Any], wait_for: str | None = None
+) -> Iterator[tuple[list[bytes], Iterator[bytes]]]:
+    """Start a stream, read its first chunk, SIGTERM the server (and wait for ``wait_for`` in its log); yields
+    the chunks read so far and the iterator over the rest."""
+    with c.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200, r.read()
+        chunks = r.iter_raw()
+        got = [next(chunks)]
+        server.proc.send_signal(signal.SIGTERM)
+        if wait_for is not None:
+            wait_for_log(server, wait_for)
+        yield got, chunks
 
 
 def metric_samples(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -278,12 +295,10 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_0(tiny_model_dir: Path, t
         with server.client(timeout=GRACE_S) as c:
             alone = c.post("/v1/audio/speech", json=speech_body())
             assert alone.status_code == 200 and len(alone.content) > 0
-            with c.stream("POST", "/v1/audio/speech", json=speech_body()) as r:
-                assert r.status_code == 200
-                chunks = r.iter_raw()
-                got = [next(chunks)]
-                server.proc.send_signal(signal.SIGTERM)
-                wait_for_log(server, "shutting down: readiness is 503 now")
+            with sigterm_mid_stream(c, server, speech_body(), "shutting down: readiness is 503 now") as (
+                got,
+                chunks,
+            ):
                 with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
                     ready = refused_or_503(probe, "GET", "/health/ready")
                     assert ready in ("refused", "draining")
@@ -320,12 +335,7 @@ def test_sigterm_keeps_answering_503_during_the_drain_delay(tiny_model_dir: Path
         with server.client(timeout=GRACE_S) as c:
             alone = c.post("/v1/audio/speech", json=speech_body())
             speaker = c.get("/v1/audio/voices").json()["voices"][0]["voice_id"]
-            with c.stream("POST", "/v1/audio/speech", json=speech_body()) as r:
-                assert r.status_code == 200
-                chunks = r.iter_raw()
-                got = [next(chunks)]
-                server.proc.send_signal(signal.SIGTERM)
-                wait_for_log(server, "the port stays open")
+            with sigterm_mid_stream(c, server, speech_body(), "the port stays open") as (got, chunks):
                 with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
                     try:
                         ready = probe.get("/health/ready")
@@ -357,11 +367,7 @@ def test_grace_expiry_cuts_the_stream_and_ends_quietly(tiny_model_dir: Path, tmp
     server = start_server(tiny_model_dir, tmp_path, args=["--shutdown-grace", "1"])
     try:
         with server.client(timeout=GRACE_S) as c:
-            with c.stream("POST", "/v1/audio/speech", json=speech_body(LONG_TEXT * 3)) as r:
-                assert r.status_code == 200
-                chunks = r.iter_raw()
-                next(chunks)
-                server.proc.send_signal(signal.SIGTERM)
+            with sigterm_mid_stream(c, server, speech_body(LONG_TEXT * 3)) as (_, chunks):
                 with pytest.raises(httpx.RemoteProtocolError):
                     for _ in chunks:  # ~a minute of speech: far more than the 1 s grace
                         pass
@@ -417,7 +423,13 @@ def test_metrics_over_two_workers_count_the_whole_server(tiny_model_dir: Path, t
 
     n = 8
     totals = []
-    with running_server(tiny_model_dir, tmp_path, args=["--workers", "2"], ready_timeout_s=180) as server:
+    tmp = tmp_path / "tmp"  # where the master makes the workers' shared metrics directory
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    with running_server(
+        tiny_model_dir, tmp_path, args=["--workers", "2"], env=env, ready_timeout_s=180
+    ) as server:
+        assert len(list(tmp.glob("cosyserve-metrics-*"))) == 1, "the workers share one metrics directory"
         for _ in range(n):
             with httpx.Client(base_url=server.base_url, timeout=120.0) as fresh:
                 r = fresh.post("/v1/audio/speech", json={**speech_body("Hi."), "stream": False})
@@ -430,3 +442,6 @@ def test_metrics_over_two_workers_count_the_whole_server(tiny_model_dir: Path, t
     )
     pids = {dict(labels).get("pid") for (name, labels) in last if name == "cosyserve_ready"}
     assert len(pids) == 2 and None not in pids, f"one scrape must show both workers' pools: {pids}"
+    assert not list(tmp.glob("cosyserve-metrics-*")), (
+        "the metrics directory must be removed when the server stops"
+    )

@@ -219,7 +219,7 @@ class ServerState:
             self._stop_timer = None
         delay = self.config.drain_delay_s
         if first and signum == signal.SIGTERM and delay > 0:
-            logger.info("the port stays open %.0f s so load balancers see readiness 503, then closes", delay)
+            logger.info("the port stays open %g s so load balancers see readiness 503, then closes", delay)
             self._stop_timer = asyncio.get_running_loop().call_later(delay, self._stop, signum, stop)
         else:
             self._stop(signum, stop)
@@ -238,7 +238,7 @@ class ServerState:
         self._cut_timer = None
         n = sum(int(m["in_flight"]) for m in self.describe_models().values())
         if n:
-            logger.warning("shutdown grace of %.0f s is over: cutting %d request(s) still running", grace, n)
+            logger.warning("shutdown grace of %g s is over: cutting %d request(s) still running", grace, n)
         self.pool.start_close(timeout=0)
 
     def cancel_timers(self) -> None:

@@ -236,7 +236,7 @@ class Metrics:
         self.registry = CollectorRegistry()  # what /metrics shows
         self._clocks: dict[str, Any] = {}
         self._lock = threading.Lock()
-        path = multiproc_dir(int(getattr(state.config, "workers", 1)))
+        path = multiproc_dir(state.config.workers)
         self.workers: _WorkerPools | None = None
         own: CollectorRegistry | None = self.registry
         if path is not None:
