@@ -9,7 +9,8 @@ Usage (one server per test module keeps runs short)::
 
 The child gets a clean environment: the caller's, minus every ``COSYSERVE_*`` variable and the deployment names
 (``MODEL_POOL_SIZE``, ``USE_MMAP_LOADING``, ``PREWARM_MODELS``) except the cache dir, plus ``src`` on
-``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, then ``env``. While it waits
+``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, ``COSYSERVE_DRAIN_DELAY=0`` (a
+stop closes the port at once; the tests of the drain window pass ``--drain-delay``), then ``env``. While it waits
 for ``/health/ready`` it keeps the first 503 answers of the health routes (:attr:`ServerProcess.before_ready`),
 so a test can check what a probe sees before the model is loaded.
 """
@@ -108,6 +109,7 @@ def _child_env(workdir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
     out.setdefault("COSYSERVE_CACHE_DIR", str(workdir / "cache"))
     out["COSYSERVE_REGISTRY_DIR"] = str(workdir / "registry")
     out["PYTHONUNBUFFERED"] = "1"
+    out["COSYSERVE_DRAIN_DELAY"] = "0"
     out.update(env or {})
     return out
 

@@ -67,6 +67,17 @@ def test_bad_flag_values_are_named_as_the_flag() -> None:
         ServerConfig.from_args(env={"COSYSERVE_PORT": "99999"})
 
 
+def test_drain_delay_has_a_default_a_flag_and_a_variable() -> None:
+    """The window after SIGTERM in which the port still answers 503 (so load balancers see the drain)."""
+    assert ServerConfig.from_args(env={}).drain_delay_s == 5.0
+    assert ServerConfig.from_args(env={"COSYSERVE_DRAIN_DELAY": "2.5"}).drain_delay_s == 2.5
+    assert ServerConfig.from_args(drain_delay_s=0, env={"COSYSERVE_DRAIN_DELAY": "9"}).drain_delay_s == 0
+    with pytest.raises(ServerConfigError, match="COSYSERVE_DRAIN_DELAY='soon'"):
+        ServerConfig.from_args(env={"COSYSERVE_DRAIN_DELAY": "soon"})
+    with pytest.raises(ServerConfigError, match="between"):
+        ServerConfig.from_args(drain_delay_s=-1, env={})
+
+
 def test_api_keys_parse_and_reject_bad_entries(tmp_path) -> None:
     assert parse_api_keys("k-aaaaaaaa=alice, k-bbbbbbbb=bob # comment", "x") == {
         "k-aaaaaaaa": "alice",

@@ -237,6 +237,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             max_text_chars=args.max_text_chars,
             max_upload_bytes=args.max_upload_bytes,
             request_timeout_s=args.request_timeout,
+            drain_delay_s=args.drain_delay,
             shutdown_grace_s=args.shutdown_grace,
             default_voice=args.default_voice,
             log_level=str(args.serve_log_level),
@@ -437,10 +438,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per request (env COSYSERVE_REQUEST_TIMEOUT; default 300)",
     )
     p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=None,
+        help="seconds the port stays open after SIGTERM, answering 503 so load balancers see the drain "
+        "(env COSYSERVE_DRAIN_DELAY; default 5)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         default=None,
-        help="seconds in-flight requests get after SIGTERM (env COSYSERVE_SHUTDOWN_GRACE; default 30)",
+        help="seconds in-flight requests get once the port closes; then they are cut "
+        "(env COSYSERVE_SHUTDOWN_GRACE; default 30)",
     )
     p.add_argument(
         "--default-voice",

@@ -14,7 +14,8 @@ Every value from outside is checked here, before anything is loaded or any port 
 | ``COSYSERVE_MAX_TEXT_CHARS`` | longest ``input`` / ``tts_text`` accepted | 4096 |
 | ``COSYSERVE_MAX_UPLOAD_BYTES`` | largest uploaded prompt/source audio | 16 MiB |
 | ``COSYSERVE_REQUEST_TIMEOUT`` | seconds a request may take before it is stopped | 300 |
-| ``COSYSERVE_SHUTDOWN_GRACE`` | seconds in-flight streams get to finish after SIGTERM | 30 |
+| ``COSYSERVE_DRAIN_DELAY`` | seconds the port stays open after SIGTERM, answering 503, before it closes | 5 |
+| ``COSYSERVE_SHUTDOWN_GRACE`` | seconds in-flight streams get to finish once the port closes; then they are cut | 30 |
 | ``COSYSERVE_DEFAULT_VOICE`` | speaker used for OpenAI voice names (alloy, ...) the model does not have | first speaker |
 
 Model-pool variables (``MODEL_POOL_SIZE``, ``COSYSERVE_MEMORY_BUDGET``, ...) are read by
@@ -105,6 +106,7 @@ class ServerConfig:
     max_upload_bytes: int = 16 << 20
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
+    drain_delay_s: float = 5.0
     shutdown_grace_s: float = 30.0
     default_voice: str | None = None
     log_level: str = "info"
@@ -128,6 +130,7 @@ class ServerConfig:
         max_text_chars: int | None = None,
         max_upload_bytes: int | None = None,
         request_timeout_s: float | None = None,
+        drain_delay_s: float | None = None,
         shutdown_grace_s: float | None = None,
         default_voice: str | None = None,
         log_level: str = "info",
@@ -198,6 +201,7 @@ class ServerConfig:
                 num(max_upload_bytes, "COSYSERVE_MAX_UPLOAD_BYTES", int, 1024, 1 << 30, 16 << 20)
             ),
             request_timeout_s=num(request_timeout_s, "COSYSERVE_REQUEST_TIMEOUT", float, 0.1, 86400, 300.0),
+            drain_delay_s=num(drain_delay_s, "COSYSERVE_DRAIN_DELAY", float, 0, 3600, 5.0),
             shutdown_grace_s=num(shutdown_grace_s, "COSYSERVE_SHUTDOWN_GRACE", float, 0, 3600, 30.0),
             default_voice=str(dv) if dv is not None else None,
             log_level=log_level,

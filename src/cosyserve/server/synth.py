@@ -5,7 +5,9 @@ served gets a proper JSON error with its status code instead of a 200 with a tru
 chunks are encoded and sent as they come. A client that disconnects cancels the generation in the engine:
 before the response starts (a non-streamed request, or a streamed one waiting for its first chunk) through a
 watch on the connection's ``http.disconnect``, after it through starlette cancelling the streaming task; the
-engine stream's ``aclose`` stops the model at its next token.
+engine stream's ``aclose`` stops the model at its next token. A started stream that ends short (deadline,
+engine error, model released at shutdown) raises :class:`StreamCut`: the connection closes without the final
+chunk, so the client sees a truncated body instead of audio that merely looks complete.
 """
 
 from __future__ import annotations
@@ -22,12 +24,39 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import EngineError
+from cosyserve.engine.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    EngineError,
+    RequestCancelledError,
+)
 from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = ["engine_request", "new_request_id", "synthesize_response"]
+__all__ = ["StreamCut", "engine_request", "new_request_id", "synthesize_response"]
+
+
+class StreamCut(BaseException):
+    """A started response that must end without its terminating chunk, so the client sees it was cut.
+
+    A BaseException, as :class:`asyncio.CancelledError` is: no ``except Exception`` on the way out (starlette's
+    error middleware, an app's catch-all 500 handler) may turn it into an error response or log it again; it
+    reaches uvicorn, which closes the connection (:mod:`cosyserve.server.run` keeps uvicorn from logging it as
+    a crash: the request's own WARNING line already said why).
+    """
+
+
+def _cut_outcome(e: EngineError) -> str:
+    """The access log's and the metrics' outcome of a stream that ended short (the engine's outcome names)."""
+    if isinstance(e, DeadlineExceededError):
+        return "deadline"
+    if isinstance(e, EngineDeadError):
+        return "released"  # the model was released while serving: shutdown grace over, or the pool let it go
+    if isinstance(e, RequestCancelledError):
+        return "cancelled"
+    return "error"
+
 
 _T = TypeVar("_T")
 
@@ -164,11 +193,11 @@ async def synthesize_response(
     """
     rec = _Record(state, route, model, ereq, fmt)
     if state.draining:
-        from cosyserve.engine.errors import NotReadyError
+        from cosyserve.server.errors import HTTPError
 
         rec.status, rec.outcome = 503, "draining"
         rec.done()
-        raise NotReadyError("the server is shutting down")
+        raise HTTPError(503, "the server is shutting down", headers={"Retry-After": "1"})
     whole = fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE)
     try:
         started = await _unless_disconnected(request, _start(state, model, ereq, tenant, rec, whole))
@@ -201,6 +230,7 @@ async def synthesize_response(
         return enc.encode(chunk) if enc is not None else to_int16(chunk)
 
     async def body() -> AsyncIterator[bytes]:
+        cut: EngineError | None = None
         try:
             head = enc.header() if enc is not None else b""
             data = head + (encode(first) if first is not None else b"")
@@ -218,16 +248,28 @@ async def synthesize_response(
                 if tail:
                     rec.bytes += len(tail)
                     yield tail
-        except EngineError as e:  # headers are gone: end the stream short and say why in the log
-            rec.outcome = type(e).__name__
-            logger.warning("request %s: stream ended early: %s", ereq.request_id, e)
+        except EngineError as e:  # headers are out: cutting the connection is the only way left to say so
+            rec.outcome = _cut_outcome(e)
+            cut = e
         except (asyncio.CancelledError, GeneratorExit):
             rec.outcome = "client_gone"
             await stream.aclose()
             raise
+        except Exception:
+            rec.outcome = "error"  # a bug: uvicorn logs its traceback and closes the connection
+            raise
         finally:
             await stream.aclose()
             rec.done()
+        if cut is not None:
+            logger.warning(
+                "request %s: stream cut after %d bytes (%s: %s); closing the connection without the final chunk",
+                ereq.request_id,
+                rec.bytes,
+                rec.outcome,
+                cut,
+            )
+            raise StreamCut(ereq.request_id)
 
     media = MEDIA_TYPES.get(fmt, "application/octet-stream")
     return StreamingResponse(body(), media_type=media, headers=headers)
