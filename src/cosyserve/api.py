@@ -250,13 +250,13 @@ def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
 
     def run() -> None:
         for phase, work in steps:
-            t = time.perf_counter()
+            start, t = clock.now_ms(), time.perf_counter()
             try:
                 work()
             except Exception:  # noqa: BLE001 - see above
                 logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
                 continue
-            clock.add(phase, (time.perf_counter() - t) * 1e3)
+            clock.add(phase, (time.perf_counter() - t) * 1e3, start)
 
     # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
     # tearing torch down under a kernel that still runs ("terminate called without an active exception")
