@@ -94,6 +94,21 @@ def test_synth_bad_request_is_one_line_error_without_output(
     assert not out.exists() and not list(tmp_path.iterdir()), "a partial WAV or temp file was left behind"
 
 
+def test_synth_instruct_mode_on_a_model_that_is_not_instruct(plain_model_dir: Path, tmp_path: Path) -> None:
+    """``--mode instruct`` on a model that is not an -Instruct model is refused (as the reference does) in one
+    line naming the flag, and writes nothing."""
+    out = tmp_path / "x.wav"
+    args = ["--mode", "instruct", "--speaker", "英文女", "--text", "Hi.", "--instruct-text", "Speak calmly."]
+    env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}  # the session's private cache dir, set after import
+    r = cli("synth", "--model", str(plain_model_dir), *args, "--out", str(out), env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]  # (before it: the conversion's log line)
+    assert last.startswith("cosyserve synth: error: --mode instruct:") and "not an instruct model" in last, (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
 def test_synth_bad_model_dir(tmp_path: Path) -> None:
     r = cli(
         "synth",

@@ -81,6 +81,14 @@ def test_text_normalize_edge_cases() -> None:
     assert normalize_and_split("他有3只猫", _tok) == ["他有三只猫。"]
 
 
+def test_pieces_with_nothing_to_speak_are_dropped() -> None:
+    """If this fails, a piece of invisible characters (zero-width spaces, joiners, BOM, ideographic space) goes
+    to the LLM, which makes noise of it, while a piece of punctuation is dropped: they must be treated alike."""
+    for text in ("\u200b\u200b", "\u200d\u2060", "\ufeff", "\u3000\u200b", "\u200b!"):
+        assert text_normalize(text) == [], repr(text)
+    assert text_normalize("Hello.\u200b") != [], "a speakable text with a zero-width space is kept"
+
+
 def test_split_paragraph_limits() -> None:
     """If this fails, long text is cut into pieces of the wrong size (the LLM's per-piece limits) or a short
     tail is left alone instead of being merged."""

@@ -224,3 +224,73 @@ def test_startup_report_names_only_the_callers_models() -> None:
         as_b = client.get("/v1/startup", headers={"Authorization": "Bearer key-b"}).json()
         assert list(as_b["models"]) == ["model-b"], "the same models as /v1/models"
         assert client.get("/openapi.json").status_code == 200, "the OpenAPI document stays open"
+
+
+# --- errors name the field of the route ---------------------------------------------------------------------
+
+SPK = "英文女"
+BAD_WAV = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a 'fmt ' chunk cut short
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir: Path, plain_model_dir: Path) -> Iterator[TestClient]:
+    """An instruct model ``m`` (the default) and ``plain``: the same weights, not an instruct model."""
+    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)), ModelArg("plain", str(plain_model_dir))))
+    with TestClient(create_app(cfg)) as c:
+        wait_ready(c)
+        yield c
+
+
+@pytest.mark.parametrize("text", ["!!!", "\u200b\u200b"])
+def test_text_with_nothing_to_speak_is_a_400_naming_the_field(client: TestClient, text: str) -> None:
+    """Zero-width-only text must be refused like punctuation-only text, and the error must name the route's
+    field (``input`` / ``tts_text``), not leave ``param`` null."""
+    r = client.post("/v1/audio/speech", json={"input": text, "voice": "alloy", "response_format": "wav"})
+    err = openai_error(r, 400)
+    assert err["param"] == "input" and "nothing to speak" in err["message"], err
+    r = client.post("/inference_sft", data={"tts_text": text, "spk_id": SPK})
+    assert openai_error(r, 400)["param"] == "tts_text"
+
+
+@pytest.mark.parametrize("endpoint", ["zero_shot", "cross_lingual"])
+def test_unreadable_prompt_wav_is_a_400_naming_it(client: TestClient, endpoint: str) -> None:
+    """A prompt with a broken WAV header: 400 with ``param: prompt_wav`` and a message a client can read (no
+    ``<_io.BytesIO object at 0x...>``)."""
+    r = client.post(
+        f"/inference_{endpoint}",
+        data={"tts_text": "Hello.", "prompt_text": "Hello there."}
+        if endpoint == "zero_shot"
+        else {"tts_text": "Hi."},
+        files={"prompt_wav": ("p.wav", BAD_WAV, "audio/wav")},
+    )
+    err = openai_error(r, 400)
+    assert err["param"] == "prompt_wav", err
+    assert "not a readable audio file" in err["message"] and "object at 0x" not in err["message"], err
+
+
+def test_instruct_on_a_model_that_is_not_instruct_is_a_400(client: TestClient) -> None:
+    """As the reference: instructions need an -Instruct model. The refusal names ``instructions`` (OpenAI
+    route) / ``instruct_text`` (reference route); the instruct model still follows them."""
+    body = {"input": "Hello.", "voice": SPK, "response_format": "wav", "instructions": "Speak calmly."}
+    err = openai_error(client.post("/v1/audio/speech", json={**body, "model": "plain"}), 400)
+    assert err["param"] == "instructions" and "not an instruct model" in err["message"], err
+    r = client.post(
+        "/inference_instruct",
+        data={"tts_text": "Hello.", "spk_id": SPK, "instruct_text": "Speak calmly."},
+        headers={"X-Model": "plain"},
+    )
+    assert openai_error(r, 400)["param"] == "instruct_text"
+    assert client.post("/v1/audio/speech", json={**body, "model": "m"}).status_code == 200
+
+
+def test_openai_speed_range_is_served(client: TestClient) -> None:
+    """speed 0.25 and 4.0 (OpenAI's bounds) are served, the audio 1/speed as long as at speed 1.0."""
+    body = {"input": "Hello there.", "voice": SPK, "response_format": "pcm", "seed": 3}
+    sizes = {}
+    for speed in (1.0, 0.25, 4.0):
+        r = client.post("/v1/audio/speech", json={**body, "speed": speed})
+        assert r.status_code == 200, r.text
+        sizes[speed] = len(r.content) // 2
+    for speed in (0.25, 4.0):
+        assert abs(sizes[speed] - sizes[1.0] / speed) <= 256, sizes
+    assert openai_error(client.post("/v1/audio/speech", json={**body, "speed": 4.5}), 400)["param"] == "speed"

@@ -154,6 +154,18 @@ def test_speech_request_defaults_are_openais() -> None:
     assert (r.response_format, r.speed, r.stream, r.seed, r.model) == ("mp3", 1.0, False, None, None)
 
 
+def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
+    """OpenAI's speed range (0.25-4.0) must pass the body check, and the OpenAPI document must state the same
+    bounds, or clients written for OpenAI get 400s the documentation does not explain."""
+    from cosyserve.engine.modes import SPEED_MAX, SPEED_MIN
+    from cosyserve.server.schemas import openapi_document
+
+    for speed in (0.25, 0.5, 2.0, 4.0, 3):
+        assert parse_speech_request(body(speed=speed), 100).speed == speed
+    doc = openapi_document(100)["components"]["schemas"]["SpeechRequest"]["properties"]["speed"]
+    assert (doc["minimum"], doc["maximum"]) == (SPEED_MIN, SPEED_MAX) == (0.25, 4.0)
+
+
 @pytest.mark.parametrize(
     ("raw", "param", "message"),
     [
@@ -164,7 +176,8 @@ def test_speech_request_defaults_are_openais() -> None:
         (body(input=3), "input", "must be a string"),
         (body(voice=""), "voice", "empty"),
         (body(response_format="ogg"), "response_format", "not supported"),
-        (body(speed=3), "speed", "between 0.5 and 2.0"),
+        (body(speed=4.5), "speed", "between 0.25 and 4.0"),
+        (body(speed=0.2), "speed", "between 0.25 and 4.0"),
         (body(speed="fast"), "speed", "number"),
         (body(speed=True), "speed", "number"),
         (body(stream="yes"), "stream", "true or false"),

@@ -88,7 +88,7 @@ class CosyVoiceModel:
             speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
                 (zero_shot, cross_lingual).
             stream: yield ~2 s chunks as soon as they exist (True) or one chunk per sentence (False).
-            speed: tempo in [0.5, 2.0]; only with ``stream=False``, as in the reference.
+            speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
             mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
                 :mod:`cosyserve.engine.modes` for the fields each takes). ``None``: ``zero_shot`` when
@@ -100,7 +100,8 @@ class CosyVoiceModel:
             tenant: registry namespace in which ``speaker`` is looked up.
         Raises:
             cosyserve.engine.pipeline.SynthesisError: unknown speaker, empty text, bad option or field combination.
-            cosyserve.frontend.zeroshot.ModeUnavailableError: the model lacks the mode's ONNX models.
+            cosyserve.frontend.zeroshot.ModeUnavailableError: the model lacks the mode's ONNX models, or instruct
+                mode on a model that is not an instruct model.
             cosyserve.frontend.audio.AudioError: unusable prompt or source audio.
         """
         if mode is None:
@@ -143,6 +144,7 @@ class CosyVoiceModel:
         if self.bundle is not None:
             paths = {name: self.bundle.onnx_path(name) for name in ONNX_FILES}
             self._pipeline.set_onnx_paths(paths, self.model_dir)
+            self._pipeline.instruct = self.bundle.instruct
         if self._pipeline.registry is None:
             self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir))
 
@@ -160,8 +162,9 @@ class CosyVoiceModel:
 
     @property
     def available_modes(self) -> list[str]:
-        """Modes this model can run: sft and instruct always; zero_shot, cross_lingual and vc need
-        campplus.onnx and speech_tokenizer_v1.onnx (see :meth:`unavailable_modes` for why one is missing)."""
+        """Modes this model can run: sft always; instruct on an instruct model (CosyVoice-300M-Instruct);
+        zero_shot, cross_lingual and vc need campplus.onnx and speech_tokenizer_v1.onnx (see
+        :meth:`unavailable_modes` for why one is missing)."""
         return self._pipeline.available_modes()
 
     def unavailable_modes(self) -> dict[str, str]:

@@ -77,19 +77,24 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     release_gc()
     if args.registry_dir:
         model.use_registry(args.registry_dir)
-    chunks = model.synthesize(
-        args.text or "",
-        args.speaker,
-        stream=args.stream,
-        speed=args.speed,
-        seed=args.seed,
-        mode=args.mode,
-        prompt_text=args.prompt_text or "",
-        prompt_wav=args.prompt_wav,
-        source_wav=args.source_wav,
-        instruct_text=args.instruct_text or "",
-        tenant=args.tenant,
-    )
+    from cosyserve.frontend.zeroshot import ModeUnavailableError
+
+    try:
+        chunks = model.synthesize(
+            args.text or "",
+            args.speaker,
+            stream=args.stream,
+            speed=args.speed,
+            seed=args.seed,
+            mode=args.mode,
+            prompt_text=args.prompt_text or "",
+            prompt_wav=args.prompt_wav,
+            source_wav=args.source_wav,
+            instruct_text=args.instruct_text or "",
+            tenant=args.tenant,
+        )
+    except ModeUnavailableError as e:  # the model cannot run the mode the flag asks for
+        raise CLIError(f"--mode {args.mode}: {e}") from e
     seconds = write_audio_atomic(out, chunks, model.sample_rate, fmt)
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
 
@@ -304,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=None, help="random seed for reproducible audio (default: random)"
     )
-    p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.5, 2.0]; not with --stream")
+    p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.25, 4.0]; not with --stream")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=_cmd_synth)
 

@@ -99,7 +99,7 @@ def convert(
     from safetensors.torch import save_file
 
     from cosyserve import __version__
-    from cosyserve.bundle.official import ModelDirError, load_speakers
+    from cosyserve.bundle.official import ModelDirError, is_instruct_model_dir, load_speakers
     from cosyserve.config import load_model_config
 
     if dtype not in DTYPE_CHOICES:
@@ -120,6 +120,7 @@ def convert(
             "version": BUNDLE_VERSION,
             "converter": f"cosyserve {__version__}",
             "dtype": dtype,
+            "instruct": is_instruct_model_dir(model_dir),  # takes instruct mode (see is_instruct_model_dir)
             "config": {
                 "sample_rate": cfg.sample_rate,
                 **{name: dataclasses.asdict(getattr(cfg, name)) for name in COMPONENTS},

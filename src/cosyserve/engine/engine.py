@@ -55,7 +55,7 @@ from cosyserve.engine.errors import (
     OverloadedError,
     RequestCancelledError,
 )
-from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields
+from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields, speed_error
 from cosyserve.startup import collect_frozen
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class SynthesisRequest:
         prompt_text, prompt_wav, source_wav, instruct_text, normalize, tenant: as
             :class:`cosyserve.engine.pipeline.SynthesisRequest` (audio as a path or the encoded file's bytes).
         stream: yield chunks as they are made (True) or one chunk per sentence (False).
-        speed: tempo in [0.5, 2.0] (non-streaming only).
+        speed: tempo in [0.25, 4.0] (:data:`~cosyserve.engine.modes.SPEED_MIN`, ``SPEED_MAX``; non-streaming only).
         seed: makes the audio reproducible; None draws one.
         deadline: absolute time on the engine's clock (``time.monotonic()`` by default) after which the
             request is stopped with :class:`DeadlineExceededError`; None for none.
@@ -153,14 +153,15 @@ class SynthesisRequest:
         if self.mode not in MODES:
             raise ClientError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.mode != "vc" and (not isinstance(self.text, str) or not self.text.strip()):
-            raise ClientError("text is empty: give at least one word to speak")
+            raise ClientError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(self.mode, self.present())
         if errors:
             raise ClientError("; ".join(errors))
-        if not isinstance(self.speed, int | float) or not (0.5 <= self.speed <= 2.0):
-            raise ClientError(f"speed must be between 0.5 and 2.0, got {self.speed!r}")
+        bad_speed = speed_error(self.speed)
+        if bad_speed:
+            raise ClientError(bad_speed, param="speed")
         if self.stream and self.speed != 1.0:
-            raise ClientError("speed change is only supported with stream=False")
+            raise ClientError("speed change is only supported with stream=False", param="speed")
 
 
 @dataclass(frozen=True)
@@ -811,7 +812,7 @@ class Engine:
         except _Stop:
             pass
         except _client_error_types() as e:
-            error = e if isinstance(e, ClientError) else ClientError(str(e))
+            error = e if isinstance(e, ClientError) else ClientError(str(e), param=getattr(e, "param", None))
             if error is not e:
                 error.__cause__ = e
         except Exception as e:

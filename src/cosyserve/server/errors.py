@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -70,16 +71,23 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def from_engine_error(e: EngineError) -> HTTPError:
-    """The engine's typed error as the response the server sends (status from the class, Retry-After)."""
+def from_engine_error(e: EngineError, params: Mapping[str, str] | None = None) -> HTTPError:
+    """The engine's typed error as the response the server sends (status from the class, Retry-After).
+
+    ``params`` maps the engine's request field names (``text``, ``instruct_text``, ...) to the route's own, for
+    the error's ``param``; a field without an entry keeps the engine's name.
+    """
     status = int(getattr(e, "status_code", 500))
+    param = getattr(e, "param", None)
+    if param is not None and params:
+        param = params.get(param, param)
     headers: dict[str, str] = {}
     if isinstance(e, OverloadedError):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
     code = type(e).__name__.removesuffix("Error").lower() or None
     if status == 499:  # nobody is listening; keep a sane status for logs
         status = 400
-    return HTTPError(status, str(e), code=code, headers=headers)
+    return HTTPError(status, str(e), param=param, code=code, headers=headers)
 
 
 class LastResortMiddleware:
