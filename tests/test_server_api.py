@@ -333,7 +333,7 @@ def test_wrong_content_type(http: httpx.Client) -> None:
         ({"input": "hi", "voice": "no_such_voice"}, "voice", 400),
         ({"input": "hi", "voice": "../../etc/passwd"}, "voice", 400),
         ({"input": "hi", "voice": "alloy", "model": "no-such-model"}, "model", 404),
-        ({"input": "hi", "voice": "alloy", "speed": 3.0}, "speed", 400),
+        ({"input": "hi", "voice": "alloy", "speed": 4.5}, "speed", 400),
         ({"input": "hi", "voice": "alloy", "speed": "fast"}, "speed", 400),
         ({"input": "hi", "voice": "alloy", "response_format": "aac"}, "response_format", 400),
         ({"input": "hi", "voice": "alloy", "temperature": 0.5}, "temperature", 400),
