@@ -30,9 +30,21 @@ def fixture_set_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight model dir in the official layout, made once per test session by make-test-model."""
+    """A tiny random-weight model dir in the official layout, made once per test session by make-test-model.
+    Named like an instruct model (CosyVoice-300M-Instruct) so that it serves every mode, instruct included;
+    :func:`plain_model_dir` is the same files under a name that is not."""
     from cosyserve.testmodel import make_test_model
 
-    out = tmp_path_factory.mktemp("models") / "tiny"
+    out = tmp_path_factory.mktemp("models") / "tiny-Instruct"
     make_test_model(out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def plain_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's files under a name without ``-Instruct``: a model that refuses instruct mode."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("models") / "tiny-sft"
+    shutil.copytree(tiny_model_dir, out, copy_function=os.link)  # hard links: the same bytes, another dir
     return out

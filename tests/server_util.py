@@ -9,7 +9,8 @@ Usage (one server per test module keeps runs short)::
 
 The child gets a clean environment: the caller's, minus every ``COSYSERVE_*`` variable and the deployment names
 (``MODEL_POOL_SIZE``, ``USE_MMAP_LOADING``, ``PREWARM_MODELS``) except the cache dir, plus ``src`` on
-``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, then ``env``. While it waits
+``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, ``COSYSERVE_DRAIN_DELAY=0`` (a
+stop closes the port at once; the tests of the drain window pass ``--drain-delay``), then ``env``. While it waits
 for ``/health/ready`` it keeps the first 503 answers of the health routes (:attr:`ServerProcess.before_ready`),
 so a test can check what a probe sees before the model is loaded.
 """
@@ -17,6 +18,7 @@ so a test can check what a probe sees before the model is loaded.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -30,7 +32,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["ServerProcess", "free_port", "running_server", "start_server"]
+__all__ = ["ServerProcess", "free_port", "post_and_hold", "running_server", "start_server"]
 
 ROOT = Path(__file__).resolve().parents[1]
 _DROP = ("MODEL_POOL_SIZE", "USE_MMAP_LOADING", "PREWARM_MODELS")
@@ -82,6 +84,21 @@ class ServerProcess:
             return None
 
 
+def post_and_hold(
+    server: ServerProcess, path: str, body: Any, headers: Mapping[str, str] | None = None
+) -> socket.socket:
+    """POST ``body`` as JSON over a plain socket and leave the connection open, unread: the caller closes it
+    (a client that goes away, as ``curl -m`` does) while the server is still working on the request."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for k, v in (headers or {}).items():
+        head += f"{k}: {v}\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
 def _child_env(workdir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
     out = {
         k: v
@@ -92,6 +109,7 @@ def _child_env(workdir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
     out.setdefault("COSYSERVE_CACHE_DIR", str(workdir / "cache"))
     out["COSYSERVE_REGISTRY_DIR"] = str(workdir / "registry")
     out["PYTHONUNBUFFERED"] = "1"
+    out["COSYSERVE_DRAIN_DELAY"] = "0"
     out.update(env or {})
     return out
 

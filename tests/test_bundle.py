@@ -212,6 +212,42 @@ def test_manifest_mismatch_refused(bundle_dir: Path, tmp_path: Path, edit, needl
         open_bundle(b).load()
 
 
+def test_instruct_models_are_told_by_the_reference_rule_and_recorded(
+    tmp_path: Path, bundle_dir: Path
+) -> None:
+    """An instruct model (CosyVoice-300M-Instruct) is one whose model dir's name contains '-Instruct', as the
+    reference decides; a Hugging Face snapshot is named by its repo. If this fails, instruct mode is refused on
+    an official -Instruct download, or allowed on -SFT (the reference refuses it there)."""
+    from cosyserve.bundle.loader import Bundle
+    from cosyserve.bundle.official import is_instruct_model_dir
+
+    snap = tmp_path / "hub" / "models--FunAudioLLM--CosyVoice-300M-Instruct" / "snapshots" / "0123abc"
+    for d in (
+        snap,
+        tmp_path / "CosyVoice-300M-Instruct",
+        tmp_path / "CosyVoice-300M-SFT",
+        tmp_path / "x-instruct",
+    ):
+        d.mkdir(parents=True)
+    assert is_instruct_model_dir(snap) and is_instruct_model_dir(tmp_path / "CosyVoice-300M-Instruct")
+    assert not is_instruct_model_dir(tmp_path / "CosyVoice-300M-SFT")
+    assert not is_instruct_model_dir(tmp_path / "x-instruct"), "the reference's test is case-sensitive"
+    (tmp_path / "link-Instruct").symlink_to(tmp_path / "CosyVoice-300M-SFT")
+    assert not is_instruct_model_dir(tmp_path / "link-Instruct"), (
+        "the real directory decides, as the cache key"
+    )
+    # the tiny test model's dir is named like an instruct model; conversion records that
+    manifest = json.loads((bundle_dir / "manifest.json").read_text())
+    assert manifest["instruct"] is True
+    # a bundle converted before the field existed is judged by the source dir its manifest names
+    del manifest["instruct"]
+    assert Bundle(bundle_dir, manifest).instruct is True
+    manifest["source"]["dir"] = str(tmp_path / "CosyVoice-300M-SFT")
+    assert Bundle(bundle_dir, manifest).instruct is False
+    with pytest.raises(BundleError, match="instruct must be true or false"):
+        _ = Bundle(bundle_dir, {**manifest, "instruct": "yes"}).instruct
+
+
 def test_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(BundleError, match="no manifest.json"):
         open_bundle(tmp_path)

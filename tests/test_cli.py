@@ -1,3 +1,4 @@
+import argparse
 import os
 import subprocess
 import sys
@@ -93,6 +94,21 @@ def test_synth_bad_request_is_one_line_error_without_output(
     assert not out.exists() and not list(tmp_path.iterdir()), "a partial WAV or temp file was left behind"
 
 
+def test_synth_instruct_mode_on_a_model_that_is_not_instruct(plain_model_dir: Path, tmp_path: Path) -> None:
+    """``--mode instruct`` on a model that is not an -Instruct model is refused (as the reference does) in one
+    line naming the flag, and writes nothing."""
+    out = tmp_path / "x.wav"
+    args = ["--mode", "instruct", "--speaker", "英文女", "--text", "Hi.", "--instruct-text", "Speak calmly."]
+    env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}  # the session's private cache dir, set after import
+    r = cli("synth", "--model", str(plain_model_dir), *args, "--out", str(out), env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]  # (before it: the conversion's log line)
+    assert last.startswith("cosyserve synth: error: --mode instruct:") and "not an instruct model" in last, (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
 def test_synth_bad_model_dir(tmp_path: Path) -> None:
     r = cli(
         "synth",
@@ -177,6 +193,266 @@ def test_model_from_env(tiny_model_dir: Path) -> None:
 def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
     r = cli("make-test-model", str(tmp_path))
     assert r.returncode != 0 and "already exists" in r.stderr
+
+
+def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> None:
+    """If this fails, a plain `pip install cosyserve` (no extras: the `onnx` package is a dev dependency) cannot
+    run `make-test-model` or the demo model of `cosyserve serve` without --model, or the demo loses its zero-shot
+    tier: the stand-in ONNX files must be written without `onnx` and load in onnxruntime."""
+    import numpy as np
+    import soundfile
+
+    wav = tmp_path / "prompt.wav"
+    t = np.arange(22050 * 2) / 22050
+    soundfile.write(wav, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 22050, subtype="PCM_16")
+    code = (
+        "import sys\n"
+        "sys.modules['onnx'] = None  # import onnx -> ImportError, as on a plain install\n"
+        "import cosyserve\n"
+        "from cosyserve.cli import main\n"
+        "from cosyserve.server.app import _load_source\n"
+        "from cosyserve.server.config import DEMO_MODEL\n"
+        f"main(['make-test-model', {str(tmp_path / 'made')!r}])\n"
+        "demo = _load_source(DEMO_MODEL, DEMO_MODEL)\n"
+        "m = cosyserve.load(demo, warmup=False)\n"
+        "assert 'zero_shot' in m.available_modes, m.unavailable_modes()\n"
+        f"m.use_registry({str(tmp_path / 'registry')!r})\n"
+        f"spk = m.add_speaker('me', {str(wav)!r}, 'Hello there.')\n"
+        "assert 'onnx' not in [k for k, v in sys.modules.items() if v is not None]\n"
+        "print('registered', spk.name)\n"
+    )
+    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "registered me" in r.stdout
+    for made in (tmp_path / "made", tmp_path / "cache" / "demo-model"):
+        assert (made / "campplus.onnx").is_file() and (made / "speech_tokenizer_v1.onnx").is_file(), made
+
+
+def _synth_main(model: Path, out: Path, *extra: str) -> None:
+    from cosyserve.cli import main
+
+    main(
+        [
+            "synth",
+            "--model",
+            str(model),
+            "--speaker",
+            "英文女",
+            "--text",
+            "Hi.",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+@pytest.mark.parametrize(("suffix", "container"), [(".mp3", "MP3"), (".flac", "FLAC"), (".opus", "OGG")])
+def test_synth_out_extension_picks_the_encoding(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str, container: str
+) -> None:
+    """If this fails, `synth --out x.mp3` (or .flac, .opus) writes a file whose bytes are not in the format its
+    name says (it used to be WAV whatever the extension)."""
+    import soundfile
+
+    monkeypatch.setenv("PREWARM_MODELS", "0")
+    out = tmp_path / f"x{suffix}"
+    _synth_main(tiny_model_dir, out)
+    info = soundfile.info(out)
+    assert info.format == container and info.frames > 0, info
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary file left behind"
+
+
+def test_synth_out_unknown_extension_refused_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, an --out extension no encoder handles (.aiff, none) is written as something else, or is
+    noticed only after the model loaded and synthesized (the model path here does not even exist)."""
+    for name in ("x.aiff", "x"):
+        with pytest.raises(SystemExit) as exc:
+            _synth_main(tmp_path / "no-such-model", tmp_path / name)
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and "unknown audio format" in err and ".mp3" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_synth_unwritable_out_names_the_given_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, a failure to write --out names the hidden temporary file (.x.wav.abc123.part) instead of the
+    path the user gave."""
+    import numpy as np
+
+    from cosyserve.wavfile import write_wav_atomic
+
+    target = tmp_path / "taken.wav"
+    target.mkdir()  # a directory cannot be replaced by the finished file
+    with pytest.raises(IsADirectoryError) as exc:
+        write_wav_atomic(target, [np.zeros(100, np.float32)], 22050)
+    assert str(target) in str(exc.value) and ".part" not in str(exc.value), exc.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.wav"], "temporary file left behind"
+    with pytest.raises(SystemExit):
+        _synth_main(tmp_path / "no-such-model", target)
+    err = capsys.readouterr().err
+    assert f"cannot write {target}" in err and ".part" not in err, err
+
+
+def test_help_shows_real_defaults_only() -> None:
+    """If this fails, --help prints "(default: None)" (also after a help text that states the default itself),
+    or no longer shows a real default such as --speed 1.0 or --runs 5."""
+    from cosyserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {name: p.format_help() for name, p in sub.choices.items()}
+    for name, text in helps.items():
+        assert "(default: None)" not in text and "(default: [])" not in text, name
+    flat = {name: " ".join(text.split()) for name, text in helps.items()}
+    assert "(default: 1.0)" in flat["synth"] and "(default: 5)" in flat["startup-report"]
+    assert "(default: random)" in flat["synth"] and "(default: random) (default" not in flat["synth"]
+
+
+def test_flamegraph_without_py_spy_fails_before_any_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, `startup-report --flamegraph F` without py-spy runs every timed start first and then exits 0
+    saying "skipped", instead of failing at once with a one-line error naming the `profile` extra."""
+    import shutil
+
+    from cosyserve import report
+    from cosyserve.cli import main
+
+    def no_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a timed start ran although the flame graph cannot be made")
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))  # no py-spy beside it
+    monkeypatch.setattr(report, "spawn_timed", no_start)
+    with pytest.raises(SystemExit) as exc:
+        main(["startup-report", "--model", str(tiny_model_dir), "--flamegraph", str(tmp_path / "f.svg")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "py-spy" in err and "cosyserve[profile]" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_model_takes_hub_ids_in_every_command(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """If this fails, `synth` / `speakers` / `startup-report` say "model directory not found" for a hub id that
+    `serve` takes: every --model must go through the hub resolver (the download is stubbed: no network here)."""
+    import cosyserve.hub
+    from cosyserve.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no local folder named like the id
+    monkeypatch.setenv("PREWARM_MODELS", "0")
+    fetched: list[str] = []
+
+    def download(model_id: str) -> Path:
+        fetched.append(model_id)
+        return tiny_model_dir
+
+    monkeypatch.setattr(cosyserve.hub, "download", download)
+    main(["speakers", "--model", "FunAudioLLM/CosyVoice-300M-SFT"])
+    assert "英文女" in capsys.readouterr().out.split()
+    main(
+        [
+            "synth",
+            "--model",
+            "iic/CosyVoice-300M-SFT",
+            "--speaker",
+            "英文女",
+            "--text",
+            "Hi.",
+            "--out",
+            "a.wav",
+        ]
+    )
+    assert (tmp_path / "a.wav").stat().st_size > 44
+    assert fetched == ["FunAudioLLM/CosyVoice-300M-SFT", "iic/CosyVoice-300M-SFT"]
+
+
+def test_hub_id_without_hub_extra_is_one_line_naming_the_extra(tmp_path: Path) -> None:
+    """If this fails, `synth --model iic/...` without the hub extra says "model directory not found" or prints a
+    traceback, instead of one line naming `pip install 'cosyserve[hub]'`."""
+    code = (
+        "import sys\n"
+        "sys.modules['modelscope'] = None\n"
+        "from cosyserve.cli import main\n"
+        "main(['synth', '--model', 'iic/CosyVoice-300M-SFT', '--speaker', 'a', '--text', 'Hi.', '--out', 'x.wav'])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+    )
+    assert r.returncode == 1 and "cosyserve[hub]" in r.stderr, r.stderr
+    assert "not found" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """If this fails, a command whose dependency cannot be imported prints a Python traceback instead of one line
+    naming the package."""
+    code = "import sys\nsys.modules['uvicorn'] = None\nfrom cosyserve.cli import main\nmain(['serve', '--port', '0'])\n"
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+    )
+    assert r.returncode == 1 and "'uvicorn'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_first_conversion_is_one_progress_line_not_a_warning(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """If this fails, the expected first conversion of a model dir is logged as a WARNING (it is normal, not a
+    problem), or the CLI user no longer sees one short line saying what the pause is."""
+    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache"), "PREWARM_MODELS": "0"}
+    args = ("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--out")
+    r = cli(*args, str(tmp_path / "a.wav"), env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert "WARNING" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("cosyserve: converting ") and "once" in lines[0], lines
+    r = cli(*args, str(tmp_path / "b.wav"), env=env)
+    assert r.returncode == 0 and r.stderr == "", "a cached conversion must start silently: " + r.stderr
+
+
+def test_pyproject_license_is_an_spdx_string() -> None:
+    """If this fails, installing cosyserve prints setuptools' deprecation warning for `project.license` as a table:
+    the license must be an SPDX string, with a build requirement on a setuptools that reads it (>= 77)."""
+    import re
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert meta["project"]["license"] == "Apache-2.0"
+    (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    m = re.fullmatch(r"setuptools>=(\d+)(\.\d+)*", setuptools)
+    assert m and int(m.group(1)) >= 77, setuptools
+
+
+def test_readme_use_section_activates_the_venv_and_its_commands_parse() -> None:
+    """If this fails, the README's Use section shows bare `cosyserve ...` lines without first saying to activate
+    .venv, or documents a command line (subcommand, flag or --out extension) the CLI does not accept."""
+    import re
+    import shlex
+
+    from cosyserve.cli import OUT_FORMATS, build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    use = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    assert use.index("source .venv/bin/activate") < use.index("\ncosyserve "), (
+        "activate .venv before `cosyserve`"
+    )
+    assert "record" in use and "me.wav" in use, "say where me.wav comes from"
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", use, re.S):
+        lines += [ln for ln in block.replace("\\\n", " ").splitlines() if ln.startswith("cosyserve ")]
+    assert len(lines) >= 8, lines
+    parser = build_parser()
+    for line in lines:
+        argv = shlex.split(line.split("  #", 1)[0])[1:]
+        args = parser.parse_args(argv)  # exits (SystemExit) on an unknown command or flag
+        if args.command == "synth":
+            assert Path(args.out).suffix in OUT_FORMATS, line
 
 
 def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Path) -> None:

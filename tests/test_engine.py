@@ -280,8 +280,9 @@ def test_bad_requests_fail_at_once_with_client_errors() -> None:
         e.synthesize_sync(req(speaker="zed"))
     with pytest.raises(ClientError, match="empty"):
         e.synthesize_sync(req(text="  "))
-    with pytest.raises(ClientError, match="speed"):
-        e.synthesize_sync(req(speed=3.0))
+    with pytest.raises(ClientError, match="speed") as bad:
+        e.synthesize_sync(req(speed=4.5))
+    assert bad.value.param == "speed"
     with pytest.raises(ClientError, match="instruct mode needs instruct_text"):
         e.synthesize_sync(req(mode="instruct"))
     with pytest.raises(ClientError, match="serves only sft"):  # the fake has no synthesize_request
@@ -310,6 +311,71 @@ def test_queue_bound_gives_overloaded_with_retry_after() -> None:
     for s in streams:
         assert len(list(s)) == 3
     assert len(list(e.synthesize_sync(req()))) == 3  # room again
+    e.release_sync()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def serve_for(e: Engine, hold: threading.Event, clock: FakeClock, seconds: float) -> None:
+    """One request that holds its slot for ``seconds`` on the engine's fake clock."""
+    stream = e.synthesize_sync(req())
+    wait_until(lambda: e.active == 1)
+    clock.t += seconds
+    hold.set()
+    assert len(list(stream)) == 1
+    hold.clear()
+    wait_until(lambda: e.in_flight == 0)
+
+
+def test_retry_after_is_when_the_first_running_request_should_end() -> None:
+    """A refused client needs one slot: Retry-After is the time left of the running request (median of recent
+    service times minus its elapsed time), not the whole queue times a mean (a 50-request burst was told 336 s
+    while the queue drained in 6 s), and one long request does not inflate it for everyone after."""
+    clock, hold = FakeClock(), threading.Event()
+    e, _ = loaded(FakeModel(chunks=1, hold=hold), queue_limit=4, clock=clock, default_service_s=1.0)
+    for _ in range(4):
+        serve_for(e, hold, clock, 8.0)
+    serve_for(e, hold, clock, 300.0)  # one long text among them
+    streams = [e.synthesize_sync(req(request_id=f"r{i}")) for i in range(5)]  # 1 running + 4 queued
+    wait_until(lambda: e.active == 1)
+    clock.t += 3.0  # the running request is 3 s into its expected 8 s
+    with pytest.raises(OverloadedError) as info:
+        e.synthesize_sync(req())
+    assert info.value.retry_after == pytest.approx(5.0), (
+        "Retry-After must be the running request's expected time left (8 s - 3 s), "
+        f"not the queue's drain time nor an average skewed by one long request: {info.value.retry_after}"
+    )
+    assert e.retry_after(["r0"]) == pytest.approx(5.0), "r0 runs (one worker, first come first served)"
+    assert e.retry_after(["r3", "r4"]) == pytest.approx(5.0 + 8.0), (
+        "a queued request starts when a slot frees"
+    )
+    hold.set()
+    for s in streams:
+        assert len(list(s)) == 1
+    e.release_sync()
+
+
+@pytest.mark.parametrize(("service_s", "expected"), [(0.2, 1.0), (500.0, 60.0)])
+def test_retry_after_stays_within_bounds(service_s: float, expected: float) -> None:
+    """Whole seconds from 1 (the header's unit; sooner only hits the full queue again) to 60 (a few recent
+    requests say nothing reliable about the next minute)."""
+    clock, hold = FakeClock(), threading.Event()
+    e, _ = loaded(FakeModel(chunks=1, hold=hold), queue_limit=0, clock=clock)
+    for _ in range(3):
+        serve_for(e, hold, clock, service_s)
+    stream = e.synthesize_sync(req())
+    wait_until(lambda: e.active == 1)
+    with pytest.raises(OverloadedError) as info:
+        e.synthesize_sync(req())
+    assert info.value.retry_after == expected, f"Retry-After {info.value.retry_after} out of [1, 60] s"
+    hold.set()
+    assert len(list(stream)) == 1
     e.release_sync()
 
 

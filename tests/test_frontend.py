@@ -81,6 +81,14 @@ def test_text_normalize_edge_cases() -> None:
     assert normalize_and_split("他有3只猫", _tok) == ["他有三只猫。"]
 
 
+def test_pieces_with_nothing_to_speak_are_dropped() -> None:
+    """If this fails, a piece of invisible characters (zero-width spaces, joiners, BOM, ideographic space) goes
+    to the LLM, which makes noise of it, while a piece of punctuation is dropped: they must be treated alike."""
+    for text in ("\u200b\u200b", "\u200d\u2060", "\ufeff", "\u3000\u200b", "\u200b!"):
+        assert text_normalize(text) == [], repr(text)
+    assert text_normalize("Hello.\u200b") != [], "a speakable text with a zero-width space is kept"
+
+
 def test_split_paragraph_limits() -> None:
     """If this fails, long text is cut into pieces of the wrong size (the LLM's per-piece limits) or a short
     tail is left alone instead of being merged."""
@@ -188,6 +196,21 @@ def test_test_onnx_models_have_official_signature(test_model_dir: Path, fixture_
             ]
 
         assert sig(ours) == sig(official), name
+
+
+def test_test_onnx_models_are_valid_onnx_in_canonical_bytes(test_model_dir: Path) -> None:
+    """If this fails, the hand-written protobuf of the stand-in ONNX files (written without the ``onnx`` package,
+    so a plain install can make the demo model) is not a valid model by onnx's full checker, or differs from what
+    onnx's own serializer writes for the same graph (a field out of order, a packed or missing field)."""
+    import onnx
+
+    for name in (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE):
+        ours = (test_model_dir / name).read_bytes()
+        model = onnx.load_from_string(ours)
+        onnx.checker.check_model(model, full_check=True)
+        assert model.ir_version == 8 and [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+        assert model.SerializeToString() == ours, f"{name}: not protobuf's canonical serialization"
+        assert len(model.graph.node) >= 6 and len(model.graph.initializer) >= 4, name
 
 
 def test_test_onnx_models_run_in_onnxruntime(test_model_dir: Path) -> None:

@@ -329,8 +329,8 @@ def test_model_without_onnx_serves_sft_and_names_missing_file(
     from cosyserve.testmodel import make_test_model
 
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    make_test_model(tmp_path / "bare", size="tiny", seed=0, onnx=False)
-    m = cosyserve.load(tmp_path / "bare", warmup=False)
+    make_test_model(tmp_path / "bare-Instruct", size="tiny", seed=0, onnx=False)
+    m = cosyserve.load(tmp_path / "bare-Instruct", warmup=False)
     m.use_registry(tmp_path / "registry")
     assert m.available_modes == ["sft", "instruct"]
     assert "campplus.onnx" in m.unavailable_modes()["zero_shot"]
@@ -405,6 +405,66 @@ def test_bad_prompt_audio_is_a_clear_error(
     with pytest.raises(AudioError, match=needle):
         model.add_speaker("bad", wav, PROMPT_TEXT)
     assert model.registry.get("bad") is None
+
+
+def test_unreadable_audio_names_its_field_without_object_reprs(model: Any, audio: dict[str, Path]) -> None:
+    """A WAV with a broken header must be refused with libsndfile's reason, not the repr of the in-memory file
+    object (``<_io.BytesIO object at 0x...>``), and the error must say which field gave the audio, so that a
+    server can name it (``param``) in its 400."""
+    bad = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a 'fmt ' chunk cut short
+    with pytest.raises(AudioError) as e:
+        model.synthesize("Hi.", mode="zero_shot", prompt_wav=bad, prompt_text=PROMPT_TEXT)
+    assert e.value.param == "prompt_wav", "the error does not name the field that gave the audio"
+    assert "object at 0x" not in str(e.value) and "not a readable audio file" in str(e.value), str(e.value)
+    assert "fmt" in str(e.value), f"libsndfile's reason is missing: {e.value}"
+    with pytest.raises(AudioError) as e:
+        model.synthesize(mode="vc", source_wav=bad, prompt_wav=audio["prompt"])
+    assert e.value.param == "source_wav" and "object at 0x" not in str(e.value)
+    with pytest.raises(AudioError) as e:
+        model.synthesize(mode="vc", source_wav=audio["source"], prompt_wav=bad)
+    assert e.value.param == "prompt_wav"
+
+
+@pytest.mark.parametrize("text", ["!!!", "\u200b\u200b", "\u200d\u2060 \ufeff", "\u3000\u200b.", "…"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_text_with_nothing_to_speak_is_refused_alike(model: Any, text: str, normalize: bool) -> None:
+    """Zero-width characters have as little to speak as punctuation: both must be refused, naming ``text``,
+    instead of sending invisible characters to the LLM (which makes audio of noise)."""
+    with pytest.raises(SynthesisError, match="nothing to speak") as e:
+        model.synthesize_request(SynthesisRequest(text=text, speaker=SPK, normalize=normalize))
+    assert e.value.param == "text"
+
+
+@pytest.mark.parametrize("speed", [0.25, 4.0])
+def test_openai_speed_range_stretches_the_audio(model: Any, speed: float) -> None:
+    """OpenAI's speed range (0.25-4.0) must be served, and the audio must be 1/speed as long (the mel is
+    stretched in time, within one mel frame of 256 samples): if this fails, a speed is refused or ignored."""
+    req = SynthesisRequest(mode="sft", text="Hello there, how are you?", speaker=SPK, seed=5)
+    base = np.concatenate(list(model.synthesize_request(req)))
+    out = np.concatenate(list(model.synthesize_request(dataclasses.replace(req, speed=speed))))
+    assert abs(out.size - base.size / speed) <= 256, (out.size, base.size, speed)
+    assert np.isfinite(out).all() and 0 < np.abs(out).max() <= 1.0
+    for bad in (0.2, 4.5, float("nan")):
+        with pytest.raises(SynthesisError, match=r"between 0\.25 and 4\.0|number") as e:
+            model.synthesize_request(dataclasses.replace(req, speed=bad))
+        assert e.value.param == "speed"
+
+
+def test_instruct_needs_an_instruct_model(plain_model_dir: Path, tiny_model_dir: Path) -> None:
+    """As in the reference, instruct mode runs only on an -Instruct model: the same weights converted from a
+    directory not named like one must refuse it (naming instruct_text), and still serve sft."""
+    from cosyserve.api import resolve_bundle
+    from cosyserve.bundle.loader import open_bundle
+
+    plain = cosyserve.load(plain_model_dir, warmup=False)
+    assert "instruct" not in plain.available_modes and "instruct" in plain.unavailable_modes()
+    with pytest.raises(ModeUnavailableError, match="not an instruct model") as e:
+        plain.synthesize("Hi.", SPK, mode="instruct", instruct_text="Speak calmly.")
+    assert e.value.param == "instruct_text"
+    assert plain.synthesize_all("Hi.", SPK, seed=0).size > 0
+    assert plain.bundle.manifest["instruct"] is False
+    instruct = open_bundle(resolve_bundle(tiny_model_dir, progress=False))
+    assert instruct.manifest["instruct"] is True and instruct.instruct
 
 
 def test_prompt_audio_error_is_raised_before_any_audio(

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.engine.pool import ModelPool, ModelSpec
+from cosyserve.engine.tenants import Tenant
 from cosyserve.server.app import _load_source, create_app
 from cosyserve.server.config import ModelArg, ServerConfig
+from cosyserve.startup import PhaseClock
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
@@ -76,12 +83,217 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
         models = client.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["demo"] and models[0]["demo"] is True
         assert "noise" in models[0]["note"]
+        # the web page shows it after its own "Demo model: " (it read "Demo model: demo model: ...")
+        assert "demo model" not in models[0]["note"].lower(), models[0]["note"]
         r = client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy", "response_format": "pcm"})
         assert r.status_code == 200 and "X-Cosyserve-Demo" in r.headers and len(r.content) > 0
     assert (tmp_path / "demo-model" / "cosyvoice.yaml").exists()
     assert not list(tmp_path.glob("demo-model.tmp*")), (
         "the demo model is written under a temp name, then renamed"
     )
+
+
+# --- bodies nobody expected ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_client(tiny_model_dir: Path) -> Iterator[TestClient]:
+    """The app with the tiny model; server errors are not re-raised into the test, they must become responses."""
+    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),)))) as client:
+        yield client
+
+
+def errors_counted(client: TestClient, route: str, status: int, code: str) -> float:
+    metrics = client.app.state.cosy.metrics  # type: ignore[attr-defined]
+    labels = {"route": route, "status": str(status), "code": code}
+    return metrics.registry.get_sample_value("cosyserve_http_errors_total", labels) or 0.0
+
+
+def openai_error(r: Any, status: int) -> dict[str, Any]:
+    assert r.status_code == status, f"expected {status}, got {r.status_code}: {r.text[:300]}"
+    assert r.headers["content-type"].startswith("application/json"), f"not JSON: {r.text[:300]}"
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), err
+    return dict(err)
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_deeply_nested_json_is_a_400(app_client: TestClient, body: bytes) -> None:
+    """json's parser recurses per bracket: a deep body raised RecursionError, a plain-text 500 nobody counted."""
+    before = errors_counted(app_client, "/v1/audio/speech", 400, "invalid_json")
+    r = app_client.post("/v1/audio/speech", content=body, headers={"content-type": "application/json"})
+    assert openai_error(r, 400)["code"] == "invalid_json"
+    assert errors_counted(app_client, "/v1/audio/speech", 400, "invalid_json") == before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs"),
+    [
+        ("/v1/audio/speech", {"json": {"input": "Hi.", "voice": "alloy"}}),
+        ("/inference_sft", {"data": {"tts_text": "Hi.", "spk_id": "x"}}),
+    ],
+)
+def test_an_unexpected_error_is_an_openai_shaped_500_logged_once(
+    app_client: TestClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    kwargs: dict[str, Any],
+) -> None:
+    """A bug in a route answers JSON that gives nothing of the server away (no message, path or traceback),
+    is counted, and its traceback is logged once (the TestClient re-raises whatever escapes the app)."""
+    secret = "cannot open /srv/private/weights.bin"
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError(secret)
+
+    monkeypatch.setattr(app_client.app.state.cosy, "resolve_model", broken)  # type: ignore[attr-defined]
+    before = errors_counted(app_client, path, 500, "internal_error")
+    with caplog.at_level(logging.ERROR):
+        r = app_client.post(path, **kwargs)
+    err = openai_error(r, 500)
+    assert err["type"] == "server_error" and err["code"] == "internal_error", err
+    for leak in ("/srv/private", "RuntimeError", "Traceback", "weights.bin"):
+        assert leak not in r.text, f"the 500 body shows {leak!r}: {r.text}"
+    assert errors_counted(app_client, path, 500, "internal_error") == before + 1, "a 500 must be counted"
+    logged = [rec for rec in caplog.records if rec.exc_info and secret in str(rec.exc_info[1])]
+    assert len(logged) == 1, f"the traceback must be logged once, got {len(logged)}"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"[" * 100_000),
+        ("application/x-www-form-urlencoded", b"tts_text=" + b"%5B" * 30_000),
+        ("application/x-www-form-urlencoded", b"&" * 100_000),
+        ("application/x-www-form-urlencoded", b"tts_text=%ff%fe&spk_id"),
+        ("multipart/form-data", b"no boundary"),
+        ("multipart/form-data; boundary=xyz", b"--xyz\r\nnot a part\r\n--xyz"),
+        ("multipart/form-data; boundary=xyz", b"[" * 100_000),
+        ("application/json", b"[" * 100_000),
+    ],
+)
+def test_reference_routes_answer_odd_bodies_with_openai_errors(
+    app_client: TestClient, content_type: str, body: bytes
+) -> None:
+    r = app_client.post("/inference_sft", content=body, headers={"content-type": content_type})
+    assert 400 <= r.status_code < 500, f"{body[:30]!r} as {content_type}: {r.status_code} {r.text[:200]}"
+    openai_error(r, r.status_code)
+
+
+# --- what a tenant sees --------------------------------------------------------------------------------------
+
+
+class TimedModel:
+    """A stand-in model that carries the start-up clock /v1/startup reports."""
+
+    sample_rate = 100
+    speakers = ["s"]
+
+    def __init__(self) -> None:
+        self.clock = PhaseClock(t0=time.time())
+        with self.clock.phase("load"):
+            pass
+        self.clock.mark("ready")
+
+    def synthesize(self, *args: Any, **kwargs: Any) -> Iterator[np.ndarray]:
+        yield np.zeros(10, np.float32)
+
+
+def test_startup_report_names_only_the_callers_models() -> None:
+    """/v1/startup is open (probes, the web page), but with API keys it must not list every model name that
+    /v1/models hides per tenant: a key sees its tenant's models, no key sees none."""
+    pool = ModelPool(
+        [ModelSpec("model-a", policy="preload"), ModelSpec("model-b", policy="preload")],
+        tenants=[Tenant("a", frozenset({"model-a"})), Tenant("b", frozenset({"model-b"}))],
+        load_model=lambda spec, reload: TimedModel(),
+        memory_probe=None,
+        torch_threads=None,
+    )
+    cfg = ServerConfig(api_keys={"key-a": "a", "key-b": "b"})
+    with TestClient(create_app(cfg, pool=pool)) as client:
+        wait_ready(client)
+        as_a = client.get("/v1/startup", headers={"Authorization": "Bearer key-a"})
+        assert as_a.status_code == 200 and list(as_a.json()["models"]) == ["model-a"], as_a.json()
+        assert "model-b" not in as_a.text, "tenant a must not learn tenant b's model names"
+        anonymous = client.get("/v1/startup")
+        assert anonymous.status_code == 200 and anonymous.json()["models"] == {}, anonymous.json()
+        assert "ready" in anonymous.json()["server"]["points_ms"], "the server's own timings stay open"
+        models = client.get("/v1/models", headers={"Authorization": "Bearer key-b"}).json()["data"]
+        assert [m["id"] for m in models] == ["model-b"]
+        as_b = client.get("/v1/startup", headers={"Authorization": "Bearer key-b"}).json()
+        assert list(as_b["models"]) == ["model-b"], "the same models as /v1/models"
+        assert client.get("/openapi.json").status_code == 200, "the OpenAPI document stays open"
+
+
+# --- errors name the field of the route ---------------------------------------------------------------------
+
+SPK = "英文女"
+BAD_WAV = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a 'fmt ' chunk cut short
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir: Path, plain_model_dir: Path) -> Iterator[TestClient]:
+    """An instruct model ``m`` (the default) and ``plain``: the same weights, not an instruct model."""
+    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)), ModelArg("plain", str(plain_model_dir))))
+    with TestClient(create_app(cfg)) as c:
+        wait_ready(c)
+        yield c
+
+
+@pytest.mark.parametrize("text", ["!!!", "\u200b\u200b"])
+def test_text_with_nothing_to_speak_is_a_400_naming_the_field(client: TestClient, text: str) -> None:
+    """Zero-width-only text must be refused like punctuation-only text, and the error must name the route's
+    field (``input`` / ``tts_text``), not leave ``param`` null."""
+    r = client.post("/v1/audio/speech", json={"input": text, "voice": "alloy", "response_format": "wav"})
+    err = openai_error(r, 400)
+    assert err["param"] == "input" and "nothing to speak" in err["message"], err
+    r = client.post("/inference_sft", data={"tts_text": text, "spk_id": SPK})
+    assert openai_error(r, 400)["param"] == "tts_text"
+
+
+@pytest.mark.parametrize("endpoint", ["zero_shot", "cross_lingual"])
+def test_unreadable_prompt_wav_is_a_400_naming_it(client: TestClient, endpoint: str) -> None:
+    """A prompt with a broken WAV header: 400 with ``param: prompt_wav`` and a message a client can read (no
+    ``<_io.BytesIO object at 0x...>``)."""
+    r = client.post(
+        f"/inference_{endpoint}",
+        data={"tts_text": "Hello.", "prompt_text": "Hello there."}
+        if endpoint == "zero_shot"
+        else {"tts_text": "Hi."},
+        files={"prompt_wav": ("p.wav", BAD_WAV, "audio/wav")},
+    )
+    err = openai_error(r, 400)
+    assert err["param"] == "prompt_wav", err
+    assert "not a readable audio file" in err["message"] and "object at 0x" not in err["message"], err
+
+
+def test_instruct_on_a_model_that_is_not_instruct_is_a_400(client: TestClient) -> None:
+    """As the reference: instructions need an -Instruct model. The refusal names ``instructions`` (OpenAI
+    route) / ``instruct_text`` (reference route); the instruct model still follows them."""
+    body = {"input": "Hello.", "voice": SPK, "response_format": "wav", "instructions": "Speak calmly."}
+    err = openai_error(client.post("/v1/audio/speech", json={**body, "model": "plain"}), 400)
+    assert err["param"] == "instructions" and "not an instruct model" in err["message"], err
+    r = client.post(
+        "/inference_instruct",
+        data={"tts_text": "Hello.", "spk_id": SPK, "instruct_text": "Speak calmly."},
+        headers={"X-Model": "plain"},
+    )
+    assert openai_error(r, 400)["param"] == "instruct_text"
+    assert client.post("/v1/audio/speech", json={**body, "model": "m"}).status_code == 200
+
+
+def test_openai_speed_range_is_served(client: TestClient) -> None:
+    """speed 0.25 and 4.0 (OpenAI's bounds) are served, the audio 1/speed as long as at speed 1.0."""
+    body = {"input": "Hello there.", "voice": SPK, "response_format": "pcm", "seed": 3}
+    sizes = {}
+    for speed in (1.0, 0.25, 4.0):
+        r = client.post("/v1/audio/speech", json={**body, "speed": speed})
+        assert r.status_code == 200, r.text
+        sizes[speed] = len(r.content) // 2
+    for speed in (0.25, 4.0):
+        assert abs(sizes[speed] - sizes[1.0] / speed) <= 256, sizes
+    assert openai_error(client.post("/v1/audio/speech", json={**body, "speed": 4.5}), 400)["param"] == "speed"
 
 
 def test_damaged_onnx_answers_a_clear_error_without_server_paths(

@@ -1,14 +1,17 @@
-"""The server's life: readiness while loading, a failed preload, client disconnects and the SIGTERM drain.
+"""The server's life: readiness while loading, a failed preload, client disconnects, the SIGTERM drain, streams
+cut short, and metrics over several workers.
 
 Real ``cosyserve serve`` processes on 127.0.0.1 (tests/server_util.py), plus in-process checks of the same
 states where a real process shows them only for a moment (the app via starlette's TestClient, whose lifespan
-runs the preload). What uvicorn does on SIGTERM: it closes the listening socket at its next tick (~0.1 s), so
-after the signal a probe sees either readiness 503 ("draining") or a refused connection, never 200; requests
-already being answered finish within ``--shutdown-grace`` and the process then exits 0.
+runs the preload). On SIGTERM the port stays open ``--drain-delay`` seconds answering 503 (the test servers run
+with 0 unless a test gives it: then uvicorn closes the listening socket at its next tick, ~0.1 s, and a probe
+sees either readiness 503 or a refused connection, never 200); requests already being answered then get
+``--shutdown-grace`` to finish, what still runs is cut, and the process exits 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
@@ -24,7 +27,7 @@ from starlette.testclient import TestClient
 
 from cosyserve.server.app import ServerState, create_app
 from cosyserve.server.config import ModelArg, ServerConfig
-from server_util import ServerProcess, running_server, start_server
+from server_util import ServerProcess, post_and_hold, running_server, start_server
 
 # ~6 sentences: a stream that lasts a few seconds on the tiny model, long after its first chunk
 LONG_TEXT = "Hello there, this is a long sentence to speak. " * 6
@@ -53,6 +56,22 @@ def wait_for_log(server: ServerProcess, needle: str, timeout_s: float = 60.0) ->
                 f"{needle!r} not in the server log within {timeout_s} s:\n{server.log()[-3000:]}"
             )
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sigterm_mid_stream(
+    c: httpx.Client, server: ServerProcess, body: dict[str, Any], wait_for: str | None = None
+) -> Iterator[tuple[list[bytes], Iterator[bytes]]]:
+    """Start a stream, read its first chunk, SIGTERM the server (and wait for ``wait_for`` in its log); yields
+    the chunks read so far and the iterator over the rest."""
+    with c.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200, r.read()
+        chunks = r.iter_raw()
+        got = [next(chunks)]
+        server.proc.send_signal(signal.SIGTERM)
+        if wait_for is not None:
+            wait_for_log(server, wait_for)
+        yield got, chunks
 
 
 def metric_samples(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -232,6 +251,41 @@ def test_client_disconnect_cancels_the_generation(server: ServerProcess) -> None
         assert r.status_code == 200 and len(r.content) > 0
 
 
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_client_disconnect_cancels_a_non_streamed_request(server: ServerProcess, fmt: str) -> None:
+    """A non-streamed response starts only once all its audio exists; a client that leaves before that (curl -m,
+    an openai client's timeout) must stop the generation too, not leave it running to its end for nobody."""
+    request_id = f"gone-{fmt}"
+    body = {**speech_body(LONG_TEXT * 2), "stream": False, "response_format": fmt}
+    with server.client() as c:
+        before = metric_samples(c)
+        sock = post_and_hold(server, "/v1/audio/speech", body, {"X-Request-Id": request_id})
+        try:
+            end = time.monotonic() + 60
+            while in_flight(metric_samples(c), "tiny") != 1:
+                assert time.monotonic() < end, f"the request never started:\n{server.log()[-2000:]}"
+                time.sleep(0.02)
+        finally:
+            sock.close()  # long before its audio is complete
+        end = time.monotonic() + 120
+        while in_flight(now := metric_samples(c), "tiny") != 0:
+            assert time.monotonic() < end, f"still in flight after the disconnect:\n{server.log()[-2000:]}"
+            time.sleep(0.05)
+
+        def delta(name: str, **labels: str) -> float:
+            return count(now, name, **labels) - count(before, name, **labels)
+
+        assert delta("cosyserve_engine_requests_total", outcome="ok") == 0, "it ran to its end for nobody"
+        assert delta("cosyserve_engine_requests_total", outcome="cancelled") == 1
+        assert delta("cosyserve_requests_total", status="499", outcome="client_gone") == 1, (
+            "the request must be counted as client_gone (499), not as a 200"
+        )
+        line = next(ln for ln in server.log().splitlines() if f'"id": "{request_id}"' in ln)
+        assert '"status": 499' in line and '"outcome": "client_gone"' in line, line
+        r = c.post("/v1/audio/speech", json={**body, "input": "Hi there."})
+        assert r.status_code == 200 and len(r.content) > 0, "the next request must be served"
+
+
 # --- SIGTERM drain ------------------------------------------------------------------------------------------
 
 
@@ -241,12 +295,10 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_0(tiny_model_dir: Path, t
         with server.client(timeout=GRACE_S) as c:
             alone = c.post("/v1/audio/speech", json=speech_body())
             assert alone.status_code == 200 and len(alone.content) > 0
-            with c.stream("POST", "/v1/audio/speech", json=speech_body()) as r:
-                assert r.status_code == 200
-                chunks = r.iter_raw()
-                got = [next(chunks)]
-                server.proc.send_signal(signal.SIGTERM)
-                wait_for_log(server, "shutting down: readiness is 503 now")
+            with sigterm_mid_stream(c, server, speech_body(), "shutting down: readiness is 503 now") as (
+                got,
+                chunks,
+            ):
                 with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
                     ready = refused_or_503(probe, "GET", "/health/ready")
                     assert ready in ("refused", "draining")
@@ -266,3 +318,130 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_0(tiny_model_dir: Path, t
     assert '"outcome": "ok"' in finished_after, "the stream ended before SIGTERM: nothing was drained"
     assert "all models released" in log
     assert "timeout graceful shutdown exceeded" not in log
+
+
+def no_errors_in(log: str) -> None:
+    for needle in ("ERROR", "Traceback", "Exception in ASGI application"):
+        assert needle not in log, f"the shutdown or a cut stream logged {needle!r}:\n{log[-4000:]}"
+
+
+def test_sigterm_keeps_answering_503_during_the_drain_delay(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """After SIGTERM, load balancers must see the drain: readiness and new requests get a 503 over HTTP (with
+    Retry-After), not a refused connection, while the stream in flight goes on; a second signal ends the window."""
+    server = start_server(
+        tiny_model_dir, tmp_path, args=["--drain-delay", "600", "--shutdown-grace", str(GRACE_S)]
+    )
+    try:
+        with server.client(timeout=GRACE_S) as c:
+            alone = c.post("/v1/audio/speech", json=speech_body())
+            speaker = c.get("/v1/audio/voices").json()["voices"][0]["voice_id"]
+            with sigterm_mid_stream(c, server, speech_body(), "the port stays open") as (got, chunks):
+                with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
+                    try:
+                        ready = probe.get("/health/ready")
+                        new = probe.post("/v1/audio/speech", json=speech_body("Hi."))
+                        ref = probe.post("/inference_sft", data={"tts_text": "Hi.", "spk_id": speaker})
+                    except httpx.TransportError as e:
+                        raise AssertionError(f"the port closed during the drain delay: {e!r}") from e
+                assert ready.status_code == 503 and ready.json()["status"] == "draining", ready.text
+                for resp in (new, ref):
+                    assert resp.status_code == 503, f"{resp.request.url.path}: {resp.status_code} {resp.text}"
+                    assert resp.headers.get("retry-after", "").isdigit(), (
+                        f"{resp.request.url.path}: a draining server's 503 must say when to retry: {resp.headers}"
+                    )
+                got.extend(chunks)
+            assert len(b"".join(got)) == len(alone.content), "the drain delay cut the in-flight stream short"
+        server.proc.send_signal(signal.SIGTERM)  # a second signal: no need to wait out the 600 s
+        rc = server.proc.wait(GRACE_S)
+    finally:
+        server.stop(grace_s=5)
+    log = server.log()
+    assert rc == 0, f"a drained server must exit 0, got {rc}:\n{log[-3000:]}"
+    assert "all models released" in log
+    no_errors_in(log)
+
+
+def test_grace_expiry_cuts_the_stream_and_ends_quietly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A stream still running when the grace is over is cut so the client sees it (no final chunk), and the
+    server says so in one WARNING: no ERROR, no CancelledError traceback, exit code 0."""
+    server = start_server(tiny_model_dir, tmp_path, args=["--shutdown-grace", "1"])
+    try:
+        with server.client(timeout=GRACE_S) as c:
+            with sigterm_mid_stream(c, server, speech_body(LONG_TEXT * 3)) as (_, chunks):
+                with pytest.raises(httpx.RemoteProtocolError):
+                    for _ in chunks:  # ~a minute of speech: far more than the 1 s grace
+                        pass
+        rc = server.proc.wait(GRACE_S)
+    finally:
+        server.stop(grace_s=5)
+    log = server.log()
+    assert rc == 0, f"a drained server must exit 0, got {rc}:\n{log[-3000:]}"
+    assert "cutting 1 request(s) still running" in log, log[-3000:]
+    assert '"outcome": "released"' in log, "the access line must say the stream was cut, not ok"
+    no_errors_in(log)
+
+
+# --- streams cut short ----------------------------------------------------------------------------------------
+
+
+def test_a_stream_cut_by_the_deadline_is_incomplete_for_the_client(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Headers and audio are out when the deadline passes: the connection must end without the final chunk so
+    the client's HTTP library raises, instead of a clean end that looks like complete audio."""
+    with running_server(tiny_model_dir, tmp_path, args=["--request-timeout", "6"]) as server:
+        with server.client() as c:
+            assert c.post("/v1/audio/speech", json={**speech_body("Hi."), "stream": False}).status_code == 200
+            with c.stream("POST", "/v1/audio/speech", json=speech_body("Hi there.")) as r:
+                assert r.status_code == 200
+                assert b"".join(r.iter_raw()), "a complete stream must end cleanly"
+            before = metric_samples(c)
+            with c.stream("POST", "/v1/audio/speech", json=speech_body(LONG_TEXT * 3)) as r:
+                assert r.status_code == 200, f"the first chunk came after the deadline: {r.read()!r}"
+                with pytest.raises(httpx.RemoteProtocolError):
+                    for _ in r.iter_raw():  # ~a minute of speech: far more than the 6 s deadline
+                        pass
+            now = metric_samples(c)
+        log = server.log()
+    cut = count(now, "cosyserve_requests_total", outcome="deadline") - count(
+        before, "cosyserve_requests_total", outcome="deadline"
+    )
+    assert cut == 1, f"the metrics must count the cut stream as a deadline, got +{cut}"
+    assert '"outcome": "deadline"' in log and "stream cut after" in log, log[-3000:]
+    no_errors_in(log)
+
+
+# --- metrics over several workers -------------------------------------------------------------------------------
+
+
+def test_metrics_over_two_workers_count_the_whole_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each scrape reaches one worker: its counters must still be the server's, never going backwards."""
+
+    def scrape() -> dict[Any, float]:
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as fresh:  # a new connection, any worker
+            return metric_samples(fresh)
+
+    n = 8
+    totals = []
+    tmp = tmp_path / "tmp"  # where the master makes the workers' shared metrics directory
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    with running_server(
+        tiny_model_dir, tmp_path, args=["--workers", "2"], env=env, ready_timeout_s=180
+    ) as server:
+        assert len(list(tmp.glob("cosyserve-metrics-*"))) == 1, "the workers share one metrics directory"
+        for _ in range(n):
+            with httpx.Client(base_url=server.base_url, timeout=120.0) as fresh:
+                r = fresh.post("/v1/audio/speech", json={**speech_body("Hi."), "stream": False})
+                assert r.status_code == 200, r.text
+            totals += [count(scrape(), "cosyserve_requests_total") for _ in range(3)]
+        last = scrape()
+    assert totals == sorted(totals), f"requests_total went backwards across scrapes: {totals}"
+    assert totals[-1] == n and count(last, "cosyserve_requests_total") == n, (
+        f"{n} requests, scrapes said {totals}"
+    )
+    pids = {dict(labels).get("pid") for (name, labels) in last if name == "cosyserve_ready"}
+    assert len(pids) == 2 and None not in pids, f"one scrape must show both workers' pools: {pids}"
+    assert not list(tmp.glob("cosyserve-metrics-*")), (
+        "the metrics directory must be removed when the server stops"
+    )

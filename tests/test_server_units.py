@@ -51,6 +51,33 @@ def test_flags_win_over_env_and_bad_values_name_their_source() -> None:
     assert ServerConfig.from_args(env={}).demo, "no model and no pool config must mean the demo model"
 
 
+def test_bad_flag_values_are_named_as_the_flag() -> None:
+    """If this fails, a bad flag value is reported as "flag for COSYSERVE_PORT=99999" instead of the flag the user
+    typed (--port 99999)."""
+    cases = [
+        ({"port": 99999}, "--port 99999: must be between 0 and 65535"),
+        ({"request_timeout_s": 0.0}, "--request-timeout 0.0: must be between"),
+        ({"cors_origins": "example.com"}, "--cors-origins: 'example.com' is not an origin"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ServerConfigError) as exc:
+            ServerConfig.from_args(env={}, **kwargs)  # type: ignore[arg-type]
+        assert str(exc.value).startswith(message) and "COSYSERVE_" not in str(exc.value), exc.value
+    with pytest.raises(ServerConfigError, match="^COSYSERVE_PORT='99999': must be between"):
+        ServerConfig.from_args(env={"COSYSERVE_PORT": "99999"})
+
+
+def test_drain_delay_has_a_default_a_flag_and_a_variable() -> None:
+    """The window after SIGTERM in which the port still answers 503 (so load balancers see the drain)."""
+    assert ServerConfig.from_args(env={}).drain_delay_s == 5.0
+    assert ServerConfig.from_args(env={"COSYSERVE_DRAIN_DELAY": "2.5"}).drain_delay_s == 2.5
+    assert ServerConfig.from_args(drain_delay_s=0, env={"COSYSERVE_DRAIN_DELAY": "9"}).drain_delay_s == 0
+    with pytest.raises(ServerConfigError, match="COSYSERVE_DRAIN_DELAY='soon'"):
+        ServerConfig.from_args(env={"COSYSERVE_DRAIN_DELAY": "soon"})
+    with pytest.raises(ServerConfigError, match="between"):
+        ServerConfig.from_args(drain_delay_s=-1, env={})
+
+
 def test_api_keys_parse_and_reject_bad_entries(tmp_path) -> None:
     assert parse_api_keys("k-aaaaaaaa=alice, k-bbbbbbbb=bob # comment", "x") == {
         "k-aaaaaaaa": "alice",
@@ -127,6 +154,18 @@ def test_speech_request_defaults_are_openais() -> None:
     assert (r.response_format, r.speed, r.stream, r.seed, r.model) == ("mp3", 1.0, False, None, None)
 
 
+def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
+    """OpenAI's speed range (0.25-4.0) must pass the body check, and the OpenAPI document must state the same
+    bounds, or clients written for OpenAI get 400s the documentation does not explain."""
+    from cosyserve.engine.modes import SPEED_MAX, SPEED_MIN
+    from cosyserve.server.schemas import openapi_document
+
+    for speed in (0.25, 0.5, 2.0, 4.0, 3):
+        assert parse_speech_request(body(speed=speed), 100).speed == speed
+    doc = openapi_document(100)["components"]["schemas"]["SpeechRequest"]["properties"]["speed"]
+    assert (doc["minimum"], doc["maximum"]) == (SPEED_MIN, SPEED_MAX) == (0.25, 4.0)
+
+
 @pytest.mark.parametrize(
     ("raw", "param", "message"),
     [
@@ -137,7 +176,8 @@ def test_speech_request_defaults_are_openais() -> None:
         (body(input=3), "input", "must be a string"),
         (body(voice=""), "voice", "empty"),
         (body(response_format="ogg"), "response_format", "not supported"),
-        (body(speed=3), "speed", "between 0.5 and 2.0"),
+        (body(speed=4.5), "speed", "between 0.25 and 4.0"),
+        (body(speed=0.2), "speed", "between 0.25 and 4.0"),
         (body(speed="fast"), "speed", "number"),
         (body(speed=True), "speed", "number"),
         (body(stream="yes"), "stream", "true or false"),

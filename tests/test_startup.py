@@ -124,6 +124,9 @@ else:
     m.text_thread.join(60)
     assert text.normalizers_loaded() and m.clock.durations["text_tier"] > 0
     assert tokenizer._shared.cache_info().currsize == 1
+    # the start times say so too (the waterfalls draw from them): the text tier starts after READY
+    starts, ready = m.clock.as_dict()["starts_ms"], m.clock.points["ready"]
+    assert starts["imports"] < starts["warmup"] < ready <= starts["text_tier"], (starts, ready)
 """
     for mode in ("background", "lazy"):
         env = {"COSYSERVE_TEXT_TIER": mode} if mode == "lazy" else {}
@@ -229,3 +232,89 @@ def test_populate_leaves_row_tables_cached_but_unmapped(tmp_path: Path) -> None:
     assert f.size - (8 << 20) - (1 << 20) <= mapped <= f.size - (8 << 20) + (1 << 20), mapped
     row = f.tensor("emb.weight")[12345]  # a row faults in when read
     assert float(row) == 1.0
+
+
+# -- the start-up waterfall SVG (cosyserve startup-report --svg) ---------------------------------------------
+
+EM = 0.6  # a sans-serif character's advance in ems, about (DejaVu Sans / Arial average); bold a little wider
+
+
+def _summary(
+    phases: dict[str, float], starts: dict[str, float], ready: float, floor: float, first: float
+) -> dict:
+    def st(v: float) -> dict[str, float]:
+        return {"min": v, "median": v, "max": v}
+
+    return {
+        "runs": 5,
+        "cold": False,
+        "strategy": "preload",
+        "ready_ms": st(ready),
+        "floor_ms": st(floor),
+        "first_audio_ms": st(first),
+        "ratio_ready_to_floor": ready / floor,
+        "phases_ms": {k: st(v) for k, v in phases.items()},
+        "phase_starts_ms": {k: st(v) for k, v in starts.items()},
+    }
+
+
+# imports dominate; floor, READY and first audio lie within 40 ms of each other; one phase takes 0.01 ms
+_PHASES = {"interpreter": 22, "imports": 1150, "manifest": 3, "construct": 60, "map_assign": 25, "verify": 0.01,
+           "first_touch": 40, "warmup": 90, "text_tier": 320, "warmup_token2wav": 110}  # fmt: skip
+_STARTS = {"interpreter": 0, "imports": 25, "manifest": 1180, "construct": 1185, "map_assign": 1190, "verify": 1245,
+           "first_touch": 1246, "warmup": 1290, "text_tier": 1382, "warmup_token2wav": 1702}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "summary",
+    [
+        _summary(_PHASES, _STARTS, ready=1381, floor=1370, first=1420),
+        _summary(_PHASES, {}, ready=1381, floor=1379, first=1384),  # no start times: back to back
+        _summary({**_PHASES, "imports": 60_000}, {}, ready=61_400, floor=61_390, first=61_390),
+    ],
+    ids=["starts", "back-to-back", "one-minute-import"],
+)
+def test_waterfall_svg_is_legible(summary: dict, tmp_path: Path) -> None:
+    """The waterfall must read at a glance: no two labels overlap (floor, READY and first audio are close by
+    design), every label lies inside the picture, every phase bar is visible however short next to a dominant
+    one, and the phases that run after READY are drawn after the READY line."""
+    import xml.etree.ElementTree as ET
+
+    from cosyserve.report import _svg
+
+    path = tmp_path / "w.svg"
+    _svg(summary, path)
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    width, height = float(root.get("width")), float(root.get("height"))  # type: ignore[arg-type]
+    font = float(root.get("font-size", "12"))
+    boxes = []
+    for t in root.iter(ns + "text"):
+        size = float(t.get("font-size", font))
+        w = len(t.text or "") * size * (EM + (0.05 if t.get("font-weight") == "bold" else 0.0))
+        x, y = float(t.get("x")), float(t.get("y"))  # type: ignore[arg-type]
+        x0 = {"start": x, "middle": x - w / 2, "end": x - w}[t.get("text-anchor", "start")]
+        boxes.append((t.text, x0, y - size, x0 + w, y + 0.25 * size))
+    texts = [b[0] for b in boxes]
+    assert any(s.startswith("floor") for s in texts) and any(s.lower().startswith("ready ") for s in texts), (
+        texts
+    )
+    assert any(s.startswith("first audio") for s in texts), texts
+    for s, x0, y0, x1, y1 in boxes:
+        assert 0 <= x0 and x1 <= width and 0 <= y0 and y1 <= height, f"{s!r} leaves the picture"
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            apart = a[3] <= b[1] or b[3] <= a[1] or a[4] <= b[2] or b[4] <= a[2]
+            assert apart, f"labels {a[0]!r} and {b[0]!r} overlap"
+    bars = {r.find(ns + "title").text: r for r in root.iter(ns + "rect") if r.get("class") == "phase"}  # type: ignore[union-attr]
+    assert set(bars) == set(summary["phases_ms"]), "a phase has no bar"
+    for name, r in bars.items():
+        assert float(r.get("width")) >= 3, f"{name}'s bar is too thin to see"  # type: ignore[arg-type]
+        assert 0 <= float(r.get("x")) and float(r.get("x")) + float(r.get("width")) <= width  # type: ignore[arg-type]
+    marks = {m.find(ns + "title").text: float(m.get("x1")) for m in root.iter(ns + "line")}  # type: ignore[union-attr,arg-type]
+    ready = marks.get("READY")
+    for name in ("text_tier", "warmup_token2wav"):
+        assert ready is not None and float(bars[name].get("x")) >= ready, (
+            f"{name} runs after READY, drawn before"
+        )  # type: ignore[arg-type]
+    assert float(bars["warmup"].get("x")) < ready  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import QuotaExceededError, UnknownModelError
+from cosyserve.engine.errors import OverloadedError, QuotaExceededError, UnknownModelError
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
 from cosyserve.engine.tenants import Tenant, TenantQuota
@@ -98,6 +98,38 @@ def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
         assert len(list(s)) == 1
     assert a.in_flight == 0 and b.in_flight == 0
     assert len(list(a.submit_sync("shared", req()))) == 1  # a's slots are back
+    pool.close_sync()
+
+
+def wait_until(cond: Any, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_views_of_one_tenant_share_its_concurrency_count() -> None:
+    """The server builds a view per request: if each view counted for itself, max_concurrent would never bite.
+    The count is the pool's, one per tenant, across its models; a request the engine refuses gives its slot
+    back."""
+    specs = [ModelSpec("m", size_bytes=1, queue_limit=0), ModelSpec("n", size_bytes=1, queue_limit=8)]
+    pool, hold, _ = make(specs, [Tenant("a", frozenset({"m", "n"}), TenantQuota(max_concurrent=2))])
+    hold.clear()
+    first = pool.view("a").submit_sync("m", req(), load_timeout=5)
+    assert pool.view("a").in_flight == 1, "a new view must see the request another view admitted"
+    with pytest.raises(OverloadedError) as info:  # m's one slot is busy and it has no queue
+        pool.view("a").submit_sync("m", req())
+    assert not isinstance(info.value, QuotaExceededError), info.value
+    assert pool.tenant_in_flight("a") == 1, "a request the engine refused must give its tenant slot back"
+    second = pool.view("a").submit_sync("n", req(), load_timeout=5)
+    with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
+        pool.view("a").submit_sync("n", req())  # n has room; the tenant has not
+    with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
+        pool.submit_sync("n", req(), tenant="a")  # the pool itself, without a view
+    hold.set()
+    assert len(list(first)) == len(list(second)) == 1
+    wait_until(lambda: pool.tenant_in_flight("a") == 0)
+    assert len(list(pool.view("a").submit_sync("n", req()))) == 1
     pool.close_sync()
 
 
@@ -254,3 +286,28 @@ def test_parse_bytes() -> None:
     for bad in ("0%", "-1", "x", True, 0):
         with pytest.raises(PoolConfigError, match="k = "):
             parse_bytes(bad, "k")
+
+
+def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> None:
+    """If this fails, the README's pool config example no longer loads (a key renamed or a value form changed),
+    or a key the loader accepts is missing from it: the README is where users learn the TOML format."""
+    import re
+    import tomllib
+
+    from cosyserve.engine import poolconfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    assert len(blocks) == 1, "expected one ```toml example in the README"
+    f = tmp_path / "pool.toml"
+    f.write_text(blocks[0], encoding="utf-8")
+    cfg = poolconfig.load_pool_config(f, env={}, limit=lambda: 8 << 30)
+    assert cfg.models["sft"].path == str(tmp_path / "bundles" / "cosyvoice-300m-sft")
+    assert cfg.tenants["acme"].quota.max_concurrent == 4 and cfg.memory_budget == 6 << 30
+    raw = tomllib.loads(blocks[0])
+    assert set(raw["pool"]) == poolconfig._POOL_KEYS
+    assert set().union(*(set(m) for m in raw["models"].values())) == poolconfig._MODEL_KEYS
+    assert set().union(*(set(t) for t in raw["tenants"].values())) == poolconfig._TENANT_KEYS
+    for keys in (poolconfig._POOL_KEYS, poolconfig._MODEL_KEYS, poolconfig._TENANT_KEYS):
+        for key in keys:
+            assert f"`{key}`" in readme, f"README does not list the pool config key {key!r}"

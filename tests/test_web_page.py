@@ -208,6 +208,31 @@ def test_page_lists_models_voices_startup_and_metrics(page: Browser, server: Ser
     assert page.console_errors() == []
 
 
+def test_waterfall_orders_phases_by_start_and_draws_after_ready_phases_after_the_ready_tick(
+    page: Browser, server: ServerProcess
+) -> None:
+    """The text tier and the flow/vocoder warm-up run after READY, in the background: the page must show them
+    after the model's READY tick (rows in order of start, bars not left of the tick), or a reader concludes
+    they delay READY."""
+    with server.client() as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+    rows = page.wait_for(
+        """(() => { const rows = [...document.querySelectorAll('#waterfall .wf')].map(r =>
+             [r.children[0].textContent, parseFloat(r.querySelector('.fill').style.left)]);
+           return rows.some(([l]) => l.endsWith(' · warmup_token2wav')) && rows; })()""",
+        "the phases after READY in the waterfall",
+    )
+    mine = [(label.split(" · ", 1)[1], left) for label, left in rows if label.startswith(f"{model} · ")]
+    names = [n for n, _ in mine]
+    left = dict(mine)
+    assert [x for _, x in mine] == sorted(x for _, x in mine), f"rows are not in order of start: {mine}"
+    for phase in ("text_tier", "warmup_token2wav"):
+        assert names.index(phase) > names.index("ready"), f"{phase} listed before READY: {names}"
+        assert left[phase] >= left["ready"], f"{phase} drawn left of the READY tick: {mine}"
+    assert names.index("warmup") < names.index("ready") and left["warmup"] <= left["ready"], mine
+    assert page.console_errors() == []
+
+
 def _speak(page: Browser, fmt: str, stream: bool) -> dict[str, Any]:
     page.js(
         f"""(() => {{
@@ -271,6 +296,7 @@ def test_demo_notice_and_api_key(tmp_path: Path) -> None:
             "the demo notice",
         )
         assert "noise, not speech" in notice
+        assert notice.lower().count("demo model") == 1, f"the notice repeats itself: {notice!r}"
         assert page.wait_for("document.querySelectorAll('#voice option').length", "voices") > 0
         r = _speak(page, "wav", stream=True)
         assert r["live_samples"] > 0

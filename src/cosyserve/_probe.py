@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     if opts.get("strategy") != "lazy":
         prefetch_bundles([opts["model"]])  # as `cosyserve serve` does before importing torch
     clock = PhaseClock()
-    clock.add("interpreter", (T_MAIN - clock.t0) * 1e3)
+    clock.add("interpreter", (T_MAIN - clock.t0) * 1e3, start_ms=0.0)
     import cosyserve
 
     model = cosyserve.load(

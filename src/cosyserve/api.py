@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = logging.getLogger(__name__)
+# expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
+progress_logger = logging.getLogger("cosyserve.progress")
 
 __all__ = ["CosyVoiceModel", "load", "resolve_bundle"]
 
@@ -86,7 +88,7 @@ class CosyVoiceModel:
             speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
                 (zero_shot, cross_lingual).
             stream: yield ~2 s chunks as soon as they exist (True) or one chunk per sentence (False).
-            speed: tempo in [0.5, 2.0]; only with ``stream=False``, as in the reference.
+            speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
             mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
                 :mod:`cosyserve.engine.modes` for the fields each takes). ``None``: ``zero_shot`` when
@@ -98,7 +100,8 @@ class CosyVoiceModel:
             tenant: registry namespace in which ``speaker`` is looked up.
         Raises:
             cosyserve.engine.pipeline.SynthesisError: unknown speaker, empty text, bad option or field combination.
-            cosyserve.frontend.zeroshot.ModeUnavailableError: the model lacks the mode's ONNX models.
+            cosyserve.frontend.zeroshot.ModeUnavailableError: the model lacks the mode's ONNX models, or instruct
+                mode on a model that is not an instruct model.
             cosyserve.frontend.audio.AudioError: unusable prompt or source audio.
         """
         if mode is None:
@@ -144,6 +147,7 @@ class CosyVoiceModel:
             self._pipeline.set_onnx_paths(
                 paths, self.model_dir, check=lambda path: bundle.check_onnx(path.name)
             )
+            self._pipeline.instruct = bundle.instruct
         if self._pipeline.registry is None:
             key = self.bundle.model_key if self.bundle is not None else None
             self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir, key))
@@ -162,8 +166,9 @@ class CosyVoiceModel:
 
     @property
     def available_modes(self) -> list[str]:
-        """Modes this model can run: sft and instruct always; zero_shot, cross_lingual and vc need
-        campplus.onnx and speech_tokenizer_v1.onnx (see :meth:`unavailable_modes` for why one is missing)."""
+        """Modes this model can run: sft always; instruct on an instruct model (CosyVoice-300M-Instruct);
+        zero_shot, cross_lingual and vc need campplus.onnx and speech_tokenizer_v1.onnx (see
+        :meth:`unavailable_modes` for why one is missing)."""
         return self._pipeline.available_modes()
 
     def unavailable_modes(self) -> dict[str, str]:
@@ -252,13 +257,13 @@ def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
 
     def run() -> None:
         for phase, work in steps:
-            t = time.perf_counter()
+            start, t = clock.now_ms(), time.perf_counter()
             try:
                 work()
             except Exception:  # noqa: BLE001 - see above
                 logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
                 continue
-            clock.add(phase, (time.perf_counter() - t) * 1e3)
+            clock.add(phase, (time.perf_counter() - t) * 1e3, start)
 
     # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
     # tearing torch down under a kernel that still runs ("terminate called without an active exception")
@@ -269,15 +274,17 @@ def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
 
 def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
-    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged.
+    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged; for a hub id
+    (``iic/...``, ``FunAudioLLM/...``: :func:`cosyserve.hub.resolve_model`), the same for its download.
     """
     import hashlib
 
     from cosyserve.bundle.loader import is_bundle
     from cosyserve.bundle.official import ModelDirError
+    from cosyserve.hub import resolve_model
     from cosyserve.settings import cache_dir
 
-    path = Path(path)
+    path = resolve_model(path)
     if is_bundle(path):
         return path
     if not path.is_dir():
@@ -295,7 +302,9 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert
 
-        logger.warning("converting %s into the bundle cache %s (once; later starts reuse it)", path, target)
+        progress_logger.info(
+            "converting %s into the bundle cache %s (once; later runs reuse it)", path, target
+        )
         convert(path, target, force=True, progress=progress)
     return target
 
@@ -319,7 +328,7 @@ def load(
     come from the environment (see :mod:`cosyserve.settings`).
 
     Args:
-        path: bundle or official model directory.
+        path: bundle, official model directory or hub id (``iic/CosyVoice-300M-SFT``; needs the ``hub`` extra).
         threads: torch intra-op threads (env ``COSYSERVE_THREADS``; default torch's choice).
         strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
@@ -375,6 +384,9 @@ def _load(
 
     if threads:
         torch.set_num_threads(threads)
+    from cosyserve.hub import resolve_model
+
+    path = resolve_model(path)  # a hub id -> its download, which is the model dir from here on
     bundle_dir = resolve_bundle(path)
     t_load = time.perf_counter()
     with clock.phase("manifest"):

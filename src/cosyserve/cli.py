@@ -23,6 +23,22 @@ class CLIError(Exception):
     """A user-facing failure: printed as one line, exit status 1."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless there is none (None, an empty list) or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, []) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
+_EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub"}
+
+# synth --out: the extension picks the encoding (the server's encoders, cosyserve.server.encode)
+OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
+
+
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
@@ -32,16 +48,24 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         "--model",
         default=_env("model"),
         required=_env("model") is None,
-        help="bundle (cosyserve convert) or official CosyVoice-300M model directory, converted once into the "
-        "cache (env COSYSERVE_MODEL)",
+        help="bundle (cosyserve convert), official CosyVoice-300M model directory (converted once into the "
+        "cache) or hub id (iic/..., FunAudioLLM/...; needs the hub extra) (env COSYSERVE_MODEL)",
     )
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
     from cosyserve.startup import release_gc
-    from cosyserve.wavfile import write_wav_atomic
+    from cosyserve.wavfile import write_audio_atomic
 
     out = Path(args.out)
+    fmt = OUT_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise CLIError(
+            f"--out {out}: unknown audio format {repr(out.suffix) if out.suffix else '(no extension)'}; the "
+            f"extension picks the encoding: {', '.join(OUT_FORMATS)}"
+        )
+    if out.is_dir():
+        raise CLIError(f"cannot write {out}: it is a directory")
     if not out.parent.is_dir():
         raise CLIError(f"cannot write {out}: directory {out.parent} does not exist")
     if not os.access(out.parent, os.W_OK):
@@ -53,20 +77,25 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     release_gc()
     if args.registry_dir:
         model.use_registry(args.registry_dir)
-    chunks = model.synthesize(
-        args.text or "",
-        args.speaker,
-        stream=args.stream,
-        speed=args.speed,
-        seed=args.seed,
-        mode=args.mode,
-        prompt_text=args.prompt_text or "",
-        prompt_wav=args.prompt_wav,
-        source_wav=args.source_wav,
-        instruct_text=args.instruct_text or "",
-        tenant=args.tenant,
-    )
-    seconds = write_wav_atomic(out, chunks, model.sample_rate)
+    from cosyserve.frontend.zeroshot import ModeUnavailableError
+
+    try:
+        chunks = model.synthesize(
+            args.text or "",
+            args.speaker,
+            stream=args.stream,
+            speed=args.speed,
+            seed=args.seed,
+            mode=args.mode,
+            prompt_text=args.prompt_text or "",
+            prompt_wav=args.prompt_wav,
+            source_wav=args.source_wav,
+            instruct_text=args.instruct_text or "",
+            tenant=args.tenant,
+        )
+    except ModeUnavailableError as e:  # the model cannot run the mode the flag asks for
+        raise CLIError(f"--mode {args.mode}: {e}") from e
+    seconds = write_audio_atomic(out, chunks, model.sample_rate, fmt)
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
 
 
@@ -107,9 +136,11 @@ def _cmd_speakers(args: argparse.Namespace) -> None:
         model.use_registry(args.registry_dir)
     tenant = args.tenant
     if args.action == "list":
-        registered = [s.name for s in model.list_speakers(tenant) if s.name not in model._pipeline.speakers]
-        for spk in sorted(model._pipeline.speakers) + registered:
+        for spk in sorted(model._pipeline.speakers):
             print(spk)
+        for s in model.list_speakers(tenant):
+            if s.name not in model._pipeline.speakers:
+                print(f"{s.name}  (registered)")
     elif args.action == "add":
         spk = model.add_speaker(
             args.target, args.prompt_wav, args.prompt_text, tenant=tenant, overwrite=args.overwrite
@@ -211,6 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             max_text_chars=args.max_text_chars,
             max_upload_bytes=args.max_upload_bytes,
             request_timeout_s=args.request_timeout,
+            drain_delay_s=args.drain_delay,
             shutdown_grace_s=args.shutdown_grace,
             default_voice=args.default_voice,
             log_level=str(args.serve_log_level),
@@ -229,7 +261,7 @@ def _load(model: str, threads: int | None, **kwargs: object) -> object:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _HelpFormatter
     parser = argparse.ArgumentParser(
         prog="cosyserve", description="Serve CosyVoice text-to-speech models.", formatter_class=fmt
     )
@@ -238,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("synth", help="synthesize text to a WAV file", formatter_class=fmt)
+    p = sub.add_parser("synth", help="synthesize text to an audio file", formatter_class=fmt)
     _add_model(p)
     p.add_argument(
         "--mode",
@@ -267,12 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("registry_dir"),
         help="speaker registry folder (env COSYSERVE_REGISTRY_DIR; default under the cache dir, per model)",
     )
-    p.add_argument("--out", required=True, help="output WAV path (16-bit PCM)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output file; its extension picks the encoding: .wav (16-bit PCM), .flac, .mp3, .opus or .ogg "
+        "(Ogg Opus, 48 kHz), .pcm (raw 16-bit mono at the model's rate)",
+    )
     p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks (as a server would)")
     p.add_argument(
         "--seed", type=int, default=None, help="random seed for reproducible audio (default: random)"
     )
-    p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.5, 2.0]; not with --stream")
+    p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.25, 4.0]; not with --stream")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=_cmd_synth)
 
@@ -406,10 +443,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per request (env COSYSERVE_REQUEST_TIMEOUT; default 300)",
     )
     p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=None,
+        help="seconds the port stays open after SIGTERM, answering 503 so load balancers see the drain "
+        "(env COSYSERVE_DRAIN_DELAY; default 5)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         default=None,
-        help="seconds in-flight requests get after SIGTERM (env COSYSERVE_SHUTDOWN_GRACE; default 30)",
+        help="seconds in-flight requests get once the port closes; then they are cut "
+        "(env COSYSERVE_SHUTDOWN_GRACE; default 30)",
     )
     p.add_argument(
         "--default-voice",
@@ -468,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not isinstance(level, int):
         parser.error(f"--log-level: unknown level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command != "serve" and level > logging.INFO:
+        _show_progress()
     try:
         args.func(args)
     except CLIError as e:
@@ -477,6 +524,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         # ConfigError, ModelDirError, SynthesisError and I/O failures are ValueError/OSError subclasses
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] in ("", "cosyserve"):
+            raise  # our own code: a bug, not an install to fix
+        print(f"cosyserve {args.command}: error: {_missing_package(e)}", file=sys.stderr)
+        sys.exit(1)
+
+
+class _ProgressHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"cosyserve: {record.getMessage()}", file=sys.stderr, flush=True)  # today's sys.stderr
+
+
+def _show_progress() -> None:
+    """Expected slow steps (a model dir's first conversion) are INFO records of ``cosyserve.progress``: below the
+    default log level, so the CLI prints them itself, one short line each on stderr."""
+    log = logging.getLogger("cosyserve.progress")
+    if not any(isinstance(h, _ProgressHandler) for h in log.handlers):
+        log.addHandler(_ProgressHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def _missing_package(e: ModuleNotFoundError) -> str:
+    top = (e.name or "").partition(".")[0]
+    extra = _EXTRAS.get(top)
+    if extra:
+        return f"this needs the {top!r} package: pip install 'cosyserve[{extra}]'"
+    return f"the {top!r} package is missing (a dependency of cosyserve): reinstall cosyserve ({e})"
 
 
 if __name__ == "__main__":

@@ -2,18 +2,32 @@
 
 ``FunAudioLLM/...`` ids come from Hugging Face (huggingface_hub), ``iic/...`` from ModelScope. The download
 lands in the hub library's own cache and is reused; conversion to a bundle happens afterwards, as for any
-official directory. Never called by the tests (there is no network there).
+official directory. Every ``--model`` (serve, synth, speakers, startup-report) and :func:`cosyserve.load` go
+through :func:`resolve_model`. Never downloads in the tests (there is no network there).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-__all__ = ["HubError", "download"]
+__all__ = ["HubError", "download", "is_hub_id", "resolve_model"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class HubError(ValueError):
     """A hub id that cannot be fetched (library missing, unknown id, network)."""
+
+
+def is_hub_id(source: str) -> bool:
+    """``owner/name`` that is not a local path."""
+    return not Path(source).exists() and bool(_HUB_ID.match(source))
+
+
+def resolve_model(source: str | Path) -> Path:
+    """A local path to load ``source`` from: a hub id's download (the hub library's cache), or the path as given."""
+    return download(str(source)) if is_hub_id(str(source)) else Path(source)
 
 
 def download(model_id: str) -> Path:

@@ -23,7 +23,7 @@ from typing import Any
 
 from cosyserve.startup import PHASES
 
-__all__ = ["evict", "resident_bytes", "spawn_timed", "startup_report"]
+__all__ = ["evict", "resident_bytes", "spawn_timed", "startup_report", "waterfall_svg"]
 
 _FLOOR_CODE = "import time, torch; print('COSYSERVE_FLOOR', time.time(), flush=True)"
 
@@ -117,52 +117,231 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def _svg(summary: dict[str, Any], path: Path) -> None:
-    phases = [(p, summary["phases_ms"][p]["median"]) for p in PHASES if p in summary["phases_ms"]]
-    total = max(summary["ready_ms"]["median"], sum(v for _, v in phases), 1.0)
-    if summary.get("first_audio_ms"):
-        total = max(total, summary["first_audio_ms"]["median"])
-    width, row, left = 900, 26, 140
-    scale = (width - left - 90) / total
-    colors = ["#8fb3d9", "#5b8cc6", "#f2c14e", "#f78154", "#b95f89", "#4d9078", "#a3c4bc", "#333", "#d7263d"]
-    rows = []
-    x = 0.0
-    for i, (name, ms) in enumerate(phases):
-        y = 30 + i * row
-        rows.append(
-            f'<text x="{left - 8}" y="{y + 16}" text-anchor="end">{name}</text>'
-            f'<rect x="{left + x * scale:.1f}" y="{y + 4}" width="{max(ms * scale, 1):.1f}" height="{row - 8}" fill="{colors[i % len(colors)]}"/>'
-            f'<text x="{left + (x + ms) * scale + 4:.1f}" y="{y + 16}">{ms:.0f} ms</text>'
-        )
-        x += ms
+# -- the waterfall SVG -----------------------------------------------------------------------------------------
+# Laid out for a person to read at a glance: one row per phase, each bar from the phase's (median) start, at
+# least _MIN_BAR px wide; long stretches where nothing starts or ends (a slow import, the wait for the first
+# request) are cut out of the time axis (a zigzag marks each cut); every label's width is estimated so that no
+# two labels overlap and none leaves the picture: the time marks' labels go on as many lines as they need.
+
+_FONT = 12  # px
+_EM = (
+    0.62  # estimated advance of one character in ems (sans-serif; DejaVu Sans digits are 0.64, Arial's 0.56)
+)
+_ROW, _MIN_BAR, _CUT_PX, _PAD = 26, 3.0, 26.0, 6.0
+_COLORS = ["#8fb3d9", "#5b8cc6", "#f2c14e", "#f78154", "#b95f89", "#4d9078", "#a3c4bc", "#555", "#d7263d"]
+
+
+def _text_w(text: str, size: float = _FONT, bold: bool = False) -> float:
+    return len(text) * size * (_EM + (0.06 if bold else 0.0))
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.0f} ms" if ms < 10_000 else f"{ms / 1e3:.1f} s"
+
+
+def _wrap(text: str, width: float, size: float, bold: bool = False) -> list[str]:
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and _text_w(lines[-1] + " " + word, size, bold) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def _timeline(summary: dict[str, Any]) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, str]]]:
+    """(phase, start, duration) bars, by start, and (label, time, color) marks, in ms since process start. A phase
+    without a recorded start follows the one before it, and the phases after READY in PHASES start at READY."""
+    starts = summary.get("phase_starts_ms") or {}
+    bars = []
+    t = 0.0
+    for p in PHASES:
+        if p == "ready":
+            t = max(t, summary["ready_ms"]["median"])
+        if p not in summary["phases_ms"]:
+            continue
+        ms = summary["phases_ms"][p]["median"]
+        start = starts[p]["median"] if p in starts else t
+        bars.append((p, start, ms))
+        t = start + ms
+    bars.sort(key=lambda b: b[1])
     marks = [
-        ("floor", summary["floor_ms"]["median"], "#999"),
-        ("ready", summary["ready_ms"]["median"], "#333"),
+        ("floor", summary["floor_ms"]["median"], "#888"),
+        ("READY", summary["ready_ms"]["median"], "#222"),
     ]
     if summary.get("first_audio_ms"):
         marks.append(("first audio", summary["first_audio_ms"]["median"], "#d7263d"))
-    height = 30 + len(phases) * row + 40
-    for name, ms, color in marks:
-        xx = left + ms * scale
-        rows.append(
-            f'<line x1="{xx:.1f}" y1="20" x2="{xx:.1f}" y2="{height - 30}" stroke="{color}" stroke-dasharray="4 3"/>'
-            f'<text x="{xx + 3:.1f}" y="{height - 16}" fill="{color}">{name} {ms:.0f} ms</text>'
-        )
+    return bars, marks
+
+
+def _axis_cuts(times: list[float], max_cuts: int = 3, share: float = 0.4) -> list[tuple[float, float]]:
+    """Stretches of the axis to cut: the longest gap between two event times while it is over ``share`` of
+    what would remain shown."""
+    times = sorted(set(times))
+    gaps = sorted(((b - a, a, b) for a, b in zip(times, times[1:], strict=False)), reverse=True)
+    cuts: list[tuple[float, float]] = []
+    shown = times[-1] - times[0]
+    for length, a, b in gaps[:max_cuts]:
+        if length <= share * shown:
+            break
+        cuts.append((a, b))
+        shown -= length
+    return sorted(cuts)
+
+
+def _scale(cuts: list[tuple[float, float]], span: float, x0: float, width: float) -> Any:
+    """t (ms) -> x (px): linear over what is shown; each cut takes _CUT_PX."""
+    shown = max(span - sum(b - a for a, b in cuts), 1e-9)
+    k = (width - _CUT_PX * len(cuts)) / shown
+
+    def x(t: float) -> float:
+        pos, prev = x0, 0.0
+        for a, b in cuts:
+            if t <= a:
+                break
+            pos += (a - prev) * k
+            if t < b:
+                return pos + _CUT_PX * (t - a) / (b - a)
+            pos += _CUT_PX
+            prev = b
+        return pos + (t - prev) * k
+
+    return x
+
+
+def _place(
+    boxes: list[tuple[float, float, float, float]], w: float, h: float, xs: list[float], y: float
+) -> Any:
+    """The first of the candidate left edges ``xs`` on line ``y`` where a w x h box overlaps none of ``boxes``."""
+    for x in xs:
+        box = (x, y - h, x + w, y)
+        if all(
+            box[2] + _PAD <= o[0] or o[2] + _PAD <= box[0] or box[3] <= o[1] or o[3] <= box[1] for o in boxes
+        ):
+            return box
+    return None
+
+
+def _svg(summary: dict[str, Any], path: Path) -> None:
+    path.write_text(waterfall_svg(summary), encoding="utf-8")
+
+
+def _zigzag(x0: float, y0: float, y1: float) -> str:
+    points = " ".join(
+        f"{x0 + (4 if k % 2 else 0):.1f},{y}" for k, y in enumerate(range(int(y0), int(y1) + 1, 6))
+    )
+    return f'<polyline points="{points}" fill="none" stroke="#999"/>'
+
+
+def waterfall_svg(summary: dict[str, Any], width: int = 900) -> str:
+    """The start-up waterfall of a :func:`startup_report` summary as an SVG document."""
+    bars, marks = _timeline(summary)
     title = (
-        f"cosyserve start-up, median of {summary['runs']} runs ({'cold' if summary['cold'] else 'warm'} page cache, "
-        f"{summary['strategy']}): ready {summary['ready_ms']['median']:.0f} ms = {summary['ratio_ready_to_floor']:.2f}x import torch"
+        f"cosyserve start-up, median of {summary['runs']} runs ({'cold' if summary['cold'] else 'warm'} page "
+        f"cache, {summary['strategy']}): READY {_fmt_ms(summary['ready_ms']['median'])} = "
+        f"{summary['ratio_ready_to_floor']:.2f}x the floor (a fresh python -c 'import torch')"
     )
-    svg = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
-        f'<text x="10" y="16" font-weight="bold">{title}</text>{"".join(rows)}</svg>\n'
+    title_lines = _wrap(title, width - 20, _FONT + 1, bold=True)
+    top = 12 + 18 * len(title_lines)
+    left = 14 + max((_text_w(name) for name, _, _ in bars), default=60.0)
+    plot_w = width - left - 12
+    end = max([s + d for _, s, d in bars] + [t for _, t, _ in marks] + [1.0])
+    cuts = _axis_cuts([0.0, end] + [t for _, t, _ in marks] + [v for _, s, d in bars for v in (s, s + d)])
+    x = _scale(cuts, end, left, plot_w)
+    shapes: list[str] = []  # drawn first, then the cuts over them, then every text on top
+    texts: list[str] = []
+    boxes: list[tuple[float, float, float, float]] = []  # every text's estimated box, to keep texts apart
+
+    def text(
+        x0: float, y: float, s: str, size: float = _FONT, anchor: str = "start", style: str = ""
+    ) -> None:
+        w = _text_w(s, size, "bold" in style)
+        lo = x0 - w if anchor == "end" else x0
+        boxes.append((lo, y - size, lo + w, y + 3))
+        attrs = f' font-size="{size:g}"' * (size != _FONT) + f' text-anchor="{anchor}"' * (anchor != "start")
+        texts.append(f'<text x="{x0:.1f}" y="{y:.1f}"{attrs}{style}>{_esc(s)}</text>')
+
+    for i, line in enumerate(title_lines):
+        text(10, 24 + 18 * i, line, _FONT + 1, style=' font-weight="bold"')
+    rows_end = top + _ROW * len(bars)
+    for i, (name, start, ms) in enumerate(bars):
+        y = top + i * _ROW
+        x1 = x(start)
+        w = max(x(start + ms) - x1, _MIN_BAR)
+        x1 = min(x1, left + plot_w - w)
+        shapes.append(
+            f'<rect class="phase" x="{x1:.1f}" y="{y + 5}" width="{w:.1f}" height="{_ROW - 10}" '
+            f'fill="{_COLORS[i % len(_COLORS)]}"><title>{name}</title></rect>'
+        )
+        text(left - 8, y + 17, name, anchor="end")
+        value, vw = _fmt_ms(ms), _text_w(_fmt_ms(ms))
+        if x1 + w + 4 + vw <= width - 4:
+            text(x1 + w + 4, y + 17, value)
+        elif x1 - 4 - vw >= left:
+            text(x1 - 4, y + 17, value, anchor="end")
+        else:
+            text(x1 + w - 4, y + 17, value, anchor="end", style=' fill="#fff"')
+    cut_marks = []
+    for a, b in cuts:  # a blank strip with zigzag edges across the rows where the axis is cut
+        xa, xb = x(a) + 7, x(b) - 11
+        cut_marks.append(
+            f'<rect x="{xa:.1f}" y="{top}" width="{xb + 4 - xa:.1f}" height="{rows_end - top}" fill="#fff"/>'
+            + _zigzag(xa, top, rows_end)
+            + _zigzag(xb, top, rows_end)
+        )
+    # the time marks: a dashed line from the top of the rows down to its label; labels on more lines as needed
+    line_y = rows_end + 20
+    lowest = line_y
+    for name, t, color in sorted(marks, key=lambda m: m[1]):
+        label = f"{name} {_fmt_ms(t)}"
+        w, xm = _text_w(label), x(t)
+        candidates = [min(max(xm + 3, 2.0), width - 2 - w), min(max(xm - 3 - w, 2.0), width - 2 - w)]
+        level = 0
+        while (box := _place(boxes, w, _FONT, candidates, line_y + 16 * level)) is None:
+            level += 1
+        y = line_y + 16 * level
+        lowest = max(lowest, y)
+        shapes.append(
+            f'<line class="mark" x1="{xm:.1f}" y1="{top - 2}" x2="{xm:.1f}" y2="{y - _FONT:.1f}" stroke="{color}" '
+            f'stroke-dasharray="4 3"><title>{name}</title></line>'
+        )
+        text(box[0], y, label, style=f' fill="{color}"')
+    notes = "Bars: each phase from its (median) start; a phase that runs in several threads sums their time."
+    if cuts:
+        notes += (
+            " Zigzags: the time axis is cut there ("
+            + ", ".join(_fmt_ms(b - a) for a, b in cuts)
+            + " left out)."
+        )
+    y = lowest + 6
+    for line in _wrap(notes, width - 20, _FONT - 1):
+        y += 15
+        text(10, y, line, _FONT - 1, style=' fill="#666"')
+    height = int(y + 10)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'font-family="sans-serif" font-size="{_FONT}"><rect width="{width}" height="{height}" fill="#fff"/>'
+        + "".join(shapes + cut_marks + texts)
+        + "</svg>\n"
     )
-    path.write_text(svg, encoding="utf-8")
+
+
+def _find_pyspy() -> str:
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(pyspy).exists():
+        # checked before the first start: a flame graph asked for is never skipped after minutes of runs
+        raise ValueError(
+            "--flamegraph needs py-spy, which is not installed: pip install 'cosyserve[profile]'"
+        )
+    return pyspy
 
 
 def _flamegraph(cmd: list[str], env: dict[str, str], out: Path) -> str:
-    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(pyspy).exists():
-        return "flame graph skipped: py-spy is not installed (pip install py-spy)"
+    pyspy = _find_pyspy()
     r = subprocess.run(
         [
             pyspy,
@@ -206,6 +385,8 @@ def startup_report(
     from cosyserve.api import resolve_bundle
     from cosyserve.settings import load_strategy
 
+    if flamegraph:
+        _find_pyspy()
     bundle = resolve_bundle(model)
     strategy = strategy or load_strategy()
     files = _bundle_files(bundle)
@@ -215,6 +396,7 @@ def startup_report(
     floor_cmd = [sys.executable, "-c", _FLOOR_CODE]
     ready, floor, first_audio, rss = [], [], [], []
     phases: dict[str, list[float]] = {}
+    starts: dict[str, list[float]] = {}
     touched = []
     for _ in range(runs):
         t0, line = spawn_timed(floor_cmd, env, "COSYSERVE_FLOOR")
@@ -231,6 +413,8 @@ def startup_report(
         rss.append(rec["peak_rss_mb"])
         for name, ms in rec["phases_ms"].items():
             phases.setdefault(name, []).append(ms)
+        for name, ms in rec.get("starts_ms", {}).items():
+            starts.setdefault(name, []).append(ms)
     summary: dict[str, Any] = {
         "runs": runs,
         "model": str(bundle),
@@ -241,6 +425,7 @@ def startup_report(
         "floor_ms": _stats(floor),
         "ratio_ready_to_floor": statistics.median(ready) / statistics.median(floor),
         "phases_ms": {p: _stats(phases[p]) for p in PHASES if p in phases},
+        "phase_starts_ms": {p: _stats(starts[p]) for p in PHASES if p in starts},  # since process start
         "first_audio_ms": _stats(first_audio) if first_audio else None,
         "peak_rss_mb": _stats(rss),
     }

@@ -88,20 +88,25 @@ def libc() -> Any:
 
 
 class PhaseClock:
-    """Records phase durations (ms) and points in time (ms since process start); thread-safe."""
+    """Records phase durations (ms), when each phase first started and points in time (both ms since process
+    start); thread-safe. A phase that runs in several threads or several times sums its durations."""
 
     def __init__(self, t0: float | None = None) -> None:
         self.t0 = process_start_time() if t0 is None else t0
         self.durations: dict[str, float] = {}
+        self.starts: dict[str, float] = {}
         self.points: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def now_ms(self) -> float:
         return (time.time() - self.t0) * 1e3
 
-    def add(self, phase: str, ms: float) -> None:
+    def add(self, phase: str, ms: float, start_ms: float | None = None) -> None:
+        """Add ``ms`` to ``phase``, a span that ends now (or that began at ``start_ms`` since process start)."""
+        start = self.now_ms() - ms if start_ms is None else start_ms
         with self._lock:
             self.durations[phase] = self.durations.get(phase, 0.0) + ms
+            self.starts[phase] = min(self.starts.get(phase, start), start)
 
     def mark(self, point: str) -> float:
         """Record that ``point`` (e.g. ``ready``) happened now; returns ms since process start."""
@@ -112,15 +117,19 @@ class PhaseClock:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t = time.perf_counter()
+        start, t = self.now_ms(), time.perf_counter()
         try:
             yield
         finally:
-            self.add(name, (time.perf_counter() - t) * 1e3)
+            self.add(name, (time.perf_counter() - t) * 1e3, start)
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         with self._lock:
-            return {"phases_ms": dict(self.durations), "points_ms": dict(self.points)}
+            return {
+                "phases_ms": dict(self.durations),
+                "starts_ms": dict(self.starts),
+                "points_ms": dict(self.points),
+            }
 
 
 # -- the cyclic garbage collector during a start -----------------------------------------------------------

@@ -231,7 +231,7 @@ def make_test_model(
         size: ``tiny`` (tests) or ``full`` (CosyVoice-300M dimensions, ~1.7 GB).
         seed: seed for every random weight.
         force: replace ``out`` if it exists.
-        onnx: also write small random campplus.onnx / speech_tokenizer_v1.onnx (needs the ``onnx`` package).
+        onnx: also write small random campplus.onnx / speech_tokenizer_v1.onnx (the zero-shot tier).
     Returns:
         component -> (parameter count, file size in bytes).
     """

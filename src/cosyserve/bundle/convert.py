@@ -156,7 +156,7 @@ def convert(
     import torch
 
     from cosyserve import __version__
-    from cosyserve.bundle.official import ModelDirError, load_speakers
+    from cosyserve.bundle.official import ModelDirError, is_instruct_model_dir, load_speakers
     from cosyserve.config import load_model_config
     from cosyserve.staging import Staging
 
@@ -176,6 +176,7 @@ def convert(
             "version": BUNDLE_VERSION,
             "converter": f"cosyserve {__version__}",
             "dtype": dtype,
+            "instruct": is_instruct_model_dir(model_dir),  # takes instruct mode (see is_instruct_model_dir)
             "config": {
                 "sample_rate": cfg.sample_rate,
                 **{name: dataclasses.asdict(getattr(cfg, name)) for name in COMPONENTS},

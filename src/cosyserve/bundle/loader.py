@@ -133,6 +133,21 @@ class Bundle:
         """What identifies the model, whatever its path, folder name or storage dtype (see :func:`model_key`)."""
         return model_key(self.manifest)
 
+    @property
+    def instruct(self) -> bool:
+        """Whether the model takes instruct mode (a CosyVoice-300M-Instruct), as recorded at conversion by
+        :func:`cosyserve.bundle.official.is_instruct_model_dir`; a bundle converted before that was recorded
+        is judged by the same rule on the source directory its manifest names."""
+        value = self.manifest.get("instruct")
+        if value is None:
+            from cosyserve.bundle.official import is_instruct_model_dir
+
+            source = self.manifest.get("source", {}).get("dir")
+            return isinstance(source, str) and bool(source) and is_instruct_model_dir(source)
+        if not isinstance(value, bool):
+            raise BundleError(f"{self.path / 'manifest.json'}: instruct must be true or false, got {value!r}")
+        return value
+
     def onnx_path(self, name: str) -> Path | None:
         return self.path / name if name in self.manifest.get("extras", {}) else None
 

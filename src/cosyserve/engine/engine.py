@@ -31,13 +31,14 @@ import itertools
 import logging
 import math
 import queue
+import statistics
 import sys
 import threading
 import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,7 @@ from cosyserve.engine.errors import (
     OverloadedError,
     RequestCancelledError,
 )
-from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields
+from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields, speed_error
 from cosyserve.startup import collect_frozen
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ __all__ = [
     "STATE_TRANSITION_ERROR",
     "AudioStream",
     "MODES",
+    "RETRY_AFTER_BOUNDS_S",
     "Engine",
     "shared",
     "EngineState",
@@ -96,6 +98,17 @@ _ALLOWED: dict[EngineState, frozenset[EngineState]] = {
 }
 STATE_TRANSITION_ERROR = "engine {name!r}: illegal state transition {old} -> {new}"
 
+# Retry-After's range. At least 1 s: the header counts whole seconds, and retrying at once only hits the full
+# queue again. At most 60 s: the median of a few recent requests says little about the next minute (one long
+# text is not the next one), and a client that comes back early costs one cheap refusal with a fresh estimate,
+# while one told to wait too long idles as slots free.
+RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
+
+
+def _bounded(seconds: float) -> float:
+    lo, hi = RETRY_AFTER_BOUNDS_S
+    return min(hi, max(lo, seconds))
+
 
 @dataclass(frozen=True)
 class SynthesisRequest:
@@ -109,7 +122,7 @@ class SynthesisRequest:
         prompt_text, prompt_wav, source_wav, instruct_text, normalize, tenant: as
             :class:`cosyserve.engine.pipeline.SynthesisRequest` (audio as a path or the encoded file's bytes).
         stream: yield chunks as they are made (True) or one chunk per sentence (False).
-        speed: tempo in [0.5, 2.0] (non-streaming only).
+        speed: tempo in [0.25, 4.0] (:data:`~cosyserve.engine.modes.SPEED_MIN`, ``SPEED_MAX``; non-streaming only).
         seed: makes the audio reproducible; None draws one.
         deadline: absolute time on the engine's clock (``time.monotonic()`` by default) after which the
             request is stopped with :class:`DeadlineExceededError`; None for none.
@@ -140,14 +153,15 @@ class SynthesisRequest:
         if self.mode not in MODES:
             raise ClientError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if self.mode != "vc" and (not isinstance(self.text, str) or not self.text.strip()):
-            raise ClientError("text is empty: give at least one word to speak")
+            raise ClientError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(self.mode, self.present())
         if errors:
             raise ClientError("; ".join(errors))
-        if not isinstance(self.speed, int | float) or not (0.5 <= self.speed <= 2.0):
-            raise ClientError(f"speed must be between 0.5 and 2.0, got {self.speed!r}")
+        bad_speed = speed_error(self.speed)
+        if bad_speed:
+            raise ClientError(bad_speed, param="speed")
         if self.stream and self.speed != 1.0:
-            raise ClientError("speed change is only supported with stream=False")
+            raise ClientError("speed change is only supported with stream=False", param="speed")
 
 
 @dataclass(frozen=True)
@@ -500,7 +514,9 @@ class Engine:
         self._jobs: set[_Job] = set()
         self._in_flight = 0
         self._active = 0
-        self._service_ewma = default_service_s
+        self._default_service_s = default_service_s
+        # wall seconds (engine clock) each recent request held its slot, start to end: what retry_after predicts from
+        self._service_s: deque[float] = deque(maxlen=32)
         self.sample_rate: int | None = None
         self.speakers: list[str] = []
         # the model runs every mode (synthesize_request) and checks speakers itself
@@ -641,14 +657,44 @@ class Engine:
     def queue_depth(self) -> int:
         return self._in_flight - self._active
 
-    def retry_after(self) -> float:
-        """Seconds until a queue slot is likely free: queued work over the instances, at the mean service time."""
-        with self._lock:
-            return self._retry_after_locked()
+    def retry_after(self, request_ids: Collection[str] = ()) -> float:
+        """Seconds until a slot is likely free: the earliest expected end of a running request.
 
-    def _retry_after_locked(self) -> float:
-        waiting = max(0, self._in_flight - self.slots)
-        return max(0.05, (waiting + 1) * self._service_ewma / self.slots)
+        A refused client needs one slot, and one ends when the first running request does: that is the time
+        left of the running request closest to its end, each expected to take the median of recent service
+        times. With ``request_ids``, the earliest expected end of those requests (a tenant's own, for its
+        quota); one still queued is expected to start when the first slot frees. Bounded to
+        :data:`RETRY_AFTER_BOUNDS_S`.
+        """
+        with self._lock:
+            return self._retry_after_locked(request_ids)
+
+    def idle_after(self) -> float:
+        """Seconds until every request in flight is likely done (when the pool could evict this model)."""
+        with self._lock:
+            typical, running, queued = self._expected_locked()
+            last = max((left for _, left in running), default=0.0)
+            return _bounded(last + math.ceil(queued / self.slots) * typical)
+
+    def _expected_locked(self) -> tuple[float, list[tuple[str, float]], int]:
+        # (typical service seconds, (request id, expected seconds left) of each running request, queued count)
+        typical = statistics.median(self._service_s) if self._service_s else self._default_service_s
+        now = self.clock()
+        running = [
+            # a cancelled request ends at its next token
+            (job.request.request_id, 0.0 if job.cancel_reason else max(0.0, typical - (now - job.started)))
+            for job in self._jobs
+            if job.started is not None
+        ]
+        return typical, running, max(0, self._in_flight - len(running))
+
+    def _retry_after_locked(self, request_ids: Collection[str] = ()) -> float:
+        typical, running, _ = self._expected_locked()
+        first_free = min((left for _, left in running), default=0.0)  # none running: a slot is free now
+        if not request_ids:
+            return _bounded(first_free)
+        mine = [left for rid, left in running if rid in request_ids]
+        return _bounded(min(mine) if mine else first_free + typical)
 
     def _refuse_locked(self) -> EngineError:
         st = self._state
@@ -750,7 +796,7 @@ class Engine:
         t0 = time.perf_counter()
         with self._lock:
             self._active += 1
-        job.started = self.clock()
+            job.started = self.clock()
         try:
             job.check()
             r = job.request
@@ -766,7 +812,7 @@ class Engine:
         except _Stop:
             pass
         except _client_error_types() as e:
-            error = e if isinstance(e, ClientError) else ClientError(str(e))
+            error = e if isinstance(e, ClientError) else ClientError(str(e), param=getattr(e, "param", None))
             if error is not e:
                 error.__cause__ = e
         except Exception as e:
@@ -792,8 +838,8 @@ class Engine:
             job.finished = True
             self._jobs.discard(job)
             self._in_flight -= 1
-            if compute_s > 0 and error is None and job.cancel_reason is None:
-                self._service_ewma = 0.8 * self._service_ewma + 0.2 * compute_s
+            if job.started is not None and error is None and job.cancel_reason is None:
+                self._service_s.append(max(0.0, self.clock() - job.started))
             self._idle_cond.notify_all()
         reason = job.cancel_reason
         if error is not None:

@@ -40,9 +40,19 @@ class EngineError(Exception):
 
 
 class ClientError(EngineError, ValueError):
-    """The request is invalid (empty text, unknown speaker, speed out of range, unsupported mode)."""
+    """The request is invalid (empty text, unknown speaker, speed out of range, unsupported mode).
+
+    Args:
+        message: what is wrong and how to fix it.
+        param: the request field at fault, as :class:`~cosyserve.engine.engine.SynthesisRequest` names it
+            (``text``, ``prompt_wav``, ``instruct_text``, ...); a server maps it to its own field name.
+    """
 
     status_code = 400
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownModelError(ClientError, LookupError):

@@ -12,14 +12,29 @@ with these rules before loading anything, the pipeline checks requests with the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["MODES", "PROMPT_MODES", "Mode", "field_errors", "present_fields"]
+__all__ = [
+    "MODES",
+    "PROMPT_MODES",
+    "SPEED_MAX",
+    "SPEED_MIN",
+    "Mode",
+    "field_errors",
+    "present_fields",
+    "speed_error",
+]
 
 Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "vc"]
 MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct", "vc")
 PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "vc")  # need campplus + the speech tokenizer
+
+# The tempo range every entry point accepts (OpenAI's). Speed stretches the whole utterance's mel in time before
+# the vocoder (the reference's rule), which works for any factor > 0; the bounds keep requests sane.
+SPEED_MIN = 0.25
+SPEED_MAX = 4.0
 
 # field -> modes that accept it
 _ACCEPTS: dict[str, tuple[Mode, ...]] = {
@@ -40,6 +55,15 @@ def present_fields(request: object) -> set[str]:
         if isinstance(getattr(request, name, None), str) and getattr(request, name).strip()
     }
     return out | {name for name in ("prompt_wav", "source_wav") if getattr(request, name, None) is not None}
+
+
+def speed_error(speed: object) -> str | None:
+    """Why ``speed`` is not an accepted tempo factor (a finite number in [SPEED_MIN, SPEED_MAX]); None if it is."""
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not math.isfinite(speed):
+        return f"speed must be a number, got {speed!r}"
+    if not SPEED_MIN <= speed <= SPEED_MAX:
+        return f"speed must be between {SPEED_MIN} and {SPEED_MAX}, got {speed!r}"
+    return None
 
 
 def field_errors(mode: str, present: set[str], names: Mapping[str, str] | None = None) -> list[str]:

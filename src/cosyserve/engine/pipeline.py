@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields
+from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields, speed_error
 from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Pipeline", "PreparedRequest", "SynthesisError", "SynthesisRequest"]
 
 ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # the zero-shot tier's models
+_MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 _LLM_PROMPT_KEYS = (
     "prompt_text",
     "prompt_text_len",
@@ -53,7 +54,12 @@ _LLM_PROMPT_KEYS = (
 
 
 class SynthesisError(ValueError):
-    """A request that cannot be synthesized as given (unknown speaker, empty text, bad option)."""
+    """A request that cannot be synthesized as given (unknown speaker, empty text, bad option); ``param`` names
+    the :class:`SynthesisRequest` field at fault where one is."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,8 @@ class SynthesisRequest:
         source_wav: the recording to convert (vc): a path or bytes.
         instruct_text: the style instruction (instruct, with a -Instruct model).
         stream: yield chunks as soon as ~2 s of tokens exist (True) or one chunk per piece (False).
-        speed: tempo factor in [0.5, 2.0]; only with ``stream=False`` (as in the reference).
+        speed: tempo factor in [0.25, 4.0] (:mod:`cosyserve.engine.modes`); only with ``stream=False`` (as in
+            the reference).
         seed: seeds every random draw; the same seed gives the same audio. ``None`` draws a fresh seed.
         normalize: run the text frontend on text, prompt_text and instruct_text (the reference's
             ``text_frontend``); False speaks ``text`` as one piece.
@@ -123,6 +130,8 @@ class Pipeline:
             none (the prompt modes are then unavailable). Default: none.
         registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered speakers; default none.
         model_dir: the model directory, named in messages about missing files.
+        instruct: the model follows style instructions (a CosyVoice-300M-Instruct; see
+            :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
     """
 
     def __init__(
@@ -137,6 +146,7 @@ class Pipeline:
         onnx_paths: Mapping[str, Path | None] | None = None,
         registry: Any = None,
         model_dir: str | Path | None = None,
+        instruct: bool = True,
     ) -> None:
         self.llm = llm
         self.token2wav = Token2Wav(flow, hift, policy)
@@ -144,6 +154,7 @@ class Pipeline:
         self.sample_rate = sample_rate
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.instruct = instruct
         self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
         self.onnx_check: Callable[[Path], None] | None = None
         self._frontend: Any = None
@@ -173,15 +184,23 @@ class Pipeline:
 
     def unavailable_modes(self) -> dict[str, str]:
         """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
-        missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
-        if not missing:
-            return {}
         where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
-        why = f"{where} has no {' or '.join(missing)}"
-        return dict.fromkeys(PROMPT_MODES, why)
+        out: dict[str, str] = {}
+        if not self.instruct:
+            out["instruct"] = (
+                "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
+                "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
+                "model"
+            )
+        missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
+        if missing:
+            why = f"{where} has no {' or '.join(missing)} (copy it from the official model dir to enable it)"
+            out.update(dict.fromkeys(PROMPT_MODES, why))
+        return out
 
     def available_modes(self) -> list[str]:
-        """The modes this model can run (sft and instruct always; the prompt modes need the ONNX models)."""
+        """The modes this model can run: sft always, instruct on an instruct model, the prompt modes with the
+        ONNX models."""
         unavailable = self.unavailable_modes()
         return [m for m in MODES if m not in unavailable]
 
@@ -191,10 +210,11 @@ class Pipeline:
         if why is not None:
             from cosyserve.frontend.zeroshot import ModeUnavailableError
 
-            raise ModeUnavailableError(
-                f"{mode} synthesis is unavailable: {why} (copy it from the official model dir to enable {mode}; "
-                f"available modes: {', '.join(self.available_modes())})"
+            err = ModeUnavailableError(
+                f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
             )
+            err.param = _MODE_FIELD.get(mode)
+            raise err
 
     @property
     def tokenizer(self) -> Any:
@@ -286,14 +306,17 @@ class Pipeline:
         if r.mode not in MODES:
             raise SynthesisError(f"unknown mode {r.mode!r}; expected one of {', '.join(MODES)}")
         if r.mode != "vc" and (not isinstance(r.text, str) or not r.text.strip()):
-            raise SynthesisError("text is empty: give at least one word to speak")
+            raise SynthesisError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(r.mode, r.present())
         if errors:
             raise SynthesisError("; ".join(errors))
-        if not (0.5 <= r.speed <= 2.0):
-            raise SynthesisError(f"speed must be between 0.5 and 2.0, got {r.speed}")
+        bad_speed = speed_error(r.speed)
+        if bad_speed:
+            raise SynthesisError(bad_speed, param="speed")
         if r.stream and r.speed != 1.0:
-            raise SynthesisError("speed change is only supported with stream=False (as in the reference)")
+            raise SynthesisError(
+                "speed change is only supported with stream=False (as in the reference)", param="speed"
+            )
 
     def _speaker_of_kind(self, r: SynthesisRequest, kind: str) -> dict[str, torch.Tensor]:
         assert r.speaker is not None
@@ -322,16 +345,25 @@ class Pipeline:
         """
         r = request
         self._verify(r)
-        if r.mode in PROMPT_MODES and not (r.mode != "vc" and r.speaker):
+        if r.mode == "instruct" or (r.mode in PROMPT_MODES and not (r.mode != "vc" and r.speaker)):
             self.require(r.mode)  # before any audio is read: a missing model is the clearer error
         prepared = PreparedRequest(r)
         if r.mode == "vc":
             prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
             return prepared
 
-        pieces = self.split_text(r.text) if r.normalize else [r.text]
+        from cosyserve.frontend.text import nothing_to_speak
+
+        if r.normalize:
+            pieces = self.split_text(r.text)  # pieces with nothing to speak are dropped there
+        else:
+            pieces = [] if nothing_to_speak(r.text) else [r.text]
         if not pieces:
-            raise SynthesisError(f"text {r.text!r} has nothing to speak (only punctuation or blanks)")
+            raise SynthesisError(
+                f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
+                "or invisible characters",
+                param="text",
+            )
         prepared.pieces = pieces
         if r.mode in ("sft", "instruct"):
             embedding = self._speaker_of_kind(r, "sft")["embedding"]

@@ -31,12 +31,13 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cosyserve.engine.engine import (
+    RETRY_AFTER_BOUNDS_S,
     AudioStream,
     Engine,
     EngineState,
@@ -201,6 +202,14 @@ def lru_k_order(histories: Mapping[str, Iterable[tuple[float, int]]], k: int) ->
 # -- the pool -------------------------------------------------------------------------------------------------
 
 
+def _no_release() -> None:
+    pass
+
+
+def _keeps_being_evicted(name: str) -> OverloadedError:
+    return OverloadedError(f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0)
+
+
 class _Entry:
     def __init__(self, spec: ModelSpec, k: int) -> None:
         self.spec = spec
@@ -282,6 +291,9 @@ class ModelPool:
         self.pressure_threshold = pressure_threshold
         self.lru_k = lru_k
         self.tenants: dict[str, Tenant] = {}
+        # each tenant's requests in flight (token -> (model, request id)), what its max_concurrent counts: held
+        # here, one per tenant, so that every view and every request of a tenant shares one count
+        self._tenant_requests: dict[str, dict[int, tuple[str, str]]] = {}
         self._owner: dict[str, str] = {}
         self._load_model = load_model or self._default_load_model
         self._model_bytes = model_bytes
@@ -305,6 +317,7 @@ class ModelPool:
                 raise ValueError(f"tenant {tenant.name!r} lists unknown model {m!r}")
         with self._lock:
             self.tenants[tenant.name] = tenant
+            self._tenant_requests.setdefault(tenant.name, {})
             listed: dict[str, list[str]] = {}
             for t in self.tenants.values():
                 for m in t.models:
@@ -318,6 +331,11 @@ class ModelPool:
         if tenant not in self.tenants:
             raise UnknownModelError(f"unknown tenant {tenant!r}")
         return TenantView(self, self.tenants[tenant])
+
+    def tenant_in_flight(self, tenant: str) -> int:
+        """Requests of ``tenant`` in flight (waiting for a load, queued or running), across its models."""
+        with self._lock:
+            return len(self._tenant_requests[tenant])
 
     def add_listener(self, listener: Callable[[PoolEvent], None]) -> None:
         self._listeners.append(listener)
@@ -349,12 +367,63 @@ class ModelPool:
 
     # -- requests --------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _tenant_slot(
+        self, name: str, request: SynthesisRequest, tenant: str | None
+    ) -> Iterator[Callable[[], None]]:
+        # one of the tenant's max_concurrent slots, taken before anything is loaded or queued and given back
+        # if the request is not admitted; once admitted, the engine calls the release when the request ends
+        release = self._take_tenant_slot(name, request, tenant)
+        try:
+            yield release
+        except BaseException:
+            release()
+            raise
+
+    def _take_tenant_slot(
+        self, name: str, request: SynthesisRequest, tenant: str | None
+    ) -> Callable[[], None]:
+        # the release is idempotent
+        if tenant is None:
+            return _no_release
+        t = self.tenants.get(tenant)
+        if t is None:
+            raise UnknownModelError(f"unknown tenant {tenant!r}")
+        if name not in t.models:
+            raise UnknownModelError(f"unknown model {name!r} for tenant {tenant!r}")
+        limit = t.quota.max_concurrent
+        with self._lock:
+            held = self._tenant_requests[tenant]
+            if limit is not None and len(held) >= limit:
+                raise QuotaExceededError(
+                    f"tenant {tenant!r}: {len(held)} requests in flight (max_concurrent={limit})",
+                    retry_after=self._tenant_retry_after_locked(held.values()),
+                )
+            token = next(self._seq)
+            held[token] = (name, request.request_id)
+
+        def release() -> None:
+            with self._lock:
+                held.pop(token, None)
+
+        return release
+
+    def _tenant_retry_after_locked(self, held: Iterable[tuple[str, str]]) -> float:
+        # when the first of the tenant's own requests is expected to end, on whichever model it runs
+        ids: dict[str, set[str]] = {}
+        for model, request_id in held:
+            ids.setdefault(model, set()).add(request_id)
+        waits = [
+            e.engine.retry_after(ids[n])
+            for n, e in self._entries.items()
+            if n in ids and e.engine and e.ready
+        ]
+        return min(waits, default=RETRY_AFTER_BOUNDS_S[0])
+
     def _lookup(
         self, name: str, tenant: str | None
     ) -> tuple[_Entry, concurrent.futures.Future[Engine] | None]:
         entry = self._entry(name)
-        if tenant is not None and name not in self.tenants[tenant].models:
-            raise UnknownModelError(f"unknown model {name!r} for tenant {tenant!r}")
         with self._lock:
             now = self.clock()
             entry.uses.append((now, next(self._seq)))
@@ -367,12 +436,16 @@ class ModelPool:
         entry: _Entry,
         admit: Callable[[Engine, Callable[[], None]], Any],
         on_done: Callable[[], None] | None,
+        release: Callable[[], None],
     ) -> Any:
         def done() -> None:
-            with self._lock:
-                entry.idle_since = self.clock()
-            if on_done is not None:
-                on_done()
+            try:
+                with self._lock:
+                    entry.idle_since = self.clock()
+                if on_done is not None:
+                    on_done()
+            finally:
+                release()
 
         with self._lock:
             if entry.ready:
@@ -390,19 +463,23 @@ class ModelPool:
     ) -> AudioStream:
         """Admit ``request`` on model ``name`` (loading it first if needed) and return its audio stream.
 
+        With ``tenant``, only the tenant's models are visible and the request takes one of its
+        ``max_concurrent`` slots until it ends.
+
         Raises:
             UnknownModelError, ClientError, OverloadedError (queue, quota or memory budget), EngineDeadError.
         """
-        entry, fut = self._lookup(name, tenant)
-        for _ in range(3):
-            if fut is not None:
-                await shared(fut)
-            stream = self._admit(entry, lambda e, done: e.synthesize(request, done), on_done)
-            if stream is not None:
-                return stream
-            with self._lock:  # evicted between its load and our admission: load it again
-                fut = self._ensure_loading_locked(entry, tenant)
-        raise OverloadedError(f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0)
+        with self._tenant_slot(name, request, tenant) as release:
+            entry, fut = self._lookup(name, tenant)
+            for _ in range(3):
+                if fut is not None:
+                    await shared(fut)
+                stream = self._admit(entry, lambda e, done: e.synthesize(request, done), on_done, release)
+                if stream is not None:
+                    return stream
+                with self._lock:  # evicted between its load and our admission: load it again
+                    fut = self._ensure_loading_locked(entry, tenant)
+        raise _keeps_being_evicted(name)
 
     def submit_sync(
         self,
@@ -414,16 +491,19 @@ class ModelPool:
         load_timeout: float | None = None,
     ) -> SyncAudioStream:
         """Blocking twin of :meth:`submit`."""
-        entry, fut = self._lookup(name, tenant)
-        for _ in range(3):
-            if fut is not None:
-                fut.result(load_timeout)
-            stream = self._admit(entry, lambda e, done: e.synthesize_sync(request, done), on_done)
-            if stream is not None:
-                return stream
-            with self._lock:
-                fut = self._ensure_loading_locked(entry, tenant)
-        raise OverloadedError(f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0)
+        with self._tenant_slot(name, request, tenant) as release:
+            entry, fut = self._lookup(name, tenant)
+            for _ in range(3):
+                if fut is not None:
+                    fut.result(load_timeout)
+                stream = self._admit(
+                    entry, lambda e, done: e.synthesize_sync(request, done), on_done, release
+                )
+                if stream is not None:
+                    return stream
+                with self._lock:
+                    fut = self._ensure_loading_locked(entry, tenant)
+        raise _keeps_being_evicted(name)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -624,8 +704,9 @@ class ModelPool:
         return victims
 
     def _busy_retry_after_locked(self, entries: list[_Entry]) -> float:
-        waits = [e.engine.retry_after() for e in entries if e.engine is not None and e.ready]
-        return min(waits) if waits else 1.0
+        # a busy model can be evicted once it has nothing in flight: the first of them expected to get there
+        waits = [e.engine.idle_after() for e in entries if e.engine is not None and e.ready]
+        return min(waits, default=RETRY_AFTER_BOUNDS_S[0])
 
     def _begin_evict_locked(self, entry: _Entry, reason: str) -> bool:
         engine = entry.engine

@@ -1,6 +1,6 @@
 """Tenants: each sees its own models through a :class:`TenantView` of the shared pool, within a quota.
 
-Isolation rules (the pool enforces the memory ones, the view the request one):
+Isolation rules, all enforced by the pool (which holds each tenant's count of requests in flight):
 
 - ``max_concurrent``: a tenant's requests in flight (queued or running) across its models; one more fails at
   once with :class:`QuotaExceededError` before it reaches an engine queue, so a flooding tenant fills its own
@@ -14,13 +14,10 @@ Isolation rules (the pool enforces the memory ones, the view the request one):
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cosyserve.engine.engine import AudioStream, SyncAudioStream, SynthesisRequest
-from cosyserve.engine.errors import QuotaExceededError, UnknownModelError
 
 if TYPE_CHECKING:
     from cosyserve.engine.pool import ModelPool
@@ -63,65 +60,29 @@ class Tenant:
 
 
 class TenantView:
-    """The pool as one tenant sees it: only its models, its concurrency slots.
+    """The pool as one tenant sees it: only its models, within its quota.
 
-    Build it with :meth:`ModelPool.view`.
+    Build it with :meth:`ModelPool.view`. A view holds no count of its own: the pool keeps one per tenant,
+    so every view of a tenant (one per HTTP request, say) shares the tenant's ``max_concurrent``.
     """
 
     def __init__(self, pool: ModelPool, tenant: Tenant) -> None:
         self.pool = pool
         self.tenant = tenant
-        self._lock = threading.Lock()
-        self._in_flight = 0
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.pool.tenant_in_flight(self.tenant.name)
 
     @property
     def models(self) -> list[str]:
         return sorted(self.tenant.models)
 
-    def _acquire(self, model: str) -> Callable[[], None]:
-        if model not in self.tenant.models:
-            raise UnknownModelError(f"unknown model {model!r} for tenant {self.tenant.name!r}")
-        limit = self.tenant.quota.max_concurrent
-        with self._lock:
-            if limit is not None and self._in_flight >= limit:
-                eng = self.pool.engine(model)
-                raise QuotaExceededError(
-                    f"tenant {self.tenant.name!r}: {self._in_flight} requests in flight "
-                    f"(max_concurrent={limit})",
-                    retry_after=eng.retry_after() if eng is not None else 1.0,
-                )
-            self._in_flight += 1
-        released = threading.Event()
-
-        def release() -> None:
-            if not released.is_set():
-                released.set()
-                with self._lock:
-                    self._in_flight -= 1
-
-        return release
-
     async def submit(self, model: str, request: SynthesisRequest) -> AudioStream:
         """As :meth:`ModelPool.submit`, within this tenant's models and quota."""
-        release = self._acquire(model)
-        try:
-            return await self.pool.submit(model, request, tenant=self.tenant.name, on_done=release)
-        except BaseException:
-            release()
-            raise
+        return await self.pool.submit(model, request, tenant=self.tenant.name)
 
     def submit_sync(
         self, model: str, request: SynthesisRequest, load_timeout: float | None = None
     ) -> SyncAudioStream:
-        release = self._acquire(model)
-        try:
-            return self.pool.submit_sync(
-                model, request, tenant=self.tenant.name, on_done=release, load_timeout=load_timeout
-            )
-        except BaseException:
-            release()
-            raise
+        return self.pool.submit_sync(model, request, tenant=self.tenant.name, load_timeout=load_timeout)

@@ -144,7 +144,8 @@ class Token2Wav:
         elif speed != 1.0:
             if state.cache_mel is not None:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+            # at least one frame: a very short piece at a high speed would otherwise stretch to nothing
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
         speech, source = self.hift.inference(
             mel, cache_source, generator=generator, sine_phase=draws.sine_phase, sine_noise=draws.sine_noise
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -23,7 +24,19 @@ MIN_SOURCE_SR = 16000  # the reference refuses to resample audio recorded below 
 
 
 class AudioError(ValueError):
-    """The audio could not be decoded or is unusable (empty, bad sample rate)."""
+    """The audio could not be decoded or is unusable (empty, bad sample rate). ``param`` names the request field
+    that gave the audio (``prompt_wav``, ``source_wav``) once the frontend knows it."""
+
+    param: str | None = None
+
+
+def decode_failure(e: BaseException) -> str:
+    """libsndfile's reason for refusing a file, without the Python object it was handed (``<_io.BytesIO object
+    at 0x...>`` means nothing to a client)."""
+    reason = getattr(e, "error_string", None)  # soundfile.LibsndfileError: libsndfile's own message
+    if not isinstance(reason, str) or not reason:
+        reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(e))
+    return f"not a readable audio file ({reason.strip()}); supported: WAV, FLAC, OGG/Vorbis, MP3"
 
 
 def _describe(source: str | os.PathLike | bytes | bytearray | memoryview) -> str:
@@ -67,7 +80,7 @@ def load_wav(
     try:
         data, sample_rate = soundfile.read(fileobj, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
-        raise AudioError(f"cannot decode audio {name}: {e} (supported: WAV, FLAC, OGG/Vorbis, MP3)") from e
+        raise AudioError(f"cannot decode audio {name}: {decode_failure(e)}") from e
     if data.shape[0] == 0 or data.shape[1] == 0:
         raise AudioError(f"audio {name} contains no samples")
     if sample_rate <= 0:

@@ -10,7 +10,7 @@ Text that carries markup (both ``<|`` and ``|>``) passes untouched. Otherwise, a
   in tokenizer tokens.
 
 Then the text is split at sentence punctuation into pieces of about 60-80 (tokens or characters), a short
-tail (< 20) merged into the piece before, and pieces that are only punctuation dropped.
+tail (< 20) merged into the piece before, and pieces with nothing to speak (no letter or digit) dropped.
 
 wetext reads all its FSTs (~40 MB, ~0.5 s) when imported, so it is imported on the first call that needs it,
 never by importing this module; one load is shared by concurrent first callers. The strings match the
@@ -29,7 +29,7 @@ from typing import Any
 __all__ = [
     "load_normalizers",
     "contains_chinese",
-    "is_only_punctuation",
+    "nothing_to_speak",
     "normalize_and_split",
     "normalizers_loaded",
     "remove_bracket",
@@ -57,11 +57,13 @@ def contains_chinese(text: str) -> bool:
     return bool(_CJK.search(text))
 
 
-def is_only_punctuation(text: str) -> bool:
-    """True when ``text`` is empty or consists only of Unicode punctuation (P*) and symbols (S*)."""
+def nothing_to_speak(text: str) -> bool:
+    """True when ``text`` has no letter (L*) and no digit (N*): only punctuation, symbols, blanks, or invisible
+    characters such as zero-width spaces and joiners. The reference drops pieces of only punctuation (P*) and
+    symbols (S*); a piece of zero-width characters has nothing to speak either (the LLM would get only noise)."""
     import regex  # a tiktoken dependency; understands \p{...} classes
 
-    return bool(regex.fullmatch(r"[\p{P}\p{S}]*", text))
+    return regex.search(r"[\p{L}\p{N}]", text) is None
 
 
 def replace_blank(text: str) -> str:
@@ -292,7 +294,7 @@ def text_normalize(
         split: return the list of pieces (True) or the whole normalised string (False).
         tokenize: text -> token ids for measuring English pieces; default the whisper tokenizer.
     Returns:
-        The pieces (only-punctuation pieces dropped; empty for blank text), or the normalised string.
+        The pieces (pieces with :func:`nothing_to_speak` dropped; empty for blank text), or the normalised string.
         The reference returns ``['']`` for ``''`` and fails on blank text; here blank text gives ``[]``.
     """
     if "<|" in text and "|>" in text:
@@ -310,7 +312,7 @@ def text_normalize(
     if not split:
         return text
     pieces = split_paragraph(text, tokenize, lang, TOKEN_MAX_N, TOKEN_MIN_N, MERGE_LEN, comma_split=False)
-    return [p for p in pieces if not is_only_punctuation(p)]
+    return [p for p in pieces if not nothing_to_speak(p)]
 
 
 def normalize_and_split(text: str, tokenize: Callable[[str], list[int]]) -> list[str]:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.frontend.audio import AudioError, load_wav
+from cosyserve.frontend.audio import AudioError, decode_failure, load_wav
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 
 __all__ = [
@@ -61,7 +61,10 @@ FEAT_SR = 24000  # the reference's _extract_speech_feat resamples the prompt to 
 
 
 class FrontendError(ValueError):
-    """A request the frontend cannot turn into model inputs (unknown speaker, unavailable mode)."""
+    """A request the frontend cannot turn into model inputs (unknown speaker, unavailable mode); ``param`` names
+    the request field at fault where one is."""
+
+    param: str | None = None
 
 
 class PromptAudioError(AudioError):
@@ -146,7 +149,7 @@ def load_prompt(
     try:
         info = soundfile.info(io.BytesIO(data) if data is not None else path)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
-        raise PromptAudioError(f"cannot decode {name}: {e} (supported: WAV, FLAC, OGG/Vorbis, MP3)") from e
+        raise PromptAudioError(f"cannot decode {name}: {decode_failure(e)}") from e
     if info.frames == 0 or info.channels == 0:
         raise PromptAudioError(f"{name} contains no samples")
     if info.channels > limits.max_channels:
@@ -374,10 +377,16 @@ class Frontend:
         feat = feat.transpose(1, 2).contiguous()  # [1, F, 80]
         return feat, torch.tensor([feat.shape[1]], dtype=torch.int32)
 
-    def _prompt(self, prompt_wav: AudioSource | PromptAudio, what: str = "prompt audio") -> PromptAudio:
+    def _prompt(
+        self, prompt_wav: AudioSource | PromptAudio, what: str = "prompt audio", param: str = "prompt_wav"
+    ) -> PromptAudio:
         if isinstance(prompt_wav, PromptAudio):
             return prompt_wav
-        return load_prompt(prompt_wav, self.limits, what)
+        try:
+            return load_prompt(prompt_wav, self.limits, what)
+        except AudioError as e:
+            e.param = param  # the request field that gave this audio (a server names it in its error)
+            raise
 
     # --- modes ------------------------------------------------------------------------------------------------------
 
@@ -495,7 +504,7 @@ class Frontend:
         """
         self.require("vc")
         prompt = self._prompt(prompt_wav)
-        source = self._prompt(source_wav, "source audio")
+        source = self._prompt(source_wav, "source audio", "source_wav")
         prompt_tokens, prompt_tokens_len = self.extract_speech_token(prompt.speech_16k)
         feat, feat_len = self.extract_speech_feat(prompt.speech_24k)
         embedding = self.extract_spk_embedding(prompt.speech_16k)

@@ -8,8 +8,10 @@ Start-up order: the lifespan starts loading the preload models in background thr
 so uvicorn opens the port within ~0.1 s of the imports; ``/health/live`` answers from then on,
 ``/health/startup`` and ``/health/ready`` say 503 with each model's state until every preload model is READY.
 A preload that fails makes ``/health/startup`` report the cause and stops the server with exit code 3.
-On SIGTERM readiness turns 503 at once, new requests get 503, in-flight streams finish within the grace
-period, then the pool drains and releases every model.
+On SIGTERM readiness turns 503 at once and new synthesis requests get 503 with Retry-After, while the port stays
+open for ``drain_delay_s`` so load balancers see the drain; then uvicorn closes the port and in-flight streams
+get ``shutdown_grace_s`` to finish; what is still running then is cut (a stream ends without its final chunk),
+the pool releases every model and the process exits 0. SIGINT (Ctrl+C) or a second signal skips the delay.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from starlette.routing import Route
 from cosyserve.engine.engine import shared
 from cosyserve.engine.errors import EngineError, UnknownModelError
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
-from cosyserve.server.errors import HTTPError, error_response, from_engine_error
+from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
 from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
@@ -82,6 +84,10 @@ class ServerState:
         self.started_wall = time.time()
         self.draining = False
         self.drain_started: float | None = None
+        # when uvicorn was told to close the port: the grace runs from there
+        self.stop_started: float | None = None
+        self._stop_timer: asyncio.TimerHandle | None = None
+        self._cut_timer: asyncio.TimerHandle | None = None
         self.startup_error: BaseException | None = None
         self.startup_done = False
         self.preload: list[str] = []
@@ -196,9 +202,51 @@ class ServerState:
             self.draining = True
             self.drain_started = time.monotonic()
             logger.info(
-                "shutting down: readiness is 503 now; in-flight requests get %.0f s",
+                "shutting down: readiness is 503 now; in-flight requests get %.0f s once the port closes",
                 self.config.shutdown_grace_s,
             )
+
+    def on_signal(self, signum: int, stop: Any) -> None:
+        """SIGTERM/SIGINT, on the event loop: drain now; ``stop`` (uvicorn's handler) after the drain delay.
+
+        SIGTERM keeps the port open ``drain_delay_s`` (readiness and new requests answer 503) so a load balancer
+        sees the drain before connections are refused; SIGINT (Ctrl+C) and a signal during the delay stop at once;
+        a signal after that goes straight to uvicorn (a second Ctrl+C forces its exit).
+        """
+        first = not self.draining
+        self.begin_drain()
+        if self._stop_timer is not None:
+            self._stop_timer.cancel()
+            self._stop_timer = None
+        delay = self.config.drain_delay_s
+        if first and signum == signal.SIGTERM and delay > 0:
+            logger.info("the port stays open %g s so load balancers see readiness 503, then closes", delay)
+            self._stop_timer = asyncio.get_running_loop().call_later(delay, self._stop, signum, stop)
+        else:
+            self._stop(signum, stop)
+
+    def _stop(self, signum: int, stop: Any) -> None:
+        self._stop_timer = None
+        stop(signum, None)
+        if self.stop_started is None:
+            self.stop_started = time.monotonic()
+            grace = self.config.shutdown_grace_s
+            self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut_leftovers, grace)
+
+    def _cut_leftovers(self, grace: float) -> None:
+        """The grace is over: stop what still runs through the engine (a stream then ends cut, see synth.py), so
+        uvicorn's own, later timeout never has to cancel a request task (an ERROR with a traceback)."""
+        self._cut_timer = None
+        n = sum(int(m["in_flight"]) for m in self.describe_models().values())
+        if n:
+            logger.warning("shutdown grace of %g s is over: cutting %d request(s) still running", grace, n)
+        self.pool.start_close(timeout=0)
+
+    def cancel_timers(self) -> None:
+        for t in (self._stop_timer, self._cut_timer):
+            if t is not None:
+                t.cancel()
+        self._stop_timer = self._cut_timer = None
 
     async def run_startup(self) -> None:
         """Preload (in parallel, in threads), then mark READY; a failure stops the server."""
@@ -231,16 +279,24 @@ class ServerState:
 
 
 def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
-    """Readiness goes 503 the moment SIGTERM/SIGINT arrives; the previous handler (uvicorn's) still runs."""
+    """Route SIGTERM/SIGINT to :meth:`ServerState.on_signal`, which calls the previous handler (uvicorn's) later.
+
+    The handler itself only hands the signal to the event loop (``call_soon_threadsafe`` is the one loop call
+    that is safe while the loop may be mid-step); everything else runs there.
+    """
     if threading.current_thread() is not threading.main_thread():
         return {}
+    loop = asyncio.get_running_loop()
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         prev = signal.getsignal(sig)
+        if not callable(prev):
+            continue  # nobody to stop (not under uvicorn): leave the default behaviour alone
 
         def handler(signum: int, frame: Any, prev: Any = prev) -> None:
-            state.begin_drain()
-            if callable(prev):
+            try:
+                loop.call_soon_threadsafe(state.on_signal, signum, prev)
+            except RuntimeError:  # the loop is closed: nothing left to drain
                 prev(signum, frame)
 
         previous[sig] = prev
@@ -261,18 +317,23 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         state.clock.mark("lifespan")
         task = asyncio.ensure_future(state.run_startup())
         previous = _install_drain_on_signals(state)
+        workers = state.metrics.workers
+        publisher = asyncio.ensure_future(workers.publish_forever()) if workers is not None else None
         try:
             yield
         finally:
             state.begin_drain()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            for t in (task, publisher):
+                if t is not None:
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
             for sig, h in previous.items():
                 with contextlib.suppress(Exception):
                     signal.signal(sig, h)
+            state.cancel_timers()
             # one grace period in all: uvicorn already spent part of it waiting for open responses
-            spent = time.monotonic() - (state.drain_started or time.monotonic())
+            spent = time.monotonic() - (state.stop_started or time.monotonic())
             await state.pool.close(timeout=max(0.0, config.shutdown_grace_s - spent))
             logger.info("all models released")
 
@@ -300,7 +361,12 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         return FileResponse(os.path.join(_STATIC, "index.html"), media_type="text/html")
 
     async def startup_report(request: Request) -> Response:
-        return JSONResponse(state.metrics.startup_report())
+        report = state.metrics.startup_report()
+        if state.config.api_keys:  # model names are the caller's business only, as on /v1/models
+            tenant = state.tenant_of(request)
+            visible = set(state.visible_models(tenant)) if tenant is not None else set()
+            report["models"] = {n: c for n, c in report["models"].items() if n in visible}
+        return JSONResponse(report)
 
     async def openapi(request: Request) -> Response:
         from cosyserve.server.schemas import openapi_document
@@ -339,7 +405,10 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
-    middleware = [Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes))]
+    middleware = [
+        Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes)),
+        Middleware(LastResortMiddleware, metrics=state.metrics),
+    ]
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -1,6 +1,7 @@
 """API keys -> tenants. With keys configured, every API route needs ``Authorization: Bearer KEY`` (401 without
 one); the key's tenant then limits which models and registered voices the request can see or use. Health, metrics,
-the web page and the OpenAPI document stay open (probes and scrapers carry no keys).
+the web page, the OpenAPI document and ``/v1/startup`` stay open (probes and scrapers carry no keys); a valid key
+sent to them still names the tenant, so ``/v1/startup`` shows that tenant's models only (none without a key).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from cosyserve.server.errors import error_response
 
 __all__ = ["AuthMiddleware", "OPEN_PATHS"]
 
+# Open on purpose. /openapi.json describes routes and fields only (no model, voice, tenant or key), and clients
+# and API tools read it before they have a key; /v1/startup filters its models by the caller's key itself.
 OPEN_PATHS = (
     "/",
     "/health/live",
@@ -46,12 +49,7 @@ class AuthMiddleware:
         return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or not self.keys
-            or scope["path"] in OPEN_PATHS
-            or scope["method"] == "OPTIONS"
-        ):
+        if scope["type"] != "http" or not self.keys or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         header = ""
@@ -59,6 +57,11 @@ class AuthMiddleware:
             if k == b"authorization":
                 header = v.decode("latin-1")
         tenant = self._tenant(header) if header else None
+        if scope["path"] in OPEN_PATHS:
+            if tenant is not None:
+                scope.setdefault("state", {})["tenant"] = tenant
+            await self.app(scope, receive, send)
+            return
         if tenant is None:
             msg = (
                 "missing API key: send 'Authorization: Bearer YOUR_KEY'"

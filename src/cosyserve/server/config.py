@@ -14,7 +14,8 @@ Every value from outside is checked here, before anything is loaded or any port 
 | ``COSYSERVE_MAX_TEXT_CHARS`` | longest ``input`` / ``tts_text`` accepted | 4096 |
 | ``COSYSERVE_MAX_UPLOAD_BYTES`` | largest uploaded prompt/source audio | 16 MiB |
 | ``COSYSERVE_REQUEST_TIMEOUT`` | seconds a request may take before it is stopped | 300 |
-| ``COSYSERVE_SHUTDOWN_GRACE`` | seconds in-flight streams get to finish after SIGTERM | 30 |
+| ``COSYSERVE_DRAIN_DELAY`` | seconds the port stays open after SIGTERM, answering 503, before it closes | 5 |
+| ``COSYSERVE_SHUTDOWN_GRACE`` | seconds in-flight streams get to finish once the port closes; then they are cut | 30 |
 | ``COSYSERVE_DEFAULT_VOICE`` | speaker used for OpenAI voice names (alloy, ...) the model does not have | first speaker |
 
 Model-pool variables (``MODEL_POOL_SIZE``, ``COSYSERVE_MEMORY_BUDGET``, ...) are read by
@@ -30,11 +31,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "parse_api_keys", "parse_model_arg"]
+from cosyserve.hub import is_hub_id
+
+__all__ = ["ModelArg", "ServerConfig", "ServerConfigError", "is_hub_id", "parse_api_keys", "parse_model_arg"]
 
 DEMO_MODEL = "demo"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class ServerConfigError(ValueError):
@@ -66,10 +68,6 @@ def parse_model_arg(value: str, where: str = "--model") -> ModelArg:
     if not source:
         raise ServerConfigError(f"{where}={value!r}: no path after '='")
     return ModelArg(name, source)
-
-
-def is_hub_id(source: str) -> bool:
-    return not Path(source).exists() and bool(_HUB_ID.match(source))
 
 
 def parse_api_keys(text: str, where: str) -> dict[str, str]:
@@ -108,6 +106,7 @@ class ServerConfig:
     max_upload_bytes: int = 16 << 20
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 300.0
+    drain_delay_s: float = 5.0
     shutdown_grace_s: float = 30.0
     default_voice: str | None = None
     log_level: str = "info"
@@ -131,6 +130,7 @@ class ServerConfig:
         max_text_chars: int | None = None,
         max_upload_bytes: int | None = None,
         request_timeout_s: float | None = None,
+        drain_delay_s: float | None = None,
         shutdown_grace_s: float | None = None,
         default_voice: str | None = None,
         log_level: str = "info",
@@ -140,8 +140,9 @@ class ServerConfig:
         env = os.environ if env is None else env
 
         def pick(flag_value: object, var: str) -> tuple[object, str]:
+            """The value and where it came from, for errors: the flag (``--port``) or the variable."""
             if flag_value is not None:
-                return flag_value, "flag for " + var
+                return flag_value, "--" + var.removeprefix("COSYSERVE_").lower().replace("_", "-")
             raw = env.get(var)
             return (raw if raw is not None and raw.strip() else None), var
 
@@ -149,14 +150,15 @@ class ServerConfig:
             v, where = pick(flag_value, var)
             if v is None:
                 return default
+            given = f"{where} {v}" if where.startswith("--") else f"{where}={v!r}"
             try:
                 x = cast(v)
             except (TypeError, ValueError):
                 raise ServerConfigError(
-                    f"{where}={v!r}: expected a{'n integer' if cast is int else ' number'}"
+                    f"{given}: expected a{'n integer' if cast is int else ' number'}"
                 ) from None
             if not (lo <= x <= hi):
-                raise ServerConfigError(f"{where}={v!r}: must be between {lo:g} and {hi:g}")
+                raise ServerConfigError(f"{given}: must be between {lo:g} and {hi:g}")
             return x
 
         h, _ = pick(host, "COSYSERVE_HOST")
@@ -178,13 +180,11 @@ class ServerConfig:
         raw_keys = env.get("COSYSERVE_API_KEYS")
         if raw_keys and raw_keys.strip():
             keys.update(parse_api_keys(raw_keys, "COSYSERVE_API_KEYS"))
-        co, _ = pick(cors_origins, "COSYSERVE_CORS_ORIGINS")
+        co, co_where = pick(cors_origins, "COSYSERVE_CORS_ORIGINS")
         origins = tuple(o.strip() for o in str(co).split(",") if o.strip()) if co is not None else ()
         for o in origins:
             if o != "*" and not re.match(r"^https?://[^/\s]+$", o):
-                raise ServerConfigError(
-                    f"COSYSERVE_CORS_ORIGINS: {o!r} is not an origin (scheme://host[:port], or *)"
-                )
+                raise ServerConfigError(f"{co_where}: {o!r} is not an origin (scheme://host[:port], or *)")
         dv, _ = pick(default_voice, "COSYSERVE_DEFAULT_VOICE")
         if log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ServerConfigError(f"--log-level {log_level!r}: expected critical/error/warning/info/debug")
@@ -201,6 +201,7 @@ class ServerConfig:
                 num(max_upload_bytes, "COSYSERVE_MAX_UPLOAD_BYTES", int, 1024, 1 << 30, 16 << 20)
             ),
             request_timeout_s=num(request_timeout_s, "COSYSERVE_REQUEST_TIMEOUT", float, 0.1, 86400, 300.0),
+            drain_delay_s=num(drain_delay_s, "COSYSERVE_DRAIN_DELAY", float, 0, 3600, 5.0),
             shutdown_grace_s=num(shutdown_grace_s, "COSYSERVE_SHUTDOWN_GRACE", float, 0, 3600, 30.0),
             default_voice=str(dv) if dv is not None else None,
             log_level=log_level,

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyserve.engine.errors import EngineError, OverloadedError
 
-__all__ = ["HTTPError", "error_response", "from_engine_error", "without_paths"]
+__all__ = ["HTTPError", "LastResortMiddleware", "error_response", "from_engine_error", "without_paths"]
+
+logger = logging.getLogger("cosyserve.server")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -76,13 +82,60 @@ def without_paths(message: str) -> str:
     return _ABS_PATH.sub(r"\1", message)
 
 
-def from_engine_error(e: EngineError) -> HTTPError:
-    """The engine's typed error as the response the server sends (status from the class, Retry-After)."""
+def from_engine_error(e: EngineError, params: Mapping[str, str] | None = None) -> HTTPError:
+    """The engine's typed error as the response the server sends (status from the class, Retry-After).
+
+    ``params`` maps the engine's request field names (``text``, ``instruct_text``, ...) to the route's own, for
+    the error's ``param``; a field without an entry keeps the engine's name.
+    """
     status = int(getattr(e, "status_code", 500))
+    param = getattr(e, "param", None)
+    if param is not None and params:
+        param = params.get(param, param)
     headers: dict[str, str] = {}
     if isinstance(e, OverloadedError):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
     code = type(e).__name__.removesuffix("Error").lower() or None
     if status == 499:  # nobody is listening; keep a sane status for logs
         status = 400
-    return HTTPError(status, without_paths(str(e)), code=code, headers=headers)
+    return HTTPError(status, without_paths(str(e)), param=param, code=code, headers=headers)
+
+
+class LastResortMiddleware:
+    """Any exception a route did not expect becomes an OpenAI-shaped 500, counted in the error metrics.
+
+    The body says only that the server failed (no message, path or traceback of the server's); the traceback
+    goes to the log once, here (the exception is not re-raised, so the ASGI server does not log it again).
+    An exception after the response started is re-raised: only the server can abort that connection.
+    Pure ASGI, innermost of the app's middleware, so CORS headers still reach a browser's page.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            if started:
+                raise
+            route = getattr(scope.get("route"), "path", "unmatched")  # bounded labels, as the other errors
+            logger.exception("%s %s failed unexpectedly", scope.get("method"), route)
+            self.metrics.observe_error(route, 500, "internal_error")
+            resp = error_response(
+                500,
+                "internal server error: the request failed unexpectedly (details are in the server log)",
+                code="internal_error",
+            )
+            await resp(scope, receive, send)

@@ -5,15 +5,28 @@ Request-level numbers (latency, time to first audio, errors by kind) are recorde
 evictions, queue depth, in flight, real-time factor) come from ``pool.stats()``; start-up phases come from the
 same :class:`cosyserve.startup.PhaseClock` that ``cosyserve startup-report`` reads, so a report and
 production show one code path's numbers.
+
+With ``--workers N`` a scrape reaches one worker, yet must see the whole server: the request counters and
+histograms use prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, a private directory the
+master makes, see :mod:`cosyserve.server.run`), summed over the workers; the pool's values, which each worker
+holds for its own models, are published by every worker to that directory each second and shown per worker
+with a ``pid`` label: a worker's model states, load times and start-up phases are its own (a sum of them would
+mean nothing), and ``sum without (pid)`` gives the totals where they make sense (in flight, queue, engine
+counters).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import glob
+import json
+import os
 import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -147,49 +160,132 @@ class _PoolCollector:
         yield up
 
 
+class _WorkerPools:
+    """Every live worker's pool families, each sample labelled with the worker's ``pid`` (``--workers N``)."""
+
+    PUBLISH_S = 1.0  # how stale another worker's pool values may be in a scrape
+
+    def __init__(self, metrics: Metrics, path: str) -> None:
+        self.path = path
+        self.own = os.path.join(path, f"pool_{os.getpid()}.json")
+        self.local = CollectorRegistry(auto_describe=False)
+        self.local.register(_PoolCollector(metrics))
+
+    def publish(self) -> None:
+        fams = [
+            [m.name, m.documentation, m.type, [[x.name, x.labels, x.value] for x in m.samples]]
+            for m in self.local.collect()
+        ]
+        tmp = f"{self.own}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(fams, f)
+        os.replace(tmp, self.own)  # a scraping worker never reads half a file
+
+    def unpublish(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.own)
+
+    async def publish_forever(self) -> None:
+        try:
+            while True:
+                self.publish()
+                await asyncio.sleep(self.PUBLISH_S)
+        finally:
+            self.unpublish()
+
+    def collect(self) -> Any:
+        self.publish()  # this worker's values as of now
+        merged: dict[str, Metric] = {}
+        for fn in sorted(glob.glob(os.path.join(self.path, "pool_*.json"))):
+            pid = os.path.basename(fn)[len("pool_") : -len(".json")]
+            if not _alive(pid):
+                continue  # a worker that died without removing its file
+            try:
+                with open(fn, encoding="utf-8") as f:
+                    fams = json.load(f)
+            except (OSError, ValueError):
+                continue  # gone between the listing and the read
+            for name, doc, typ, samples in fams:
+                m = merged.get(name)
+                if m is None:
+                    m = merged[name] = Metric(name, doc, typ)
+                for sample, labels, value in samples:
+                    m.add_sample(sample, {**labels, "pid": pid}, value)
+        yield from merged.values()
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def multiproc_dir(workers: int) -> str | None:
+    """The shared metrics directory when this process is one of several workers, else None."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return path if workers > 1 and path and os.path.isdir(path) else None
+
+
 class Metrics:
     def __init__(self, state: Any) -> None:
         self.state = state
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics shows
         self._clocks: dict[str, Any] = {}
         self._lock = threading.Lock()
+        path = multiproc_dir(state.config.workers)
+        self.workers: _WorkerPools | None = None
+        own: CollectorRegistry | None = self.registry
+        if path is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            # the counters below write to the shared directory; the scrape reads every worker's files from there
+            MultiProcessCollector(self.registry, path=path)
+            own = None
         self.requests = Counter(
             "cosyserve_requests",
             "HTTP synthesis requests by outcome",
             ["route", "model", "status", "outcome"],
-            registry=self.registry,
+            registry=own,
         )
         self.latency = Histogram(
             "cosyserve_request_seconds",
             "request duration to the last byte",
             ["route", "model"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.ttfa = Histogram(
             "cosyserve_time_to_first_audio_seconds",
             "request start to its first audio chunk",
             ["route", "model"],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.rtf = Histogram(
             "cosyserve_request_real_time_factor",
             "request duration / audio duration",
             ["model"],
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16),
-            registry=self.registry,
+            registry=own,
         )
         self.errors = Counter(
             "cosyserve_http_errors",
             "requests refused before synthesis (bad body, auth, limits, unknown model/voice), by status and code",
             ["route", "status", "code"],
-            registry=self.registry,
+            registry=own,
         )
         self.pool_events = Counter(
-            "cosyserve_pool_events", "model pool events", ["model", "kind"], registry=self.registry
+            "cosyserve_pool_events", "model pool events", ["model", "kind"], registry=own
         )
-        self.registry.register(_PoolCollector(self))
+        if path is None:
+            self.registry.register(_PoolCollector(self))
+        else:
+            self.workers = _WorkerPools(self, path)
+            self.registry.register(self.workers)
 
     def observe_request(
         self,

@@ -18,11 +18,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cosyserve.engine.engine import shared
-from cosyserve.server.errors import HTTPError
+from cosyserve.engine.errors import EngineError
+from cosyserve.server.errors import HTTPError, from_engine_error
 from cosyserve.server.schemas import parse_speech_request
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
 
 __all__ = ["OPENAI_VOICES", "routes"]
+
+# the engine's request fields -> this route's (an engine error names its field in the response's `param`)
+_PARAMS = {"text": "input", "speaker": "voice", "instruct_text": "instructions"}
 
 OPENAI_VOICES = (
     "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse", "marin", "cedar",
@@ -141,9 +145,18 @@ def routes(state: Any) -> list[Route]:
             tenant=tenant,
             **fields,
         )
-        return await synthesize_response(
-            state, route="/v1/audio/speech", model=model, ereq=ereq, fmt=sr.response_format, tenant=tenant
-        )
+        try:
+            return await synthesize_response(
+                state,
+                request,
+                route="/v1/audio/speech",
+                model=model,
+                ereq=ereq,
+                fmt=sr.response_format,
+                tenant=tenant,
+            )
+        except EngineError as e:
+            raise from_engine_error(e, _PARAMS) from e
 
     async def models(request: Request) -> Response:
         tenant = state.tenant_of(request)
@@ -155,7 +168,7 @@ def routes(state: Any) -> list[Route]:
                 "owned_by": "cosyserve",
                 "state": desc[name]["state"],
                 "demo": state.demo,
-                **({"note": "demo model: random weights, it makes noise, not speech"} if state.demo else {}),
+                **({"note": "random weights, it makes noise, not speech"} if state.demo else {}),
             }
             for name in state.visible_models(tenant)
         ]

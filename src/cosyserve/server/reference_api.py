@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cosyserve.server.errors import HTTPError
+from cosyserve.engine.errors import EngineError
+from cosyserve.server.errors import HTTPError, from_engine_error
 from cosyserve.server.openai_api import unknown_voice, voice_known
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
 
@@ -30,6 +31,8 @@ _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "instruct": ("instruct", ("tts_text", "spk_id", "instruct_text"), ()),
 }
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+# the engine's request fields -> the form's (prompt_wav, prompt_text and instruct_text are named alike)
+_PARAMS = {"text": "tts_text", "speaker": "spk_id"}
 
 
 def routes(state: Any) -> list[Route]:
@@ -118,9 +121,18 @@ def routes(state: Any) -> list[Route]:
                 tenant=tenant,
                 **fields,
             )
-            return await synthesize_response(
-                state, route=f"/inference_{endpoint}", model=model, ereq=ereq, fmt="raw", tenant=tenant
-            )
+            try:
+                return await synthesize_response(
+                    state,
+                    request,
+                    route=f"/inference_{endpoint}",
+                    model=model,
+                    ereq=ereq,
+                    fmt="raw",
+                    tenant=tenant,
+                )
+            except EngineError as e:
+                raise from_engine_error(e, _PARAMS) from e
 
         return handler
 

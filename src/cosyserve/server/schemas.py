@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from cosyserve.engine.modes import SPEED_MAX, SPEED_MIN, speed_error
 from cosyserve.server.encode import FORMATS, MEDIA_TYPES
 from cosyserve.server.errors import HTTPError
 
@@ -45,7 +45,9 @@ def parse_speech_request(body: bytes, max_chars: int) -> SpeechRequest:
     """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest` (400 naming the field otherwise)."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:  # json's C parser recurses once per nested [ or {
+        raise HTTPError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
@@ -81,10 +83,9 @@ def parse_speech_request(body: bytes, max_chars: int) -> SpeechRequest:
             f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}", "response_format"
         )
     speed = data.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float) or not math.isfinite(speed):
-        raise _bad("speed must be a number", "speed")
-    if not 0.5 <= speed <= 2.0:
-        raise _bad(f"speed must be between 0.5 and 2.0, got {speed}", "speed")
+    bad_speed = speed_error(speed)
+    if bad_speed:
+        raise _bad(bad_speed, "speed")
     stream = data.get("stream", False)
     sf = data.get("stream_format")
     if sf is not None and sf not in ("audio", "sse"):
@@ -304,7 +305,12 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                         "input": text,
                         "voice": name,
                         "response_format": {"enum": [*FORMATS, None], "default": "mp3"},
-                        "speed": {"type": ["number", "null"], "minimum": 0.5, "maximum": 2.0, "default": 1.0},
+                        "speed": {
+                            "type": ["number", "null"],
+                            "minimum": SPEED_MIN,
+                            "maximum": SPEED_MAX,
+                            "default": 1.0,
+                        },
                         "stream": {"type": ["boolean", "null"], "default": False},
                         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
                         "instructions": {"type": ["string", "null"], "maxLength": max_text_chars},

@@ -2,8 +2,12 @@
 
 The response starts only once the first audio chunk exists (or the request failed): a request that cannot be
 served gets a proper JSON error with its status code instead of a 200 with a truncated body. After that,
-chunks are encoded and sent as they come; a client that disconnects cancels the generation in the engine
-(starlette cancels the streaming task; the engine stream's ``aclose`` stops the model at its next token).
+chunks are encoded and sent as they come. A client that disconnects cancels the generation in the engine:
+before the response starts (a non-streamed request, or a streamed one waiting for its first chunk) through a
+watch on the connection's ``http.disconnect``, after it through starlette cancelling the streaming task; the
+engine stream's ``aclose`` stops the model at its next token. A started stream that ends short (deadline,
+engine error, model released at shutdown) raises :class:`StreamCut`: the connection closes without the final
+chunk, so the client sees a truncated body instead of audio that merely looks complete.
 """
 
 from __future__ import annotations
@@ -13,19 +17,48 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import EngineError
+from cosyserve.engine.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    EngineError,
+    RequestCancelledError,
+)
 from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = ["engine_request", "new_request_id", "synthesize_response"]
+__all__ = ["StreamCut", "engine_request", "new_request_id", "synthesize_response"]
+
+
+class StreamCut(BaseException):
+    """A started response that must end without its terminating chunk, so the client sees it was cut.
+
+    A BaseException, as :class:`asyncio.CancelledError` is: no ``except Exception`` on the way out (starlette's
+    error middleware, an app's catch-all 500 handler) may turn it into an error response or log it again; it
+    reaches uvicorn, which closes the connection (:mod:`cosyserve.server.run` keeps uvicorn from logging it as
+    a crash: the request's own WARNING line already said why).
+    """
+
+
+def _cut_outcome(e: EngineError) -> str:
+    """The access log's and the metrics' outcome of a stream that ended short (the engine's outcome names)."""
+    if isinstance(e, DeadlineExceededError):
+        return "deadline"
+    if isinstance(e, EngineDeadError):
+        return "released"  # the model was released while serving: shutdown grace over, or the pool let it go
+    if isinstance(e, RequestCancelledError):
+        return "cancelled"
+    return "error"
+
+
+_T = TypeVar("_T")
 
 
 def new_request_id(request: Request) -> str:
@@ -91,13 +124,59 @@ class _Record:
 
 
 async def _submit(state: Any, model: str, ereq: SynthesisRequest, tenant: str | None) -> Any:
-    if tenant is not None and tenant in state.pool.tenants:
-        return await state.pool.view(tenant).submit(model, ereq)
-    return await state.pool.submit(model, ereq)
+    # the pool counts a tenant's requests against its quota; an API key's tenant that the pool config does not
+    # list has no quota
+    known = tenant if tenant is not None and tenant in state.pool.tenants else None
+    return await state.pool.submit(model, ereq, tenant=known)
+
+
+async def _until_disconnect(request: Request) -> None:
+    # the body has been read: the next ASGI message is http.disconnect, sent when the client goes away
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) -> _T | None:
+    """``work``'s result, or None once the client disconnects first (``work`` is cancelled then).
+
+    Starlette stops a streaming response whose client goes away, but not a handler still working out its
+    response: without this, a non-streamed request ran to its end for nobody, holding a worker.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # its own clean-up stops the generation
+    return None if task.cancelled() else task.result()
+
+
+async def _start(
+    state: Any, model: str, ereq: SynthesisRequest, tenant: str | None, rec: _Record, whole: bool
+) -> tuple[Any, list[Any]]:
+    """Submit ``ereq``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
+    stream = await _submit(state, model, ereq, tenant)
+    chunks: list[Any] = []
+    try:
+        async for c in stream:
+            if rec.ttfa_s is None:
+                rec.ttfa_s = time.perf_counter() - rec.t0
+            chunks.append(c)
+            rec.samples += len(c)
+            if not whole:
+                break
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream, chunks
 
 
 async def synthesize_response(
     state: Any,
+    request: Request,
     *,
     route: str,
     model: str,
@@ -109,54 +188,49 @@ async def synthesize_response(
 
     ``ereq.stream`` decides both how the engine cuts the audio and whether the response is streamed
     (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
-    them to JSON errors); after it, they end the stream early and are logged.
+    them to JSON errors); after it, they end the stream early and are logged. A client that disconnects
+    before the response starts stops the generation (logged as ``client_gone``, status 499).
     """
     rec = _Record(state, route, model, ereq, fmt)
     if state.draining:
-        from cosyserve.engine.errors import NotReadyError
+        from cosyserve.server.errors import HTTPError
 
         rec.status, rec.outcome = 503, "draining"
         rec.done()
-        raise NotReadyError("the server is shutting down")
+        raise HTTPError(503, "the server is shutting down", headers={"Retry-After": "1"})
+    whole = fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE)
     try:
-        stream = await _submit(state, model, ereq, tenant)
-        try:
-            first: Any = await stream.__anext__()
-        except StopAsyncIteration:
-            first = None
+        started = await _unless_disconnected(request, _start(state, model, ereq, tenant, rec, whole))
     except BaseException as e:
         rec.failed(e)
         raise
-    rec.ttfa_s = time.perf_counter() - rec.t0
+    if started is None:  # nobody to answer
+        rec.status, rec.outcome = 499, "client_gone"
+        rec.done()
+        return Response(status_code=499)
+    stream, chunks = started
+    if rec.ttfa_s is None:  # no audio at all
+        rec.ttfa_s = time.perf_counter() - rec.t0
     rec.sample_rate = int(stream.sample_rate or 0)
     rate = rec.sample_rate
     headers = {"X-Request-Id": ereq.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
     if state.demo:
         headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
-    if first is not None:
-        rec.samples += len(first)
 
-    if fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE):
-        chunks = [] if first is None else [first]
-        try:
-            async for c in stream:
-                chunks.append(c)
-                rec.samples += len(c)
-        except BaseException as e:
-            rec.failed(e)
-            await stream.aclose()
-            raise
+    if whole:
         body = await asyncio.to_thread(encode_all, chunks, fmt, rate)
         rec.bytes = len(body)
         rec.done()
         return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
 
+    first = chunks[0] if chunks else None
     enc = Encoder(fmt, rate) if fmt != "raw" else None
 
     def encode(chunk: Any) -> bytes:
         return enc.encode(chunk) if enc is not None else to_int16(chunk)
 
     async def body() -> AsyncIterator[bytes]:
+        cut: EngineError | None = None
         try:
             head = enc.header() if enc is not None else b""
             data = head + (encode(first) if first is not None else b"")
@@ -174,16 +248,28 @@ async def synthesize_response(
                 if tail:
                     rec.bytes += len(tail)
                     yield tail
-        except EngineError as e:  # headers are gone: end the stream short and say why in the log
-            rec.outcome = type(e).__name__
-            logger.warning("request %s: stream ended early: %s", ereq.request_id, e)
+        except EngineError as e:  # headers are out: cutting the connection is the only way left to say so
+            rec.outcome = _cut_outcome(e)
+            cut = e
         except (asyncio.CancelledError, GeneratorExit):
             rec.outcome = "client_gone"
             await stream.aclose()
             raise
+        except Exception:
+            rec.outcome = "error"  # a bug: uvicorn logs its traceback and closes the connection
+            raise
         finally:
             await stream.aclose()
             rec.done()
+        if cut is not None:
+            logger.warning(
+                "request %s: stream cut after %d bytes (%s: %s); closing the connection without the final chunk",
+                ereq.request_id,
+                rec.bytes,
+                rec.outcome,
+                cut,
+            )
+            raise StreamCut(ereq.request_id)
 
     media = MEDIA_TYPES.get(fmt, "application/octet-stream")
     return StreamingResponse(body(), media_type=media, headers=headers)
