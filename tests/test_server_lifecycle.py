@@ -95,7 +95,7 @@ def count(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tiny_model_dir, tmp_path_factory.mktemp("lifecycle")) as s:
+    with running_server(f"tiny={tiny_model_dir}", tmp_path_factory.mktemp("lifecycle")) as s:
         yield s
 
 
