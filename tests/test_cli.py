@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess, read when it starts: the session's private cache dir (set by conftest
+    after this module is imported) is in it, so no test converts into the user's cache."""
+    return {**os.environ, "PYTHONPATH": SRC, **extra}
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -15,7 +21,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         [sys.executable, "-m", "cosyserve", *args],
         capture_output=True,
         text=True,
-        env=env or ENV,
+        env=env or cli_env(),
         timeout=300,
     )
 
@@ -28,7 +34,7 @@ def test_import_and_help_do_not_import_torch() -> None:
         "heavy = [m for m in ('torch', 'numpy', 'safetensors', 'tiktoken') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert r.returncode == 0, r.stderr
     assert "synth" in r.stdout and "make-test-model" in r.stdout
 
@@ -99,7 +105,7 @@ def test_synth_instruct_mode_on_a_model_that_is_not_instruct(plain_model_dir: Pa
     line naming the flag, and writes nothing."""
     out = tmp_path / "x.wav"
     args = ["--mode", "instruct", "--speaker", "英文女", "--text", "Hi.", "--instruct-text", "Speak calmly."]
-    env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}  # the session's private cache dir, set after import
+    env = cli_env()
     r = cli("synth", "--model", str(plain_model_dir), *args, "--out", str(out), env=env)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]  # (before it: the conversion's log line)
@@ -186,7 +192,7 @@ def test_stream_with_speed_is_a_usage_error(tiny_model_dir: Path, tmp_path: Path
 
 
 def test_model_from_env(tiny_model_dir: Path) -> None:
-    r = cli("speakers", env={**ENV, "COSYSERVE_MODEL": str(tiny_model_dir)})
+    r = cli("speakers", env=cli_env(COSYSERVE_MODEL=str(tiny_model_dir)))
     assert r.returncode == 0 and "英文男" in r.stdout
 
 
@@ -221,7 +227,7 @@ def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> N
         "assert 'onnx' not in [k for k, v in sys.modules.items() if v is not None]\n"
         "print('registered', spk.name)\n"
     )
-    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env = cli_env(COSYSERVE_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "registered me" in r.stdout
@@ -385,7 +391,7 @@ def test_hub_id_without_hub_extra_is_one_line_naming_the_extra(tmp_path: Path) -
         "main(['synth', '--model', 'iic/CosyVoice-300M-SFT', '--speaker', 'a', '--text', 'Hi.', '--out', 'x.wav'])\n"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=120
     )
     assert r.returncode == 1 and "cosyserve[hub]" in r.stderr, r.stderr
     assert "not found" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -396,7 +402,7 @@ def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     naming the package."""
     code = "import sys\nsys.modules['uvicorn'] = None\nfrom cosyserve.cli import main\nmain(['serve', '--port', '0'])\n"
     r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=120
     )
     assert r.returncode == 1 and "'uvicorn'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -405,7 +411,7 @@ def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
 def test_first_conversion_is_one_progress_line_not_a_warning(tiny_model_dir: Path, tmp_path: Path) -> None:
     """If this fails, the expected first conversion of a model dir is logged as a WARNING (it is normal, not a
     problem), or the CLI user no longer sees one short line saying what the pause is."""
-    env = {**ENV, "COSYSERVE_CACHE_DIR": str(tmp_path / "cache"), "PREWARM_MODELS": "0"}
+    env = cli_env(COSYSERVE_CACHE_DIR=str(tmp_path / "cache"), PREWARM_MODELS="0")
     args = ("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--out")
     r = cli(*args, str(tmp_path / "a.wav"), env=env)
     assert r.returncode == 0, r.stderr

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # every kind of fixtures/KINDS.md
 IMPLEMENTED = [
@@ -19,7 +19,8 @@ IMPLEMENTED = [
 
 def conformance(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "cosyserve", "conformance", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900)
+    env = {**os.environ, "PYTHONPATH": SRC}  # read now: conftest has set the session's private cache dir
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
 def test_fixture_set_passes(fixture_set_dir: Path) -> None:
