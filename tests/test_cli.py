@@ -201,6 +201,33 @@ def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
     assert r.returncode != 0 and "already exists" in r.stderr
 
 
+def test_make_test_model_force_replaces_only_its_own_models(tmp_path: Path) -> None:
+    """--force must never delete what make-test-model did not write: a real model dir or any other folder the user
+    names survives untouched; a test model it wrote before (or an empty folder) is replaced."""
+    from cosyserve.testmodel import make_test_model
+
+    real = tmp_path / "CosyVoice-300M-SFT"
+    real.mkdir()
+    (real / "cosyvoice.yaml").write_text("# the official yaml\nsample_rate: 22050\n", encoding="utf-8")
+    (real / "llm.pt").write_bytes(b"weights")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me", encoding="utf-8")
+    for path in (real, other):
+        with pytest.raises(FileExistsError, match="not a model that make-test-model wrote"):
+            make_test_model(path, force=True, onnx=False)
+    assert (real / "llm.pt").read_bytes() == b"weights" and (other / "todo.txt").read_text() == "keep me"
+    ours = tmp_path / "ours"
+    make_test_model(ours, onnx=False)
+    (ours / "extra").write_text("left by an older run", encoding="utf-8")
+    make_test_model(ours, force=True, onnx=False)
+    assert not (ours / "extra").exists() and (ours / "llm.pt").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    make_test_model(empty, force=True, onnx=False)
+    assert (empty / "cosyvoice.yaml").is_file()
+
+
 def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> None:
     """If this fails, a plain `pip install cosyserve` (no extras: the `onnx` package is a dev dependency) cannot
     run `make-test-model` or the demo model of `cosyserve serve` without --model, or the demo loses its zero-shot

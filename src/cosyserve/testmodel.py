@@ -35,6 +35,7 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
+_HEADER_MARK = "written by cosyserve make-test-model"
 _TEMPLATE = """\
 # CosyVoice-300M layout, written by cosyserve make-test-model ({size}): RANDOM WEIGHTS, it makes noise.
 __set_seed1: !apply:random.seed [1986]
@@ -221,6 +222,19 @@ def _voice_f0_head(hift: Any, generator: Any) -> None:
         head.bias.fill_(150.0 - scale * float(z.mean()))
 
 
+def _is_test_model(path: Path) -> bool:
+    # what --force may replace: an empty folder, or a folder whose yaml carries our header (never a real model)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    try:
+        with open(path / "cosyvoice.yaml", encoding="utf-8") as f:
+            return _HEADER_MARK in f.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def make_test_model(
     out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False, onnx: bool = True
 ) -> dict[str, tuple[int, int]]:
@@ -244,8 +258,14 @@ def make_test_model(
     from cosyserve.staging import Staging
 
     out = Path(out)
-    if os.path.lexists(out) and not force:
-        raise FileExistsError(f"{out} already exists (use --force to replace it)")
+    if os.path.lexists(out):
+        if not force:
+            raise FileExistsError(f"{out} already exists (use --force to replace it)")
+        if not _is_test_model(out):
+            raise FileExistsError(
+                f"{out} exists and is not a model that make-test-model wrote: --force replaces only those "
+                "(or an empty folder); choose another path"
+            )
     staging = Staging(out, "making").start()
     tmp = staging.path
     info: dict[str, tuple[int, int]] = {}
