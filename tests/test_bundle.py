@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from cosyserve.bundle.convert import convert
-from cosyserve.bundle.loader import BundleError, LoadOptions, is_bundle, open_bundle
+from cosyserve.bundle.loader import LoadOptions, is_bundle, open_bundle
 from cosyserve.bundle.official import load_component
+from cosyserve.errors import BundleError
 from proc_util import run_python
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -279,7 +280,7 @@ def test_sft_path_never_loads_zero_shot_tier(bundle_dir: Path) -> None:
 
 def test_env_settings_are_checked(monkeypatch: pytest.MonkeyPatch, bundle_dir: Path) -> None:
     import cosyserve
-    from cosyserve.settings import SettingsError
+    from cosyserve.errors import SettingsError
 
     monkeypatch.setenv("COSYSERVE_PRELOAD", "sometimes")
     with pytest.raises(SettingsError, match="COSYSERVE_PRELOAD='sometimes'"):
@@ -368,7 +369,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 def test_force_never_replaces_the_model_or_what_is_not_a_bundle(
     tiny_model_dir: Path, tmp_path: Path, case: str
 ) -> None:
-    from cosyserve.bundle.convert import ConvertError
+    from cosyserve.errors import ConvertError
 
     parent = tmp_path / "parent"
     model = parent / "m"

@@ -34,7 +34,9 @@ def test_import_and_help_do_not_import_torch() -> None:
         "heavy = [m for m in ('torch', 'numpy', 'safetensors', 'tiktoken') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "synth" in r.stdout and "make-test-model" in r.stdout
 

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.config import ConfigError, Tagged, load_model_config, read_yaml
+from cosyserve.config import Tagged, load_model_config, read_yaml
+from cosyserve.errors import ModelConfigError
 from cosyserve.testmodel import render_yaml
 
 
@@ -34,7 +35,7 @@ def test_tags_are_data_and_never_executed(tmp_path: Path) -> None:
 
 def test_python_object_tags_are_refused(tmp_path: Path) -> None:
     _write(tmp_path, "x: !!python/object/apply:os.system ['true']\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ModelConfigError, match="not valid YAML"):
         read_yaml(tmp_path / "cosyvoice.yaml")
 
 
@@ -43,7 +44,7 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
         "        num_class: 1\n", "        num_class: 1\n        bogus_key: 3\n"
     )
     _write(tmp_path, text)
-    with pytest.raises(ConfigError, match=r"hift\.f0_predictor\.bogus_key") as e:
+    with pytest.raises(ModelConfigError, match=r"hift\.f0_predictor\.bogus_key") as e:
         load_model_config(tmp_path)
     assert "cosyvoice.yaml" in str(e.value)
 
@@ -51,31 +52,31 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
 def test_missing_required_key_is_named(tmp_path: Path) -> None:
     text = render_yaml("tiny").replace("    speech_token_size: 4096\n", "")
     _write(tmp_path, text)
-    with pytest.raises(ConfigError, match=r"missing required key 'llm\.speech_token_size'"):
+    with pytest.raises(ModelConfigError, match=r"missing required key 'llm\.speech_token_size'"):
         load_model_config(tmp_path)
 
 
 def test_wrong_class_is_refused(tmp_path: Path) -> None:
     text = render_yaml("tiny").replace("cosyvoice.llm.llm.TransformerLM", "cosyvoice.llm.llm.Qwen2LM")
     _write(tmp_path, text)
-    with pytest.raises(ConfigError, match="Qwen2LM.*supports only cosyvoice.llm.llm.TransformerLM"):
+    with pytest.raises(ModelConfigError, match="Qwen2LM.*supports only cosyvoice.llm.llm.TransformerLM"):
         load_model_config(tmp_path)
 
 
 def test_bad_value_type_is_named(tmp_path: Path) -> None:
     text = render_yaml("tiny").replace("    base_channels: 32\n", "    base_channels: many\n")
     _write(tmp_path, text)
-    with pytest.raises(ConfigError, match=r"'hift\.base_channels' should be int"):
+    with pytest.raises(ModelConfigError, match=r"'hift\.base_channels' should be int"):
         load_model_config(tmp_path)
 
 
 def test_dangling_ref_is_named(tmp_path: Path) -> None:
     text = render_yaml("tiny").replace("!ref <spk_embed_dim>", "!ref <no_such_key>", 1)
     _write(tmp_path, text)
-    with pytest.raises(ConfigError, match="no_such_key"):
+    with pytest.raises(ModelConfigError, match="no_such_key"):
         load_model_config(tmp_path)
 
 
 def test_missing_yaml(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cosyvoice.yaml"):
+    with pytest.raises(ModelConfigError, match="cosyvoice.yaml"):
         load_model_config(tmp_path)

@@ -21,7 +21,7 @@ from cosyserve.engine.engine import (
     EngineState,
     SynthesisRequest,
 )
-from cosyserve.engine.errors import (
+from cosyserve.errors import (
     ClientError,
     DeadlineExceededError,
     EngineDeadError,

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from cosyserve.conformance.kinds_features import KINDS
-from cosyserve.frontend.audio import AudioError, load_wav, resample
+from cosyserve.errors import AudioError
+from cosyserve.frontend.audio import load_wav, resample
 from cosyserve.frontend.features import (
     kaldi_fbank,
     mel_spectrogram,

@@ -17,17 +17,14 @@ from safetensors.torch import load_file
 from cosyserve.conformance import KIND_MODULES, run_case
 from cosyserve.conformance.context import CaseContext
 from cosyserve.conformance.kinds_frontend import KINDS
-from cosyserve.frontend.audio import AudioError
+from cosyserve.errors import AudioError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.frontend.onnx_testmodels import SPEECH_TOKEN_VOCAB, write_test_onnx_models
 from cosyserve.frontend.text import normalize_and_split, split_paragraph, text_normalize
 from cosyserve.frontend.zeroshot import (
     CAMPPLUS_FILE,
     SPEECH_TOKENIZER_FILE,
     Frontend,
-    FrontendError,
-    ModeUnavailableError,
     OnnxModel,
-    PromptAudioError,
     load_prompt,
 )
 
@@ -277,7 +274,7 @@ def test_model_dir_without_onnx_still_serves_sft(tmp_path: Path) -> None:
         fe.frontend_zero_shot("hello", "hi", tmp_path / "whatever.wav", 22050)
     with pytest.raises(ModeUnavailableError, match="cross_lingual"):
         fe.frontend_cross_lingual("hello", b"", 22050)
-    with pytest.raises(FrontendError, match="unknown speaker 'nobody'.*spk"):
+    with pytest.raises(UnknownVoiceError, match="unknown speaker 'nobody'.*spk"):
         fe.frontend_sft("hello", "nobody")
 
 
@@ -321,7 +318,7 @@ def _wav_bytes(data: np.ndarray, sr: int, subtype: str = "PCM_16") -> bytes:
 def test_bad_prompt_audio_is_refused_clearly(make, message: str) -> None:  # noqa: ANN001
     """If this fails, unusable prompt audio gets through to the models (garbage voice, or a crash deep in the
     feature code) instead of a ValueError that tells the client what is wrong with the file."""
-    with pytest.raises(PromptAudioError, match=message) as info:
+    with pytest.raises(AudioError, match=message) as info:
         load_prompt(make())
     assert isinstance(info.value, AudioError) and isinstance(info.value, ValueError)
 
@@ -337,8 +334,8 @@ def test_good_stereo_prompt_and_token_length_guard(test_model_dir: Path, tmp_pat
         and prompt.speech_24k.shape == (1, 36000)
     )
     fe = Frontend(test_model_dir)
-    with pytest.raises(PromptAudioError, match="at most 30 s"):
+    with pytest.raises(AudioError, match="at most 30 s"):
         fe.extract_speech_token(torch.zeros(1, 16000 * 30 + 1))
     missing = tmp_path / "nope.wav"
-    with pytest.raises(PromptAudioError, match="does not exist"):
+    with pytest.raises(AudioError, match="does not exist"):
         fe.frontend_zero_shot("hi", "hey", missing, 22050)

@@ -20,9 +20,9 @@ import soundfile
 import torch
 
 import cosyserve
-from cosyserve.engine.pipeline import SynthesisError, SynthesisRequest
-from cosyserve.frontend.audio import AudioError
-from cosyserve.frontend.zeroshot import Frontend, ModeUnavailableError, PromptAudioError
+from cosyserve.engine.pipeline import SynthesisRequest
+from cosyserve.errors import AudioError, ClientError, ModeUnavailableError
+from cosyserve.frontend.zeroshot import Frontend
 
 SPK = "英文女"
 PROMPT_TEXT = "Hello there, this is my voice."
@@ -430,7 +430,7 @@ def test_unreadable_audio_names_its_field_without_object_reprs(model: Any, audio
 def test_text_with_nothing_to_speak_is_refused_alike(model: Any, text: str, normalize: bool) -> None:
     """Zero-width characters have as little to speak as punctuation: both must be refused, naming ``text``,
     instead of sending invisible characters to the LLM (which makes audio of noise)."""
-    with pytest.raises(SynthesisError, match="nothing to speak") as e:
+    with pytest.raises(ClientError, match="nothing to speak") as e:
         model.synthesize_request(SynthesisRequest(text=text, speaker=SPK, normalize=normalize))
     assert e.value.param == "text"
 
@@ -445,7 +445,7 @@ def test_openai_speed_range_stretches_the_audio(model: Any, speed: float) -> Non
     assert abs(out.size - base.size / speed) <= 256, (out.size, base.size, speed)
     assert np.isfinite(out).all() and 0 < np.abs(out).max() <= 1.0
     for bad in (0.2, 4.5, float("nan")):
-        with pytest.raises(SynthesisError, match=r"between 0\.25 and 4\.0|number") as e:
+        with pytest.raises(ClientError, match=r"between 0\.25 and 4\.0|number") as e:
             model.synthesize_request(dataclasses.replace(req, speed=bad))
         assert e.value.param == "speed"
 
@@ -471,7 +471,7 @@ def test_prompt_audio_error_is_raised_before_any_audio(
     model: Any, bad_audio: dict[str, tuple[Any, str]]
 ) -> None:
     # errors come from synthesize() itself, so a server can answer 4xx before streaming starts
-    with pytest.raises(PromptAudioError):
+    with pytest.raises(AudioError):
         model.synthesize("Hi.", mode="cross_lingual", prompt_wav=bad_audio["silent"][0])
 
 
@@ -496,17 +496,17 @@ def test_prompt_audio_error_is_raised_before_any_audio(
 )
 def test_bad_field_combinations(model: Any, kwargs: dict[str, Any], needle: str) -> None:
     text = "" if kwargs.get("mode") == "vc" else "Hi."
-    with pytest.raises(SynthesisError, match=needle):
+    with pytest.raises(ClientError, match=needle):
         model.synthesize(text, **kwargs)
 
 
 def test_vc_refuses_text_and_registered_voice_refuses_sft(model: Any, audio: dict[str, Path]) -> None:
-    with pytest.raises(SynthesisError, match="text is not used in vc"):
+    with pytest.raises(ClientError, match="text is not used in vc"):
         model.synthesize("Hi.", mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"])
     model.add_speaker("zs-only", audio["prompt"], PROMPT_TEXT, overwrite=True)
-    with pytest.raises(SynthesisError, match="registered zero-shot voice"):
+    with pytest.raises(ClientError, match="registered zero-shot voice"):
         model.synthesize("Hi.", "zs-only", mode="sft")
-    with pytest.raises(SynthesisError, match="pre-defined speaker"):
+    with pytest.raises(ClientError, match="pre-defined speaker"):
         model.add_speaker(SPK, audio["prompt"], PROMPT_TEXT)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cosyserve
-from cosyserve.engine.pipeline import SynthesisError
+from cosyserve.errors import ClientError
 
 
 @pytest.fixture(scope="module")
@@ -61,5 +61,5 @@ def test_speed_changes_duration(model) -> None:  # type: ignore[no-untyped-def]
     ],
 )
 def test_bad_requests(model, kwargs, needle) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(SynthesisError, match=needle):
+    with pytest.raises(ClientError, match=needle):
         list(model.synthesize(**kwargs))

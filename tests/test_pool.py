@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from cosyserve.engine.engine import EngineState, SynthesisRequest
-from cosyserve.engine.errors import MemoryBudgetError, UnknownModelError
 from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent, lru_k_order, memory_usage, rss_of_files
+from cosyserve.errors import MemoryBudgetError, UnknownModelError
 from proc_util import run_python
 
 

@@ -198,7 +198,7 @@ def test_bad_speech_requests_name_their_field(raw: bytes, param: str | None, mes
 
 
 def test_engine_error_messages_reach_the_client_without_server_paths() -> None:
-    from cosyserve.engine.errors import ClientError
+    from cosyserve.errors import ClientError
     from cosyserve.server.errors import from_engine_error
 
     e = ClientError(

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import OverloadedError, QuotaExceededError, UnknownModelError
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
 from cosyserve.engine.tenants import Tenant, TenantQuota
+from cosyserve.errors import OverloadedError, QuotaExceededError, UnknownModelError
+from cosyserve.server.errors import status_of
 
 
 class FakeModel:
@@ -90,7 +91,7 @@ def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
     for _ in range(5):
         with pytest.raises(QuotaExceededError, match="tenant 'a'") as info:
             a.submit_sync("shared", req())
-        assert info.value.retry_after > 0 and info.value.status_code == 429
+        assert info.value.retry_after > 0 and status_of(info.value) == 429
     other = b.submit_sync("shared", req())  # b's slots are untouched by a's flood
     assert a.in_flight == 2 and b.in_flight == 1
     hold.set()

@@ -280,7 +280,7 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
     import hashlib
 
     from cosyserve.bundle.loader import is_bundle
-    from cosyserve.bundle.official import ModelDirError
+    from cosyserve.errors import ModelDirError
     from cosyserve.hub import resolve_model
     from cosyserve.settings import cache_dir
 

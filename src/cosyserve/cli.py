@@ -77,7 +77,7 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     release_gc()
     if args.registry_dir:
         model.use_registry(args.registry_dir)
-    from cosyserve.frontend.zeroshot import ModeUnavailableError
+    from cosyserve.errors import ModeUnavailableError
 
     try:
         chunks = model.synthesize(

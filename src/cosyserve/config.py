@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["ConfigError", "ModelConfig", "Tagged", "build_config", "load_model_config", "read_yaml"]
+from cosyserve.errors import ModelConfigError
 
-
-class ConfigError(ValueError):
-    """A model config that cannot be used: names the file, the key path and what was expected."""
+__all__ = ["ModelConfigError", "ModelConfig", "Tagged", "build_config", "load_model_config", "read_yaml"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ def _construct_ref(loader: Any, node: Any) -> _Ref:
     text = str(loader.construct_scalar(node)).strip()
     m = _REF_RE.match(text)
     if not m:
-        raise ConfigError(
+        raise ModelConfigError(
             f"unsupported !ref expression {text!r} at line {node.start_mark.line + 1}: "
             "only a plain reference like <key> or <a.b> is understood"
         )
@@ -101,15 +99,15 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"cannot read model config {path}: {e}") from e
+        raise ModelConfigError(f"cannot read model config {path}: {e}") from e
     import yaml
 
     try:
         doc = yaml.load(text, Loader=_loader())  # noqa: S506 - the loader derives from SafeLoader
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        raise ModelConfigError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(doc).__name__}")
+        raise ModelConfigError(f"{path}: expected a mapping at the top level, got {type(doc).__name__}")
     return _resolve(doc, doc, path, "", set())
 
 
@@ -119,7 +117,7 @@ def _lookup(root: dict[str, Any], key: str, path: Path, where: str) -> Any:
         if isinstance(node, Tagged):
             node = node.value
         if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"{path}: !ref <{key}> at '{where}' points at a key that does not exist")
+            raise ModelConfigError(f"{path}: !ref <{key}> at '{where}' points at a key that does not exist")
         node = node[part]
     return node
 
@@ -127,7 +125,7 @@ def _lookup(root: dict[str, Any], key: str, path: Path, where: str) -> Any:
 def _resolve(node: Any, root: dict[str, Any], path: Path, where: str, active: set[str]) -> Any:
     if isinstance(node, _Ref):
         if node.key in active:
-            raise ConfigError(f"{path}: !ref <{node.key}> at '{where}' is circular")
+            raise ModelConfigError(f"{path}: !ref <{node.key}> at '{where}' is circular")
         target = _lookup(root, node.key, path, where)
         return _resolve(target, root, path, where, active | {node.key})
     if isinstance(node, Tagged):
@@ -166,21 +164,21 @@ def build_config(cls: type, node: Any, *, source: str | Path = "<config>", where
     target = getattr(cls, "TARGET", None)
     if isinstance(node, Tagged):
         if target is not None and node.target != target:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"{source}: '{where}' is {node.target}, but cosyserve supports only {target} there"
             )
         node = _unwrap_dictconfig(node)
     if node is None:
         node = {}
     if not isinstance(node, dict):
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: '{where}' should be a mapping of {cls.__name__} arguments, got {node!r}"
         )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(node) - set(fields))
     if unknown:
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: unknown key(s) {', '.join(repr(_join(where, k)) for k in unknown)} for {cls.__name__}; "
             f"known keys: {', '.join(sorted(fields))}"
         )
@@ -189,13 +187,13 @@ def build_config(cls: type, node: Any, *, source: str | Path = "<config>", where
         key = _join(where, name)
         if name not in node:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{source}: missing required key '{key}' for {cls.__name__}")
+                raise ModelConfigError(f"{source}: missing required key '{key}' for {cls.__name__}")
             continue
         kwargs[name] = _coerce(hints[name], node[name], source, key)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{source}: invalid values for '{where or cls.__name__}': {e}") from e
+        raise ModelConfigError(f"{source}: invalid values for '{where or cls.__name__}': {e}") from e
 
 
 def _join(where: str, key: str) -> str:
@@ -214,24 +212,24 @@ def _coerce(tp: Any, value: Any, source: str | Path, key: str) -> Any:
                 continue
             try:
                 return _coerce(arg, value, source, key)
-            except ConfigError as e:
+            except ModelConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[-1] if errors else f"{source}: bad value for '{key}'")
+        raise ModelConfigError(errors[-1] if errors else f"{source}: bad value for '{key}'")
     if dataclasses.is_dataclass(tp):
         return build_config(tp, value, source=source, where=key)
     if isinstance(value, Tagged):
-        raise ConfigError(
+        raise ModelConfigError(
             f"{source}: '{key}' is a !{value.kind}:{value.target} object where a {_tname(tp)} belongs"
         )
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: '{key}' should be a list, got {value!r}")
+            raise ModelConfigError(f"{source}: '{key}' should be a list, got {value!r}")
         return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, val_t = typing.get_args(tp) or (str, Any)
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{key}' should be a mapping, got {value!r}")
+            raise ModelConfigError(f"{source}: '{key}' should be a mapping, got {value!r}")
         return {str(k): _coerce(val_t, v, source, f"{key}.{k}") for k, v in value.items()}
     if tp is Any:
         return value
@@ -255,10 +253,10 @@ def _coerce(tp: Any, value: Any, source: str | Path, key: str) -> Any:
     elif origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{source}: '{key}' must be one of {typing.get_args(tp)}, got {value!r}")
+        raise ModelConfigError(f"{source}: '{key}' must be one of {typing.get_args(tp)}, got {value!r}")
     else:
         return value
-    raise ConfigError(f"{source}: '{key}' should be {_tname(tp)}, got {value!r}")
+    raise ModelConfigError(f"{source}: '{key}' should be {_tname(tp)}, got {value!r}")
 
 
 def _tname(tp: Any) -> str:
@@ -294,7 +292,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     Args:
         model_dir: an official CosyVoice-300M model directory (or the yaml file itself).
     Returns:
-        A :class:`ModelConfig`. Raises :class:`ConfigError` naming the file and key for anything unusable.
+        A :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
     from cosyserve.models.flow import FlowConfig
     from cosyserve.models.hift import HiFTConfig
@@ -304,14 +302,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if path.is_dir():
         path = path / "cosyvoice.yaml"
     if not path.is_file():
-        raise ConfigError(f"model config not found: {path} (an official model dir holds cosyvoice.yaml)")
+        raise ModelConfigError(f"model config not found: {path} (an official model dir holds cosyvoice.yaml)")
     doc = read_yaml(path)
     unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
+        raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
     for key in ModelConfig.KNOWN:
         if key not in doc:
-            raise ConfigError(f"{path}: missing required top-level key '{key}'")
+            raise ModelConfigError(f"{path}: missing required top-level key '{key}'")
     sample_rate = _coerce(int, doc["sample_rate"], path, "sample_rate")
     return ModelConfig(
         sample_rate=sample_rate,

@@ -11,13 +11,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from cosyserve.errors import HubError
+
 __all__ = ["HubError", "download", "is_hub_id", "resolve_model"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class HubError(ValueError):
-    """A hub id that cannot be fetched (library missing, unknown id, network)."""
 
 
 def is_hub_id(source: str) -> bool:

@@ -43,6 +43,8 @@ from typing import Literal
 
 import torch
 
+from cosyserve.errors import RegistryError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -84,10 +86,6 @@ _TOKEN_KEYS = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_tok
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 Kind = Literal["zero_shot", "sft"]
-
-
-class RegistryError(ValueError):
-    """A registry operation that cannot be done as asked (bad name, unknown speaker, bad file)."""
 
 
 @dataclass(frozen=True)

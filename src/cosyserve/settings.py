@@ -22,14 +22,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cosyserve.errors import SettingsError
+
 __all__ = ["SettingsError", "cache_dir", "env_bool", "env_choice", "env_int", "load_strategy", "prewarm"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-
-
-class SettingsError(ValueError):
-    """An environment variable with a value cosyserve cannot use."""
 
 
 def env_bool(name: str, default: bool) -> bool:

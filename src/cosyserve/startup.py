@@ -315,7 +315,8 @@ def prefetch_bundles(paths: Iterable[str]) -> list[Any]:
     """For each of ``paths`` that is a bundle, start :func:`prefetch_files` on its weight files, unless the load
     strategy is ``lazy``. Called at process start by ``cosyserve serve`` / ``synth`` before importing torch: on
     a cold page cache the disk reads then overlap the ~0.9 s of imports instead of following them."""
-    from cosyserve.settings import SettingsError, load_strategy
+    from cosyserve.errors import SettingsError
+    from cosyserve.settings import load_strategy
 
     try:
         if load_strategy() == "lazy":

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyserve.errors import ConvertError, ModelDirError
+
 __all__ = [
     "BUNDLE_FORMAT",
     "BUNDLE_VERSION",
@@ -42,10 +44,6 @@ BUNDLE_VERSION = 1
 COMPONENTS = ("llm", "flow", "hift")
 ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-
-
-class ConvertError(ValueError):
-    """The output path cannot take a bundle; nothing was changed."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -156,7 +154,7 @@ def convert(
     import torch
 
     from cosyserve import __version__
-    from cosyserve.bundle.official import ModelDirError, is_instruct_model_dir, load_speakers
+    from cosyserve.bundle.official import is_instruct_model_dir, load_speakers
     from cosyserve.config import load_model_config
     from cosyserve.staging import Staging
 

@@ -32,26 +32,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, ONNX_FILES
+from cosyserve.errors import BundleError
 from cosyserve.startup import PhaseClock
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bundle", "BundleError", "LoadOptions", "LoadedParts", "is_bundle", "model_key", "open_bundle"]
+__all__ = ["Bundle", "LoadOptions", "LoadedParts", "is_bundle", "model_key", "open_bundle"]
 
 Strategy = Literal["preload", "lazy", "prefetch"]
 Verify = Literal["stamp", "full", "none"]
 STAMP_FILE = ".verified.json"
-
-
-class BundleError(ValueError):
-    """A bundle that cannot be used; names the file, and the tensor where one is at fault.
-
-    ``public_message`` (when set) says the same without the server's paths, for a remote client.
-    """
-
-    def __init__(self, message: str, *, public_message: str | None = None) -> None:
-        super().__init__(message)
-        self.public_message = public_message
 
 
 @dataclass(frozen=True)
@@ -165,12 +155,12 @@ class Bundle:
             key = _stat_key(path)
         except OSError as e:
             raise BundleError(
-                f"{path}: cannot read it ({e.strerror}): {again}", public_message=public.format("unreadable")
+                f"{path}: cannot read it ({e.strerror}): {again}", public=public.format("unreadable")
             ) from e
         if key[1] != entry["bytes"]:
             raise BundleError(
                 f"{path}: {key[1]} bytes, the manifest says {entry['bytes']}: truncated or replaced; {again}",
-                public_message=public.format("truncated or replaced"),
+                public=public.format("truncated or replaced"),
             )
         if self.verify == "none" or (self.verify == "stamp" and self._read_stamps().get(name) == key):
             return
@@ -179,7 +169,7 @@ class Bundle:
         if sha256_file(path) != entry["sha256"]:
             raise BundleError(
                 f"{path}: checksum mismatch: the file is corrupt; {again}",
-                public_message=public.format("checksum mismatch"),
+                public=public.format("checksum mismatch"),
             )
         if self.verify == "stamp":
             with self._stamp_lock:
@@ -194,13 +184,10 @@ class Bundle:
         return entries
 
     def _open_checked(self, name: str, entry: dict[str, Any]) -> Any:
-        from cosyserve.bundle.mmap_safetensors import DTYPES, BundleFileError, MappedFile
+        from cosyserve.bundle.mmap_safetensors import DTYPES, MappedFile
 
         path = self.path / entry["file"]
-        try:
-            f = MappedFile(path)
-        except BundleFileError as e:
-            raise BundleError(str(e)) from e
+        f = MappedFile(path)
         if f.size != entry["bytes"]:
             raise BundleError(
                 f"{path}: {f.size} bytes, the manifest says {entry['bytes']}: truncated or replaced"

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "BundleFileError", "MappedFile", "TensorInfo", "read_header"]
+from cosyserve.errors import BundleError
+
+__all__ = ["DTYPES", "MappedFile", "TensorInfo", "read_header"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -40,10 +42,6 @@ _MAX_HEADER = 100 * 1024 * 1024
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-class BundleFileError(ValueError):
-    """A bundle file that cannot be used; the message names the file (and the tensor, where one is at fault)."""
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
@@ -60,19 +58,19 @@ def read_header(
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise BundleFileError(f"{path}: truncated ({size} bytes): no safetensors header")
+            raise BundleError(f"{path}: truncated ({size} bytes): no safetensors header")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER or 8 + n > size:
-            raise BundleFileError(
+            raise BundleError(
                 f"{path}: header length {n} does not fit the file ({size} bytes): truncated or corrupt"
             )
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleFileError(f"{path}: header is not valid JSON: corrupt file") from e
+        raise BundleError(f"{path}: header is not valid JSON: corrupt file") from e
     if not isinstance(header, dict):
-        raise BundleFileError(f"{path}: header is not a JSON object")
+        raise BundleError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     start = 8 + n
     tensors: dict[str, TensorInfo] = {}
@@ -84,19 +82,19 @@ def read_header(
                 entry["data_offsets"],
             )
         except (KeyError, TypeError, ValueError) as err:
-            raise BundleFileError(f"{path}: tensor {name!r} has a malformed header entry") from err
+            raise BundleError(f"{path}: tensor {name!r} has a malformed header entry") from err
         if dtype not in DTYPES:
-            raise BundleFileError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+            raise BundleError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         numel = 1
         for s in shape:
             numel *= s
         nbytes = numel * DTYPES[dtype].itemsize
         if not (0 <= b <= e) or e - b != nbytes:
-            raise BundleFileError(
+            raise BundleError(
                 f"{path}: tensor {name!r}: {e - b} bytes stored, {nbytes} expected for {dtype}{list(shape)}"
             )
         if start + e > size:
-            raise BundleFileError(
+            raise BundleError(
                 f"{path}: tensor {name!r} ends at byte {start + e}, past the end of the file ({size}): truncated"
             )
         tensors[name] = TensorInfo(dtype, shape, start + b, start + e)
@@ -136,7 +134,7 @@ class MappedFile:
         try:
             self.size = os.path.getsize(self.path)
         except OSError as e:
-            raise BundleFileError(f"cannot open bundle file {self.path}: {e}") from e
+            raise BundleError(f"cannot open bundle file {self.path}: {e}") from e
         self.tensors, self.metadata, self.data_start = read_header(self.path, self.size)
         with open(self.path, "rb") as f:
             # ACCESS_COPY = MAP_PRIVATE|PROT_WRITE: torch.frombuffer wants a writable buffer; nothing writes to it,

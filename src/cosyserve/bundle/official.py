@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cosyserve.errors import ModelDirError
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,10 +31,6 @@ __all__ = [
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
 INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
-
-
-class ModelDirError(ValueError):
-    """An official model directory that cannot be used; the message names the file and the problem."""
 
 
 def is_instruct_model_dir(model_dir: str | Path) -> bool:

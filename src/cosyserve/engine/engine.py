@@ -7,7 +7,7 @@ States::
               +-> FAILED <--------+          (NEW -> RELEASED too: released before it was ever loaded)
 
 Every transition happens under one lock and is checked against :data:`_ALLOWED`; an illegal one raises
-:class:`~cosyserve.engine.errors.EngineStateError` with :data:`STATE_TRANSITION_ERROR`. Requests are admitted
+:class:`~cosyserve.errors.EngineStateError` with :data:`STATE_TRANSITION_ERROR`. Requests are admitted
 under the same lock and only in READY, so no request ever sees a half-loaded or released model. Concurrency
 is a count of requests in flight inside READY, not a state.
 
@@ -32,7 +32,6 @@ import logging
 import math
 import queue
 import statistics
-import sys
 import threading
 import time
 import uuid
@@ -44,18 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.engine.errors import (
+from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields, speed_error
+from cosyserve.errors import (
     ClientError,
+    CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
-    EngineError,
     EngineStateError,
     InternalError,
     NotReadyError,
     OverloadedError,
     RequestCancelledError,
 )
-from cosyserve.engine.modes import MODES, Mode, field_errors, present_fields, speed_error
 from cosyserve.startup import collect_frozen
 
 logger = logging.getLogger(__name__)
@@ -430,24 +429,6 @@ def _worker_init(torch_threads: int | None) -> None:
         torch.set_num_threads(torch_threads)  # per-thread (OpenMP ICV): leaves other threads alone
 
 
-_CLIENT_ERRORS = (
-    ("cosyserve.engine.pipeline", "SynthesisError"),
-    ("cosyserve.frontend.audio", "AudioError"),  # bad prompt/source audio (PromptAudioError is one)
-    ("cosyserve.frontend.zeroshot", "FrontendError"),  # unknown speaker, mode unavailable
-    ("cosyserve.registry", "RegistryError"),
-)
-
-
-def _client_error_types() -> tuple[type[BaseException], ...]:
-    # errors that mean "bad request"; looked up only in modules already imported (fakes import none of them)
-    found: list[type[BaseException]] = [ClientError]
-    for module, name in _CLIENT_ERRORS:
-        err = getattr(sys.modules.get(module), name, None)
-        if isinstance(err, type) and issubclass(err, BaseException):
-            found.append(err)
-    return tuple(found)
-
-
 class Engine:
     """Serves one model: load, admit, run, cancel, drain, release.
 
@@ -696,7 +677,7 @@ class Engine:
         mine = [left for rid, left in running if rid in request_ids]
         return _bounded(min(mine) if mine else first_free + typical)
 
-    def _refuse_locked(self) -> EngineError:
+    def _refuse_locked(self) -> CosyserveError:
         st = self._state
         if st in (EngineState.NEW, EngineState.LOADING):
             return NotReadyError(f"model {self.name!r} is {st.value}, not ready")
@@ -811,16 +792,15 @@ class Engine:
                 gen.close()  # here, in the worker: a generator stopped mid-way frees its caches now
         except _Stop:
             pass
-        except _client_error_types() as e:
-            error = e if isinstance(e, ClientError) else ClientError(str(e), param=getattr(e, "param", None))
-            if error is not e:
-                error.__cause__ = e
+        except ClientError as e:
+            error = e
         except Exception as e:
             rid = job.request.request_id
             logger.exception("engine %s: request %s failed", self.name, rid)
             # the message reaches remote clients: never the exception's text, which may name server paths;
             # an error that knows what a client may read says so in public_message
-            what = getattr(e, "public_message", None) or f"synthesis failed ({type(e).__name__})"
+            public = e.public_message if isinstance(e, CosyserveError) else None
+            what = public or f"synthesis failed ({type(e).__name__})"
             error = InternalError(f"model {self.name!r}: {what} (details in the server log, request {rid})")
             error.__cause__ = e
         finally:

@@ -38,10 +38,11 @@ import torch
 
 from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields, speed_error
 from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
+from cosyserve.errors import ClientError, UnknownVoiceError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "PreparedRequest", "SynthesisError", "SynthesisRequest"]
+__all__ = ["Pipeline", "PreparedRequest", "SynthesisRequest"]
 
 ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # the zero-shot tier's models
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
@@ -51,15 +52,6 @@ _LLM_PROMPT_KEYS = (
     "llm_prompt_speech_token",
     "llm_prompt_speech_token_len",
 )
-
-
-class SynthesisError(ValueError):
-    """A request that cannot be synthesized as given (unknown speaker, empty text, bad option); ``param`` names
-    the :class:`SynthesisRequest` field at fault where one is."""
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -208,7 +200,7 @@ class Pipeline:
         """Raise :class:`~cosyserve.frontend.zeroshot.ModeUnavailableError` when ``mode`` cannot run here."""
         why = self.unavailable_modes().get(mode)
         if why is not None:
-            from cosyserve.frontend.zeroshot import ModeUnavailableError
+            from cosyserve.errors import ModeUnavailableError
 
             err = ModeUnavailableError(
                 f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
@@ -272,7 +264,7 @@ class Pipeline:
         """``(kind, entry)`` for a pre-defined (``sft``) or registered (``sft`` / ``zero_shot``) speaker.
 
         Raises:
-            SynthesisError: unknown speaker (the message lists the known ones).
+            ClientError: unknown speaker (the message lists the known ones).
         """
         if name in self.speakers:
             return "sft", self.speakers[name]
@@ -282,7 +274,7 @@ class Pipeline:
             if self.registry is not None:
                 known += [n for n in self.registry.names(tenant) if n not in self.speakers]
             listed = ", ".join(known) or "none (this model dir has no spk2info.pt and nothing is registered)"
-            raise SynthesisError(f"unknown speaker {name!r}; known speakers: {listed}")
+            raise UnknownVoiceError(f"unknown speaker {name!r}; known speakers: {listed}", param="speaker")
         return speaker.kind, speaker.features
 
     def extract_prompt(
@@ -304,17 +296,17 @@ class Pipeline:
 
     def _verify(self, r: SynthesisRequest) -> None:
         if r.mode not in MODES:
-            raise SynthesisError(f"unknown mode {r.mode!r}; expected one of {', '.join(MODES)}")
+            raise ClientError(f"unknown mode {r.mode!r}; expected one of {', '.join(MODES)}")
         if r.mode != "vc" and (not isinstance(r.text, str) or not r.text.strip()):
-            raise SynthesisError("text is empty: give at least one word to speak", param="text")
+            raise ClientError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(r.mode, r.present())
         if errors:
-            raise SynthesisError("; ".join(errors))
+            raise ClientError("; ".join(errors))
         bad_speed = speed_error(r.speed)
         if bad_speed:
-            raise SynthesisError(bad_speed, param="speed")
+            raise ClientError(bad_speed, param="speed")
         if r.stream and r.speed != 1.0:
-            raise SynthesisError(
+            raise ClientError(
                 "speed change is only supported with stream=False (as in the reference)", param="speed"
             )
 
@@ -323,11 +315,11 @@ class Pipeline:
         got, entry = self.resolve_speaker(r.speaker, r.tenant)
         if got != kind:
             if kind == "sft":
-                raise SynthesisError(
+                raise ClientError(
                     f"speaker {r.speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
                     f"use it in zero_shot or cross_lingual mode, not {r.mode}"
                 )
-            raise SynthesisError(
+            raise ClientError(
                 f"speaker {r.speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
                 f"sft or instruct mode, or register a voice with add_speaker for {r.mode}"
             )
@@ -340,7 +332,7 @@ class Pipeline:
         Returns:
             A :class:`PreparedRequest`: ``inputs[i]`` is the reference frontend's dict for text piece ``i``.
         Raises:
-            SynthesisError: a bad request; ModeUnavailableError: the model lacks the mode's ONNX models;
+            ClientError: a bad request; ModeUnavailableError: the model lacks the mode's ONNX models;
             PromptAudioError / AudioError: unusable prompt or source audio.
         """
         r = request
@@ -359,7 +351,7 @@ class Pipeline:
         else:
             pieces = [] if nothing_to_speak(r.text) else [r.text]
         if not pieces:
-            raise SynthesisError(
+            raise ClientError(
                 f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
                 "or invisible characters",
                 param="text",
@@ -473,7 +465,7 @@ class Pipeline:
 
     def _registry(self) -> Any:
         if self.registry is None:
-            raise SynthesisError("this pipeline has no speaker registry (construct it with registry=...)")
+            raise ClientError("this pipeline has no speaker registry (construct it with registry=...)")
         return self.registry
 
     def add_speaker(
@@ -493,10 +485,10 @@ class Pipeline:
 
         validate_name(name)
         if name in self.speakers:
-            raise SynthesisError(f"{name!r} is a pre-defined speaker of this model; choose another name")
+            raise ClientError(f"{name!r} is a pre-defined speaker of this model; choose another name")
         if not isinstance(prompt_text, str) or not prompt_text.strip():
-            raise SynthesisError("prompt_text (the transcript of prompt_wav) is empty")
+            raise ClientError("prompt_text (the transcript of prompt_wav) is empty")
         if not overwrite and registry.get(name, tenant) is not None:
-            raise SynthesisError(f"speaker {name!r} is already registered for tenant {tenant!r}")
+            raise ClientError(f"speaker {name!r} is already registered for tenant {tenant!r}")
         features = self.extract_prompt(prompt_wav, self._normalize_prompt(prompt_text, normalize))
         return registry.add(name, features, tenant=tenant, prompt_text=prompt_text, overwrite=overwrite)

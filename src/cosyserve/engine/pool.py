@@ -46,7 +46,7 @@ from cosyserve.engine.engine import (
     SynthesisRequest,
     shared,
 )
-from cosyserve.engine.errors import MemoryBudgetError, OverloadedError, QuotaExceededError, UnknownModelError
+from cosyserve.errors import MemoryBudgetError, OverloadedError, QuotaExceededError, UnknownModelError
 
 if TYPE_CHECKING:
     from cosyserve.engine.tenants import Tenant, TenantView
@@ -522,7 +522,8 @@ class ModelPool:
         if entry.spec.size_bytes is not None:
             return entry.spec.size_bytes
         if entry.spec.path is not None and entry.bundle is None:
-            from cosyserve.bundle.loader import BundleError, is_bundle, open_bundle
+            from cosyserve.bundle.loader import is_bundle, open_bundle
+            from cosyserve.errors import BundleError
 
             if is_bundle(entry.spec.path):
                 try:

@@ -18,16 +18,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cosyserve.errors import AudioError
+
 LOWPASS_FILTER_WIDTH = 6
 ROLLOFF = 0.99
 MIN_SOURCE_SR = 16000  # the reference refuses to resample audio recorded below this rate
-
-
-class AudioError(ValueError):
-    """The audio could not be decoded or is unusable (empty, bad sample rate). ``param`` names the request field
-    that gave the audio (``prompt_wav``, ``source_wav``) once the frontend knows it."""
-
-    param: str | None = None
 
 
 def decode_failure(e: BaseException) -> str:

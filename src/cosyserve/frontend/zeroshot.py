@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.frontend.audio import AudioError, decode_failure, load_wav
+from cosyserve.errors import AudioError, BundleError, ClientError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.frontend.audio import decode_failure, load_wav
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 
 __all__ = [
@@ -40,12 +41,8 @@ __all__ = [
     "PROMPT_MODES",
     "SPEECH_TOKENIZER_FILE",
     "Frontend",
-    "FrontendError",
-    "ModeUnavailableError",
     "OnnxModel",
-    "OnnxModelError",
     "PromptAudio",
-    "PromptAudioError",
     "PromptLimits",
     "load_prompt",
 ]
@@ -58,21 +55,6 @@ PROMPT_MODES = ("zero_shot", "cross_lingual", "vc")  # the modes that need both 
 
 SPEAKER_SR = 16000  # campplus and the speech tokenizer
 FEAT_SR = 24000  # the reference's _extract_speech_feat resamples the prompt to 24 kHz at this commit
-
-
-class FrontendError(ValueError):
-    """A request the frontend cannot turn into model inputs (unknown speaker, unavailable mode); ``param`` names
-    the request field at fault where one is."""
-
-    param: str | None = None
-
-
-class PromptAudioError(AudioError):
-    """Prompt (or source) audio that cannot be used: too long, too short, silent, clipped, too many channels."""
-
-
-class ModeUnavailableError(FrontendError):
-    """The model dir lacks a file a mode needs (e.g. zero-shot without ``campplus.onnx``)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +108,7 @@ def load_prompt(
     Returns:
         The :class:`PromptAudio`.
     Raises:
-        AudioError: undecodable or empty data (:class:`PromptAudioError` for the limits).
+        AudioError: undecodable or empty data (:class:`AudioError` for the limits).
     """
     import soundfile
 
@@ -134,59 +116,57 @@ def load_prompt(
     if isinstance(source, bytes | bytearray | memoryview):
         data = bytes(source)
         if not data:
-            raise PromptAudioError(f"{what} is empty (0 bytes)")
+            raise AudioError(f"{what} is empty (0 bytes)")
         name = f"{what} ({len(data)} bytes)"
         size = len(data)
     else:
         path = os.fspath(source)
         name = f"{what} '{path}'"
         if not os.path.isfile(path):
-            raise PromptAudioError(f"{name} does not exist or is not a regular file")
+            raise AudioError(f"{name} does not exist or is not a regular file")
         size = os.path.getsize(path)
         data = None
     if size > limits.max_bytes:
-        raise PromptAudioError(f"{name} is {size} bytes; at most {limits.max_bytes} bytes are accepted")
+        raise AudioError(f"{name} is {size} bytes; at most {limits.max_bytes} bytes are accepted")
     try:
         info = soundfile.info(io.BytesIO(data) if data is not None else path)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as e:
-        raise PromptAudioError(f"cannot decode {name}: {decode_failure(e)}") from e
+        raise AudioError(f"cannot decode {name}: {decode_failure(e)}") from e
     if info.frames == 0 or info.channels == 0:
-        raise PromptAudioError(f"{name} contains no samples")
+        raise AudioError(f"{name} contains no samples")
     if info.channels > limits.max_channels:
-        raise PromptAudioError(
+        raise AudioError(
             f"{name} has {info.channels} channels; give a mono or stereo recording (at most {limits.max_channels})"
         )
     if info.samplerate < limits.min_sample_rate:
-        raise PromptAudioError(
+        raise AudioError(
             f"{name} has sample rate {info.samplerate} Hz; record prompts at >= {limits.min_sample_rate} Hz"
         )
     seconds = info.frames / info.samplerate
     if seconds > limits.max_seconds:
-        raise PromptAudioError(
+        raise AudioError(
             f"{name} is {seconds:.2f} s long; prompts may be at most {limits.max_seconds:g} s (trim it)"
         )
     if seconds < limits.min_seconds:
-        raise PromptAudioError(
-            f"{name} is {seconds * 1e3:.0f} ms long; give at least {limits.min_seconds:g} s"
-        )
+        raise AudioError(f"{name} is {seconds * 1e3:.0f} ms long; give at least {limits.min_seconds:g} s")
 
     src = data if data is not None else path
     speech_16k = load_wav(src, SPEAKER_SR, min_sr=limits.min_sample_rate)  # [1, N16]
     # checked again on the decoded samples: some containers report no or a wrong frame count
     if speech_16k.shape[1] / SPEAKER_SR > limits.max_seconds:
-        raise PromptAudioError(
+        raise AudioError(
             f"{name} is {speech_16k.shape[1] / SPEAKER_SR:.2f} s long; prompts may be at most "
             f"{limits.max_seconds:g} s (trim it)"
         )
     if speech_16k.shape[1] < limits.min_seconds * SPEAKER_SR:
-        raise PromptAudioError(f"{name} decodes to {speech_16k.shape[1]} samples at 16 kHz; it is too short")
+        raise AudioError(f"{name} decodes to {speech_16k.shape[1]} samples at 16 kHz; it is too short")
     magnitude = speech_16k.abs()
     peak = float(magnitude.max())
     if peak < limits.silence_peak:
-        raise PromptAudioError(f"{name} is silent (peak level {peak:.2g}); record the voice louder")
+        raise AudioError(f"{name} is silent (peak level {peak:.2g}); record the voice louder")
     clipped = float((magnitude >= limits.clip_level).float().mean())
     if clipped > limits.max_clipped_fraction:
-        raise PromptAudioError(
+        raise AudioError(
             f"{name} is clipped ({clipped:.1%} of samples at full scale); record it at a lower level"
         )
     speech_24k = load_wav(src, FEAT_SR, min_sr=limits.min_sample_rate)  # [1, N24]
@@ -195,15 +175,6 @@ def load_prompt(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # onnxruntime sessions
-
-
-class OnnxModelError(ValueError):
-    """An ONNX model file that cannot be used (damaged, or not a model): a fault of the server's files, not
-    of the request. ``public_message`` says so without the server's paths."""
-
-    def __init__(self, message: str, *, public_message: str) -> None:
-        super().__init__(message)
-        self.public_message = public_message
 
 
 class OnnxModel:
@@ -255,9 +226,9 @@ class OnnxModel:
                 str(self.path), sess_options=options, providers=["CPUExecutionProvider"]
             )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own unrelated exception types
-            raise OnnxModelError(
+            raise BundleError(
                 f"cannot load ONNX model {self.path}: {e}",
-                public_message=f"the model's {self.path.name} cannot be loaded (damaged or not an ONNX model)",
+                public=f"the model's {self.path.name} cannot be loaded (damaged or not an ONNX model)",
             ) from e
         self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s in %.0f ms", self.path.name, self.load_seconds * 1e3)
@@ -354,7 +325,7 @@ class Frontend:
     def extract_speech_token(self, speech_16k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """16 kHz waveform [1, N] (at most 30 s) -> (speech tokens int32 [1, S], length int32 [1])."""
         if speech_16k.shape[1] / SPEAKER_SR > self.limits.max_seconds:
-            raise PromptAudioError(
+            raise AudioError(
                 f"cannot extract speech tokens from {speech_16k.shape[1] / SPEAKER_SR:.2f} s of audio; "
                 f"at most {self.limits.max_seconds:g} s"
             )
@@ -393,7 +364,7 @@ class Frontend:
     def speaker_embedding(self, spk_id: str) -> torch.Tensor:
         if spk_id not in self.speakers:
             known = ", ".join(sorted(self.speakers)) or "none (this model dir has no spk2info.pt)"
-            raise FrontendError(f"unknown speaker {spk_id!r}; known speakers: {known}")
+            raise UnknownVoiceError(f"unknown speaker {spk_id!r}; known speakers: {known}")
         return self.speakers[spk_id]["embedding"]
 
     def frontend_sft(
@@ -404,7 +375,7 @@ class Frontend:
         Give ``spk_id`` (a key of ``speakers``) or an ``embedding`` [1, 192].
         """
         if (spk_id is None) == (embedding is None):
-            raise FrontendError("give exactly one of spk_id and embedding")
+            raise ClientError("give exactly one of spk_id and embedding")
         text, text_len = self.extract_text_token(tts_text)
         emb = self.speaker_embedding(spk_id) if spk_id is not None else embedding
         return {"text": text, "text_len": text_len, "llm_embedding": emb, "flow_embedding": emb}
@@ -427,7 +398,7 @@ class Frontend:
         text, text_len = self.extract_text_token(tts_text)
         if zero_shot_spk_id:
             if zero_shot_spk_id not in self.speakers:
-                raise FrontendError(f"unknown saved speaker {zero_shot_spk_id!r}")
+                raise UnknownVoiceError(f"unknown saved speaker {zero_shot_spk_id!r}")
             model_input = dict(self.speakers[zero_shot_spk_id])
         else:
             self.require("zero_shot")

@@ -35,7 +35,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from cosyserve.engine.engine import shared
-from cosyserve.engine.errors import EngineError, UnknownModelError
+from cosyserve.errors import CosyserveError, UnknownModelError
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
 from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
 from cosyserve.startup import PhaseClock, release_gc
@@ -392,7 +392,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     async def on_engine_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, EngineError)
+        assert isinstance(exc, CosyserveError)
         return await on_http_error(request, from_engine_error(exc))
 
     async def on_starlette_error(request: Request, exc: Exception) -> Response:
@@ -428,7 +428,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         lifespan=lifespan,
         exception_handlers={
             HTTPError: on_http_error,
-            EngineError: on_engine_error,
+            CosyserveError: on_engine_error,
             UnknownModelError: on_engine_error,
             HTTPException: on_starlette_error,
         },

@@ -11,9 +11,29 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyserve.engine.errors import EngineError, OverloadedError
+from cosyserve.errors import (
+    ClientError,
+    CosyserveError,
+    DeadlineExceededError,
+    EngineDeadError,
+    NotReadyError,
+    OverloadedError,
+    PayloadTooLargeError,
+    QuotaExceededError,
+    RequestCancelledError,
+    UnknownModelError,
+    UnsupportedMediaTypeError,
+)
 
-__all__ = ["HTTPError", "LastResortMiddleware", "error_response", "from_engine_error", "without_paths"]
+__all__ = [
+    "STATUS",
+    "HTTPError",
+    "LastResortMiddleware",
+    "error_response",
+    "from_engine_error",
+    "status_of",
+    "without_paths",
+]
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -31,6 +51,30 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+# the HTTP status of each error class (cosyserve.errors); a class not listed takes its nearest listed base's
+STATUS: dict[type[CosyserveError], int] = {
+    CosyserveError: 500,
+    ClientError: 400,
+    UnknownModelError: 404,
+    PayloadTooLargeError: 413,
+    UnsupportedMediaTypeError: 415,
+    OverloadedError: 503,
+    QuotaExceededError: 429,
+    NotReadyError: 503,
+    EngineDeadError: 503,
+    DeadlineExceededError: 504,
+    RequestCancelledError: 499,  # nobody is listening; what the access log and metrics say
+}
+
+
+def status_of(e: BaseException) -> int:
+    """The HTTP status of ``e`` by :data:`STATUS` (500 for anything that is not a :class:`CosyserveError`)."""
+    for cls in type(e).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
 
 
 class HTTPError(Exception):
@@ -82,13 +126,13 @@ def without_paths(message: str) -> str:
     return _ABS_PATH.sub(r"\1", message)
 
 
-def from_engine_error(e: EngineError, params: Mapping[str, str] | None = None) -> HTTPError:
+def from_engine_error(e: CosyserveError, params: Mapping[str, str] | None = None) -> HTTPError:
     """The engine's typed error as the response the server sends (status from the class, Retry-After).
 
     ``params`` maps the engine's request field names (``text``, ``instruct_text``, ...) to the route's own, for
     the error's ``param``; a field without an entry keeps the engine's name.
     """
-    status = int(getattr(e, "status_code", 500))
+    status = status_of(e)
     param = getattr(e, "param", None)
     if param is not None and params:
         param = params.get(param, param)

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cosyserve.engine.engine import shared
-from cosyserve.engine.errors import EngineError
+from cosyserve.errors import CosyserveError
 from cosyserve.server.errors import HTTPError, from_engine_error
 from cosyserve.server.schemas import parse_speech_request
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
@@ -155,7 +155,7 @@ def routes(state: Any) -> list[Route]:
                 fmt=sr.response_format,
                 tenant=tenant,
             )
-        except EngineError as e:
+        except CosyserveError as e:
             raise from_engine_error(e, _PARAMS) from e
 
     async def models(request: Request) -> Response:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cosyserve.engine.errors import EngineError
+from cosyserve.errors import CosyserveError
 from cosyserve.server.errors import HTTPError, from_engine_error
 from cosyserve.server.openai_api import unknown_voice, voice_known
 from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
@@ -131,7 +131,7 @@ def routes(state: Any) -> list[Route]:
                     fmt="raw",
                     tenant=tenant,
                 )
-            except EngineError as e:
+            except CosyserveError as e:
                 raise from_engine_error(e, _PARAMS) from e
 
         return handler

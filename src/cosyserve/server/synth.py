@@ -24,13 +24,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cosyserve.engine.engine import SynthesisRequest
-from cosyserve.engine.errors import (
+from cosyserve.errors import (
+    CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
-    EngineError,
     RequestCancelledError,
 )
 from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
+from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
 
@@ -47,7 +48,7 @@ class StreamCut(BaseException):
     """
 
 
-def _cut_outcome(e: EngineError) -> str:
+def _cut_outcome(e: CosyserveError) -> str:
     """The access log's and the metrics' outcome of a stream that ended short (the engine's outcome names)."""
     if isinstance(e, DeadlineExceededError):
         return "deadline"
@@ -87,8 +88,8 @@ class _Record:
 
     def failed(self, e: BaseException) -> None:
         """The request ended before its response started: an engine error (its status) or a cancel (499)."""
-        if isinstance(e, EngineError):
-            self.status, self.outcome = int(getattr(e, "status_code", 500)), type(e).__name__
+        if isinstance(e, CosyserveError):
+            self.status, self.outcome = status_of(e), type(e).__name__
         else:
             self.status, self.outcome = 499, "cancelled"
         self.done()
@@ -230,7 +231,7 @@ async def synthesize_response(
         return enc.encode(chunk) if enc is not None else to_int16(chunk)
 
     async def body() -> AsyncIterator[bytes]:
-        cut: EngineError | None = None
+        cut: CosyserveError | None = None
         try:
             head = enc.header() if enc is not None else b""
             data = head + (encode(first) if first is not None else b"")
@@ -248,7 +249,7 @@ async def synthesize_response(
                 if tail:
                     rec.bytes += len(tail)
                     yield tail
-        except EngineError as e:  # headers are out: cutting the connection is the only way left to say so
+        except CosyserveError as e:  # headers are out: cutting the connection is the only way left to say so
             rec.outcome = _cut_outcome(e)
             cut = e
         except (asyncio.CancelledError, GeneratorExit):
