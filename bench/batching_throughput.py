@@ -54,7 +54,7 @@ def _engine_level(
         torch_threads=threads,
     )
     e.load_sync(600)
-    speaker = e.speakers[0]
+    speaker = e.runtime.speakers()[0]
     sr = e.sample_rate or 22050
     list(e.synthesize_sync(SynthesisRequest(text, speaker, seed=0, stream=stream)))  # warm the workers' path
     batcher = e._instances[0].batcher
@@ -93,7 +93,7 @@ def _engine_level(
 def _llm_level(lm: Any, args: tuple, conc: int, threads: int) -> tuple[float, float, float]:
     import torch
 
-    from cosyserve.engine.batching import BatchingLM
+    from cosyserve.runtime.batching import BatchingLM
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
@@ -178,7 +178,7 @@ def main() -> None:
         return
 
     m = cosyserve.load(bundle, warmup=True)
-    p = m._pipeline
+    p = m.runtime.pipeline
     ids = torch.tensor([p.tokenizer.encode(args.text)], dtype=torch.int32)
     empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
     emb = p.speakers[sorted(p.speakers)[0]]["embedding"]

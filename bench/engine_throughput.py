@@ -101,7 +101,7 @@ def main() -> None:
         f"first load (incl. warm-up) {first_load * 1e3:.0f} ms; reload after eviction "
         f"{reload * 1e3:.0f} ms (median of {len(reloads)}); ratio {first_load / reload:.1f}x"
     )
-    speaker = engine.speakers[0]
+    speaker = engine.runtime.speakers()[0]
 
     async def run() -> list[dict]:
         out = []

@@ -35,7 +35,7 @@ def mem():
     return d
 
 m = cosyserve.load({bundle!r})
-for t in (m.text_thread, m.warmup_thread):
+for t in (m.runtime.text_thread, m.runtime.warmup_thread):
     if t is not None:
         t.join()
 rows = [("ready", 0.0, mem())]

@@ -33,7 +33,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = cosyserve.load(args.model)
     load_s = time.perf_counter() - t0
-    pipe = model._pipeline
+    pipe = model.runtime.pipeline
     if args.dtype == "bfloat16":
         for m in (pipe.llm, pipe.token2wav.flow, pipe.token2wav.hift):
             m.to(torch.bfloat16)

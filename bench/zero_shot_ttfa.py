@@ -53,10 +53,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cosyserve-ttfa-"))
     prompt = Path(args.prompt_wav) if args.prompt_wav else _voice(tmp / "prompt.wav")
     t0 = time.perf_counter()
-    model = cosyserve.load(args.model)
+    model = cosyserve.load(args.model, registry_dir=str(tmp / "registry"))
     load_s = time.perf_counter() - t0
-    model.use_registry(tmp / "registry")
-    pipe = model._pipeline
+    pipe = model.runtime.pipeline
 
     from cosyserve.frontend.text import load_normalizers
 

@@ -1,4 +1,4 @@
-"""Continuous batching of the LM (cosyserve.engine.batching): batched outputs equal unbatched ones."""
+"""Continuous batching of the LM (cosyserve.runtime.batching): batched outputs equal unbatched ones."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import cosyserve
-from cosyserve.engine import batching
-from cosyserve.engine.batching import BatchingLM
-from cosyserve.engine.engine import Engine, SynthesisRequest
+from cosyserve.engine.engine import Engine
 from cosyserve.models import llm as llm_module
+from cosyserve.request import SynthesisRequest
+from cosyserve.runtime import RuntimeOptions, batching, load_runtime
+from cosyserve.runtime.batching import BatchingLM, FlowBatcher, VocoderBatcher
 
 # Batched decode multiplies a (B, C) matrix where the unbatched one multiplies (1, C), and attends over the
 # batch's longest row with the extra keys masked: the same values up to float rounding.
@@ -36,7 +37,7 @@ def model(tiny_model_dir: Path) -> Any:
 
 
 def _args(model: Any, text: str) -> tuple[torch.Tensor, ...]:
-    p = model._pipeline
+    p = model.runtime.pipeline
     ids = torch.tensor([p.tokenizer.encode(text)], dtype=torch.int32)
     empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
     embedding = p.speakers[sorted(p.speakers)[0]]["embedding"]
@@ -78,7 +79,7 @@ def _in_thread(fn: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 
 def test_batched_equals_unbatched_with_staggered_joins(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    lm = model._pipeline.llm
+    lm = model.runtime.pipeline.llm
     generators = [torch.Generator().manual_seed(10 + i) for i in range(len(TEXTS))]
     seen = _recording(monkeypatch, llm_module)
     ref = _in_thread(
@@ -125,7 +126,7 @@ def test_batched_equals_unbatched_with_staggered_joins(model: Any, monkeypatch: 
 
 
 def test_closing_the_consumer_frees_its_row(model: Any) -> None:
-    lm = model._pipeline.llm
+    lm = model.runtime.pipeline.llm
     b = BatchingLM(lm, 1, torch_threads=1)  # one row: the next request needs the freed one
     args = _args(model, TEXTS[0])
     ref = _in_thread(lambda: list(lm.inference(*args, generator=torch.Generator().manual_seed(5))))
@@ -147,7 +148,7 @@ def test_closing_the_consumer_frees_its_row(model: Any) -> None:
 
 
 def test_cancelled_request_mid_batch_does_not_disturb_others(model: Any) -> None:
-    lm = model._pipeline.llm
+    lm = model.runtime.pipeline.llm
     args = [_args(model, t) for t in TEXTS[:2]]
     ref = _in_thread(lambda: list(lm.inference(*args[0], generator=torch.Generator().manual_seed(3))))
     b = BatchingLM(lm, 2, torch_threads=1)
@@ -182,22 +183,19 @@ def test_engine_batch_size_serves_concurrently_with_unbatched_audio(tiny_model_d
         return chunk
 
     def run(batch_size: int) -> tuple[list[np.ndarray], Any, dict[str, Any]]:
-        e = Engine(
-            "tiny",
-            lambda: cosyserve.load(tiny_model_dir, warmup=False),
-            batch_size=batch_size,
-            torch_threads=1,
-        )
+        options = RuntimeOptions(warmup=False, batch_size=batch_size, worker_threads=1)
+        e = Engine("tiny", lambda: load_runtime(tiny_model_dir, options))
         e.load_sync(60)
         streams = [e.synthesize_sync(r) for r in reqs]  # all admitted at once: none waits for a worker
         leaving = e.synthesize_sync(leaver) if batch_size > 1 else None
-        batcher = e._instances[0].batcher
+        lm = e.runtime.pipeline.llm
+        batcher = lm if isinstance(lm, BatchingLM) else None
         with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
             futures = [pool.submit(lambda s: np.concatenate(list(s)), s) for s in streams]
             if leaving is not None:
                 assert pool.submit(first_chunk_then_close, leaving).result(60).size > 0
             audio = [f.result(60) for f in futures]
-        assert e.describe()["batch_size"] == batch_size
+        assert e.describe()["slots"] == batch_size
         e.release_sync(30)
         return audio, batcher, e.stats.snapshot()["outcomes"]
 
@@ -226,7 +224,7 @@ def test_pool_config_reads_batch_size(tmp_path: Path) -> None:
 
 @torch.inference_mode()
 def test_growing_the_cache_keeps_rows_being_decoded(model: Any) -> None:
-    lm = model._pipeline.llm
+    lm = model.runtime.pipeline.llm
     prompt = lm.embed_inputs(*_args(model, TEXTS[0]))
     t0 = prompt.size(1)
     tokens = torch.arange(12) + 7
@@ -270,7 +268,7 @@ def _flow_call(flow: Any, seed: int, t: int, p: int, f: int, c: int) -> tuple[to
 
 @pytest.mark.parametrize(("p", "f", "c"), [(0, 0, 0), (7, 23, 57)])  # sft first chunk; zero-shot with a cache
 def test_stacked_flow_equals_per_item_calls(model: Any, p: int, f: int, c: int) -> None:
-    flow = model._pipeline.token2wav.flow
+    flow = model.runtime.pipeline.token2wav.flow
     calls = [_flow_call(flow, seed, 60, p, f, c) for seed in range(3)]
     noise = [flow.draw_noise(60, f, torch.Generator().manual_seed(seed)) for seed in range(3)]
     single = _in_thread(
@@ -285,7 +283,7 @@ def test_stacked_flow_equals_per_item_calls(model: Any, p: int, f: int, c: int) 
 
 
 def test_flow_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any) -> None:
-    flow = model._pipeline.token2wav.flow
+    flow = model.runtime.pipeline.token2wav.flow
     calls = [_flow_call(flow, seed, 50, 0, 0, 0) for seed in range(3)] + [_flow_call(flow, 9, 40, 0, 0, 0)]
 
     def gens() -> list[torch.Generator]:
@@ -314,7 +312,7 @@ def test_flow_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any) ->
 
 
 def test_vocoder_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any) -> None:
-    hift = model._pipeline.token2wav.hift
+    hift = model.runtime.pipeline.token2wav.hift
     g = torch.Generator().manual_seed(3)
     # three streaming middle chunks (same frames, 20 cached source frames) and a first chunk without a cache
     mels = [torch.randn(1, 80, 60, generator=g) for _ in range(4)]
@@ -354,31 +352,27 @@ def test_engine_batch_flow_streaming_sft_equals_unbatched(tiny_model_dir: Path) 
     ]
 
     def run(batch_size: int, batch_flow: bool) -> tuple[list[np.ndarray], Any]:
-        e = Engine(
-            "tiny",
-            lambda: cosyserve.load(tiny_model_dir, warmup=False),
-            batch_size=batch_size,
-            batch_flow=batch_flow,
-            torch_threads=1,
-        )
+        options = RuntimeOptions(warmup=False, batch_size=batch_size, batch_flow=batch_flow, worker_threads=1)
+        e = Engine("tiny", lambda: load_runtime(tiny_model_dir, options))
         e.load_sync(60)
-        inst = e._instances[0]
-        for b in (inst.flow_batcher, inst.vocoder_batcher):
-            if b is not None:
-                b.gather_s = 0.5  # generous on a busy machine; a full group (4 calls) runs without waiting
+        t2w = e.runtime.pipeline.token2wav
+        stackers = [b for b in (t2w.flow, t2w.hift) if isinstance(b, FlowBatcher | VocoderBatcher)]
+        for b in stackers:
+            b.gather_s = 0.5  # generous on a busy machine; a full group (4 calls) runs without waiting
         streams = [e.synthesize_sync(r) for r in reqs]
         with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
             audio = list(pool.map(lambda s: np.concatenate(list(s)), streams, timeout=60))
         e.release_sync(30)
-        return audio, inst
+        return audio, stackers
 
     single, plain = run(1, True)  # batch_flow needs batch_size > 1: ignored here
-    batched, inst = run(4, True)
-    assert plain.flow_batcher is None and plain.vocoder_batcher is None
-    for b in (inst.flow_batcher, inst.vocoder_batcher):
+    batched, stackers = run(4, True)
+    assert plain == [], "batch_size=1 must keep the plain flow and vocoder"
+    assert len(stackers) == 2
+    for b in stackers:
         assert b.stats.batches > 0 and b.stats.peak == len(reqs), f"the {b.name} calls were never stacked"
     diff = max(float(np.abs(a - b).max()) for a, b in zip(batched, single, strict=True))
-    print(f"max abs audio diff, stacked vs unbatched: {diff:.2e}; {inst.flow_batcher.stats}")
+    print(f"max abs audio diff, stacked vs unbatched: {diff:.2e}; {stackers[0].stats}")
     for a, b in zip(batched, single, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=AUDIO_ATOL, rtol=0)

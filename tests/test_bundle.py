@@ -347,10 +347,10 @@ def test_zero_shot_tier_loads_after_ready_when_configured(
 
     monkeypatch.setenv("COSYSERVE_ZERO_SHOT_TIER", "background")
     m = cosyserve.load(bundle_dir, warmup=False)
-    assert m.zero_shot_thread is not None
-    m.zero_shot_thread.join(timeout=60)
+    assert m.runtime.zero_shot_thread is not None
+    m.runtime.zero_shot_thread.join(timeout=60)
     # the sessions were created off the start path, and their load time is a recorded phase
-    assert m._pipeline.frontend_loaded and m.clock.durations["zero_shot_tier"] > 0
+    assert m.runtime.pipeline.frontend_loaded and m.clock.durations["zero_shot_tier"] > 0
     monkeypatch.setenv("COSYSERVE_ZERO_SHOT_TIER", "eager")
     from cosyserve.settings import SettingsError
 

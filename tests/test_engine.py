@@ -9,109 +9,36 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from cosyserve.engine.engine import (
-    STATE_TRANSITION_ERROR,
-    Engine,
-    EngineState,
-    SynthesisRequest,
-)
+from cosyserve.engine.engine import Engine
+from cosyserve.engine.state import STATE_TRANSITION_ERROR, EngineState
 from cosyserve.errors import (
     ClientError,
     DeadlineExceededError,
     EngineDeadError,
     EngineStateError,
     InternalError,
+    ModeUnavailableError,
     NotReadyError,
     OverloadedError,
 )
+from cosyserve.request import SynthesisRequest
+from fake_runtime import FakeRuntime
 
 S = EngineState
-
-
-class FakeLLM:
-    """Yields tokens forever (until the consumer stops): counts how many were made and where it was closed."""
-
-    def __init__(self, step_s: float = 0.001) -> None:
-        self.step_s = step_s
-        self.made = 0
-        self.closed_in: list[str] = []
-
-    def inference(self, n: int) -> Iterator[int]:
-        try:
-            for i in range(n):
-                time.sleep(self.step_s)
-                self.made += 1
-                yield i
-        finally:
-            self.closed_in.append(threading.current_thread().name)
-
-
-class FakePipeline:
-    def __init__(self, llm: FakeLLM) -> None:
-        self.llm = llm
-
-
-class FakeModel:
-    """Mimics CosyVoiceModel: ``synthesize`` is a lazy generator; in non-stream mode it drains the LM first.
-
-    ``hold`` (an Event) blocks each chunk until set, so tests control when work progresses.
-    """
-
-    sample_rate = 100
-    speakers = ["alice", "bob"]
-
-    def __init__(
-        self, chunks: int = 3, chunk_len: int = 50, hold: threading.Event | None = None, delay: float = 0.0
-    ) -> None:
-        self.chunks = chunks
-        self.delay = delay
-        self.yielded = 0
-        self.chunk_len = chunk_len
-        self.hold = hold
-        self._pipeline = FakePipeline(FakeLLM())
-        self.running = 0
-        self.max_running = 0
-        self.closed_in: list[str] = []
-        self._lock = threading.Lock()
-
-    def synthesize(
-        self, text: str, speaker: str, *, stream: bool, speed: float, seed: int | None
-    ) -> Iterator[np.ndarray]:
-        with self._lock:
-            self.running += 1
-            self.max_running = max(self.max_running, self.running)
-        try:
-            if text == "boom":
-                raise RuntimeError("kaboom")
-            if text == "tokens":  # non-streaming: the whole LM loop runs before the first chunk
-                toks = list(self._pipeline.llm.inference(10_000))
-                yield np.zeros(len(toks), np.float32)
-                return
-            for i in range(self.chunks):
-                if self.hold is not None:
-                    self.hold.wait(5)
-                time.sleep(self.delay)
-                self.yielded += 1
-                yield np.full(self.chunk_len, float(seed or 0) + i, np.float32)
-        finally:
-            with self._lock:
-                self.running -= 1
-            self.closed_in.append(threading.current_thread().name)
 
 
 def req(text: str = "hello", **kw: Any) -> SynthesisRequest:
     return SynthesisRequest(text=text, speaker=kw.pop("speaker", "alice"), **kw)
 
 
-def loaded(model: FakeModel | None = None, **kw: Any) -> tuple[Engine, FakeModel]:
-    m = model or FakeModel()
-    e = Engine("fake", lambda: m, torch_threads=None, **kw)
+def loaded(model: FakeRuntime | None = None, **kw: Any) -> tuple[Engine, FakeRuntime]:
+    m = model or FakeRuntime()
+    e = Engine("fake", lambda: m, **kw)
     e.load_sync(5)
     return e, m
 
@@ -129,13 +56,13 @@ def wait_until(cond: Any, timeout: float = 5.0) -> None:
 
 def test_lifecycle_transitions_are_recorded_and_illegal_ones_raise() -> None:
     seen: list[tuple[str, str]] = []
-    e = Engine("m", FakeModel, torch_threads=None)
+    e = Engine("m", FakeRuntime)
     e.add_listener(lambda eng, tr: seen.append((tr.old.value, tr.new.value)))
     assert e.state is S.NEW
     with pytest.raises(EngineStateError, match="illegal state transition NEW -> READY"):
         e.transition(S.READY)
     e.load_sync(5)
-    assert e.state is S.READY and e.sample_rate == 100 and e.speakers == ["alice", "bob"]
+    assert e.state is S.READY and e.sample_rate == 100 and e.runtime.speakers() == ["alice", "bob"]
     with pytest.raises(EngineStateError):
         e.transition(S.LOADING)  # READY cannot go back to LOADING
     e.release_sync(5)
@@ -152,7 +79,7 @@ def test_failed_load_reports_cause_and_refuses_requests() -> None:
     def bad_loader() -> Any:
         raise OSError("disk gone")
 
-    e = Engine("m", bad_loader, torch_threads=None)
+    e = Engine("m", bad_loader)
     with pytest.raises(EngineDeadError, match="failed to load") as info:
         e.load_sync(5)
     assert isinstance(info.value.__cause__, OSError)
@@ -167,12 +94,12 @@ def test_concurrent_loaders_share_one_load() -> None:
     calls = []
     gate = threading.Event()
 
-    def loader() -> FakeModel:
+    def loader() -> FakeRuntime:
         calls.append(1)
         gate.wait(5)
-        return FakeModel()
+        return FakeRuntime()
 
-    e = Engine("m", loader, torch_threads=None)
+    e = Engine("m", loader)
 
     async def main() -> list[Engine]:
         tasks = [asyncio.ensure_future(e.load()) for _ in range(20)]
@@ -188,7 +115,7 @@ def test_concurrent_loaders_share_one_load() -> None:
 
 def test_requests_before_ready_are_refused_never_served_half_loaded() -> None:
     gate = threading.Event()
-    e = Engine("m", lambda: (gate.wait(5), FakeModel())[1], torch_threads=None)
+    e = Engine("m", lambda: (gate.wait(5), FakeRuntime())[1])
     with pytest.raises(NotReadyError, match="new"):
         e.synthesize_sync(req())
     fut = e.start_load()
@@ -207,15 +134,15 @@ def test_race_many_threads_load_synthesize_release() -> None:
 
 
 def _race_once() -> None:
-    models: list[FakeModel] = []
+    models: list[FakeRuntime] = []
 
-    def loader() -> FakeModel:
+    def loader() -> FakeRuntime:
         time.sleep(0.005)
-        m = FakeModel(chunks=4)
+        m = FakeRuntime(chunks=4)
         models.append(m)
         return m
 
-    e = Engine("m", loader, instances=2, queue_limit=64, torch_threads=None)
+    e = Engine("m", loader, instances=2, queue_limit=64)
     outcomes: list[str] = []
     lock = threading.Lock()
     start = threading.Barrier(17)
@@ -277,15 +204,16 @@ def test_async_stream_yields_chunks_and_records_stats() -> None:
 def test_bad_requests_fail_at_once_with_client_errors() -> None:
     e, _ = loaded()
     with pytest.raises(ClientError, match="unknown speaker 'zed'"):
-        e.synthesize_sync(req(speaker="zed"))
+        list(e.synthesize_sync(req(speaker="zed")))
+    # what needs no model is refused when the request is built, whoever builds it
     with pytest.raises(ClientError, match="empty"):
-        e.synthesize_sync(req(text="  "))
+        req(text="  ")
     with pytest.raises(ClientError, match="speed") as bad:
-        e.synthesize_sync(req(speed=4.5))
+        req(speed=4.5)
     assert bad.value.param == "speed"
     with pytest.raises(ClientError, match="instruct mode needs instruct_text"):
-        e.synthesize_sync(req(mode="instruct"))
-    with pytest.raises(ClientError, match="serves only sft"):  # the fake has no synthesize_request
+        req(mode="instruct")
+    with pytest.raises(ModeUnavailableError, match="sft only"):
         list(e.synthesize_sync(req(mode="instruct", instruct_text="calm")))
     with pytest.raises(InternalError, match=r"synthesis failed \(RuntimeError\)") as info:
         list(e.synthesize_sync(req(text="boom")))
@@ -298,7 +226,7 @@ def test_bad_requests_fail_at_once_with_client_errors() -> None:
 
 def test_queue_bound_gives_overloaded_with_retry_after() -> None:
     hold = threading.Event()
-    e, _ = loaded(FakeModel(hold=hold), queue_limit=2)
+    e, _ = loaded(FakeRuntime(hold=hold), queue_limit=2)
     streams = [e.synthesize_sync(req()) for _ in range(3)]  # 1 running + 2 waiting
     wait_until(lambda: e.active == 1)
     t = time.monotonic()
@@ -338,7 +266,7 @@ def test_retry_after_is_when_the_first_running_request_should_end() -> None:
     service times minus its elapsed time), not the whole queue times a mean (a 50-request burst was told 336 s
     while the queue drained in 6 s), and one long request does not inflate it for everyone after."""
     clock, hold = FakeClock(), threading.Event()
-    e, _ = loaded(FakeModel(chunks=1, hold=hold), queue_limit=4, clock=clock, default_service_s=1.0)
+    e, _ = loaded(FakeRuntime(chunks=1, hold=hold), queue_limit=4, clock=clock, default_service_s=1.0)
     for _ in range(4):
         serve_for(e, hold, clock, 8.0)
     serve_for(e, hold, clock, 300.0)  # one long text among them
@@ -366,7 +294,7 @@ def test_retry_after_stays_within_bounds(service_s: float, expected: float) -> N
     """Whole seconds from 1 (the header's unit; sooner only hits the full queue again) to 60 (a few recent
     requests say nothing reliable about the next minute)."""
     clock, hold = FakeClock(), threading.Event()
-    e, _ = loaded(FakeModel(chunks=1, hold=hold), queue_limit=0, clock=clock)
+    e, _ = loaded(FakeRuntime(chunks=1, hold=hold), queue_limit=0, clock=clock)
     for _ in range(3):
         serve_for(e, hold, clock, service_s)
     stream = e.synthesize_sync(req())
@@ -380,7 +308,7 @@ def test_retry_after_stays_within_bounds(service_s: float, expected: float) -> N
 
 
 def test_cancel_stops_the_generation_in_the_worker_and_frees_state() -> None:
-    e, m = loaded(FakeModel(chunks=100, delay=0.01))
+    e, m = loaded(FakeRuntime(chunks=100, delay=0.01))
 
     async def main() -> None:
         stream = e.synthesize(req())
@@ -399,9 +327,8 @@ def test_cancel_stops_the_generation_in_the_worker_and_frees_state() -> None:
 
 def test_client_task_cancelled_stops_generation_at_next_token() -> None:
     """Non-streaming: the whole LM loop runs before any chunk; cancelling the client task must stop the LM
-    within a token (the token gate), not after 10k tokens."""
+    within a token (the runtime asks should_stop after each), not after 10k tokens."""
     e, m = loaded()
-    llm = m._pipeline.llm.__dict__["_llm"] if hasattr(m._pipeline.llm, "_llm") else m._pipeline.llm
 
     async def main() -> None:
         stream = e.synthesize(req(text="tokens"))
@@ -418,16 +345,16 @@ def test_client_task_cancelled_stops_generation_at_next_token() -> None:
 
     asyncio.run(main())
     wait_until(lambda: e.in_flight == 0 and e.active == 0)
-    made = llm.made
+    made = m.made
     time.sleep(0.05)
-    assert llm.made == made, "the token loop kept running after cancellation"
+    assert m.made == made, "the token loop kept running after cancellation"
     assert 0 < made < 1000
-    assert llm.closed_in and llm.closed_in[-1].startswith("cosyserve-fake")
+    assert m.closed_in and m.closed_in[-1].startswith("cosyserve-fake")
     e.release_sync()
 
 
 def test_deadline_stops_request() -> None:
-    e, m = loaded(FakeModel(chunks=100, delay=0.01))
+    e, m = loaded(FakeRuntime(chunks=100, delay=0.01))
     with pytest.raises(DeadlineExceededError):
         for _ in e.synthesize_sync(req(deadline=time.monotonic() + 0.05)):
             pass
@@ -446,7 +373,7 @@ def test_deadline_stops_request() -> None:
 
 def test_cancel_while_queued_frees_slot_at_once() -> None:
     hold = threading.Event()
-    e, _ = loaded(FakeModel(hold=hold), queue_limit=1)
+    e, _ = loaded(FakeRuntime(hold=hold), queue_limit=1)
     running = e.synthesize_sync(req())
     wait_until(lambda: e.active == 1)
     queued = e.synthesize_sync(req())
@@ -460,7 +387,7 @@ def test_cancel_while_queued_frees_slot_at_once() -> None:
 
 def test_drain_refuses_new_lets_in_flight_finish_then_releases() -> None:
     hold = threading.Event()
-    e, m = loaded(FakeModel(hold=hold))
+    e, m = loaded(FakeRuntime(hold=hold))
     stream = e.synthesize_sync(req())
     wait_until(lambda: e.active == 1)
     fut = e.start_release(timeout=5)
@@ -470,11 +397,11 @@ def test_drain_refuses_new_lets_in_flight_finish_then_releases() -> None:
     hold.set()
     assert len(list(stream)) == 3, "an in-flight request must finish during DRAINING"
     fut.result(5)
-    assert e.state is S.RELEASED and e.resident_hint is None and e._instances == []
+    assert e.state is S.RELEASED and e.runtime is None and m.closed, "release must close the runtime"
 
 
 def test_drain_deadline_cancels_leftovers() -> None:
-    e, m = loaded(FakeModel(chunks=1000, delay=0.005))
+    e, m = loaded(FakeRuntime(chunks=1000, delay=0.005))
     stream = e.synthesize_sync(req())
     next(stream)
     e.release_sync(timeout=0.05)
@@ -484,14 +411,14 @@ def test_drain_deadline_cancels_leftovers() -> None:
 
 
 def test_instances_serve_in_parallel() -> None:
-    models: list[FakeModel] = []
+    models: list[FakeRuntime] = []
     hold = threading.Event()
 
-    def loader() -> FakeModel:
-        models.append(FakeModel(hold=hold))
+    def loader() -> FakeRuntime:
+        models.append(FakeRuntime(hold=hold))
         return models[-1]
 
-    e = Engine("m", loader, instances=2, torch_threads=None)
+    e = Engine("m", loader, instances=2)
     e.load_sync(5)
     a, b = e.synthesize_sync(req()), e.synthesize_sync(req())
     wait_until(lambda: e.active == 2)
@@ -514,19 +441,20 @@ def tiny_bundle(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def test_real_tiny_model_through_engine_matches_direct_call(tiny_bundle: Any) -> None:
-    import cosyserve
+    from cosyserve.runtime import RuntimeOptions, load_runtime
 
-    e = Engine("tiny", lambda: cosyserve.load(tiny_bundle, warmup=False), torch_threads=1)
+    runtime = load_runtime(tiny_bundle, RuntimeOptions(warmup=False, worker_threads=1))
+    e = Engine("tiny", lambda: runtime)
     e.load_sync(60)
-    model = e.resident_hint
-    speaker = e.speakers[0]
+    speaker = runtime.speakers()[0]
     text = "Hello there."
 
     def direct_call() -> np.ndarray:
         import torch
 
         torch.set_num_threads(1)  # as the engine's workers: the same reductions, bit-identical audio
-        return np.concatenate(list(model.synthesize(text, speaker, seed=3)))
+        r = SynthesisRequest(text=text, speaker=speaker, seed=3)
+        return np.concatenate(list(runtime.start(r, lambda: False)))
 
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         direct = ex.submit(direct_call).result()
@@ -537,16 +465,27 @@ def test_real_tiny_model_through_engine_matches_direct_call(tiny_bundle: Any) ->
     via_engine = asyncio.run(main())
     np.testing.assert_array_equal(via_engine, direct)
 
-    # cancel a long streaming request mid-way: the worker stops within a token and frees the instance
-    long = SynthesisRequest(text="one two three four five six seven eight nine ten " * 4, speaker=speaker)
-    it = e.synthesize_sync(long)
-    gate = model._pipeline.llm
-    before = gate.tokens
-    wait_until(lambda: gate.tokens > before + 5, 30)  # the LM loop is running
-    it.close()
-    at_close = gate.tokens
-    wait_until(lambda: e.in_flight == 0 and e.active == 0, 30)
-    assert gate.tokens - at_close <= 1, "the LM kept generating after the request was cancelled"
+    # cancel a long streaming request mid-way: the worker stops within a token and frees the runtime
+    lm = runtime.pipeline.llm
+    tokens = [0]
+    inference = lm.inference
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        for token in inference(*args, **kwargs):
+            tokens[0] += 1
+            yield token
+
+    lm.inference = counted
+    try:
+        long = SynthesisRequest(text="one two three four five six seven eight nine ten " * 4, speaker=speaker)
+        it = e.synthesize_sync(long)
+        wait_until(lambda: tokens[0] > 5, 30)  # the LM loop is running
+        it.close()
+        at_close = tokens[0]
+        wait_until(lambda: e.in_flight == 0 and e.active == 0, 30)
+        assert tokens[0] - at_close <= 1, "the LM kept generating after the request was cancelled"
+    finally:
+        del lm.inference
     e.release_sync(30)
     assert e.state is S.RELEASED
 
@@ -555,9 +494,9 @@ def test_a_cancelled_waiter_does_not_cancel_the_shared_load() -> None:
     # a client that disconnects while its model loads must not cancel the load the others wait for
     gate = threading.Event()
 
-    def loader() -> FakeModel:
+    def loader() -> FakeRuntime:
         gate.wait(5)
-        return FakeModel()
+        return FakeRuntime()
 
     e = Engine("m", loader)
 

@@ -20,9 +20,9 @@ import soundfile
 import torch
 
 import cosyserve
-from cosyserve.engine.pipeline import SynthesisRequest
 from cosyserve.errors import AudioError, ClientError, ModeUnavailableError
 from cosyserve.frontend.zeroshot import Frontend
+from cosyserve.runtime.pipeline import SynthesisRequest
 
 SPK = "英文女"
 PROMPT_TEXT = "Hello there, this is my voice."
@@ -57,9 +57,7 @@ def audio(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    m = cosyserve.load(tiny_model_dir, warmup=False)
-    m.use_registry(tmp_path_factory.mktemp("registry"))
-    return m
+    return cosyserve.load(tiny_model_dir, warmup=False, registry_dir=str(tmp_path_factory.mktemp("registry")))
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +99,8 @@ class Recorder:
 @pytest.fixture
 def rec(model: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     r = Recorder()
-    monkeypatch.setattr(model._pipeline, "llm", r)
-    monkeypatch.setattr(model._pipeline, "token2wav", r.token2wav)
+    monkeypatch.setattr(model.runtime.pipeline, "llm", r)
+    monkeypatch.setattr(model.runtime.pipeline, "token2wav", r.token2wav)
     return r
 
 
@@ -132,7 +130,7 @@ MODE_KWARGS = {
 
 @pytest.mark.parametrize("mode", list(MODE_KWARGS))
 def test_mode_end_to_end_length_and_seed(model: Any, audio: dict[str, Path], mode: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    pipeline = model._pipeline
+    pipeline = model.runtime.pipeline
     real = pipeline.token2wav
     seen: list[int] = []
 
@@ -166,7 +164,7 @@ def test_zero_shot_tier_loads_on_first_prompt_request_only(
     tiny_model_dir: Path, audio: dict[str, Path]
 ) -> None:
     m = cosyserve.load(tiny_model_dir, warmup=False)
-    p = m._pipeline
+    p = m.runtime.pipeline
     list(m.synthesize("Hi.", SPK, seed=0))
     list(m.synthesize("Hi.", SPK, mode="instruct", instruct_text="Be happy.", seed=0))
     assert not p.frontend_loaded, "SFT / instruct created the zero-shot tier"
@@ -181,9 +179,10 @@ def test_zero_shot_tier_loads_on_first_prompt_request_only(
 def test_sft_assembly(model: Any, rec: Recorder) -> None:
     list(model.synthesize("Hello world.", SPK, seed=0))
     (llm,) = rec.llm_calls
-    emb = model._pipeline.speakers[SPK]["embedding"]
+    emb = model.runtime.pipeline.speakers[SPK]["embedding"]
     assert same(
-        llm["text"], torch.tensor([model._pipeline.tokenizer.encode("Hello world.")], dtype=torch.int32)
+        llm["text"],
+        torch.tensor([model.runtime.pipeline.tokenizer.encode("Hello world.")], dtype=torch.int32),
     )
     assert llm["prompt_text"].shape == (1, 0) and llm["prompt_speech_token"].shape == (1, 0)
     assert same(llm["embedding"], emb)
@@ -225,11 +224,11 @@ def test_zero_shot_long_text_one_llm_call_per_piece_same_prompt(
     model: Any, rec: Recorder, audio: dict[str, Path]
 ) -> None:
     text = " ".join(["This sentence is here to make the text long enough to be split into pieces."] * 8)
-    pieces = model._pipeline.split_text(text)
+    pieces = model.runtime.pipeline.split_text(text)
     assert len(pieces) >= 2
     list(model.synthesize(text, mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT))
     assert len(rec.llm_calls) == len(pieces) == len(rec.t2w_calls)
-    enc = model._pipeline.tokenizer.encode
+    enc = model.runtime.pipeline.tokenizer.encode
     for call, piece in zip(rec.llm_calls, pieces, strict=True):
         assert call["text"].tolist() == [enc(piece)]
         assert same(call["prompt_speech_token"], rec.llm_calls[0]["prompt_speech_token"])
@@ -314,7 +313,7 @@ def test_registered_voice_gives_the_same_audio_as_its_prompt(
     # persisted: a fresh registry over the same folder (a restart) serves the voice
     from cosyserve.registry import SpeakerRegistry
 
-    again = SpeakerRegistry(model.registry.root).get("same-voice")
+    again = SpeakerRegistry(model.runtime.registry_root).get("same-voice")
     assert again is not None and again.prompt_text == PROMPT_TEXT
     assert "same-voice" in model.speakers and model.speakers.index(SPK) < model.speakers.index("same-voice")
 
@@ -330,8 +329,7 @@ def test_model_without_onnx_serves_sft_and_names_missing_file(
 
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
     make_test_model(tmp_path / "bare-Instruct", size="tiny", seed=0, onnx=False)
-    m = cosyserve.load(tmp_path / "bare-Instruct", warmup=False)
-    m.use_registry(tmp_path / "registry")
+    m = cosyserve.load(tmp_path / "bare-Instruct", warmup=False, registry_dir=str(tmp_path / "registry"))
     assert m.available_modes == ["sft", "instruct"]
     assert "campplus.onnx" in m.unavailable_modes()["zero_shot"]
     assert m.synthesize_all("Hi.", SPK, seed=0).size > 0
@@ -347,7 +345,7 @@ def test_model_without_onnx_serves_sft_and_names_missing_file(
         m.synthesize(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"])
     with pytest.raises(ModeUnavailableError, match="campplus.onnx"):
         m.add_speaker("x", audio["prompt"], PROMPT_TEXT)
-    assert not m._pipeline.frontend_loaded
+    assert not m.runtime.pipeline.frontend_loaded
     # features registered elsewhere need no extraction: an imported voice works without the ONNX models
     model.add_speaker("portable", audio["prompt"], PROMPT_TEXT, overwrite=True)
     model.export_speakers(tmp_path / "spk2info.pt")
@@ -404,7 +402,7 @@ def test_bad_prompt_audio_is_a_clear_error(
     assert "source audio" in str(e.value) or case == "empty bytes"
     with pytest.raises(AudioError, match=needle):
         model.add_speaker("bad", wav, PROMPT_TEXT)
-    assert model.registry.get("bad") is None
+    assert model.runtime.pipeline.registry.get("bad") is None
 
 
 def test_unreadable_audio_names_its_field_without_object_reprs(model: Any, audio: dict[str, Path]) -> None:
@@ -462,7 +460,7 @@ def test_instruct_needs_an_instruct_model(plain_model_dir: Path, tiny_model_dir:
         plain.synthesize("Hi.", SPK, mode="instruct", instruct_text="Speak calmly.")
     assert e.value.param == "instruct_text"
     assert plain.synthesize_all("Hi.", SPK, seed=0).size > 0
-    assert plain.bundle.manifest["instruct"] is False
+    assert plain.runtime.bundle.manifest["instruct"] is False
     instruct = open_bundle(resolve_bundle(tiny_model_dir, progress=False))
     assert instruct.manifest["instruct"] is True and instruct.instruct
 
@@ -486,7 +484,6 @@ def test_prompt_audio_error_is_raised_before_any_audio(
         ),
         (dict(mode="sft", speaker=SPK, prompt_wav="P"), "prompt_wav is not used in sft"),
         (dict(mode="instruct", speaker=SPK), "needs instruct_text"),
-        (dict(mode="instruct", instruct_text="x"), "needs speaker"),
         (dict(mode="vc", prompt_wav="P"), "vc mode needs source_wav"),
         (dict(mode="zero_shot", speaker="v", prompt_wav="P"), "not both"),
         (dict(mode="karaoke", speaker=SPK), "unknown mode 'karaoke'"),
@@ -517,3 +514,12 @@ def test_request_object_and_replace(model: Any, audio: dict[str, Path]) -> None:
     assert math.isclose(b.size, a.size / 2, abs_tol=256)
     with pytest.raises(dataclasses.FrozenInstanceError):
         req.mode = "vc"  # type: ignore[misc]
+
+
+def test_no_speaker_means_the_default_voice(model: Any) -> None:
+    """A request that names no speaker (an OpenAI voice alias over HTTP) speaks in the model's default voice:
+    the first pre-defined speaker, byte for byte, unless a default voice is configured."""
+    first = model.runtime.speakers()[0]
+    a = model.synthesize_all("Hi.", None, seed=5)
+    b = model.synthesize_all("Hi.", first, seed=5)
+    np.testing.assert_array_equal(a, b)

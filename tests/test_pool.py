@@ -8,15 +8,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from cosyserve.engine.engine import EngineState, SynthesisRequest
 from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent, lru_k_order, memory_usage, rss_of_files
+from cosyserve.engine.state import EngineState
 from cosyserve.errors import MemoryBudgetError, UnknownModelError
+from cosyserve.request import SynthesisRequest
+from fake_runtime import FakeRuntime
 from proc_util import run_python
 
 
@@ -28,20 +29,6 @@ class Clock:
         return self.t
 
 
-class FakeModel:
-    sample_rate = 100
-    speakers = ["alice"]
-
-    def __init__(self, size: int, hold: threading.Event | None = None) -> None:
-        self.resident_bytes = size
-        self.hold = hold
-
-    def synthesize(self, text: str, speaker: str, **kw: Any) -> Iterator[np.ndarray]:
-        if self.hold is not None:
-            self.hold.wait(5)
-        yield np.zeros(100, np.float32)
-
-
 class FakeLoader:
     """Counts loads per model (and whether they were reloads); ``delay`` makes loads slow."""
 
@@ -51,18 +38,18 @@ class FakeLoader:
         self.hold = hold
         self._lock = threading.Lock()
 
-    def __call__(self, spec: ModelSpec, reload: bool) -> FakeModel:
+    def __call__(self, spec: ModelSpec, reload: bool) -> FakeRuntime:
         with self._lock:
             self.calls.append((spec.name, reload))
         time.sleep(self.delay)
-        return FakeModel(spec.size_bytes or 0, self.hold)
+        return FakeRuntime(1, 100, hold=self.hold, size=spec.size_bytes or 0)
 
 
 def make_pool(specs: list[ModelSpec], **kw: Any) -> tuple[ModelPool, FakeLoader, Clock]:
     loader = kw.pop("loader", None) or FakeLoader()
     clock = Clock()
     kw.setdefault("memory_probe", None)
-    pool = ModelPool(specs, load_model=loader, clock=clock, torch_threads=None, **kw)
+    pool = ModelPool(specs, load_model=loader, clock=clock, **kw)
     return pool, loader, clock
 
 
@@ -269,11 +256,11 @@ def test_instances_per_model() -> None:
 def test_failed_load_is_reported_and_retried() -> None:
     attempts = []
 
-    def flaky(spec: ModelSpec, reload: bool) -> FakeModel:
+    def flaky(spec: ModelSpec, reload: bool) -> FakeRuntime:
         attempts.append(1)
         if len(attempts) == 1:
             raise OSError("disk hiccup")
-        return FakeModel(10)
+        return FakeRuntime(1, 100, size=10)
 
     pool, _, _ = make_pool([spec("a")], loader=flaky)
     with pytest.raises(Exception, match="disk hiccup"):
@@ -308,7 +295,7 @@ def test_real_model_reload_after_eviction(tiny_model_dir: Any, tmp_path: Any) ->
     convert(tiny_model_dir, bundle)
     pool = ModelPool([ModelSpec("tiny", path=str(bundle))], memory_probe=None)
     e = pool.start_load("tiny").result(120)
-    spk = e.speakers[0]
+    spk = e.runtime.speakers()[0]
     st = pool.stats(rss=True)["models"]["tiny"]
     assert st["mapped_bytes"] > 0 and st["rss_bytes"] > 0
     first = np.concatenate(list(pool.submit_sync("tiny", SynthesisRequest("Hi.", spk, seed=1))))
@@ -334,14 +321,14 @@ def test_eviction_frees_the_model(tiny_model_dir: Any, tmp_path: Any) -> None:
     bundle = convert(tiny_model_dir, tmp_path / "tiny")
     code = f"""
 import gc, weakref
-from cosyserve.engine.engine import SynthesisRequest
+from cosyserve.request import SynthesisRequest
 from cosyserve.engine.pool import ModelPool, ModelSpec
 def main():
     pool = ModelPool([ModelSpec("tiny", path={str(bundle)!r}, batch_size=2)], memory_probe=None)
     gc.disable()  # no collection by chance: only the release's own
     e = pool.start_load("tiny").result(120)
-    llm = weakref.ref(e.resident_hint._pipeline.llm)
-    list(pool.submit_sync("tiny", SynthesisRequest("Hi.", e.speakers[0], seed=1)))
+    llm = weakref.ref(e.runtime.pipeline.llm)
+    list(pool.submit_sync("tiny", SynthesisRequest("Hi.", e.runtime.speakers()[0], seed=1)))
     del e
     pool.evict("tiny").result(30)
     assert llm() is None, "the evicted model is still alive"

@@ -306,10 +306,10 @@ def test_models_in_folders_of_the_same_name_keep_separate_voices(
     a = convert(tiny_model_dir, tmp_path / "a" / "bundle", progress=False)
     b = convert(other, tmp_path / "b" / "bundle", progress=False)
     model_a = cosyserve.load(a, warmup=False)
-    model_a.registry.add("alice", {"embedding": torch.randn(1, 192)})
+    model_a.runtime.pipeline.registry.add("alice", {"embedding": torch.randn(1, 192)})
     assert "alice" in model_a.speakers
     model_b = cosyserve.load(b, warmup=False)
-    assert model_b.registry.root != model_a.registry.root
+    assert model_b.runtime.registry_root != model_a.runtime.registry_root
     assert "alice" not in model_b.speakers, (
         "another model in a folder of the same name lists the first's voices"
     )
@@ -385,7 +385,7 @@ def test_voices_under_a_folder_name_several_models_had_are_not_moved(
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["synth", "--text", "Hi.", "--prompt-wav", "p.wav"], "--prompt-wav is not used in sft mode"),
+        (["synth", "--text", "Hi.", "--prompt-wav", "p.wav"], "--prompt-wav needs a mode that takes it"),
         (["synth", "--mode", "zero_shot", "--text", "Hi.", "--prompt-wav", "p.wav"], "needs --prompt-text"),
         (["synth", "--mode", "vc", "--prompt-wav", "p.wav"], "vc mode needs --source-wav"),
         (
@@ -394,7 +394,7 @@ def test_voices_under_a_folder_name_several_models_had_are_not_moved(
         ),
         (["synth", "--mode", "instruct", "--text", "Hi.", "--speaker", "a"], "needs --instruct-text"),
         (["synth", "--mode", "cross_lingual", "--text", "Hi."], "needs --prompt-wav"),
-        (["synth", "--text", "Hi."], "sft mode needs --speaker"),
+        (["synth", "--speaker", "a"], "--text is needed"),
         (["synth", "--mode", "sing", "--text", "Hi."], "invalid choice: 'sing'"),
         (["speakers", "add"], "speakers add needs NAME"),
         (["speakers", "add", "bob", "--prompt-wav", "p.wav"], "--prompt-text"),

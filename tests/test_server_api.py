@@ -54,8 +54,7 @@ def keyed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
     work = tmp_path_factory.mktemp("keyed")
     registry = work / "registry"
-    model = cosyserve.load(tiny_model_dir, warmup=False)
-    model.use_registry(registry)
+    model = cosyserve.load(tiny_model_dir, warmup=False, registry_dir=str(registry))
     model.add_speaker(VOICE_A, prompt_wav(), "A short prompt.", tenant="tenantA")
     env = {"COSYSERVE_API_KEYS": f"{KEY_A}=tenantA,{KEY_B}=tenantB", "COSYSERVE_REGISTRY_DIR": str(registry)}
     with running_server(tiny_model_dir, work, env=env) as s:
@@ -437,7 +436,8 @@ def test_metrics_count_what_happened(http: httpx.Client, tiny_model_dir: Path) -
     assert delta("cosyserve_requests_total", **ok) == 3, "three OpenAI requests were served"
     assert delta("cosyserve_requests_total", route="/inference_sft", status="200") == 1
     assert delta("cosyserve_time_to_first_audio_seconds_count", route=route, model=model) == 3
-    assert delta("cosyserve_request_seconds_count", route=route, model=model) == 3
+    # every request that reached the model's engine, the unknown voice refused at its admission among them
+    assert delta("cosyserve_request_seconds_count", route=route, model=model) == 4
     assert delta("cosyserve_time_to_first_audio_seconds_bucket", route=route, le="+Inf") == 3
     assert delta("cosyserve_http_errors_total", route=route, status="400", code="invalid_json") == 1
     assert delta("cosyserve_http_errors_total", route=route, status="400", code="voice_not_found") == 1, (

@@ -59,7 +59,11 @@ def test_api_conforms_to_its_schema(case: Any, server: ServerProcess) -> None:
     if meta is not None and meta.generation.mode.is_positive and response.status_code == 400:
         err = response.json()["error"]
         undecodable = "prompt_wav" in str(case.body) and "cannot decode prompt audio" in err["message"]
-        assert err["code"] == "voice_not_found" or undecodable, f"a schema-valid request was refused: {err}"
+        # JSON Schema's regex dialect and Python's disagree on some blanks: a voice of only such characters
+        blank_voice = isinstance(case.body, dict) and str(case.body.get("voice", "x")).strip() == ""
+        assert err["code"] == "voice_not_found" or undecodable or blank_voice, (
+            f"a schema-valid request was refused: {err}"
+        )
 
 
 @pytest.mark.parametrize("text", ["4/", "a 4/ b", "5`\U001078fd4/"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -13,10 +14,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from cosyserve.engine.pool import ModelPool, ModelSpec
-from cosyserve.engine.tenants import Tenant
-from cosyserve.server.app import _load_source, create_app
+from cosyserve.engine.quotas import Tenant
+from cosyserve.server.app import create_app
 from cosyserve.server.config import ModelArg, ServerConfig
-from cosyserve.startup import PhaseClock
+from cosyserve.sources import resolve_source
+from fake_runtime import FakeRuntime
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
@@ -68,12 +70,12 @@ def test_hub_ids_without_the_hub_extra_say_what_to_install(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "modelscope", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ValueError, match=r"iic/CosyVoice-300M-SFT: ModelScope ids need .*cosyserve\[hub\]"):
-        _load_source("iic/CosyVoice-300M-SFT", "m")
+        resolve_source("iic/CosyVoice-300M-SFT")
     with pytest.raises(
         ValueError, match=r"FunAudioLLM/CosyVoice-300M: Hugging Face ids need huggingface_hub"
     ):
-        _load_source("FunAudioLLM/CosyVoice-300M", "m")
-    assert _load_source("/some/local/dir", "m") == "/some/local/dir"
+        resolve_source("FunAudioLLM/CosyVoice-300M")
+    assert str(resolve_source("/some/local/dir")) == "/some/local/dir"
 
 
 def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,31 +186,14 @@ def test_reference_routes_answer_odd_bodies_with_openai_errors(
 # --- what a tenant sees --------------------------------------------------------------------------------------
 
 
-class TimedModel:
-    """A stand-in model that carries the start-up clock /v1/startup reports."""
-
-    sample_rate = 100
-    speakers = ["s"]
-
-    def __init__(self) -> None:
-        self.clock = PhaseClock(t0=time.time())
-        with self.clock.phase("load"):
-            pass
-        self.clock.mark("ready")
-
-    def synthesize(self, *args: Any, **kwargs: Any) -> Iterator[np.ndarray]:
-        yield np.zeros(10, np.float32)
-
-
 def test_startup_report_names_only_the_callers_models() -> None:
     """/v1/startup is open (probes, the web page), but with API keys it must not list every model name that
     /v1/models hides per tenant: a key sees its tenant's models, no key sees none."""
     pool = ModelPool(
         [ModelSpec("model-a", policy="preload"), ModelSpec("model-b", policy="preload")],
         tenants=[Tenant("a", frozenset({"model-a"})), Tenant("b", frozenset({"model-b"}))],
-        load_model=lambda spec, reload: TimedModel(),
+        load_model=lambda spec, reload: FakeRuntime(),
         memory_probe=None,
-        torch_threads=None,
     )
     cfg = ServerConfig(api_keys={"key-a": "a", "key-b": "b"})
     with TestClient(create_app(cfg, pool=pool)) as client:
@@ -302,7 +287,6 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
     import io
     import logging
 
-    import numpy as np
     import soundfile as sf
 
     from cosyserve.bundle.convert import convert
@@ -338,7 +322,6 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
 def test_demo_model_generation_removes_only_stale_temporaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cosyserve.server.config import DEMO_MODEL
     from cosyserve.staging import Staging
     from proc_util import killed_staging
 
@@ -349,10 +332,54 @@ def test_demo_model_generation_removes_only_stale_temporaries(
         mine = tmp_path / ".demo-model.making.backup01"  # similar name, not ours (no lock file)
         mine.mkdir()
         (mine / "keep.txt").write_text("mine")
-        assert _load_source(DEMO_MODEL, DEMO_MODEL) == str(tmp_path / "demo-model")
+        assert resolve_source("demo") == tmp_path / "demo-model"
         assert (tmp_path / "demo-model" / "cosyvoice.yaml").is_file()
         assert not stale.exists(), "the killed generation's temporary was left behind"
         assert live.tmp is not None and live.tmp.exists(), "a live writer's temporary was removed"
         assert (mine / "keep.txt").read_text() == "mine"
     finally:
         live.discard()
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps({"input": "Hello.", "voice": "alloy"} | fields).encode()
+
+
+@pytest.fixture(scope="module")
+def limited_client(tiny_model_dir: Path) -> Iterator[TestClient]:
+    """The app with a 100-character text limit (the model never loads: bad bodies are refused before it)."""
+    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),), max_text_chars=100)
+    with TestClient(create_app(cfg)) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (body(input=""), "input", "empty"),
+        (body(input="x" * 101), "input", "limit is 100"),
+        (body(input=3), "input", "must be a string"),
+        (body(voice=""), "voice", "empty"),
+        (body(response_format="ogg"), "response_format", "not supported"),
+        (body(speed=4.5), "speed", "between 0.25 and 4.0"),
+        (body(speed=0.2), "speed", "between 0.25 and 4.0"),
+        (body(speed="fast"), "speed", "number"),
+        (body(speed=True), "speed", "number"),
+        (body(stream="yes"), "stream", "true or false"),
+        (body(stream=True, speed=1.5), "speed", "stream=false"),
+        (body(seed=-1), "seed", "integer"),
+        (body(temperature=1), "temperature", "unknown field"),
+        (body(stream_format="sse"), "stream_format", "not supported"),
+        (json.dumps({"voice": "alloy"}).encode(), "input", "required"),
+    ],
+)
+def test_bad_speech_requests_name_their_field(
+    limited_client: TestClient, raw: bytes, param: str | None, message: str
+) -> None:
+    """Every bad body is a 400 whose ``param`` is the OpenAI field at fault, whichever layer refuses it (the
+    body's JSON types, the server's limits, or the request's own checks)."""
+    r = limited_client.post("/v1/audio/speech", content=raw, headers={"Content-Type": "application/json"})
+    err = openai_error(r, 400)
+    assert err["param"] == param and message in err["message"], err

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from cosyserve.server.app import ServerState, create_app
+from cosyserve.server.app import create_app
 from cosyserve.server.config import ModelArg, ServerConfig
 from server_util import ServerProcess, post_and_hold, running_server, start_server
 
@@ -127,13 +127,15 @@ def test_readiness_is_503_with_the_state_until_the_preload_finishes(
 ) -> None:
     """In process, with the load held back until the test lets it go: live 200, startup/ready 503 'loading'."""
     gate = threading.Event()
-    original = ServerState._load_model
+    from cosyserve.engine.pool import ModelPool
 
-    def held_load(self: ServerState, spec: Any, reload: bool) -> Any:
+    original = ModelPool._default_load_model
+
+    def held_load(self: ModelPool, spec: Any, reload: bool) -> Any:
         assert gate.wait(120), "the test never released the load"
         return original(self, spec, reload)
 
-    monkeypatch.setattr(ServerState, "_load_model", held_load)
+    monkeypatch.setattr(ModelPool, "_default_load_model", held_load)
     cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),))
     try:
         with TestClient(create_app(cfg)) as client:

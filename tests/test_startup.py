@@ -58,7 +58,7 @@ def test_one_layer_per_stack_trims_a_copy_and_leaves_the_model_whole(bundle_dir:
     from cosyserve.models import one_layer_per_stack
 
     m = cosyserve.load(bundle_dir, warmup=False)
-    llm, flow = m._pipeline.llm, m._pipeline.token2wav.flow
+    llm, flow = m.runtime.pipeline.llm, m.runtime.pipeline.token2wav.flow
     stacks = [
         (mod, path, len(mod.get_submodule(path))) for mod in (llm, flow) for path in type(mod).REPEATED_STACKS
     ]
@@ -71,7 +71,7 @@ def test_one_layer_per_stack_trims_a_copy_and_leaves_the_model_whole(bundle_dir:
         assert dict(trimmed.named_parameters()).keys() <= dict(mod.named_parameters()).keys()
     assert all(len(mod.get_submodule(path)) == n for mod, path, n in stacks)
     assert (
-        one_layer_per_stack(m._pipeline.token2wav.hift) is not m._pipeline.token2wav.hift
+        one_layer_per_stack(m.runtime.pipeline.token2wav.hift) is not m.runtime.pipeline.token2wav.hift
     )  # no stacks: a copy
 
 
@@ -81,11 +81,13 @@ def test_warm_up_does_not_change_the_audio(bundle_dir: Path) -> None:
     import cosyserve
 
     warm = cosyserve.load(bundle_dir, warmup=True)
-    assert warm._pipeline.llm.cache_shape() == (0, 0), "the warm-up left its (one-layer) KV caches behind"
-    warm.warmup_thread.join(60)  # the flow and the vocoder warm up after READY
+    assert warm.runtime.pipeline.llm.cache_shape() == (0, 0), (
+        "the warm-up left its (one-layer) KV caches behind"
+    )
+    warm.runtime.warmup_thread.join(60)  # the flow and the vocoder warm up after READY
     assert warm.clock.durations["warmup"] > 0 and warm.clock.durations["warmup_token2wav"] > 0
     cold = cosyserve.load(bundle_dir, warmup=False)
-    assert cold.warmup_thread is None
+    assert cold.runtime.warmup_thread is None
     spk = cold.speakers[0]
     a = warm.synthesize_all("Hello there, one two.", spk, seed=3)
     b = cold.synthesize_all("Hello there, one two.", spk, seed=3)
@@ -96,7 +98,7 @@ def test_warm_up_does_not_change_the_audio(bundle_dir: Path) -> None:
 
     def warm_again() -> None:
         while not stop.is_set():
-            warm._warm_up_token2wav(2)
+            warm.runtime.warm_up_token2wav()
 
     t = threading.Thread(target=warm_again)
     t.start()
@@ -118,10 +120,10 @@ m = cosyserve.load({str(bundle_dir)!r}, warmup=True)
 mode = sys.argv[1]
 from cosyserve.frontend import tokenizer
 if mode == "lazy":
-    assert m.text_thread is None and "wetext" not in sys.modules
+    assert m.runtime.text_thread is None and "wetext" not in sys.modules
     assert tokenizer._shared.cache_info().currsize == 0, "the tokenizer was built on the start path"
 else:
-    m.text_thread.join(60)
+    m.runtime.text_thread.join(60)
     assert text.normalizers_loaded() and m.clock.durations["text_tier"] > 0
     assert tokenizer._shared.cache_info().currsize == 1
     # the start times say so too (the waterfalls draw from them): the text tier starts after READY
@@ -187,7 +189,7 @@ def test_row_tables_are_exactly_the_embedding_tables(bundle_dir: Path) -> None:
     import cosyserve
 
     m = cosyserve.load(bundle_dir, warmup=False)
-    p = m._pipeline
+    p = m.runtime.pipeline
     for module in (p.llm, p.token2wav.flow, p.token2wav.hift):
         tables = {f"{n}.weight" for n, sub in module.named_modules() if isinstance(sub, nn.Embedding)}
         assert set(getattr(module, "ROW_TABLES", ())) == tables, type(module).__name__

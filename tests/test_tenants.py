@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from cosyserve.engine.engine import SynthesisRequest
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
-from cosyserve.engine.tenants import Tenant, TenantQuota
+from cosyserve.engine.quotas import Tenant, TenantQuota
 from cosyserve.errors import OverloadedError, QuotaExceededError, UnknownModelError
+from cosyserve.request import SynthesisRequest
 from cosyserve.server.errors import status_of
-
-
-class FakeModel:
-    sample_rate = 100
-    speakers = ["alice"]
-
-    def __init__(self, size: int, hold: threading.Event) -> None:
-        self.resident_bytes = size
-        self.hold = hold
-
-    def synthesize(self, text: str, speaker: str, **kw: Any) -> Iterator[np.ndarray]:
-        self.hold.wait(5)
-        yield np.zeros(100, np.float32)
+from fake_runtime import FakeRuntime
 
 
 class Clock:
@@ -38,6 +24,20 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+class As:
+    """The pool as one tenant uses it: every request carries the tenant."""
+
+    def __init__(self, pool: ModelPool, tenant: str) -> None:
+        self.pool, self.tenant = pool, tenant
+
+    def submit_sync(self, model: str, request: SynthesisRequest, **kw: Any) -> Any:
+        return self.pool.submit_sync(model, request, tenant=self.tenant, **kw)
+
+    @property
+    def in_flight(self) -> int:
+        return self.pool.tenant_in_flight(self.tenant)
 
 
 def req() -> SynthesisRequest:
@@ -53,10 +53,9 @@ def make(
     pool = ModelPool(
         specs,
         tenants=tenants,
-        load_model=lambda s, r: FakeModel(s.size_bytes or 0, hold),
+        load_model=lambda s, r: FakeRuntime(1, 100, hold=hold, size=s.size_bytes or 0),
         memory_probe=None,
         clock=clock,
-        torch_threads=None,
         **kw,
     )
     return pool, hold, clock
@@ -85,7 +84,7 @@ def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
         Tenant("b", frozenset({"shared"}), TenantQuota(max_concurrent=2)),
     ]
     pool, hold, _ = make(specs, tenants)
-    a, b = pool.view("a"), pool.view("b")
+    a, b = As(pool, "a"), As(pool, "b")
     hold.clear()
     held = [a.submit_sync("shared", req(), load_timeout=5) for _ in range(2)]
     for _ in range(5):
@@ -109,28 +108,26 @@ def wait_until(cond: Any, timeout: float = 5.0) -> None:
         time.sleep(0.002)
 
 
-def test_views_of_one_tenant_share_its_concurrency_count() -> None:
-    """The server builds a view per request: if each view counted for itself, max_concurrent would never bite.
+def test_requests_of_one_tenant_share_its_concurrency_count() -> None:
+    """The server handles each request apart: if each counted for itself, max_concurrent would never bite.
     The count is the pool's, one per tenant, across its models; a request the engine refuses gives its slot
     back."""
     specs = [ModelSpec("m", size_bytes=1, queue_limit=0), ModelSpec("n", size_bytes=1, queue_limit=8)]
     pool, hold, _ = make(specs, [Tenant("a", frozenset({"m", "n"}), TenantQuota(max_concurrent=2))])
     hold.clear()
-    first = pool.view("a").submit_sync("m", req(), load_timeout=5)
-    assert pool.view("a").in_flight == 1, "a new view must see the request another view admitted"
+    first = As(pool, "a").submit_sync("m", req(), load_timeout=5)
+    assert As(pool, "a").in_flight == 1, "the tenant's count must hold the request admitted before"
     with pytest.raises(OverloadedError) as info:  # m's one slot is busy and it has no queue
-        pool.view("a").submit_sync("m", req())
+        As(pool, "a").submit_sync("m", req())
     assert not isinstance(info.value, QuotaExceededError), info.value
     assert pool.tenant_in_flight("a") == 1, "a request the engine refused must give its tenant slot back"
-    second = pool.view("a").submit_sync("n", req(), load_timeout=5)
+    second = As(pool, "a").submit_sync("n", req(), load_timeout=5)
     with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
-        pool.view("a").submit_sync("n", req())  # n has room; the tenant has not
-    with pytest.raises(QuotaExceededError, match="max_concurrent=2"):
-        pool.submit_sync("n", req(), tenant="a")  # the pool itself, without a view
+        As(pool, "a").submit_sync("n", req())  # n has room; the tenant has not
     hold.set()
     assert len(list(first)) == len(list(second)) == 1
     wait_until(lambda: pool.tenant_in_flight("a") == 0)
-    assert len(list(pool.view("a").submit_sync("n", req()))) == 1
+    assert len(list(As(pool, "a").submit_sync("n", req()))) == 1
     pool.close_sync()
 
 
@@ -139,9 +136,9 @@ def test_tenant_sees_only_its_models() -> None:
         [ModelSpec("x", size_bytes=1), ModelSpec("y", size_bytes=1)], [Tenant("a", frozenset({"x"}))]
     )
     with pytest.raises(UnknownModelError, match="for tenant 'a'"):
-        pool.view("a").submit_sync("y", req())
+        As(pool, "a").submit_sync("y", req())
     with pytest.raises(UnknownModelError, match="unknown tenant"):
-        pool.view("nobody")
+        As(pool, "nobody").submit_sync("x", req())
     pool.close_sync()
 
 
@@ -153,7 +150,7 @@ def test_memory_quota_evicts_only_the_tenants_own_models() -> None:
         Tenant("b", frozenset({"b1"})),
     ]
     pool, _, clock = make(specs, tenants)
-    a, b = pool.view("a"), pool.view("b")
+    a, b = As(pool, "a"), As(pool, "b")
     use(b, "b1", clock, 0)
     use(a, "a1", clock, 1)
     use(a, "a1", clock, 2)
@@ -172,8 +169,8 @@ def test_model_count_quota_and_busy_models() -> None:
         Tenant("b", frozenset({"b1"})),
     ]
     pool, hold, clock = make(specs, tenants)
-    a = pool.view("a")
-    use(pool.view("b"), "b1", clock, 0)
+    a = As(pool, "a")
+    use(As(pool, "b"), "b1", clock, 0)
     hold.clear()
     busy = a.submit_sync("a1", req(), load_timeout=5)
     with pytest.raises(QuotaExceededError, match="quota"):
@@ -191,8 +188,8 @@ def test_shared_budget_takes_the_requesting_tenants_idle_models_first() -> None:
     specs = [ModelSpec(n, size_bytes=100) for n in ("a1", "a2", "b1")]
     tenants = [Tenant("a", frozenset({"a1", "a2"})), Tenant("b", frozenset({"b1"}))]
     pool, _, clock = make(specs, tenants, memory_budget=200)
-    a = pool.view("a")
-    use(pool.view("b"), "b1", clock, 0)  # global LRU-K would pick b1 (one use, oldest)
+    a = As(pool, "a")
+    use(As(pool, "b"), "b1", clock, 0)  # global LRU-K would pick b1 (one use, oldest)
     use(a, "a1", clock, 1)
     use(a, "a2", clock, 2)
     settle(pool)

@@ -41,8 +41,8 @@ def main(argv: list[str]) -> None:
         next(stream)
         first_audio = clock.mark("first_audio")
         stream.close()
-    if model.zero_shot_thread is not None:
-        model.zero_shot_thread.join()
+    if model.runtime.zero_shot_thread is not None:
+        model.runtime.zero_shot_thread.join()
     out = clock.as_dict()
     out["first_audio_ms"] = first_audio
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

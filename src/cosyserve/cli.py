@@ -73,10 +73,8 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     for flag, value in (("--prompt-wav", args.prompt_wav), ("--source-wav", args.source_wav)):
         if value is not None and not Path(value).is_file():
             raise CLIError(f"{flag} {value}: no such file")
-    model = _load(args.model, args.threads)
+    model = _load(args.model, args.threads, registry_dir=args.registry_dir)
     release_gc()
-    if args.registry_dir:
-        model.use_registry(args.registry_dir)
     from cosyserve.errors import ModeUnavailableError
 
     try:
@@ -131,23 +129,16 @@ def _cmd_speakers(args: argparse.Namespace) -> None:
         raise CLIError(f"--prompt-wav {args.prompt_wav}: no such file")
     if args.action == "import" and not Path(args.target).is_file():
         raise CLIError(f"{args.target}: no such file")
-    model = _load(args.model, args.threads, warmup=False)
-    if args.registry_dir:
-        model.use_registry(args.registry_dir)
+    model = _load(args.model, args.threads, warmup=False, registry_dir=args.registry_dir)
     tenant = args.tenant
     if args.action == "list":
-        for spk in sorted(model._pipeline.speakers):
-            print(spk)
-        for s in model.list_speakers(tenant):
-            if s.name not in model._pipeline.speakers:
-                print(f"{s.name}  (registered)")
+        for voice in model.runtime.voices(tenant):
+            print(voice.name if voice.kind == "pre-defined" else f"{voice.name}  (registered)")
     elif args.action == "add":
         spk = model.add_speaker(
             args.target, args.prompt_wav, args.prompt_text, tenant=tenant, overwrite=args.overwrite
         )
-        print(
-            f"registered {spk.name!r} for tenant {tenant!r} ({spk.seconds:.2f} s prompt) in {model.registry.root}"
-        )
+        print(f"registered {spk.name!r} for tenant {tenant!r} ({spk.seconds:.2f} s prompt)")
     elif args.action == "remove":
         model.remove_speaker(args.target, tenant=tenant)
         print(f"removed {args.target!r} from tenant {tenant!r}")
@@ -176,11 +167,11 @@ _SYNTH_FIELDS = {
 
 
 def _check_synth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from cosyserve.engine.modes import field_errors
+    from cosyserve.request import field_errors
 
     given = {f for f in _SYNTH_FIELDS if getattr(args, f) is not None}
     # without --mode: sft, or zero_shot for a registered voice (decided after loading); both take these flags
-    errors = field_errors(args.mode or "sft", given, _SYNTH_FIELDS)
+    errors = [msg for _, msg in field_errors(args.mode, given, _SYNTH_FIELDS)]
     if errors:
         hint = "" if args.mode else " (choose a mode with --mode)"
         parser.error("; ".join(errors) + hint)
@@ -515,13 +506,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command != "serve" and level > logging.INFO:
         _show_progress()
+    from cosyserve.errors import CosyserveError
+
     try:
         args.func(args)
     except CLIError as e:
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
-    except (ValueError, OSError) as e:
-        # ConfigError, ModelDirError, SynthesisError and I/O failures are ValueError/OSError subclasses
+    except (CosyserveError, ValueError, OSError) as e:
+        # every error of cosyserve.errors (a bad request, model, setting or file) and I/O failures
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except ModuleNotFoundError as e:

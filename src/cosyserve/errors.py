@@ -74,14 +74,24 @@ class CosyserveError(Exception):
             ``speaker``, ``prompt_wav``, ...); a server maps it to its own field name.
         public: what a server may show a client of an error that is not the client's fault, when ``message``
             names things of the operator's (file paths): :attr:`public_message`.
+        code: a machine-readable code for clients (default the class's ``code``).
     """
 
     code = "error"
 
-    def __init__(self, message: str = "", *, param: str | None = None, public: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        param: str | None = None,
+        public: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.param = param
         self._public = public
+        if code is not None:
+            self.code = code
 
     @property
     def public_message(self) -> str | None:

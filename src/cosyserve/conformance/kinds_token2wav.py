@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cosyserve.engine.token2wav import CallDraws, Token2Wav
+from cosyserve.runtime.token2wav import CallDraws, Token2Wav
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:

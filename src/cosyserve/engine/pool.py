@@ -1,23 +1,19 @@
 """Several models in one process under a memory budget: preload / lazy / idle TTL / pinned, LRU-K eviction.
 
 Each model (:class:`ModelSpec`) gets an :class:`~cosyserve.engine.engine.Engine` when it is loaded and loses it
-when it is evicted; its :class:`~cosyserve.engine.engine.ModelStats` and its opened bundle (manifest, config)
+when it is evicted; its :class:`~cosyserve.engine.stats.ModelStats` and its opened bundle (manifest, config)
 stay, so a reload skips conversion and checksum work and finds the weight pages in the page cache.
 
 Rules, all applied under one pool lock (engine locks are only ever taken inside it, never the reverse):
 
 - a request records a *use* of its model; lazy models load on first use and concurrent first requests share
   one load; a model that is READY is a hit, anything else a miss;
-- before a load, room is made: first within the requesting tenant's quota (its own models only), then within
-  the memory budget, then under the pressure threshold (process or cgroup memory in use / limit);
-- the victim is chosen by LRU-K (K=2 by default): the model whose K-th most recent use is oldest; models with
-  fewer than K uses count as infinitely old; ties go to the older last use. Models that are pinned, loading,
-  or have requests in flight are never victims. A tenant's own idle models are evicted before anyone else's;
+- a request of a tenant takes one of the tenant's ``max_concurrent`` slots before anything is loaded or queued
+  (:class:`~cosyserve.engine.quotas.InFlight`, one count per tenant, held here);
+- before a load, room is made (:mod:`cosyserve.engine.eviction`): within the requesting tenant's quota, then the
+  memory budget, then under the pressure threshold;
 - :meth:`ModelPool.maintain` (run periodically by :meth:`ModelPool.run_housekeeping`) releases models idle
   for longer than their TTL and evicts while memory pressure is above the threshold.
-
-The budget is hard (a load that cannot fit raises :class:`MemoryBudgetError`); pressure is a soft signal
-(logged when nothing more can be evicted).
 """
 
 from __future__ import annotations
@@ -32,24 +28,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from cosyserve.engine.engine import (
-    RETRY_AFTER_BOUNDS_S,
-    AudioStream,
-    Engine,
-    EngineState,
-    ModelStats,
-    SyncAudioStream,
-    SynthesisRequest,
-    shared,
-)
-from cosyserve.errors import MemoryBudgetError, OverloadedError, QuotaExceededError, UnknownModelError
-
-if TYPE_CHECKING:
-    from cosyserve.engine.tenants import Tenant, TenantView
+from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
+from cosyserve.engine.eviction import evictable, lru_k_order, plan_room, pressure_victims
+from cosyserve.engine.quotas import InFlight, Tenant, sole_owners
+from cosyserve.engine.state import EngineState
+from cosyserve.engine.stats import ModelStats
+from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
+from cosyserve.errors import OverloadedError, UnknownModelError
+from cosyserve.request import SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +68,13 @@ class ModelSpec:
         idle_ttl_s: release after this many idle seconds (None: never).
         instances: prewarmed instances (``MODEL_POOL_SIZE``), each with its own worker.
         batch_size: requests each instance serves at once, LM steps batched (``COSYSERVE_BATCH_SIZE``).
+        runtime: the runtime that runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
         queue_limit: requests allowed to wait per model before :class:`OverloadedError`.
         size_bytes: memory estimate used before the first load (default: the bundle's file sizes).
         warmup: warm-up synthesis on the first load.
         reload_warmup: warm-up on reloads after eviction (off: kernels are warm, pages are cached).
-        load_options: extra keyword arguments for :func:`cosyserve.load` (strategy, verify, use_mmap, ...).
+        load_options: fields of :class:`cosyserve.runtime.RuntimeOptions` for this model (strategy, verify,
+            use_mmap, ...), over the pool's ``runtime_options``.
     """
 
     name: str
@@ -96,6 +88,7 @@ class ModelSpec:
     size_bytes: int | None = None
     warmup: bool = True
     reload_warmup: bool = False
+    runtime: str = "torch"
     load_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -176,29 +169,6 @@ def rss_of_files(paths: Iterable[str | Path]) -> int:
     return total
 
 
-# -- LRU-K ----------------------------------------------------------------------------------------------------
-
-
-def lru_k_order(histories: Mapping[str, Iterable[tuple[float, int]]], k: int) -> list[str]:
-    """Names ordered from best victim to worst by LRU-K.
-
-    Args:
-        histories: name -> its most recent uses as (time, sequence number), any order (the K latest are used).
-        k: K (>= 1).
-    Returns:
-        Names sorted by backward K-distance: the oldest K-th most recent use first; names with fewer than K
-        uses first of all (infinitely old); ties broken by the older last use, then by name.
-    """
-
-    def key(name: str) -> tuple[float, int, float, int, str]:
-        uses = sorted(histories[name])[-k:]
-        kth = uses[0] if len(uses) >= k else (float("-inf"), -1)
-        last = uses[-1] if uses else (float("-inf"), -1)
-        return (kth[0], kth[1], last[0], last[1], name)
-
-    return sorted(histories, key=key)
-
-
 # -- the pool -------------------------------------------------------------------------------------------------
 
 
@@ -211,8 +181,12 @@ def _keeps_being_evicted(name: str) -> OverloadedError:
 
 
 class _Entry:
+    """One model of the pool: its spec, stats and uses, and its engine while resident."""
+
     def __init__(self, spec: ModelSpec, k: int) -> None:
         self.spec = spec
+        self.name = spec.name
+        self.pinned = spec.pinned
         self.stats = ModelStats(spec.name)
         self.engine: Engine | None = None
         self.uses: deque[tuple[float, int]] = deque(maxlen=k)
@@ -231,18 +205,15 @@ class _Entry:
     def ready(self) -> bool:
         return self.engine is not None and self.engine.state is EngineState.READY
 
+    @property
+    def idle(self) -> bool:
+        return self.ready and self.engine is not None and self.engine.in_flight == 0
+
     def held_bytes(self) -> int:
         held = self.retiring_bytes
         if self.engine is not None and self.engine.state in (EngineState.LOADING, EngineState.READY):
             held += self.bytes if self.bytes is not None else self.reserved
         return held
-
-
-def _default_model_bytes(model: Any) -> int:
-    parts = getattr(model, "_parts", None)
-    if parts is not None and hasattr(parts, "mapped_bytes"):
-        return int(parts.mapped_bytes())
-    return int(getattr(model, "resident_bytes", 0))
 
 
 class ModelPool:
@@ -254,12 +225,13 @@ class ModelPool:
         pressure_threshold: fraction of the memory limit in use above which idle models are evicted
             (None disables; default 0.8).
         lru_k: K of LRU-K.
-        tenants: tenants with quotas (see :mod:`cosyserve.engine.tenants`).
-        load_model: ``(spec, reload) -> model``; default :func:`cosyserve.load` on ``spec.path``.
-        model_bytes: bytes a loaded model holds; default its mapped bundle bytes.
+        tenants: tenants with quotas (see :mod:`cosyserve.engine.quotas`).
+        runtime_options: how every model loads and serves (a :class:`cosyserve.runtime.RuntimeOptions`; a
+            spec's ``load_options`` and ``batch_size`` override it); default the runtime's defaults.
+        load_model: ``(spec, reload) -> Runtime``; default :func:`cosyserve.runtime.load_runtime` on
+            ``spec.path``.
         memory_probe: ``() -> (used, limit)``; default :func:`memory_usage`.
         clock: monotonic seconds (LRU-K history, TTL); tests inject a fake one.
-        torch_threads: torch threads per engine worker.
         release_timeout_s: how long an evicted or closing model's in-flight requests may take.
     """
 
@@ -271,11 +243,10 @@ class ModelPool:
         pressure_threshold: float | None = 0.8,
         lru_k: int = 2,
         tenants: Iterable[Tenant] = (),
+        runtime_options: Any = None,
         load_model: Callable[[ModelSpec, bool], Any] | None = None,
-        model_bytes: Callable[[Any], int] = _default_model_bytes,
         memory_probe: Callable[[], tuple[int, int]] | None = memory_usage,
         clock: Callable[[], float] = time.monotonic,
-        torch_threads: int | None = 1,
         release_timeout_s: float = 30.0,
     ) -> None:
         if lru_k < 1:
@@ -291,15 +262,12 @@ class ModelPool:
         self.pressure_threshold = pressure_threshold
         self.lru_k = lru_k
         self.tenants: dict[str, Tenant] = {}
-        # each tenant's requests in flight (token -> (model, request id)), what its max_concurrent counts: held
-        # here, one per tenant, so that every view and every request of a tenant shares one count
-        self._tenant_requests: dict[str, dict[int, tuple[str, str]]] = {}
+        self._in_flight = InFlight(self._tenant_retry_after)
         self._owner: dict[str, str] = {}
+        self.runtime_options = runtime_options
         self._load_model = load_model or self._default_load_model
-        self._model_bytes = model_bytes
         self._probe = memory_probe
         self.clock = clock
-        self.torch_threads = torch_threads
         self.release_timeout_s = release_timeout_s
         self._lock = threading.RLock()  # re-entrant: listeners and release callbacks may call back in
         self._seq = itertools.count()
@@ -317,25 +285,17 @@ class ModelPool:
                 raise ValueError(f"tenant {tenant.name!r} lists unknown model {m!r}")
         with self._lock:
             self.tenants[tenant.name] = tenant
-            self._tenant_requests.setdefault(tenant.name, {})
-            listed: dict[str, list[str]] = {}
-            for t in self.tenants.values():
-                for m in t.models:
-                    listed.setdefault(m, []).append(t.name)
-            self._owner = {m: ts[0] for m, ts in listed.items() if len(ts) == 1}
-
-    def view(self, tenant: str) -> TenantView:
-        """The pool as ``tenant`` sees it (its models, its quota)."""
-        from cosyserve.engine.tenants import TenantView
-
-        if tenant not in self.tenants:
-            raise UnknownModelError(f"unknown tenant {tenant!r}")
-        return TenantView(self, self.tenants[tenant])
+            self._owner = sole_owners(self.tenants.values())
 
     def tenant_in_flight(self, tenant: str) -> int:
         """Requests of ``tenant`` in flight (waiting for a load, queued or running), across its models."""
-        with self._lock:
-            return len(self._tenant_requests[tenant])
+        return self._in_flight.count(tenant)
+
+    def visible(self, tenant: str | None) -> list[str]:
+        """The models ``tenant`` may use (every model without a tenant, or for a tenant the pool does not know)."""
+        if tenant is None or tenant not in self.tenants:
+            return self.names
+        return sorted(self.tenants[tenant].models)
 
     def add_listener(self, listener: Callable[[PoolEvent], None]) -> None:
         self._listeners.append(listener)
@@ -343,6 +303,9 @@ class ModelPool:
     @property
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def spec(self, name: str) -> ModelSpec:
+        return self._entry(name).spec
 
     def engine(self, name: str) -> Engine | None:
         """The model's current engine (None when not loaded)."""
@@ -353,7 +316,8 @@ class ModelPool:
             return self._entries[name]
         except KeyError:
             raise UnknownModelError(
-                f"unknown model {name!r}; this server has: {', '.join(self._entries) or 'none'}"
+                f"unknown model {name!r}; this server has: {', '.join(self._entries) or 'none'}",
+                param="model",
             ) from None
 
     def _emit(self, kind: str, model: str, detail: str = "") -> None:
@@ -373,51 +337,29 @@ class ModelPool:
     ) -> Iterator[Callable[[], None]]:
         # one of the tenant's max_concurrent slots, taken before anything is loaded or queued and given back
         # if the request is not admitted; once admitted, the engine calls the release when the request ends
-        release = self._take_tenant_slot(name, request, tenant)
+        self._entry(name)  # an unknown model is named as such before any tenant rule
+        release = (
+            _no_release
+            if tenant is None
+            else self._in_flight.take(self.tenants, tenant, name, request.request_id)
+        )
         try:
             yield release
         except BaseException:
             release()
             raise
 
-    def _take_tenant_slot(
-        self, name: str, request: SynthesisRequest, tenant: str | None
-    ) -> Callable[[], None]:
-        # the release is idempotent
-        if tenant is None:
-            return _no_release
-        t = self.tenants.get(tenant)
-        if t is None:
-            raise UnknownModelError(f"unknown tenant {tenant!r}")
-        if name not in t.models:
-            raise UnknownModelError(f"unknown model {name!r} for tenant {tenant!r}")
-        limit = t.quota.max_concurrent
-        with self._lock:
-            held = self._tenant_requests[tenant]
-            if limit is not None and len(held) >= limit:
-                raise QuotaExceededError(
-                    f"tenant {tenant!r}: {len(held)} requests in flight (max_concurrent={limit})",
-                    retry_after=self._tenant_retry_after_locked(held.values()),
-                )
-            token = next(self._seq)
-            held[token] = (name, request.request_id)
-
-        def release() -> None:
-            with self._lock:
-                held.pop(token, None)
-
-        return release
-
-    def _tenant_retry_after_locked(self, held: Iterable[tuple[str, str]]) -> float:
+    def _tenant_retry_after(self, held: list[tuple[str, str]]) -> float:
         # when the first of the tenant's own requests is expected to end, on whichever model it runs
         ids: dict[str, set[str]] = {}
         for model, request_id in held:
             ids.setdefault(model, set()).add(request_id)
-        waits = [
-            e.engine.retry_after(ids[n])
-            for n, e in self._entries.items()
-            if n in ids and e.engine and e.ready
-        ]
+        with self._lock:
+            waits = [
+                e.engine.retry_after(ids[n])
+                for n, e in self._entries.items()
+                if n in ids and e.engine and e.ready
+            ]
         return min(waits, default=RETRY_AFTER_BOUNDS_S[0])
 
     def _lookup(
@@ -508,13 +450,19 @@ class ModelPool:
     # -- loading ---------------------------------------------------------------------------------------------
 
     def _default_load_model(self, spec: ModelSpec, reload: bool) -> Any:
-        import cosyserve
+        from cosyserve.runtime import RuntimeOptions, load_runtime
+        from cosyserve.startup import PhaseClock
 
         if spec.path is None:
             raise ValueError(f"model {spec.name!r} has no path")
-        opts = dict(spec.load_options)
-        opts.setdefault("warmup", spec.reload_warmup if reload else spec.warmup)
-        return cosyserve.load(spec.path, **opts)
+        base = self.runtime_options or RuntimeOptions()
+        warmup = spec.reload_warmup if reload else spec.warmup
+        options = replace(
+            base, **{"warmup": warmup and base.warmup, "batch_size": spec.batch_size, **spec.load_options}
+        )
+        # a first load's phases count from process start (the server's start-up report); a reload's from now
+        clock = PhaseClock(t0=time.time()) if reload else PhaseClock()
+        return load_runtime(spec.path, options, runtime=spec.runtime, clock=clock)
 
     def _estimate_locked(self, entry: _Entry) -> int:
         if entry.last_bytes is not None:
@@ -554,8 +502,23 @@ class ModelPool:
             done.set_result(entry.engine)
             return done
         need = self._estimate_locked(entry)
-        victims = self._plan_room_locked(entry, need, tenant)
-        waits = [v.release_future for v in victims if v.release_future is not None]
+        own = [e for e in self._entries.values() if tenant is not None and self._owner.get(e.name) == tenant]
+        plan = plan_room(
+            entry,
+            need,
+            list(self._entries.values()),
+            k=self.lru_k,
+            own=own,
+            tenant=tenant,
+            quota=self.tenants[tenant].quota if tenant is not None and tenant in self.tenants else None,
+            budget=self.memory_budget,
+            pressure=self.pressure_threshold,
+            probe=self._probe,
+            busy_retry_after=self._busy_retry_after_locked,
+        )
+        for victim, reason in plan:
+            self._begin_evict_locked(victim, reason)
+        waits = [v.release_future for v, _ in plan if v.release_future is not None]
         if entry.release_future is not None and not entry.release_future.done():
             waits.append(entry.release_future)  # its previous engine is still being released
         reload = entry.loaded_once
@@ -564,9 +527,7 @@ class ModelPool:
             spec.name,
             lambda: self._load_model(spec, reload),
             instances=spec.instances,
-            batch_size=spec.batch_size,
             queue_limit=spec.queue_limit,
-            torch_threads=self.torch_threads,
             stats=entry.stats,
             clock=self.clock,
         )
@@ -591,12 +552,12 @@ class ModelPool:
         waits: list[concurrent.futures.Future[None]],
     ) -> None:
         error: BaseException | None = None
-        self._emit("load_started", entry.spec.name, "reload" if entry.loaded_once else "first")
+        self._emit("load_started", entry.name, "reload" if entry.loaded_once else "first")
         t0 = time.perf_counter()
         try:
             concurrent.futures.wait(waits)
             engine.load_sync()
-            size = self._model_bytes(engine.resident_hint)
+            size = int(engine.runtime.mapped_bytes())
         except BaseException as e:  # noqa: BLE001 - reported through the future
             error = e
         finally:
@@ -606,103 +567,17 @@ class ModelPool:
                     entry.bytes = entry.last_bytes = size
                     entry.loaded_once = True
                     entry.idle_since = self.clock()
-                    if entry.bundle is None:
-                        entry.bundle = getattr(engine.resident_hint, "bundle", None)
                 elif entry.engine is engine:
                     entry.engine = None
             entry.stats.record_load(seconds, error is None)
             if error is None:
-                self._emit("loaded", entry.spec.name, f"{seconds * 1e3:.0f} ms, {size} bytes")
+                self._emit("loaded", entry.name, f"{seconds * 1e3:.0f} ms, {size} bytes")
                 fut.set_result(engine)
             else:
-                self._emit("load_failed", entry.spec.name, repr(error))
+                self._emit("load_failed", entry.name, repr(error))
                 fut.set_exception(error)
 
     # -- eviction --------------------------------------------------------------------------------------------
-
-    def _evictable_locked(self, entries: Iterable[_Entry], exclude: _Entry | None) -> list[_Entry]:
-        out = []
-        for e in entries:
-            if e is exclude or e.spec.pinned or not e.ready:
-                continue
-            assert e.engine is not None
-            if e.engine.in_flight == 0:
-                out.append(e)
-        order = lru_k_order({e.spec.name: list(e.uses) for e in out}, self.lru_k)
-        by_name = {e.spec.name: e for e in out}
-        return [by_name[n] for n in order]
-
-    def _plan_room_locked(self, entry: _Entry, need: int, tenant: str | None) -> list[_Entry]:
-        victims: list[_Entry] = []
-        own: list[_Entry] = []
-        if tenant is not None:
-            t = self.tenants[tenant]
-            own = [e for e in self._entries.values() if self._owner.get(e.spec.name) == tenant]
-            counted = entry in own
-            q = t.quota
-
-            def over_quota() -> bool:
-                held = [e for e in own if e is not entry and e not in victims and e.held_bytes() > 0]
-                if q.max_models is not None and counted and len(held) + 1 > q.max_models:
-                    return True
-                b = sum(e.held_bytes() for e in held) + (need if counted else 0)
-                return q.max_memory_bytes is not None and b > q.max_memory_bytes
-
-            while over_quota():
-                cands = [e for e in self._evictable_locked(own, entry) if e not in victims]
-                if not cands:
-                    raise QuotaExceededError(
-                        f"tenant {tenant!r}: loading {entry.spec.name!r} would exceed its quota "
-                        f"({q.describe()}) and its other models are busy or pinned",
-                        retry_after=self._busy_retry_after_locked(own),
-                    )
-                victims.append(cands[0])
-        held_total = sum(e.held_bytes() for e in self._entries.values() if e is not entry)
-
-        def freed() -> int:
-            return sum(v.held_bytes() for v in victims)
-
-        def candidates() -> list[_Entry]:
-            # the requesting tenant's own idle models go first, then everyone's, each group by LRU-K
-            ordered = self._evictable_locked(own, entry) + self._evictable_locked(
-                self._entries.values(), entry
-            )
-            seen: list[_Entry] = []
-            for e in ordered:
-                if e not in victims and e not in seen:
-                    seen.append(e)
-            return seen
-
-        if self.memory_budget is not None:
-            while held_total - freed() + need > self.memory_budget:
-                cands = candidates()
-                if not cands:
-                    busy = [e.spec.name for e in self._entries.values() if e.held_bytes() and e is not entry]
-                    raise MemoryBudgetError(
-                        f"model {entry.spec.name!r} needs {need} bytes; the budget is {self.memory_budget} "
-                        f"and {held_total - freed()} are held by models that are pinned, loading or busy "
-                        f"({', '.join(busy)})",
-                        retry_after=self._busy_retry_after_locked(list(self._entries.values())),
-                    )
-                victims.append(cands[0])
-        if self.pressure_threshold is not None and self._probe is not None:
-            used, limit = self._probe()
-            while used - freed() + need > self.pressure_threshold * limit:
-                cands = candidates()
-                if not cands:
-                    logger.warning(
-                        "memory pressure: %d of %d bytes in use (threshold %.0f%%) and nothing evictable; "
-                        "loading %s anyway",
-                        used,
-                        limit,
-                        self.pressure_threshold * 100,
-                        entry.spec.name,
-                    )
-                    break
-                victims.append(cands[0])
-        for v in victims:
-            self._begin_evict_locked(v, "tenant_quota" if v in own else "memory")
-        return victims
 
     def _busy_retry_after_locked(self, entries: list[_Entry]) -> float:
         # a busy model can be evicted once it has nothing in flight: the first of them expected to get there
@@ -719,7 +594,7 @@ class ModelPool:
         entry.bytes = None
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         entry.release_future = fut
-        self._emit("evicting", entry.spec.name, reason)
+        self._emit("evicting", entry.name, reason)
 
         def released(_: concurrent.futures.Future[None]) -> None:
             with self._lock:
@@ -727,7 +602,7 @@ class ModelPool:
                     entry.retiring = None
                     entry.retiring_bytes = 0
             entry.stats.record_eviction(reason)
-            self._emit("evicted", entry.spec.name, reason)
+            self._emit("evicted", entry.name, reason)
             fut.set_result(None)
 
         engine.start_release(self.release_timeout_s).add_done_callback(released)
@@ -754,21 +629,18 @@ class ModelPool:
         evicted: list[str] = []
         with self._lock:
             now = self.clock()
-            for e in self._evictable_locked(self._entries.values(), None):
+            for e in evictable(self._entries.values(), self.lru_k):
                 ttl = e.spec.idle_ttl_s
                 if ttl is not None and e.idle_since is not None and now - e.idle_since >= ttl:
                     if self._begin_evict_locked(e, "idle_ttl"):
-                        evicted.append(e.spec.name)
+                        evicted.append(e.name)
             if self.pressure_threshold is not None and self._probe is not None:
                 used, limit = self._probe()
-                freed = 0
-                cands = self._evictable_locked(self._entries.values(), None)
-                while used - freed > self.pressure_threshold * limit and cands:
-                    v = cands.pop(0)
-                    size = v.held_bytes()
+                for v in pressure_victims(
+                    self._entries.values(), used, limit, self.pressure_threshold, self.lru_k
+                ):
                     if self._begin_evict_locked(v, "pressure"):
-                        evicted.append(v.spec.name)
-                        freed += size
+                        evicted.append(v.name)
         return evicted
 
     async def run_housekeeping(self, interval_s: float = 1.0) -> None:
@@ -854,8 +726,7 @@ class ModelPool:
                 "uses": len(e.uses),
             }
             if rss:
-                parts = getattr(eng.resident_hint, "_parts", None) if eng is not None else None
-                files = [f.path for f in getattr(parts, "files", {}).values()] if parts is not None else []
+                files = eng.runtime.mapped_files() if eng is not None and eng.runtime is not None else []
                 d["rss_bytes"] = rss_of_files(files)
             d.update(e.stats.snapshot())
             models[name] = d

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.engine.pool import ModelPool, ModelSpec, memory_limit_bytes
-from cosyserve.engine.tenants import Tenant, TenantQuota
+from cosyserve.engine.quotas import Tenant, TenantQuota
 
 __all__ = ["PoolConfig", "PoolConfigError", "build_pool", "load_pool_config", "parse_bytes"]
 
@@ -345,15 +345,24 @@ def load_pool_config(
     return PoolConfig(models, tenants, budget, threshold, lru_k, threads, hk, rel, source)
 
 
-def build_pool(cfg: PoolConfig, **kwargs: Any) -> ModelPool:
-    """A :class:`ModelPool` from a :class:`PoolConfig` (``kwargs`` go to the pool: loader, probe, clock...)."""
+def build_pool(cfg: PoolConfig, runtime_options: Any = None, **kwargs: Any) -> ModelPool:
+    """A :class:`ModelPool` from a :class:`PoolConfig` (``kwargs`` go to the pool: loader, probe, clock...).
+
+    ``runtime_options`` (a :class:`cosyserve.runtime.RuntimeOptions`) are how every model loads; the pool
+    config's ``torch_threads`` sets their ``worker_threads``.
+    """
+    import dataclasses
+
+    from cosyserve.runtime import RuntimeOptions
+
+    options = dataclasses.replace(runtime_options or RuntimeOptions(), worker_threads=cfg.torch_threads)
     return ModelPool(
         cfg.models.values(),
         memory_budget=cfg.memory_budget,
         pressure_threshold=cfg.pressure_threshold,
         lru_k=cfg.lru_k,
         tenants=cfg.tenants.values(),
-        torch_threads=cfg.torch_threads,
+        runtime_options=options,
         release_timeout_s=cfg.release_timeout_s,
         **kwargs,
     )

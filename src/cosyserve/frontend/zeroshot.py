@@ -24,10 +24,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,10 +41,14 @@ __all__ = [
     "PROMPT_MODES",
     "SPEECH_TOKENIZER_FILE",
     "Frontend",
+    "Ids",
     "OnnxModel",
     "PromptAudio",
     "PromptLimits",
+    "instruct_input",
     "load_prompt",
+    "prompt_input",
+    "sft_input",
 ]
 
 logger = logging.getLogger(__name__)
@@ -254,6 +258,47 @@ def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32)
 
 
+Ids = tuple[torch.Tensor, torch.Tensor]  # token ids int32 [1, n] and their length int32 [1]
+_LLM_PROMPT_KEYS = (
+    "prompt_text",
+    "prompt_text_len",
+    "llm_prompt_speech_token",
+    "llm_prompt_speech_token_len",
+)
+
+
+def sft_input(text: Ids, embedding: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model input of a pre-defined speaker (``embedding`` [1, 192]) saying ``text``: the speaker's
+    embedding goes to both the LLM and the flow."""
+    return {"text": text[0], "text_len": text[1], "llm_embedding": embedding, "flow_embedding": embedding}
+
+
+def instruct_input(text: Ids, embedding: torch.Tensor, instruction: Ids) -> dict[str, torch.Tensor]:
+    """sft with a style instruction as the LLM's prompt text; the reference keeps the speaker out of the LM
+    (no ``llm_embedding``: "information leakage"), so the embedding goes to the flow only."""
+    return {
+        "text": text[0],
+        "text_len": text[1],
+        "flow_embedding": embedding,
+        "prompt_text": instruction[0],
+        "prompt_text_len": instruction[1],
+    }
+
+
+def prompt_input(
+    text: Ids, prompt: Mapping[str, torch.Tensor], mode: Literal["zero_shot", "cross_lingual"]
+) -> dict[str, torch.Tensor]:
+    """The model input of a cloned voice (``prompt``: :meth:`Frontend.prompt_features`, or a registered voice)
+    saying ``text``. zero_shot gives the LLM the prompt's transcript and speech tokens; cross_lingual drops them
+    (the LLM then speaks ``text`` in its own language with the prompt's timbre from the flow)."""
+    model_input = dict(prompt)
+    if mode == "cross_lingual":
+        for key in _LLM_PROMPT_KEYS:
+            model_input.pop(key, None)
+    model_input["text"], model_input["text_len"] = text
+    return model_input
+
+
 class Frontend:
     """Builds the model input dicts of the reference frontend, key for key.
 
@@ -376,9 +421,9 @@ class Frontend:
         """
         if (spk_id is None) == (embedding is None):
             raise ClientError("give exactly one of spk_id and embedding")
-        text, text_len = self.extract_text_token(tts_text)
         emb = self.speaker_embedding(spk_id) if spk_id is not None else embedding
-        return {"text": text, "text_len": text_len, "llm_embedding": emb, "flow_embedding": emb}
+        assert emb is not None
+        return sft_input(self.extract_text_token(tts_text), emb)
 
     def frontend_zero_shot(
         self,
@@ -395,13 +440,25 @@ class Frontend:
         ``zero_shot_spk_id`` (a saved prompt in ``speakers``) the saved entry is used instead of a recording.
         ``resample_rate`` 24000 (CosyVoice2) trims features and tokens to exactly 2 frames per token.
         """
-        text, text_len = self.extract_text_token(tts_text)
         if zero_shot_spk_id:
             if zero_shot_spk_id not in self.speakers:
                 raise UnknownVoiceError(f"unknown saved speaker {zero_shot_spk_id!r}")
-            model_input = dict(self.speakers[zero_shot_spk_id])
+            entry = self.speakers[zero_shot_spk_id]
         else:
-            self.require("zero_shot")
+            entry = self.prompt_features(prompt_text, prompt_wav, resample_rate)
+        return prompt_input(self.extract_text_token(tts_text), entry, "zero_shot")
+
+    def prompt_features(
+        self, prompt_text: str, prompt_wav: AudioSource | PromptAudio, resample_rate: int = 22050
+    ) -> dict[str, torch.Tensor]:
+        """The zero-shot prompt features of a recording and its transcript: the entry the reference's
+        ``add_zero_shot_spk`` stores (``frontend_zero_shot``'s dict without ``text``/``text_len``).
+
+        Raises:
+            ModeUnavailableError: the model has no ONNX models; AudioError: unusable audio.
+        """
+        self.require("zero_shot")
+        with torch.inference_mode():
             prompt = self._prompt(prompt_wav)
             prompt_ids, prompt_len = self.extract_text_token(prompt_text)
             feat, feat_len = self.extract_speech_feat(prompt.speech_24k)
@@ -411,21 +468,18 @@ class Frontend:
                 feat, feat_len = feat[:, : 2 * n], torch.tensor([2 * n], dtype=torch.int32)
                 tokens, tokens_len = tokens[:, :n], torch.tensor([n], dtype=torch.int32)
             embedding = self.extract_spk_embedding(prompt.speech_16k)
-            model_input = {
-                "prompt_text": prompt_ids,
-                "prompt_text_len": prompt_len,
-                "llm_prompt_speech_token": tokens,
-                "llm_prompt_speech_token_len": tokens_len,
-                "flow_prompt_speech_token": tokens,
-                "flow_prompt_speech_token_len": tokens_len,
-                "prompt_speech_feat": feat,
-                "prompt_speech_feat_len": feat_len,
-                "llm_embedding": embedding,
-                "flow_embedding": embedding,
-            }
-        model_input["text"] = text
-        model_input["text_len"] = text_len
-        return model_input
+        return {
+            "prompt_text": prompt_ids,
+            "prompt_text_len": prompt_len,
+            "llm_prompt_speech_token": tokens,
+            "llm_prompt_speech_token_len": tokens_len,
+            "flow_prompt_speech_token": tokens,
+            "flow_prompt_speech_token_len": tokens_len,
+            "prompt_speech_feat": feat,
+            "prompt_speech_feat_len": feat_len,
+            "llm_embedding": embedding,
+            "flow_embedding": embedding,
+        }
 
     def frontend_cross_lingual(
         self,
@@ -435,17 +489,14 @@ class Frontend:
         zero_shot_spk_id: str = "",
     ) -> dict[str, torch.Tensor]:
         """The zero-shot dict without the LLM prompt (no prompt text, no LLM prompt speech tokens)."""
-        if not zero_shot_spk_id:
+        if zero_shot_spk_id:
+            if zero_shot_spk_id not in self.speakers:
+                raise UnknownVoiceError(f"unknown saved speaker {zero_shot_spk_id!r}")
+            entry = self.speakers[zero_shot_spk_id]
+        else:
             self.require("cross_lingual")
-        model_input = self.frontend_zero_shot(tts_text, "", prompt_wav, resample_rate, zero_shot_spk_id)
-        for key in (
-            "prompt_text",
-            "prompt_text_len",
-            "llm_prompt_speech_token",
-            "llm_prompt_speech_token_len",
-        ):
-            model_input.pop(key, None)
-        return model_input
+            entry = self.prompt_features("", prompt_wav, resample_rate)
+        return prompt_input(self.extract_text_token(tts_text), entry, "cross_lingual")
 
     def frontend_instruct(
         self,
@@ -457,10 +508,11 @@ class Frontend:
     ) -> dict[str, torch.Tensor]:
         """Pre-defined speaker with a style instruction: ``text(_len)``, ``flow_embedding`` (no LLM embedding:
         the reference drops it to keep the speaker out of the LM), ``prompt_text(_len)`` = the instruction."""
-        model_input = self.frontend_sft(tts_text, spk_id, embedding=embedding)
-        del model_input["llm_embedding"]
-        model_input["prompt_text"], model_input["prompt_text_len"] = self.extract_text_token(instruct_text)
-        return model_input
+        if (spk_id is None) == (embedding is None):
+            raise ClientError("give exactly one of spk_id and embedding")
+        emb = self.speaker_embedding(spk_id) if spk_id is not None else embedding
+        assert emb is not None
+        return instruct_input(self.extract_text_token(tts_text), emb, self.extract_text_token(instruct_text))
 
     def frontend_vc(
         self,

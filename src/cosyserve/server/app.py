@@ -34,10 +34,11 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from cosyserve.engine.engine import shared
+from cosyserve.engine.streams import shared
 from cosyserve.errors import CosyserveError, UnknownModelError
-from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
-from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
+from cosyserve.server.config import ServerConfig
+from cosyserve.server.errors import LastResortMiddleware, cosyserve_error_response, error_response, status_of
+from cosyserve.sources import DEMO_MODEL
 from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
@@ -46,29 +47,6 @@ __all__ = ["ServerState", "create_app"]
 
 STARTUP_FAILURE = 3
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
-
-
-def _load_source(source: str, name: str) -> str:
-    """A local path to load ``source`` from: the demo model (made once), a hub id (downloaded), or as given."""
-    if name == DEMO_MODEL and source == DEMO_MODEL:
-        from cosyserve.settings import cache_dir
-        from cosyserve.testmodel import make_test_model
-
-        path = cache_dir() / "demo-model"
-        if not (path / "cosyvoice.yaml").exists():
-            logger.warning(
-                "demo model: generating a tiny random-weight model in %s (it makes noise, not speech)", path
-            )
-            try:  # a folder there without the yaml is a broken one of ours: replaced
-                make_test_model(path, force=path.exists())
-            except FileExistsError:  # another process made it meanwhile
-                pass
-        return str(path)
-    if is_hub_id(source):
-        from cosyserve.hub import download
-
-        return str(download(source))
-    return source
 
 
 class ServerState:
@@ -115,7 +93,9 @@ class ServerState:
                     batch_size=env_int("COSYSERVE_BATCH_SIZE", 1) or 1,
                 )
             cfg = dataclasses.replace(cfg, models=models)
-            pool = build_pool(cfg, load_model=self._load_model)
+            from cosyserve.api import runtime_options
+
+            pool = build_pool(cfg, runtime_options=runtime_options())
             self.housekeeping_s: float | None = cfg.housekeeping_interval_s
         else:
             self.housekeeping_s = None
@@ -131,15 +111,6 @@ class ServerState:
         elif ev.kind == "loaded":
             self.load_errors.pop(ev.model, None)
 
-    def _load_model(self, spec: Any, reload: bool) -> Any:
-        import cosyserve
-
-        path = _load_source(spec.path, spec.name)
-        opts = dict(spec.load_options)
-        opts.setdefault("warmup", spec.reload_warmup if reload else spec.warmup)
-        opts.setdefault("clock", PhaseClock(t0=self.clock.t0) if not reload else PhaseClock(t0=time.time()))
-        return cosyserve.load(path, **opts)
-
     @property
     def model_names(self) -> list[str]:
         return list(self.pool.names)
@@ -152,25 +123,15 @@ class ServerState:
     def tenant_of(self, request: Request) -> str | None:
         return getattr(request.state, "tenant", None)
 
-    def visible_models(self, tenant: str | None) -> list[str]:
-        if tenant is None or tenant not in self.pool.tenants:
-            return self.model_names
-        return sorted(self.pool.tenants[tenant].models)
-
     def resolve_model(self, name: str | None, tenant: str | None, param: str = "model") -> str:
         """A request's model name -> a pool model; OpenAI's names (tts-1, ...) mean the default model."""
-        visible = self.visible_models(tenant)
+        visible = self.pool.visible(tenant)
         if name is None or name == "" or name in ("tts-1", "tts-1-hd", "gpt-4o-mini-tts"):
             if not visible:
-                raise HTTPError(404, "no model is available to this API key", param=param)
+                raise UnknownModelError("no model is available to this API key", param=param)
             return self.default_model if self.default_model in visible else visible[0]
         if name not in visible:
-            raise HTTPError(
-                404,
-                f"unknown model {name!r}; available: {', '.join(visible)}",
-                param=param,
-                code="model_not_found",
-            )
+            raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(visible)}", param=param)
         return name
 
     def ready(self) -> bool:
@@ -250,7 +211,7 @@ class ServerState:
 
     async def run_startup(self) -> None:
         """Preload (in parallel, in threads), then mark READY; a failure stops the server."""
-        self.preload = [n for n in self.model_names if self.pool._entries[n].spec.policy == "preload"]
+        self.preload = [n for n in self.model_names if self.pool.spec(n).policy == "preload"]
         futs = self.pool.start_preload()
         try:
             await asyncio.gather(*(shared(f) for f in futs))
@@ -364,7 +325,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         report = state.metrics.startup_report()
         if state.config.api_keys:  # model names are the caller's business only, as on /v1/models
             tenant = state.tenant_of(request)
-            visible = set(state.visible_models(tenant)) if tenant is not None else set()
+            visible = set(state.pool.visible(tenant)) if tenant is not None else set()
             report["models"] = {n: c for n, c in report["models"].items() if n in visible}
         return JSONResponse(report)
 
@@ -373,6 +334,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
 
         return JSONResponse(openapi_document(config.max_text_chars))
 
+    openai_routes, reference_routes = openai_api.routes(state), reference_api.routes(state)
     routes = [
         Route("/", index, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
@@ -381,19 +343,20 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         Route("/metrics", state.metrics.endpoint, methods=["GET"]),
         Route("/v1/startup", startup_report, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
-        *openai_api.routes(state),
-        *reference_api.routes(state),
+        *openai_routes,
+        *reference_routes,
     ]
 
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPError)
-        route = request.scope.get("route")
-        state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status, exc.code or "error")
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+    # each route's names for the request's fields, for the `param` of its errors
+    params = {r.path: openai_api.PARAMS for r in openai_routes} | {
+        r.path: reference_api.PARAMS for r in reference_routes
+    }
 
-    async def on_engine_error(request: Request, exc: Exception) -> Response:
+    async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, CosyserveError)
-        return await on_http_error(request, from_engine_error(exc))
+        path = getattr(request.scope.get("route"), "path", "unmatched")
+        state.metrics.observe_error(path, status_of(exc), exc.code)
+        return cosyserve_error_response(exc, params.get(path))
 
     async def on_starlette_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -427,9 +390,7 @@ def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starl
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
-            HTTPError: on_http_error,
-            CosyserveError: on_engine_error,
-            UnknownModelError: on_engine_error,
+            CosyserveError: on_error,
             HTTPException: on_starlette_error,
         },
     )

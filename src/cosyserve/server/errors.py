@@ -27,10 +27,10 @@ from cosyserve.errors import (
 
 __all__ = [
     "STATUS",
-    "HTTPError",
     "LastResortMiddleware",
+    "client_message",
+    "cosyserve_error_response",
     "error_response",
-    "from_engine_error",
     "status_of",
     "without_paths",
 ]
@@ -77,26 +77,6 @@ def status_of(e: BaseException) -> int:
     return 500
 
 
-class HTTPError(Exception):
-    """A request the server refuses: status, message naming the field, and the field (``param``)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-
 def error_response(
     status: int,
     message: str,
@@ -126,23 +106,32 @@ def without_paths(message: str) -> str:
     return _ABS_PATH.sub(r"\1", message)
 
 
-def from_engine_error(e: CosyserveError, params: Mapping[str, str] | None = None) -> HTTPError:
-    """The engine's typed error as the response the server sends (status from the class, Retry-After).
+def client_message(e: CosyserveError) -> str:
+    """What a remote client is told of ``e``: a client error's message (the client's own values; any absolute
+    path cut to its last part), else the error's public message, else its message without paths."""
+    if not isinstance(e, ClientError) and e.public_message:
+        return e.public_message
+    return without_paths(str(e))
 
-    ``params`` maps the engine's request field names (``text``, ``instruct_text``, ...) to the route's own, for
-    the error's ``param``; a field without an entry keeps the engine's name.
+
+def cosyserve_error_response(e: CosyserveError, params: Mapping[str, str] | None = None) -> JSONResponse:
+    """``e`` as the response the server sends: status by :data:`STATUS`, the OpenAI error shape, Retry-After.
+
+    ``params`` maps request field names (``text``, ``instruct_text``, ...) to the route's own (``input``,
+    ``instructions``) for the error's ``param``; a field without an entry keeps its name.
     """
     status = status_of(e)
-    param = getattr(e, "param", None)
+    param = e.param
     if param is not None and params:
         param = params.get(param, param)
     headers: dict[str, str] = {}
     if isinstance(e, OverloadedError):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    code = type(e).__name__.removesuffix("Error").lower() or None
-    if status == 499:  # nobody is listening; keep a sane status for logs
+    elif isinstance(e, NotReadyError):
+        headers["Retry-After"] = "1"  # loading, or draining for shutdown: another replica or a moment later
+    if status == 499:  # nobody is listening; a sane status for whoever logs the response
         status = 400
-    return HTTPError(status, without_paths(str(e)), param=param, code=code, headers=headers)
+    return error_response(status, client_message(e), param=param, code=e.code, headers=headers)
 
 
 class LastResortMiddleware:

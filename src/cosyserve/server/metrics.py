@@ -318,7 +318,7 @@ class Metrics:
 
     def _keep_clock(self, name: str) -> None:
         eng = self.state.pool.engine(name)
-        clock = getattr(getattr(eng, "resident_hint", None), "clock", None)
+        clock = eng.runtime.clock if eng is not None and eng.runtime is not None else None
         if clock is not None:
             with self._lock:
                 self._clocks.setdefault(name, clock)  # the first load is the start-up

@@ -16,12 +16,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cosyserve.errors import CosyserveError
-from cosyserve.server.errors import HTTPError, from_engine_error
-from cosyserve.server.openai_api import unknown_voice, voice_known
-from cosyserve.server.synth import engine_request, new_request_id, synthesize_response
+from cosyserve.errors import ClientError, CosyserveError, PayloadTooLargeError, UnsupportedMediaTypeError
+from cosyserve.server.synth import synthesis_request, synthesize_response
 
-__all__ = ["routes"]
+__all__ = ["PARAMS", "routes"]
 
 # endpoint -> (mode, text fields, file fields)
 _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
@@ -32,7 +30,7 @@ _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 # the engine's request fields -> the form's (prompt_wav, prompt_text and instruct_text are named alike)
-_PARAMS = {"text": "tts_text", "speaker": "spk_id"}
+PARAMS = {"text": "tts_text", "speaker": "spk_id"}
 
 
 def routes(state: Any) -> list[Route]:
@@ -44,8 +42,7 @@ def routes(state: Any) -> list[Route]:
         async def handler(request: Request) -> Response:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype not in _FORM_TYPES:
-                raise HTTPError(
-                    415,
+                raise UnsupportedMediaTypeError(
                     f"send the fields as a form ({' or '.join(_FORM_TYPES)}), got {ctype or 'no content type'!r}",
                 )
             declared = request.headers.get("content-length")
@@ -54,85 +51,57 @@ def routes(state: Any) -> list[Route]:
                 and declared.isdigit()
                 and int(declared) > cfg.max_upload_bytes + (1 << 20)
             ):
-                raise HTTPError(
-                    413, f"the body is {declared} bytes; uploads are limited to {cfg.max_upload_bytes}"
+                raise PayloadTooLargeError(
+                    f"the body is {declared} bytes; uploads are limited to {cfg.max_upload_bytes}"
                 )
             try:
                 form = await request.form(
                     max_files=len(file_fields) or 1, max_fields=16, max_part_size=cfg.max_upload_bytes
                 )
-            except HTTPError:
+            except CosyserveError:
                 raise
             except Exception as e:  # noqa: BLE001 - multipart parser errors: a malformed body
-                raise HTTPError(400, f"cannot parse the form: {getattr(e, 'detail', e)}") from None
+                raise ClientError(f"cannot parse the form: {getattr(e, 'detail', e)}") from None
             try:
                 values: dict[str, Any] = {}
                 for name in text_fields:
                     v = form.get(name)
                     if v is None:
-                        raise HTTPError(400, f"form field {name} is required", param=name)
+                        raise ClientError(f"form field {name} is required", param=name)
                     if not isinstance(v, str):
-                        raise HTTPError(400, f"form field {name} must be text, not a file", param=name)
+                        raise ClientError(f"form field {name} must be text, not a file", param=name)
                     if not v.strip():
-                        raise HTTPError(400, f"form field {name} is empty", param=name)
-                    if len(v) > cfg.max_text_chars:
-                        raise HTTPError(
-                            400,
-                            f"{name} is {len(v)} characters; the limit is {cfg.max_text_chars}",
-                            param=name,
-                        )
+                        raise ClientError(f"form field {name} is empty", param=name)
                     values[name] = v
                 for name in file_fields:
                     f = form.get(name)
                     if not isinstance(f, UploadFile):
-                        raise HTTPError(400, f"form field {name} must be an uploaded audio file", param=name)
+                        raise ClientError(f"form field {name} must be an uploaded audio file", param=name)
                     data = await f.read(cfg.max_upload_bytes + 1)
                     if len(data) > cfg.max_upload_bytes:
-                        raise HTTPError(
-                            413,
-                            f"{name} is over the upload limit of {cfg.max_upload_bytes} bytes",
-                            param=name,
+                        raise PayloadTooLargeError(
+                            f"{name} is over the upload limit of {cfg.max_upload_bytes} bytes", param=name
                         )
                     if not data:
-                        raise HTTPError(400, f"{name} is an empty file", param=name)
+                        raise ClientError(f"{name} is an empty file", param=name)
                     values[name] = data
             finally:
                 await form.close()
             tenant = state.tenant_of(request)
             model = state.resolve_model(request.headers.get("x-model"), tenant, param="X-Model")
-            eng = state.pool.engine(model)
-            if "spk_id" in values and eng is not None and voice_known(eng, values["spk_id"], tenant) is False:
-                raise unknown_voice(values["spk_id"], model, "spk_id")
-            fields: dict[str, Any] = {}
-            for src, dst in (
-                ("prompt_text", "prompt_text"),
-                ("prompt_wav", "prompt_wav"),
-                ("instruct_text", "instruct_text"),
-            ):
-                if src in values:
-                    fields[dst] = values[src]
-            ereq = engine_request(
+            fields = {f: values[f] for f in ("prompt_text", "prompt_wav", "instruct_text") if f in values}
+            req = synthesis_request(
                 state,
-                new_request_id(request),
+                request,
+                mode=mode,
                 text=values["tts_text"],
                 speaker=values.get("spk_id"),
-                mode=mode,
                 stream=False,
-                tenant=tenant,
                 **fields,
             )
-            try:
-                return await synthesize_response(
-                    state,
-                    request,
-                    route=f"/inference_{endpoint}",
-                    model=model,
-                    ereq=ereq,
-                    fmt="raw",
-                    tenant=tenant,
-                )
-            except CosyserveError as e:
-                raise from_engine_error(e, _PARAMS) from e
+            return await synthesize_response(
+                state, request, route=f"/inference_{endpoint}", model=model, req=req, fmt="raw"
+            )
 
         return handler
 

@@ -23,19 +23,21 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from cosyserve.engine.engine import SynthesisRequest
 from cosyserve.errors import (
+    ClientError,
     CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
+    NotReadyError,
     RequestCancelledError,
 )
+from cosyserve.request import SynthesisRequest
 from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = ["StreamCut", "engine_request", "new_request_id", "synthesize_response"]
+__all__ = ["StreamCut", "new_request_id", "synthesis_request", "synthesize_response"]
 
 
 class StreamCut(BaseException):
@@ -72,11 +74,11 @@ def new_request_id(request: Request) -> str:
 class _Record:
     """What one request did, for the access log line and the metrics (filled as it goes)."""
 
-    def __init__(self, state: Any, route: str, model: str, ereq: SynthesisRequest, fmt: str) -> None:
+    def __init__(self, state: Any, route: str, model: str, req: SynthesisRequest, fmt: str) -> None:
         self.state = state
         self.route = route
         self.model = model
-        self.req = ereq
+        self.req = req
         self.fmt = fmt
         self.t0 = time.perf_counter()
         self.ttfa_s: float | None = None
@@ -89,7 +91,7 @@ class _Record:
     def failed(self, e: BaseException) -> None:
         """The request ended before its response started: an engine error (its status) or a cancel (499)."""
         if isinstance(e, CosyserveError):
-            self.status, self.outcome = status_of(e), type(e).__name__
+            self.status, self.outcome = status_of(e), e.code
         else:
             self.status, self.outcome = 499, "cancelled"
         self.done()
@@ -124,11 +126,11 @@ class _Record:
         )
 
 
-async def _submit(state: Any, model: str, ereq: SynthesisRequest, tenant: str | None) -> Any:
+async def _submit(state: Any, model: str, req: SynthesisRequest, tenant: str | None) -> Any:
     # the pool counts a tenant's requests against its quota; an API key's tenant that the pool config does not
     # list has no quota
     known = tenant if tenant is not None and tenant in state.pool.tenants else None
-    return await state.pool.submit(model, ereq, tenant=known)
+    return await state.pool.submit(model, req, tenant=known)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -156,10 +158,11 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) 
 
 
 async def _start(
-    state: Any, model: str, ereq: SynthesisRequest, tenant: str | None, rec: _Record, whole: bool
+    state: Any, model: str, req: SynthesisRequest, tenant: str | None, rec: _Record, whole: bool
 ) -> tuple[Any, list[Any]]:
-    """Submit ``ereq``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
-    stream = await _submit(state, model, ereq, tenant)
+    """Submit ``req``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
+    stream = await _submit(state, model, req, tenant)
+    rec.req = stream.request  # as the model resolved it: the voice and mode that speak
     chunks: list[Any] = []
     try:
         async for c in stream:
@@ -181,27 +184,25 @@ async def synthesize_response(
     *,
     route: str,
     model: str,
-    ereq: SynthesisRequest,
+    req: SynthesisRequest,
     fmt: str,
-    tenant: str | None,
 ) -> Response:
-    """Run ``ereq`` on ``model`` and answer with its audio in ``fmt`` (``raw`` = the reference's int16 PCM).
+    """Run ``req`` on ``model`` and answer with its audio in ``fmt`` (``raw`` = the reference's int16 PCM).
 
-    ``ereq.stream`` decides both how the engine cuts the audio and whether the response is streamed
+    ``req.stream`` decides both how the engine cuts the audio and whether the response is streamed
     (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
     them to JSON errors); after it, they end the stream early and are logged. A client that disconnects
     before the response starts stops the generation (logged as ``client_gone``, status 499).
     """
-    rec = _Record(state, route, model, ereq, fmt)
+    rec = _Record(state, route, model, req, fmt)
     if state.draining:
-        from cosyserve.server.errors import HTTPError
-
         rec.status, rec.outcome = 503, "draining"
         rec.done()
-        raise HTTPError(503, "the server is shutting down", headers={"Retry-After": "1"})
-    whole = fmt != "raw" and (not ereq.stream or fmt not in STREAMABLE)
+        raise NotReadyError("the server is shutting down")
+    whole = fmt != "raw" and (not req.stream or fmt not in STREAMABLE)
+    tenant = state.tenant_of(request)
     try:
-        started = await _unless_disconnected(request, _start(state, model, ereq, tenant, rec, whole))
+        started = await _unless_disconnected(request, _start(state, model, req, tenant, rec, whole))
     except BaseException as e:
         rec.failed(e)
         raise
@@ -214,7 +215,7 @@ async def synthesize_response(
         rec.ttfa_s = time.perf_counter() - rec.t0
     rec.sample_rate = int(stream.sample_rate or 0)
     rate = rec.sample_rate
-    headers = {"X-Request-Id": ereq.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
+    headers = {"X-Request-Id": req.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
     if state.demo:
         headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
 
@@ -265,40 +266,32 @@ async def synthesize_response(
         if cut is not None:
             logger.warning(
                 "request %s: stream cut after %d bytes (%s: %s); closing the connection without the final chunk",
-                ereq.request_id,
+                req.request_id,
                 rec.bytes,
                 rec.outcome,
                 cut,
             )
-            raise StreamCut(ereq.request_id)
+            raise StreamCut(req.request_id)
 
     media = MEDIA_TYPES.get(fmt, "application/octet-stream")
     return StreamingResponse(body(), media_type=media, headers=headers)
 
 
-def engine_request(
-    state: Any,
-    request_id: str,
-    *,
-    text: str = "",
-    speaker: str | None = None,
-    mode: str = "sft",
-    stream: bool,
-    speed: float = 1.0,
-    seed: int | None = None,
-    tenant: str | None = None,
-    **fields: Any,
-) -> SynthesisRequest:
-    """An engine request with the server's deadline and the tenant's registry namespace."""
+def synthesis_request(state: Any, request: Request, **fields: Any) -> SynthesisRequest:
+    """The request an HTTP route asks for: ``fields`` of :class:`SynthesisRequest`, with the server's deadline,
+    the caller's request id (``X-Request-Id``) and tenant, and the server's limit on text length.
+
+    Raises:
+        ClientError: a text over the limit, or a request :meth:`SynthesisRequest.verify` refuses.
+    """
+    limit = state.config.max_text_chars
+    for name in ("text", "prompt_text", "instruct_text"):
+        value = fields.get(name)
+        if isinstance(value, str) and len(value) > limit:
+            raise ClientError(f"{name} is {len(value)} characters; the limit is {limit}", param=name)
     return SynthesisRequest(
-        text=text,
-        speaker=speaker,
-        mode=mode,  # type: ignore[arg-type]
-        stream=stream,
-        speed=speed,
-        seed=seed,
         deadline=time.monotonic() + state.config.request_timeout_s,
-        request_id=request_id,
-        tenant=tenant or "default",
+        request_id=new_request_id(request),
+        tenant=state.tenant_of(request) or "default",
         **fields,
     )

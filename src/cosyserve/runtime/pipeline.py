@@ -1,7 +1,7 @@
 """Request -> model inputs -> speech tokens -> audio: the chain of generators behind every synthesis.
 
 A :class:`SynthesisRequest` names a mode (``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``vc``; see
-:mod:`cosyserve.engine.modes`). :meth:`Pipeline.prepare` turns it into the reference frontend's model-input dicts,
+:mod:`cosyserve.request`). :meth:`Pipeline.prepare` turns it into the reference frontend's model-input dicts,
 one per text piece, key for key (``CosyVoiceFrontEnd.frontend_*`` as ``CosyVoice.inference_*`` calls them), and
 :meth:`Pipeline._tts` runs each dict as the reference's ``CosyVoiceModel.tts`` does: the LLM gets ``text``,
 ``prompt_text``, ``llm_prompt_speech_token`` and ``llm_embedding`` (each empty when the dict lacks it); token2wav
@@ -19,12 +19,13 @@ Which parts each mode drops (the reference's rules):
 
 The zero-shot tier (the :class:`~cosyserve.frontend.zeroshot.Frontend` and its ONNX sessions) is created on the
 first request that needs it; SFT and instruct never touch it. The LLM yields speech tokens one at a time;
-:class:`~cosyserve.engine.token2wav.Token2Wav` consumes them as they come and yields audio chunks. Nothing is
+:class:`~cosyserve.runtime.token2wav.Token2Wav` consumes them as they come and yields audio chunks. Nothing is
 shared between requests but the read-only modules, so concurrent requests only need their own generators.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -36,62 +37,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields, speed_error
-from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
-from cosyserve.errors import ClientError, UnknownVoiceError
+from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.frontend.zeroshot import (
+    CAMPPLUS_FILE,
+    SPEECH_TOKENIZER_FILE,
+    instruct_input,
+    prompt_input,
+    sft_input,
+)
+from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
+from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "PreparedRequest", "SynthesisRequest"]
+__all__ = ["Pipeline", "PreparedRequest"]
 
-ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # the zero-shot tier's models
+ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)  # the zero-shot tier's models
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
-_LLM_PROMPT_KEYS = (
-    "prompt_text",
-    "prompt_text_len",
-    "llm_prompt_speech_token",
-    "llm_prompt_speech_token_len",
-)
-
-
-@dataclass(frozen=True)
-class SynthesisRequest:
-    """One synthesis request; override fields with :func:`dataclasses.replace`.
-
-    Args:
-        mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc``.
-        text: what to say (all modes but vc); split into sentence pieces.
-        speaker: sft/instruct: a pre-defined speaker id (or a registered embedding); zero_shot/cross_lingual:
-            a registered voice (instead of prompt_wav / prompt_text), the reference's ``zero_shot_spk_id``.
-        prompt_text: transcript of ``prompt_wav`` (zero_shot).
-        prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the encoded file's bytes.
-        source_wav: the recording to convert (vc): a path or bytes.
-        instruct_text: the style instruction (instruct, with a -Instruct model).
-        stream: yield chunks as soon as ~2 s of tokens exist (True) or one chunk per piece (False).
-        speed: tempo factor in [0.25, 4.0] (:mod:`cosyserve.engine.modes`); only with ``stream=False`` (as in
-            the reference).
-        seed: seeds every random draw; the same seed gives the same audio. ``None`` draws a fresh seed.
-        normalize: run the text frontend on text, prompt_text and instruct_text (the reference's
-            ``text_frontend``); False speaks ``text`` as one piece.
-        tenant: the registry namespace in which ``speaker`` is looked up.
-    """
-
-    mode: str = "sft"
-    text: str = ""
-    speaker: str | None = None
-    prompt_text: str = ""
-    prompt_wav: Any = None
-    source_wav: Any = None
-    instruct_text: str = ""
-    stream: bool = False
-    speed: float = 1.0
-    seed: int | None = None
-    normalize: bool = True
-    tenant: str = "default"
-
-    def present(self) -> set[str]:
-        """Names of the content fields this request gives (non-blank strings, non-None audio)."""
-        return present_fields(self)
 
 
 @dataclass
@@ -99,8 +61,21 @@ class PreparedRequest:
     """A checked request and its model inputs: one reference model-input dict per text piece (vc: one)."""
 
     request: SynthesisRequest
+    mode: Mode
     inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
+
+
+class _Stopped(Exception):
+    """Raised inside the token loop once ``should_stop`` says so: unwinds the request's generators at once."""
+
+
+def _until(tokens: Iterator[int], should_stop: Callable[[], bool]) -> Iterator[int]:
+    # a cancelled request costs at most one more speech token
+    for token in tokens:
+        yield token
+        if should_stop():
+            raise _Stopped
 
 
 def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +99,7 @@ class Pipeline:
         model_dir: the model directory, named in messages about missing files.
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct; see
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
+        default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
     """
 
     def __init__(
@@ -139,6 +115,7 @@ class Pipeline:
         registry: Any = None,
         model_dir: str | Path | None = None,
         instruct: bool = True,
+        default_voice: str | None = None,
     ) -> None:
         self.llm = llm
         self.token2wav = Token2Wav(flow, hift, policy)
@@ -147,6 +124,7 @@ class Pipeline:
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.instruct = instruct
+        self.default_voice = default_voice
         self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
         self.onnx_check: Callable[[Path], None] | None = None
         self._frontend: Any = None
@@ -200,8 +178,6 @@ class Pipeline:
         """Raise :class:`~cosyserve.frontend.zeroshot.ModeUnavailableError` when ``mode`` cannot run here."""
         why = self.unavailable_modes().get(mode)
         if why is not None:
-            from cosyserve.errors import ModeUnavailableError
-
             err = ModeUnavailableError(
                 f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
             )
@@ -264,11 +240,14 @@ class Pipeline:
         """``(kind, entry)`` for a pre-defined (``sft``) or registered (``sft`` / ``zero_shot``) speaker.
 
         Raises:
-            ClientError: unknown speaker (the message lists the known ones).
+            UnknownVoiceError: unknown speaker (the message lists the known ones).
         """
         if name in self.speakers:
             return "sft", self.speakers[name]
-        speaker = self.registry.get(name, tenant) if self.registry is not None else None
+        try:
+            speaker = self.registry.get(name, tenant) if self.registry is not None else None
+        except RegistryError as e:  # a name the registry cannot hold (a path, too long) is nobody's voice
+            raise UnknownVoiceError(f"unknown speaker {name!r}: {e}", param="speaker") from None
         if speaker is None:
             known = sorted(self.speakers)
             if self.registry is not None:
@@ -277,70 +256,91 @@ class Pipeline:
             raise UnknownVoiceError(f"unknown speaker {name!r}; known speakers: {listed}", param="speaker")
         return speaker.kind, speaker.features
 
+    def default_speaker(self) -> str:
+        """The speaker of a request that names none: the configured default voice, else the first pre-defined one."""
+        if self.default_voice is not None:
+            return self.default_voice
+        if not self.speakers:
+            raise ClientError(
+                "this model has no pre-defined speakers (spk2info.pt); name a registered voice",
+                param="speaker",
+            )
+        return sorted(self.speakers)[0]
+
     def extract_prompt(
         self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot"
     ) -> dict[str, torch.Tensor]:
         """The zero-shot prompt features of a recording and its transcript: the entry the reference's
-        ``add_zero_shot_spk`` stores (``frontend_zero_shot`` without ``text``/``text_len``).
+        ``add_zero_shot_spk`` stores.
 
         Raises:
-            ModeUnavailableError: the model has no ONNX models; PromptAudioError / AudioError: unusable audio.
+            ModeUnavailableError: the model has no ONNX models; AudioError: unusable audio.
         """
         self.require(mode)
-        with torch.inference_mode():
-            features = self.frontend().frontend_zero_shot("", prompt_text, prompt_wav, self.sample_rate, "")
-        del features["text"], features["text_len"]
-        return features
+        return self.frontend().prompt_features(prompt_text, prompt_wav, self.sample_rate)
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def _verify(self, r: SynthesisRequest) -> None:
-        if r.mode not in MODES:
-            raise ClientError(f"unknown mode {r.mode!r}; expected one of {', '.join(MODES)}")
-        if r.mode != "vc" and (not isinstance(r.text, str) or not r.text.strip()):
-            raise ClientError("text is empty: give at least one word to speak", param="text")
-        errors = field_errors(r.mode, r.present())
-        if errors:
-            raise ClientError("; ".join(errors))
-        bad_speed = speed_error(r.speed)
-        if bad_speed:
-            raise ClientError(bad_speed, param="speed")
-        if r.stream and r.speed != 1.0:
-            raise ClientError(
-                "speed change is only supported with stream=False (as in the reference)", param="speed"
-            )
-
-    def _speaker_of_kind(self, r: SynthesisRequest, kind: str) -> dict[str, torch.Tensor]:
-        assert r.speaker is not None
-        got, entry = self.resolve_speaker(r.speaker, r.tenant)
+    def _speaker_of_kind(self, speaker: str, tenant: str, mode: str, kind: str) -> dict[str, torch.Tensor]:
+        got, entry = self.resolve_speaker(speaker, tenant)
         if got != kind:
             if kind == "sft":
                 raise ClientError(
-                    f"speaker {r.speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
-                    f"use it in zero_shot or cross_lingual mode, not {r.mode}"
+                    f"speaker {speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
+                    f"use it in zero_shot or cross_lingual mode, not {mode}",
+                    param="speaker",
                 )
             raise ClientError(
-                f"speaker {r.speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
-                f"sft or instruct mode, or register a voice with add_speaker for {r.mode}"
+                f"speaker {speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
+                f"sft or instruct mode, or register a voice with add_speaker for {mode}",
+                param="speaker",
             )
         return entry
 
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        """``request`` as this model runs it: its mode decided (None: zero_shot for a registered zero-shot voice,
+        else sft) and its speaker (None in sft/instruct: the default voice); what the model cannot serve raises.
+        Reads no audio: cheap enough to run when a request is admitted.
+
+        Raises:
+            UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
+            ClientError: a voice of the wrong kind for the mode.
+        """
+        r = request
+        mode = r.mode
+        if mode is None:
+            mode = "sft"
+            if r.speaker and r.speaker not in self.speakers:
+                kind, _ = self.resolve_speaker(r.speaker, r.tenant)
+                mode = "zero_shot" if kind == "zero_shot" else "sft"
+        speaker = r.speaker
+        if mode in ("sft", "instruct"):
+            speaker = speaker or self.default_speaker()
+            self._speaker_of_kind(speaker, r.tenant, mode, "sft")
+        elif mode != "vc" and speaker:
+            self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
+        if mode == "instruct" or (mode in PROMPT_MODES and not (mode != "vc" and speaker)):
+            self.require(mode)  # before any audio is read: a missing model is the clearer error
+        if mode == r.mode and speaker == r.speaker:
+            return r
+        return dataclasses.replace(r, mode=mode, speaker=speaker)
+
     @torch.inference_mode()
     def prepare(self, request: SynthesisRequest) -> PreparedRequest:
-        """Check ``request`` and build its model inputs (extracting prompt features where needed).
+        """Build the model inputs of a request that passed :meth:`SynthesisRequest.verify` (extracting prompt
+        features where needed); what only the model can tell is checked here.
 
         Returns:
             A :class:`PreparedRequest`: ``inputs[i]`` is the reference frontend's dict for text piece ``i``.
         Raises:
-            ClientError: a bad request; ModeUnavailableError: the model lacks the mode's ONNX models;
-            PromptAudioError / AudioError: unusable prompt or source audio.
+            UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
+            AudioError: unusable prompt or source audio; ClientError: nothing to speak in the text.
         """
-        r = request
-        self._verify(r)
-        if r.mode == "instruct" or (r.mode in PROMPT_MODES and not (r.mode != "vc" and r.speaker)):
-            self.require(r.mode)  # before any audio is read: a missing model is the clearer error
-        prepared = PreparedRequest(r)
-        if r.mode == "vc":
+        r = self.resolve(request)
+        mode = r.mode
+        assert mode is not None
+        prepared = PreparedRequest(r, mode)
+        if mode == "vc":
             prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
             return prepared
 
@@ -357,47 +357,57 @@ class Pipeline:
                 param="text",
             )
         prepared.pieces = pieces
-        if r.mode in ("sft", "instruct"):
-            embedding = self._speaker_of_kind(r, "sft")["embedding"]
-            shared: dict[str, torch.Tensor] = {"flow_embedding": embedding}
-            if r.mode == "sft":
-                shared["llm_embedding"] = embedding
-            else:  # the reference drops the LLM embedding in instruct mode ("information leakage")
-                instruct = self._normalize_prompt(r.instruct_text, r.normalize)
-                shared["prompt_text"], shared["prompt_text_len"] = self._text_ids(instruct)
-        else:
-            if r.speaker:
-                shared = dict(self._speaker_of_kind(r, "zero_shot"))
+        texts = [self._text_ids(piece) for piece in pieces]
+        if mode in ("sft", "instruct"):
+            assert r.speaker is not None
+            embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
+            if mode == "sft":
+                prepared.inputs = [sft_input(text, embedding) for text in texts]
             else:
-                prompt_text = (
-                    self._normalize_prompt(r.prompt_text, r.normalize) if r.mode == "zero_shot" else ""
-                )
-                # extracted once for all pieces: the reference re-extracts per piece with identical results
-                shared = self.extract_prompt(r.prompt_wav, prompt_text, mode=r.mode)
-            if r.mode == "cross_lingual":
-                for key in _LLM_PROMPT_KEYS:
-                    shared.pop(key, None)
-        for piece in pieces:
-            model_input = dict(shared)
-            model_input["text"], model_input["text_len"] = self._text_ids(piece)
-            prepared.inputs.append(model_input)
+                instruction = self._text_ids(self._normalize_prompt(r.instruct_text, r.normalize))
+                prepared.inputs = [instruct_input(text, embedding, instruction) for text in texts]
+            return prepared
+        assert mode in ("zero_shot", "cross_lingual")
+        if r.speaker:
+            prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
+        else:
+            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
+            # extracted once for all pieces: the reference re-extracts per piece with identical results
+            prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
+        prepared.inputs = [prompt_input(text, prompt, mode) for text in texts]
         return prepared
 
-    def run(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
-        """Check and prepare ``request`` now (errors raise here, before any audio), then return a generator of
-        float32 mono audio chunks (1-D numpy arrays at ``sample_rate``)."""
+    def run(
+        self, request: SynthesisRequest, should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[np.ndarray]:
+        """Prepare ``request`` now (its errors raise here, before any audio), then return a generator of float32
+        mono audio chunks (1-D numpy arrays at ``sample_rate``). ``should_stop`` is asked after every speech
+        token; once it says True the generator ends."""
         prepared = self.prepare(request)
-        return self._generate(prepared)
+        return self._generate(prepared, should_stop)
 
     @torch.inference_mode()
-    def _generate(self, prepared: PreparedRequest) -> Iterator[np.ndarray]:
+    def _generate(
+        self, prepared: PreparedRequest, should_stop: Callable[[], bool] | None
+    ) -> Iterator[np.ndarray]:
         r = prepared.request
         generator = torch.Generator().manual_seed(r.seed if r.seed is not None else secrets.randbits(63))
-        for model_input in prepared.inputs:
-            yield from self._tts(model_input, stream=r.stream, speed=r.speed, generator=generator)
+        try:
+            for model_input in prepared.inputs:
+                yield from self._tts(
+                    model_input, stream=r.stream, speed=r.speed, generator=generator, should_stop=should_stop
+                )
+        except _Stopped:
+            return  # the generators below are closed by the unwinding: the LM frees its cache (or batch row)
 
     def _tts(
-        self, model_input: dict[str, torch.Tensor], *, stream: bool, speed: float, generator: torch.Generator
+        self,
+        model_input: dict[str, torch.Tensor],
+        *,
+        stream: bool,
+        speed: float,
+        generator: torch.Generator,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[np.ndarray]:
         # the reference's CosyVoiceModel.tts: absent keys are its defaults; lengths come from the shapes
         empty_ids = torch.zeros(1, 0, dtype=torch.int32)
@@ -417,6 +427,8 @@ class Pipeline:
                 model_input.get("llm_embedding", empty_embedding),
                 generator=generator,
             )
+            if should_stop is not None:
+                tokens = _until(tokens, should_stop)
         else:  # vc: the LLM is bypassed
             tokens = source.flatten().tolist()
         for chunk in self.token2wav(
@@ -429,37 +441,8 @@ class Pipeline:
             generator=generator,
         ):
             yield chunk[0].numpy().astype(np.float32, copy=False)
-
-    def synthesize(
-        self,
-        text: str,
-        speaker: str,
-        *,
-        stream: bool = False,
-        speed: float = 1.0,
-        seed: int | None = None,
-        normalize: bool = True,
-    ) -> Iterator[np.ndarray]:
-        """SFT synthesis: yield float32 mono audio chunks of pre-defined ``speaker`` saying ``text``.
-
-        Args:
-            text: what to say; split into sentence pieces, each synthesized in turn.
-            speaker: a pre-defined speaker id (see ``speakers``).
-            stream, speed, seed: as :class:`SynthesisRequest`.
-            normalize: run the text frontend (wetext normalisation and splitting); False speaks ``text`` as
-                one piece (warm-up uses it so the normaliser stays off the start path).
-        """
-        return self.run(
-            SynthesisRequest(
-                mode="sft",
-                text=text,
-                speaker=speaker,
-                stream=stream,
-                speed=speed,
-                seed=seed,
-                normalize=normalize,
-            )
-        )
+            if should_stop is not None and should_stop():
+                raise _Stopped
 
     # --- the registry ---------------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Batching across concurrent requests: continuous batching of the speech-token LM, and stacked flow calls.
 
 :class:`BatchingLM` has the same ``inference(...)`` as :class:`~cosyserve.models.llm.TransformerLM`, so a
-:class:`~cosyserve.engine.pipeline.Pipeline` uses it unchanged; several pipeline threads then share one model.
+:class:`~cosyserve.runtime.pipeline.Pipeline` uses it unchanged; several pipeline threads then share one model.
 Every call registers a request with one decode-loop thread, which alone owns the LM's KV cache (one cache row per
 request). Between steps requests join (their prompt is prefilled into a free row) and leave (EOS, ``max_len``, or
 their consumer closed the generator / went away: the row is freed at the next step). Each step samples every row
@@ -541,7 +541,7 @@ def _rows(outputs: tuple[Tensor, Tensor], n: int) -> list[tuple[Tensor, Tensor]]
 class FlowBatcher(_Stacker):
     """A :class:`~cosyserve.models.flow.MaskedDiffWithXvec` whose concurrent same-shape calls run stacked.
 
-    Other attributes are the flow's (``input_frame_rate``, ...), so :class:`~cosyserve.engine.token2wav.Token2Wav`
+    Other attributes are the flow's (``input_frame_rate``, ...), so :class:`~cosyserve.runtime.token2wav.Token2Wav`
     uses it unchanged. Calls stack when their token count, prompt tokens and frames, cache frames, timesteps
     and dtypes match (and every length tensor equals its tensor's width: no padding).
 

@@ -1,0 +1,205 @@
+"""The one interface between a loaded model and everything that serves it.
+
+The engine, the pool, the server and the Python API talk to a model only through :class:`Runtime`; they never
+import a runtime's module, read its private members or sniff its features. A runtime is named by an import string
+(:data:`RUNTIMES`, as uvicorn names its loops and protocols) and imported only when :func:`load_runtime` asks for
+it, so importing one never imports another: the torch runtime (our PyTorch modules) is the one today.
+
+A runtime is built already loaded (``load_runtime`` returns once it can serve) and serves ``slots`` requests at
+once from as many threads; :meth:`Runtime.start` runs in the thread that will iterate its audio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from cosyserve.clock import PhaseClock
+    from cosyserve.request import Mode, SynthesisRequest
+
+__all__ = ["RUNTIMES", "Runtime", "RuntimeOptions", "Voice", "load_runtime", "runtime_factory"]
+
+# runtime name -> "module:factory"; the factory is ``(path, options, clock) -> Runtime``
+RUNTIMES: dict[str, str] = {
+    "torch": "cosyserve.runtime.pytorch:load",
+}
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A voice a request can name as its ``speaker``.
+
+    Attributes:
+        name: the id requests use.
+        kind: ``pre-defined`` (the model's spk2info) or ``registered`` (added with ``add_voice``).
+        mode: the mode it speaks in when a request names no mode: ``sft`` for an embedding, ``zero_shot`` for a
+            registered prompt.
+    """
+
+    name: str
+    kind: Literal["pre-defined", "registered"]
+    mode: Mode
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How a runtime loads and serves; every field has a setting (see :mod:`cosyserve.settings`).
+
+    Args:
+        strategy: ``preload`` (map and touch every weight page before READY), ``lazy`` or ``prefetch``.
+        verify: bundle checksum policy ``stamp`` / ``full`` / ``none``.
+        use_mmap: map the weights (True) or copy them into private memory.
+        warmup: run each component once on dummy inputs (the LM before READY, the rest right after).
+        warmup_tokens: speech tokens the warm-up generates.
+        threads: intra-op threads of the process (None: the library's default).
+        worker_threads: intra-op threads of each thread that runs requests (None: leave them as they are).
+        batch_size: requests served at once (their LM steps batched); 1 serves one at a time.
+        batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes.
+        text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.
+        zero_shot_tier: the prompt modes' ONNX sessions: ``lazy`` (first request) or ``background``.
+        registry_dir: where registered voices live (None: the cache dir, per model).
+        default_voice: the speaker of requests that name none (None: the model's first pre-defined speaker).
+    """
+
+    strategy: Literal["preload", "lazy", "prefetch"] = "preload"
+    verify: Literal["stamp", "full", "none"] = "stamp"
+    use_mmap: bool = True
+    warmup: bool = True
+    warmup_tokens: int = 2
+    threads: int | None = None
+    worker_threads: int | None = None
+    batch_size: int = 1
+    batch_flow: bool = False
+    text_tier: Literal["background", "lazy"] = "background"
+    zero_shot_tier: Literal["lazy", "background"] = "lazy"
+    registry_dir: str | None = None
+    default_voice: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.warmup_tokens < 1:
+            raise ValueError(f"warmup_tokens must be >= 1, got {self.warmup_tokens}")
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A loaded model that synthesizes (see the module docstring).
+
+    Attributes:
+        sample_rate: Hz of the audio it yields.
+        slots: requests it serves at once (each from its own thread).
+        clock: its start clock: the phases of its load, and its points (``ready``) since process start.
+    """
+
+    sample_rate: int
+    slots: int
+    clock: PhaseClock
+
+    def speakers(self) -> list[str]:
+        """The model's pre-defined speaker ids, sorted."""
+        ...
+
+    def voices(self, tenant: str = "default") -> list[Voice]:
+        """The pre-defined speakers, then the voices registered for ``tenant``."""
+        ...
+
+    def voice(self, name: str, tenant: str = "default") -> Voice | None:
+        """The voice ``name`` for ``tenant`` (None when it has none of that name)."""
+        ...
+
+    def modes(self) -> dict[Mode, str | None]:
+        """Every mode -> None where it is served, else why not (a missing file, not an -Instruct model)."""
+        ...
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        """``request`` as this model runs it: ``mode`` decided (None: by the voice) and ``speaker`` filled in (None
+        in sft/instruct: the default voice). Raises what the model cannot serve (UnknownVoiceError,
+        ModeUnavailableError) without reading any audio: the engine asks it when a request is admitted."""
+        ...
+
+    def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        """Check ``request`` against the model and prepare it now (its errors raise here, before any audio),
+        then return a generator of float32 mono chunks (1-D, at ``sample_rate``).
+
+        ``should_stop`` is asked after every speech token; once it says True the generator ends at once. Closing
+        the generator frees its state.
+        """
+        ...
+
+    def warm_up(self) -> None:
+        """Run every component once on dummy inputs (idempotent; safe while requests run)."""
+        ...
+
+    def mapped_files(self) -> list[Path]:
+        """The files whose pages it maps (for RSS accounting and page-cache control)."""
+        ...
+
+    def mapped_bytes(self) -> int:
+        """Bytes of weights it holds (its share of a memory budget)."""
+        ...
+
+    def add_voice(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+    ) -> Any:
+        """Register ``prompt_wav`` + its transcript as voice ``name`` of ``tenant`` (kept across restarts)."""
+        ...
+
+    def remove_voice(self, name: str, *, tenant: str = "default") -> None:
+        """Delete a registered voice."""
+        ...
+
+    def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
+        """Register the entries of a reference ``spk2info.pt``."""
+        ...
+
+    def export_voices(
+        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
+    ) -> list[str]:
+        """Write ``tenant``'s registered voices (and the pre-defined ones) as a reference ``spk2info.pt``."""
+        ...
+
+    def close(self) -> None:
+        """Stop its threads and drop its references to the weights (the runtime is unusable afterwards)."""
+        ...
+
+
+def runtime_factory(name: str) -> Callable[..., Runtime]:
+    """The factory :data:`RUNTIMES` names for ``name`` (imports its module now)."""
+    try:
+        target = RUNTIMES[name]
+    except KeyError:
+        from cosyserve.errors import SettingsError
+
+        raise SettingsError(f"unknown runtime {name!r}; expected one of {', '.join(RUNTIMES)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
+def load_runtime(
+    path: str | Path, options: RuntimeOptions | None = None, *, runtime: str = "torch", clock: Any = None
+) -> Runtime:
+    """Load the model at ``path`` (a bundle, an official model dir, a hub id or ``demo``) into runtime ``runtime``.
+
+    Args:
+        path: what to load (see :func:`cosyserve.api.resolve_bundle`).
+        options: how to load and serve it (default :class:`RuntimeOptions`).
+        runtime: a key of :data:`RUNTIMES`.
+        clock: a :class:`cosyserve.clock.PhaseClock` to record the load's phases in (default a new one that
+            counts from process start).
+    Returns:
+        The loaded :class:`Runtime`, READY to serve.
+    """
+    return runtime_factory(runtime)(path, options or RuntimeOptions(), clock)

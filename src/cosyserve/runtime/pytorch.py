@@ -1,0 +1,326 @@
+"""The torch runtime: our PyTorch modules over a bundle's mapped weights, every CosyVoice-300M mode.
+
+:func:`load` opens the bundle (converting an official model dir once into the cache), builds the modules on the
+meta device and assigns the mapped tensors, wires the :class:`~cosyserve.runtime.pipeline.Pipeline` with the
+batching LM and the flow/vocoder batchers its options ask for, warms the LM up and returns READY. The rest of the
+start (text normalisers, flow and vocoder warm-up, optionally the zero-shot tier's ONNX sessions) runs in one
+background thread right after: a request needs them only later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cosyserve.errors import ClientError, RegistryError
+from cosyserve.request import MODES, Mode, SynthesisRequest
+from cosyserve.runtime import RuntimeOptions, Voice
+from cosyserve.runtime.pipeline import ONNX_FILES, Pipeline
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TorchRuntime", "load"]
+
+
+class TorchRuntime:
+    """A loaded CosyVoice-300M model on torch: implements :class:`cosyserve.runtime.Runtime`.
+
+    Build it with :func:`load`. ``pipeline`` (its modules and input assembly) is public for this runtime's own
+    tests and benchmarks; nothing above the runtime layer reads it.
+    """
+
+    def __init__(
+        self, pipeline: Pipeline, options: RuntimeOptions, clock: Any, bundle: Any, parts: Any
+    ) -> None:
+        self.pipeline = pipeline
+        self.options = options
+        self.clock = clock
+        self.bundle = bundle
+        self.sample_rate = int(pipeline.sample_rate)
+        self.slots = options.batch_size
+        self._parts = parts
+        self._lm = pipeline.llm  # the model itself, under any batching wrapper (what warm-up runs)
+        self._batchers: list[Any] = []
+        self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
+        self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
+        self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
+        if options.batch_size > 1:
+            self._install_batchers(options)
+
+    def _install_batchers(self, options: RuntimeOptions) -> None:
+        # the runtime's slots share one model: their LM steps run as one batch; flow and vocoder run concurrently
+        # in the request threads (they keep no per-call state on the modules), or stacked where shapes match
+        from cosyserve.runtime.batching import BatchingLM, FlowBatcher, VocoderBatcher
+
+        name = self.bundle.path.name if self.bundle is not None else "model"
+        p = self.pipeline
+        p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=options.worker_threads, name=name)
+        self._batchers.append(p.llm)
+        if options.batch_flow:
+            t2w = p.token2wav
+            t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
+            t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
+
+    # -- what it serves -------------------------------------------------------------------------------------------
+
+    def speakers(self) -> list[str]:
+        return sorted(self.pipeline.speakers)
+
+    def voices(self, tenant: str = "default") -> list[Voice]:
+        out = [Voice(s, "pre-defined", "sft") for s in self.speakers()]
+        registry = self.pipeline.registry
+        if registry is not None:
+            out += [
+                Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
+                for sp in registry.list(tenant)
+                if sp.name not in self.pipeline.speakers
+            ]
+        return out
+
+    def voice(self, name: str, tenant: str = "default") -> Voice | None:
+        if name in self.pipeline.speakers:
+            return Voice(name, "pre-defined", "sft")
+        registry = self.pipeline.registry
+        if registry is None:
+            return None
+        try:
+            sp = registry.get(name, tenant)
+        except RegistryError:  # a name the registry cannot hold (a path, too long) is no voice
+            return None
+        if sp is None:
+            return None
+        return Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
+
+    def modes(self) -> dict[Mode, str | None]:
+        why = self.pipeline.unavailable_modes()
+        return {m: why.get(m) for m in MODES}
+
+    # -- synthesis ------------------------------------------------------------------------------------------------
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        return self.pipeline.resolve(request)
+
+    def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        if self.options.worker_threads:
+            torch.set_num_threads(self.options.worker_threads)  # this thread's OpenMP pool only
+        return self.pipeline.run(request, should_stop)
+
+    def warm_up(self) -> None:
+        """Run every component once on tiny dummy inputs (the LLM's prefill and a few decode steps, one flow step,
+        the vocoder), so one-time costs (allocator, kernel set-up) are paid now, not by the first request. One
+        layer of each stack of identical layers runs (the costs are per kernel and shape), and the modules are
+        left as they were, so it may run while requests do."""
+        with self.clock.phase("warmup"):
+            self._lm.warm_up(self.options.warmup_tokens)
+            self.warm_up_token2wav()
+
+    def warm_up_token2wav(self) -> None:
+        """The flow and vocoder part of :meth:`warm_up` (what ``load`` runs right after READY)."""
+        t2w = self.pipeline.token2wav
+        mel = t2w.flow.warm_up(self.options.warmup_tokens)
+        t2w.hift.warm_up(mel.shape[2])
+
+    # -- memory ---------------------------------------------------------------------------------------------------
+
+    def mapped_files(self) -> list[Path]:
+        return [Path(f.path) for f in self._parts.files.values()] if self._parts is not None else []
+
+    def mapped_bytes(self) -> int:
+        return int(self._parts.mapped_bytes()) if self._parts is not None else 0
+
+    # -- voices ---------------------------------------------------------------------------------------------------
+
+    def _registry(self) -> Any:
+        if self.pipeline.registry is None:
+            raise RegistryError("this model has no voice registry")
+        return self.pipeline.registry
+
+    def add_voice(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+        normalize: bool = True,
+    ) -> Any:
+        return self.pipeline.add_speaker(
+            name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite, normalize=normalize
+        )
+
+    def remove_voice(self, name: str, *, tenant: str = "default") -> None:
+        if name in self.pipeline.speakers:
+            raise ClientError(
+                f"{name!r} is a pre-defined speaker of the model (spk2info.pt); it cannot be removed",
+                param="speaker",
+            )
+        self._registry().remove(name, tenant)
+
+    def registered(self, tenant: str = "default") -> list[Any]:
+        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
+        return list(self._registry().list(tenant))
+
+    def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
+        return self._registry().import_spk2info(
+            path, tenant=tenant, overwrite=overwrite, reserved=self.pipeline.speakers
+        )
+
+    def export_voices(
+        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
+    ) -> list[str]:
+        extra = self.pipeline.speakers if include_builtin else None
+        return list(self._registry().export_spk2info(path, tenant=tenant, extra=extra))
+
+    def use_registry(self, root: str | Path) -> None:
+        """Keep registered voices under ``root`` instead of the default location."""
+        from cosyserve.registry import SpeakerRegistry
+
+        self.pipeline.registry = SpeakerRegistry(root)
+
+    @property
+    def registry_root(self) -> Path | None:
+        registry = self.pipeline.registry
+        return Path(registry.root) if registry is not None else None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def join_background(self, timeout: float | None = None) -> None:
+        """Wait for the work that runs after READY (text tier, warm-up, zero-shot tier)."""
+        for t in (self.text_thread, self.warmup_thread, self.zero_shot_thread):
+            if t is not None:
+                t.join(timeout)
+
+    def close(self) -> None:
+        for batcher in self._batchers:
+            batcher.close()
+        self._batchers = []
+        self._parts = None
+
+
+def _load_text_tier() -> None:
+    from cosyserve.frontend.text import load_normalizers
+    from cosyserve.frontend.tokenizer import get_tokenizer
+
+    get_tokenizer()
+    load_normalizers()
+
+
+def _after_ready(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> threading.Thread:
+    """Run each ``(phase, work)`` of ``steps`` in turn in one thread after READY, timed as ``phase``; a
+    failure is logged and the next step runs (the first request that needs a failed tier raises the same error
+    with its context)."""
+
+    def run() -> None:
+        for phase, work in steps:
+            start, t = clock.now_ms(), time.perf_counter()
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - see above
+                logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
+                continue
+            clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+
+    # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
+    # tearing torch down under a kernel that still runs ("terminate called without an active exception")
+    thread = threading.Thread(target=run, name=f"cosyserve-{steps[0][0]}", daemon=False)
+    thread.start()
+    return thread
+
+
+def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchRuntime:
+    """Load ``path`` (a bundle, an official model dir, a hub id or ``demo``) on torch; see
+    :func:`cosyserve.runtime.load_runtime`.
+
+    Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
+    ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
+    """
+    from cosyserve.startup import gc_held
+
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
+    with gc_held():
+        return _load(path, options, clock)
+
+
+def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
+    from cosyserve.startup import PhaseClock
+
+    clock = clock or PhaseClock()
+    with clock.phase("imports"):
+        import cosyserve.models.flow
+        import cosyserve.models.hift
+        import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
+        from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
+        from cosyserve.registry import SpeakerRegistry, default_registry_dir
+        from cosyserve.runtime.token2wav import StreamPolicy
+
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    from cosyserve.api import resolve_bundle
+
+    bundle_dir = resolve_bundle(path)
+    t_load = time.perf_counter()
+    with clock.phase("manifest"):
+        bundle = open_bundle(bundle_dir)
+    parts = bundle.load(LoadOptions(strategy=o.strategy if o.use_mmap else "lazy", verify=o.verify), clock)
+    # wall clock of the whole load (the phases above are summed over the loader threads)
+    clock.add("load_wall", (time.perf_counter() - t_load) * 1e3)
+    if not o.use_mmap:
+        with clock.phase("first_touch"):
+            for module in parts.modules.values():
+                for p in module.parameters():
+                    p.data = p.data.clone()
+    with clock.phase("construct"):
+        cfg = bundle.config
+        flow = parts.modules["flow"]
+        policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
+        registry_root = o.registry_dir or default_registry_dir(Path(str(path)), bundle.model_key)
+        pipeline = Pipeline(
+            parts.modules["llm"],
+            flow,
+            parts.modules["hift"],
+            parts.speakers,
+            cfg.sample_rate,
+            policy,
+            registry=SpeakerRegistry(registry_root),
+            model_dir=path if Path(str(path)).exists() else bundle_dir,
+            instruct=bundle.instruct,
+            default_voice=o.default_voice,
+        )
+        pipeline.set_onnx_paths(
+            {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
+        )
+    runtime = TorchRuntime(pipeline, o, clock, bundle, parts)
+    if o.warmup:
+        # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
+        # seconds later, so they warm up after READY, below
+        with clock.phase("warmup"):
+            runtime._lm.warm_up(o.warmup_tokens)
+    clock.mark("ready")
+    if o.strategy == "prefetch" and o.use_mmap:
+        start_prefetch(parts)
+    after: list[tuple[str, Callable[[], None]]] = []
+    if o.text_tier == "background":
+        # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
+        # warm-up runs on token ids)
+        after.append(("text_tier", _load_text_tier))
+    if o.warmup:
+        after.append(("warmup_token2wav", runtime.warm_up_token2wav))
+    if after:
+        thread = _after_ready(after, clock)
+        runtime.text_thread = thread if o.text_tier == "background" else None
+        runtime.warmup_thread = thread if o.warmup else None
+    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
+        # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+        runtime.zero_shot_thread = _after_ready(
+            [("zero_shot_tier", lambda: pipeline.frontend().load_sessions())], clock
+        )
+    logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
+    return runtime

@@ -1,0 +1,95 @@
+"""What ``--model`` names, made a bundle on this machine: a bundle, an official model dir, a hub id, or ``demo``.
+
+- a bundle (``manifest.json``) is used as it is;
+- an official model dir (``cosyvoice.yaml``) is converted once into the bundle cache and reused while its files
+  are unchanged;
+- a hub id (``iic/CosyVoice-300M-SFT`` on ModelScope, ``FunAudioLLM/...`` on Hugging Face; the ``hub`` extra) is
+  downloaded by the hub library into its cache, then converted;
+- ``demo`` is a tiny random-weight model (it makes noise, not speech) generated once into the cache.
+
+A local path of that name always wins over a hub id or ``demo``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from cosyserve.errors import ModelDirError
+
+__all__ = ["DEMO_MODEL", "demo_model_dir", "resolve_bundle", "resolve_source"]
+
+logger = logging.getLogger(__name__)
+# expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
+progress_logger = logging.getLogger("cosyserve.progress")
+
+DEMO_MODEL = "demo"
+
+
+def demo_model_dir() -> Path:
+    """The demo model's directory in the cache, generated the first time (a tiny random-weight model)."""
+    from cosyserve.settings import cache_dir
+    from cosyserve.testmodel import make_test_model
+
+    path = cache_dir() / "demo-model"
+    if not (path / "cosyvoice.yaml").exists():
+        logger.warning(
+            "demo model: generating a tiny random-weight model in %s (it makes noise, not speech)", path
+        )
+        try:  # a folder there without the yaml is a broken one of ours: replaced
+            make_test_model(path, force=path.exists())
+        except FileExistsError:  # another process made it meanwhile
+            pass
+    return path
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A local directory for ``source``: the path itself when it exists, else the demo model for ``demo``, a hub
+    id's download, or the path as given (whose absence the caller reports)."""
+    from cosyserve.hub import download, is_hub_id
+
+    if Path(source).exists():
+        return Path(source)
+    if str(source) == DEMO_MODEL:
+        return demo_model_dir()
+    if is_hub_id(str(source)):
+        return download(str(source))
+    return Path(source)
+
+
+def resolve_bundle(source: str | Path, *, progress: bool = True) -> Path:
+    """A bundle for ``source`` (see the module docstring): the path itself if it is a bundle; for an official
+    model dir, a bundle converted into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are
+    unchanged.
+
+    Raises:
+        ModelDirError: no such directory, or neither a bundle nor an official model dir.
+        BundleError, ModelConfigError, HubError: the source cannot be used.
+    """
+    from cosyserve.bundle.loader import is_bundle
+    from cosyserve.settings import cache_dir
+
+    path = resolve_source(source)
+    if is_bundle(path):
+        return path
+    if not path.is_dir():
+        raise ModelDirError(f"model directory not found: {path}")
+    if not (path / "cosyvoice.yaml").is_file():
+        raise ModelDirError(
+            f"{path} is neither a bundle (manifest.json) nor an official model dir (cosyvoice.yaml)"
+        )
+    key = hashlib.sha256(str(path.resolve()).encode())
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    target = cache_dir() / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
+    if not is_bundle(target):
+        from cosyserve.bundle.convert import convert
+
+        progress_logger.info(
+            "converting %s into the bundle cache %s (once; later runs reuse it)", path, target
+        )
+        convert(path, target, force=True, progress=progress)
+    return target

@@ -1,0 +1,140 @@
+"""One fake :class:`cosyserve.runtime.Runtime` for the engine, pool, tenant and server tests (no torch).
+
+It speaks sft only: ``chunks`` chunks of ``chunk_len`` samples, chunk ``i`` filled with ``seed + i``, so a test
+can tell requests and their order apart. Knobs: ``hold`` (an Event each chunk waits for), ``delay`` (seconds per
+chunk), ``size`` (its mapped bytes, for the pool's budget). Texts with a meaning: ``boom`` fails inside the
+model (a bug), ``tokens`` runs a 10k-token LM loop before its one chunk (cancellation must stop it at the next
+token: ``made`` counts the tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyserve.errors import ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.request import MODES, SynthesisRequest
+from cosyserve.runtime import Runtime, Voice
+from cosyserve.startup import PhaseClock
+
+__all__ = ["FakeRuntime"]
+
+
+class FakeRuntime:
+    sample_rate = 100
+
+    def __init__(
+        self,
+        chunks: int = 3,
+        chunk_len: int = 50,
+        *,
+        hold: threading.Event | None = None,
+        delay: float = 0.0,
+        size: int = 0,
+        speakers: tuple[str, ...] = ("alice", "bob"),
+        slots: int = 1,
+        token_s: float = 0.001,
+    ) -> None:
+        self.chunks = chunks
+        self.chunk_len = chunk_len
+        self.hold = hold
+        self.delay = delay
+        self.size = size
+        self._speakers = list(speakers)
+        self.slots = slots
+        self.token_s = token_s
+        self.clock = PhaseClock()
+        self.clock.mark("ready")
+        self.yielded = 0
+        self.made = 0  # tokens of the "tokens" LM loop
+        self.running = 0
+        self.max_running = 0
+        self.closed_in: list[str] = []  # threads where a request's generator was closed
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def speakers(self) -> list[str]:
+        return sorted(self._speakers)
+
+    def voices(self, tenant: str = "default") -> list[Voice]:
+        return [Voice(s, "pre-defined", "sft") for s in self.speakers()]
+
+    def voice(self, name: str, tenant: str = "default") -> Voice | None:
+        return Voice(name, "pre-defined", "sft") if name in self._speakers else None
+
+    def modes(self) -> dict[str, str | None]:
+        return {m: None if m == "sft" else "the fake runtime speaks sft only" for m in MODES}
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        if request.mode not in (None, "sft"):
+            raise ModeUnavailableError(f"{request.mode} synthesis is unavailable: the fake speaks sft only")
+        if request.speaker is not None and request.speaker not in self._speakers:
+            raise UnknownVoiceError(
+                f"unknown speaker {request.speaker!r}; known speakers: {', '.join(self.speakers())}",
+                param="speaker",
+            )
+        return dataclasses.replace(request, mode="sft", speaker=request.speaker or self.speakers()[0])
+
+    def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        return self._generate(self.resolve(request), should_stop)
+
+    def _generate(self, r: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        with self._lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            if r.text == "boom":
+                raise RuntimeError("kaboom")
+            if r.text == "tokens":  # non-streaming: the whole LM loop runs before the first chunk
+                n = 0
+                for _ in range(10_000):
+                    time.sleep(self.token_s)
+                    self.made += 1
+                    n += 1
+                    if should_stop():
+                        return
+                yield np.zeros(n, np.float32)
+                return
+            for i in range(self.chunks):
+                if self.hold is not None:
+                    self.hold.wait(5)
+                time.sleep(self.delay)
+                self.yielded += 1
+                yield np.full(self.chunk_len, float(r.seed or 0) + i, np.float32)
+        finally:
+            with self._lock:
+                self.running -= 1
+            self.closed_in.append(threading.current_thread().name)
+
+    def warm_up(self) -> None:
+        pass
+
+    def mapped_files(self) -> list[Path]:
+        return []
+
+    def mapped_bytes(self) -> int:
+        return self.size
+
+    def add_voice(self, name: str, prompt_wav: Any, prompt_text: str, **kw: Any) -> Any:
+        raise RegistryError("the fake runtime has no voice registry")
+
+    def remove_voice(self, name: str, **kw: Any) -> None:
+        raise RegistryError("the fake runtime has no voice registry")
+
+    def import_voices(self, path: Any, **kw: Any) -> Any:
+        raise RegistryError("the fake runtime has no voice registry")
+
+    def export_voices(self, path: Any, **kw: Any) -> list[str]:
+        raise RegistryError("the fake runtime has no voice registry")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+assert isinstance(FakeRuntime(), Runtime), "the fake must implement the Runtime protocol"
