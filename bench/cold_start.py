@@ -48,7 +48,8 @@ print("BENCH", time.time(), (t1 - t0) * 1e3, (t2 - t0) * 1e3, resource.getrusage
 
 BUNDLE = r"""
 import time, resource
-from cosyserve.startup import hold_gc, prefetch_bundles
+from cosyserve.pagecache import prefetch_bundles
+from cosyserve.startup import hold_gc
 hold_gc()  # as `cosyserve serve` does at process start (released when the load returns)
 if {strategy!r} != "lazy":
     prefetch_bundles([{bundle!r}])  # likewise: read a cold bundle while torch imports
@@ -94,8 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from cosyserve.report import evict
-    from cosyserve.startup import prefetch_files
+    from cosyserve.pagecache import evict, prefetch_files
 
     env = dict(os.environ)
     env["PYTHONPATH"] = (

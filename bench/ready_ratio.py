@@ -20,7 +20,8 @@ from pathlib import Path
 
 LOAD = """
 import time
-from cosyserve.startup import hold_gc, prefetch_bundles
+from cosyserve.pagecache import prefetch_bundles
+from cosyserve.startup import hold_gc
 hold_gc()
 prefetch_bundles([{bundle!r}])
 import cosyserve

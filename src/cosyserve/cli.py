@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "synth"):
-        from cosyserve.startup import prefetch_bundles
+        from cosyserve.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
         models = args.model if isinstance(args.model, list) else [args.model]

@@ -8,15 +8,12 @@ this module.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
 __all__ = [
     "PHASES",
@@ -24,11 +21,8 @@ __all__ = [
     "collect_frozen",
     "gc_held",
     "hold_gc",
-    "libc",
     "process_start_time",
-    "read_range",
     "release_gc",
-    "resident_map",
 ]
 
 # the phases of a start, in order; "ready" and "first_audio" are points measured from process start
@@ -76,15 +70,6 @@ def process_start_time() -> float:
             raise ValueError(f"COSYSERVE_SPAWN_T0 must be a float timestamp, got {env!r}") from None
     start = _proc_start_time()
     return start if start is not None and start <= _MODULE_T0 else _MODULE_T0
-
-
-@functools.cache
-def libc() -> Any:
-    """The C library through ctypes (calls through it release the GIL), with ``errno`` kept."""
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 class PhaseClock:
@@ -185,151 +170,3 @@ def collect_frozen() -> None:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-
-
-# -- reading the weights while the interpreter imports torch ------------------------------------------------
-
-
-def resident_map(mm: Any, begin: int = 0, end: int | None = None) -> bytes:
-    """One byte per page of ``mm[begin:end]`` (a writable file mapping; ``begin`` page-aligned): 1 where the file's
-    page is in the page cache, mapped here or not, else 0 (mincore(2); the calls release the GIL)."""
-    import ctypes
-    import mmap
-
-    end = len(mm) if end is None else end
-    if end <= begin:
-        return b""
-    vec = (ctypes.c_ubyte * (-(-(end - begin) // mmap.PAGESIZE)))()
-    buf = ctypes.c_char.from_buffer(mm)
-    try:
-        base = ctypes.addressof(buf) + begin
-        step = 256 << 20  # per call: mincore holds the address-space lock, which every mmap waits for
-        for off in range(0, end - begin, step):
-            out = ctypes.byref(vec, off // mmap.PAGESIZE)
-            length = ctypes.c_size_t(min(step, end - begin - off))
-            if libc().mincore(ctypes.c_void_p(base + off), length, out) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mincore failed: {os.strerror(err)}")
-    finally:
-        del buf
-    return bytes(vec).translate(_LOW_BIT)  # only the lowest bit is defined
-
-
-def resident_pages(path: str | os.PathLike[str]) -> bytes:
-    """One byte per page of the file: 1 where the page is in the page cache, else 0 (:func:`resident_map` over a
-    throwaway mapping)."""
-    import mmap
-
-    size = os.path.getsize(path)
-    if size == 0:
-        return b""
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # writable: ctypes.from_buffer wants that
-    try:
-        return resident_map(mm)
-    except OSError as e:
-        raise OSError(e.errno, f"{e.strerror} ({path})") from e
-    finally:
-        mm.close()
-
-
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
-def read_range(fd: int, begin: int, end: int, buf: memoryview) -> None:
-    """Read bytes [begin, end) of the open file ``fd`` into the page cache (and into ``buf``, a scratch buffer whose
-    size sets the read size) with ``os.preadv``, which releases the GIL. Raises OSError."""
-    while begin < end and (n := os.preadv(fd, [buf[: min(len(buf), end - begin)]], begin)) > 0:
-        begin += n
-
-
-def prefetch_files(
-    paths: Iterable[str | os.PathLike[str]], workers: int = 4, piece: int = 32 << 20, block: int = 8 << 20
-) -> list[Any]:
-    """Start reading into the page cache the ``piece``-sized parts of ``paths`` that are not there yet; returns
-    the (daemon) thread doing it, which first asks mincore(2) what is cached (~15 ms per GB), then reads the
-    rest with ``workers`` threads of ``os.preadv`` of ``block`` bytes (the GIL released for each read and
-    retaken ~200 times for 1.7 GB, so the main thread is barely interrupted). Nothing holds the address-space
-    lock for long (a populate of a throwaway mapping did, and stalled every mmap in the process, thread stacks
-    included). Measured here, cold, 1.7 GB: four readers ~0.95 s; one sequential reader up to 3.6 s;
-    posix_fadvise(WILLNEED) reads only the first ~25 MB. Errors are ignored: the loader reports a missing or
-    unreadable file with its context."""
-    import mmap
-
-    paths = [Path(p) for p in paths]
-    if not paths:
-        return []
-    jobs: list[tuple[Path, int, int]] = []
-    lock = threading.Lock()
-
-    def plan() -> None:
-        per = max(piece // mmap.PAGESIZE, 1)
-        for p in paths:
-            try:
-                pages = resident_pages(p)
-                size = os.path.getsize(p)
-            except (OSError, ValueError):
-                continue
-            for first in range(0, len(pages), per):
-                if 0 in pages[first : first + per]:
-                    off = first * mmap.PAGESIZE
-                    jobs.append((p, off, min(piece, size - off)))
-
-    def read() -> None:
-        buf = memoryview(bytearray(block))
-        while True:
-            with lock:
-                if not jobs:
-                    return
-                path, off, length = jobs.pop(0)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                read_range(fd, off, off + length, buf)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    def run() -> None:
-        plan()
-        if not jobs:
-            return
-        helpers = [
-            threading.Thread(target=read, name="cosyserve-readahead", daemon=True) for _ in range(workers - 1)
-        ]
-        for t in helpers:
-            t.start()
-        read()
-        for t in helpers:
-            t.join()
-
-    thread = threading.Thread(target=run, name="cosyserve-readahead", daemon=True)
-    thread.start()
-    return [thread]
-
-
-def prefetch_bundles(paths: Iterable[str]) -> list[Any]:
-    """For each of ``paths`` that is a bundle, start :func:`prefetch_files` on its weight files, unless the load
-    strategy is ``lazy``. Called at process start by ``cosyserve serve`` / ``synth`` before importing torch: on
-    a cold page cache the disk reads then overlap the ~0.9 s of imports instead of following them."""
-    from cosyserve.errors import SettingsError
-    from cosyserve.settings import load_strategy
-
-    try:
-        if load_strategy() == "lazy":
-            return []
-    except SettingsError:
-        return []  # the load itself reports the bad setting
-    files: list[tuple[int, Path]] = []
-    for p in paths:
-        d = Path(p)
-        if (d / "manifest.json").is_file():
-            for f in d.glob("*.safetensors"):
-                try:
-                    files.append((f.stat().st_size, f))
-                except OSError:
-                    continue
-    return prefetch_files(f for _, f in sorted(files, reverse=True))  # the largest (the LLM) first
