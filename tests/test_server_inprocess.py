@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.clock import PhaseClock
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.tenants import Tenant
 from cosyserve.server.app import _load_source, create_app
 from cosyserve.server.config import ModelArg, ServerConfig
-from cosyserve.startup import PhaseClock
 
 
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:

@@ -20,7 +20,7 @@ def test_gc_hold_nests_then_freezes_and_restores() -> None:
     for a program that had it off, or stops holding it while an outer hold is still open."""
     code = """
 import gc
-from cosyserve.startup import gc_held, hold_gc, release_gc
+from cosyserve.gchold import gc_held, hold_gc, release_gc
 assert gc.isenabled() and gc.get_freeze_count() == 0
 hold_gc()
 with gc_held():

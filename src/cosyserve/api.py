@@ -336,15 +336,15 @@ def load(
             right after, in the background (``warmup_thread``; env ``PREWARM_MODELS``; default on).
         warmup_tokens: speech tokens the warm-up generates (env ``COSYSERVE_WARMUP_TOKENS``; default 2).
         use_mmap: map the weights (True) or copy them into private memory (env ``USE_MMAP_LOADING``).
-        clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
+        clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
         ConfigError, ModelDirError, BundleError, SettingsError (all ValueError): the input cannot be used.
     """
-    from cosyserve.startup import gc_held
+    from cosyserve.gchold import gc_held
 
-    # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.gchold.hold_gc)
     with gc_held():
         model = _load(path, threads, strategy, verify, warmup, warmup_tokens, use_mmap, clock)
     return model
@@ -361,7 +361,7 @@ def _load(
     clock: Any,
 ) -> CosyVoiceModel:
     from cosyserve import settings
-    from cosyserve.startup import PhaseClock
+    from cosyserve.clock import PhaseClock
 
     clock = clock or PhaseClock()
     strategy = strategy or settings.load_strategy()

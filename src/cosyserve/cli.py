@@ -54,7 +54,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from cosyserve.startup import release_gc
+    from cosyserve.gchold import release_gc
     from cosyserve.wavfile import write_audio_atomic
 
     out = Path(args.out)
@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] in (["serve"], ["synth"]):
         # no garbage collection from here to READY: it saves ~80 ms of `import torch` alone (the server and
         # _cmd_synth release the hold once their model is loaded)
-        from cosyserve.startup import hold_gc
+        from cosyserve.gchold import hold_gc
 
         hold_gc()
     parser = build_parser()

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cosyserve.clock import PHASES
 from cosyserve.pagecache import cold_read_rate, evict, resident_bytes
-from cosyserve.startup import PHASES
 
 __all__ = ["spawn_timed", "startup_report", "waterfall_svg"]
 

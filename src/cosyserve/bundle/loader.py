@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, ONNX_FILES
+from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
-from cosyserve.startup import PhaseClock
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ from cosyserve.errors import (
     OverloadedError,
     RequestCancelledError,
 )
-from cosyserve.startup import collect_frozen
+from cosyserve.gchold import collect_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -923,7 +923,7 @@ class Engine:
                     tr = self._transition_locked(EngineState.RELEASED)
                 self._notify(tr)
                 inst = None  # the loop variable held the last instance
-                # cosyserve.load froze what it built (cosyserve.startup.release_gc): the model's reference cycles
+                # cosyserve.load froze what it built (cosyserve.gchold.release_gc): the model's reference cycles
                 # are freed only by a collection that looks at frozen objects; without it the weights stay mapped
                 collect_frozen()
             else:  # FAILED: nothing was kept

@@ -34,11 +34,12 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.clock import PhaseClock
 from cosyserve.engine.engine import shared
 from cosyserve.errors import CosyserveError, UnknownModelError
+from cosyserve.gchold import release_gc
 from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
 from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
-from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -265,7 +266,7 @@ class ServerState:
                 self._server.should_exit = True
             return
         self.startup_done = True
-        release_gc()  # the CLI held the collector since process start (cosyserve.startup.hold_gc)
+        release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
         logger.info(
