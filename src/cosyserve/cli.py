@@ -35,7 +35,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
 _EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub"}
 
-# synth --out: the extension picks the encoding (the server's encoders, cosyserve.server.encode)
+# synth --out: the extension picks the encoding (the server's encoders, cosyserve.audiofile)
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
 
 
@@ -54,8 +54,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
+    from cosyserve.audiofile import write_audio_atomic
     from cosyserve.gchold import release_gc
-    from cosyserve.wavfile import write_audio_atomic
 
     out = Path(args.out)
     fmt = OUT_FORMATS.get(out.suffix.lower())

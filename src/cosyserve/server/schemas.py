@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cosyserve.audiofile import FORMATS, MEDIA_TYPES
 from cosyserve.engine.modes import SPEED_MAX, SPEED_MIN, speed_error
-from cosyserve.server.encode import FORMATS, MEDIA_TYPES
 from cosyserve.server.errors import HTTPError
 
 __all__ = ["SpeechRequest", "openapi_document", "parse_speech_request"]

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from cosyserve.audiofile import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 from cosyserve.engine.engine import SynthesisRequest
 from cosyserve.errors import (
     CosyserveError,
@@ -30,7 +31,6 @@ from cosyserve.errors import (
     EngineDeadError,
     RequestCancelledError,
 )
-from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
