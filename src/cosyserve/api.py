@@ -138,7 +138,7 @@ class CosyVoiceModel:
 
     def _configure_modes(self) -> None:
         # ONNX paths from the bundle (nothing is loaded) and the registry location (nothing is read)
-        from cosyserve.engine.pipeline import ONNX_FILES
+        from cosyserve.bundle.official import ONNX_FILES
         from cosyserve.registry import SpeakerRegistry, default_registry_dir
 
         if self.bundle is not None:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, ONNX_FILES
+from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS
+from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
 

@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CAMPPLUS_FILE",
     "COMPONENT_FILES",
     "INSTRUCT_MARK",
+    "ONNX_FILES",
+    "SPEECH_TOKENIZER_FILE",
     "ModelDirError",
     "is_instruct_model_dir",
     "load_component",
@@ -30,6 +33,11 @@ __all__ = [
 ]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
+# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
+# a bundle unchanged, opened by the zero-shot frontend on first use
+CAMPPLUS_FILE = "campplus.onnx"
+SPEECH_TOKENIZER_FILE = "speech_tokenizer_v1.onnx"
+ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
 INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
 
 

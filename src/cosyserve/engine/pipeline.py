@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.engine.modes import MODES, PROMPT_MODES, field_errors, present_fields, speed_error
 from cosyserve.engine.token2wav import StreamPolicy, Token2Wav
 from cosyserve.errors import ClientError, UnknownVoiceError
@@ -44,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "PreparedRequest", "SynthesisRequest"]
 
-ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # the zero-shot tier's models
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 _LLM_PROMPT_KEYS = (
     "prompt_text",
