@@ -11,7 +11,7 @@ Every configuration is a fresh process, started in turn (round-robin, so drift h
   lazy without warm-up (the load phases alone), and fp32 with warm-up + preload, warm and cold (READY with
   every weight page mapped and every kernel warmed: what a server configured for no first-request penalty pays).
 Prints, per configuration, the medians of start-to-READY (ms since exec) and of the load phases alone
-(wall clock), peak RSS, and the ratios the cold-start issue sets targets for. Make the inputs with
+(wall clock), peak RSS, and the ratios READY / floor and naive load / bundle load. Make the inputs with
 ``cosyserve make-test-model out/full-model --size full`` and ``cosyserve convert``.
 """
 

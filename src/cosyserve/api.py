@@ -39,7 +39,7 @@ class CosyVoiceModel:
         """Run every component once on tiny dummy inputs (the LLM's prefill and ``max_tokens`` decode steps, one
         flow step, the vocoder) so one-time costs (allocator, kernel set-up) are paid now, not by the first
         request. One layer of each stack of identical layers runs (the costs are per kernel and shape; a full pass
-        costs ~5x as much here), and the first touch of the weights is the loader's job. The text frontend is not
+        costs several times as much), and the first touch of the weights is the loader's job. The text frontend is not
         loaded here (see ``load``)."""
         with self.clock.phase("warmup"):
             self._pipeline.llm.warm_up(max_tokens)
@@ -134,7 +134,7 @@ class CosyVoiceModel:
 
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
-    # --- modes and the speaker registry (issue 6) ---------------------------------------------------------------
+    # --- modes and the speaker registry -----------------------------------------------------------------------
 
     def _configure_modes(self) -> None:
         # ONNX paths from the bundle (nothing is loaded) and the registry location (nothing is read)
@@ -409,7 +409,7 @@ def _load(
     model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
     if warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist
-        # (seconds later), so they warm up after READY, below (~0.1 s off the start)
+        # (seconds later), so they warm up after READY, below (their warm-up off the start)
         with clock.phase("warmup"):
             pipeline.llm.warm_up(warmup_tokens)
     clock.mark("ready")
@@ -417,8 +417,8 @@ def _load(
         start_prefetch(parts)
     after: list[tuple[str, Any]] = []
     if text_tier == "background":
-        # the tokenizer (~60 ms) and wetext's normalisers (~0.25 s): the first request's text needs them, a
-        # start does not (the warm-up runs on token ids)
+        # the tokenizer and wetext's normalisers (together more than the rest of the start after torch): the
+        # first request's text needs them, a start does not (the warm-up runs on token ids)
         after.append(("text_tier", _load_text_tier))
     if warmup:
         after.append(("warmup_token2wav", lambda: model._warm_up_token2wav(warmup_tokens)))

@@ -488,8 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["serve"], ["synth"]):
-        # no garbage collection from here to READY: it saves ~80 ms of `import torch` alone (the server and
-        # _cmd_synth release the hold once their model is loaded)
+        # no garbage collection from here to READY: `import torch` and the model build long-lived objects that
+        # a collection would only scan (the server and _cmd_synth release the hold once their model is loaded)
         from cosyserve.gchold import hold_gc
 
         hold_gc()

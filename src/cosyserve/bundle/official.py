@@ -113,7 +113,7 @@ def module_class(name: str) -> type:
 def new_module(name: str, cfg: Any) -> torch.nn.Module:
     """Construct component ``name`` ready for ``load_state_dict(assign=True)``: on the meta device with every
     initialiser skipped, and the vocoder with plain convolutions (its load hook folds the official weight-norm
-    keys; registering the parametrizations on meta alone costs ~2.6 s)."""
+    keys; registering the parametrizations, even on meta, would cost more than the rest of the load)."""
     from cosyserve.bundle.construct import empty_modules
 
     cls = module_class(name)

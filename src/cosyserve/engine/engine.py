@@ -73,7 +73,7 @@ __all__ = [
     "Transition",
 ]
 
-# Fields of a request that a model's pipeline takes beyond text/speaker (all modes, issue 6)
+# Fields of a request that a model's pipeline takes beyond text/speaker (all modes)
 _PIPELINE_FIELDS = ("prompt_text", "prompt_wav", "source_wav", "instruct_text", "normalize", "tenant")
 
 

@@ -1,11 +1,11 @@
 """The ASGI application: state, lifespan, health, auth, CORS and error handling; routes live beside it.
 
-Starlette on uvicorn (not FastAPI): the server imports in ~0.1 s instead of ~0.4 s with pydantic, its request
+Starlette on uvicorn (not FastAPI): the server imports in a fraction of the time pydantic takes, its request
 bodies are checked by :mod:`cosyserve.server.schemas` with messages that name the field, and the OpenAPI
 document is written out in the same module.
 
 Start-up order: the lifespan starts loading the preload models in background threads and returns at once,
-so uvicorn opens the port within ~0.1 s of the imports; ``/health/live`` answers from then on,
+so uvicorn opens the port right after the imports; ``/health/live`` answers from then on,
 ``/health/startup`` and ``/health/ready`` say 503 with each model's state until every preload model is READY.
 A preload that fails makes ``/health/startup`` report the cause and stops the server with exit code 3.
 On SIGTERM readiness turns 503 at once and new synthesis requests get 503 with Retry-After, while the port stays
