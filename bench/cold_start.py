@@ -11,7 +11,7 @@ Every configuration is a fresh process, started in turn (round-robin, so drift h
   lazy without warm-up (the load phases alone), and fp32 with warm-up + preload, warm and cold (READY with
   every weight page mapped and every kernel warmed: what a server configured for no first-request penalty pays).
 Prints, per configuration, the medians of start-to-READY (ms since exec) and of the load phases alone
-(wall clock), peak RSS, and the ratios the cold-start issue sets targets for. Make the inputs with
+(wall clock), peak RSS, and the ratios READY / floor and naive load / bundle load. Make the inputs with
 ``cosyserve make-test-model out/full-model --size full`` and ``cosyserve convert``.
 """
 
@@ -48,17 +48,18 @@ print("BENCH", time.time(), (t1 - t0) * 1e3, (t2 - t0) * 1e3, resource.getrusage
 
 BUNDLE = r"""
 import time, resource
-from cosyserve.startup import hold_gc, prefetch_bundles
+from cosyserve.gchold import hold_gc
 hold_gc()  # as `cosyserve serve` does at process start (released when the load returns)
+from cosyserve.pagecache import prefetch_bundles
 if {strategy!r} != "lazy":
     prefetch_bundles([{bundle!r}])  # likewise: read a cold bundle while torch imports
 import torch
 torch.set_num_threads({threads})
 import cosyserve
-from cosyserve.startup import PhaseClock
+from cosyserve.clock import PhaseClock
 clock = PhaseClock()
 m = cosyserve.load({bundle!r}, warmup={warmup}, clock=clock, strategy={strategy!r}, verify="stamp")
-from cosyserve.startup import release_gc
+from cosyserve.gchold import release_gc
 release_gc()
 ph = clock.durations
 wall = ph["load_wall"]  # open + check + construct + map/assign (+ populate for preload), wall clock
@@ -94,8 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from cosyserve.report import evict
-    from cosyserve.startup import prefetch_files
+    from cosyserve.pagecache import evict, prefetch_files
 
     env = dict(os.environ)
     env["PYTHONPATH"] = (

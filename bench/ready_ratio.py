@@ -20,8 +20,9 @@ from pathlib import Path
 
 LOAD = """
 import time
-from cosyserve.startup import hold_gc, prefetch_bundles
+from cosyserve.gchold import hold_gc
 hold_gc()
+from cosyserve.pagecache import prefetch_bundles
 prefetch_bundles([{bundle!r}])
 import cosyserve
 m = cosyserve.load({bundle!r})

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from cosyserve.clock import PhaseClock
 from cosyserve.errors import ModeUnavailableError, RegistryError, UnknownVoiceError
 from cosyserve.request import MODES, SynthesisRequest
 from cosyserve.runtime import Runtime, Voice
-from cosyserve.startup import PhaseClock
 
 __all__ = ["FakeRuntime"]
 

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pytest
-import soundfile as sf
 
 from cosyserve.server.config import ServerConfig, ServerConfigError, parse_api_keys, parse_model_arg
-from cosyserve.server.encode import STREAMABLE, Encoder, encode_all, to_int16, wav_header
 from cosyserve.server.schemas import parse_speech_request
-
-RATE = 22050
-
-
-def tone(seconds: float = 1.0, rate: int = RATE) -> np.ndarray:
-    t = np.arange(int(seconds * rate)) / rate
-    return (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-
 
 # -- config ------------------------------------------------------------------------------------------------
 
@@ -94,51 +82,6 @@ def test_api_keys_parse_and_reject_bad_entries(tmp_path) -> None:
     assert dict(cfg.api_keys) == {"k-cccccccc": "carol", "k-dddddddd": "dan"}
     with pytest.raises(ServerConfigError, match="cannot read"):
         ServerConfig.from_args(api_keys_file=str(tmp_path / "missing"), env={})
-
-
-# -- encoders ----------------------------------------------------------------------------------------------
-
-
-def test_int16_scaling_matches_the_reference_and_clips_instead_of_wrapping() -> None:
-    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.5], dtype=np.float32)
-    got = np.frombuffer(to_int16(x), dtype="<i2")
-    # the reference sends (x * 2**15).astype(int16); 1.0 and 1.5 would wrap to negative there
-    assert got.tolist() == [0, 16384, -16384, 32767, -32768, 32767]
-
-
-@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
-def test_whole_files_decode_to_the_same_duration(fmt: str) -> None:
-    x = tone(1.0)
-    data = encode_all([x[:10000], x[10000:]], fmt, RATE)
-    audio, rate = sf.read(io.BytesIO(data))
-    assert abs(len(audio) / rate - 1.0) < 0.06, f"{fmt}: {len(audio)} samples at {rate} Hz"
-    if fmt in ("wav", "flac"):  # lossless: the samples survive up to 16-bit rounding
-        assert rate == RATE and np.abs(audio - x).max() < 1e-4
-
-
-@pytest.mark.parametrize("fmt", STREAMABLE)
-def test_streamed_bytes_decode_like_the_whole_file(fmt: str) -> None:
-    x = tone(1.5)
-    enc = Encoder(fmt, RATE)
-    parts = [enc.header()] + [enc.encode(x[i : i + 4000]) for i in range(0, len(x), 4000)] + [enc.finish()]
-    data = b"".join(parts)
-    if fmt == "pcm":
-        assert np.array_equal(np.frombuffer(data, "<i2"), np.frombuffer(to_int16(x), "<i2"))
-        return
-    audio, rate = sf.read(io.BytesIO(data))
-    assert abs(len(audio) / rate - 1.5) < 0.06, f"{fmt}: streamed file lost samples ({len(audio)} at {rate})"
-    if fmt == "wav":
-        assert data[:4] == b"RIFF" and np.abs(audio - x).max() < 1e-4
-
-
-def test_wav_header_sizes() -> None:
-    h = wav_header(RATE, 100)
-    assert (
-        len(h) == 44 and int.from_bytes(h[4:8], "little") == 136 and int.from_bytes(h[40:44], "little") == 100
-    )
-    assert wav_header(RATE, None)[40:44] == b"\xff\xff\xff\xff"
-    with pytest.raises(ValueError, match="cannot be streamed"):
-        Encoder("mp3", RATE)
 
 
 # -- request bodies ----------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def test_gc_hold_nests_then_freezes_and_restores() -> None:
     for a program that had it off, or stops holding it while an outer hold is still open."""
     code = """
 import gc
-from cosyserve.startup import gc_held, hold_gc, release_gc
+from cosyserve.gchold import gc_held, hold_gc, release_gc
 assert gc.isenabled() and gc.get_freeze_count() == 0
 hold_gc()
 with gc_held():
@@ -143,8 +143,7 @@ def test_prefetch_reads_bundle_files_into_the_page_cache(
 ) -> None:
     """If this fails, the early readahead reads nothing, and a cold start waits for the disk after importing
     torch instead of during it."""
-    from cosyserve.report import evict, resident_bytes
-    from cosyserve.startup import prefetch_bundles, prefetch_files
+    from cosyserve.pagecache import evict, prefetch_bundles, prefetch_files, resident_bytes
 
     big = tmp_path / "weights.safetensors"
     big.write_bytes(os.urandom(8 << 20))
@@ -202,7 +201,7 @@ def test_populate_leaves_row_tables_cached_but_unmapped(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     from cosyserve.bundle.mmap_safetensors import MappedFile
-    from cosyserve.report import evict, resident_bytes
+    from cosyserve.pagecache import evict, resident_bytes, rss_of_files
 
     path = tmp_path / "w.safetensors"
     save_file(
@@ -218,19 +217,9 @@ def test_populate_leaves_row_tables_cached_but_unmapped(tmp_path: Path) -> None:
     assert hole[0][1] - hole[0][0] >= (8 << 20) - 2 * os.sysconf("SC_PAGE_SIZE")
     assert [s[:2] for s in spans] == sorted(s[:2] for s in spans) and spans[-1][1] == f.size
 
-    def mapped_rss() -> int:  # kB of this file mapped in this process
-        kb, inside = 0, False
-        for line in Path("/proc/self/smaps").read_text().splitlines():
-            parts = line.split()
-            if "-" in parts[0] and len(parts) >= 5:
-                inside = len(parts) > 5 and parts[5] == str(path)
-            elif inside and parts[0] == "Rss:":
-                kb += int(parts[1])
-        return kb * 1024
-
     f.populate({"emb.weight"})
     assert resident_bytes([path]) >= f.size - os.sysconf("SC_PAGE_SIZE")  # all of it in the page cache
-    mapped = mapped_rss()
+    mapped = rss_of_files([path])
     assert f.size - (8 << 20) - (1 << 20) <= mapped <= f.size - (8 << 20) + (1 << 20), mapped
     row = f.tensor("emb.weight")[12345]  # a row faults in when read
     assert float(row) == 1.0

@@ -220,7 +220,7 @@ def load(path: str | Path, *, clock: Any = None, runtime: str = "torch", **optio
 
     Args:
         path: what to load (see :mod:`cosyserve.sources`).
-        clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
+        clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
         options: fields of :class:`cosyserve.runtime.RuntimeOptions` (``threads``, ``strategy``, ``verify``,
             ``warmup``, ``warmup_tokens``, ``use_mmap``, ``batch_size``, ...); those not given (or None) come from

@@ -35,7 +35,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
 _EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub"}
 
-# synth --out: the extension picks the encoding (the server's encoders, cosyserve.server.encode)
+# synth --out: the extension picks the encoding (the server's encoders, cosyserve.audiofile)
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
 
 
@@ -54,8 +54,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> None:
-    from cosyserve.startup import release_gc
-    from cosyserve.wavfile import write_audio_atomic
+    from cosyserve.audiofile import write_audio_atomic
+    from cosyserve.gchold import release_gc
 
     out = Path(args.out)
     fmt = OUT_FORMATS.get(out.suffix.lower())
@@ -479,15 +479,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["serve"], ["synth"]):
-        # no garbage collection from here to READY: it saves ~80 ms of `import torch` alone (the server and
-        # _cmd_synth release the hold once their model is loaded)
-        from cosyserve.startup import hold_gc
+        # no garbage collection from here to READY: `import torch` and the model build long-lived objects that
+        # a collection would only scan (the server and _cmd_synth release the hold once their model is loaded)
+        from cosyserve.gchold import hold_gc
 
         hold_gc()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "synth"):
-        from cosyserve.startup import prefetch_bundles
+        from cosyserve.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
         models = args.model if isinstance(args.model, list) else [args.model]

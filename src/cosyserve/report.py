@@ -10,93 +10,25 @@ checked with mincore) and reports how many bytes the start then read.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from cosyserve.startup import PHASES
+from cosyserve.clock import PHASES
+from cosyserve.pagecache import cold_read_rate, evict, resident_bytes
 
-__all__ = ["evict", "resident_bytes", "spawn_timed", "startup_report", "waterfall_svg"]
+__all__ = ["spawn_timed", "startup_report", "waterfall_svg"]
 
 _FLOOR_CODE = "import time, torch; print('COSYSERVE_FLOOR', time.time(), flush=True)"
 
 
 def _bundle_files(bundle: Path) -> list[Path]:
     return sorted(p for p in bundle.iterdir() if p.is_file() and p.suffix == ".safetensors")
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop the files' pages from the page cache (pages mapped by a live process stay)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(paths: list[Path]) -> int:
-    """Bytes of the files now in the page cache (whole pages), by mincore(2)."""
-    from cosyserve.startup import resident_pages
-
-    return sum(resident_pages(p).count(1) for p in paths) * mmap.PAGESIZE
-
-
-def _cold_read_rate(paths: list[Path]) -> float:
-    """Bytes per second reading the (evicted) bundle files the fastest way measured: the better of one sequential
-    reader (16 MiB reads) and four threads sharing 32 MiB pieces (this VM's disk reads ~4x faster in parallel)."""
-
-    def sequential() -> int:
-        n = 0
-        for p in paths:
-            with open(p, "rb", buffering=0) as f:
-                while block := f.read(1 << 24):
-                    n += len(block)
-        return n
-
-    def parallel(workers: int = 4, piece: int = 32 << 20) -> int:
-        jobs = [(p, off) for p in paths for off in range(0, p.stat().st_size, piece)]
-        lock = threading.Lock()
-        done = [0]
-
-        def work() -> None:
-            buf = memoryview(bytearray(4 << 20))
-            while True:
-                with lock:
-                    if not jobs:
-                        return
-                    p, off = jobs.pop()
-                with open(p, "rb", buffering=0) as f:
-                    end = min(off + piece, p.stat().st_size)
-                    while (
-                        off < end and (n := os.preadv(f.fileno(), [buf[: min(len(buf), end - off)]], off)) > 0
-                    ):
-                        off += n
-                        with lock:
-                            done[0] += n
-
-        threads = [threading.Thread(target=work) for _ in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return done[0]
-
-    rates = []
-    for read in (sequential, parallel):
-        evict(paths)
-        t = time.perf_counter()
-        n = read()
-        rates.append(n / max(time.perf_counter() - t, 1e-9))
-    return max(rates)
 
 
 def spawn_timed(cmd: list[str], env: dict[str, str], marker: str) -> tuple[float, str]:
@@ -430,7 +362,7 @@ def startup_report(
         "peak_rss_mb": _stats(rss),
     }
     if cold:
-        rate = _cold_read_rate(files)
+        rate = cold_read_rate(files)
         med_touched = statistics.median(touched)
         read_ms = med_touched / rate * 1e3
         summary["cold_read"] = {

@@ -1,7 +1,8 @@
 """Build modules without paying for weights that are about to be replaced.
 
 Under :func:`empty_modules` parameters are created on the meta device (no memory) and no initialiser runs (on
-meta, ``nn.Embedding``'s ``normal_`` alone pulls in sympy: ~0.85 s). The real tensors are then assigned with
+meta, ``nn.Embedding``'s ``normal_`` alone imports sympy, which costs more than building every module). The
+real tensors are then assigned with
 ``load_state_dict(assign=True)``: nothing is initialised twice and nothing is copied.
 """
 

@@ -25,13 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ConvertError, ModelDirError
 
 __all__ = [
     "BUNDLE_FORMAT",
     "BUNDLE_VERSION",
     "COMPONENTS",
-    "ONNX_FILES",
     "ConvertError",
     "convert",
     "sha256_file",
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 BUNDLE_FORMAT = "cosyserve-bundle"
 BUNDLE_VERSION = 1
 COMPONENTS = ("llm", "flow", "hift")
-ONNX_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 

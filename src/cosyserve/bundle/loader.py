@@ -2,18 +2,19 @@
 
 Strategies (what happens to the mapped pages before READY):
 - ``preload`` (default): every page is mapped in (``MADV_POPULATE_READ``: read from disk if needed) before READY:
-  resident, no disk and no page faults on the request path; start pays the read (~70 ms/GB from page cache).
-  Embedding tables (each model's ``ROW_TABLES``) are read into the page cache but not mapped: a request faults
-  in the few rows it reads, and the unused rows of a 51866-token text vocabulary (212 MB fp32) cost no RSS.
+  resident, no disk and no page faults on the request path; start pays the read (from the page cache, a small
+  part of the start). Embedding tables (each model's ``ROW_TABLES``) are read into the page cache but not
+  mapped: a request faults in the few rows it reads, and the unused rows of a 51866-token text vocabulary
+  (212 MB fp32) cost no RSS.
 - ``lazy``: nothing is read; pages fault in on first use.
 - ``prefetch``: like lazy, then a background thread reads the pages after READY, so the first
   request rarely waits on the disk.
 
 Checks, before any module is built: the manifest's format and version; each file's size; each file's header
 against the manifest (names, dtypes, shapes: a missing, extra or changed tensor is named); and content
-checksums (sha256 per tensor). Hashing 1.7 GB costs about a second, so by default (``verify="stamp"``) it is
-done once per file version: a stamp records (inode, size, mtime, ctime) of files that hashed clean, and a file
-whose stat differs is hashed again before use. ``verify="full"`` always hashes; ``verify="none"`` only checks
+checksums (sha256 per tensor). Hashing every weight costs more than the rest of a start beyond importing torch,
+so by default (``verify="stamp"``) it is done once per file version: a stamp records (inode, size, mtime, ctime)
+of files that hashed clean, and a file whose stat differs is hashed again before use. ``verify="full"`` always hashes; ``verify="none"`` only checks
 structure. A failed check raises :class:`BundleError` naming the file and tensor; nothing is half-loaded.
 The zero-shot tier's ONNX files are checked the same way (size always, checksum per the same policy) when that
 tier opens them (:meth:`Bundle.check_onnx`).
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, ONNX_FILES
+from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS
+from cosyserve.bundle.official import ONNX_FILES
+from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
-from cosyserve.startup import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +244,7 @@ class Bundle:
         """Check the files, build the modules and assign the mapped weights. Returns the loaded parts.
 
         Modules are built one after another in this thread: construction is pure Python, and threads would only
-        take turns on the GIL (measured: 135 ms in one thread vs 175-200 ms in three, full-size, warm cache).
+        take turns on the GIL (three threads build slower than one).
         Meanwhile I/O threads hash what needs verifying and (``preload``) one pages the files in, both with the
         GIL released; they are waited for before this returns, so a failed check still loads nothing."""
         from cosyserve.bundle.construct import assert_materialized
@@ -263,8 +265,8 @@ class Bundle:
             try:
                 hashed = [io.submit(self._hash_check, files[n], entries[n]) for n in unverified]
                 # one thread pages in every file, the largest first: one reader reads a cold disk as fast as
-                # four here (the kernel reads ahead within a populate), and each more thread to start waits
-                # for the address-space lock the populate holds (~5-10 ms each, measured)
+                # several (the kernel reads ahead within a populate), and each more thread to start waits for
+                # the address-space lock the populate holds
                 paged = [io.submit(_read_all, _page_plan(files))] if options.strategy == "preload" else []
                 modules: dict[str, Any] = {}
                 for name in COMPONENTS:

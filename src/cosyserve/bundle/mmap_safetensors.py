@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cosyserve import pagecache
 from cosyserve.errors import BundleError
 
 __all__ = ["DTYPES", "MappedFile", "TensorInfo", "read_header"]
@@ -39,7 +40,6 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _MAX_HEADER = 100 * 1024 * 1024
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 @dataclass(frozen=True)
@@ -101,28 +101,6 @@ def read_header(
     return tensors, metadata, start
 
 
-def _madvise_releasing_gil(mm: mmap.mmap, advice: int, begin: int, end: int, piece: int = 64 << 20) -> None:
-    """``madvise`` over ``mm[begin:end]`` (``begin`` page-aligned) through ctypes, which releases the GIL for each
-    call (``mmap.madvise`` holds it: a cold populate would stall every other thread for the length of the disk
-    read), ``piece`` bytes per call: a populate holds the address-space lock, and every mmap in the process
-    (thread stacks, large allocations) waits for it; pieces keep each wait short (~1 ms warm)."""
-    import ctypes
-
-    from cosyserve.startup import libc
-
-    # an export of the mapping, released below before anyone may close it
-    buf = ctypes.c_char.from_buffer(mm)
-    try:
-        base = ctypes.addressof(buf)
-        for off in range(begin, end, piece):
-            length = ctypes.c_size_t(min(piece, end - off))
-            if libc().madvise(ctypes.c_void_p(base + off), length, ctypes.c_int(advice)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-    finally:
-        del buf
-
-
 class MappedFile:
     """One safetensors file mapped copy-on-write; tensors are zero-copy views of the mapping.
 
@@ -154,11 +132,10 @@ class MappedFile:
         return {name: self.tensor(name) for name in self.tensors}
 
     def advise(self, advice: int, begin: int = 0, length: int = 0) -> None:
-        """``madvise`` on the mapping (e.g. ``mmap.MADV_WILLNEED`` to start readahead); no-op where unsupported."""
-        if self._mm is not None and hasattr(self._mm, "madvise"):
-            page = mmap.PAGESIZE
-            start = begin - begin % page
-            self._mm.madvise(advice, start, length + begin - start if length else self.size - start)
+        """``madvise`` on ``length`` bytes of the mapping from ``begin`` (0: to the end), e.g. ``mmap.MADV_WILLNEED``
+        to start readahead (:func:`cosyserve.pagecache.madvise`)."""
+        if self._mm is not None:
+            pagecache.madvise(self._mm, advice, begin, begin + length if length else self.size)
 
     def spans(self, row_tables: Collection[str] = ()) -> list[tuple[int, int, bool]]:
         """The file as page-aligned ``(begin, end, mapped)`` spans: ``mapped`` False for the pages that lie wholly
@@ -183,59 +160,29 @@ class MappedFile:
         return out
 
     def populate(self, row_tables: Collection[str] = ()) -> None:
-        """Map every page of the file into this process now (page-cache hits become mapped pages; misses are
-        read from disk), without copying: ``MADV_POPULATE_READ`` (Linux 5.14+) fills the page tables in one
-        call (~10 ms per GB from the page cache, vs ~250 ms faulting page by page), with the GIL released, so
-        other threads build modules meanwhile. Older kernels: readahead advice plus one touch per page.
+        """Map every page of the file into this process now, without copying (:func:`cosyserve.pagecache.populate`:
+        page-cache hits become mapped pages, misses are read from disk, with the GIL released).
 
         Tensors named in ``row_tables`` (embedding tables, read a row at a time) are read into the page cache
-        but not mapped: a request faults in the rows it uses (a minor fault, ~1 us, per 4 KiB row), and the
-        rows no request uses (most of a 51866-token text vocabulary: 212 MB of 1.7 GB) cost no memory here."""
+        but not mapped: a request faults in the rows it uses (a minor fault per page), and the rows no request
+        uses (most of a text vocabulary) cost no memory here."""
         if self._mm is None:
             return
         for begin, end, mapped in self.spans(row_tables):
-            if not mapped:
+            if mapped:
+                pagecache.populate(self._mm, begin, end)
+            else:
                 self._cache(begin, end)
-                continue
-            try:
-                _madvise_releasing_gil(self._mm, _MADV_POPULATE_READ, begin, end)
-            except (OSError, ValueError, AttributeError):
-                self.advise(getattr(mmap, "MADV_WILLNEED", 3), begin, end - begin)
-                self.touch(begin, end)
 
     def _cache(self, begin: int, end: int, block: int = 8 << 20) -> None:
-        # read the pages of [begin, end) that are not in the page cache (mincore), in runs of at most `block`
-        from cosyserve.startup import read_range, resident_map
-
+        # read the pages of [begin, end) that are not in the page cache (the usual warm start reads nothing)
         assert self._mm is not None
-        page = mmap.PAGESIZE
-        resident = resident_map(self._mm, begin, end)
-        if (i := resident.find(0)) == -1:
-            return  # all cached: the usual warm start reads nothing
-        buf = memoryview(bytearray(block))
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            while i != -1:
-                j = resident.find(1, i)
-                j = len(resident) if j == -1 else j
-                read_range(fd, begin + i * page, min(begin + j * page, end), buf)
-                i = resident.find(0, j)
-        finally:
-            os.close(fd)
+        missing = pagecache.missing_ranges(pagecache.resident_map(self._mm, begin, end), begin, end)
+        pagecache.read_ranges(((self.path, b, e) for b, e in missing), block=block)
 
     def touch(self, begin: int = 0, end: int | None = None) -> int:
-        """Fault the pages of ``[begin, end)`` in (read one byte per page); returns bytes covered. Releases no
-        GIL: use threads sparingly; ``advise(MADV_WILLNEED)`` first makes the kernel read ahead in large blocks."""
-        if self._mm is None:
-            return 0
-        step = mmap.PAGESIZE * 256
-        mm = self._mm
-        end = self.size if end is None else end
-        total = 0
-        for off in range(begin, end, step):
-            # slicing copies 1 MiB at a time into a throwaway bytes object: it faults each page once
-            total += len(mm[off : min(off + step, end)])
-        return total
+        """Fault the pages of ``[begin, end)`` in (:func:`cosyserve.pagecache.touch`); returns bytes covered."""
+        return 0 if self._mm is None else pagecache.touch(self._mm, begin, end)
 
     def info(self) -> dict[str, Any]:
         return {"path": str(self.path), "bytes": self.size, "tensors": len(self.tensors)}

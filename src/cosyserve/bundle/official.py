@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CAMPPLUS_FILE",
     "COMPONENT_FILES",
     "INSTRUCT_MARK",
+    "ONNX_FILES",
+    "SPEECH_TOKENIZER_FILE",
     "ModelDirError",
     "is_instruct_model_dir",
     "load_component",
@@ -30,6 +33,11 @@ __all__ = [
 ]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
+# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
+# a bundle unchanged, opened by the zero-shot frontend on first use
+CAMPPLUS_FILE = "campplus.onnx"
+SPEECH_TOKENIZER_FILE = "speech_tokenizer_v1.onnx"
+ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
 INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
 
 
@@ -105,7 +113,7 @@ def module_class(name: str) -> type:
 def new_module(name: str, cfg: Any) -> torch.nn.Module:
     """Construct component ``name`` ready for ``load_state_dict(assign=True)``: on the meta device with every
     initialiser skipped, and the vocoder with plain convolutions (its load hook folds the official weight-norm
-    keys; registering the parametrizations on meta alone costs ~2.6 s)."""
+    keys; registering the parametrizations, even on meta, would cost more than the rest of the load)."""
     from cosyserve.bundle.construct import empty_modules
 
     cls = module_class(name)

@@ -43,8 +43,8 @@ from cosyserve.errors import (
     OverloadedError,
     RequestCancelledError,
 )
+from cosyserve.gchold import collect_frozen
 from cosyserve.request import SynthesisRequest
-from cosyserve.startup import collect_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -560,7 +560,7 @@ class Engine:
                     tr = self._transition_locked(EngineState.RELEASED)
                 self._notify(tr)
                 runtime = None  # the loop variable held the last runtime
-                # cosyserve.load froze what it built (cosyserve.startup.release_gc): the model's reference cycles
+                # cosyserve.load froze what it built (cosyserve.gchold.release_gc): the model's reference cycles
                 # are freed only by a collection that looks at frozen objects; without it the weights stay mapped
                 collect_frozen()
             else:  # FAILED: nothing was kept

@@ -23,13 +23,11 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
@@ -39,6 +37,7 @@ from cosyserve.engine.state import EngineState
 from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
 from cosyserve.errors import OverloadedError, UnknownModelError
+from cosyserve.pagecache import memory_limit_bytes, memory_usage, rss_of_files
 from cosyserve.request import SynthesisRequest
 
 logger = logging.getLogger(__name__)
@@ -110,63 +109,6 @@ class PoolEvent:
     model: str
     at: float
     detail: str = ""
-
-
-# -- memory ---------------------------------------------------------------------------------------------------
-
-_CGROUP = Path("/sys/fs/cgroup")
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        raw = path.read_text().strip()
-    except OSError:
-        return None
-    return int(raw) if raw.isdigit() else None  # "max" means no limit
-
-
-def memory_limit_bytes() -> int:
-    """The cgroup v2 memory limit (``memory.max``) when set, else physical memory."""
-    limit = _read_int(_CGROUP / "memory.max")
-    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(limit, phys) if limit else phys
-
-
-def memory_usage() -> tuple[int, int]:
-    """(bytes in use, limit): the cgroup's ``memory.current`` against ``memory.max`` when limited, else the
-    machine's ``MemTotal - MemAvailable`` against ``MemTotal`` (/proc/meminfo)."""
-    limit = _read_int(_CGROUP / "memory.max")
-    current = _read_int(_CGROUP / "memory.current")
-    if limit and current is not None:
-        return current, limit
-    info: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-    total = info["MemTotal"]
-    return total - info.get("MemAvailable", info.get("MemFree", 0)), total
-
-
-def rss_of_files(paths: Iterable[str | Path]) -> int:
-    """Resident bytes of this process's mappings of ``paths`` (from /proc/self/smaps; 0 where unreadable)."""
-    wanted = {str(Path(p).resolve()) for p in paths}
-    if not wanted:
-        return 0
-    total = 0
-    current = False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                first = line.split(None, 1)[0]
-                if "-" in first and not first.endswith(":"):  # a mapping header line
-                    parts = line.split(None, 5)
-                    current = len(parts) == 6 and parts[5].strip() in wanted
-                elif current and first == "Rss:":
-                    total += int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return total
 
 
 # -- the pool -------------------------------------------------------------------------------------------------
@@ -450,8 +392,8 @@ class ModelPool:
     # -- loading ---------------------------------------------------------------------------------------------
 
     def _default_load_model(self, spec: ModelSpec, reload: bool) -> Any:
+        from cosyserve.clock import PhaseClock
         from cosyserve.runtime import RuntimeOptions, load_runtime
-        from cosyserve.startup import PhaseClock
 
         if spec.path is None:
             raise ValueError(f"model {spec.name!r} has no path")

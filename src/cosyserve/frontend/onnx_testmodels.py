@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+
 __all__ = ["SPEECH_TOKEN_VOCAB", "write_test_onnx_models"]
 
 SPEECH_TOKEN_VOCAB = 4096
@@ -198,7 +200,7 @@ def write_test_onnx_models(out_dir: Path, seed: int = 0) -> None:
         raise FileNotFoundError(f"output directory {out_dir} does not exist")
     rng = np.random.default_rng(seed)
     for name, model in (
-        ("campplus.onnx", _campplus(rng)),
-        ("speech_tokenizer_v1.onnx", _speech_tokenizer(rng)),
+        (CAMPPLUS_FILE, _campplus(rng)),
+        (SPEECH_TOKENIZER_FILE, _speech_tokenizer(rng)),
     ):
         (out_dir / name).write_bytes(model)

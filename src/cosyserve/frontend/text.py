@@ -12,7 +12,7 @@ Text that carries markup (both ``<|`` and ``|>``) passes untouched. Otherwise, a
 Then the text is split at sentence punctuation into pieces of about 60-80 (tokens or characters), a short
 tail (< 20) merged into the piece before, and pieces with nothing to speak (no letter or digit) dropped.
 
-wetext reads all its FSTs (~40 MB, ~0.5 s) when imported, so it is imported on the first call that needs it,
+wetext reads all its FSTs (tens of MB) when imported, so it is imported on the first call that needs it,
 never by importing this module; one load is shared by concurrent first callers. The strings match the
 reference run with wetext 0.1.8 (whose FSTs ship in its wheel and load offline).
 """
@@ -128,8 +128,8 @@ def _get_normalizers() -> tuple[Any, Any]:
 
 def load_normalizers() -> float:
     """Create wetext's normalisers now (e.g. in a background thread after READY); returns the seconds it took
-    (0 if they already existed). inflect, the number speller, stays lazy: importing it costs ~1.3 s, and it is
-    needed only for digits that wetext leaves."""
+    (0 if they already existed). inflect, the number speller, stays lazy: importing it costs more than a whole
+    start, and it is needed only for digits that wetext leaves."""
     existed = _normalizers is not None
     _get_normalizers()
     return 0.0 if existed else float(_load_seconds or 0.0)

@@ -32,14 +32,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
 from cosyserve.errors import AudioError, BundleError, ClientError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.frontend.audio import decode_failure, load_wav
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 
 __all__ = [
-    "CAMPPLUS_FILE",
     "PROMPT_MODES",
-    "SPEECH_TOKENIZER_FILE",
     "Frontend",
     "Ids",
     "OnnxModel",
@@ -53,8 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CAMPPLUS_FILE = "campplus.onnx"
-SPEECH_TOKENIZER_FILE = "speech_tokenizer_v1.onnx"
 PROMPT_MODES = ("zero_shot", "cross_lingual", "vc")  # the modes that need both ONNX models
 
 SPEAKER_SR = 16000  # campplus and the speech tokenizer

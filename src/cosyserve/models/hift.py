@@ -99,7 +99,7 @@ class Snake(nn.Module):
 
 def _wn(conv: nn.Module, use: bool) -> nn.Module:
     # weight_norm=False builds plain convolutions for already-folded weights (a bundle): registering the
-    # parametrization costs a norm per conv, and ~2.6 s on the meta device
+    # parametrization costs a norm per conv, and seconds even on the meta device
     return weight_norm(conv) if use else conv
 
 

@@ -246,9 +246,9 @@ def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the KV caches (and so of cached attention) for weights of ``weight_dtype`` on ``device``.
 
     On the CPU, half-precision weights still attend in float32: a bf16 batched matmul goes through oneDNN, which
-    builds and keeps a kernel for every new key length, i.e. every decode step (measured here: ~0.7 MB of memory
-    per step, 229 MB over one 160-token request, ~1 GB before its cache is full), and is no faster than float32
-    on a CPU without AMX. The caches hold ~114 KB per position in float32 at CosyVoice-300M's size."""
+    builds and keeps a kernel for every new key length, i.e. every decode step (memory that grows with every
+    token, by hundreds of MB over one request), and is no faster than float32 on a CPU without AMX. The caches
+    hold ~114 KB per position in float32 at CosyVoice-300M's size."""
     if device.type == "cpu" and weight_dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return weight_dtype

@@ -29,12 +29,12 @@ unchanged), then waits up to ``gather_s`` for calls of other requests with the s
 prompt tokens and frames, cache frames, timesteps, dtypes: fixed-size streaming windows, equal-length pieces).
 The first caller of a group runs the stacked batch in its own thread and every caller takes its row. A call
 that finds no partner runs alone, exactly as unbatched; a batched row equals its unbatched call up to float
-rounding (the decoder's matrix products over 2B rows instead of 2; measured under 1e-5 on the tiny model's
-mel). :class:`VocoderBatcher` does the same for HiFT calls (same mel frames and cached source length), each
-call drawing its sine phase and noise from its own generator before it waits. The stacked run borrows the
+rounding (the decoder's matrix products over 2B rows instead of 2; tests/test_batching.py states the bound).
+:class:`VocoderBatcher` does the same for HiFT calls (same mel frames and cached source length), each call
+drawing its sine phase and noise from its own generator before it waits. The stacked run borrows the
 waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
-(hundreds of frames), so a stack of 4 full-size flow calls costs ~0.9x of 4 single calls and HiFT ~1.0x, while
-the requests lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
+(hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
+lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
 per-call overheads dominate, and is off by default (``Engine(batch_flow=...)``).
 """
 

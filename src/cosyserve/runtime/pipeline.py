@@ -37,14 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.frontend.zeroshot import (
-    CAMPPLUS_FILE,
-    SPEECH_TOKENIZER_FILE,
-    instruct_input,
-    prompt_input,
-    sft_input,
-)
+from cosyserve.frontend.zeroshot import instruct_input, prompt_input, sft_input
 from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
 from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 
@@ -52,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "PreparedRequest"]
 
-ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)  # the zero-shot tier's models
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 
 

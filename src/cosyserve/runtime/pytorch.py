@@ -242,15 +242,15 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchR
     Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
     ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
     """
-    from cosyserve.startup import gc_held
+    from cosyserve.gchold import gc_held
 
-    # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.gchold.hold_gc)
     with gc_held():
         return _load(path, options, clock)
 
 
 def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
-    from cosyserve.startup import PhaseClock
+    from cosyserve.clock import PhaseClock
 
     clock = clock or PhaseClock()
     with clock.phase("imports"):

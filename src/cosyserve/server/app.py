@@ -1,11 +1,11 @@
 """The ASGI application: state, lifespan, health, auth, CORS and error handling; routes live beside it.
 
-Starlette on uvicorn (not FastAPI): the server imports in ~0.1 s instead of ~0.4 s with pydantic, its request
+Starlette on uvicorn (not FastAPI): the server imports in a fraction of the time pydantic takes, its request
 bodies are checked by :mod:`cosyserve.server.schemas` with messages that name the field, and the OpenAPI
 document is written out in the same module.
 
 Start-up order: the lifespan starts loading the preload models in background threads and returns at once,
-so uvicorn opens the port within ~0.1 s of the imports; ``/health/live`` answers from then on,
+so uvicorn opens the port right after the imports; ``/health/live`` answers from then on,
 ``/health/startup`` and ``/health/ready`` say 503 with each model's state until every preload model is READY.
 A preload that fails makes ``/health/startup`` report the cause and stops the server with exit code 3.
 On SIGTERM readiness turns 503 at once and new synthesis requests get 503 with Retry-After, while the port stays
@@ -34,12 +34,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.clock import PhaseClock
 from cosyserve.engine.streams import shared
 from cosyserve.errors import CosyserveError, UnknownModelError
+from cosyserve.gchold import release_gc
 from cosyserve.server.config import ServerConfig
 from cosyserve.server.errors import LastResortMiddleware, cosyserve_error_response, error_response, status_of
 from cosyserve.sources import DEMO_MODEL
-from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -226,7 +227,7 @@ class ServerState:
                 self._server.should_exit = True
             return
         self.startup_done = True
-        release_gc()  # the CLI held the collector since process start (cosyserve.startup.hold_gc)
+        release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
         logger.info(

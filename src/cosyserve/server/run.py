@@ -1,8 +1,9 @@
 """`cosyserve serve`: uvicorn around :func:`cosyserve.server.app.create_app`.
 
 One worker runs in this process (exit code 0 after a SIGTERM drain, 3 when a preload model fails to load);
-several workers run under uvicorn's process manager, each loading its own models (the prefork issue shares
-their weight pages), and share their metrics through a private directory this process makes and removes.
+several workers run under uvicorn's process manager, each loading its own models (mapped from the same files,
+their weights share the page cache's pages), and share their metrics through a private directory this process
+makes and removes.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cosyserve.audiofile import FORMATS, MEDIA_TYPES
 from cosyserve.errors import ClientError
 from cosyserve.request import SPEED_MAX, SPEED_MIN
-from cosyserve.server.encode import FORMATS, MEDIA_TYPES
 
 __all__ = ["SpeechRequest", "openapi_document", "parse_speech_request"]
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from cosyserve.audiofile import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 from cosyserve.errors import (
     ClientError,
     CosyserveError,
@@ -32,7 +33,6 @@ from cosyserve.errors import (
     RequestCancelledError,
 )
 from cosyserve.request import SynthesisRequest
-from cosyserve.server.encode import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
 from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")

@@ -1,4 +1,5 @@
-"""Audio encoders for responses: whole files and streams, one object per response.
+"""Audio files from float chunks: the encoders the server streams with and the CLI writes with, and the atomic
+write of a whole file.
 
 | format | media type | streamed | encoder |
 |---|---|---|---|
@@ -9,21 +10,35 @@
 | ``mp3`` | audio/mpeg | no: encoded when synthesis ends (LAME inside libsndfile >= 1.1) | libsndfile |
 
 FLAC and MP3 are not streamed because libsndfile patches their headers at close (STREAMINFO, the LAME tag):
-bytes sent before that stay wrong, and a streamed MP3 measured here decoded to a quarter of its samples.
+bytes sent before that stay wrong, and a streamed MP3 decodes to only part of its samples.
 
-Samples are clipped to [-1, 1) before 16-bit conversion (the reference multiplies by 2**15 and casts, which
-wraps around on a full-scale sample; clipping is the honest version of the same scale).
+Every 16-bit sample, whoever writes it (a response, ``cosyserve synth --out``, the samples handed to the FLAC
+encoder), comes from :func:`to_int16`: one rule, so the same audio gives the same bytes everywhere.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import struct
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMATS", "MEDIA_TYPES", "STREAMABLE", "Encoder", "encode_all", "to_int16"]
+__all__ = [
+    "FORMATS",
+    "MEDIA_TYPES",
+    "STREAMABLE",
+    "Encoder",
+    "encode_all",
+    "to_int16",
+    "wav_header",
+    "write_audio_atomic",
+    "write_wav_atomic",
+]
 
 MEDIA_TYPES = {
     "wav": "audio/wav",
@@ -39,7 +54,20 @@ _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
 def to_int16(chunk: np.ndarray) -> bytes:
-    """float32 samples in [-1, 1] -> little-endian int16 bytes (scaled by 2**15, clipped)."""
+    """Float samples -> 16-bit PCM: ``x * 32768``, clipped to [-32768, 32767], truncated toward zero.
+
+    Why this rule: it is the reference's (its server sends ``(x * 2**15).astype(int16)``), so for every sample
+    the reference does not wrap our bytes are its bytes; and it inverts the decoder's ``int16 / 32768``
+    (:func:`cosyserve.frontend.audio.load_wav`, libsndfile's float reading), so 16-bit audio read and written
+    again comes back unchanged. Where the reference wraps a full-scale sample around (1.0 -> -32768), we clip:
+    1.0 and above -> 32767, -1.0 and below -> -32768.
+
+    Args:
+        chunk: float samples, nominally in [-1, 1], any shape (flattened in C order).
+
+    Returns:
+        Little-endian int16 bytes, two per sample.
+    """
     x = np.clip(np.asarray(chunk, dtype=np.float32) * 32768.0, -32768.0, 32767.0)
     return x.astype("<i2").tobytes()
 
@@ -198,3 +226,64 @@ def encode_all(chunks: list[np.ndarray], fmt: str, sample_rate: int) -> bytes:
         samples = np.frombuffer(to_int16(samples), dtype="<i2")
     sf.write(buf, samples, out_rate, format=kind, subtype=subtype)
     return buf.getvalue()
+
+
+def write_wav_atomic(path: str | Path, chunks: Iterable[np.ndarray], sample_rate: int) -> float:
+    """:func:`write_audio_atomic` in ``wav`` (16-bit PCM); returns the duration in seconds."""
+    return write_audio_atomic(path, chunks, sample_rate, "wav")
+
+
+def write_audio_atomic(
+    path: str | Path, chunks: Iterable[np.ndarray], sample_rate: int, fmt: str = "wav"
+) -> float:
+    """Write mono float chunks to ``path`` in ``fmt``; returns the duration in seconds.
+
+    The audio goes to a temporary file beside ``path`` that is renamed over it only after the last chunk, so
+    an exception in the middle (a bad request, Ctrl-C) leaves no partial file behind. A failure to create,
+    write or rename the file names ``path``, not the temporary file.
+
+    Args:
+        path: the file to write (replaced if it exists).
+        chunks: mono float samples (see :func:`to_int16`).
+        sample_rate: samples per second of ``chunks``.
+        fmt: one of :data:`FORMATS`; ``wav`` and ``pcm`` are written as the chunks come, the others encoded
+            when the last chunk is in.
+
+    Returns:
+        The duration written, in seconds.
+    """
+    path = Path(path)
+    from cosyserve.staging import file_mode
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    samples = 0
+    try:
+        os.fchmod(fd, file_mode())  # mkstemp makes it private; the audio file is an ordinary one
+        with os.fdopen(fd, "wb") as f:
+            if fmt in ("wav", "pcm"):
+                if fmt == "wav":
+                    f.write(wav_header(sample_rate, 0))  # the sizes are written once the last chunk is in
+                for chunk in chunks:
+                    pcm = to_int16(chunk)
+                    f.write(pcm)
+                    samples += len(pcm) // 2
+                if fmt == "wav":
+                    f.seek(0)
+                    f.write(wav_header(sample_rate, 2 * samples))
+            else:
+                audio = [np.asarray(chunk, dtype=np.float32).reshape(-1) for chunk in chunks]
+                samples = sum(a.size for a in audio)
+                f.write(encode_all(audio, fmt, sample_rate))
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError) and tmp in (e.filename, e.filename2):
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    return samples / sample_rate
