@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.tenants import Tenant
 from cosyserve.server.app import _load_source, create_app
-from cosyserve.server.config import ModelArg, ServerConfig
+from cosyserve.settings import Settings
 from cosyserve.startup import PhaseClock
 
 
@@ -32,11 +32,11 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
 
 def test_cors_is_off_by_default_and_allows_only_configured_origins(tiny_model_dir: Path) -> None:
     origin = "http://app.example:3000"
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"]})
     with TestClient(create_app(cfg)) as client:
         r = client.get("/v1/models", headers={"Origin": origin})
         assert "access-control-allow-origin" not in r.headers, "CORS must be off unless configured"
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),), cors_origins=(origin,))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"], "cors_origins": origin})
     with TestClient(create_app(cfg)) as client:
         pre = client.options(
             "/v1/audio/speech",
@@ -62,23 +62,25 @@ def test_cors_is_off_by_default_and_allows_only_configured_origins(tiny_model_di
         assert "x-request-id" in r.headers.get("access-control-expose-headers", "").lower()
 
 
-def test_hub_ids_without_the_hub_extra_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_ids_without_the_hub_extra_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "modelscope", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ValueError, match=r"iic/CosyVoice-300M-SFT: ModelScope ids need .*cosyserve\[hub\]"):
-        _load_source("iic/CosyVoice-300M-SFT", "m")
+        _load_source("iic/CosyVoice-300M-SFT", "m", tmp_path)
     with pytest.raises(
         ValueError, match=r"FunAudioLLM/CosyVoice-300M: Hugging Face ids need huggingface_hub"
     ):
-        _load_source("FunAudioLLM/CosyVoice-300M", "m")
-    assert _load_source("/some/local/dir", "m") == "/some/local/dir"
+        _load_source("FunAudioLLM/CosyVoice-300M", "m", tmp_path)
+    assert _load_source("/some/local/dir", "m", tmp_path) == "/some/local/dir"
 
 
 def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
-    with TestClient(create_app(ServerConfig())) as client:
+    with TestClient(create_app(Settings.load())) as client:
         wait_ready(client)
         models = client.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["demo"] and models[0]["demo"] is True
@@ -99,7 +101,7 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
 @pytest.fixture(scope="module")
 def app_client(tiny_model_dir: Path) -> Iterator[TestClient]:
     """The app with the tiny model; server errors are not re-raised into the test, they must become responses."""
-    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),)))) as client:
+    with TestClient(create_app(Settings.load(flags={"models": [f"m={tiny_model_dir}"]}))) as client:
         yield client
 
 
@@ -210,7 +212,7 @@ def test_startup_report_names_only_the_callers_models() -> None:
         memory_probe=None,
         torch_threads=None,
     )
-    cfg = ServerConfig(api_keys={"key-a": "a", "key-b": "b"})
+    cfg = Settings.load().replace(api_keys={"key-a": "a", "key-b": "b"})
     with TestClient(create_app(cfg, pool=pool)) as client:
         wait_ready(client)
         as_a = client.get("/v1/startup", headers={"Authorization": "Bearer key-a"})
@@ -235,7 +237,7 @@ BAD_WAV = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a '
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path, plain_model_dir: Path) -> Iterator[TestClient]:
     """An instruct model ``m`` (the default) and ``plain``: the same weights, not an instruct model."""
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)), ModelArg("plain", str(plain_model_dir))))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}", f"plain={plain_model_dir}"]})
     with TestClient(create_app(cfg)) as c:
         wait_ready(c)
         yield c
@@ -319,7 +321,7 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
         format="WAV",
     )
     caplog.set_level(logging.ERROR)
-    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(bundle)),)))) as client:
+    with TestClient(create_app(Settings.load(flags={"models": [f"m={bundle}"]}))) as client:
         wait_ready(client)
         r = client.post(
             "/inference_zero_shot",
@@ -338,18 +340,17 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
 def test_demo_model_generation_removes_only_stale_temporaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cosyserve.server.config import DEMO_MODEL
+    from cosyserve.settings import DEMO_MODEL
     from cosyserve.staging import Staging
     from proc_util import killed_staging
 
-    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
     live = Staging(tmp_path / "demo-model", "making").start()  # another process generating it right now
     try:
         stale = killed_staging(tmp_path / "demo-model", "making")  # a generation killed with SIGKILL
         mine = tmp_path / ".demo-model.making.backup01"  # similar name, not ours (no lock file)
         mine.mkdir()
         (mine / "keep.txt").write_text("mine")
-        assert _load_source(DEMO_MODEL, DEMO_MODEL) == str(tmp_path / "demo-model")
+        assert _load_source(DEMO_MODEL, DEMO_MODEL, tmp_path) == str(tmp_path / "demo-model")
         assert (tmp_path / "demo-model" / "cosyvoice.yaml").is_file()
         assert not stale.exists(), "the killed generation's temporary was left behind"
         assert live.tmp is not None and live.tmp.exists(), "a live writer's temporary was removed"

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from cosyserve.settings import Settings
+
 logger = logging.getLogger(__name__)
 # expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
 progress_logger = logging.getLogger("cosyserve.progress")
@@ -24,7 +26,12 @@ class CosyVoiceModel:
     Build it with :func:`load`; the constructor takes already-built parts.
     """
 
-    def __init__(self, pipeline: Any, model_dir: Path, clock: Any, bundle: Any = None) -> None:
+    def __init__(
+        self, pipeline: Any, model_dir: Path, clock: Any, bundle: Any = None, settings: Settings | None = None
+    ) -> None:
+        from cosyserve.settings import Settings
+
+        self.settings = settings if settings is not None else Settings()  # the defaults
         self._pipeline = pipeline
         self.model_dir = model_dir
         self.clock = clock
@@ -150,7 +157,13 @@ class CosyVoiceModel:
             self._pipeline.instruct = bundle.instruct
         if self._pipeline.registry is None:
             key = self.bundle.model_key if self.bundle is not None else None
-            self._pipeline.registry = SpeakerRegistry(default_registry_dir(self.model_dir, key))
+            root = default_registry_dir(
+                self.model_dir,
+                key,
+                registry_dir=self.settings.registry_dir,
+                cache_dir=self.settings.cache_dir,
+            )
+            self._pipeline.registry = SpeakerRegistry(root)
 
     @staticmethod
     def request(**fields: Any) -> Any:
@@ -177,7 +190,7 @@ class CosyVoiceModel:
 
     @property
     def registry(self) -> Any:
-        """The :class:`cosyserve.registry.SpeakerRegistry` (``COSYSERVE_REGISTRY_DIR`` or the cache dir)."""
+        """The :class:`cosyserve.registry.SpeakerRegistry` (the ``registry_dir`` setting or the cache dir)."""
         return self._pipeline.registry
 
     def use_registry(self, root: str | Path) -> None:
@@ -272,18 +285,26 @@ def _after_ready(steps: list[tuple[str, Any]], clock: Any) -> Any:
     return thread
 
 
-def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
+def resolve_bundle(path: str | Path, *, progress: bool = True, settings: Settings | None = None) -> Path:
     """A bundle for ``path``: the path itself if it is a bundle; for an official model dir, a bundle converted
-    into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are unchanged; for a hub id
+    into the cache dir (the ``cache_dir`` setting), reused while the source files are unchanged; for a hub id
     (``iic/...``, ``FunAudioLLM/...``: :func:`cosyserve.hub.resolve_model`), the same for its download.
+
+    Args:
+        path: bundle, official model directory or hub id.
+        progress: log the conversion's steps.
+        settings: a :class:`cosyserve.settings.Settings` (default: read from the environment).
+    Returns:
+        The bundle's folder.
     """
     import hashlib
 
     from cosyserve.bundle.loader import is_bundle
     from cosyserve.errors import ModelDirError
     from cosyserve.hub import resolve_model
-    from cosyserve.settings import cache_dir
+    from cosyserve.settings import Settings
 
+    cache_dir = (settings if settings is not None else Settings.load()).cache_dir
     path = resolve_model(path)
     if is_bundle(path):
         return path
@@ -298,7 +319,7 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
         if f.is_file():
             st = f.stat()
             key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    target = cache_dir() / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
+    target = cache_dir / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert
 
@@ -312,6 +333,7 @@ def resolve_bundle(path: str | Path, *, progress: bool = True) -> Path:
 def load(
     path: str | Path,
     *,
+    settings: Settings | None = None,
     threads: int | None = None,
     strategy: str | None = None,
     verify: str | None = None,
@@ -319,16 +341,18 @@ def load(
     warmup_tokens: int | None = None,
     use_mmap: bool | None = None,
     clock: Any = None,
+    **overrides: Any,
 ) -> CosyVoiceModel:
     """Load a model: a bundle (``cosyserve convert``), or an official CosyVoice-300M model directory
     (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt), converted once into the cache and reused.
 
     Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
-    ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving). Arguments left ``None``
-    come from the environment (see :mod:`cosyserve.settings`).
+    ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving). Keyword arguments left
+    ``None`` come from ``settings``; without ``settings``, from the environment (see :mod:`cosyserve.settings`).
 
     Args:
         path: bundle, official model directory or hub id (``iic/CosyVoice-300M-SFT``; needs the ``hub`` extra).
+        settings: a :class:`cosyserve.settings.Settings` (default: ``Settings.load()``, the environment).
         threads: torch intra-op threads (env ``COSYSERVE_THREADS``; default torch's choice).
         strategy: ``preload`` / ``lazy`` / ``prefetch`` (env ``COSYSERVE_PRELOAD``).
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none`` (env ``COSYSERVE_VERIFY``).
@@ -337,41 +361,40 @@ def load(
         warmup_tokens: speech tokens the warm-up generates (env ``COSYSERVE_WARMUP_TOKENS``; default 2).
         use_mmap: map the weights (True) or copy them into private memory (env ``USE_MMAP_LOADING``).
         clock: a :class:`cosyserve.startup.PhaseClock` to record the phases in.
+        overrides: any other setting by name (``text_tier="lazy"``, ``registry_dir=...``).
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
         ConfigError, ModelDirError, BundleError, SettingsError (all ValueError): the input cannot be used.
     """
+    from cosyserve.settings import Settings
     from cosyserve.startup import gc_held
 
+    given = dict(
+        threads=threads, strategy=strategy, verify=verify, warmup=warmup, warmup_tokens=warmup_tokens,
+        use_mmap=use_mmap, **overrides,
+    )  # fmt: skip
+    settings = (settings if settings is not None else Settings.load()).replace(
+        where="cosyserve.load", **given
+    )
     # no garbage collection while loading; what loading built is frozen after (cosyserve.startup.hold_gc)
     with gc_held():
-        model = _load(path, threads, strategy, verify, warmup, warmup_tokens, use_mmap, clock)
+        model = _load(path, settings, clock)
     return model
 
 
-def _load(
-    path: str | Path,
-    threads: int | None,
-    strategy: str | None,
-    verify: str | None,
-    warmup: bool | None,
-    warmup_tokens: int | None,
-    use_mmap: bool | None,
-    clock: Any,
-) -> CosyVoiceModel:
-    from cosyserve import settings
+def _load(path: str | Path, settings: Settings, clock: Any) -> CosyVoiceModel:
     from cosyserve.startup import PhaseClock
 
     clock = clock or PhaseClock()
-    strategy = strategy or settings.load_strategy()
-    verify = verify or settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp")
-    warmup = settings.prewarm() if warmup is None else warmup
-    warmup_tokens = warmup_tokens or settings.env_int("COSYSERVE_WARMUP_TOKENS", 2) or 2
-    use_mmap = settings.env_bool("USE_MMAP_LOADING", True) if use_mmap is None else use_mmap
-    threads = threads or settings.env_int("COSYSERVE_THREADS", None)
-    tier = settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy")
-    text_tier = settings.env_choice("COSYSERVE_TEXT_TIER", ("background", "lazy"), "background")
+    strategy, verify, warmup, use_mmap = (
+        settings.strategy,
+        settings.verify,
+        settings.warmup,
+        settings.use_mmap,
+    )
+    warmup_tokens, threads = settings.warmup_tokens, settings.threads
+    tier, text_tier = settings.zero_shot_tier, settings.text_tier
     with clock.phase("imports"):
         import torch
 
@@ -387,7 +410,7 @@ def _load(
     from cosyserve.hub import resolve_model
 
     path = resolve_model(path)  # a hub id -> its download, which is the model dir from here on
-    bundle_dir = resolve_bundle(path)
+    bundle_dir = resolve_bundle(path, settings=settings)
     t_load = time.perf_counter()
     with clock.phase("manifest"):
         bundle = open_bundle(bundle_dir)
@@ -406,7 +429,7 @@ def _load(
         pipeline = Pipeline(
             parts.modules["llm"], flow, parts.modules["hift"], parts.speakers, cfg.sample_rate, policy
         )
-    model = CosyVoiceModel(pipeline, Path(path), clock, bundle)
+    model = CosyVoiceModel(pipeline, Path(path), clock, bundle, settings)
     if warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist
         # (seconds later), so they warm up after READY, below (~0.1 s off the start)

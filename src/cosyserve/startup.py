@@ -311,18 +311,19 @@ def prefetch_files(
     return [thread]
 
 
-def prefetch_bundles(paths: Iterable[str]) -> list[Any]:
+def prefetch_bundles(paths: Iterable[str], strategy: str = "preload") -> list[Any]:
     """For each of ``paths`` that is a bundle, start :func:`prefetch_files` on its weight files, unless the load
     strategy is ``lazy``. Called at process start by ``cosyserve serve`` / ``synth`` before importing torch: on
-    a cold page cache the disk reads then overlap the ~0.9 s of imports instead of following them."""
-    from cosyserve.errors import SettingsError
-    from cosyserve.settings import load_strategy
+    a cold page cache the disk reads then overlap the ~0.9 s of imports instead of following them.
 
-    try:
-        if load_strategy() == "lazy":
-            return []
-    except SettingsError:
-        return []  # the load itself reports the bad setting
+    Args:
+        paths: the models as given (only bundles are read).
+        strategy: the ``strategy`` setting the models will load with.
+    Returns:
+        The reader threads.
+    """
+    if strategy == "lazy":
+        return []
     files: list[tuple[int, Path]] = []
     for p in paths:
         d = Path(p)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -36,8 +36,9 @@ from starlette.routing import Route
 
 from cosyserve.engine.engine import shared
 from cosyserve.errors import CosyserveError, UnknownModelError
-from cosyserve.server.config import DEMO_MODEL, ServerConfig, is_hub_id
+from cosyserve.hub import is_hub_id
 from cosyserve.server.errors import HTTPError, LastResortMiddleware, error_response, from_engine_error
+from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
 from cosyserve.startup import PhaseClock, release_gc
 
 logger = logging.getLogger("cosyserve.server")
@@ -48,13 +49,13 @@ STARTUP_FAILURE = 3
 _STATIC = os.path.join(os.path.dirname(__file__), "static")
 
 
-def _load_source(source: str, name: str) -> str:
-    """A local path to load ``source`` from: the demo model (made once), a hub id (downloaded), or as given."""
+def _load_source(source: str, name: str, cache_dir: Path) -> str:
+    """A local path to load ``source`` from: the demo model (made once, in ``cache_dir``), a hub id (downloaded),
+    or as given."""
     if name == DEMO_MODEL and source == DEMO_MODEL:
-        from cosyserve.settings import cache_dir
         from cosyserve.testmodel import make_test_model
 
-        path = cache_dir() / "demo-model"
+        path = cache_dir / "demo-model"
         if not (path / "cosyvoice.yaml").exists():
             logger.warning(
                 "demo model: generating a tiny random-weight model in %s (it makes noise, not speech)", path
@@ -72,11 +73,10 @@ def _load_source(source: str, name: str) -> str:
 
 
 class ServerState:
-    """What the routes share: config, pool, API keys, metrics and the start-up/drain flags."""
+    """What the routes share: the settings (``config``), pool, API keys, metrics and the start-up/drain flags."""
 
-    def __init__(self, config: ServerConfig, pool: Any = None) -> None:
-        from cosyserve.engine.pool import ModelSpec
-        from cosyserve.engine.poolconfig import build_pool, load_pool_config
+    def __init__(self, config: Settings, pool: Any = None) -> None:
+        from cosyserve.engine.poolfile import build_pool, load_pool_config
         from cosyserve.server.metrics import Metrics
 
         self.config = config
@@ -94,27 +94,9 @@ class ServerState:
         self.demo = config.demo
         self._server: Any = None  # the uvicorn server, to stop it when start-up fails
         if pool is None:
-            cfg = load_pool_config(config.pool_config)
-            models = dict(cfg.models)
-            args = list(config.models)
-            if self.demo:
-                from cosyserve.server.config import ModelArg
-
-                args = [ModelArg(DEMO_MODEL, DEMO_MODEL)]
-            for m in args:
-                if m.name in models:
-                    raise ValueError(f"--model {m.name!r}: the pool config already has a model of that name")
-                from cosyserve.settings import env_int
-
-                models[m.name] = ModelSpec(
-                    name=m.name,
-                    path=m.source,
-                    policy="preload",
-                    instances=env_int("MODEL_POOL_SIZE", 1) or 1,
-                    queue_limit=env_int("COSYSERVE_QUEUE_LIMIT", 16, minimum=0) or 0,
-                    batch_size=env_int("COSYSERVE_BATCH_SIZE", 1) or 1,
-                )
-            cfg = dataclasses.replace(cfg, models=models)
+            # --model models are preloaded, with the same defaults as the pool config's models
+            args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if self.demo else config.model_args()
+            cfg = load_pool_config(config, preload=args)
             pool = build_pool(cfg, load_model=self._load_model)
             self.housekeeping_s: float | None = cfg.housekeeping_interval_s
         else:
@@ -134,11 +116,11 @@ class ServerState:
     def _load_model(self, spec: Any, reload: bool) -> Any:
         import cosyserve
 
-        path = _load_source(spec.path, spec.name)
+        path = _load_source(spec.path, spec.name, self.config.cache_dir)
         opts = dict(spec.load_options)
         opts.setdefault("warmup", spec.reload_warmup if reload else spec.warmup)
         opts.setdefault("clock", PhaseClock(t0=self.clock.t0) if not reload else PhaseClock(t0=time.time()))
-        return cosyserve.load(path, **opts)
+        return cosyserve.load(path, settings=self.config, **opts)
 
     @property
     def model_names(self) -> list[str]:
@@ -304,12 +286,19 @@ def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
     return previous
 
 
-def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starlette:
-    """The cosyserve ASGI app (models load in the background once the lifespan starts)."""
+def create_app(config: Settings | None = None, *, pool: Any = None) -> Starlette:
+    """The cosyserve ASGI app (models load in the background once the lifespan starts).
+
+    Args:
+        config: the settings (default: read from the environment).
+        pool: a ready-made pool (tests); default: built from the settings' pool config and models.
+    Returns:
+        The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
+    """
     from cosyserve.server import openai_api, reference_api
     from cosyserve.server.auth import AuthMiddleware
 
-    config = config or ServerConfig.from_args()
+    config = config if config is not None else Settings.load()
     state = ServerState(config, pool=pool)
 
     @contextlib.asynccontextmanager
