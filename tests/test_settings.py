@@ -1,9 +1,10 @@
 """The settings: one declaration per setting, read once (flag > environment > pool config file > default), every
-value checked with an error that names where it came from."""
+value checked with an error that names where it came from; the README's tables generated from the declarations."""
 
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,19 @@ import pytest
 from cosyserve.casts import parse_api_keys
 from cosyserve.errors import SettingsError
 from cosyserve.settings import DEMO_MODEL, Settings, declared, parse_model_arg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def settings_tables():  # type: ignore[no-untyped-def]
+    """scripts/settings_tables.py, the README tables' generator."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("settings_tables", ROOT / "scripts" / "settings_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load(**flags: object) -> Settings:
@@ -187,3 +201,26 @@ def test_every_setting_is_declared_once_with_a_doc() -> None:
     assert all(s.doc for s in settings)
     assert {s.name for s in settings} >= {"models", "port", "instances", "warmup", "cache_dir"}
     assert DEMO_MODEL == "demo"
+
+
+def test_readme_settings_tables_are_current() -> None:
+    """If this fails, a setting was added, renamed or changed without the README: regenerate its tables with
+    `.venv/bin/python scripts/settings_tables.py`."""
+    assert settings_tables().update(check=True) == [], "README settings tables are stale"
+
+
+def test_readme_lists_every_declared_variable_and_declares_every_listed_one() -> None:
+    """If this fails, the README names an environment variable cosyserve does not read (a typo, or one removed), or
+    leaves out one it reads."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    tables = "\n".join(settings_tables().tables().values())
+    declared_vars = {s.env for s in declared() if s.env}
+    for s in declared():
+        if s.env:
+            row = next(line for line in tables.splitlines() if f"`{s.env}`" in line)
+            assert s.shown_default().replace("|", "\\|") in row, s.env
+    named = set(
+        re.findall(r"\b(?:COSYSERVE_[A-Z0-9_]+|MODEL_POOL_SIZE|USE_MMAP_LOADING|PREWARM_MODELS)\b", text)
+    )
+    not_settings = {"COSYSERVE_FIXTURES", "COSYSERVE_CHROMIUM"}  # the test suite's own variables
+    assert named - not_settings == declared_vars, (named - not_settings) ^ declared_vars
