@@ -49,10 +49,11 @@ _NEEDS_MODEL = ("synth", "speakers", "startup-report")
 def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
     """The flag of setting ``name``; its value stays a string (or list) for :meth:`Settings.load` to check."""
     s = _SETTINGS[name]
+    assert s.flag is not None, f"setting {name} has no flag"
     env = f"env {s.env}; " if s.env else ""
     kwargs.setdefault("help", f"{s.doc} ({env}default {s.shown_default()})".replace("%", "%%"))
-    kwargs.setdefault("metavar", s.flag.lstrip("-").upper().replace("-", "_"))  # type: ignore[union-attr]
-    p.add_argument(s.flag, dest=name, default=None, **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("metavar", s.flag.lstrip("-").upper().replace("-", "_"))
+    p.add_argument(s.flag, dest=name, default=None, **kwargs)
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
