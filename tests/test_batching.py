@@ -210,16 +210,18 @@ def test_engine_batch_size_serves_concurrently_with_unbatched_audio(tiny_model_d
 
 
 def test_pool_config_reads_batch_size(tmp_path: Path) -> None:
-    from cosyserve.engine.poolconfig import PoolConfigError, load_pool_config
+    from cosyserve.engine.poolfile import load_pool_config
+    from cosyserve.errors import SettingsError
+    from cosyserve.settings import Settings
 
     f = tmp_path / "pool.toml"
     f.write_text('[pool]\nbatch_size = 2\n[models.a]\npath = "a"\n[models.b]\npath = "b"\nbatch_size = 8\n')
-    cfg = load_pool_config(f, env={})
+    cfg = load_pool_config(Settings.load(env={}, file=f))
     assert (cfg.models["a"].batch_size, cfg.models["b"].batch_size) == (2, 8)
-    cfg = load_pool_config(f, env={"COSYSERVE_BATCH_SIZE": "4"})  # the environment wins over the file
+    cfg = load_pool_config(Settings.load(env={"COSYSERVE_BATCH_SIZE": "4"}, file=f))  # the environment wins
     assert (cfg.models["a"].batch_size, cfg.models["b"].batch_size) == (4, 4)
-    with pytest.raises(PoolConfigError, match="COSYSERVE_BATCH_SIZE"):
-        load_pool_config(f, env={"COSYSERVE_BATCH_SIZE": "0"})
+    with pytest.raises(SettingsError, match="COSYSERVE_BATCH_SIZE"):
+        Settings.load(env={"COSYSERVE_BATCH_SIZE": "0"}, file=f)
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ def _copy(bundle: Path, tmp_path: Path) -> Path:
 
 
 def test_roundtrip_equals_official_weights(tiny_model_dir: Path, bundle_dir: Path) -> None:
-    from cosyserve.config import load_model_config
+    from cosyserve.modelconfig import load_model_config
 
     cfg = load_model_config(tiny_model_dir)
     parts = open_bundle(bundle_dir).load(LoadOptions(verify="full"))
@@ -48,6 +48,34 @@ def test_roundtrip_equals_official_weights(tiny_model_dir: Path, bundle_dir: Pat
     src = torch.load(tiny_model_dir / "spk2info.pt", weights_only=True)
     for name, entry in src.items():
         assert torch.equal(parts.speakers[name]["embedding"], entry["embedding"].reshape(1, -1))
+
+
+def test_bundle_config_equals_the_official_dirs(tiny_model_dir: Path, bundle_dir: Path) -> None:
+    """If this fails, a model served from its bundle is built with other hyperparameters than the same model read
+    from its official dir: the manifest's config and the yaml must go through one builder to one result."""
+    import dataclasses
+
+    from cosyserve.modelconfig import load_model_config
+
+    official = load_model_config(tiny_model_dir)
+    stored = open_bundle(bundle_dir).config
+    assert stored.source.endswith("manifest.json") and official.source.endswith("cosyvoice.yaml")
+    assert dataclasses.replace(stored, source="") == dataclasses.replace(official, source="")
+
+
+def test_bundle_config_errors_name_the_manifest_key(bundle_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from cosyserve.errors import ModelConfigError
+
+    bundle = _copy(bundle_dir, tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["config"]["flow"]["encoder"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        ModelConfigError, match=r"manifest.json: missing required key 'config\.flow\.encoder'"
+    ):
+        _ = open_bundle(bundle).config
 
 
 def test_weights_are_mapped_not_copied(bundle_dir: Path) -> None:

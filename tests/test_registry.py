@@ -26,6 +26,14 @@ from cosyserve.registry import (
     default_registry_dir,
     entry_kind,
 )
+from cosyserve.settings import Settings, SettingsError
+
+
+def default_dir(model: str, key: str | None = None) -> Path:
+    """Where the model's registry is under the environment's settings (as a CLI or server start reads them)."""
+    s = Settings.load()
+    return default_registry_dir(model, key, registry_dir=s.registry_dir, cache_dir=s.cache_dir)
+
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -265,14 +273,12 @@ def test_import_refuses_pickled_code_and_bad_entries(tmp_path: Path) -> None:
 def test_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    assert (
-        default_registry_dir("/models/CosyVoice-300M") == tmp_path / "cache" / "speakers" / "CosyVoice-300M"
-    )
+    assert default_dir("/models/CosyVoice-300M") == tmp_path / "cache" / "speakers" / "CosyVoice-300M"
     monkeypatch.setenv("COSYSERVE_REGISTRY_DIR", str(tmp_path / "mine"))
-    assert default_registry_dir("/models/CosyVoice-300M") == tmp_path / "mine"
+    assert default_dir("/models/CosyVoice-300M") == tmp_path / "mine"
     monkeypatch.setenv("COSYSERVE_REGISTRY_DIR", " ")
-    with pytest.raises(RegistryError, match="COSYSERVE_REGISTRY_DIR"):
-        default_registry_dir("/m")
+    with pytest.raises(SettingsError, match="COSYSERVE_REGISTRY_DIR"):
+        default_dir("/m")
 
 
 @pytest.mark.parametrize(("mask", "mode"), [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
@@ -333,13 +339,13 @@ def test_voices_kept_under_the_folder_name_move_to_their_model_once(
     monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
     speakers = tmp_path / "cache" / "speakers"
-    legacy = default_registry_dir("/models/a/bundle")  # how older versions keyed it
+    legacy = default_dir("/models/a/bundle")  # how older versions keyed it
     assert legacy == speakers / "bundle"
     SpeakerRegistry(legacy).add("old-voice", zero_shot_entry(1), tenant="t1")
     key_a, key_b = "a" * 32, "b" * 32
     caplog.set_level(logging.INFO, logger="cosyserve.registry")
 
-    root_a = default_registry_dir("/models/a/bundle", key_a)
+    root_a = default_dir("/models/a/bundle", key_a)
     assert root_a == speakers / key_a
     assert SpeakerRegistry(root_a).names("t1") == ["old-voice"], "the model lost its registered voice"
     assert legacy.is_symlink() and SpeakerRegistry(legacy).names("t1") == ["old-voice"], (
@@ -347,9 +353,9 @@ def test_voices_kept_under_the_folder_name_move_to_their_model_once(
     )
     assert any("moved the registered voices" in r.getMessage() for r in caplog.records)
     # another model in a folder of the same name starts with its own (empty) registry
-    root_b = default_registry_dir("/models/b/bundle", key_b)
+    root_b = default_dir("/models/b/bundle", key_b)
     assert root_b == speakers / key_b and SpeakerRegistry(root_b).names("t1") == []
-    assert default_registry_dir("/models/a/bundle", key_a) == root_a
+    assert default_dir("/models/a/bundle", key_a) == root_a
     assert SpeakerRegistry(root_a).names("t1") == ["old-voice"]
 
 
@@ -362,7 +368,7 @@ def test_voices_under_a_folder_name_several_models_had_are_not_moved(
 
     monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    legacy = default_registry_dir("/models/v1/CosyVoice-300M")
+    legacy = default_dir("/models/v1/CosyVoice-300M")
     SpeakerRegistry(legacy).add("whose", zero_shot_entry(2))
     keys = []
     for seed, digest in ((1, "1" * 16), (2, "2" * 16)):  # the bundle cache converted two such models
@@ -370,7 +376,7 @@ def test_voices_under_a_folder_name_several_models_had_are_not_moved(
         entry.mkdir(parents=True)
         (entry / "manifest.json").write_text(json.dumps(_manifest_for(seed)))
         keys.append(model_key(_manifest_for(seed)))
-    root = default_registry_dir("/models/v2/CosyVoice-300M", keys[0])
+    root = default_dir("/models/v2/CosyVoice-300M", keys[0])
     assert SpeakerRegistry(root).names() == []
     assert not legacy.is_symlink() and SpeakerRegistry(legacy).names() == ["whose"], (
         "ambiguous voices were moved"

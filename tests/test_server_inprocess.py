@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.quotas import Tenant
 from cosyserve.server.app import create_app
-from cosyserve.server.config import ModelArg, ServerConfig
+from cosyserve.settings import Settings
 from cosyserve.sources import resolve_source
 from fake_runtime import FakeRuntime
 
@@ -34,11 +34,11 @@ def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
 
 def test_cors_is_off_by_default_and_allows_only_configured_origins(tiny_model_dir: Path) -> None:
     origin = "http://app.example:3000"
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"]})
     with TestClient(create_app(cfg)) as client:
         r = client.get("/v1/models", headers={"Origin": origin})
         assert "access-control-allow-origin" not in r.headers, "CORS must be off unless configured"
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),), cors_origins=(origin,))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"], "cors_origins": origin})
     with TestClient(create_app(cfg)) as client:
         pre = client.options(
             "/v1/audio/speech",
@@ -64,7 +64,9 @@ def test_cors_is_off_by_default_and_allows_only_configured_origins(tiny_model_di
         assert "x-request-id" in r.headers.get("access-control-expose-headers", "").lower()
 
 
-def test_hub_ids_without_the_hub_extra_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_ids_without_the_hub_extra_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "modelscope", None)  # import fails as if not installed
@@ -80,7 +82,7 @@ def test_hub_ids_without_the_hub_extra_say_what_to_install(monkeypatch: pytest.M
 
 def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
-    with TestClient(create_app(ServerConfig())) as client:
+    with TestClient(create_app(Settings.load())) as client:
         wait_ready(client)
         models = client.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["demo"] and models[0]["demo"] is True
@@ -101,7 +103,7 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
 @pytest.fixture(scope="module")
 def app_client(tiny_model_dir: Path) -> Iterator[TestClient]:
     """The app with the tiny model; server errors are not re-raised into the test, they must become responses."""
-    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),)))) as client:
+    with TestClient(create_app(Settings.load(flags={"models": [f"m={tiny_model_dir}"]}))) as client:
         yield client
 
 
@@ -195,7 +197,7 @@ def test_startup_report_names_only_the_callers_models() -> None:
         load_model=lambda spec, reload: FakeRuntime(),
         memory_probe=None,
     )
-    cfg = ServerConfig(api_keys={"key-a": "a", "key-b": "b"})
+    cfg = Settings.load().replace(api_keys={"key-a": "a", "key-b": "b"})
     with TestClient(create_app(cfg, pool=pool)) as client:
         wait_ready(client)
         as_a = client.get("/v1/startup", headers={"Authorization": "Bearer key-a"})
@@ -220,7 +222,7 @@ BAD_WAV = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a '
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path, plain_model_dir: Path) -> Iterator[TestClient]:
     """An instruct model ``m`` (the default) and ``plain``: the same weights, not an instruct model."""
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)), ModelArg("plain", str(plain_model_dir))))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}", f"plain={plain_model_dir}"]})
     with TestClient(create_app(cfg)) as c:
         wait_ready(c)
         yield c
@@ -303,7 +305,7 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
         format="WAV",
     )
     caplog.set_level(logging.ERROR)
-    with TestClient(create_app(ServerConfig(models=(ModelArg("m", str(bundle)),)))) as client:
+    with TestClient(create_app(Settings.load(flags={"models": [f"m={bundle}"]}))) as client:
         wait_ready(client)
         r = client.post(
             "/inference_zero_shot",
@@ -325,14 +327,13 @@ def test_demo_model_generation_removes_only_stale_temporaries(
     from cosyserve.staging import Staging
     from proc_util import killed_staging
 
-    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
     live = Staging(tmp_path / "demo-model", "making").start()  # another process generating it right now
     try:
         stale = killed_staging(tmp_path / "demo-model", "making")  # a generation killed with SIGKILL
         mine = tmp_path / ".demo-model.making.backup01"  # similar name, not ours (no lock file)
         mine.mkdir()
         (mine / "keep.txt").write_text("mine")
-        assert resolve_source("demo") == tmp_path / "demo-model"
+        assert resolve_source("demo", tmp_path) == tmp_path / "demo-model"
         assert (tmp_path / "demo-model" / "cosyvoice.yaml").is_file()
         assert not stale.exists(), "the killed generation's temporary was left behind"
         assert live.tmp is not None and live.tmp.exists(), "a live writer's temporary was removed"
@@ -348,7 +349,7 @@ def body(**fields: object) -> bytes:
 @pytest.fixture(scope="module")
 def limited_client(tiny_model_dir: Path) -> Iterator[TestClient]:
     """The app with a 100-character text limit (the model never loads: bad bodies are refused before it)."""
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),), max_text_chars=100)
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"], "max_text_chars": 100})
     with TestClient(create_app(cfg)) as client:
         yield client
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from cosyserve.server.app import create_app
-from cosyserve.server.config import ModelArg, ServerConfig
+from cosyserve.settings import Settings
 from server_util import ServerProcess, post_and_hold, running_server, start_server
 
 # ~6 sentences: a stream that lasts a few seconds on the tiny model, long after its first chunk
@@ -136,7 +136,7 @@ def test_readiness_is_503_with_the_state_until_the_preload_finishes(
         return original(self, spec, reload)
 
     monkeypatch.setattr(ModelPool, "_default_load_model", held_load)
-    cfg = ServerConfig(models=(ModelArg("m", str(tiny_model_dir)),))
+    cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"]})
     try:
         with TestClient(create_app(cfg)) as client:
             assert client.get("/health/live").status_code == 200
@@ -204,7 +204,7 @@ def test_failed_preload_exits_3_and_says_why(corrupt_model_dir: Path, tmp_path: 
 
 
 def test_failed_preload_is_reported_on_startup_in_process(corrupt_model_dir: Path) -> None:
-    cfg = ServerConfig(models=(ModelArg("bad", str(corrupt_model_dir)),))
+    cfg = Settings.load(flags={"models": [f"bad={corrupt_model_dir}"]})
     with TestClient(create_app(cfg)) as client:
         end = time.monotonic() + 120
         while (r := client.get("/health/startup")).json()["status"] == "starting":

@@ -155,10 +155,8 @@ def test_prefetch_reads_bundle_files_into_the_page_cache(
         t.join(30)
     assert resident_bytes([big]) == big.stat().st_size
     assert prefetch_bundles([str(tmp_path)]) == []  # not a bundle: no manifest.json
-    monkeypatch.setenv("COSYSERVE_PRELOAD", "lazy")
-    assert prefetch_bundles([str(bundle_dir)]) == []  # lazy: pages come when used
-    monkeypatch.setenv("COSYSERVE_PRELOAD", "preload")
-    threads = prefetch_bundles([str(bundle_dir)])
+    assert prefetch_bundles([str(bundle_dir)], "lazy") == []  # lazy: pages come when used
+    threads = prefetch_bundles([str(bundle_dir)], "preload")
     assert threads
     for t in threads:
         t.join(30)

@@ -1,4 +1,4 @@
-"""Tenant isolation (quotas on concurrency, models, memory) and the TOML + env pool configuration."""
+"""Tenant isolation (quotas on concurrency, models, memory) and the pool config file (TOML + env)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from cosyserve.engine.pool import ModelPool, ModelSpec
-from cosyserve.engine.poolconfig import PoolConfigError, build_pool, load_pool_config, parse_bytes
+from cosyserve.engine.poolfile import build_pool, load_pool_config, parse_bytes
 from cosyserve.engine.quotas import Tenant, TenantQuota
-from cosyserve.errors import OverloadedError, QuotaExceededError, UnknownModelError
+from cosyserve.errors import OverloadedError, QuotaExceededError, SettingsError, UnknownModelError
 from cosyserve.request import SynthesisRequest
 from cosyserve.server.errors import status_of
+from cosyserve.settings import ModelArg, Settings
 from fake_runtime import FakeRuntime
 
 
@@ -230,9 +231,13 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+def pool_config(path: Path | None = None, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+    return load_pool_config(Settings.load(env=env or {}, file=path), **kwargs)
+
+
 def test_config_reads_file_and_env_overrides(tmp_path: Path) -> None:
     p = write(tmp_path, GOOD)
-    cfg = load_pool_config(p, env={})
+    cfg = pool_config(p)
     assert cfg.memory_budget == 1024**3 and cfg.pressure_threshold == 0.9
     sft, inst = cfg.models["sft"], cfg.models["inst"]
     assert sft.path == str(tmp_path / "bundles/sft") and sft.policy == "preload" and sft.pinned
@@ -240,7 +245,7 @@ def test_config_reads_file_and_env_overrides(tmp_path: Path) -> None:
     assert inst.size_bytes == 200_000_000 and dict(sft.load_options) == {"verify": "none"}
     assert cfg.tenants["acme"].quota == TenantQuota(None, 512 * 1024**2, 4)
     env = {"MODEL_POOL_SIZE": "4", "COSYSERVE_MEMORY_BUDGET": "50%", "COSYSERVE_POOL_CONFIG": str(p)}
-    cfg = load_pool_config(env=env, limit=lambda: 1000)
+    cfg = pool_config(env=env, limit=lambda: 1000)
     assert cfg.memory_budget == 500
     assert cfg.models["sft"].instances == 4 and cfg.models["inst"].instances == 4, "env wins over the file"
     pool = build_pool(cfg, memory_probe=None)
@@ -254,26 +259,63 @@ def test_config_reads_file_and_env_overrides(tmp_path: Path) -> None:
         ("[models.a]\npath='x'\npolicy='eager'\n", r"\[models.a\]: policy = 'eager'"),
         ("[models.a]\n", r"\[models.a\]: path = None"),
         ("[pool]\nmemory_budget='lots'\n", r"pool.toml: \[pool\] memory_budget = 'lots'"),
-        ("[pool]\npressure_threshold=1.5\n", r"pressure_threshold: 1.5: expected a number in"),
-        ("[pool]\nlru_k=0\n", r"\[pool\] lru_k: 0: expected an integer >= 1"),
+        (
+            "[pool]\npressure_threshold=1.5\n",
+            r"pool.toml: \[pool\] pressure_threshold = 1.5: expected a number in",
+        ),
+        ("[pool]\nlru_k=0\n", r"pool.toml: \[pool\] lru_k = 0: expected an integer >= 1"),
+        (
+            "[models.a]\npath='x'\ninstances=0\n",
+            r"pool.toml: \[models.a\] instances = 0: expected an integer >= 1",
+        ),
+        (
+            "[models.a]\npath='x'\nload={verify='most'}\n",
+            r"\[models.a\] load.verify = 'most': expected one of",
+        ),
         ("[models.a]\npath='x'\n[tenants.t]\nmodels=['b']\n", r"\[tenants.t\]: models: unknown model 'b'"),
-        ("[models.a]\npath='x'\npinned='yes'\n", r"pinned: 'yes': expected true or false"),
+        ("[models.a]\npath='x'\npinned='yes'\n", r"pinned = 'yes': expected true or false"),
         ("[pool\n", r"not valid TOML"),
     ],
 )
 def test_config_errors_name_file_key_and_value(tmp_path: Path, text: str, match: str) -> None:
-    with pytest.raises(PoolConfigError, match=match):
-        load_pool_config(write(tmp_path, text), env={})
+    with pytest.raises(SettingsError, match=match):
+        pool_config(write(tmp_path, text))
 
 
 def test_config_env_errors_name_the_variable(tmp_path: Path) -> None:
-    with pytest.raises(PoolConfigError, match="MODEL_POOL_SIZE='two'"):
-        load_pool_config(env={"MODEL_POOL_SIZE": "two"})
-    with pytest.raises(PoolConfigError, match="environment COSYSERVE_MEMORY_BUDGET.*'12 parsecs'"):
-        load_pool_config(env={"COSYSERVE_MEMORY_BUDGET": "12 parsecs"})
-    with pytest.raises(PoolConfigError, match="not found"):
-        load_pool_config(env={"COSYSERVE_POOL_CONFIG": str(tmp_path / "missing.toml")})
-    assert load_pool_config(env={}).models == {}
+    with pytest.raises(SettingsError, match="MODEL_POOL_SIZE='two'"):
+        pool_config(env={"MODEL_POOL_SIZE": "two"})
+    with pytest.raises(SettingsError, match="^COSYSERVE_MEMORY_BUDGET='12 parsecs': expected bytes"):
+        pool_config(env={"COSYSERVE_MEMORY_BUDGET": "12 parsecs"})
+    with pytest.raises(SettingsError, match="not found"):
+        pool_config(env={"COSYSERVE_POOL_CONFIG": str(tmp_path / "missing.toml")})
+    assert pool_config().models == {}
+
+
+def test_models_given_with_model_take_the_pool_configs_defaults(tmp_path: Path) -> None:
+    """If this fails, `serve --config pool.toml --model m=DIR` gives m the built-in batch_size, instances and
+    queue_limit (or whatever the environment says) instead of the pool config's [pool] defaults, which every model
+    of the file takes."""
+    from cosyserve.server.app import ServerState
+
+    f = write(tmp_path, "[pool]\nbatch_size = 3\ninstances = 2\nqueue_limit = 5\n[models.a]\npath = 'a'\n")
+    state = ServerState(Settings.load(flags={"models": ["m=/nowhere/m"]}, env={}, file=f))
+    spec = {n: state.pool._entries[n].spec for n in ("a", "m")}
+    assert (spec["m"].batch_size, spec["m"].instances, spec["m"].queue_limit) == (3, 2, 5)
+    assert (spec["a"].batch_size, spec["a"].instances, spec["a"].queue_limit) == (3, 2, 5)
+    assert spec["m"].policy == "preload" and spec["m"].path == "/nowhere/m"
+    env = {"COSYSERVE_BATCH_SIZE": "4"}  # the environment still wins over the file, for both
+    state = ServerState(Settings.load(flags={"models": ["m=/nowhere/m"]}, env=env, file=f))
+    assert {n: state.pool._entries[n].spec.batch_size for n in ("a", "m")} == {"a": 4, "m": 4}
+
+
+def test_model_and_pool_config_model_of_the_same_name_is_an_error(tmp_path: Path) -> None:
+    f = write(tmp_path, "[models.a]\npath = 'a'\n")
+    settings = Settings.load(env={}, file=f)
+    with pytest.raises(
+        SettingsError, match=r"--model a=/x: the pool config \S+ already has a model named 'a'"
+    ):
+        load_pool_config(settings, preload=[ModelArg("a", "/x")])
 
 
 def test_parse_bytes() -> None:
@@ -282,7 +324,7 @@ def test_parse_bytes() -> None:
     assert parse_bytes("2KiB", "k") == 2048
     assert parse_bytes("25%", "k", limit=lambda: 400) == 100
     for bad in ("0%", "-1", "x", True, 0):
-        with pytest.raises(PoolConfigError, match="k = "):
+        with pytest.raises(SettingsError, match="k = "):
             parse_bytes(bad, "k")
 
 
@@ -292,20 +334,22 @@ def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> Non
     import re
     import tomllib
 
-    from cosyserve.engine import poolconfig
+    from cosyserve.engine import poolfile
+    from cosyserve.settings import declared
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
     assert len(blocks) == 1, "expected one ```toml example in the README"
     f = tmp_path / "pool.toml"
     f.write_text(blocks[0], encoding="utf-8")
-    cfg = poolconfig.load_pool_config(f, env={}, limit=lambda: 8 << 30)
+    cfg = pool_config(f, limit=lambda: 8 << 30)
     assert cfg.models["sft"].path == str(tmp_path / "bundles" / "cosyvoice-300m-sft")
     assert cfg.tenants["acme"].quota.max_concurrent == 4 and cfg.memory_budget == 6 << 30
     raw = tomllib.loads(blocks[0])
-    assert set(raw["pool"]) == poolconfig._POOL_KEYS
-    assert set().union(*(set(m) for m in raw["models"].values())) == poolconfig._MODEL_KEYS
-    assert set().union(*(set(t) for t in raw["tenants"].values())) == poolconfig._TENANT_KEYS
-    for keys in (poolconfig._POOL_KEYS, poolconfig._MODEL_KEYS, poolconfig._TENANT_KEYS):
+    pool_keys = {s.key for s in declared() if s.key}
+    assert set(raw["pool"]) == pool_keys
+    assert set().union(*(set(m) for m in raw["models"].values())) == poolfile.MODEL_KEYS
+    assert set().union(*(set(t) for t in raw["tenants"].values())) == poolfile.TENANT_KEYS
+    for keys in (pool_keys, poolfile.MODEL_KEYS, poolfile.TENANT_KEYS):
         for key in keys:
             assert f"`{key}`" in readme, f"README does not list the pool config key {key!r}"

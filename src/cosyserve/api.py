@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from cosyserve.runtime import Runtime, RuntimeOptions
+    from cosyserve.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -188,29 +189,36 @@ def _never() -> bool:
     return False
 
 
-def runtime_options(**overrides: Any) -> RuntimeOptions:
-    """The :class:`~cosyserve.runtime.RuntimeOptions` of the environment's settings (see :mod:`cosyserve.settings`),
-    with the keyword arguments given (not None) winning."""
-    from cosyserve import settings
+def runtime_options(settings: Settings | None = None, **overrides: Any) -> RuntimeOptions:
+    """The :class:`~cosyserve.runtime.RuntimeOptions` that ``settings`` (default: the environment's, read now) ask
+    for, with ``overrides`` (not None) winning: a setting's name is checked as that setting is (a bad value is a
+    :class:`~cosyserve.errors.SettingsError` naming ``cosyserve.load``), any other field of the options is taken as
+    given."""
     from cosyserve.runtime import RuntimeOptions
+    from cosyserve.settings import Settings, declared
 
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(RuntimeOptions)}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    fields = {f.name for f in dataclasses.fields(RuntimeOptions)}
+    names = {d.name for d in declared()}
+    unknown = set(given) - fields - names
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}")
-    base = RuntimeOptions(
-        strategy=settings.load_strategy(),  # type: ignore[arg-type]
-        verify=settings.env_choice("COSYSERVE_VERIFY", ("stamp", "full", "none"), "stamp"),  # type: ignore[arg-type]
-        use_mmap=settings.env_bool("USE_MMAP_LOADING", True),
-        warmup=settings.prewarm(),
-        warmup_tokens=settings.env_int("COSYSERVE_WARMUP_TOKENS", 2) or 2,
-        threads=settings.env_int("COSYSERVE_THREADS", None),
-        text_tier=settings.env_choice("COSYSERVE_TEXT_TIER", ("background", "lazy"), "background"),  # type: ignore[arg-type]
-        zero_shot_tier=settings.env_choice("COSYSERVE_ZERO_SHOT_TIER", ("lazy", "background"), "lazy"),  # type: ignore[arg-type]
+    settings = (settings if settings is not None else Settings.load()).replace(
+        where="cosyserve.load", **{k: v for k, v in given.items() if k in names}
     )
-    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    # an option given here wins, checked as its setting where it is one (batch_size: a pool default otherwise)
+    chosen = {k: getattr(settings, k) if k in names else v for k, v in given.items() if k in fields}
+    return RuntimeOptions.from_settings(settings, **chosen)
 
 
-def load(path: str | Path, *, clock: Any = None, runtime: str = "torch", **options: Any) -> CosyVoiceModel:
+def load(
+    path: str | Path,
+    *,
+    settings: Settings | None = None,
+    clock: Any = None,
+    runtime: str = "torch",
+    **options: Any,
+) -> CosyVoiceModel:
     """Load a model: a bundle (``cosyserve convert``), an official CosyVoice-300M model directory
     (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt; converted once into the cache and reused), a hub id
     (``iic/CosyVoice-300M-SFT``; needs the ``hub`` extra) or ``demo``.
@@ -220,11 +228,12 @@ def load(path: str | Path, *, clock: Any = None, runtime: str = "torch", **optio
 
     Args:
         path: what to load (see :mod:`cosyserve.sources`).
+        settings: a :class:`cosyserve.settings.Settings` (default: ``Settings.load()``, the environment).
         clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
-        options: fields of :class:`cosyserve.runtime.RuntimeOptions` (``threads``, ``strategy``, ``verify``,
-            ``warmup``, ``warmup_tokens``, ``use_mmap``, ``batch_size``, ...); those not given (or None) come from
-            the environment (see :mod:`cosyserve.settings`).
+        options: settings by name (``threads``, ``strategy``, ``verify``, ``warmup``, ``warmup_tokens``,
+            ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of :class:`cosyserve.runtime.RuntimeOptions`
+            (``batch_size``, ``batch_flow``, ...); those not given (or None) come from ``settings``.
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
@@ -233,4 +242,6 @@ def load(path: str | Path, *, clock: Any = None, runtime: str = "torch", **optio
     """
     from cosyserve.runtime import load_runtime
 
-    return CosyVoiceModel(load_runtime(path, runtime_options(**options), runtime=runtime, clock=clock))
+    return CosyVoiceModel(
+        load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock)
+    )

@@ -1,8 +1,9 @@
 """The ``cosyserve`` command line. Parsing only: each command calls a typed function of the Python API.
 
 Heavy modules (torch and everything under it) are imported inside the commands, so ``cosyserve --help`` is fast.
-``--model`` and ``--log-level`` also come from the environment (``COSYSERVE_MODEL``, ``COSYSERVE_LOG_LEVEL``); the
-loading options from the variables listed in :mod:`cosyserve.settings`.
+The flags that are settings (``--model``, ``--port``, ``--threads``, ...) are declared in :mod:`cosyserve.settings`
+with their environment variables; :func:`main` reads the :class:`~cosyserve.settings.Settings` once from the
+parsed flags and the environment and passes it to the command.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from cosyserve.settings import Settings, declared
 
 __all__ = ["main"]
-
-ENV_PREFIX = "COSYSERVE_"
 
 
 class CLIError(Exception):
@@ -39,21 +41,26 @@ _EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub"}
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+_SETTINGS = {s.name: s for s in declared()}
+# commands that load a model: they need --model (or COSYSERVE_MODEL)
+_NEEDS_MODEL = ("synth", "speakers", "startup-report")
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=_env("model"),
-        required=_env("model") is None,
-        help="bundle (cosyserve convert), official CosyVoice-300M model directory (converted once into the "
-        "cache) or hub id (iic/..., FunAudioLLM/...; needs the hub extra) (env COSYSERVE_MODEL)",
-    )
+def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """The flag of setting ``name``; its value stays a string (or list) for :meth:`Settings.load` to check."""
+    s = _SETTINGS[name]
+    assert s.flag is not None, f"setting {name} has no flag"
+    env = f"env {s.env}; " if s.env else ""
+    kwargs.setdefault("help", f"{s.doc} ({env}default {s.shown_default()})".replace("%", "%%"))
+    kwargs.setdefault("metavar", s.flag.lstrip("-").upper().replace("-", "_"))
+    p.add_argument(s.flag, dest=name, default=None, **kwargs)
 
 
-def _cmd_synth(args: argparse.Namespace) -> None:
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name, s in _SETTINGS.items() if s.flag and hasattr(args, name)}
+
+
+def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.audiofile import write_audio_atomic
     from cosyserve.gchold import release_gc
 
@@ -73,7 +80,7 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     for flag, value in (("--prompt-wav", args.prompt_wav), ("--source-wav", args.source_wav)):
         if value is not None and not Path(value).is_file():
             raise CLIError(f"{flag} {value}: no such file")
-    model = _load(args.model, args.threads, registry_dir=args.registry_dir)
+    model = _load(settings)
     release_gc()
     from cosyserve.errors import ModeUnavailableError
 
@@ -97,7 +104,7 @@ def _cmd_synth(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
 
 
-def _cmd_convert(args: argparse.Namespace) -> None:
+def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
     import time
 
     from cosyserve.bundle.convert import convert
@@ -108,28 +115,27 @@ def _cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote bundle {out} ({size / 1e9:.3f} GB, {args.dtype}) in {time.perf_counter() - t0:.1f} s")
 
 
-def _cmd_startup_report(args: argparse.Namespace) -> None:
+def _cmd_startup_report(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.report import startup_report
 
     startup_report(
-        args.model,
+        settings.models[0],
         runs=args.runs,
         cold=args.cold,
         as_json=args.json,
         svg=args.svg,
         flamegraph=args.flamegraph,
-        strategy=args.strategy,
         warmup=not args.no_warmup,
-        threads=args.threads,
+        settings=settings,
     )
 
 
-def _cmd_speakers(args: argparse.Namespace) -> None:
+def _cmd_speakers(args: argparse.Namespace, settings: Settings) -> None:
     if args.action == "add" and not Path(args.prompt_wav).is_file():
         raise CLIError(f"--prompt-wav {args.prompt_wav}: no such file")
     if args.action == "import" and not Path(args.target).is_file():
         raise CLIError(f"{args.target}: no such file")
-    model = _load(args.model, args.threads, warmup=False, registry_dir=args.registry_dir)
+    model = _load(settings, warmup=False)
     tenant = args.tenant
     if args.action == "list":
         for voice in model.runtime.voices(tenant):
@@ -194,7 +200,7 @@ def _check_speakers_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--include-builtin is for `speakers export`")
 
 
-def _cmd_conformance(args: argparse.Namespace) -> None:
+def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.conformance import run_conformance
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
@@ -208,7 +214,7 @@ def _cmd_conformance(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-def _cmd_make_test_model(args: argparse.Namespace) -> None:
+def _cmd_make_test_model(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.testmodel import make_test_model
 
     out = Path(args.out)
@@ -218,37 +224,17 @@ def _cmd_make_test_model(args: argparse.Namespace) -> None:
     print(f"wrote random-weight {args.size} model to {out} (it makes noise, not speech)")
 
 
-def _cmd_serve(args: argparse.Namespace) -> None:
-    from cosyserve.server.config import ServerConfig, ServerConfigError
-
-    try:
-        cfg = ServerConfig.from_args(
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            models=args.model,
-            pool_config=args.config,
-            api_keys_file=args.api_keys_file,
-            cors_origins=args.cors_origins,
-            max_text_chars=args.max_text_chars,
-            max_upload_bytes=args.max_upload_bytes,
-            request_timeout_s=args.request_timeout,
-            drain_delay_s=args.drain_delay,
-            shutdown_grace_s=args.shutdown_grace,
-            default_voice=args.default_voice,
-            log_level=str(args.serve_log_level),
-        )
-    except ServerConfigError as e:
-        raise CLIError(str(e)) from e
+def _cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
+    settings.model_args()  # checks the --model names before anything starts
     from cosyserve.server import serve
 
-    sys.exit(serve(cfg))
+    sys.exit(serve(settings))
 
 
-def _load(model: str, threads: int | None, **kwargs: object) -> object:
+def _load(settings: Settings, **overrides: Any) -> Any:
     import cosyserve
 
-    return cosyserve.load(model, threads=threads, **kwargs)
+    return cosyserve.load(settings.models[0], settings=settings, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,13 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cosyserve", description="Serve CosyVoice text-to-speech models.", formatter_class=fmt
     )
-    parser.add_argument(
-        "--log-level", default=_env("log_level", "warning"), help="logging level (env COSYSERVE_LOG_LEVEL)"
-    )
+    _setting(parser, "log_level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("synth", help="synthesize text to an audio file", formatter_class=fmt)
-    _add_model(p)
+    _setting(p, "models")
     p.add_argument(
         "--mode",
         choices=SYNTH_MODES,
@@ -285,11 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--source-wav", default=None, help="recording to convert to the --prompt-wav voice (vc)")
     p.add_argument("--tenant", default="default", help="speaker registry namespace")
-    p.add_argument(
-        "--registry-dir",
-        default=_env("registry_dir"),
-        help="speaker registry folder (env COSYSERVE_REGISTRY_DIR; default under the cache dir, per model)",
-    )
+    _setting(p, "registry_dir")
     p.add_argument(
         "--out",
         required=True,
@@ -301,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=None, help="random seed for reproducible audio (default: random)"
     )
     p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.25, 4.0]; not with --stream")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _setting(p, "threads")
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser(
@@ -320,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start fresh processes and report where start-up time goes",
         formatter_class=fmt,
     )
-    _add_model(p)
+    _setting(p, "models")
     p.add_argument("--runs", type=int, default=5, help="fresh process starts to time")
     p.add_argument(
         "--cold", action="store_true", help="evict the bundle from the page cache before each start"
@@ -330,14 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--flamegraph", default=None, help="sample the starts with py-spy into this flame graph SVG"
     )
-    p.add_argument(
-        "--strategy",
-        choices=["preload", "lazy", "prefetch"],
-        default=None,
-        help="load strategy (env COSYSERVE_PRELOAD; default preload)",
+    _setting(
+        p,
+        "strategy",
+        help="load strategy: preload, lazy or prefetch (env COSYSERVE_PRELOAD; default preload)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up synthesis")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads in the started processes")
+    _setting(p, "threads")
     p.set_defaults(func=_cmd_startup_report)
 
     p = sub.add_parser(
@@ -348,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-text T: register a cloned voice; remove NAME; import FILE.pt / export FILE.pt: the reference's "
         "spk2info.pt format",
     )
-    _add_model(p)
+    _setting(p, "models")
     p.add_argument(
         "action",
         nargs="?",
@@ -364,12 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant", default="default", help="speaker registry namespace")
     p.add_argument("--overwrite", action="store_true", help="replace registered speakers of the same name")
     p.add_argument("--include-builtin", action="store_true", help="export the pre-defined speakers too")
-    p.add_argument(
-        "--registry-dir",
-        default=_env("registry_dir"),
-        help="speaker registry folder (env COSYSERVE_REGISTRY_DIR; default under the cache dir, per model)",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _setting(p, "registry_dir")
+    _setting(p, "threads")
     p.set_defaults(func=_cmd_speakers)
 
     p = sub.add_parser("conformance", help="check outputs against reference fixtures", formatter_class=fmt)
@@ -387,77 +362,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP server: OpenAI /v1/audio/speech, the reference's /inference_*, health, metrics",
         formatter_class=fmt,
     )
-    p.add_argument(
-        "--model",
-        action="append",
-        default=[m for m in [_env("model")] if m],
-        help="[NAME=]bundle, official model dir or hub id (iic/..., FunAudioLLM/...); repeat for several; "
-        "none: a tiny random-weight demo model (env COSYSERVE_MODEL)",
-    )
-    p.add_argument(
-        "--config", default=None, help="pool config TOML: models, tenants, budget (env COSYSERVE_POOL_CONFIG)"
-    )
-    p.add_argument(
-        "--host", default=None, help="address to listen on (env COSYSERVE_HOST; default 127.0.0.1)"
-    )
-    p.add_argument("--port", type=int, default=None, help="port (env COSYSERVE_PORT; default 8000)")
-    p.add_argument(
-        "--workers", type=int, default=None, help="server processes (env COSYSERVE_WORKERS; default 1)"
-    )
-    p.add_argument(
-        "--api-keys-file",
-        default=None,
-        help="file of KEY=TENANT lines; with keys, requests need a Bearer key (env COSYSERVE_API_KEYS_FILE, "
-        "or COSYSERVE_API_KEYS=KEY=TENANT,...)",
-    )
-    p.add_argument(
-        "--cors-origins",
-        default=None,
-        help="comma-separated CORS origins, * for any (env COSYSERVE_CORS_ORIGINS; default off)",
-    )
-    p.add_argument(
-        "--max-text-chars",
-        type=int,
-        default=None,
-        help="longest text accepted (env COSYSERVE_MAX_TEXT_CHARS; default 4096)",
-    )
-    p.add_argument(
-        "--max-upload-bytes",
-        type=int,
-        default=None,
-        help="largest audio upload (env COSYSERVE_MAX_UPLOAD_BYTES; default 16 MiB)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds per request (env COSYSERVE_REQUEST_TIMEOUT; default 300)",
-    )
-    p.add_argument(
-        "--drain-delay",
-        type=float,
-        default=None,
-        help="seconds the port stays open after SIGTERM, answering 503 so load balancers see the drain "
-        "(env COSYSERVE_DRAIN_DELAY; default 5)",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=None,
-        help="seconds in-flight requests get once the port closes; then they are cut "
-        "(env COSYSERVE_SHUTDOWN_GRACE; default 30)",
-    )
-    p.add_argument(
-        "--default-voice",
-        default=None,
-        help="speaker for OpenAI voice names (alloy, ...) (env COSYSERVE_DEFAULT_VOICE; default the first speaker)",
-    )
-    p.add_argument(
-        "--serve-log-level",
-        default=_env("serve_log_level", "info"),
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="server log level (env COSYSERVE_SERVE_LOG_LEVEL)",
-    )
+    _setting(p, "models", action="append")
+    for name in (
+        "pool_config",
+        "host",
+        "port",
+        "workers",
+        "api_keys_file",
+        "cors_origins",
+        "max_text_chars",
+        "max_upload_bytes",
+        "request_timeout_s",
+        "drain_delay_s",
+        "shutdown_grace_s",
+        "default_voice",
+        "serve_log_level",
+    ):
+        _setting(p, name)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
@@ -486,12 +407,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         hold_gc()
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        settings = Settings.load(flags=_flags(args))
+    except ValueError as e:  # SettingsError: names the flag, variable or file and key
+        print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    if args.command in _NEEDS_MODEL and not settings.models:
+        parser.error(f"{args.command} needs --model (or the COSYSERVE_MODEL variable)")
     if args.command in ("serve", "synth"):
         from cosyserve.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
-        models = args.model if isinstance(args.model, list) else [args.model]
-        prefetch_bundles(m.partition("=")[2] or m for m in models if m)
+        prefetch_bundles((m.partition("=")[2] or m for m in settings.models), settings.strategy)
     if args.command == "synth" and args.stream and args.speed != 1.0:
         parser.error("--speed needs one-shot synthesis: drop --stream or --speed")
     if args.command == "synth":
@@ -500,16 +427,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         _check_speakers_flags(parser, args)
     if args.command == "startup-report" and args.runs < 1:
         parser.error("--runs must be at least 1")
-    level = getattr(logging, str(args.log_level).upper(), None)
-    if not isinstance(level, int):
-        parser.error(f"--log-level: unknown level {args.log_level!r}")
+    level = logging.getLevelNamesMapping()[settings.log_level.upper()]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command != "serve" and level > logging.INFO:
         _show_progress()
     from cosyserve.errors import CosyserveError
 
     try:
-        args.func(args)
+        args.func(args, settings)
     except CLIError as e:
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -286,7 +286,7 @@ def prefetch_files(
     return [thread]
 
 
-def prefetch_bundles(paths: Iterable[str]) -> list[threading.Thread]:
+def prefetch_bundles(paths: Iterable[str], strategy: str = "preload") -> list[threading.Thread]:
     """Start :func:`prefetch_files` on the weight files of each of ``paths`` that is a bundle, largest first,
     unless the load strategy is ``lazy``.
 
@@ -295,18 +295,13 @@ def prefetch_bundles(paths: Iterable[str]) -> list[threading.Thread]:
 
     Args:
         paths: model arguments as given (bundles, model directories, hub ids: only bundles are read).
+        strategy: the ``strategy`` setting the models will load with.
 
     Returns:
         The reading thread (see :func:`prefetch_files`); empty when nothing is read.
     """
-    from cosyserve.errors import SettingsError
-    from cosyserve.settings import load_strategy
-
-    try:
-        if load_strategy() == "lazy":
-            return []
-    except SettingsError:
-        return []  # the load itself reports the bad setting
+    if strategy == "lazy":
+        return []
     files: list[tuple[int, Path]] = []
     for p in paths:
         d = Path(p)

@@ -160,27 +160,29 @@ def validate_tenant(tenant: object) -> str:
     return tenant
 
 
-def default_registry_dir(model: str | os.PathLike[str], key: str | None = None) -> Path:
-    """Where a model's registry lives: ``COSYSERVE_REGISTRY_DIR`` if set (used as is, by every model), else
-    ``<cache dir>/speakers/<key>`` (the cache dir is ``COSYSERVE_CACHE_DIR`` or ``~/.cache/cosyserve``).
+def default_registry_dir(
+    model: str | os.PathLike[str], key: str | None = None, *, registry_dir: Path | None, cache_dir: Path
+) -> Path:
+    """Where a model's registry lives: ``registry_dir`` if given (used as is, by every model), else
+    ``<cache_dir>/speakers/<key>`` (the settings ``registry_dir`` and ``cache_dir``: ``COSYSERVE_REGISTRY_DIR``,
+    ``COSYSERVE_CACHE_DIR``).
 
     Args:
         model: the model's path (bundle or official dir).
         key: what identifies the model (``Bundle.model_key``: a hash of its weight files' checksums), so two
             models in folders of the same name keep separate voices, and a moved, renamed or re-converted
             model keeps its own. ``None``: keyed by the folder's name, as older versions did.
+        registry_dir: the registry folder every model shares, or None.
+        cache_dir: the cache folder.
+    Returns:
+        The folder.
 
     Voices that older versions kept under ``<cache dir>/speakers/<folder name>`` are moved to the key's folder
     the first time the model opens it, unless it is unclear whose they are (see :func:`_adopt_legacy`).
     """
-    raw = os.environ.get("COSYSERVE_REGISTRY_DIR")
-    if raw is not None:
-        if not raw.strip():
-            raise RegistryError("COSYSERVE_REGISTRY_DIR is set but empty: unset it or give a folder")
-        return Path(raw).expanduser()
-    from cosyserve.settings import cache_dir
-
-    speakers = cache_dir() / "speakers"
+    if registry_dir is not None:
+        return registry_dir
+    speakers = cache_dir / "speakers"
     if key is None:
         return speakers / _legacy_key(model)
     if not re.fullmatch(r"[0-9a-f]{32}", key):

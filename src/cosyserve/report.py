@@ -17,10 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyserve.clock import PHASES
 from cosyserve.pagecache import cold_read_rate, evict, resident_bytes
+
+if TYPE_CHECKING:
+    from cosyserve.settings import Settings
 
 __all__ = ["spawn_timed", "startup_report", "waterfall_svg"]
 
@@ -309,18 +312,22 @@ def startup_report(
     as_json: bool = False,
     svg: str | None = None,
     flamegraph: str | None = None,
-    strategy: str | None = None,
     warmup: bool = True,
-    threads: int | None = None,
+    settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Time ``runs`` fresh starts of ``model`` and of the floor, print the report, return the summary dict."""
-    from cosyserve.api import resolve_bundle
-    from cosyserve.settings import load_strategy
+    """Time ``runs`` fresh starts of ``model`` and of the floor, print the report, return the summary dict.
 
+    The starts load with the ``strategy`` and ``threads`` of ``settings`` (default: read from the environment);
+    the other loading settings reach them through the environment they inherit.
+    """
+    from cosyserve.api import resolve_bundle
+    from cosyserve.settings import Settings
+
+    settings = settings if settings is not None else Settings.load()
     if flamegraph:
         _find_pyspy()
-    bundle = resolve_bundle(model)
-    strategy = strategy or load_strategy()
+    bundle = resolve_bundle(model, cache_dir=settings.cache_dir)
+    strategy, threads = settings.strategy, settings.threads
     files = _bundle_files(bundle)
     env = {k: v for k, v in os.environ.items() if k != "COSYSERVE_SPAWN_T0"}
     opts = {"model": str(bundle), "strategy": strategy, "warmup": warmup, "threads": threads}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cosyserve.errors import ModelDirError
 
-__all__ = ["DEMO_MODEL", "demo_model_dir", "resolve_bundle", "resolve_source"]
+__all__ = ["DEMO_MODEL", "cache_dir_of", "demo_model_dir", "resolve_bundle", "resolve_source"]
 
 logger = logging.getLogger(__name__)
 # expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
@@ -27,12 +27,21 @@ progress_logger = logging.getLogger("cosyserve.progress")
 DEMO_MODEL = "demo"
 
 
-def demo_model_dir() -> Path:
-    """The demo model's directory in the cache, generated the first time (a tiny random-weight model)."""
-    from cosyserve.settings import cache_dir
+def cache_dir_of(cache_dir: Path | None) -> Path:
+    """``cache_dir``, or when None the ``cache_dir`` setting of the environment (for callers without settings)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    from cosyserve.settings import Settings
+
+    return Settings.load().cache_dir  # a caller without settings: the environment's, read now
+
+
+def demo_model_dir(cache_dir: Path | None = None) -> Path:
+    """The demo model's directory in ``cache_dir`` (default: the ``cache_dir`` setting), generated the first time
+    (a tiny random-weight model)."""
     from cosyserve.testmodel import make_test_model
 
-    path = cache_dir() / "demo-model"
+    path = cache_dir_of(cache_dir) / "demo-model"
     if not (path / "cosyvoice.yaml").exists():
         logger.warning(
             "demo model: generating a tiny random-weight model in %s (it makes noise, not speech)", path
@@ -44,33 +53,33 @@ def demo_model_dir() -> Path:
     return path
 
 
-def resolve_source(source: str | Path) -> Path:
-    """A local directory for ``source``: the path itself when it exists, else the demo model for ``demo``, a hub
-    id's download, or the path as given (whose absence the caller reports)."""
+def resolve_source(source: str | Path, cache_dir: Path | None = None) -> Path:
+    """A local directory for ``source``: the path itself when it exists, else the demo model for ``demo`` (in
+    ``cache_dir``), a hub id's download, or the path as given (whose absence the caller reports)."""
     from cosyserve.hub import download, is_hub_id
 
     if Path(source).exists():
         return Path(source)
     if str(source) == DEMO_MODEL:
-        return demo_model_dir()
+        return demo_model_dir(cache_dir)
     if is_hub_id(str(source)):
         return download(str(source))
     return Path(source)
 
 
-def resolve_bundle(source: str | Path, *, progress: bool = True) -> Path:
+def resolve_bundle(source: str | Path, *, progress: bool = True, cache_dir: Path | None = None) -> Path:
     """A bundle for ``source`` (see the module docstring): the path itself if it is a bundle; for an official
-    model dir, a bundle converted into the cache dir (``COSYSERVE_CACHE_DIR``), reused while the source files are
-    unchanged.
+    model dir, a bundle converted into ``cache_dir`` (default: the ``cache_dir`` setting), reused while the
+    source files are unchanged.
 
     Raises:
         ModelDirError: no such directory, or neither a bundle nor an official model dir.
         BundleError, ModelConfigError, HubError: the source cannot be used.
     """
     from cosyserve.bundle.loader import is_bundle
-    from cosyserve.settings import cache_dir
 
-    path = resolve_source(source)
+    cache = cache_dir_of(cache_dir)
+    path = resolve_source(source, cache)
     if is_bundle(path):
         return path
     if not path.is_dir():
@@ -84,7 +93,7 @@ def resolve_bundle(source: str | Path, *, progress: bool = True) -> Path:
         if f.is_file():
             st = f.stat()
             key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    target = cache_dir() / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
+    target = cache / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert
 

@@ -194,8 +194,8 @@ def render_yaml(size: str) -> str:
 
 
 def model_config(size: str) -> Any:
-    """The parsed :class:`cosyserve.config.ModelConfig` of a test model of ``size`` (no weights written)."""
-    from cosyserve.config import load_model_config
+    """The parsed :class:`cosyserve.modelconfig.ModelConfig` of a test model of ``size`` (no weights written)."""
+    from cosyserve.modelconfig import load_model_config
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
@@ -251,7 +251,7 @@ def make_test_model(
     """
     import torch
 
-    from cosyserve.config import load_model_config
+    from cosyserve.modelconfig import load_model_config
     from cosyserve.models.flow import MaskedDiffWithXvec
     from cosyserve.models.hift import HiFTGenerator
     from cosyserve.models.llm import TransformerLM

@@ -13,7 +13,6 @@ existing file or directory.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -154,7 +153,7 @@ def convert(
 
     from cosyserve import __version__
     from cosyserve.bundle.official import is_instruct_model_dir, load_speakers
-    from cosyserve.config import load_model_config
+    from cosyserve.modelconfig import config_tree, load_model_config
     from cosyserve.staging import Staging
 
     if dtype not in DTYPE_CHOICES:
@@ -174,10 +173,7 @@ def convert(
             "converter": f"cosyserve {__version__}",
             "dtype": dtype,
             "instruct": is_instruct_model_dir(model_dir),  # takes instruct mode (see is_instruct_model_dir)
-            "config": {
-                "sample_rate": cfg.sample_rate,
-                **{name: dataclasses.asdict(getattr(cfg, name)) for name in COMPONENTS},
-            },
+            "config": config_tree(cfg),
             "components": {},
             "source": {"dir": str(model_dir.resolve()), "files": {}},
             "extras": {},

@@ -98,22 +98,12 @@ class Bundle:
 
     @property
     def config(self) -> Any:
-        """The :class:`cosyserve.config.ModelConfig` stored at conversion."""
+        """The :class:`cosyserve.modelconfig.ModelConfig` stored at conversion (built as the yaml's is)."""
         if self._config is None:
-            from cosyserve.config import ModelConfig, build_config
-            from cosyserve.models.flow import FlowConfig
-            from cosyserve.models.hift import HiFTConfig
-            from cosyserve.models.llm import LLMConfig
+            from cosyserve.modelconfig import build_model_config
 
             src = self.path / "manifest.json"
-            c = self.manifest["config"]
-            self._config = ModelConfig(
-                sample_rate=int(c["sample_rate"]),
-                llm=build_config(LLMConfig, c["llm"], source=src, where="config.llm"),
-                flow=build_config(FlowConfig, c["flow"], source=src, where="config.flow"),
-                hift=build_config(HiFTConfig, c["hift"], source=src, where="config.hift"),
-                source=str(src),
-            )
+            self._config = build_model_config(self.manifest.get("config"), source=src, where="config")
         return self._config
 
     @property

@@ -20,7 +20,7 @@ class CaseContext:
 
     @cached_property
     def config(self) -> Any:
-        from cosyserve.config import load_model_config
+        from cosyserve.modelconfig import load_model_config
 
         return load_model_config(self.model_dir)
 

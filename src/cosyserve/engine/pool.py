@@ -499,7 +499,8 @@ class ModelPool:
         try:
             concurrent.futures.wait(waits)
             engine.load_sync()
-            size = int(engine.runtime.mapped_bytes())
+            runtime = engine.runtime  # None when the engine was released as soon as it loaded (a close)
+            size = int(runtime.mapped_bytes()) if runtime is not None else 0
         except BaseException as e:  # noqa: BLE001 - reported through the future
             error = e
         finally:

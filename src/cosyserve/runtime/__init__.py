@@ -11,6 +11,7 @@ once from as many threads; :meth:`Runtime.start` runs in the thread that will it
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class RuntimeOptions:
         text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.
         zero_shot_tier: the prompt modes' ONNX sessions: ``lazy`` (first request) or ``background``.
         registry_dir: where registered voices live (None: the cache dir, per model).
+        cache_dir: where official model dirs are converted to bundles, and the demo model lives (None: the
+            ``cache_dir`` setting of the environment).
         default_voice: the speaker of requests that name none (None: the model's first pre-defined speaker).
     """
 
@@ -79,7 +82,27 @@ class RuntimeOptions:
     text_tier: Literal["background", "lazy"] = "background"
     zero_shot_tier: Literal["lazy", "background"] = "lazy"
     registry_dir: str | None = None
+    cache_dir: str | None = None
     default_voice: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
+        """The options a :class:`cosyserve.settings.Settings` asks for; ``overrides`` (fields) win."""
+        s = settings
+        options = cls(
+            strategy=s.strategy,
+            verify=s.verify,
+            use_mmap=s.use_mmap,
+            warmup=s.warmup,
+            warmup_tokens=s.warmup_tokens,
+            threads=s.threads,
+            text_tier=s.text_tier,
+            zero_shot_tier=s.zero_shot_tier,
+            registry_dir=str(s.registry_dir) if s.registry_dir is not None else None,
+            cache_dir=str(s.cache_dir),
+            default_voice=s.default_voice,
+        )
+        return dataclasses.replace(options, **overrides) if overrides else options
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

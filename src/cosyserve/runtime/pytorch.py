@@ -263,9 +263,10 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    from cosyserve.api import resolve_bundle
+    from cosyserve.sources import cache_dir_of, resolve_bundle
 
-    bundle_dir = resolve_bundle(path)
+    cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
+    bundle_dir = resolve_bundle(path, cache_dir=cache_dir)
     t_load = time.perf_counter()
     with clock.phase("manifest"):
         bundle = open_bundle(bundle_dir)
@@ -281,7 +282,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         cfg = bundle.config
         flow = parts.modules["flow"]
         policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
-        registry_root = o.registry_dir or default_registry_dir(Path(str(path)), bundle.model_key)
+        registry_root = o.registry_dir or default_registry_dir(
+            Path(str(path)),
+            bundle.model_key,
+            registry_dir=None,
+            cache_dir=cache_dir,
+        )
         pipeline = Pipeline(
             parts.modules["llm"],
             flow,

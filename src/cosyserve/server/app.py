@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -38,9 +37,8 @@ from cosyserve.clock import PhaseClock
 from cosyserve.engine.streams import shared
 from cosyserve.errors import CosyserveError, UnknownModelError
 from cosyserve.gchold import release_gc
-from cosyserve.server.config import ServerConfig
 from cosyserve.server.errors import LastResortMiddleware, cosyserve_error_response, error_response, status_of
-from cosyserve.sources import DEMO_MODEL
+from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -51,11 +49,11 @@ _STATIC = os.path.join(os.path.dirname(__file__), "static")
 
 
 class ServerState:
-    """What the routes share: config, pool, API keys, metrics and the start-up/drain flags."""
+    """What the routes share: the settings (``config``), pool, API keys, metrics and the start-up/drain flags."""
 
-    def __init__(self, config: ServerConfig, pool: Any = None) -> None:
-        from cosyserve.engine.pool import ModelSpec
-        from cosyserve.engine.poolconfig import build_pool, load_pool_config
+    def __init__(self, config: Settings, pool: Any = None) -> None:
+        from cosyserve.engine.poolfile import build_pool, load_pool_config
+        from cosyserve.runtime import RuntimeOptions
         from cosyserve.server.metrics import Metrics
 
         self.config = config
@@ -73,30 +71,10 @@ class ServerState:
         self.demo = config.demo
         self._server: Any = None  # the uvicorn server, to stop it when start-up fails
         if pool is None:
-            cfg = load_pool_config(config.pool_config)
-            models = dict(cfg.models)
-            args = list(config.models)
-            if self.demo:
-                from cosyserve.server.config import ModelArg
-
-                args = [ModelArg(DEMO_MODEL, DEMO_MODEL)]
-            for m in args:
-                if m.name in models:
-                    raise ValueError(f"--model {m.name!r}: the pool config already has a model of that name")
-                from cosyserve.settings import env_int
-
-                models[m.name] = ModelSpec(
-                    name=m.name,
-                    path=m.source,
-                    policy="preload",
-                    instances=env_int("MODEL_POOL_SIZE", 1) or 1,
-                    queue_limit=env_int("COSYSERVE_QUEUE_LIMIT", 16, minimum=0) or 0,
-                    batch_size=env_int("COSYSERVE_BATCH_SIZE", 1) or 1,
-                )
-            cfg = dataclasses.replace(cfg, models=models)
-            from cosyserve.api import runtime_options
-
-            pool = build_pool(cfg, runtime_options=runtime_options())
+            # --model models are preloaded, with the same defaults as the pool config's models
+            args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if self.demo else config.model_args()
+            cfg = load_pool_config(config, preload=args)
+            pool = build_pool(cfg, runtime_options=RuntimeOptions.from_settings(config))
             self.housekeeping_s: float | None = cfg.housekeeping_interval_s
         else:
             self.housekeeping_s = None
@@ -266,12 +244,19 @@ def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
     return previous
 
 
-def create_app(config: ServerConfig | None = None, *, pool: Any = None) -> Starlette:
-    """The cosyserve ASGI app (models load in the background once the lifespan starts)."""
+def create_app(config: Settings | None = None, *, pool: Any = None) -> Starlette:
+    """The cosyserve ASGI app (models load in the background once the lifespan starts).
+
+    Args:
+        config: the settings (default: read from the environment).
+        pool: a ready-made pool (tests); default: built from the settings' pool config and models.
+    Returns:
+        The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
+    """
     from cosyserve.server import openai_api, reference_api
     from cosyserve.server.auth import AuthMiddleware
 
-    config = config or ServerConfig.from_args()
+    config = config if config is not None else Settings.load()
     state = ServerState(config, pool=pool)
 
     @contextlib.asynccontextmanager

@@ -3,36 +3,29 @@
 One worker runs in this process (exit code 0 after a SIGTERM drain, 3 when a preload model fails to load);
 several workers run under uvicorn's process manager, each loading its own models (mapped from the same files,
 their weights share the page cache's pages), and share their metrics through a private directory this process
-makes and removes.
+makes and removes. Each worker receives the :class:`Settings` object itself: it travels inside uvicorn's
+``Config``, which multiprocessing pickles to every spawned worker, and the worker builds its app from it.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import math
 import os
 import shutil
 import signal
 import tempfile
+from typing import Any
 
-from cosyserve.server.config import ServerConfig
+from cosyserve.settings import Settings
 
-__all__ = ["app_from_env", "serve"]
+__all__ = ["serve"]
 
-_ENV = "COSYSERVE_SERVE_CONFIG"
 _MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 # uvicorn's own grace timeout is a backstop only: the app cuts what still runs when the grace is over
 # (ServerState._cut_leftovers), and the requests it cut need a moment to end
 _BACKSTOP_S = 5
-
-
-def _config_to_env(cfg: ServerConfig) -> str:
-    d = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    d["models"] = [[m.name, m.source] for m in cfg.models]
-    d["api_keys"] = dict(cfg.api_keys)
-    d["cors_origins"] = list(cfg.cors_origins)
-    return json.dumps(d)
 
 
 class _QuietStreamCuts(logging.Filter):
@@ -51,49 +44,58 @@ class _QuietStreamCuts(logging.Filter):
         return not isinstance(exc, StreamCut)
 
 
-def _setup_logging(config: ServerConfig) -> None:
+def _setup_logging(settings: Settings) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(config.log_level.upper())
+    logging.getLogger().setLevel(settings.serve_log_level.upper())
     uv = logging.getLogger("uvicorn.error")  # the logger uvicorn's HTTP protocols report app exceptions on
     if not any(isinstance(f, _QuietStreamCuts) for f in uv.filters):
         uv.addFilter(_QuietStreamCuts())
 
 
-def app_from_env():  # type: ignore[no-untyped-def]
-    """uvicorn factory for worker processes (``--workers N``): the config travels in an env variable."""
+def _worker_app(settings: Settings) -> Any:
+    """The app of one worker process (``--workers N``), built there from the settings the parent pickled."""
     from cosyserve.server.app import create_app
-    from cosyserve.server.config import ModelArg
 
-    d = json.loads(os.environ[_ENV])
-    d["models"] = tuple(ModelArg(n, s) for n, s in d["models"])
-    d["cors_origins"] = tuple(d["cors_origins"])
-    config = ServerConfig(**d)
-    _setup_logging(config)  # a spawned worker starts with logging unconfigured
-    return create_app(config)
+    _setup_logging(settings)  # a spawned worker starts with logging unconfigured
+    return create_app(settings)
 
 
-def serve(config: ServerConfig) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
+def serve(settings: Settings) -> int:
+    """Run the server until SIGTERM/SIGINT.
+
+    Args:
+        settings: what to serve and how (host, port, workers, models, pool config, limits, ...).
+    Returns:
+        The process exit code: 0 after a drain, 3 when a preload model failed to load.
+    """
     import uvicorn
 
-    _setup_logging(config)
-    common = dict(
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s) + _BACKSTOP_S,
+    _setup_logging(settings)
+    common: dict[str, Any] = dict(
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.serve_log_level,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + _BACKSTOP_S,
         access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
         log_config=None,
     )
-    if config.workers > 1:
+    if settings.workers > 1:
+        from uvicorn.supervisors import Multiprocess
+
         # set before any worker starts, hence before prometheus_client is imported there (it picks its value
         # class at import); always a fresh directory of ours: files left by another run would add to our counts
         metrics_dir = tempfile.mkdtemp(prefix="cosyserve-metrics-")
         saved = os.environ.get(_MULTIPROC)
         os.environ[_MULTIPROC] = metrics_dir
-        os.environ[_ENV] = _config_to_env(config)
         try:
-            uvicorn.run("cosyserve.server.run:app_from_env", factory=True, workers=config.workers, **common)  # type: ignore[arg-type]
+            # what uvicorn.run does for workers, with the app factory bound to the settings instead of named by
+            # an import string: the partial (and the settings in it) is pickled to each spawned worker
+            config = uvicorn.Config(
+                functools.partial(_worker_app, settings), factory=True, workers=settings.workers, **common
+            )
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+        except KeyboardInterrupt:
+            pass
         finally:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             if saved is None:
@@ -103,7 +105,7 @@ def serve(config: ServerConfig) -> int:
         return 0
     from cosyserve.server.app import STARTUP_FAILURE, create_app
 
-    app = create_app(config)
+    app = create_app(settings)
     state = app.state.cosy
     server = uvicorn.Server(uvicorn.Config(app, **common))  # type: ignore[arg-type]
     state._server = server

@@ -21,7 +21,16 @@ from typing import Any, ClassVar
 
 from cosyserve.errors import ModelConfigError
 
-__all__ = ["ModelConfigError", "ModelConfig", "Tagged", "build_config", "load_model_config", "read_yaml"]
+__all__ = [
+    "ModelConfig",
+    "ModelConfigError",
+    "Tagged",
+    "build_config",
+    "build_model_config",
+    "config_tree",
+    "load_model_config",
+    "read_yaml",
+]
 
 
 @dataclass(frozen=True)
@@ -286,6 +295,45 @@ class ModelConfig:
     KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
 
 
+def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> ModelConfig:
+    """The :class:`ModelConfig` of a parsed config tree: the one builder for an official dir's yaml
+    (:func:`load_model_config`) and a bundle's manifest, which stores the same tree as plain data.
+
+    Args:
+        tree: a mapping with ``sample_rate``, ``llm``, ``flow`` and ``hift`` (yaml records or plain mappings).
+        source: the file it was read from, for errors.
+        where: the key path of ``tree`` in that file (``config`` in a manifest), for errors.
+    Returns:
+        The :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
+    """
+    from cosyserve.models.flow import FlowConfig
+    from cosyserve.models.hift import HiFTConfig
+    from cosyserve.models.llm import LLMConfig
+
+    if not isinstance(tree, dict):
+        raise ModelConfigError(f"{source}: '{where or 'top level'}' should be a mapping, got {tree!r}")
+    for key in ModelConfig.KNOWN:
+        if key not in tree:
+            raise ModelConfigError(
+                f"{source}: missing required {'top-level ' if not where else ''}key '{_join(where, key)}'"
+            )
+    return ModelConfig(
+        sample_rate=_coerce(int, tree["sample_rate"], source, _join(where, "sample_rate")),
+        llm=build_config(LLMConfig, tree["llm"], source=source, where=_join(where, "llm")),
+        flow=build_config(FlowConfig, tree["flow"], source=source, where=_join(where, "flow")),
+        hift=build_config(HiFTConfig, tree["hift"], source=source, where=_join(where, "hift")),
+        source=str(source),
+    )
+
+
+def config_tree(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg`` as plain data (what a bundle's manifest stores; :func:`build_model_config` reads it back)."""
+    return {
+        "sample_rate": cfg.sample_rate,
+        **{k: dataclasses.asdict(getattr(cfg, k)) for k in ("llm", "flow", "hift")},
+    }
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read ``MODEL_DIR/cosyvoice.yaml`` and build the LLM, flow and HiFT configs.
 
@@ -294,10 +342,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     Returns:
         A :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
-    from cosyserve.models.flow import FlowConfig
-    from cosyserve.models.hift import HiFTConfig
-    from cosyserve.models.llm import LLMConfig
-
     path = Path(model_dir)
     if path.is_dir():
         path = path / "cosyvoice.yaml"
@@ -307,14 +351,4 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
     if unknown:
         raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
-    for key in ModelConfig.KNOWN:
-        if key not in doc:
-            raise ModelConfigError(f"{path}: missing required top-level key '{key}'")
-    sample_rate = _coerce(int, doc["sample_rate"], path, "sample_rate")
-    return ModelConfig(
-        sample_rate=sample_rate,
-        llm=build_config(LLMConfig, doc["llm"], source=path, where="llm"),
-        flow=build_config(FlowConfig, doc["flow"], source=path, where="flow"),
-        hift=build_config(HiFTConfig, doc["hift"], source=path, where="hift"),
-        source=str(path),
-    )
+    return build_model_config(doc, source=path)

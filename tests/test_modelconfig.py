@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.config import Tagged, load_model_config, read_yaml
 from cosyserve.errors import ModelConfigError
+from cosyserve.modelconfig import Tagged, load_model_config, read_yaml
 from cosyserve.testmodel import render_yaml
 
 
