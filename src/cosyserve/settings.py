@@ -384,7 +384,7 @@ class Settings:
         env="COSYSERVE_DEFAULT_VOICE",
         flag="--default-voice",
         cast=Text(),
-        doc="speaker used for OpenAI voice names (alloy, ...) the model does not have",
+        doc="speaker that OpenAI voice names (alloy, echo, ...) stand for",
         shown="first speaker",
     )
     serve_log_level: str = _serve(

@@ -41,7 +41,20 @@ async def shared(fut: concurrent.futures.Future[Any]) -> Any:
     return await asyncio.shield(asyncio.wrap_future(fut))
 
 
-class AudioStream:
+class _StreamBase:
+    """What both streams hold: the engine, the job, the resolved request and the cancel-on-drop finaliser."""
+
+    def __init__(self, engine: Engine, job: Job) -> None:
+        self._engine = engine
+        self._job = job
+        self._done = False
+        self.request = job.request  # as the runtime resolved it (mode, speaker)
+        self.request_id = job.request.request_id
+        self.sample_rate = engine.sample_rate
+        weakref.finalize(self, _cancel_if_running, engine, job)
+
+
+class AudioStream(_StreamBase):
     """The audio of one admitted request: ``async for chunk in stream`` (float32 numpy arrays).
 
     Closing it early (``await stream.aclose()``, ``async with``, or the consuming task being cancelled)
@@ -49,14 +62,8 @@ class AudioStream:
     """
 
     def __init__(self, engine: Engine, job: Job, q: asyncio.Queue[Any]) -> None:
-        self._engine = engine
-        self._job = job
+        super().__init__(engine, job)
         self._q = q
-        self._done = False
-        self.request = job.request  # as the runtime resolved it (mode, speaker)
-        self.request_id = job.request.request_id
-        self.sample_rate = engine.sample_rate
-        weakref.finalize(self, _cancel_if_running, engine, job)
 
     def __aiter__(self) -> AsyncIterator[np.ndarray]:
         return self
@@ -106,18 +113,12 @@ def _cancel_if_running(engine: Engine, job: Job) -> None:
         engine.cancel(job, RequestCancelledError("stream dropped without being closed"))
 
 
-class SyncAudioStream:
+class SyncAudioStream(_StreamBase):
     """Blocking iterator over one admitted request's chunks; ``close()`` cancels it."""
 
     def __init__(self, engine: Engine, job: Job, q: queue.SimpleQueue[Any]) -> None:
-        self._engine = engine
-        self._job = job
+        super().__init__(engine, job)
         self._q = q
-        self._done = False
-        self.request = job.request  # as the runtime resolved it (mode, speaker)
-        self.request_id = job.request.request_id
-        self.sample_rate = engine.sample_rate
-        weakref.finalize(self, _cancel_if_running, engine, job)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self
