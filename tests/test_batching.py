@@ -1,4 +1,5 @@
-"""Continuous batching of the LM (cosyserve.runtime.batching): batched outputs equal unbatched ones."""
+"""Continuous batching of the LM (cosyserve.runtime.batching) and stacked flow/vocoder calls
+(cosyserve.runtime.stacking): batched outputs equal unbatched ones."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from cosyserve.engine.engine import Engine
 from cosyserve.models import llm as llm_module
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions, batching, load_runtime
-from cosyserve.runtime.batching import BatchingLM, FlowBatcher, VocoderBatcher
+from cosyserve.runtime.batching import BatchingLM
+from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
 # Batched decode multiplies a (B, C) matrix where the unbatched one multiplies (1, C), and attends over the
 # batch's longest row with the extra keys masked: the same values up to float rounding.
@@ -296,7 +298,7 @@ def test_flow_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any) ->
         lambda: [flow.inference(*call, generator=g) for call, g in zip(calls, ref_gens, strict=True)]
     )
     # max 3: the three 50-token calls fill a group and run at once; the 40-token one waits out gather_s alone
-    fb = batching.FlowBatcher(flow, 3, gather_s=1.0)
+    fb = FlowBatcher(flow, 3, gather_s=1.0)
     assert fb.input_frame_rate == flow.input_frame_rate  # the flow's attributes show through
     generators = gens()
     with concurrent.futures.ThreadPoolExecutor(
@@ -327,7 +329,7 @@ def test_vocoder_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any)
     ref = _in_thread(
         lambda: [hift.inference(m, c, generator=g) for m, c, g in zip(mels, caches, ref_gens, strict=True)]
     )
-    vb = batching.VocoderBatcher(hift, 3, gather_s=1.0)
+    vb = VocoderBatcher(hift, 3, gather_s=1.0)
     generators = gens()
     with concurrent.futures.ThreadPoolExecutor(4, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         futures = [

@@ -343,7 +343,7 @@ def test_voices_kept_under_the_folder_name_move_to_their_model_once(
     assert legacy == speakers / "bundle"
     SpeakerRegistry(legacy).add("old-voice", zero_shot_entry(1), tenant="t1")
     key_a, key_b = "a" * 32, "b" * 32
-    caplog.set_level(logging.INFO, logger="cosyserve.registry")
+    caplog.set_level(logging.INFO, logger="cosyserve.registry_location")
 
     root_a = default_dir("/models/a/bundle", key_a)
     assert root_a == speakers / key_a

@@ -1,8 +1,9 @@
 """Several models in one process under a memory budget: preload / lazy / idle TTL / pinned, LRU-K eviction.
 
-Each model (:class:`ModelSpec`) gets an :class:`~cosyserve.engine.engine.Engine` when it is loaded and loses it
-when it is evicted; its :class:`~cosyserve.engine.stats.ModelStats` and its opened bundle (manifest, config)
-stay, so a reload skips conversion and checksum work and finds the weight pages in the page cache.
+Each model (:class:`~cosyserve.engine.entries.ModelSpec`, kept in an :class:`~cosyserve.engine.entries.Entry`)
+gets an :class:`~cosyserve.engine.engine.Engine` when it is loaded and loses it when it is evicted; its
+:class:`~cosyserve.engine.stats.ModelStats` and its opened bundle (manifest, config) stay, so a reload skips
+conversion and checksum work and finds the weight pages in the page cache.
 
 Rules, all applied under one pool lock (engine locks are only ever taken inside it, never the reverse):
 
@@ -25,16 +26,15 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import replace
+from typing import Any
 
 from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
+from cosyserve.engine.entries import Entry, ModelSpec, PoolEvent
 from cosyserve.engine.eviction import evictable, lru_k_order, plan_room, pressure_victims
 from cosyserve.engine.quotas import InFlight, Tenant, sole_owners
 from cosyserve.engine.state import EngineState
-from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
 from cosyserve.errors import OverloadedError, UnknownModelError
 from cosyserve.pagecache import memory_limit_bytes, memory_usage, rss_of_files
@@ -52,67 +52,6 @@ __all__ = [
     "rss_of_files",
 ]
 
-Policy = Literal["preload", "lazy"]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model of the pool.
-
-    Args:
-        name: the name requests use.
-        path: bundle or official model dir (default loader); fakes may leave it None.
-        policy: ``preload`` (loaded by :meth:`ModelPool.start`, in parallel) or ``lazy`` (on first request).
-        pinned: never evicted (neither TTL nor pressure nor budget).
-        idle_ttl_s: release after this many idle seconds (None: never).
-        instances: prewarmed instances (``MODEL_POOL_SIZE``), each with its own worker.
-        batch_size: requests each instance serves at once, LM steps batched (``COSYSERVE_BATCH_SIZE``).
-        runtime: the runtime that runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
-        queue_limit: requests allowed to wait per model before :class:`OverloadedError`.
-        size_bytes: memory estimate used before the first load (default: the bundle's file sizes).
-        warmup: warm-up synthesis on the first load.
-        reload_warmup: warm-up on reloads after eviction (off: kernels are warm, pages are cached).
-        load_options: fields of :class:`cosyserve.runtime.RuntimeOptions` for this model (strategy, verify,
-            use_mmap, ...), over the pool's ``runtime_options``.
-    """
-
-    name: str
-    path: str | None = None
-    policy: Policy = "lazy"
-    pinned: bool = False
-    idle_ttl_s: float | None = None
-    instances: int = 1
-    batch_size: int = 1
-    queue_limit: int = 16
-    size_bytes: int | None = None
-    warmup: bool = True
-    reload_warmup: bool = False
-    runtime: str = "torch"
-    load_options: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("preload", "lazy"):
-            raise ValueError(f"model {self.name!r}: policy must be preload or lazy, got {self.policy!r}")
-        if self.instances < 1:
-            raise ValueError(f"model {self.name!r}: instances must be >= 1, got {self.instances}")
-        if self.batch_size < 1:
-            raise ValueError(f"model {self.name!r}: batch_size must be >= 1, got {self.batch_size}")
-        if self.idle_ttl_s is not None and self.idle_ttl_s <= 0:
-            raise ValueError(f"model {self.name!r}: idle_ttl_s must be > 0, got {self.idle_ttl_s}")
-
-
-@dataclass(frozen=True)
-class PoolEvent:
-    """``kind`` is load_started / loaded / load_failed / evicting / evicted; ``detail`` the reason or error."""
-
-    kind: str
-    model: str
-    at: float
-    detail: str = ""
-
-
-# -- the pool -------------------------------------------------------------------------------------------------
-
 
 def _no_release() -> None:
     pass
@@ -120,42 +59,6 @@ def _no_release() -> None:
 
 def _keeps_being_evicted(name: str) -> OverloadedError:
     return OverloadedError(f"model {name!r} keeps being evicted under memory pressure", retry_after=1.0)
-
-
-class _Entry:
-    """One model of the pool: its spec, stats and uses, and its engine while resident."""
-
-    def __init__(self, spec: ModelSpec, k: int) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.pinned = spec.pinned
-        self.stats = ModelStats(spec.name)
-        self.engine: Engine | None = None
-        self.uses: deque[tuple[float, int]] = deque(maxlen=k)
-        self.idle_since: float | None = None
-        self.bytes: int | None = None  # measured for the current engine
-        self.last_bytes: int | None = None  # measured at the last load (the next load's estimate)
-        self.reserved = 0
-        self.load_future: concurrent.futures.Future[Engine] | None = None
-        self.retiring: Engine | None = None
-        self.retiring_bytes = 0
-        self.release_future: concurrent.futures.Future[None] | None = None
-        self.loaded_once = False
-        self.bundle: Any = None
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and self.engine.state is EngineState.READY
-
-    @property
-    def idle(self) -> bool:
-        return self.ready and self.engine is not None and self.engine.in_flight == 0
-
-    def held_bytes(self) -> int:
-        held = self.retiring_bytes
-        if self.engine is not None and self.engine.state in (EngineState.LOADING, EngineState.READY):
-            held += self.bytes if self.bytes is not None else self.reserved
-        return held
 
 
 class ModelPool:
@@ -195,11 +98,11 @@ class ModelPool:
             raise ValueError(f"lru_k must be >= 1, got {lru_k}")
         if pressure_threshold is not None and not (0.0 < pressure_threshold <= 1.0):
             raise ValueError(f"pressure_threshold must be in (0, 1], got {pressure_threshold}")
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         for spec in specs:
             if spec.name in self._entries:
                 raise ValueError(f"model {spec.name!r} is listed twice")
-            self._entries[spec.name] = _Entry(spec, lru_k)
+            self._entries[spec.name] = Entry(spec, lru_k)
         self.memory_budget = memory_budget
         self.pressure_threshold = pressure_threshold
         self.lru_k = lru_k
@@ -253,7 +156,7 @@ class ModelPool:
         """The model's current engine (None when not loaded)."""
         return self._entry(name).engine
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> Entry:
         try:
             return self._entries[name]
         except KeyError:
@@ -306,7 +209,7 @@ class ModelPool:
 
     def _lookup(
         self, name: str, tenant: str | None
-    ) -> tuple[_Entry, concurrent.futures.Future[Engine] | None]:
+    ) -> tuple[Entry, concurrent.futures.Future[Engine] | None]:
         entry = self._entry(name)
         with self._lock:
             now = self.clock()
@@ -317,7 +220,7 @@ class ModelPool:
 
     def _admit(
         self,
-        entry: _Entry,
+        entry: Entry,
         admit: Callable[[Engine, Callable[[], None]], Any],
         on_done: Callable[[], None] | None,
         release: Callable[[], None],
@@ -406,7 +309,7 @@ class ModelPool:
         clock = PhaseClock(t0=time.time()) if reload else PhaseClock()
         return load_runtime(spec.path, options, runtime=spec.runtime, clock=clock)
 
-    def _estimate_locked(self, entry: _Entry) -> int:
+    def _estimate_locked(self, entry: Entry) -> int:
         if entry.last_bytes is not None:
             return entry.last_bytes
         if entry.spec.size_bytes is not None:
@@ -435,7 +338,7 @@ class ModelPool:
     async def load(self, name: str) -> Engine:
         return await shared(self.start_load(name))
 
-    def _ensure_loading_locked(self, entry: _Entry, tenant: str | None) -> concurrent.futures.Future[Engine]:
+    def _ensure_loading_locked(self, entry: Entry, tenant: str | None) -> concurrent.futures.Future[Engine]:
         if entry.load_future is not None and not entry.load_future.done():
             return entry.load_future
         if entry.ready:
@@ -488,7 +391,7 @@ class ModelPool:
 
     def _load_main(
         self,
-        entry: _Entry,
+        entry: Entry,
         engine: Engine,
         fut: concurrent.futures.Future[Engine],
         waits: list[concurrent.futures.Future[None]],
@@ -522,12 +425,12 @@ class ModelPool:
 
     # -- eviction --------------------------------------------------------------------------------------------
 
-    def _busy_retry_after_locked(self, entries: list[_Entry]) -> float:
+    def _busy_retry_after_locked(self, entries: list[Entry]) -> float:
         # a busy model can be evicted once it has nothing in flight: the first of them expected to get there
         waits = [e.engine.idle_after() for e in entries if e.engine is not None and e.ready]
         return min(waits, default=RETRY_AFTER_BOUNDS_S[0])
 
-    def _begin_evict_locked(self, entry: _Entry, reason: str) -> bool:
+    def _begin_evict_locked(self, entry: Entry, reason: str) -> bool:
         engine = entry.engine
         if engine is None or not engine.try_begin_drain():
             return False

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.casts import Int, parse_size
-from cosyserve.engine.pool import ModelPool, ModelSpec
+from cosyserve.engine.entries import ModelSpec
+from cosyserve.engine.pool import ModelPool
 from cosyserve.engine.quotas import Tenant, TenantQuota
 from cosyserve.errors import SettingsError
 from cosyserve.pagecache import memory_limit_bytes

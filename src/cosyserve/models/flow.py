@@ -317,7 +317,7 @@ class MaskedDiffWithXvec(nn.Module):
 
         A batch of B > 1 utterances must have equal lengths (every ``token_len`` = T, every
         ``prompt_token_len`` = P; no padding): row b then equals the call with row b alone, up to float rounding
-        (:class:`~cosyserve.runtime.batching.FlowBatcher` stacks concurrent requests' calls this way).
+        (:class:`~cosyserve.runtime.stacking.FlowBatcher` stacks concurrent requests' calls this way).
 
         Args:
             token: [B, T] speech token ids to synthesise.

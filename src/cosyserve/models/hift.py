@@ -288,7 +288,7 @@ class HiFTGenerator(nn.Module):
         """The (sine_phase, sine_noise) that :meth:`inference` draws from ``generator`` when not given.
 
         ``samples`` = mel frames x ``upsample_factor``; given draws are returned as they are. Drawing them before
-        the call (:class:`~cosyserve.runtime.batching.VocoderBatcher`) leaves the generator as the call would.
+        the call (:class:`~cosyserve.runtime.stacking.VocoderBatcher`) leaves the generator as the call would.
         """
         if (sine_phase is None or sine_noise is None) and generator is None:
             raise ValueError(

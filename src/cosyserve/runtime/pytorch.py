@@ -57,7 +57,8 @@ class TorchRuntime:
     def _install_batchers(self, options: RuntimeOptions) -> None:
         # the runtime's slots share one model: their LM steps run as one batch; flow and vocoder run concurrently
         # in the request threads (they keep no per-call state on the modules), or stacked where shapes match
-        from cosyserve.runtime.batching import BatchingLM, FlowBatcher, VocoderBatcher
+        from cosyserve.runtime.batching import BatchingLM
+        from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
         name = self.bundle.path.name if self.bundle is not None else "model"
         p = self.pipeline
@@ -258,7 +259,8 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
         from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
-        from cosyserve.registry import SpeakerRegistry, default_registry_dir
+        from cosyserve.registry import SpeakerRegistry
+        from cosyserve.registry_location import default_registry_dir
         from cosyserve.runtime.token2wav import StreamPolicy
 
     if o.threads:

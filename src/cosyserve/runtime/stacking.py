@@ -1,0 +1,267 @@
+"""Stacked flow and vocoder calls: concurrent requests' same-shape calls run as one batch.
+
+:class:`FlowBatcher` has the same ``inference(...)`` as :class:`~cosyserve.models.flow.MaskedDiffWithXvec`:
+a call draws its noise from its own generator first (the draw the flow would make, so random streams are
+unchanged), then waits up to ``gather_s`` for calls of other requests with the same shapes (token count,
+prompt tokens and frames, cache frames, timesteps, dtypes: fixed-size streaming windows, equal-length pieces).
+The first caller of a group runs the stacked batch in its own thread and every caller takes its row. A call
+that finds no partner runs alone, exactly as unbatched; a batched row equals its unbatched call up to float
+rounding (the decoder's matrix products over 2B rows instead of 2; tests/test_batching.py states the bound).
+:class:`VocoderBatcher` does the same for HiFT calls (same mel frames and cached source length), each call
+drawing its sine phase and noise from its own generator before it waits. The stacked run borrows the
+waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
+(hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
+lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
+per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``).
+
+The LM's continuous batching is :mod:`cosyserve.runtime.batching`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
+
+
+@dataclass
+class StackStats:
+    """Counters of a :class:`FlowBatcher` or :class:`VocoderBatcher` (read them for benchmarks and metrics)."""
+
+    calls: int = 0  # inference calls
+    batches: int = 0  # stacked runs of more than one call
+    batched_calls: int = 0  # calls that ran in such a run
+    peak: int = 0  # largest run
+
+    @property
+    def runs(self) -> int:
+        return self.calls - self.batched_calls + self.batches
+
+    @property
+    def mean_batch(self) -> float:
+        return self.calls / self.runs if self.runs else 0.0
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Tensor, ...]] = []
+        self.closed = False  # no more joiners
+        self.done = threading.Event()
+        self.results: list[tuple[Tensor, Tensor]] = []
+        self.error: BaseException | None = None
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class _Stacker:
+    """Groups concurrent calls by a shape key; the first call of a group runs them stacked (``_run``)."""
+
+    def __init__(self, module: Any, max_batch_size: int, gather_s: float, name: str) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if gather_s < 0:
+            raise ValueError(f"gather_s must be >= 0, got {gather_s}")
+        self.module = module
+        self.max_batch_size = max_batch_size
+        self.gather_s = gather_s
+        self.name = name
+        self.stats = StackStats()
+        self.lend_threads = True
+        self._cv = threading.Condition()
+        self._open: dict[tuple[Any, ...], _Group] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "module":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def _submit(self, call: tuple[Tensor, ...], *extra: Any) -> tuple[Tensor, Tensor]:
+        # a call already batched, or with one row shorter than its tensor (padding), runs alone
+        key = (
+            None if call[0].shape[0] != 1 else (*extra, *((tuple(x.shape), x.dtype, x.device) for x in call))
+        )
+        if key is None or self.max_batch_size == 1:
+            with self._cv:
+                self.stats.calls += 1
+            return self._run([call], *extra)[0]
+        with self._cv:
+            self.stats.calls += 1
+            group = self._open.get(key)
+            leader = group is None
+            if group is None:
+                group = self._open[key] = _Group()
+            index = len(group.calls)
+            group.calls.append(call)
+            if len(group.calls) >= self.max_batch_size:
+                self._close_locked(key, group)
+            if leader:
+                end = time.monotonic() + self.gather_s
+                while not group.closed:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        self._close_locked(key, group)
+                        break
+                    self._cv.wait(left)
+                n = len(group.calls)
+                if n > 1:
+                    self.stats.batches += 1
+                    self.stats.batched_calls += n
+                self.stats.peak = max(self.stats.peak, n)
+        if leader:
+            try:
+                group.results = self._run_group(group.calls, extra)
+            except BaseException as e:  # noqa: BLE001 - handed to every caller of the group
+                group.error = e
+            finally:
+                group.done.set()
+        else:
+            group.done.wait()
+        if group.error is not None:
+            if len(group.calls) == 1:
+                raise group.error
+            raise RuntimeError(f"batched {self.name} failed: {group.error!r}") from group.error
+        return group.results[index]
+
+    def _run_group(
+        self, calls: list[tuple[Tensor, ...]], extra: tuple[Any, ...]
+    ) -> list[tuple[Tensor, Tensor]]:
+        # The callers' threads wait idle while this one runs them all: lend their torch threads (per-thread
+        # setting) to the stacked run, or a CPU with one torch thread per worker runs the batch on one core.
+        threads = torch.get_num_threads()
+        lend = min(threads * len(calls), _cpus()) if len(calls) > 1 and self.lend_threads else threads
+        if lend > threads:
+            torch.set_num_threads(lend)
+        try:
+            return self._run(calls, *extra)
+        finally:
+            if lend > threads:
+                torch.set_num_threads(threads)
+
+    def _close_locked(self, key: tuple[Any, ...], group: _Group) -> None:
+        group.closed = True
+        if self._open.get(key) is group:
+            del self._open[key]
+        self._cv.notify_all()
+
+
+def _rows(outputs: tuple[Tensor, Tensor], n: int) -> list[tuple[Tensor, Tensor]]:
+    a, b = outputs
+    return [(a[i : i + 1].clone(), b[i : i + 1].clone()) for i in range(n)]
+
+
+class FlowBatcher(_Stacker):
+    """A :class:`~cosyserve.models.flow.MaskedDiffWithXvec` whose concurrent same-shape calls run stacked.
+
+    Other attributes are the flow's (``input_frame_rate``, ...), so :class:`~cosyserve.runtime.token2wav.Token2Wav`
+    uses it unchanged. Calls stack when their token count, prompt tokens and frames, cache frames, timesteps
+    and dtypes match (and every length tensor equals its tensor's width: no padding).
+
+    Args:
+        flow: the model; its ``inference`` takes equal-length batches.
+        max_batch_size: most calls run together (a full group runs at once, without waiting).
+        gather_s: how long the first call of a group waits for partners.
+        name: for logs and errors.
+    """
+
+    def __init__(
+        self, flow: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "flow"
+    ) -> None:
+        super().__init__(flow, max_batch_size, gather_s, name)
+
+    @property
+    def flow(self) -> Any:
+        return self.module
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        token: Tensor,
+        token_len: Tensor,
+        prompt_token: Tensor,
+        prompt_token_len: Tensor,
+        prompt_feat: Tensor,
+        prompt_feat_len: Tensor,
+        embedding: Tensor,
+        flow_cache: Tensor,
+        *,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        n_timesteps: int = 10,
+    ) -> tuple[Tensor, Tensor]:
+        """Same arguments and result as the flow's ``inference``; may run stacked with other threads' calls."""
+        if noise is None:
+            if generator is None:
+                raise ValueError("flow inference needs either `noise` or a `generator` to draw it from")
+            noise = self.module.draw_noise(token.shape[1], prompt_feat.shape[1], generator, token.device)
+        call = (token, token_len, prompt_token, prompt_token_len, prompt_feat, prompt_feat_len, embedding)
+        call += (flow_cache, noise)
+        padded = token.shape[0] == 1 and (
+            int(token_len[0]) != token.shape[1] or int(prompt_token_len[0]) != prompt_token.shape[1]
+        )
+        if padded:
+            return self.module.inference(*call[:-1], noise=noise, n_timesteps=n_timesteps)
+        return self._submit(call, n_timesteps)
+
+    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+        (n_timesteps,) = extra
+        if len(calls) == 1:
+            *args, noise = calls[0]
+            return [self.module.inference(*args, noise=noise, n_timesteps=n_timesteps)]
+        *args, noise = (torch.cat(xs) for xs in zip(*calls, strict=True))
+        out = self.module.inference(*args, noise=noise, n_timesteps=n_timesteps)  # (B, n_mels, M), (B, ...)
+        return _rows(out, len(calls))
+
+
+class VocoderBatcher(_Stacker):
+    """A :class:`~cosyserve.models.hift.HiFTGenerator` whose concurrent same-shape calls run stacked.
+
+    Calls stack when their mel frames and cached source samples match (same-index streaming chunks,
+    equal-length pieces). Each call draws its sine phase and noise from its own generator before it waits,
+    as the unbatched call would, and keeps its own ``cache_source`` row.
+
+    Args: as :class:`FlowBatcher`'s, with the vocoder as the model.
+    """
+
+    def __init__(
+        self, hift: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "vocoder"
+    ) -> None:
+        super().__init__(hift, max_batch_size, gather_s, name)
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        speech_feat: Tensor,
+        cache_source: Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        sine_phase: Tensor | None = None,
+        sine_noise: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Same arguments and result as the vocoder's ``inference``; may run stacked with other threads' calls."""
+        samples = speech_feat.shape[-1] * self.module.cfg.upsample_factor
+        sine_phase, sine_noise = self.module.draw_source_noise(
+            speech_feat.shape[0], samples, generator, sine_phase, sine_noise
+        )
+        if cache_source is None:
+            cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
+        return self._submit((speech_feat, cache_source, sine_phase, sine_noise))
+
+    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+        mel, cache_source, sine_phase, sine_noise = (torch.cat(xs) for xs in zip(*calls, strict=True))
+        out = self.module.inference(mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise)
+        return [out] if len(calls) == 1 else _rows(out, len(calls))
