@@ -448,12 +448,14 @@ class Settings:
         doc="release a model idle this many seconds",
         shown="never",
     )
-    torch_threads: int = _pool(
-        1,
+    torch_threads: int | None = _pool(
+        None,
         env="COSYSERVE_WORKER_THREADS",
         key="torch_threads",
         cast=Int(1),
-        doc="torch threads per engine worker (2 on a 2-core box serving one request at a time; 1 with batching)",
+        doc="torch threads per request; unset: the process's threads shared among the requests running at once "
+        "(all of them for a request alone, one each when as many run as there are cores)",
+        shown="shared",
     )
     housekeeping_interval_s: float = _pool(
         1.0,

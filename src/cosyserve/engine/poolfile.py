@@ -16,7 +16,7 @@ Example::
     batch_size = 1               # default requests per instance at once, LM batched (env COSYSERVE_BATCH_SIZE)
     queue_limit = 16             # default waiting requests per model
     idle_ttl_s = 600             # default idle TTL (omit: never)
-    torch_threads = 1            # torch threads per worker
+    torch_threads = 2            # torch threads per request (unset: shared among the running requests)
 
     [models.sft]
     path = "bundles/cosyvoice-300m-sft"    # relative to this file
@@ -92,7 +92,7 @@ class PoolConfig:
     memory_budget: int | None = None
     pressure_threshold: float | None = 0.8
     lru_k: int = 2
-    torch_threads: int | None = 1
+    torch_threads: int | None = None
     housekeeping_interval_s: float = 1.0
     release_timeout_s: float = 30.0
     source: str = "<defaults>"

@@ -59,7 +59,8 @@ class RuntimeOptions:
         warmup: run each component once on dummy inputs (the LM before READY, the rest right after).
         warmup_tokens: speech tokens the warm-up generates.
         threads: intra-op threads of the process (None: the library's default).
-        worker_threads: intra-op threads of each thread that runs requests (None: leave them as they are).
+        worker_threads: intra-op threads of each thread that runs requests (None: the process's threads shared
+            among the requests running at once, see :mod:`cosyserve.runtime.cores`).
         batch_size: requests served at once (their LM steps batched); 1 serves one at a time.
         batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes.
         text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from cosyserve.models.llm import SamplingConfig, TransformerLM, ras_sample
+from cosyserve.runtime.cores import CoreShare
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class BatchingLM:
     Args:
         lm: the model; from now on only the loop thread may touch its KV caches.
         max_batch_size: cache rows, i.e. requests decoded together; more wait (FIFO) for a free row.
-        torch_threads: torch intra-op threads of the loop thread (None leaves torch's default).
+        torch_threads: torch intra-op threads of the loop thread: a count, a
+            :class:`~cosyserve.runtime.cores.CoreShare` (its share, set again before every step) or None (torch's
+            default).
         gather_s: after a step, how long the loop waits for the consumers it just served to ask for their next
             token before stepping without them (they are usually back within microseconds; one that is busy
             with the vocoder misses at most this once per chunk).
@@ -113,7 +116,7 @@ class BatchingLM:
         lm: TransformerLM,
         max_batch_size: int,
         *,
-        torch_threads: int | None = None,
+        torch_threads: int | CoreShare | None = None,
         gather_s: float = 0.002,
         name: str = "lm",
     ) -> None:
@@ -217,13 +220,17 @@ class BatchingLM:
     # --- the loop thread ------------------------------------------------------------------------------------
 
     def _main(self) -> None:
-        if self.torch_threads:
+        share = self.torch_threads if isinstance(self.torch_threads, CoreShare) else None
+        if isinstance(self.torch_threads, int):
             torch.set_num_threads(self.torch_threads)
         error: BaseException = RuntimeError(f"batched LM ({self.name}) was closed while decoding")
         try:
             with torch.inference_mode():
-                while self._step():
-                    pass
+                while True:
+                    if share is not None:  # the requests running now may have changed since the last step
+                        share.apply()
+                    if not self._step():
+                        break
         except BaseException as e:  # noqa: BLE001 - handed to every request below
             logger.exception("batched LM %s: decode loop failed", self.name)
             error = e

@@ -22,6 +22,7 @@ import torch
 from cosyserve.errors import ClientError, RegistryError
 from cosyserve.request import MODES, Mode, SynthesisRequest
 from cosyserve.runtime import RuntimeOptions, Voice
+from cosyserve.runtime.cores import CoreShare
 from cosyserve.runtime.pipeline import ONNX_FILES, Pipeline
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class TorchRuntime:
         self._parts = parts
         self._lm = pipeline.llm  # the model itself, under any batching wrapper (what warm-up runs)
         self._batchers: list[Any] = []
+        # the threads its requests share (worker_threads: a fixed count per request instead)
+        self.cores = CoreShare(options.threads or torch.get_num_threads())
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
@@ -62,7 +65,8 @@ class TorchRuntime:
 
         name = self.bundle.path.name if self.bundle is not None else "model"
         p = self.pipeline
-        p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=options.worker_threads, name=name)
+        threads = options.worker_threads or self.cores
+        p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=threads, name=name)
         self._batchers.append(p.llm)
         if options.batch_flow:
             t2w = p.token2wav
@@ -111,7 +115,9 @@ class TorchRuntime:
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         if self.options.worker_threads:
             torch.set_num_threads(self.options.worker_threads)  # this thread's OpenMP pool only
-        return self.pipeline.run(request, should_stop)
+            return self.pipeline.run(request, should_stop)
+        self.cores.apply()  # the request's preparation (prompt audio, text) runs here already
+        return self.cores.share(self.pipeline.run(request, should_stop))  # type: ignore[return-value]
 
     def warm_up(self) -> None:
         """Run every component once on tiny dummy inputs (the LLM's prefill and a few decode steps, one flow step,

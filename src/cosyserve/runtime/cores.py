@@ -1,0 +1,71 @@
+"""The process's CPU threads, shared among the requests that compute at once.
+
+torch's intra-op thread count is a per-thread setting (OpenMP's ``nthreads`` ICV): a runtime that serves several
+requests from several threads must choose it for each. A fixed count is wrong one way or the other: one thread per
+request leaves a core idle while one request runs alone (its first audio takes ~1.7x as long on two cores), and
+all cores per request oversubscribes the machine as soon as two run (their OpenMP teams spin against each other).
+:class:`CoreShare` counts the requests that run and gives each ``max(1, cores // running)`` threads, set again
+by every thread before each piece of work (a decode step, a chunk), so a request that runs alone gets every core
+and concurrent ones split them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["CoreShare"]
+
+
+class CoreShare:
+    """``cores`` threads shared by the requests :meth:`running` counts.
+
+    Args:
+        cores: the threads to share (the process's torch threads, or the ``threads`` setting).
+    """
+
+    def __init__(self, cores: int) -> None:
+        if cores < 1:
+            raise ValueError(f"cores must be >= 1, got {cores}")
+        self.cores = cores
+        self.running = 0
+        self._lock = threading.Lock()
+
+    def threads(self) -> int:
+        """Threads one request may use now."""
+        return max(1, self.cores // max(1, self.running))
+
+    def apply(self) -> int:
+        """Set the calling thread's torch threads to :meth:`threads` (only when it changes: cheap per step)."""
+        n = self.threads()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def enter(self) -> None:
+        with self._lock:
+            self.running += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.running = max(0, self.running - 1)
+
+    def share(self, chunks: Iterator[object]) -> Iterator[object]:
+        """``chunks`` (a request's audio generator, run in this thread) counted as running from its first chunk
+        asked for to its end or close, with this thread's threads re-applied each time it resumes."""
+        self.enter()
+        try:
+            while True:
+                self.apply()
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    return
+                yield chunk
+        finally:
+            self.leave()
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
