@@ -21,7 +21,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--against", action="append", default=[], help="a bundle of the same model (repeatable)")
-    ap.add_argument("--option-set", action="append", default=[], help="KEY=VALUE,... load options (repeatable)")
+    ap.add_argument(
+        "--option-set", action="append", default=[], help="KEY=VALUE,... load options (repeatable)"
+    )
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -43,7 +45,8 @@ def main() -> None:
     for name in names:
         bound = BOUNDS.get(name)
         cells = "".join(
-            f" {columns[label][name]:>{width}.4f}" if name in columns[label] else f" {'-':>{width}}" for label in labels
+            f" {columns[label][name]:>{width}.4f}" if name in columns[label] else f" {'-':>{width}}"
+            for label in labels
         )
         shown = "" if bound is None else f"{'<=' if bound.upper else '>='} {bound.limit:g}"
         print(f"{name:<36}{cells}  {shown}")

@@ -82,7 +82,7 @@ def test_low_latency_first_chunk_needs_only_first_hop_plus_overlap_tokens(module
     counting = _Counting(flow)
     policy = StreamPolicy.named("low-latency", first_hop)
     t2w = Token2Wav(counting, hift, policy)
-    stream = t2w(counting.tokens(300), embedding=emb, stream=True, generator=torch.Generator().manual_seed(0))
+    stream = t2w(counting.tokens(150), embedding=emb, stream=True, generator=torch.Generator().manual_seed(0))
     first = next(stream)
     # the first audio must not wait for more tokens than its window: with the reference rule it waited for 120
     assert counting.consumed == first_hop + policy.token_overlap_len
@@ -90,7 +90,7 @@ def test_low_latency_first_chunk_needs_only_first_hop_plus_overlap_tokens(module
     assert first.shape[1] == (policy.mel_frames(first_hop + 20) - 34) * 256 - 5120
     rest = list(stream)
     # windows: each hop + 20 overlap tokens, the hops doubling; the rest in one finalizing call
-    want, left, hop = [], 300, first_hop
+    want, left, hop = [], 150, first_hop
     while left >= hop + 20:
         want.append(hop + 20)
         left -= hop

@@ -61,6 +61,25 @@ def test_one_call_stream_equals_one_shot(reference) -> None:  # type: ignore[no-
     assert c.seams == 0 and c.overall.mel_l1 == 0.0 and c.overall.lsd_db == 0.0
 
 
+def test_clicks_at_the_seams_fail_the_chunk_bounds(reference, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    # a broken seam (a click where every chunk starts) is what the chunk figures are for
+    from cosyserve.runtime import token2wav
+
+    call = token2wav.Token2Wav._call
+
+    def clicking(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        speech = call(self, *args, **kwargs)
+        speech[:, :64] += 0.5
+        return speech
+
+    monkeypatch.setattr(token2wav.Token2Wav, "_call", clicking)
+    c = quality.chunk_distances(reference, token2wav.StreamPolicy.named("low-latency", OPTIONS.first_hop))
+    excess = c.seam.mel_l1 / c.overall.mel_l1
+    assert c.seam.mel_l1 > BOUNDS["chunks.low-latency.seam.mel_l1"].limit or not BOUNDS[
+        "chunks.low-latency.seam_excess"
+    ].holds(excess), c
+
+
 def _perturbed(tiny_bundle: Path, scale: float):  # type: ignore[no-untyped-def]
     rt = load_runtime(tiny_bundle, RuntimeOptions(warmup=False, text_tier="lazy", use_mmap=False))
     g = torch.Generator().manual_seed(0)
