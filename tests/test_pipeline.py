@@ -29,8 +29,9 @@ def test_seed_reproducible_and_seeds_differ(model) -> None:  # type: ignore[no-u
     assert np.abs(a).max() <= 0.99 + 1e-6  # the vocoder's audio_limit
 
 
-def test_stream_yields_chunks_in_hop_sized_steps(model) -> None:  # type: ignore[no-untyped-def]
+def test_stream_yields_chunks_in_hop_sized_steps(tiny_model_dir: Path) -> None:
     # a ~10-token text allows up to 200 speech tokens: enough for at least one 120-token window
+    model = cosyserve.load(tiny_model_dir, chunk_policy="reference", warmup=False)
     chunks = list(
         model.synthesize("This is a somewhat longer sentence to speak.", "英文男", stream=True, seed=1)
     )

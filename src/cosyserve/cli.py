@@ -43,7 +43,7 @@ OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", "
 
 _SETTINGS = {s.name: s for s in declared()}
 # commands that load a model: they need --model (or COSYSERVE_MODEL)
-_NEEDS_MODEL = ("synth", "speakers", "startup-report")
+_NEEDS_MODEL = ("synth", "speakers", "startup-report", "quality")
 
 
 def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
@@ -214,6 +214,33 @@ def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
         sys.exit(1)
 
 
+def _cmd_quality(args: argparse.Namespace, settings: Settings) -> None:
+    from cosyserve.quality import PARTS, parse_options, run_quality
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise CLIError(f"--parts {args.parts}: expected a comma-separated subset of {', '.join(PARTS)}")
+    try:
+        options = parse_options(args.option)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    report = run_quality(
+        settings.models[0],
+        against=args.against,
+        options=options,
+        threads=settings.threads,
+        seed=args.seed,
+        parts=parts,
+    )
+    print(report.to_json() if args.json else report.table())
+    failures = report.failures()
+    if args.check and failures:
+        for line in failures:
+            print(f"cosyserve quality: bound exceeded: {line}", file=sys.stderr)
+        sys.exit(1)
+
+
 def _cmd_make_test_model(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.testmodel import make_test_model
 
@@ -380,6 +407,33 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         _setting(p, name)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "quality",
+        help="how far a fast path (a bundle, load options, the chunk policy) moves the output from fp32",
+        formatter_class=fmt,
+        description="Compares a variant of a model with its fp32 reference path on fixed, seeded inputs: the "
+        "LLM's top-1 agreement and mean |delta log p| under teacher forcing, the flow's mel and the audio's "
+        "log-mel L1 and log-spectral distance, and streamed vs one-shot audio under both chunk policies. "
+        "See cosyserve.quality for the definitions and the bounds.",
+    )
+    _setting(p, "models")
+    p.add_argument(
+        "--against", default=None, help="another bundle of the same model as the variant (e.g. a bf16 bundle)"
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a load option of the variant (a RuntimeOptions field, e.g. first_hop=21); repeatable",
+    )
+    p.add_argument("--parts", default="llm,token2wav,chunks", help="which measurements to run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fixed inputs and draws")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--check", action="store_true", help="exit with status 1 when a figure exceeds its bound")
+    _setting(p, "threads")
+    p.set_defaults(func=_cmd_quality)
 
     p = sub.add_parser(
         "make-test-model", help="write a random-weight model dir in the official layout", formatter_class=fmt

@@ -42,6 +42,7 @@ from cosyserve.casts import (
     parse_api_keys,
 )
 from cosyserve.errors import SettingsError
+from cosyserve.runtime import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
 from cosyserve.sources import DEMO_MODEL
 
 __all__ = [
@@ -266,6 +267,20 @@ class Settings:
         cast=Choice("lazy", "background"),
         doc="ONNX sessions of the zero-shot tier: `lazy` (first request that needs them) or `background` (after "
         "READY; timed as the `zero_shot_tier` phase)",
+    )
+    chunk_policy: str = _loading(
+        "low-latency",
+        env="COSYSERVE_CHUNK_POLICY",
+        cast=Choice(*CHUNK_POLICY_CHOICES),
+        doc="streaming chunks: `low-latency` (a first hop of `first_hop_tokens`, doubling per chunk up to 4 s) "
+        "or `reference` (the reference's constant 2 s hop: the first audio needs 120 speech tokens)",
+    )
+    first_hop_tokens: int = _loading(
+        FIRST_HOP_DEFAULT,
+        env="COSYSERVE_FIRST_HOP_TOKENS",
+        cast=Int(*FIRST_HOP_RANGE),
+        doc="the low-latency policy's first hop in speech tokens (50/s); the first audio needs it + 20 overlap "
+        "tokens",
     )
     cache_dir: Path = _loading(
         None,

@@ -24,12 +24,34 @@ if TYPE_CHECKING:
     from cosyserve.clock import PhaseClock
     from cosyserve.request import Mode, SynthesisRequest
 
-__all__ = ["RUNTIMES", "Runtime", "RuntimeOptions", "Voice", "load_runtime", "runtime_factory"]
+__all__ = [
+    "CHUNK_POLICY_CHOICES",
+    "FIRST_HOP_DEFAULT",
+    "FIRST_HOP_RANGE",
+    "RUNTIMES",
+    "Runtime",
+    "RuntimeOptions",
+    "Voice",
+    "load_runtime",
+    "runtime_factory",
+]
 
 # runtime name -> "module:factory"; the factory is ``(path, options, clock) -> Runtime``
 RUNTIMES: dict[str, str] = {
     "torch": "cosyserve.runtime.pytorch:load",
 }
+
+
+# the streaming chunk policies (cosyserve.runtime.token2wav.StreamPolicy.named) and the first hop's range in tokens:
+# below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop
+CHUNK_POLICY_CHOICES = ("reference", "low-latency")
+FIRST_HOP_RANGE = (12, 200)
+# 21: the shortest first hop whose window (41 tokens) is longer than twice the overlap, so the flow's length
+# regulator maps the overlap tokens onto exactly the mel frames that are cross-faded with the next window (from 12
+# to 20 they are interpolated with the rest: the seam frames are only approximately the same tokens). Streamed vs
+# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.quality), and each
+# token less is one LLM step (~40-60 ms on 2 cores) sooner.
+FIRST_HOP_DEFAULT = 21
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,10 @@ class RuntimeOptions:
         cache_dir: where official model dirs are converted to bundles, and the demo model lives (None: the
             ``cache_dir`` setting of the environment).
         default_voice: the speaker of requests that name none (None: the model's first pre-defined speaker).
+        chunk_policy: streaming chunks: ``low-latency`` (a first hop of ``first_hop`` tokens, doubling per chunk
+            up to 4 s) or ``reference`` (the reference's constant 2 s hop; what conformance checks).
+        first_hop: the low-latency policy's first hop in speech tokens (its first audio needs ``first_hop`` + 20
+            overlap tokens).
     """
 
     strategy: Literal["preload", "lazy", "prefetch"] = "preload"
@@ -80,6 +106,8 @@ class RuntimeOptions:
     worker_threads: int | None = None
     batch_size: int = 1
     batch_flow: bool = False
+    chunk_policy: Literal["reference", "low-latency"] = "low-latency"
+    first_hop: int = FIRST_HOP_DEFAULT
     text_tier: Literal["background", "lazy"] = "background"
     zero_shot_tier: Literal["lazy", "background"] = "lazy"
     registry_dir: str | None = None
@@ -99,6 +127,8 @@ class RuntimeOptions:
             threads=s.threads,
             text_tier=s.text_tier,
             zero_shot_tier=s.zero_shot_tier,
+            chunk_policy=s.chunk_policy,
+            first_hop=s.first_hop_tokens,
             registry_dir=str(s.registry_dir) if s.registry_dir is not None else None,
             cache_dir=str(s.cache_dir),
             default_voice=s.default_voice,
@@ -110,6 +140,19 @@ class RuntimeOptions:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.warmup_tokens < 1:
             raise ValueError(f"warmup_tokens must be >= 1, got {self.warmup_tokens}")
+        if self.chunk_policy not in CHUNK_POLICY_CHOICES:
+            raise ValueError(
+                f"chunk_policy must be one of {', '.join(CHUNK_POLICY_CHOICES)}, got {self.chunk_policy!r}"
+            )
+        lo, hi = FIRST_HOP_RANGE
+        if (
+            isinstance(self.first_hop, bool)
+            or not isinstance(self.first_hop, int)
+            or not lo <= self.first_hop <= hi
+        ):
+            raise ValueError(
+                f"first_hop must be an integer between {lo} and {hi} tokens, got {self.first_hop!r}"
+            )
 
 
 @runtime_checkable

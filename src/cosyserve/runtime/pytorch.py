@@ -289,7 +289,9 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     with clock.phase("construct"):
         cfg = bundle.config
         flow = parts.modules["flow"]
-        policy = StreamPolicy(input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate)
+        policy = StreamPolicy.named(
+            o.chunk_policy, o.first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate
+        )
         registry_root = o.registry_dir or default_registry_dir(
             Path(str(path)),
             bundle.model_key,
