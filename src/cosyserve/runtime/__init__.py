@@ -68,6 +68,11 @@ class RuntimeOptions:
         cache_dir: where official model dirs are converted to bundles, and the demo model lives (None: the
             ``cache_dir`` setting of the environment).
         default_voice: the speaker of requests that name none (None: the model's first pre-defined speaker).
+        llm_dtype, flow_dtype, hift_dtype: compute dtype of each component, ``float32``, ``bfloat16`` or
+            ``float16`` (None: as the bundle stores it); a cast makes private copies of the cast weights.
+        llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
+            memory when the bundle holds float weights) or ``none`` (as stored).
+        flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
     """
 
     strategy: Literal["preload", "lazy", "prefetch"] = "preload"
@@ -84,6 +89,12 @@ class RuntimeOptions:
     registry_dir: str | None = None
     cache_dir: str | None = None
     default_voice: str | None = None
+    # -- precision and flow steps (cosyserve.models.precision) --
+    llm_dtype: str | None = None
+    flow_dtype: str | None = None
+    hift_dtype: str | None = None
+    llm_quantize: Literal["none", "int8"] = "none"
+    flow_steps: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
@@ -101,6 +112,11 @@ class RuntimeOptions:
             registry_dir=str(s.registry_dir) if s.registry_dir is not None else None,
             cache_dir=str(s.cache_dir),
             default_voice=s.default_voice,
+            llm_dtype=s.llm_dtype,
+            flow_dtype=s.flow_dtype,
+            hift_dtype=s.hift_dtype,
+            llm_quantize=s.llm_quantize,
+            flow_steps=s.flow_steps,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
 
@@ -109,6 +125,14 @@ class RuntimeOptions:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.warmup_tokens < 1:
             raise ValueError(f"warmup_tokens must be >= 1, got {self.warmup_tokens}")
+        for name in ("llm_dtype", "flow_dtype", "hift_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be float32, bfloat16, float16 or None, got {value!r}")
+        if self.llm_quantize not in ("none", "int8"):
+            raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
+        if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
+            raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
 
 
 @runtime_checkable
