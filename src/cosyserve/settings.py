@@ -299,6 +299,51 @@ class Settings:
         doc="registered (zero-shot) voices, shared by every model; set it in deployments: caches get wiped",
         shown="cache dir/speakers/MODEL",
     )
+    # -- precision and flow steps (cosyserve.models.precision) ------------------------------------------------
+    llm_dtype: str | None = _loading(
+        None,
+        env="COSYSERVE_LLM_DTYPE",
+        flag="--llm-dtype",
+        cast=Choice("float32", "bfloat16", "float16"),
+        doc="the LLM's compute dtype; a dtype other than the bundle's casts at load into private memory (the "
+        "LLM's bytes in the new dtype, on top of the mapped file's page cache)",
+        shown="as stored",
+    )
+    flow_dtype: str | None = _loading(
+        None,
+        env="COSYSERVE_FLOW_DTYPE",
+        flag="--flow-dtype",
+        cast=Choice("float32", "bfloat16", "float16"),
+        doc="the flow's compute dtype (cast as `llm_dtype` is); bfloat16 pays only on CPUs with native bf16 "
+        "(AMX, AVX512-BF16)",
+        shown="as stored",
+    )
+    hift_dtype: str | None = _loading(
+        None,
+        env="COSYSERVE_HIFT_DTYPE",
+        flag="--hift-dtype",
+        cast=Choice("float32", "bfloat16", "float16"),
+        doc="the vocoder's compute dtype (cast as `llm_dtype` is); its f0 predictor, source and iSTFT stay "
+        "float32",
+        shown="as stored",
+    )
+    llm_quantize: str = _loading(
+        "none",
+        env="COSYSERVE_LLM_QUANTIZE",
+        flag="--llm-quantize",
+        cast=Choice("none", "int8"),
+        doc="`int8`: the LLM's transformer and speech-head linears as weight-only int8 (quantized at load, "
+        "private memory of a quarter of their fp32 bytes, unless the bundle stores them so: `convert --quantize "
+        "llm=int8`); `none`: as stored",
+    )
+    flow_steps: int | None = _loading(
+        None,
+        env="COSYSERVE_FLOW_STEPS",
+        flag="--flow-steps",
+        cast=Int(1, 1000),
+        doc="Euler steps of the flow (fewer: faster, further from the model's output)",
+        shown="the model's (10)",
+    )
     # -- the server ----------------------------------------------------------------------------------------------
     host: str = _serve(
         "127.0.0.1",

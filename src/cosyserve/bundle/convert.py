@@ -1,8 +1,11 @@
 """``cosyserve convert MODEL_DIR BUNDLE_DIR``: an official model dir -> the fast bundle, once.
 
 The bundle is one safetensors file per component (``llm``, ``flow``, ``hift``, ``speakers``), and
-``manifest.json`` with the format version, the parsed config, each file's size and each tensor's dtype, shape
-and sha256, and the source files' sizes and sha256. Weight-norm is folded at conversion (the vocoder stores
+``manifest.json`` with the format version, the parsed config, each component's dtype (and quantization), each
+file's size and each tensor's dtype, shape and sha256, and the source files' sizes and sha256. Each component has
+its own storage dtype (``--dtype llm=float32,flow=bfloat16``); the LLM's linears may be stored as int8 with
+per-channel scales (``--quantize llm=int8``, see :mod:`cosyserve.models.precision`): such a bundle is format
+version 2, which older readers refuse with "convert again" instead of failing on unknown tensors. Weight-norm is folded at conversion (the vocoder stores
 plain weights). The official ONNX files, when present, are copied unchanged. Everything is written into a
 temporary sibling directory that is moved into place in one rename only when complete (an existing bundle is
 swapped out in the same rename, see :mod:`cosyserve.staging`), so an interrupted conversion never leaves a
@@ -20,7 +23,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +33,12 @@ from cosyserve.errors import ConvertError, ModelDirError
 __all__ = [
     "BUNDLE_FORMAT",
     "BUNDLE_VERSION",
+    "BUNDLE_VERSIONS",
     "COMPONENTS",
     "ConvertError",
     "convert",
+    "parse_component_dtypes",
+    "parse_quantize",
     "sha256_file",
 ]
 
@@ -40,8 +46,74 @@ logger = logging.getLogger(__name__)
 
 BUNDLE_FORMAT = "cosyserve-bundle"
 BUNDLE_VERSION = 1
+BUNDLE_VERSIONS = (1, 2)  # 2: a component holds quantized (int8) tensors; written only then
 COMPONENTS = ("llm", "flow", "hift")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZABLE = ("llm",)  # components whose linears may be int8
+
+
+def _component_spec(
+    spec: str | Mapping[str, str], where: str, choices: tuple[str, ...], components: tuple[str, ...]
+) -> dict[str, str]:
+    # "VALUE" (every component) or "NAME=VALUE,NAME=VALUE" (the others keep the first choice)
+    if isinstance(spec, str):
+        text = spec.strip()
+        if "=" not in text:
+            if text not in choices:
+                raise ValueError(
+                    f"{where} {spec!r}: expected one of {', '.join(choices)} or COMPONENT=VALUE pairs "
+                    f"({','.join(f'{c}={choices[1]}' for c in components)})"
+                )
+            return dict.fromkeys(components, text) if text != "none" else {}
+        pairs: dict[str, str] = {}
+        for item in text.split(","):
+            name, sep, value = (part.strip() for part in item.partition("="))
+            if not sep:
+                raise ValueError(f"{where} {spec!r}: {item.strip()!r} is not COMPONENT=VALUE")
+            if name in pairs:
+                raise ValueError(f"{where} {spec!r}: {name!r} given twice")
+            pairs[name] = value
+    else:
+        pairs = dict(spec)
+    for name, value in pairs.items():
+        if name not in components:
+            raise ValueError(
+                f"{where} {spec!r}: unknown component {name!r}; expected {', '.join(components)}"
+            )
+        if value not in choices:
+            raise ValueError(f"{where} {spec!r}: {name}={value!r}; expected one of {', '.join(choices)}")
+    return pairs
+
+
+def parse_component_dtypes(spec: str | Mapping[str, str], where: str = "--dtype") -> dict[str, str]:
+    """Storage dtype per component from ``float32`` (all) or ``llm=float32,flow=bfloat16,hift=bfloat16``.
+
+    Args:
+        spec: the value as given, or a mapping component -> dtype.
+        where: the flag or argument that gave it (starts the error message).
+    Returns:
+        {llm, flow, hift} -> dtype; components not named are float32.
+    Raises:
+        ValueError: an unknown component or dtype, a malformed pair, a component given twice.
+    """
+    pairs = _component_spec(spec, where, DTYPE_CHOICES, COMPONENTS)
+    return {name: pairs.get(name, "float32") for name in COMPONENTS}
+
+
+def parse_quantize(spec: str | Mapping[str, str], where: str = "--quantize") -> dict[str, str]:
+    """Quantization per component from ``none`` or ``llm=int8``.
+
+    Args:
+        spec: the value as given, or a mapping component -> method.
+        where: the flag or argument that gave it (starts the error message).
+    Returns:
+        component -> method for the quantized components only (``{}`` for none).
+    Raises:
+        ValueError: an unknown component (only the LLM is quantizable) or method.
+    """
+    pairs = _component_spec(spec, where, QUANTIZE_CHOICES, QUANTIZABLE)
+    return {name: method for name, method in pairs.items() if method != "none"}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -119,19 +191,25 @@ def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None
     os.chmod(path, file_mode())  # save_file makes the file private (0600) whatever the umask
 
 
-def _component_tensors(model_dir: Path, name: str, cfg: Any) -> dict[str, Any]:
+def _component_tensors(model_dir: Path, name: str, cfg: Any, quantize: str | None) -> dict[str, Any]:
     """The component's state dict as we store it: strict-loaded into our module (so keys and shapes are
-    checked against the yaml), weight norm folded by the vocoder's load hook, back out."""
+    checked against the yaml), weight norm folded by the vocoder's load hook, quantized if asked, back out."""
     from cosyserve.bundle.official import load_component
 
-    return {k: v.detach() for k, v in load_component(model_dir, name, cfg).state_dict().items()}
+    module = load_component(model_dir, name, cfg)
+    if quantize == "int8":
+        from cosyserve.models.precision import quantize_llm
+
+        quantize_llm(module)
+    return {k: v.detach() for k, v in module.state_dict().items()}
 
 
 def convert(
     model_dir: str | Path,
     out: str | Path,
     *,
-    dtype: str = "float32",
+    dtype: str | Mapping[str, str] = "float32",
+    quantize: str | Mapping[str, str] = "none",
     force: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -140,7 +218,10 @@ def convert(
     Args:
         model_dir: official directory (cosyvoice.yaml, llm.pt, flow.pt, hift.pt, optional spk2info.pt and ONNX).
         out: bundle directory to create.
-        dtype: storage dtype of floating-point weights: float32, bfloat16 or float16.
+        dtype: storage dtype of floating-point weights: float32, bfloat16 or float16, for every component, or
+            per component (``llm=float32,flow=bfloat16,hift=bfloat16`` or a mapping; unnamed ones: float32).
+        quantize: ``none``, or ``llm=int8``: the LLM's transformer and speech-head linears as int8 weights with
+            per-channel float32 scales (their biases and every other tensor in the LLM's dtype).
         force: replace ``out`` if it is a bundle (or an empty directory); anything else there is refused.
         progress: report steps on stderr.
     Returns:
@@ -148,30 +229,32 @@ def convert(
     Raises:
         ConvertError: ``out`` is, contains or lies inside ``model_dir``, or exists and is not a bundle.
         FileExistsError: ``out`` is a bundle and ``force`` is False.
+        ValueError: a bad ``dtype`` or ``quantize``.
     """
     import torch
 
     from cosyserve import __version__
-    from cosyserve.bundle.official import is_instruct_model_dir, load_speakers
+    from cosyserve.bundle.official import is_instruct_model_dir, load_speakers, module_class
     from cosyserve.modelconfig import config_tree, load_model_config
+    from cosyserve.models.precision import keeps_float32
     from cosyserve.staging import Staging
 
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    dtypes = parse_component_dtypes(dtype, "dtype")
+    quantized = parse_quantize(quantize, "quantize")
     model_dir, out = Path(model_dir), Path(out)
     if not model_dir.is_dir():
         raise ModelDirError(f"model directory not found: {model_dir}")
     _check_out(model_dir, out, force)
     step = _progress(f"convert {model_dir.name}") if progress else (lambda msg: None)
-    torch_dtype = getattr(torch, dtype)
     cfg = load_model_config(model_dir)
     with Staging(out, "converting") as staging:
         tmp = staging.path
         manifest: dict[str, Any] = {
             "format": BUNDLE_FORMAT,
-            "version": BUNDLE_VERSION,
+            "version": 2 if quantized else BUNDLE_VERSION,
             "converter": f"cosyserve {__version__}",
-            "dtype": dtype,
+            # one dtype for all (what readers of version 1 know), or "mixed" (see each component's)
+            "dtype": dtypes["llm"] if len(set(dtypes.values())) == 1 else "mixed",
             "instruct": is_instruct_model_dir(model_dir),  # takes instruct mode (see is_instruct_model_dir)
             "config": config_tree(cfg),
             "components": {},
@@ -180,9 +263,12 @@ def convert(
         }
         for name in COMPONENTS:
             step(f"{name}: reading and checking")
-            tensors = _component_tensors(model_dir, name, getattr(cfg, name))
+            tensors = _component_tensors(model_dir, name, getattr(cfg, name), quantized.get(name))
+            torch_dtype, cls = getattr(torch, dtypes[name]), module_class(name)
             tensors = {
-                k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
+                k: (
+                    v.to(torch_dtype) if v.is_floating_point() and not keeps_float32(cls, k) else v
+                ).contiguous()
                 for k, v in tensors.items()
             }
             step(f"{name}: hashing {sum(v.numel() for v in tensors.values()) / 1e6:.1f}M values")
@@ -198,6 +284,8 @@ def convert(
             fname = f"{name}.safetensors"
             _save(tensors, tmp / fname, {"format": BUNDLE_FORMAT, "component": name})
             manifest["components"][name] = {
+                "dtype": dtypes[name],
+                **({"quantize": quantized[name]} if name in quantized else {}),
                 "file": fname,
                 "bytes": (tmp / fname).stat().st_size,
                 "tensors": entry,

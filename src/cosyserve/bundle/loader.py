@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS
+from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS
 from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
@@ -105,6 +105,14 @@ class Bundle:
             src = self.path / "manifest.json"
             self._config = build_model_config(self.manifest.get("config"), source=src, where="config")
         return self._config
+
+    def component_dtype(self, name: str) -> str:
+        """The float dtype component ``name`` is stored in (a version-1 manifest's one ``dtype`` for all)."""
+        return str(self.manifest["components"][name].get("dtype", self.dtype))
+
+    def quantized(self, name: str) -> str:
+        """How component ``name``'s linears are stored: ``none`` or ``int8``."""
+        return str(self.manifest["components"][name].get("quantize", "none"))
 
     @property
     def speaker_names(self) -> list[str]:
@@ -262,6 +270,12 @@ class Bundle:
                 for name in COMPONENTS:
                     with clock.phase("construct"):
                         module = new_module(name, getattr(cfg, name))
+                        if self.quantized(name) == "int8":
+                            from cosyserve.bundle.construct import empty_modules
+                            from cosyserve.models.precision import use_int8_linears
+
+                            with empty_modules():
+                                use_int8_linears(module)
                     with clock.phase("map_assign"):
                         module.load_state_dict(files[name].state_dict(), strict=True, assign=True)
                         assert_materialized(module, str(files[name].path))
@@ -349,14 +363,17 @@ def open_bundle(path: str | Path) -> Bundle:
         raise BundleError(f"cannot read {mpath}: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{mpath}: not a cosyserve bundle manifest")
-    if manifest.get("version") != BUNDLE_VERSION:
+    if manifest.get("version") not in BUNDLE_VERSIONS:
         raise BundleError(
-            f"{mpath}: bundle format version {manifest.get('version')!r}, this cosyserve reads version "
-            f"{BUNDLE_VERSION}: convert the model dir again"
+            f"{mpath}: bundle format version {manifest.get('version')!r}, this cosyserve reads versions "
+            f"{', '.join(map(str, BUNDLE_VERSIONS))}: convert the model dir again"
         )
     for name in COMPONENTS:
         if name not in manifest.get("components", {}):
             raise BundleError(f"{mpath}: no {name!r} component")
+        quantize = manifest["components"][name].get("quantize", "none")
+        if quantize not in ("none", "int8") or (quantize != "none" and name != "llm"):
+            raise BundleError(f"{mpath}: component {name!r}: unknown quantization {quantize!r}")
     for extra in manifest.get("extras", {}):
         if extra not in ONNX_FILES:
             raise BundleError(f"{mpath}: unknown extra file {extra!r}")

@@ -78,7 +78,10 @@ MODEL_KEYS = frozenset(
 )
 TENANT_KEYS = frozenset({"models", "max_models", "max_memory", "max_concurrent"})
 # the loading settings a model may set for itself in its `load` table (passed to cosyserve.load)
-LOAD_KEYS = frozenset({"strategy", "verify", "use_mmap", "threads", "warmup_tokens"})
+LOAD_KEYS = frozenset(
+    {"strategy", "verify", "use_mmap", "threads", "warmup_tokens"}
+    | {"llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps"}
+)
 # settings that, given as a flag or variable, win over a model's own key too
 _OVERRIDE_MODELS = ("instances", "batch_size")
 

@@ -247,6 +247,8 @@ class ConditionalCFM(nn.Module):
 class MaskedDiffWithXvec(nn.Module):
     REPEATED_STACKS = ("encoder.encoders", "decoder.estimator.mid_blocks")  # see TransformerLM
     ROW_TABLES = ("input_embedding.weight",)
+    # Euler steps when a call names none: the reference's flow inference fixes 10 (its yaml has no count)
+    N_TIMESTEPS = 10
 
     def __init__(self, cfg: FlowConfig):
         super().__init__()
@@ -311,7 +313,7 @@ class MaskedDiffWithXvec(nn.Module):
         *,
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
-        n_timesteps: int = 10,
+        n_timesteps: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Speech tokens -> mel, continuing a prompt and (when streaming) a previous chunk's cache.
 
@@ -330,11 +332,14 @@ class MaskedDiffWithXvec(nn.Module):
             flow_cache: [B, n_mels, C, 2] cache returned by the previous call (C may be 0).
             noise: [B, n_mels, F + M] starting noise; drawn from ``generator`` when None (B = 1 only).
             generator: the source of the noise when ``noise`` is None.
-            n_timesteps: Euler steps.
+            n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
         Returns:
             (mel [B, n_mels, M] float32 with M = int(T / input_frame_rate * 22050 / 256),
              new_flow_cache [B, n_mels, F + 34, 2]).
         """
+        n_timesteps = self.N_TIMESTEPS if n_timesteps is None else n_timesteps
+        if n_timesteps < 1:
+            raise ValueError(f"n_timesteps must be >= 1, got {n_timesteps}")
         B = token.shape[0]
         if B > 1:
             full = token_len.eq(token.shape[1]).all() and prompt_token_len.eq(prompt_token.shape[1]).all()

@@ -154,6 +154,9 @@ class SourceModuleHnNSF(nn.Module):
 
 
 class HiFTGenerator(nn.Module):
+    # pitch and phase stay float32 in a bfloat16/float16 vocoder (cosyserve.models.precision.keeps_float32)
+    FLOAT32_PARTS = ("f0_predictor", "m_source")
+
     def __init__(self, cfg: HiFTConfig, weight_norm: bool = True):
         """Args: weight_norm: build the official parametrized convolutions (True, loads official checkpoints)
         or plain ones for folded weights (False, what a bundle stores; official g/v keys still fold on load)."""

@@ -308,7 +308,8 @@ class RelPositionMultiHeadedAttention(nn.Module):
         attn = torch.softmax(scores, dim=-1)
         x = torch.matmul(attn, v)  # (B, H, T, D)
         b, _, t, _ = x.shape
-        x = x.transpose(1, 2).reshape(b, t, self.h * self.d_k).to(self.linear_out.weight.dtype)
+        # pos_bias_u: the float dtype, also when the linears are int8
+        x = x.transpose(1, 2).reshape(b, t, self.h * self.d_k).to(self.pos_bias_u.dtype)
         return self.linear_out(x)
 
     def forward(self, x: Tensor, mask: Tensor, pos_emb: Tensor) -> Tensor:
@@ -509,8 +510,9 @@ class _BaseEncoder(nn.Module):
             dtype, device: default to the attention weights'.
         """
         attn0: RelPositionMultiHeadedAttention = self.encoders[0].self_attn
-        device = torch.device(device) if device is not None else attn0.linear_q.weight.device
-        dtype = dtype or cache_dtype(attn0.linear_q.weight.dtype, device)
+        # pos_bias_u: the attention's float dtype and device, whether its linears are float or int8
+        device = torch.device(device) if device is not None else attn0.pos_bias_u.device
+        dtype = dtype or cache_dtype(attn0.pos_bias_u.dtype, device)
         cache = attn0.kv_cache
         if cache is not None:
             b, _, s, _ = cache.k_cache.shape

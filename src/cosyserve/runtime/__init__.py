@@ -95,6 +95,11 @@ class RuntimeOptions:
             up to 4 s) or ``reference`` (the reference's constant 2 s hop; what conformance checks).
         first_hop: the low-latency policy's first hop in speech tokens (its first audio needs ``first_hop`` + 20
             overlap tokens).
+        llm_dtype, flow_dtype, hift_dtype: compute dtype of each component, ``float32``, ``bfloat16`` or
+            ``float16`` (None: as the bundle stores it); a cast makes private copies of the cast weights.
+        llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
+            memory when the bundle holds float weights) or ``none`` (as stored).
+        flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
     """
 
     strategy: Literal["preload", "lazy", "prefetch"] = "preload"
@@ -113,6 +118,12 @@ class RuntimeOptions:
     registry_dir: str | None = None
     cache_dir: str | None = None
     default_voice: str | None = None
+    # -- precision and flow steps (cosyserve.models.precision) --
+    llm_dtype: str | None = None
+    flow_dtype: str | None = None
+    hift_dtype: str | None = None
+    llm_quantize: Literal["none", "int8"] = "none"
+    flow_steps: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
@@ -132,6 +143,11 @@ class RuntimeOptions:
             registry_dir=str(s.registry_dir) if s.registry_dir is not None else None,
             cache_dir=str(s.cache_dir),
             default_voice=s.default_voice,
+            llm_dtype=s.llm_dtype,
+            flow_dtype=s.flow_dtype,
+            hift_dtype=s.hift_dtype,
+            llm_quantize=s.llm_quantize,
+            flow_steps=s.flow_steps,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
 
@@ -153,6 +169,14 @@ class RuntimeOptions:
             raise ValueError(
                 f"first_hop must be an integer between {lo} and {hi} tokens, got {self.first_hop!r}"
             )
+        for name in ("llm_dtype", "flow_dtype", "hift_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be float32, bfloat16, float16 or None, got {value!r}")
+        if self.llm_quantize not in ("none", "int8"):
+            raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
+        if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
+            raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
 
 
 @runtime_checkable

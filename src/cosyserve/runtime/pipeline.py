@@ -94,6 +94,7 @@ class Pipeline:
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct; see
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
+        flow_steps: the flow's Euler steps (default: the model's own count).
     """
 
     def __init__(
@@ -110,9 +111,10 @@ class Pipeline:
         model_dir: str | Path | None = None,
         instruct: bool = True,
         default_voice: str | None = None,
+        flow_steps: int | None = None,
     ) -> None:
         self.llm = llm
-        self.token2wav = Token2Wav(flow, hift, policy)
+        self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
         self.speakers = speakers
         self.sample_rate = sample_rate
         self.registry = registry

@@ -242,6 +242,19 @@ def _after_ready(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> thr
     return thread
 
 
+def _set_precision(modules: dict[str, Any], casts: dict[str, str], quantize: bool) -> None:
+    """Cast components (name -> dtype) and quantize the LLM's linears to int8, in place: private copies of what
+    changes (see :func:`cosyserve.models.precision.cast_floating` and ``quantize_llm``)."""
+    from cosyserve.models.precision import cast_floating, quantize_llm
+
+    for name, want in casts.items():
+        logger.info("casting %s to %s", name, want)
+        cast_floating(modules[name], getattr(torch, want))
+    if quantize:
+        logger.info("quantizing the LLM's linears to int8")
+        quantize_llm(modules["llm"])
+
+
 def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchRuntime:
     """Load ``path`` (a bundle, an official model dir, a hub id or ``demo``) on torch; see
     :func:`cosyserve.runtime.load_runtime`.
@@ -286,6 +299,15 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             for module in parts.modules.values():
                 for p in module.parameters():
                     p.data = p.data.clone()
+    casts = {
+        name: want
+        for name, want in (("llm", o.llm_dtype), ("flow", o.flow_dtype), ("hift", o.hift_dtype))
+        if want is not None and want != bundle.component_dtype(name)
+    }
+    quantize = o.llm_quantize == "int8" and bundle.quantized("llm") == "none"
+    if casts or quantize:
+        with clock.phase("precision"):
+            _set_precision(parts.modules, casts, quantize)
     with clock.phase("construct"):
         cfg = bundle.config
         flow = parts.modules["flow"]
@@ -309,6 +331,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             model_dir=path if Path(str(path)).exists() else bundle_dir,
             instruct=bundle.instruct,
             default_voice=o.default_voice,
+            flow_steps=o.flow_steps,
         )
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)

@@ -201,7 +201,7 @@ class FlowBatcher(_Stacker):
         *,
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
-        n_timesteps: int = 10,
+        n_timesteps: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Same arguments and result as the flow's ``inference``; may run stacked with other threads' calls."""
         if noise is None:

@@ -166,12 +166,16 @@ class Token2Wav:
         flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
         hift: a :class:`cosyserve.models.hift.HiFTGenerator`.
         policy: the streaming rules; defaults follow the reference.
+        flow_steps: the flow's Euler steps (None: the model's own count).
     """
 
-    def __init__(self, flow: Any, hift: Any, policy: StreamPolicy | None = None) -> None:
+    def __init__(
+        self, flow: Any, hift: Any, policy: StreamPolicy | None = None, flow_steps: int | None = None
+    ) -> None:
         self.flow = flow
         self.hift = hift
         self.policy = policy or StreamPolicy(input_frame_rate=int(flow.input_frame_rate))
+        self.flow_steps = flow_steps
 
     def _call(
         self,
@@ -198,6 +202,7 @@ class Token2Wav:
             state.flow_cache,
             noise=draws.flow_noise,
             generator=generator,
+            n_timesteps=self.flow_steps,
         )
         if state.mel_overlap is not None:
             mel = _fade_in_out(mel, state.mel_overlap, _hamming(2 * p.mel_overlap_len))
