@@ -298,6 +298,7 @@ class MaskedDiffWithXvec(nn.Module):
         )
         return mel
 
+    @torch.inference_mode()
     def inference(
         self,
         token: Tensor,
