@@ -300,6 +300,7 @@ class MaskedDiffWithXvec(nn.Module):
         )
         return mel
 
+    @torch.inference_mode()
     def inference(
         self,
         token: Tensor,

@@ -91,10 +91,33 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha[None, :, None]  # (1, C, 1)
+        # x: (B, C, T) or the vocoder's (B, C, 1, T) layout; alpha: (1, C, 1[, 1])
+        alpha = self.alpha.view(1, -1, *([1] * (x.dim() - 2)))
         # x + 1/alpha * sin(x * alpha)^2, computed in one fresh buffer
         s = torch.mul(x, alpha).sin_().square_()
         return s.mul_(1.0 / (alpha + 1e-9)).add_(x)
+
+
+def _conv(conv: nn.Conv1d | nn.ConvTranspose1d, x: Tensor) -> Tensor:
+    """``conv`` applied to x: (B, C, 1, T) in channels-last memory, as a 2-D convolution of height 1.
+
+    Why: oneDNN's fastest CPU kernels for these shapes (hundreds of channels, tens of thousands of samples, kernels
+    up to 11 wide and dilated) want channels-last activations. Fed torch's (B, C, T) layout, each convolution
+    reorders its input and output, and the wide or dilated ones fall back to im2col + GEMM; in channels-last
+    memory the whole decoder chain runs without reorders (about a quarter less time). Same weights and bias, same
+    sums: the results differ from the 1-D call by float32 rounding only.
+    """
+    w = conv.weight.unsqueeze(2)  # (O, I, 1, K) (transposed: (I, O, 1, K))
+    stride, padding, dilation = (1, conv.stride[0]), (0, conv.padding[0]), (1, conv.dilation[0])
+    if isinstance(conv, nn.ConvTranspose1d):
+        out_pad = (0, conv.output_padding[0])
+        return F.conv_transpose2d(x, w, conv.bias, stride, padding, out_pad, conv.groups, dilation)
+    return F.conv2d(x, w, conv.bias, stride, padding, dilation, conv.groups)
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    # (B, C, T) -> (B, C, 1, T) with C innermost in memory, the layout _conv runs in
+    return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
 
 def _wn(conv: nn.Module, use: bool) -> nn.Module:
@@ -118,10 +141,11 @@ class ResBlock(nn.Module):
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
     def forward(self, x: Tensor) -> Tensor:
+        # x: (B, C, 1, T) channels-last (see _conv)
         for conv1, conv2, act1, act2 in zip(
             self.convs1, self.convs2, self.activations1, self.activations2, strict=True
         ):
-            x = conv2(act2(conv1(act1(x)))).add_(x)
+            x = _conv(conv2, act2(_conv(conv1, act1(x)))).add_(x)
         return x
 
 
@@ -244,6 +268,7 @@ class HiFTGenerator(nn.Module):
         audio, _ = self.inference(mel, None, generator=torch.Generator().manual_seed(0))
         return audio
 
+    @torch.inference_mode()
     def inference(
         self,
         speech_feat: Tensor,
@@ -352,22 +377,24 @@ class HiFTGenerator(nn.Module):
         window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device=source.device).float()
         # (B, n_fft/2+1, N) with N = L/hop + 1 frames (centered, reflect-padded)
         spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=window, return_complex=True)
-        s_stft = torch.cat([spec.real, spec.imag], dim=1).to(dtype)  # (B, n_fft+2, N), N = L/hop + 1
+        # (B, n_fft+2, 1, N) channels-last, N = L/hop + 1 (see _conv)
+        s_stft = _channels_last(torch.cat([spec.real, spec.imag], dim=1).to(dtype))
 
-        # In-place ops below only touch buffers this function just created.
-        x = self.conv_pre(mel.to(dtype))
+        # In-place ops below only touch buffers this function just created. From here to conv_post every
+        # activation is (B, C, 1, T) channels-last; the elementwise ops keep that layout.
+        x = _channels_last(self.conv_pre(mel.to(dtype)))
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, cfg.lrelu_slope, inplace=True))
+            x = _conv(up, F.leaky_relu(x, cfg.lrelu_slope, inplace=True))
             if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")  # to the STFT's L/hop + 1 frames
-            x = x.add_(self.source_resblocks[i](self.source_downs[i](s_stft)))
+                x = F.pad(x, (1, 0, 0, 0), mode="reflect")  # to the STFT's L/hop + 1 frames
+            x = x.add_(self.source_resblocks[i](_conv(self.source_downs[i], s_stft)))
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             xs = blocks[0](x)
             for block in blocks[1:]:
                 xs = xs.add_(block(x))
             x = xs.div_(self.num_kernels)
         # leaky_relu's default slope 0.01 here, as the reference; conv_post: (B, n_fft+2, N)
-        x = self.conv_post(F.leaky_relu(x, inplace=True)).float()
+        x = _conv(self.conv_post, F.leaky_relu(x, inplace=True)).squeeze(2).float()
 
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
