@@ -260,7 +260,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--runs", type=int, default=3, help="rounds; each variant's minimum is reported")
     parser.add_argument("--tokens", type=int, default=60, help="LLM tokens per timed generation")
-    parser.add_argument("--drift-tokens", type=int, default=300, help="teacher-forced positions for the drift")
+    parser.add_argument(
+        "--drift-tokens", type=int, default=300, help="teacher-forced positions for the drift"
+    )
     parser.add_argument("--llm-variants", default="fp32,bf16,int8", help="of fp32, bf16, int8, int8+bf16")
     parser.add_argument(
         "--flow-tokens", type=int, default=160, help="speech tokens of the flow/vocoder input"
