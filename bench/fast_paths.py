@@ -110,6 +110,8 @@ def bench_llm(modules: dict[str, torch.nn.Module], opts: argparse.Namespace) -> 
         print(f"  {name:10s} {t * 1e3:7.1f} ms/token{ratio}")
     if "fp32" not in models or not tokens:
         return
+    if opts.drift_tokens > len(tokens):  # more positions than the timed runs made (untimed)
+        tokens, _ = generate(models["fp32"], opts.drift_tokens)
     teacher = torch.tensor(tokens)
     with torch.inference_mode():
         ref, _, _ = models["fp32"].teacher_forced_logprobs(*args, teacher)
@@ -258,6 +260,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--runs", type=int, default=3, help="rounds; each variant's minimum is reported")
     parser.add_argument("--tokens", type=int, default=60, help="LLM tokens per timed generation")
+    parser.add_argument(
+        "--drift-tokens", type=int, default=300, help="teacher-forced positions for the drift"
+    )
     parser.add_argument("--llm-variants", default="fp32,bf16,int8", help="of fp32, bf16, int8, int8+bf16")
     parser.add_argument(
         "--flow-tokens", type=int, default=160, help="speech tokens of the flow/vocoder input"

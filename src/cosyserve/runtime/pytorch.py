@@ -255,6 +255,23 @@ def _set_precision(modules: dict[str, Any], casts: dict[str, str], quantize: boo
         quantize_llm(modules["llm"])
 
 
+def _warn_slow_bf16(modules: dict[str, Any]) -> None:
+    # bfloat16 convolutions on a CPU without native bf16 (AVX512-BF16, AMX) take a slow path: measured 8x slower
+    # (flow) to 50x slower (vocoder) than float32 on a 2-core AVX2 machine (bench/fast_paths.py)
+    dtypes = {
+        "flow": modules["flow"].encoder_proj.weight.dtype,
+        "hift": modules["hift"].conv_pre.weight.dtype,
+    }
+    slow = [name for name, dtype in dtypes.items() if dtype == torch.bfloat16]
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if slow and native is not None and not native():
+        logger.warning(
+            "%s run in bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX): many times slower than "
+            "float32; set flow_dtype/hift_dtype=float32 (COSYSERVE_FLOW_DTYPE, COSYSERVE_HIFT_DTYPE)",
+            " and ".join(slow),
+        )
+
+
 def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchRuntime:
     """Load ``path`` (a bundle, an official model dir, a hub id or ``demo``) on torch; see
     :func:`cosyserve.runtime.load_runtime`.
@@ -308,6 +325,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     if casts or quantize:
         with clock.phase("precision"):
             _set_precision(parts.modules, casts, quantize)
+    _warn_slow_bf16(parts.modules)
     with clock.phase("construct"):
         cfg = bundle.config
         flow = parts.modules["flow"]
