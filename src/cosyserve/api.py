@@ -88,7 +88,8 @@ class CosyVoiceModel:
             text: text to speak (split into sentences internally); not for vc.
             speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
                 (zero_shot, cross_lingual); None: the model's default voice (sft, instruct).
-            stream: yield ~2 s chunks as soon as they exist (True) or one chunk per sentence (False).
+            stream: yield chunks as soon as they exist (True; the `chunk_policy` setting: by default a short
+                first chunk, then longer ones) or one chunk per sentence (False).
             speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
             mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
