@@ -353,3 +353,17 @@ def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> Non
     for keys in (pool_keys, poolfile.MODEL_KEYS, poolfile.TENANT_KEYS):
         for key in keys:
             assert f"`{key}`" in readme, f"README does not list the pool config key {key!r}"
+
+
+def test_a_models_load_table_takes_the_chunk_policy(tmp_path: Path) -> None:
+    """If this fails, a pool file cannot give one model the reference chunks and another a longer first hop (the
+    setting's name, first_hop_tokens, must reach RuntimeOptions as first_hop), or a bad hop is taken silently."""
+    from cosyserve.runtime import RuntimeOptions
+
+    text = "[models.a]\npath='x'\nload={chunk_policy='reference'}\n[models.b]\npath='y'\nload={first_hop_tokens=30}\n"
+    cfg = pool_config(write(tmp_path, text))
+    assert dict(cfg.models["a"].load_options) == {"chunk_policy": "reference"}
+    assert dict(cfg.models["b"].load_options) == {"first_hop": 30}
+    assert RuntimeOptions(**cfg.models["b"].load_options).first_hop == 30
+    with pytest.raises(SettingsError, match=r"\[models.a\] load.chunk_policy = 'fastest'"):
+        pool_config(write(tmp_path, "[models.a]\npath='x'\nload={chunk_policy='fastest'}\n"))

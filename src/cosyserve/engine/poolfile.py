@@ -81,7 +81,10 @@ TENANT_KEYS = frozenset({"models", "max_models", "max_memory", "max_concurrent"}
 LOAD_KEYS = frozenset(
     {"strategy", "verify", "use_mmap", "threads", "warmup_tokens"}
     | {"llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps"}
+    | {"chunk_policy", "first_hop_tokens"}
 )
+# load keys named as their setting where the RuntimeOptions field has another name
+_LOAD_FIELD = {"first_hop_tokens": "first_hop"}
 # settings that, given as a flag or variable, win over a model's own key too
 _OVERRIDE_MODELS = ("instances", "batch_size")
 
@@ -205,7 +208,7 @@ def load_pool_config(
             size_bytes=r.bytes_(m, "size_bytes", w) if "size_bytes" in m else None,
             warmup=r.bool_(m, "warmup", w, True),
             reload_warmup=r.bool_(m, "reload_warmup", w, False),
-            load_options={k: r.setting(load, k, f"{w} load.") for k in load},
+            load_options={_LOAD_FIELD.get(k, k): r.setting(load, k, f"{w} load.") for k in load},
         )
 
     models: dict[str, ModelSpec] = {}

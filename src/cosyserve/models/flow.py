@@ -196,7 +196,7 @@ class ConditionalCFM(nn.Module):
         Returns:
             (mel [B, n_feats, T] float32, cache [B, n_feats, prompt_len + 34, 2]).
         """
-        z = noise.to(mu.dtype)
+        z = noise.to(mu.dtype).contiguous()  # a strided view makes every estimator step many times slower
         if cache is not None and cache.shape[2] > 0:
             c = cache.shape[2]
             if c > z.shape[2]:
