@@ -22,7 +22,8 @@ per text token); audio lengths are equal across configurations. ``--config`` add
 :class:`cosyserve.runtime.RuntimeOptions` fields by name, as ``cosyserve.load`` takes them.
 
 With ``--reference-python`` (the reference runtime's interpreter, see ../shared/reference/README.md) and
-``--model-dir`` (the official-layout directory the bundle was converted from), one more row times the reference's
+``--model-dir`` (the official-layout directory the bundle was converted from), and ``--ref-src`` (its source
+checkout, default $COSYSERVE_REF_SRC, unless that interpreter imports ``cosyvoice`` already), one more row times the reference's
 ``CosyVoice(...).inference_sft`` on the same weights: its one-shot RTF and first streamed chunk.
 """
 
@@ -200,6 +201,9 @@ def main() -> None:
     ap.add_argument("--short-zh", default="你好，世界。")
     ap.add_argument("--reference-python", help="the reference runtime's python (adds a row)")
     ap.add_argument("--model-dir", help="the official-layout dir of the same weights, for the reference row")
+    ap.add_argument(
+        "--ref-src", default=os.environ.get("COSYSERVE_REF_SRC"), help="the reference source checkout (on PYTHONPATH)"
+    )
     ap.add_argument("--json", action="store_true", help="also print every measurement as JSON")
     args = ap.parse_args()
 
@@ -232,6 +236,8 @@ def main() -> None:
             print(f"round {rnd + 1} {name}: {json.dumps(results[name][-1])}", file=sys.stderr)
         if reference:
             ref_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            if args.ref_src:
+                ref_env["PYTHONPATH"] = args.ref_src
             payload = {"python": args.reference_python, "model_dir": args.model_dir, **texts}
             results["reference (fp32)"].append(run_child(REFERENCE_CHILD, payload, args.threads, ref_env))
     load = os.getloadavg()
