@@ -111,6 +111,14 @@ def test_bf16_bundle_moves_the_figures(reference, tiny_model_dir: Path, tmp_path
     )
 
 
+def test_fewer_flow_steps_reach_the_flow_figure(reference, tiny_bundle: Path) -> None:  # type: ignore[no-untyped-def]
+    # if this fails, a flow_steps variant is measured with the model's own step count: the gate would pass any
+    # step count, since the flow's mel (its sensitive figure) would not change
+    fewer = load_runtime(tiny_bundle, RuntimeOptions(warmup=False, text_tier="lazy", flow_steps=2))
+    f = compare(reference, fewer, parts=("token2wav",))
+    assert f["token2wav.flow_mel_l1"] > 0, f
+
+
 def test_parse_options_casts_by_declared_type() -> None:
     got = parse_options(["first_hop=21", "chunk_policy=reference", "use_mmap=false", "threads=none"])
     assert got == {"first_hop": 21, "chunk_policy": "reference", "use_mmap": False, "threads": None}

@@ -287,6 +287,7 @@ def _flow_mel(t2w: Any, tokens: torch.Tensor, embedding: torch.Tensor, noise: to
         embedding,
         torch.zeros(1, 80, 0, 2),
         noise=noise,
+        n_timesteps=t2w.flow_steps,  # the variant's step count, as its requests run it
     )
     return mel  # (1, 80, M)
 
