@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up cosyserve from nothing and run the main job once:
-#   1. a virtual environment in .venv with cosyserve and its dev tools (torch pinned to the CPU build 2.13.0),
+#   1. a virtual environment in .venv with cosyserve, its dev tools and Ray Serve (torch pinned to the CPU build 2.13.0),
 #   2. a tiny random-weight model in the official layout (out/tiny-model),
 #   3. a synthesis from it to out/hello.wav (random weights: it is noise, not speech).
 # Pass --no-demo to stop after step 1.
@@ -14,7 +14,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch requirement resolves to a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[dev]'
+# dev: tests and linters; ray: Ray Serve, for cosyserve.deploy.ray_serve and its test
+.venv/bin/python -m pip install -q -e '.[dev,ray]'
 [ "${1:-}" = "--no-demo" ] && exit 0
 .venv/bin/cosyserve make-test-model out/tiny-model --size tiny --force
 .venv/bin/cosyserve speakers --model out/tiny-model

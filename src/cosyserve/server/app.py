@@ -67,6 +67,7 @@ class ServerState:
         self._cut_timer: asyncio.TimerHandle | None = None
         self.startup_error: BaseException | None = None
         self.startup_done = False
+        self.started: asyncio.Event | None = None  # set once startup_done is (made in the lifespan's loop)
         self.preload: list[str] = []
         self.demo = config.demo
         self._server: Any = None  # the uvicorn server, to stop it when start-up fails
@@ -200,11 +201,15 @@ class ServerState:
             release_gc()
             self.startup_error = e
             self.startup_done = True
+            if self.started is not None:
+                self.started.set()
             logger.error("start-up failed: %s", e)
             if self._server is not None:
                 self._server.should_exit = True
             return
         self.startup_done = True
+        if self.started is not None:
+            self.started.set()
         release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
@@ -244,12 +249,15 @@ def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
     return previous
 
 
-def create_app(config: Settings | None = None, *, pool: Any = None) -> Starlette:
+def create_app(config: Settings | None = None, *, pool: Any = None, ready_before_serving: bool = False) -> Starlette:
     """The cosyserve ASGI app (models load in the background once the lifespan starts).
 
     Args:
         config: the settings (default: read from the environment).
         pool: a ready-made pool (tests); default: built from the settings' pool config and models.
+        ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
+            fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
+            default it returns at once and the health endpoints say when the models are ready.
     Returns:
         The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
     """
@@ -262,7 +270,13 @@ def create_app(config: Settings | None = None, *, pool: Any = None) -> Starlette
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.clock.mark("lifespan")
+        state.started = asyncio.Event()
         task = asyncio.ensure_future(state.run_startup())
+        if ready_before_serving:
+            await state.started.wait()  # the task itself goes on with the pool's housekeeping
+            if state.startup_error is not None:
+                await state.pool.close(timeout=0.0)
+                raise RuntimeError(f"cosyserve: a preload model failed: {state.startup_error}")
         previous = _install_drain_on_signals(state)
         workers = state.metrics.workers
         publisher = asyncio.ensure_future(workers.publish_forever()) if workers is not None else None
