@@ -49,8 +49,10 @@ def test_settings_are_checked_on_the_driver(tiny_model_dir: Path) -> None:
         settings_flags({"batch_size": "none"})
 
 
-ray = pytest.importorskip("ray", reason="Ray Serve not installed (pip install 'cosyserve[ray]')")
-serve = pytest.importorskip("ray.serve")
+def _serve() -> Any:
+    pytest.importorskip("ray", reason="Ray Serve not installed (pip install 'cosyserve[ray]')")
+    return pytest.importorskip("ray.serve", reason="Ray Serve not installed (pip install 'cosyserve[ray]')")
+
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray-serve.yaml"
 
@@ -58,6 +60,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray-serve.yaml"
 def test_the_serve_run_config_is_valid() -> None:
     # if this fails, `serve run deploy/ray-serve.yaml` is refused by Ray, or its args by the builder
     import yaml
+
+    _serve()
     from ray.serve.schema import ServeDeploySchema
 
     doc = yaml.safe_load(CONFIG.read_text())
@@ -89,6 +93,9 @@ def _replica_pids() -> set[int]:
 
 @pytest.fixture(scope="module")
 def ray_app(tiny_model_dir: Path) -> Iterator[int]:
+    serve = _serve()
+    import ray
+
     from cosyserve.deploy.ray_serve import app_builder
 
     port = _free_port()
@@ -198,7 +205,11 @@ def test_a_killed_replica_is_replaced(ray_app: int) -> None:
     while time.monotonic() < deadline:
         now = _replica_pids()
         running = (
-            serve.status().applications["cosyserve"].deployments["cosyserve"].replica_states.get("RUNNING", 0)
+            _serve()
+            .status()
+            .applications["cosyserve"]
+            .deployments["cosyserve"]
+            .replica_states.get("RUNNING", 0)
         )
         if victim not in now and len(now) == 2 and running == 2:
             break
