@@ -38,7 +38,13 @@ class TorchRuntime:
     """
 
     def __init__(
-        self, pipeline: Pipeline, options: RuntimeOptions, clock: Any, bundle: Any, parts: Any
+        self,
+        pipeline: Pipeline,
+        options: RuntimeOptions,
+        clock: Any,
+        bundle: Any,
+        parts: Any,
+        threads: int | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.options = options
@@ -50,7 +56,10 @@ class TorchRuntime:
         self._lm = pipeline.llm  # the model itself, under any batching wrapper (what warm-up runs)
         self._batchers: list[Any] = []
         # the threads its requests share (worker_threads: a fixed count per request instead)
-        self.cores = CoreShare(options.threads or torch.get_num_threads())
+        self.cores = CoreShare(threads or options.threads or torch.get_num_threads())
+        self._after_fork: list[
+            tuple[str, Callable[[], None]]
+        ] = []  # what a fork template leaves to its children
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
@@ -205,6 +214,14 @@ class TorchRuntime:
             if t is not None:
                 t.join(timeout)
 
+    def after_fork(self) -> None:
+        # the template warmed up on one intra-op thread (a libgomp team made before fork() hangs its children):
+        # the child takes up the process's threads, and starts what would have started threads in the template
+        torch.set_num_threads(self.cores.cores)
+        if self._after_fork:
+            self.zero_shot_thread = _after_ready(self._after_fork, self.clock)
+            self._after_fork = []
+
     def close(self) -> None:
         for batcher in self._batchers:
             batcher.close()
@@ -220,20 +237,24 @@ def _load_text_tier() -> None:
     load_normalizers()
 
 
+def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
+    """Run each ``(phase, work)`` of ``steps`` in turn, timed as ``phase``; a failure is logged and the next step
+    runs (the first request that needs a failed tier raises the same error with its context)."""
+    for phase, work in steps:
+        start, t = clock.now_ms(), time.perf_counter()
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - see above
+            logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
+            continue
+        clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+
+
 def _after_ready(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> threading.Thread:
-    """Run each ``(phase, work)`` of ``steps`` in turn in one thread after READY, timed as ``phase``; a
-    failure is logged and the next step runs (the first request that needs a failed tier raises the same error
-    with its context)."""
+    """:func:`_run_steps` in one thread after READY."""
 
     def run() -> None:
-        for phase, work in steps:
-            start, t = clock.now_ms(), time.perf_counter()
-            try:
-                work()
-            except Exception:  # noqa: BLE001 - see above
-                logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
-                continue
-            clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+        _run_steps(steps, clock)
 
     # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
     # tearing torch down under a kernel that still runs ("terminate called without an active exception")
@@ -299,7 +320,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         from cosyserve.registry_location import default_registry_dir
         from cosyserve.runtime.token2wav import StreamPolicy
 
-    if o.threads:
+    threads = o.threads or torch.get_num_threads()
+    if o.fork_template:
+        # no libgomp team in a process that will fork (its children would wait on threads they do not have):
+        # one intra-op thread runs no parallel region; each child takes up `threads` in after_fork
+        torch.set_num_threads(1)
+    elif o.threads:
         torch.set_num_threads(o.threads)
     from cosyserve.sources import cache_dir_of, resolve_bundle
 
@@ -354,13 +380,16 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
         )
-    runtime = TorchRuntime(pipeline, o, clock, bundle, parts)
+    runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
     if o.warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
         # seconds later, so they warm up after READY, below
         with clock.phase("warmup"):
             runtime._lm.warm_up(o.warmup_tokens)
     clock.mark("ready")
+    if o.fork_template:
+        _template_rest(runtime, parts, o, clock)
+        return runtime
     if o.strategy == "prefetch" and o.use_mmap:
         start_prefetch(parts)
     after: list[tuple[str, Callable[[], None]]] = []
@@ -381,3 +410,23 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         )
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return runtime
+
+
+def _template_rest(runtime: TorchRuntime, parts: Any, o: RuntimeOptions, clock: Any) -> None:
+    """A fork template's rest of the start, in the calling thread: what runs in the background after READY
+    otherwise, so the children share its pages; the zero-shot tier's ONNX sessions (thread pools of their own)
+    wait for :meth:`TorchRuntime.after_fork`."""
+    from cosyserve.bundle.loader import read_all
+
+    if o.strategy == "prefetch" and o.use_mmap:
+        read_all(parts)
+    steps: list[tuple[str, Callable[[], None]]] = []
+    if o.text_tier == "background":
+        steps.append(("text_tier", _load_text_tier))
+    if o.warmup:
+        steps.append(("warmup_token2wav", runtime.warm_up_token2wav))
+    _run_steps(steps, clock)
+    pipeline = runtime.pipeline
+    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
+        runtime._after_fork.append(("zero_shot_tier", lambda: pipeline.frontend().load_sessions()))
+    logger.info("template ready in %.0f ms since process start (%s)", clock.now_ms(), clock.durations)
