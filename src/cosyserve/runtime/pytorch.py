@@ -315,7 +315,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         import cosyserve.models.flow
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
-        from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
+        from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
         from cosyserve.registry import SpeakerRegistry
         from cosyserve.registry_location import default_registry_dir
         from cosyserve.runtime.token2wav import StreamPolicy
@@ -387,11 +387,6 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         with clock.phase("warmup"):
             runtime._lm.warm_up(o.warmup_tokens)
     clock.mark("ready")
-    if o.fork_template:
-        _template_rest(runtime, parts, o, clock)
-        return runtime
-    if o.strategy == "prefetch" and o.use_mmap:
-        start_prefetch(parts)
     after: list[tuple[str, Callable[[], None]]] = []
     if o.text_tier == "background":
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
@@ -399,34 +394,26 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         after.append(("text_tier", _load_text_tier))
     if o.warmup:
         after.append(("warmup_token2wav", runtime.warm_up_token2wav))
+    # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+    zero_shot: list[tuple[str, Callable[[], None]]] = []
+    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
+        zero_shot.append(("zero_shot_tier", lambda: pipeline.frontend().load_sessions()))
+    if o.fork_template:
+        # a fork template does it all now, in this thread, so that its children share it; but ONNX sessions
+        # (thread pools of their own) wait for after_fork
+        if o.strategy == "prefetch" and o.use_mmap:
+            read_all(parts)
+        _run_steps(after, clock)
+        runtime._after_fork = zero_shot
+        logger.info("template ready in %.0f ms since process start (%s)", clock.now_ms(), clock.durations)
+        return runtime
+    if o.strategy == "prefetch" and o.use_mmap:
+        start_prefetch(parts)
     if after:
         thread = _after_ready(after, clock)
         runtime.text_thread = thread if o.text_tier == "background" else None
         runtime.warmup_thread = thread if o.warmup else None
-    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
-        # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
-        runtime.zero_shot_thread = _after_ready(
-            [("zero_shot_tier", lambda: pipeline.frontend().load_sessions())], clock
-        )
+    if zero_shot:
+        runtime.zero_shot_thread = _after_ready(zero_shot, clock)
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return runtime
-
-
-def _template_rest(runtime: TorchRuntime, parts: Any, o: RuntimeOptions, clock: Any) -> None:
-    """A fork template's rest of the start, in the calling thread: what runs in the background after READY
-    otherwise, so the children share its pages; the zero-shot tier's ONNX sessions (thread pools of their own)
-    wait for :meth:`TorchRuntime.after_fork`."""
-    from cosyserve.bundle.loader import read_all
-
-    if o.strategy == "prefetch" and o.use_mmap:
-        read_all(parts)
-    steps: list[tuple[str, Callable[[], None]]] = []
-    if o.text_tier == "background":
-        steps.append(("text_tier", _load_text_tier))
-    if o.warmup:
-        steps.append(("warmup_token2wav", runtime.warm_up_token2wav))
-    _run_steps(steps, clock)
-    pipeline = runtime.pipeline
-    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
-        runtime._after_fork.append(("zero_shot_tier", lambda: pipeline.frontend().load_sessions()))
-    logger.info("template ready in %.0f ms since process start (%s)", clock.now_ms(), clock.durations)

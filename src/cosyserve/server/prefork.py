@@ -394,13 +394,20 @@ def _load_template(settings: Settings) -> dict[str, list[Any]]:
     return out
 
 
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("the template serves nothing")
+
+
 def _bind(settings: Settings) -> socket.socket:
+    """The listening socket, bound by uvicorn's own code (address family, SO_REUSEADDR; a taken port: its error
+    message and SystemExit(3)); its protocol modules imported on the way, as each worker's start would."""
     import uvicorn
 
     from cosyserve.server.run import uvicorn_options
 
-    # uvicorn's own bind (address family, SO_REUSEADDR; a taken port: its error message and SystemExit(3))
-    return uvicorn.Config(app=None, **uvicorn_options(settings)).bind_socket()  # type: ignore[arg-type]
+    config = uvicorn.Config(_no_app, **uvicorn_options(settings))
+    config.load()  # the HTTP, websocket and lifespan modules it picks: imported once, here, not per worker
+    return config.bind_socket()
 
 
 def serve_prefork(settings: Settings) -> int:
@@ -430,6 +437,7 @@ def serve_prefork(settings: Settings) -> int:
         import prometheus_client  # noqa: F401 - imported once, in the template, in multiprocess mode
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
+        import cosyserve.server.metrics  # noqa: F401
         import cosyserve.server.openai_api  # noqa: F401
         import cosyserve.server.reference_api  # noqa: F401
 
