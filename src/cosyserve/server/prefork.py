@@ -24,7 +24,8 @@ loop and uvicorn's signal handlers; on READY a byte on a pipe tells the master. 
 
 The master (the template, after its first fork) runs one thread: a loop over signals and the workers' pipes. It
 replaces a worker that dies with a fresh fork at once (after a back-off, growing to 5 s, while workers keep dying
-before READY; a worker that fails its start-up with exit code 3 stops the server with code 3), keeps the pool's
+before READY; a worker that fails its start-up with exit code 3, or the tenth in a row to die before READY, stops
+the server with code 3; SIGTERM while the template loads exits 0 without forking), keeps the pool's
 state in a file every worker's health routes show (``workers``: wanted, alive, ready, restarts), and on
 SIGTERM/SIGINT closes its copy of the socket, passes SIGTERM to every worker (each drains as a single server
 does), waits for them and exits 0.
@@ -47,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,7 @@ __all__ = ["WorkerLink", "serve_prefork"]
 _MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 _STATUS = "workers.json"
 _MAX_BACKOFF_S = 5.0
+_MAX_EARLY_DEATHS = 10  # workers in a row that die before READY (~20 s of back-off): the start is broken
 _PR_SET_PDEATHSIG = 1
 
 
@@ -202,14 +205,20 @@ class _Master:
     def on_death(self, w: _Worker, code: int) -> None:
         from cosyserve.server.app import STARTUP_FAILURE
 
-        if w.ready_ms is None and code == STARTUP_FAILURE:
-            logger.error("worker %d failed its start-up (exit code %d): stopping the server", w.pid, code)
+        if w.ready_ms is None:
+            self.early_deaths += 1
+        if w.ready_ms is None and (code == STARTUP_FAILURE or self.early_deaths >= _MAX_EARLY_DEATHS):
+            logger.error(
+                "worker %d died before READY (%s; %d in a row): stopping the server",
+                w.pid,
+                _describe(code),
+                self.early_deaths,
+            )
             self.exit_code = STARTUP_FAILURE
             self.begin_stop(signal.SIGTERM)
             return
         delay = 0.0
         if w.ready_ms is None:
-            self.early_deaths += 1
             delay = min(_MAX_BACKOFF_S, 0.05 * 2 ** (self.early_deaths - 1))
         self.restarts += 1
         logger.warning(
@@ -374,6 +383,23 @@ def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink) -> i
     return run_app(create_app(settings, worker=link), settings, sockets=[sock])
 
 
+class _Stopped(BaseException):
+    """SIGTERM/SIGINT while the template loads: nothing to drain yet."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
 def _load_template(settings: Settings) -> dict[str, list[Any]]:
     """The template's runtimes: every preload model's instances, loaded in this thread with ``fork_template``."""
     from cosyserve.engine.poolfile import build_pool, load_pool_config
@@ -444,12 +470,19 @@ def serve_prefork(settings: Settings) -> int:
         baseline = len(_threads())
         sock = _bind(settings)  # first: a taken port fails the start before the load, not after
         try:
-            runtimes = _load_template(settings)
-        except Exception as e:  # noqa: BLE001 - the cause is logged; the exit code says start-up failed
+            with _stop_on_signals():  # until the master's loop takes the signals over
+                try:
+                    runtimes = _load_template(settings)
+                except Exception as e:  # noqa: BLE001 - the cause is logged; the exit code says start-up failed
+                    sock.close()
+                    logger.error("start-up failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+                    return STARTUP_FAILURE
+                master = _Master(settings, sock, runtimes, run_dir, baseline_threads=baseline)
+                return master.run()
+        except _Stopped as e:
             sock.close()
-            logger.error("start-up failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
-            return STARTUP_FAILURE
-        return _Master(settings, sock, runtimes, run_dir, baseline_threads=baseline).run()
+            logger.info("%s during the start: stopped before any worker started", e)
+            return 0
     except OSError as e:
         if e.errno == errno.EAGAIN:
             logger.error("fork failed: %s", e)
