@@ -130,3 +130,28 @@ def test_a_model_that_fails_in_the_template_exits_3(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert "start-up failed" in server.log() and "forked" not in server.log(), server.log()[-3000:]
+
+
+def test_a_fork_template_load_leaves_no_thread_and_one_intra_op_thread(tiny_model_dir: Path) -> None:
+    """What makes the template safe to fork: no thread started by the load, none running after it (native ones
+    counted from /proc), torch on one intra-op thread; after_fork takes the process's threads up again."""
+    import torch
+
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+    from cosyserve.server.prefork import _threads
+
+    before_threads = torch.get_num_threads()
+    before = len(_threads())
+    try:
+        rt = load_runtime(tiny_model_dir, RuntimeOptions(fork_template=True, zero_shot_tier="background"))
+        assert len(_threads()) <= before, f"the load left threads running: {_threads()}"
+        assert torch.get_num_threads() == 1
+        assert rt.zero_shot_thread is None, "ONNX sessions (thread pools) must wait for after_fork"
+        assert "text_tier" in rt.clock.durations and "warmup_token2wav" in rt.clock.durations
+        rt.after_fork()
+        assert torch.get_num_threads() == before_threads
+        assert rt.zero_shot_thread is not None
+        rt.join_background()
+        rt.close()
+    finally:
+        torch.set_num_threads(before_threads)

@@ -17,7 +17,8 @@ Before the fork, in the template (one thread from start to fork; a check refuses
     page private: ~96 MB per worker without it).
 Nothing in the template holds a lock, an event loop, an ONNX session (its own thread pools) or a connection.
 
-After the fork, in each worker: ``Runtime.after_fork`` (the intra-op threads; the zero-shot tier's ONNX
+After the fork, in each worker: ``Runtime.after_fork`` (the intra-op threads: ``--threads``, else the cores
+divided among the workers, see :func:`worker_threads`; the zero-shot tier's ONNX
 sessions when asked for in the background), the app (pool, engines and their threads, metrics files), the event
 loop and uvicorn's signal handlers; on READY a byte on a pipe tells the master. A worker dies with its master
 (``PR_SET_PDEATHSIG``).
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import gc
 import json
@@ -57,7 +59,7 @@ from cosyserve.settings import Settings
 
 logger = logging.getLogger("cosyserve.prefork")
 
-__all__ = ["WorkerLink", "serve_prefork"]
+__all__ = ["WorkerLink", "serve_prefork", "worker_threads"]
 
 _MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 _STATUS = "workers.json"
@@ -380,6 +382,8 @@ def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink) -> i
     for runtimes in link.runtimes.values():
         for rt in runtimes:
             rt.after_fork()
+    # the models this worker loads itself (lazy ones, reloads) get the same share of the cores
+    settings = dataclasses.replace(settings, threads=worker_threads(settings))
     return run_app(create_app(settings, worker=link), settings, sockets=[sock])
 
 
@@ -400,6 +404,18 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(sig, h)
 
 
+def worker_threads(settings: Settings) -> int:
+    """Each worker's torch threads: ``--threads``, else the cores this process may use divided among the workers.
+
+    Every worker taking every core (torch's default) oversubscribes them as soon as two workers compute: their
+    OpenMP teams spin against each other (full-size, 2 workers on 2 cores: each request ~4-8x slower than alone,
+    bench/prefork.py). A lone request then runs on its worker's share only.
+    """
+    if settings.threads is not None:
+        return int(settings.threads)
+    return max(1, len(os.sched_getaffinity(0)) // settings.workers)
+
+
 def _load_template(settings: Settings) -> dict[str, list[Any]]:
     """The template's runtimes: every preload model's instances, loaded in this thread with ``fork_template``."""
     from cosyserve.engine.poolfile import build_pool, load_pool_config
@@ -408,7 +424,8 @@ def _load_template(settings: Settings) -> dict[str, list[Any]]:
 
     args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
     cfg = load_pool_config(settings, preload=args)
-    pool = build_pool(cfg, runtime_options=RuntimeOptions.from_settings(settings, fork_template=True))
+    options = RuntimeOptions.from_settings(settings, fork_template=True, threads=worker_threads(settings))
+    pool = build_pool(cfg, runtime_options=options)
     t0 = time.perf_counter()
     out = {name: pool.load_instances(name) for name in pool.names if pool.spec(name).policy == "preload"}
     logger.info(
@@ -467,7 +484,8 @@ def serve_prefork(settings: Settings) -> int:
         import cosyserve.server.openai_api  # noqa: F401
         import cosyserve.server.reference_api  # noqa: F401
 
-        baseline = len(_threads())
+        # the native threads the imports leave (Python's own, e.g. the CLI's read-ahead of the bundles, end first)
+        baseline = len(_threads()) - (threading.active_count() - 1)
         sock = _bind(settings)  # first: a taken port fails the start before the load, not after
         try:
             with _stop_on_signals():  # until the master's loop takes the signals over
