@@ -202,7 +202,9 @@ def main() -> None:
     ap.add_argument("--reference-python", help="the reference runtime's python (adds a row)")
     ap.add_argument("--model-dir", help="the official-layout dir of the same weights, for the reference row")
     ap.add_argument(
-        "--ref-src", default=os.environ.get("COSYSERVE_REF_SRC"), help="the reference source checkout (on PYTHONPATH)"
+        "--ref-src",
+        default=os.environ.get("COSYSERVE_REF_SRC"),
+        help="the reference source checkout (on PYTHONPATH)",
     )
     ap.add_argument("--json", action="store_true", help="also print every measurement as JSON")
     args = ap.parse_args()

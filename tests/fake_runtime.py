@@ -133,6 +133,9 @@ class FakeRuntime:
     def export_voices(self, path: Any, **kw: Any) -> list[str]:
         raise RegistryError("the fake runtime has no voice registry")
 
+    def after_fork(self) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 

@@ -183,7 +183,7 @@ def test_load_checks_its_keyword_overrides_before_loading_anything(tmp_path: Pat
 
 
 def test_settings_survive_pickling_for_worker_processes(tmp_path: Path) -> None:
-    """If this fails, `serve --workers N` cannot hand its settings to the spawned workers."""
+    """Settings pickle: a program may hand them to a process it spawns (serve --workers forks: it does not)."""
     f = tmp_path / "pool.toml"
     f.write_text("[pool]\nmemory_budget = '50%'\n[models.a]\npath = 'a'\n")
     s = Settings.load(

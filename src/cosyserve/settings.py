@@ -6,7 +6,7 @@ a one-line doc. :meth:`Settings.load` reads them once, at start, with the preced
 config file > default, and checks every value: a bad one raises :class:`~cosyserve.errors.SettingsError` naming
 where it came from as the user typed it (``--port 99999``, ``COSYSERVE_PORT='99999'``,
 ``pool.toml: [pool] lru_k = 0``) and what is accepted. The object is then passed down explicitly (CLI ->
-:func:`cosyserve.load`, the server, the pool builder; pickled to ``--workers`` processes); nothing below the entry
+:func:`cosyserve.load`, the server, the pool builder; inherited by ``--workers`` processes); nothing below the entry
 points reads the environment. The README's settings tables are generated from these declarations
 (``scripts/settings_tables.py``; a test checks they are current).
 
@@ -364,7 +364,7 @@ class Settings:
         env="COSYSERVE_WORKERS",
         flag="--workers",
         cast=Int(1, 64),
-        doc="server processes, each with its own models",
+        doc="worker processes (Linux): forked from one process that loaded the preload models, sharing its memory",
     )
     pool_config: str | None = _serve(
         None,

@@ -341,6 +341,11 @@ def _read_all(plan: list[tuple[Any, tuple[str, ...]]]) -> None:
         f.populate(row_tables)
 
 
+def read_all(parts: LoadedParts) -> None:
+    """Read the mapped pages now, in the calling thread."""
+    _read_all(parts.page_plan())
+
+
 def start_prefetch(parts: LoadedParts) -> threading.Thread:
     """Read the mapped pages in a background daemon thread (after READY), so requests find them resident."""
     t = threading.Thread(target=_read_all, args=(parts.page_plan(),), name="cosyserve-prefetch", daemon=True)

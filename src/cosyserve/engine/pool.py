@@ -78,6 +78,8 @@ class ModelPool:
         memory_probe: ``() -> (used, limit)``; default :func:`memory_usage`.
         clock: monotonic seconds (LRU-K history, TTL); tests inject a fake one.
         release_timeout_s: how long an evicted or closing model's in-flight requests may take.
+        preloaded: runtimes already loaded, by model name (a prefork template's, in a forked worker): a model's
+            first load takes them (as many as its ``instances``) instead of loading; a reload loads.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class ModelPool:
         memory_probe: Callable[[], tuple[int, int]] | None = memory_usage,
         clock: Callable[[], float] = time.monotonic,
         release_timeout_s: float = 30.0,
+        preloaded: dict[str, list[Any]] | None = None,
     ) -> None:
         if lru_k < 1:
             raise ValueError(f"lru_k must be >= 1, got {lru_k}")
@@ -111,6 +114,7 @@ class ModelPool:
         self._owner: dict[str, str] = {}
         self.runtime_options = runtime_options
         self._load_model = load_model or self._default_load_model
+        self._preloaded = {name: list(runtimes) for name, runtimes in (preloaded or {}).items()}
         self._probe = memory_probe
         self.clock = clock
         self.release_timeout_s = release_timeout_s
@@ -294,6 +298,19 @@ class ModelPool:
 
     # -- loading ---------------------------------------------------------------------------------------------
 
+    def load_instances(self, name: str) -> list[Any]:
+        """Load ``name``'s instances now, one after the other in the calling thread, outside the pool's
+        bookkeeping (a prefork template: its workers' pools take them as ``preloaded``)."""
+        spec = self._entry(name).spec
+        return [self._load_model(spec, False) for _ in range(spec.instances)]
+
+    def _take_or_load(self, spec: ModelSpec, reload: bool) -> Any:
+        with self._lock:
+            stock = self._preloaded.get(spec.name)
+            if stock and not reload:
+                return stock.pop(0)
+        return self._load_model(spec, reload)
+
     def _default_load_model(self, spec: ModelSpec, reload: bool) -> Any:
         from cosyserve.clock import PhaseClock
         from cosyserve.runtime import RuntimeOptions, load_runtime
@@ -370,7 +387,7 @@ class ModelPool:
         spec = entry.spec
         engine = Engine(
             spec.name,
-            lambda: self._load_model(spec, reload),
+            lambda: self._take_or_load(spec, reload),
             instances=spec.instances,
             queue_limit=spec.queue_limit,
             stats=entry.stats,

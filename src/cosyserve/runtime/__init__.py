@@ -100,6 +100,10 @@ class RuntimeOptions:
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
+        fork_template: load in a prefork template that will be forked without exec: start no thread (native
+            ones included) and leave none running when the load returns; the work a runtime would do in the
+            background after READY is done before it returns or, when it would start threads (ONNX sessions),
+            waits for :meth:`Runtime.after_fork`, which each forked child calls.
     """
 
     strategy: Literal["preload", "lazy", "prefetch"] = "preload"
@@ -124,6 +128,7 @@ class RuntimeOptions:
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
     flow_steps: int | None = None
+    fork_template: bool = False
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
@@ -260,6 +265,11 @@ class Runtime(Protocol):
         self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
     ) -> list[str]:
         """Write ``tenant``'s registered voices (and the pre-defined ones) as a reference ``spk2info.pt``."""
+        ...
+
+    def after_fork(self) -> None:
+        """In a child forked from the process that loaded it with ``fork_template``: take up the process's
+        threads and start what waited for the fork (called once per child, before it serves)."""
         ...
 
     def close(self) -> None:

@@ -38,7 +38,13 @@ class TorchRuntime:
     """
 
     def __init__(
-        self, pipeline: Pipeline, options: RuntimeOptions, clock: Any, bundle: Any, parts: Any
+        self,
+        pipeline: Pipeline,
+        options: RuntimeOptions,
+        clock: Any,
+        bundle: Any,
+        parts: Any,
+        threads: int | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.options = options
@@ -50,7 +56,10 @@ class TorchRuntime:
         self._lm = pipeline.llm  # the model itself, under any batching wrapper (what warm-up runs)
         self._batchers: list[Any] = []
         # the threads its requests share (worker_threads: a fixed count per request instead)
-        self.cores = CoreShare(options.threads or torch.get_num_threads())
+        self.cores = CoreShare(threads or options.threads or torch.get_num_threads())
+        self._after_fork: list[
+            tuple[str, Callable[[], None]]
+        ] = []  # what a fork template leaves to its children
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
@@ -205,6 +214,14 @@ class TorchRuntime:
             if t is not None:
                 t.join(timeout)
 
+    def after_fork(self) -> None:
+        # the template warmed up on one intra-op thread (a libgomp team made before fork() hangs its children):
+        # the child takes up the process's threads, and starts what would have started threads in the template
+        torch.set_num_threads(self.cores.cores)
+        if self._after_fork:
+            self.zero_shot_thread = _after_ready(self._after_fork, self.clock)
+            self._after_fork = []
+
     def close(self) -> None:
         for batcher in self._batchers:
             batcher.close()
@@ -220,20 +237,24 @@ def _load_text_tier() -> None:
     load_normalizers()
 
 
+def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
+    """Run each ``(phase, work)`` of ``steps`` in turn, timed as ``phase``; a failure is logged and the next step
+    runs (the first request that needs a failed tier raises the same error with its context)."""
+    for phase, work in steps:
+        start, t = clock.now_ms(), time.perf_counter()
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - see above
+            logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
+            continue
+        clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+
+
 def _after_ready(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> threading.Thread:
-    """Run each ``(phase, work)`` of ``steps`` in turn in one thread after READY, timed as ``phase``; a
-    failure is logged and the next step runs (the first request that needs a failed tier raises the same error
-    with its context)."""
+    """:func:`_run_steps` in one thread after READY."""
 
     def run() -> None:
-        for phase, work in steps:
-            start, t = clock.now_ms(), time.perf_counter()
-            try:
-                work()
-            except Exception:  # noqa: BLE001 - see above
-                logger.warning("background %s failed", phase.replace("_", " "), exc_info=True)
-                continue
-            clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+        _run_steps(steps, clock)
 
     # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
     # tearing torch down under a kernel that still runs ("terminate called without an active exception")
@@ -294,12 +315,17 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         import cosyserve.models.flow
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
-        from cosyserve.bundle.loader import LoadOptions, open_bundle, start_prefetch
+        from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
         from cosyserve.registry import SpeakerRegistry
         from cosyserve.registry_location import default_registry_dir
         from cosyserve.runtime.token2wav import StreamPolicy
 
-    if o.threads:
+    threads = o.threads or torch.get_num_threads()
+    if o.fork_template:
+        # no libgomp team in a process that will fork (its children would wait on threads they do not have):
+        # one intra-op thread runs no parallel region; each child takes up `threads` in after_fork
+        torch.set_num_threads(1)
+    elif o.threads:
         torch.set_num_threads(o.threads)
     from cosyserve.sources import cache_dir_of, resolve_bundle
 
@@ -354,15 +380,13 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
         )
-    runtime = TorchRuntime(pipeline, o, clock, bundle, parts)
+    runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
     if o.warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
         # seconds later, so they warm up after READY, below
         with clock.phase("warmup"):
             runtime._lm.warm_up(o.warmup_tokens)
     clock.mark("ready")
-    if o.strategy == "prefetch" and o.use_mmap:
-        start_prefetch(parts)
     after: list[tuple[str, Callable[[], None]]] = []
     if o.text_tier == "background":
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
@@ -370,14 +394,26 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         after.append(("text_tier", _load_text_tier))
     if o.warmup:
         after.append(("warmup_token2wav", runtime.warm_up_token2wav))
+    # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
+    zero_shot: list[tuple[str, Callable[[], None]]] = []
+    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
+        zero_shot.append(("zero_shot_tier", lambda: pipeline.frontend().load_sessions()))
+    if o.fork_template:
+        # a fork template does it all now, in this thread, so that its children share it; but ONNX sessions
+        # (thread pools of their own) wait for after_fork
+        if o.strategy == "prefetch" and o.use_mmap:
+            read_all(parts)
+        _run_steps(after, clock)
+        runtime._after_fork = zero_shot
+        logger.info("template ready in %.0f ms since process start (%s)", clock.now_ms(), clock.durations)
+        return runtime
+    if o.strategy == "prefetch" and o.use_mmap:
+        start_prefetch(parts)
     if after:
         thread = _after_ready(after, clock)
         runtime.text_thread = thread if o.text_tier == "background" else None
         runtime.warmup_thread = thread if o.warmup else None
-    if o.zero_shot_tier == "background" and "zero_shot" in pipeline.available_modes():
-        # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
-        runtime.zero_shot_thread = _after_ready(
-            [("zero_shot_tier", lambda: pipeline.frontend().load_sessions())], clock
-        )
+    if zero_shot:
+        runtime.zero_shot_thread = _after_ready(zero_shot, clock)
     logger.info("ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations)
     return runtime

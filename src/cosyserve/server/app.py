@@ -51,7 +51,7 @@ _STATIC = os.path.join(os.path.dirname(__file__), "static")
 class ServerState:
     """What the routes share: the settings (``config``), pool, API keys, metrics and the start-up/drain flags."""
 
-    def __init__(self, config: Settings, pool: Any = None) -> None:
+    def __init__(self, config: Settings, pool: Any = None, worker: Any = None) -> None:
         from cosyserve.engine.poolfile import build_pool, load_pool_config
         from cosyserve.runtime import RuntimeOptions
         from cosyserve.server.metrics import Metrics
@@ -71,11 +71,15 @@ class ServerState:
         self.preload: list[str] = []
         self.demo = config.demo
         self._server: Any = None  # the uvicorn server, to stop it when start-up fails
+        # a prefork worker's link to its master (cosyserve.server.prefork.WorkerLink): the template's runtimes,
+        # the READY notice and the pool's state
+        self.worker = worker
         if pool is None:
             # --model models are preloaded, with the same defaults as the pool config's models
             args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if self.demo else config.model_args()
             cfg = load_pool_config(config, preload=args)
-            pool = build_pool(cfg, runtime_options=RuntimeOptions.from_settings(config))
+            preloaded = worker.runtimes if worker is not None else None
+            pool = build_pool(cfg, runtime_options=RuntimeOptions.from_settings(config), preloaded=preloaded)
             self.housekeeping_s: float | None = cfg.housekeeping_interval_s
         else:
             self.housekeeping_s = None
@@ -213,6 +217,8 @@ class ServerState:
         release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
+        if self.worker is not None:
+            self.worker.notify_ready()
         logger.info(
             "ready in %.0f ms from process start: %s%s",
             ms,
@@ -249,12 +255,20 @@ def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
     return previous
 
 
-def create_app(config: Settings | None = None, *, pool: Any = None, ready_before_serving: bool = False) -> Starlette:
+def create_app(
+    config: Settings | None = None,
+    *,
+    pool: Any = None,
+    worker: Any = None,
+    ready_before_serving: bool = False,
+) -> Starlette:
     """The cosyserve ASGI app (models load in the background once the lifespan starts).
 
     Args:
         config: the settings (default: read from the environment).
         pool: a ready-made pool (tests); default: built from the settings' pool config and models.
+        worker: in a prefork worker, its :class:`cosyserve.server.prefork.WorkerLink` (the template's runtimes,
+            the READY notice to the master, the workers' state on the health routes).
         ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
             fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
             default it returns at once and the health endpoints say when the models are ready.
@@ -265,7 +279,7 @@ def create_app(config: Settings | None = None, *, pool: Any = None, ready_before
     from cosyserve.server.auth import AuthMiddleware
 
     config = config if config is not None else Settings.load()
-    state = ServerState(config, pool=pool)
+    state = ServerState(config, pool=pool, worker=worker)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -303,6 +317,8 @@ def create_app(config: Settings | None = None, *, pool: Any = None, ready_before
 
     async def startup(request: Request) -> Response:
         body: dict[str, Any] = {"models": state.describe_models(), "demo": state.demo}
+        if state.worker is not None:
+            body["workers"] = state.worker.status()
         if state.startup_error is not None:
             body.update(status="failed", error=str(state.startup_error))
             return JSONResponse(body, status_code=503)
@@ -316,6 +332,8 @@ def create_app(config: Settings | None = None, *, pool: Any = None, ready_before
         ok = state.ready()
         status = "ready" if ok else ("draining" if state.draining else "not_ready")
         body = {"status": status, "models": state.describe_models(), "demo": state.demo}
+        if state.worker is not None:  # readiness is this worker's; the pool of workers is the master's view
+            body["workers"] = state.worker.status()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def index(request: Request) -> Response:

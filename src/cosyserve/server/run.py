@@ -1,28 +1,22 @@
 """`cosyserve serve`: uvicorn around :func:`cosyserve.server.app.create_app`.
 
-One worker runs in this process (exit code 0 after a SIGTERM drain, 3 when a preload model fails to load);
-several workers run under uvicorn's process manager, each loading its own models (mapped from the same files,
-their weights share the page cache's pages), and share their metrics through a private directory this process
-makes and removes. Each worker receives the :class:`Settings` object itself: it travels inside uvicorn's
-``Config``, which multiprocessing pickles to every spawned worker, and the worker builds its app from it.
+One worker runs in this process: exit code 0 after a SIGTERM drain, 3 when a preload model fails to load.
+``--workers N`` (N > 1, Linux) forks N workers from a template that loaded the models: see
+:mod:`cosyserve.server.prefork`; each worker runs :func:`run_app` on the socket the master bound.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
-import shutil
 import signal
-import tempfile
+import socket
 from typing import Any
 
 from cosyserve.settings import Settings
 
-__all__ = ["serve"]
+__all__ = ["run_app", "serve", "setup_logging", "uvicorn_options"]
 
-_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 # uvicorn's own grace timeout is a backstop only: the app cuts what still runs when the grace is over
 # (ServerState._cut_leftovers), and the requests it cut need a moment to end
 _BACKSTOP_S = 5
@@ -44,7 +38,7 @@ class _QuietStreamCuts(logging.Filter):
         return not isinstance(exc, StreamCut)
 
 
-def _setup_logging(settings: Settings) -> None:
+def setup_logging(settings: Settings) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(settings.serve_log_level.upper())
     uv = logging.getLogger("uvicorn.error")  # the logger uvicorn's HTTP protocols report app exceptions on
@@ -52,12 +46,44 @@ def _setup_logging(settings: Settings) -> None:
         uv.addFilter(_QuietStreamCuts())
 
 
-def _worker_app(settings: Settings) -> Any:
-    """The app of one worker process (``--workers N``), built there from the settings the parent pickled."""
-    from cosyserve.server.app import create_app
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn ``Config`` arguments of a worker (the server's own logging, no access log)."""
+    return dict(
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.serve_log_level,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + _BACKSTOP_S,
+        access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
+        log_config=None,
+    )
 
-    _setup_logging(settings)  # a spawned worker starts with logging unconfigured
-    return create_app(settings)
+
+def run_app(app: Any, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
+    """Serve ``app`` (from :func:`~cosyserve.server.app.create_app`) until SIGTERM/SIGINT and its drain.
+
+    Args:
+        app: the app; its ``state.cosy`` is the :class:`~cosyserve.server.app.ServerState`.
+        settings: the server's settings.
+        sockets: listening sockets to accept on (a prefork worker's, bound by the master); None: bind
+            ``settings.host``/``port``.
+    Returns:
+        The exit code: 0 after a drain, 3 when a preload model failed to load.
+    """
+    import uvicorn
+
+    from cosyserve.server.app import STARTUP_FAILURE
+
+    state = app.state.cosy
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings)))
+    state._server = server
+    # uvicorn re-raises the signal it caught once it has shut down; these no-op handlers are the ones it
+    # restores, so a drained server exits 0 instead of dying of its own SIGTERM
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=sockets)
+    if state.startup_error is not None:
+        return STARTUP_FAILURE
+    return 0
 
 
 def serve(settings: Settings) -> int:
@@ -68,52 +94,11 @@ def serve(settings: Settings) -> int:
     Returns:
         The process exit code: 0 after a drain, 3 when a preload model failed to load.
     """
-    import uvicorn
-
-    _setup_logging(settings)
-    common: dict[str, Any] = dict(
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.serve_log_level,
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + _BACKSTOP_S,
-        access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
-        log_config=None,
-    )
+    setup_logging(settings)
     if settings.workers > 1:
-        from uvicorn.supervisors import Multiprocess
+        from cosyserve.server.prefork import serve_prefork
 
-        # set before any worker starts, hence before prometheus_client is imported there (it picks its value
-        # class at import); always a fresh directory of ours: files left by another run would add to our counts
-        metrics_dir = tempfile.mkdtemp(prefix="cosyserve-metrics-")
-        saved = os.environ.get(_MULTIPROC)
-        os.environ[_MULTIPROC] = metrics_dir
-        try:
-            # what uvicorn.run does for workers, with the app factory bound to the settings instead of named by
-            # an import string: the partial (and the settings in it) is pickled to each spawned worker
-            config = uvicorn.Config(
-                functools.partial(_worker_app, settings), factory=True, workers=settings.workers, **common
-            )
-            Multiprocess(config, sockets=[config.bind_socket()]).run()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-            if saved is None:
-                os.environ.pop(_MULTIPROC, None)
-            else:
-                os.environ[_MULTIPROC] = saved
-        return 0
-    from cosyserve.server.app import STARTUP_FAILURE, create_app
+        return serve_prefork(settings)
+    from cosyserve.server.app import create_app
 
-    app = create_app(settings)
-    state = app.state.cosy
-    server = uvicorn.Server(uvicorn.Config(app, **common))  # type: ignore[arg-type]
-    state._server = server
-    # uvicorn re-raises the signal it caught once it has shut down; these no-op handlers are the ones it
-    # restores, so a drained server exits 0 instead of dying of its own SIGTERM
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    if state.startup_error is not None:
-        return STARTUP_FAILURE
-    return 0
+    return run_app(create_app(settings), settings)

@@ -1,0 +1,157 @@
+"""``serve --workers N``: workers forked from a template that loaded the model (cosyserve.server.prefork).
+
+Real ``cosyserve serve`` processes on 127.0.0.1: the workers answer and share the template's memory, a killed
+worker is replaced by a fresh fork, SIGTERM drains the workers and the master exits 0, a model that fails to
+load in the template stops the start with exit code 3. Exact memory and time figures: bench/prefork.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server_util import ServerProcess, running_server, start_server
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prefork needs Linux")
+
+BODY = {"input": "Hello there.", "voice": "alloy", "response_format": "pcm", "stream": False}
+
+
+def pool_status(server: ServerProcess) -> dict[str, Any]:
+    with server.client() as c:  # a fresh connection: any worker
+        r = c.get("/health/ready")
+    assert "workers" in r.json(), r.text
+    return dict(r.json()["workers"])
+
+
+def rollup(pid: int) -> dict[str, int]:
+    """/proc/PID/smaps_rollup in kB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        out[key] = int(value.split()[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        tiny_model_dir, tmp_path_factory.mktemp("prefork"), args=["--workers", "2"], ready_timeout_s=180
+    ) as s:
+        end = time.monotonic() + 60  # /health/ready is per worker: wait for both
+        while pool_status(s)["ready"] < 2:
+            assert time.monotonic() < end, s.log()[-3000:]
+            time.sleep(0.05)
+        yield s
+
+
+def test_prefork_workers_answer_and_share_the_template_memory(server: ServerProcess) -> None:
+    pids = set()
+    for _ in range(6):
+        with server.client(timeout=120.0) as c:
+            r = c.post("/v1/audio/speech", json=BODY)
+            assert r.status_code == 200 and len(r.content) > 0, r.text
+            pids.add(c.get("/health/ready").json()["workers"]["pid"])
+    status = pool_status(server)
+    assert status["wanted"] == 2 and status["alive"] == 2 and status["ready"] == 2, status
+    assert pids <= set(status["pids"]), (pids, status)
+    log = server.log()
+    assert "template loaded" in log and log.count("ready") >= 2, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    # the workers' pages are mostly the template's: a loose bound (exact figures: bench/prefork.py)
+    for pid in status["pids"]:
+        m = rollup(pid)
+        shared = m["Shared_Clean"] + m["Shared_Dirty"]
+        assert shared > 0.5 * m["Rss"], (
+            f"worker {pid} shares {shared} of {m['Rss']} kB with the template: {m}"
+        )
+        assert m["Private_Dirty"] < 200_000, (
+            f"worker {pid} wrote {m['Private_Dirty']} kB of private pages: {m}"
+        )
+
+
+def test_a_killed_worker_is_replaced_by_a_fresh_fork(server: ServerProcess) -> None:
+    before = pool_status(server)
+    victim = before["pids"][0]
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    while True:
+        status = pool_status(server)
+        if victim not in status["pids"] and status["ready"] == 2:
+            break
+        assert time.monotonic() - t0 < 30, f"not replaced within 30 s: {status}\n{server.log()[-3000:]}"
+        time.sleep(0.02)
+    assert status["restarts"] == before["restarts"] + 1, status
+    assert server.proc.poll() is None
+    assert f"worker {victim} (slot" in server.log() and "killed by SIGKILL" in server.log()
+    with server.client(timeout=120.0) as c:
+        assert c.post("/v1/audio/speech", json=BODY).status_code == 200
+
+
+def test_sigterm_drains_every_worker_and_exits_0(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_model_dir, tmp_path, args=["--workers", "2"], ready_timeout_s=180)
+    try:
+        pids = pool_status(server)["pids"]
+        with httpx.Client(base_url=server.base_url, timeout=120.0) as c:
+            long = {**BODY, "input": "Hello there, this is a long sentence to speak. " * 4, "stream": True}
+            with c.stream("POST", "/v1/audio/speech", json=long) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                first = next(chunks)  # the request is in flight on one worker
+                server.proc.send_signal(signal.SIGTERM)
+                rest = b"".join(chunks)  # it finishes: the drain lets in-flight requests end
+        assert len(first) + len(rest) > 0
+        assert server.proc.wait(60) == 0, server.log()[-3000:]
+    finally:
+        server.stop()
+    log = server.log()
+    assert "SIGTERM: draining 2 worker(s)" in log and "all workers stopped" in log, log[-3000:]
+    for pid in pids:
+        assert f"worker {pid} exited (exit code 0)" in log, log[-3000:]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_model_that_fails_in_the_template_exits_3(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "cosyvoice.yaml").write_text("nonsense: [", encoding="utf-8")
+    server = start_server(bad, tmp_path / "srv", args=["--workers", "2"], wait_ready=False)
+    try:
+        assert server.proc.wait(120) == 3, server.log()[-3000:]
+    finally:
+        server.stop()
+    assert "start-up failed" in server.log() and "forked" not in server.log(), server.log()[-3000:]
+
+
+def test_a_fork_template_load_leaves_no_thread_and_one_intra_op_thread(tiny_model_dir: Path) -> None:
+    """What makes the template safe to fork: no thread started by the load, none running after it (native ones
+    counted from /proc), torch on one intra-op thread; after_fork takes the process's threads up again."""
+    import torch
+
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+    from cosyserve.server.prefork import _threads
+
+    before_threads = torch.get_num_threads()
+    before = len(_threads())
+    try:
+        rt = load_runtime(tiny_model_dir, RuntimeOptions(fork_template=True, zero_shot_tier="background"))
+        assert len(_threads()) <= before, f"the load left threads running: {_threads()}"
+        assert torch.get_num_threads() == 1
+        assert rt.zero_shot_thread is None, "ONNX sessions (thread pools) must wait for after_fork"
+        assert "text_tier" in rt.clock.durations and "warmup_token2wav" in rt.clock.durations
+        rt.after_fork()
+        assert torch.get_num_threads() == before_threads
+        assert rt.zero_shot_thread is not None
+        rt.join_background()
+        rt.close()
+    finally:
+        torch.set_num_threads(before_threads)
