@@ -57,9 +57,8 @@ class TorchRuntime:
         self._batchers: list[Any] = []
         # the threads its requests share (worker_threads: a fixed count per request instead)
         self.cores = CoreShare(threads or options.threads or torch.get_num_threads())
-        self._after_fork: list[
-            tuple[str, Callable[[], None]]
-        ] = []  # what a fork template leaves to its children
+        # what a fork template leaves to its children
+        self._after_fork: list[tuple[str, Callable[[], None]]] = []
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
@@ -252,13 +251,11 @@ def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
 
 def _after_ready(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> threading.Thread:
     """:func:`_run_steps` in one thread after READY."""
-
-    def run() -> None:
-        _run_steps(steps, clock)
-
     # not a daemon: a process that exits during a step waits for it (bounded, well under a second) instead of
     # tearing torch down under a kernel that still runs ("terminate called without an active exception")
-    thread = threading.Thread(target=run, name=f"cosyserve-{steps[0][0]}", daemon=False)
+    thread = threading.Thread(
+        target=_run_steps, args=(steps, clock), name=f"cosyserve-{steps[0][0]}", daemon=False
+    )
     thread.start()
     return thread
 

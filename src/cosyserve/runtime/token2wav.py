@@ -53,7 +53,7 @@ class StreamPolicy:
             raise ValueError(f"first_hop_len must be <= {self.token_max_hop_len} tokens, got {hop}")
         # the first window's audio must fill the vocoder's context (its source cache and held speech tail): a
         # shorter window would leave no cache to cross-fade the second chunk with
-        if self.mel_frames(hop + self.token_overlap_len) - self.mel_overlap_len < self.mel_cache_len:
+        if hop < self.min_first_hop:
             raise ValueError(
                 f"first_hop_len must be >= {self.min_first_hop} tokens (its window of hop + "
                 f"{self.token_overlap_len} overlap tokens must leave {self.mel_cache_len} mel frames for the "
