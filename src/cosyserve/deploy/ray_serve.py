@@ -137,7 +137,12 @@ class CosyServeReplica:
 
 def app_builder(args: dict[str, Any]) -> Any:
     """The Ray Serve application (``serve run cosyserve.deploy.ray_serve:app_builder key=value ...``)."""
-    from ray import serve
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise ImportError(
+            f"cosyserve on Ray Serve needs Ray Serve: pip install 'cosyserve[ray]' ({e})"
+        ) from e
 
     options = deployment_options(args)
     flags = settings_flags(args)
