@@ -28,7 +28,10 @@ __all__ = [
     "build_config",
     "build_model_config",
     "config_tree",
+    "detect_family",
     "load_model_config",
+    "qwen_config",
+    "read_cv2_yaml",
     "read_yaml",
 ]
 
@@ -47,7 +50,17 @@ class _Ref:
     key: str
 
 
+@dataclass(frozen=True)
+class _RefExpr:
+    """``!ref <a> * <b>``: arithmetic over references and numbers (hyperpyyaml evaluates it as Python)."""
+
+    text: str
+    keys: tuple[str, ...]
+
+
 _REF_RE = re.compile(r"^<([A-Za-z_][\w.]*)>$")
+_REF_ANY = re.compile(r"<([A-Za-z_][\w.]*)>")
+_ARITH_RE = re.compile(r"^[\s\d.+\-*/()]*$")
 
 
 def _construct_tagged(kind: str):  # type: ignore[no-untyped-def]
@@ -66,15 +79,39 @@ def _construct_tagged(kind: str):  # type: ignore[no-untyped-def]
     return construct
 
 
-def _construct_ref(loader: Any, node: Any) -> _Ref:
+def _construct_ref(loader: Any, node: Any) -> _Ref | _RefExpr:
     text = str(loader.construct_scalar(node)).strip()
     m = _REF_RE.match(text)
-    if not m:
-        raise ModelConfigError(
-            f"unsupported !ref expression {text!r} at line {node.start_mark.line + 1}: "
-            "only a plain reference like <key> or <a.b> is understood"
-        )
-    return _Ref(m.group(1))
+    if m:
+        return _Ref(m.group(1))
+    keys = tuple(_REF_ANY.findall(text))
+    if keys and _ARITH_RE.match(_REF_ANY.sub("0", text)):
+        return _RefExpr(text, keys)
+    raise ModelConfigError(
+        f"unsupported !ref expression {text!r} at line {node.start_mark.line + 1}: "
+        "only references like <key> or <a.b>, or arithmetic (+ - * /) over them and numbers, are understood"
+    )
+
+
+def _arith(text: str) -> int | float:
+    """Evaluate ``text``, numbers and + - * / and parentheses only, without eval()."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+    def ev(n: ast.AST) -> int | float:
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and type(n.value) in (int, float):
+            return n.value
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left), ev(n.right))
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        raise ValueError(f"not arithmetic: {ast.dump(n)}")
+
+    return ev(ast.parse(text, mode="eval"))
 
 
 @functools.cache
@@ -137,6 +174,19 @@ def _resolve(node: Any, root: dict[str, Any], path: Path, where: str, active: se
             raise ModelConfigError(f"{path}: !ref <{node.key}> at '{where}' is circular")
         target = _lookup(root, node.key, path, where)
         return _resolve(target, root, path, where, active | {node.key})
+    if isinstance(node, _RefExpr):
+        expr = node.text
+        for key in node.keys:
+            value = _resolve(_Ref(key), root, path, where, active)
+            if type(value) not in (int, float):
+                raise ModelConfigError(
+                    f"{path}: !ref {node.text} at '{where}': <{key}> is {value!r}, not a number"
+                )
+            expr = expr.replace(f"<{key}>", repr(value))
+        try:
+            return _arith(expr)
+        except (ValueError, SyntaxError, ZeroDivisionError) as e:
+            raise ModelConfigError(f"{path}: !ref {node.text} at '{where}' cannot be evaluated: {e}") from e
     if isinstance(node, Tagged):
         return Tagged(node.kind, node.target, _resolve(node.value, root, path, where, active))
     if isinstance(node, dict):
@@ -352,3 +402,71 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if unknown:
         raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
     return build_model_config(doc, source=path)
+
+
+# The reference's AutoModel picks the family by which yaml the directory holds, in this order.
+FAMILY_FILES = {"cosyvoice": "cosyvoice.yaml", "cosyvoice2": "cosyvoice2.yaml"}
+QWEN_DIR = "CosyVoice-BlankEN"
+
+
+def detect_family(model_dir: str | Path) -> str:
+    """``cosyvoice`` (the 300M family) or ``cosyvoice2``: which official yaml ``model_dir`` holds.
+
+    Never guessed from names. A directory with ``cosyvoice3.yaml`` only is refused as unsupported.
+    """
+    path = Path(model_dir)
+    for family, name in FAMILY_FILES.items():
+        if (path / name).is_file():
+            return family
+    if (path / "cosyvoice3.yaml").is_file():
+        raise ModelConfigError(
+            f"{path} is a CosyVoice3 model (cosyvoice3.yaml); cosyserve does not serve that family yet"
+        )
+    raise ModelConfigError(
+        f"no model config in {path}: an official model dir holds cosyvoice.yaml (CosyVoice-300M) "
+        "or cosyvoice2.yaml (CosyVoice2)"
+    )
+
+
+def read_cv2_yaml(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``cosyvoice2.yaml`` of an official CosyVoice2 directory (tags as :class:`Tagged`, refs
+    resolved; nothing executed)."""
+    path = Path(model_dir) / FAMILY_FILES["cosyvoice2"]
+    if not path.is_file():
+        raise ModelConfigError(f"model config not found: {path}")
+    return read_yaml(path)
+
+
+def qwen_config(model_dir: str | Path) -> dict[str, Any]:
+    """``CosyVoice-BlankEN/config.json`` of a CosyVoice2 directory, checked for the keys the LM needs."""
+    import json
+
+    path = Path(model_dir) / QWEN_DIR / "config.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"cannot read the Qwen config {path}: {e}") from e
+    if not isinstance(doc, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    for key, tp in (
+        ("hidden_size", int),
+        ("intermediate_size", int),
+        ("num_attention_heads", int),
+        ("num_hidden_layers", int),
+        ("num_key_value_heads", int),
+        ("vocab_size", int),
+        ("rms_norm_eps", (int, float)),
+        ("rope_theta", (int, float)),
+    ):
+        value = doc.get(key)
+        if not isinstance(value, tp) or isinstance(value, bool) or value <= 0:
+            raise ModelConfigError(f"{path}: '{key}' should be a positive number, got {value!r}")
+    if (
+        doc["hidden_size"] % doc["num_attention_heads"]
+        or doc["num_attention_heads"] % doc["num_key_value_heads"]
+    ):
+        raise ModelConfigError(
+            f"{path}: hidden_size {doc['hidden_size']} / num_attention_heads {doc['num_attention_heads']} / "
+            f"num_key_value_heads {doc['num_key_value_heads']} do not divide"
+        )
+    return doc

@@ -80,7 +80,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
     ):
         raise ModelDirError(f"{path} is not a state dict (a mapping of parameter names to tensors)")
-    return sd
+    # Some releases store bfloat16 tensors; the reference builds float32 modules and load_state_dict copies
+    # (casts) each tensor into them, so cast here rather than adopt the file's dtype.
+    return {k: v.float() if v.is_floating_point() and v.dtype != torch.float32 else v for k, v in sd.items()}
 
 
 def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> None:

@@ -37,6 +37,23 @@ KIND_MODULES = {
     "instruct_frontend": "cosyserve.conformance.kinds_frontend",
 }
 
+# CosyVoice2 sets (KINDS-cosyvoice2.md): the same kind names mean that family's computation
+KIND_MODULES_CV2 = {
+    "tokenize": "cosyserve.conformance.cv2_lm",
+    "llm_logprobs": "cosyserve.conformance.cv2_lm",
+    "flow_inference": "cosyserve.conformance.cv2_flow",
+    "hift_inference": "cosyserve.conformance.cv2_audio",
+    "mel": "cosyserve.conformance.cv2_audio",
+    "whisper_logmel": "cosyserve.conformance.cv2_audio",
+    "resample": "cosyserve.conformance.cv2_audio",
+    "zero_shot_frontend": "cosyserve.conformance.cv2_frontend",
+    "cross_lingual_frontend": "cosyserve.conformance.cv2_frontend",
+    "instruct2_frontend": "cosyserve.conformance.cv2_frontend",
+    "token2wav_stream": "cosyserve.conformance.cv2_token2wav",
+    "token2wav_full": "cosyserve.conformance.cv2_token2wav",
+}
+FAMILY_KINDS = {"cosyvoice": KIND_MODULES, "cosyvoice2": KIND_MODULES_CV2}
+
 
 @dataclass
 class CaseResult:
@@ -59,8 +76,8 @@ class CaseResult:
         )
 
 
-def _kind_function(kind: str) -> Callable[..., dict[str, Any]] | None:
-    module_name = KIND_MODULES.get(kind)
+def _kind_function(kind: str, family: str = "cosyvoice") -> Callable[..., dict[str, Any]] | None:
+    module_name = FAMILY_KINDS[family].get(kind)
     if module_name is None:
         return None
     module = importlib.import_module(module_name)
@@ -121,7 +138,7 @@ def run_case(case: dict[str, Any], tensors: dict[str, Any], ctx: Any) -> CaseRes
     name, kind = case.get("name", "?"), case.get("kind", "?")
     atol, rtol = float(case.get("atol", 0.0)), float(case.get("rtol", 0.0))
     t0 = time.perf_counter()
-    fn = _kind_function(kind)
+    fn = _kind_function(kind, ctx.family)
     if fn is None:
         return CaseResult(name, kind, False, math.nan, atol, rtol, 0.0, f"unknown kind {kind!r}")
     try:
@@ -177,10 +194,10 @@ def run_conformance(
         raise ValueError(f"{cases_path}: expected {{'format': 1, 'cases': [...]}}")
     wanted = set(kinds) if kinds is not None else None
     if wanted is not None:
-        unknown = sorted(wanted - set(KIND_MODULES))
+        unknown = sorted(wanted - set(KIND_MODULES) - set(KIND_MODULES_CV2))
         if unknown:
             raise ValueError(
-                f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(KIND_MODULES))}"
+                f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(set(KIND_MODULES) | set(KIND_MODULES_CV2)))}"
             )
     tensors_path = set_dir / "tensors.safetensors"
     tensors = load_file(str(tensors_path)) if tensors_path.is_file() else {}

@@ -16,7 +16,15 @@ class CaseContext:
         self.set_dir = set_dir
         self.model_dir = model_dir
         self._modules: dict[str, Any] = {}
+        self.cache: dict[str, Any] = {}  # per-family kinds keep their lazily built objects here
         self.bundle_dir: Path | None = None  # when set, modules come from this bundle instead of model_dir
+
+    @cached_property
+    def family(self) -> str:
+        """``cosyvoice`` or ``cosyvoice2``, from the yaml the model dir holds."""
+        from cosyserve.modelconfig import detect_family
+
+        return detect_family(self.model_dir)
 
     @cached_property
     def config(self) -> Any:
