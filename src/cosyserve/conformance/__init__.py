@@ -138,7 +138,10 @@ def run_case(case: dict[str, Any], tensors: dict[str, Any], ctx: Any) -> CaseRes
     name, kind = case.get("name", "?"), case.get("kind", "?")
     atol, rtol = float(case.get("atol", 0.0)), float(case.get("rtol", 0.0))
     t0 = time.perf_counter()
-    fn = _kind_function(kind, ctx.family)
+    try:
+        fn = _kind_function(kind, ctx.family)
+    except ImportError as e:
+        return CaseResult(name, kind, False, math.nan, atol, rtol, 0.0, f"kind {kind!r} not available: {e}")
     if fn is None:
         return CaseResult(name, kind, False, math.nan, atol, rtol, 0.0, f"unknown kind {kind!r}")
     try:
