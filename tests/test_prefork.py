@@ -155,3 +155,39 @@ def test_a_fork_template_load_leaves_no_thread_and_one_intra_op_thread(tiny_mode
         rt.close()
     finally:
         torch.set_num_threads(before_threads)
+
+
+def test_a_worker_not_ready_in_time_is_killed_and_counts_as_an_early_death(tmp_path: Path) -> None:
+    """A worker hung in its start-up (never READY) is SIGKILLed once --worker-ready-timeout passes, and its
+    death goes through the early-death path (a respawn after back-off). If this failed, a deadlocked worker
+    would hold its slot forever while the pool looks merely short of one worker."""
+    import dataclasses
+    import subprocess
+
+    from cosyserve.server.prefork import _Master, _Worker
+    from cosyserve.settings import Settings
+
+    settings = dataclasses.replace(Settings.load(flags={}, env={}), worker_ready_timeout_s=5.0)
+    master = _Master(settings, None, {}, str(tmp_path))
+    stuck = subprocess.Popen(["sleep", "60"])
+    ready = subprocess.Popen(["sleep", "60"])
+    try:
+        now = time.monotonic()
+        r1, w1 = os.pipe()
+        r2, w2 = os.pipe()
+        master.workers[stuck.pid] = _Worker(0, stuck.pid, r1, now - 6.0)
+        master.workers[ready.pid] = _Worker(1, ready.pid, r2, now - 6.0, ready_ms=30.0)
+        master.kill_stuck(now - 2.0)  # 4 s after the forks: nothing yet
+        assert stuck.poll() is None
+        master.kill_stuck(now)  # 6 s: the unready one goes, the READY one stays
+        assert stuck.wait(timeout=5) == -signal.SIGKILL
+        assert ready.poll() is None
+        master.on_death(master.workers.pop(stuck.pid), -signal.SIGKILL)  # what reap() does with its status
+        assert master.early_deaths == 1
+        assert 0 in master.respawn_at, "the slot is refilled"
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
+    finally:
+        for p in (stuck, ready):
+            p.kill()
+            p.wait()

@@ -366,6 +366,14 @@ class Settings:
         cast=Int(1, 64),
         doc="worker processes (Linux): forked from one process that loaded the preload models, sharing its memory",
     )
+    worker_ready_timeout_s: float = _serve(
+        120.0,
+        env="COSYSERVE_WORKER_READY_TIMEOUT",
+        flag="--worker-ready-timeout",
+        cast=Float(1, 3600),
+        doc="with --workers: seconds a forked worker may take to get READY before the master kills and "
+        "replaces it",
+    )
     pool_config: str | None = _serve(
         None,
         env="COSYSERVE_POOL_CONFIG",

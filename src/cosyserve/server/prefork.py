@@ -26,7 +26,8 @@ loop and uvicorn's signal handlers; on READY a byte on a pipe tells the master. 
 The master (the template, after its first fork) runs one thread: a loop over signals and the workers' pipes. It
 replaces a worker that dies with a fresh fork at once (after a back-off, growing to 5 s, while workers keep dying
 before READY; a worker that fails its start-up with exit code 3, or the tenth in a row to die before READY, stops
-the server with code 3; SIGTERM while the template loads exits 0 without forking), keeps the pool's
+the server with code 3; one not READY within ``--worker-ready-timeout`` is killed and counts as such a
+death; SIGTERM while the template loads exits 0 without forking), keeps the pool's
 state in a file every worker's health routes show (``workers``: wanted, alive, ready, restarts), and on
 SIGTERM/SIGINT closes its copy of the socket, passes SIGTERM to every worker (each drains as a single server
 does), waits for them and exits 0.
@@ -183,6 +184,18 @@ class _Master:
             logger.info("worker %d ready %.1f ms after its fork", pid, w.ready_ms)
             self.write_status()
 
+    def kill_stuck(self, now: float) -> None:
+        """Kill a worker not READY within ``worker_ready_timeout_s`` of its fork (a hang in its start-up: a
+        deadlock, a lost pipe); its death is then handled like any death before READY (a fresh fork after a
+        back-off, the server stops after too many in a row)."""
+        limit = self.settings.worker_ready_timeout_s
+        for w in self.workers.values():
+            if w.ready_ms is None and not w.stop_sent and now - w.forked > limit:
+                logger.error("worker %d not READY %.0f s after its fork: killing it", w.pid, limit)
+                w.stop_sent = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+
     def reap(self, sel: selectors.BaseSelector) -> None:
         while True:
             try:
@@ -303,6 +316,8 @@ class _Master:
                     self.begin_stop(self.signals.pop(0))
                 self.reap(sel)
                 now = time.monotonic()
+                if self.stopping is None:
+                    self.kill_stuck(now)
                 for slot, at in list(self.respawn_at.items()):
                     if at <= now and self.stopping is None:
                         del self.respawn_at[slot]
