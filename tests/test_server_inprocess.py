@@ -270,6 +270,18 @@ def test_instruct_on_a_model_that_is_not_instruct_is_a_400(client: TestClient) -
     assert client.post("/v1/audio/speech", json={**body, "model": "m"}).status_code == 200
 
 
+def test_instruct2_on_a_cosyvoice_300m_model_is_a_400_that_says_whose_mode_it_is(client: TestClient) -> None:
+    """/inference_instruct2 is CosyVoice2's route: on a 300M model it is refused before the prompt is read,
+    naming the mode's family and the 300M alternative (not a 500, not a silent fallback to another mode)."""
+    r = client.post(
+        "/inference_instruct2",
+        data={"tts_text": "Hello.", "instruct_text": "Speak calmly.<|endofprompt|>"},
+        files={"prompt_wav": ("p.wav", BAD_WAV, "audio/wav")},
+    )
+    err = openai_error(r, 400)
+    assert "CosyVoice2" in err["message"] and "instruct2" in err["message"], err
+
+
 def test_openai_speed_range_is_served(client: TestClient) -> None:
     """speed 0.25 and 4.0 (OpenAI's bounds) are served, the audio 1/speed as long as at speed 1.0."""
     body = {"input": "Hello there.", "voice": SPK, "response_format": "pcm", "seed": 3}

@@ -170,7 +170,7 @@ def _cmd_speakers(args: argparse.Namespace, settings: Settings) -> None:
         print(f"wrote {len(names)} speaker(s) to {out}")
 
 
-SYNTH_MODES = ("sft", "zero_shot", "cross_lingual", "instruct", "vc")
+SYNTH_MODES = ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc")
 _SYNTH_FIELDS = {
     "text": "--text",
     "speaker": "--speaker",
@@ -254,7 +254,7 @@ def _cmd_make_test_model(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.testmodel import make_test_model
 
     out = Path(args.out)
-    info = make_test_model(out, size=args.size, seed=args.seed, force=args.force)
+    info = make_test_model(out, size=args.size, seed=args.seed, force=args.force, family=args.family)
     for name, (params, nbytes) in info.items():
         print(f"{name:<6} {params / 1e6:8.2f}M parameters  {nbytes / 1e9:6.3f} GB")
     print(f"wrote random-weight {args.size} model to {out} (it makes noise, not speech)")
@@ -464,7 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=["tiny", "full"],
         default="tiny",
-        help="tiny for tests; full = CosyVoice-300M dimensions",
+        help="tiny for tests; full = the release's dimensions (CosyVoice-300M, or CosyVoice2-0.5B)",
+    )
+    p.add_argument(
+        "--family",
+        choices=["cosyvoice", "cosyvoice2"],
+        default="cosyvoice",
+        help="cosyvoice: the CosyVoice-300M layout; cosyvoice2: the CosyVoice2-0.5B layout",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")

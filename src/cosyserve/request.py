@@ -11,10 +11,12 @@ checks when the request starts.
 | ``zero_shot`` | required | a registered voice, **or** ... | ... required | ... required | - | - |
 | ``cross_lingual`` | required | a registered voice, **or** ... | ... required | - | - | - |
 | ``instruct`` | required | as sft | - | - | required | - |
+| ``instruct2`` | required | a registered voice, **or** ... | ... required | - | required | - |
 | ``vc`` | - | - | required | - | - | required |
 
 ``mode=None`` means ``zero_shot`` when ``speaker`` is a registered zero-shot voice, else ``sft`` (decided by the
-runtime, which knows the voices).
+runtime, which knows the voices). ``instruct`` is CosyVoice-300M-Instruct's (a speaker and a style instruction);
+``instruct2`` is CosyVoice2's (``inference_instruct2``: the instruction and a voice to clone).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cosyserve.errors import ClientError
 __all__ = [
     "MODES",
     "PROMPT_MODES",
+    "VOICE_MODES",
     "SPEED_MAX",
     "SPEED_MIN",
     "AudioSource",
@@ -40,9 +43,11 @@ __all__ = [
     "speed_error",
 ]
 
-Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "vc"]
-MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct", "vc")
-PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "vc")  # need campplus + the speech tokenizer
+Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc"]
+MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc")
+# need campplus + the speech tokenizer
+PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "instruct2", "vc")
+VOICE_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "instruct2")  # a registered voice or a prompt
 
 # The tempo range every entry point accepts (OpenAI's). Speed stretches the whole utterance's mel in time before
 # the vocoder (the reference's rule), which works for any factor > 0; the bounds keep requests sane.
@@ -53,11 +58,11 @@ AudioSource = str | Path | bytes | bytearray | memoryview  # a file's path, or t
 
 # field -> modes that accept it
 _ACCEPTS: dict[str, tuple[Mode, ...]] = {
-    "text": ("sft", "zero_shot", "cross_lingual", "instruct"),
-    "speaker": ("sft", "zero_shot", "cross_lingual", "instruct"),
-    "prompt_wav": ("zero_shot", "cross_lingual", "vc"),
+    "text": ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2"),
+    "speaker": ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2"),
+    "prompt_wav": ("zero_shot", "cross_lingual", "instruct2", "vc"),
     "prompt_text": ("zero_shot",),
-    "instruct_text": ("instruct",),
+    "instruct_text": ("instruct", "instruct2"),
     "source_wav": ("vc",),
 }
 
@@ -184,9 +189,9 @@ def field_errors(
     ]
     if mode != "vc" and "text" not in present:
         errors.append(("text", f"{mode} mode needs {n['text']} (what to say)"))
-    if mode == "instruct" and "instruct_text" not in present:
-        errors.append(("instruct_text", f"instruct mode needs {n['instruct_text']} (the style instruction)"))
-    if mode in ("zero_shot", "cross_lingual"):
+    if mode in ("instruct", "instruct2") and "instruct_text" not in present:
+        errors.append(("instruct_text", f"{mode} mode needs {n['instruct_text']} (the style instruction)"))
+    if mode in VOICE_MODES:
         if "speaker" in present and "prompt_wav" in present:
             errors.append(
                 (

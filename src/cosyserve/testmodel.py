@@ -202,7 +202,7 @@ def model_config(size: str) -> Any:
         return load_model_config(d)
 
 
-def _voice_f0_head(hift: Any, generator: Any) -> None:
+def voice_f0_head(hift: Any, generator: Any) -> None:
     # Random init leaves f0 ~0.02 Hz (always unvoiced). Rescale the f0 head's last Linear so f0 spans roughly
     # 0-300 Hz on random input, as the conformance fixtures do.
     import torch
@@ -228,21 +228,32 @@ def _is_test_model(path: Path) -> bool:
         return False
     if not any(path.iterdir()):
         return True
-    try:
-        with open(path / "cosyvoice.yaml", encoding="utf-8") as f:
-            return _HEADER_MARK in f.readline()
-    except (OSError, UnicodeDecodeError):
-        return False
+    for name in ("cosyvoice.yaml", "cosyvoice2.yaml"):
+        try:
+            with open(path / name, encoding="utf-8") as f:
+                if _HEADER_MARK in f.readline():
+                    return True
+        except (OSError, UnicodeDecodeError):
+            continue
+    return False
 
 
 def make_test_model(
-    out: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False, onnx: bool = True
+    out: str | Path,
+    *,
+    size: str = "tiny",
+    seed: int = 0,
+    force: bool = False,
+    onnx: bool = True,
+    family: str = "cosyvoice",
 ) -> dict[str, tuple[int, int]]:
     """Write a random-weight model directory in the official layout.
 
     Args:
         out: directory to create (written to a temporary sibling, then renamed: never left half-written).
-        size: ``tiny`` (tests) or ``full`` (CosyVoice-300M dimensions, ~1.7 GB).
+        size: ``tiny`` (tests) or ``full`` (the release's dimensions: CosyVoice-300M ~1.7 GB, CosyVoice2-0.5B
+            ~2 GB).
+        family: ``cosyvoice`` (the 300M layout) or ``cosyvoice2`` (:mod:`cosyserve.testmodel2`).
         seed: seed for every random weight.
         force: replace ``out`` if it exists.
         onnx: also write small random campplus.onnx / speech_tokenizer_v1.onnx (the zero-shot tier).
@@ -257,6 +268,10 @@ def make_test_model(
     from cosyserve.models.llm import TransformerLM
     from cosyserve.staging import Staging
 
+    if family not in ("cosyvoice", "cosyvoice2"):
+        raise ValueError(f"unknown family {family!r}; expected cosyvoice or cosyvoice2")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     out = Path(out)
     if os.path.lexists(out):
         if not force:
@@ -270,6 +285,12 @@ def make_test_model(
     tmp = staging.path
     info: dict[str, tuple[int, int]] = {}
     try:
+        if family == "cosyvoice2":
+            from cosyserve.testmodel2 import write_model2
+
+            info = write_model2(tmp, size, seed, onnx)
+            staging.commit(replace=force)
+            return info
         (tmp / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
         cfg = load_model_config(tmp)
         gen = torch.Generator().manual_seed(seed)
@@ -280,7 +301,7 @@ def make_test_model(
                 "flow": MaskedDiffWithXvec(cfg.flow),
                 "hift": HiFTGenerator(cfg.hift),
             }
-        _voice_f0_head(parts["hift"], gen)
+        voice_f0_head(parts["hift"], gen)
         for name, module in parts.items():
             sd = {k: v.contiguous() for k, v in module.state_dict().items()}
             path = tmp / f"{name}.pt"

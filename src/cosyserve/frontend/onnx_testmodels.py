@@ -10,6 +10,8 @@ are a few tens of KB:
   int64 [B, ceil(T / 2)] in [0, 4096): frames past ``feats_length`` are zeroed, a stride-2 Conv1d halves the
   100 Hz mel rate to 50 Hz, and two 64-way argmaxes form the id ``64 * a + b`` (a product codebook covering
   all 4096 ids with 2 x 64 code vectors).
+- ``speech_tokenizer_v2.onnx`` (CosyVoice2): the same inputs -> ``indices`` int64 [B, ceil(ceil(T / 2) / 2)] in
+  [0, 6561): a second stride-2 conv to 25 Hz and an 81 x 81 product codebook.
 
 The files are written with a few lines of protobuf wire format below, not with the ``onnx`` package: the demo
 model (``cosyserve serve`` without ``--model``) makes them on a plain install, where ``onnx`` is not present.
@@ -29,6 +31,7 @@ __all__ = ["SPEECH_TOKEN_VOCAB", "write_test_onnx_models"]
 
 SPEECH_TOKEN_VOCAB = 4096
 _HALF_VOCAB = 64  # 64 * 64 = 4096
+_HALF_VOCAB_V2 = 81  # 81 * 81 = 6561 (CosyVoice2's FSQ codes)
 _IR_VERSION = 8
 _OPSET = 17
 
@@ -140,16 +143,25 @@ def _campplus(rng: np.random.Generator, hidden: int = 32, embed_dim: int = 192) 
     )
 
 
-def _speech_tokenizer(rng: np.random.Generator, channels: int = 16) -> bytes:
+def _speech_tokenizer(rng: np.random.Generator, channels: int = 16, version: int = 1) -> bytes:
     def init(name: str, array: np.ndarray, dtype: type = np.float32) -> bytes:
         return _tensor(name, np.asarray(array).astype(dtype))
 
+    half = _HALF_VOCAB if version == 1 else _HALF_VOCAB_V2
     initializers = [
         init("conv_w", rng.standard_normal((channels, 128, 3)) / np.sqrt(128 * 3)),
         init("conv_b", rng.standard_normal(channels) * 0.1),
-        init("code_a", rng.standard_normal((channels, _HALF_VOCAB))),
-        init("code_b", rng.standard_normal((channels, _HALF_VOCAB))),
-        init("half_vocab", np.array(_HALF_VOCAB), np.int64),
+        *(
+            [
+                init("conv2_w", rng.standard_normal((channels, channels, 3)) / np.sqrt(channels * 3)),
+                init("conv2_b", rng.standard_normal(channels) * 0.1),
+            ]
+            if version == 2
+            else []
+        ),
+        init("code_a", rng.standard_normal((channels, half))),
+        init("code_b", rng.standard_normal((channels, half))),
+        init("half_vocab", np.array(half), np.int64),
         init("zero", np.array(0), np.int64),
         init("one", np.array(1), np.int64),
         init("axis1", np.array([1]), np.int64),
@@ -167,7 +179,18 @@ def _speech_tokenizer(rng: np.random.Generator, channels: int = 16) -> bytes:
         _node("Mul", ["feats", "mask"], ["x0"]),  # [B, 128, T]
         # 100 Hz -> 50 Hz: [B, C, ceil(T / 2)]
         _node("Conv", ["x0", "conv_w", "conv_b"], ["x1"], kernel_shape=[3], strides=[2], pads=[1, 1]),
-        _node("Tanh", ["x1"], ["x2"]),
+        *(
+            # v2: 50 Hz -> 25 Hz, [B, C, ceil(ceil(T / 2) / 2)]
+            [
+                _node("Tanh", ["x1"], ["x1a"]),
+                _node(
+                    "Conv", ["x1a", "conv2_w", "conv2_b"], ["x1b"], kernel_shape=[3], strides=[2], pads=[1, 1]
+                ),
+                _node("Tanh", ["x1b"], ["x2"]),
+            ]
+            if version == 2
+            else [_node("Tanh", ["x1"], ["x2"])]
+        ),
         _node("Transpose", ["x2"], ["x3"], perm=[0, 2, 1]),  # [B, T2, C]
         # product codebook: id = 64 * argmax(x @ A) + argmax(x @ B)
         _node("MatMul", ["x3", "code_a"], ["score_a"]),  # [B, T2, 64]
@@ -178,7 +201,7 @@ def _speech_tokenizer(rng: np.random.Generator, channels: int = 16) -> bytes:
         _node("Add", ["ia64", "ib"], ["indices"]),
     ]
     return _model(
-        "speech_tokenizer_v1_test",
+        f"speech_tokenizer_v{version}_test",
         nodes,
         [_value_info("feats", FLOAT, ["B", 128, "T"]), _value_info("feats_length", INT32, ["B"])],
         [_value_info("indices", INT64, ["B", "T2"])],
@@ -186,7 +209,7 @@ def _speech_tokenizer(rng: np.random.Generator, channels: int = 16) -> bytes:
     )
 
 
-def write_test_onnx_models(out_dir: Path, seed: int = 0) -> None:
+def write_test_onnx_models(out_dir: Path, seed: int = 0, speech_tokenizer: int = 1) -> None:
     """Write random-weight ``campplus.onnx`` and ``speech_tokenizer_v1.onnx`` into ``out_dir``.
 
     Needs neither the ``onnx`` package nor onnxruntime.
@@ -194,6 +217,8 @@ def write_test_onnx_models(out_dir: Path, seed: int = 0) -> None:
     Args:
         out_dir: an existing directory (the test model dir); existing files of these names are replaced.
         seed: seeds the weights; the same seed writes byte-identical files.
+        speech_tokenizer: 1 (CosyVoice-300M: ``speech_tokenizer_v1.onnx``, 4096 ids at 50 Hz) or 2 (CosyVoice2:
+            ``speech_tokenizer_v2.onnx``, a second stride-2 conv, 6561 ids at 25 Hz).
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
@@ -201,6 +226,9 @@ def write_test_onnx_models(out_dir: Path, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for name, model in (
         (CAMPPLUS_FILE, _campplus(rng)),
-        (SPEECH_TOKENIZER_FILE, _speech_tokenizer(rng)),
+        (
+            SPEECH_TOKENIZER_FILE if speech_tokenizer == 1 else "speech_tokenizer_v2.onnx",
+            _speech_tokenizer(rng, version=speech_tokenizer),
+        ),
     ):
         (out_dir / name).write_bytes(model)

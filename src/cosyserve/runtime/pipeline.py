@@ -120,6 +120,7 @@ class Pipeline:
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.instruct = instruct
+        self.family = "cosyvoice"  # the model family whose modes this pipeline runs
         self.default_voice = default_voice
         self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
         self.onnx_check: Callable[[Path], None] | None = None
@@ -152,7 +153,17 @@ class Pipeline:
         """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
         where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
         out: dict[str, str] = {}
-        if not self.instruct:
+        if self.family == "cosyvoice":
+            out["instruct2"] = (
+                "instruct2 is CosyVoice2's instruction mode (an instruction and a voice to clone); this is a "
+                "CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"
+            )
+        if self.family == "cosyvoice2":
+            out["instruct"] = (
+                "this is a CosyVoice2 model, which has no speaker-instruct mode (the reference's inference_instruct "
+                "is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
+            )
+        elif not self.instruct:
             out["instruct"] = (
                 "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
                 "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
@@ -161,7 +172,7 @@ class Pipeline:
         missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
         if missing:
             why = f"{where} has no {' or '.join(missing)} (copy it from the official model dir to enable it)"
-            out.update(dict.fromkeys(PROMPT_MODES, why))
+            out.update({m: why for m in PROMPT_MODES if m not in out})
         return out
 
     def available_modes(self) -> list[str]:

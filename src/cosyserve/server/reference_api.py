@@ -1,7 +1,8 @@
 """The reference CosyVoice FastAPI server's endpoints, so its client works against us unchanged.
 
 ``/inference_sft`` (tts_text, spk_id), ``/inference_zero_shot`` (tts_text, prompt_text, prompt_wav file),
-``/inference_cross_lingual`` (tts_text, prompt_wav), ``/inference_instruct`` (tts_text, spk_id, instruct_text);
+``/inference_cross_lingual`` (tts_text, prompt_wav), ``/inference_instruct`` (tts_text, spk_id, instruct_text),
+and CosyVoice2's ``/inference_instruct2`` (tts_text, instruct_text, prompt_wav);
 GET and POST, form fields (multipart or urlencoded; the reference client sends a GET with a form body). The
 response is the reference's: raw int16 PCM at the model's rate, one piece per sentence (its ``stream=False``).
 The default model serves them; ``X-Model`` (a header) picks another.
@@ -27,6 +28,7 @@ _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "zero_shot": ("zero_shot", ("tts_text", "prompt_text"), ("prompt_wav",)),
     "cross_lingual": ("cross_lingual", ("tts_text",), ("prompt_wav",)),
     "instruct": ("instruct", ("tts_text", "spk_id", "instruct_text"), ()),
+    "instruct2": ("instruct2", ("tts_text", "instruct_text"), ("prompt_wav",)),
 }
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 # the engine's request fields -> the form's (prompt_wav, prompt_text and instruct_text are named alike)

@@ -250,6 +250,9 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
             "/inference_instruct": reference(
                 "inferenceInstruct", {"tts_text": text, "spk_id": name, "instruct_text": text}
             ),
+            "/inference_instruct2": reference(
+                "inferenceInstruct2", {"tts_text": text, "instruct_text": text}, ("prompt_wav",)
+            ),
             "/health/live": {
                 "get": {
                     "operationId": "live",
