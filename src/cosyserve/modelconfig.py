@@ -341,6 +341,7 @@ class ModelConfig:
     flow: Any
     hift: Any
     source: str = ""
+    family: str = "cosyvoice"  # cosyvoice (the 300M family) or cosyvoice2
 
     KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
 
@@ -379,6 +380,7 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
 def config_tree(cfg: ModelConfig) -> dict[str, Any]:
     """``cfg`` as plain data (what a bundle's manifest stores; :func:`build_model_config` reads it back)."""
     return {
+        **({"family": cfg.family} if cfg.family != "cosyvoice" else {}),
         "sample_rate": cfg.sample_rate,
         **{k: dataclasses.asdict(getattr(cfg, k)) for k in ("llm", "flow", "hift")},
     }

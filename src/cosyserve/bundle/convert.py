@@ -51,6 +51,16 @@ COMPONENTS = ("llm", "flow", "hift")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZABLE = ("llm",)  # components whose linears may be int8
+# CosyVoice2: the Qwen tokenizer's files (CosyVoice-BlankEN/model.safetensors, ~1 GB, is never read: llm.pt
+# holds every LM weight)
+QWEN_FILES = tuple(
+    f"CosyVoice-BlankEN/{n}" for n in ("config.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+)
+# the files a bundle copies unchanged from the model dir, per family (the ONNX ones only when present)
+EXTRA_FILES = {
+    "cosyvoice": ONNX_FILES,
+    "cosyvoice2": ("campplus.onnx", "speech_tokenizer_v2.onnx", *QWEN_FILES),
+}
 
 
 def _component_spec(
@@ -191,12 +201,14 @@ def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None
     os.chmod(path, file_mode())  # save_file makes the file private (0600) whatever the umask
 
 
-def _component_tensors(model_dir: Path, name: str, cfg: Any, quantize: str | None) -> dict[str, Any]:
+def _component_tensors(
+    model_dir: Path, name: str, cfg: Any, quantize: str | None, family: str
+) -> dict[str, Any]:
     """The component's state dict as we store it: strict-loaded into our module (so keys and shapes are
     checked against the yaml), weight norm folded by the vocoder's load hook, quantized if asked, back out."""
     from cosyserve.bundle.official import load_component
 
-    module = load_component(model_dir, name, cfg)
+    module = load_component(model_dir, name, cfg, family)
     if quantize == "int8":
         from cosyserve.models.precision import quantize_llm
 
@@ -255,7 +267,9 @@ def convert(
             "converter": f"cosyserve {__version__}",
             # one dtype for all (what readers of version 1 know), or "mixed" (see each component's)
             "dtype": dtypes["llm"] if len(set(dtypes.values())) == 1 else "mixed",
-            "instruct": is_instruct_model_dir(model_dir),  # takes instruct mode (see is_instruct_model_dir)
+            "family": cfg.family,
+            # takes instruct mode (see is_instruct_model_dir; CosyVoice2 has instruct2 instead)
+            "instruct": cfg.family == "cosyvoice" and is_instruct_model_dir(model_dir),
             "config": config_tree(cfg),
             "components": {},
             "source": {"dir": str(model_dir.resolve()), "files": {}},
@@ -263,8 +277,8 @@ def convert(
         }
         for name in COMPONENTS:
             step(f"{name}: reading and checking")
-            tensors = _component_tensors(model_dir, name, getattr(cfg, name), quantized.get(name))
-            torch_dtype, cls = getattr(torch, dtypes[name]), module_class(name)
+            tensors = _component_tensors(model_dir, name, getattr(cfg, name), quantized.get(name), cfg.family)
+            torch_dtype, cls = getattr(torch, dtypes[name]), module_class(name, cfg.family)
             tensors = {
                 k: (
                     v.to(torch_dtype) if v.is_floating_point() and not keeps_float32(cls, k) else v
@@ -291,7 +305,7 @@ def convert(
                 "tensors": entry,
             }
             del tensors
-        speakers = load_speakers(model_dir, cfg.llm.spk_embed_dim)
+        speakers = load_speakers(model_dir, getattr(cfg.llm, "spk_embed_dim", 192))
         names = sorted(speakers)
         spk_tensors = {
             f"{i}.{field}": t.contiguous() for i, s in enumerate(names) for field, t in speakers[s].items()
@@ -310,12 +324,17 @@ def convert(
                 for k, v in spk_tensors.items()
             },
         }
-        for fname in ONNX_FILES:
+        for fname in EXTRA_FILES[cfg.family]:
             src = model_dir / fname
             if src.is_file():
                 step(f"copying {fname}")
+                (tmp / fname).parent.mkdir(exist_ok=True)
                 shutil.copyfile(src, tmp / fname)
                 manifest["extras"][fname] = {"bytes": src.stat().st_size, "sha256": sha256_file(tmp / fname)}
+            elif fname in QWEN_FILES and not fname.endswith("merges.txt"):
+                raise ModelDirError(
+                    f"missing {src}: a CosyVoice2 model dir holds the Qwen config and tokenizer there"
+                )
         step("hashing source files")
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx")):

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS
-from cosyserve.bundle.official import ONNX_FILES
+from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS, EXTRA_FILES
 from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
 
@@ -67,10 +66,11 @@ class LoadedParts:
     speakers: dict[str, dict[str, Any]]
     files: dict[str, Any] = field(default_factory=dict)  # component -> MappedFile
     prefetch_thread: threading.Thread | None = None
+    family: str = "cosyvoice"
 
     def page_plan(self) -> list[tuple[Any, tuple[str, ...]]]:
         """What to page in: (file, its row tables), the largest file first."""
-        return _page_plan(self.files)
+        return _page_plan(self.files, self.family)
 
     def mapped_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
@@ -265,11 +265,15 @@ class Bundle:
                 # one thread pages in every file, the largest first: one reader reads a cold disk as fast as
                 # several (the kernel reads ahead within a populate), and each more thread to start waits for
                 # the address-space lock the populate holds
-                paged = [io.submit(_read_all, _page_plan(files))] if options.strategy == "preload" else []
+                paged = (
+                    [io.submit(_read_all, _page_plan(files, cfg.family))]
+                    if options.strategy == "preload"
+                    else []
+                )
                 modules: dict[str, Any] = {}
                 for name in COMPONENTS:
                     with clock.phase("construct"):
-                        module = new_module(name, getattr(cfg, name))
+                        module = new_module(name, getattr(cfg, name), cfg.family)
                         if self.quantized(name) == "int8":
                             from cosyserve.bundle.construct import empty_modules
                             from cosyserve.models.precision import use_int8_linears
@@ -297,7 +301,7 @@ class Bundle:
                     **{entries[n]["file"]: _stat_key(files[n].path) for n in unverified},
                 }
                 self._write_stamps(stamps)
-        return LoadedParts(modules, self._speakers(files.get("speakers")), files)
+        return LoadedParts(modules, self._speakers(files.get("speakers")), files, family=cfg.family)
 
     def _speakers(self, f: Any) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -327,11 +331,11 @@ def model_key(manifest: dict[str, Any]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _page_plan(files: dict[str, Any]) -> list[tuple[Any, tuple[str, ...]]]:
+def _page_plan(files: dict[str, Any], family: str) -> list[tuple[Any, tuple[str, ...]]]:
     from cosyserve.bundle.official import module_class
 
     def row_tables(name: str) -> tuple[str, ...]:
-        return getattr(module_class(name), "ROW_TABLES", ()) if name in COMPONENTS else ()
+        return getattr(module_class(name, family), "ROW_TABLES", ()) if name in COMPONENTS else ()
 
     return [(f, row_tables(name)) for name, f in sorted(files.items(), key=lambda kv: -kv[1].size)]
 
@@ -379,7 +383,8 @@ def open_bundle(path: str | Path) -> Bundle:
         quantize = manifest["components"][name].get("quantize", "none")
         if quantize not in ("none", "int8") or (quantize != "none" and name != "llm"):
             raise BundleError(f"{mpath}: component {name!r}: unknown quantization {quantize!r}")
+    known = {f for files in EXTRA_FILES.values() for f in files}
     for extra in manifest.get("extras", {}):
-        if extra not in ONNX_FILES:
+        if extra not in known:
             raise BundleError(f"{mpath}: unknown extra file {extra!r}")
     return Bundle(path, manifest)

@@ -95,13 +95,24 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> Non
     assert_materialized(module, str(path))
 
 
-def module_class(name: str) -> type:
-    """The module class of component ``name`` (llm, flow or hift)."""
+def module_class(name: str, family: str = "cosyvoice") -> type:
+    """The module class of component ``name`` (llm, flow or hift) in model ``family`` (cosyvoice: the 300M
+    family; cosyvoice2)."""
+    if family not in ("cosyvoice", "cosyvoice2"):
+        raise ValueError(f"unknown model family {family!r}")
     if name == "llm":
+        if family == "cosyvoice2":
+            from cosyserve.models.qwen2lm import Qwen2LM
+
+            return Qwen2LM
         from cosyserve.models.llm import TransformerLM
 
         return TransformerLM
     if name == "flow":
+        if family == "cosyvoice2":
+            from cosyserve.models.flow2 import CausalMaskedDiffWithXvec
+
+            return CausalMaskedDiffWithXvec
         from cosyserve.models.flow import MaskedDiffWithXvec
 
         return MaskedDiffWithXvec
@@ -112,24 +123,25 @@ def module_class(name: str) -> type:
     raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
 
 
-def new_module(name: str, cfg: Any) -> torch.nn.Module:
+def new_module(name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:
     """Construct component ``name`` ready for ``load_state_dict(assign=True)``: on the meta device with every
     initialiser skipped, and the vocoder with plain convolutions (its load hook folds the official weight-norm
     keys; registering the parametrizations, even on meta, would cost more than the rest of the load)."""
     from cosyserve.bundle.construct import empty_modules
 
-    cls = module_class(name)
+    cls = module_class(name, family)
     with empty_modules():
         return cls(cfg, weight_norm=False) if name == "hift" else cls(cfg)
 
 
-def load_component(model_dir: str | Path, name: str, cfg: Any) -> torch.nn.Module:
+def load_component(model_dir: str | Path, name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:
     """Build component ``name`` (llm, flow or hift) from its config and load the official weights strictly.
 
     Args:
         model_dir: official model directory.
         name: ``"llm"``, ``"flow"`` or ``"hift"``.
         cfg: that component's config from :func:`cosyserve.modelconfig.load_model_config`.
+        family: the model family (``ModelConfig.family``).
     Returns:
         The module in eval mode on CPU.
     """
@@ -140,7 +152,7 @@ def load_component(model_dir: str | Path, name: str, cfg: Any) -> torch.nn.Modul
     if name == "hift":
         # HiFiGAN training checkpoints nest the generator; the reference strips the prefix the same way.
         sd = {k.removeprefix("generator."): v for k, v in sd.items()}
-    module = new_module(name, cfg)
+    module = new_module(name, cfg, family)
     _strict_load(module, sd, path)  # the weights stay in the mapped checkpoint: no copy
     module.eval()
     logger.debug("loaded %s from %s in %.1f ms", name, path, (time.perf_counter() - t0) * 1e3)

@@ -42,7 +42,9 @@ class CaseContext:
             else:
                 from cosyserve.bundle.official import load_component
 
-                self._modules[name] = load_component(self.model_dir, name, getattr(self.config, name))
+                self._modules[name] = load_component(
+                    self.model_dir, name, getattr(self.config, name), self.config.family
+                )
         return self._modules[name]
 
     def llm(self) -> Any:

@@ -1,0 +1,219 @@
+"""CosyVoice2 speech tokens -> audio, one-shot or streaming, with the reference's CosyVoice2 rules.
+
+CosyVoice2 streams differently from CosyVoice-300M (:mod:`cosyserve.runtime.token2wav`): the causal flow is
+re-run on **all** tokens so far at every chunk (there is no flow cache and no mel cross-fade), with static chunk
+attention masks and ``pre_lookahead_len`` (3) tokens of lookahead, and the frames of tokens already spoken are
+dropped. The vocoder keeps the last 8 mel frames, their source excitation and their audio between calls; the
+audio is cross-faded over 3840 samples (a Hamming window of 7680).
+
+Hops: the first chunk advances by ``hop + pad`` tokens, where ``pad`` tops the prompt's tokens up to a whole
+chunk (``ceil(P / 25) * 25 - P``), so that chunk boundaries line up with the flow's 25-token attention chunks;
+each chunk needs ``pre_lookahead_len`` more tokens than its hop. After each chunk the hop doubles up to 100
+tokens (4 s). The last call runs on every token with full attention (``streaming=False``). The reference keeps the
+doubled hop on the model object, so its second streaming request starts at 50 or 100 tokens: here every request
+starts afresh (the hop is the generator's own state).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cosyserve.runtime.token2wav import _fade_in_out, _hamming
+
+__all__ = ["StreamPolicy2", "Token2Wav2"]
+
+
+@dataclass(frozen=True)
+class StreamPolicy2:
+    """CosyVoice2's chunking, in tokens; the defaults are the reference CosyVoice2Model's.
+
+    ``first_hop_len`` (None: ``token_hop_len``) makes the first chunk shorter (the low-latency policy); the
+    prompt pad is added to it either way.
+    """
+
+    token_hop_len: int = 25  # the yaml's chunk_size
+    token_max_hop_len: int = 100
+    stream_scale_factor: int = 2
+    pre_lookahead_len: int = 3
+    token_mel_ratio: int = 2
+    mel_cache_len: int = 8
+    samples_per_frame: int = 480
+    first_hop_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first_hop <= self.token_max_hop_len:
+            raise ValueError(
+                f"first_hop_len must be in [1, {self.token_max_hop_len}] tokens, got {self.first_hop}"
+            )
+        # the first chunk's audio must hold the vocoder's cache (8 frames = 4 tokens of mel)
+        if self.first_hop * self.token_mel_ratio < self.mel_cache_len:
+            raise ValueError(
+                f"first_hop_len must be >= {math.ceil(self.mel_cache_len / self.token_mel_ratio)} tokens "
+                f"(its mel must fill the vocoder's {self.mel_cache_len}-frame cache), got {self.first_hop}"
+            )
+
+    @classmethod
+    def named(cls, name: str, first_hop: int | None = None, **kwargs: Any) -> StreamPolicy2:
+        """``reference`` (hops 25, 50, 100, ...) or ``low-latency`` (``first_hop`` tokens at 25 Hz, then
+        doubling up to 100)."""
+        if name == "reference":
+            return cls(**kwargs)
+        if name == "low-latency":
+            if first_hop is None:
+                raise ValueError("the low-latency chunk policy needs its first hop (tokens)")
+            return cls(first_hop_len=first_hop, **kwargs)
+        raise ValueError(f"unknown chunk policy {name!r}; expected reference or low-latency")
+
+    @property
+    def first_hop(self) -> int:
+        return self.token_hop_len if self.first_hop_len is None else self.first_hop_len
+
+    @property
+    def source_cache_len(self) -> int:
+        return self.mel_cache_len * self.samples_per_frame
+
+    def next_hop(self, hop: int) -> int:
+        return min(self.token_max_hop_len, hop * self.stream_scale_factor)
+
+    def prompt_pad(self, prompt_tokens: int) -> int:
+        """Tokens that top the prompt up to a whole attention chunk (added to the first hop)."""
+        c = self.token_hop_len
+        return math.ceil(prompt_tokens / c) * c - prompt_tokens
+
+
+@dataclass
+class _Cache:
+    mel: torch.Tensor
+    source: torch.Tensor
+    speech: torch.Tensor
+
+
+class Token2Wav2:
+    """Turns speech tokens into audio with a CosyVoice2 causal flow and a 24 kHz HiFT vocoder.
+
+    Args:
+        flow: the causal flow (``inference(token, prompt_token, prompt_feat, embedding, streaming, finalize)``).
+        hift: the vocoder (``inference(mel, cache_source, ...)`` -> ``(speech, source)``).
+        policy: the streaming rules; default the reference's.
+        flow_steps: the flow's Euler steps (None: the model's own count).
+    """
+
+    def __init__(
+        self, flow: Any, hift: Any, policy: StreamPolicy2 | None = None, flow_steps: int | None = None
+    ) -> None:
+        self.flow = flow
+        self.hift = hift
+        self.policy = policy or StreamPolicy2()
+        self.flow_steps = flow_steps
+
+    def _call(
+        self,
+        tokens: list[int],
+        offset: int,
+        cache: _Cache | None,
+        prompt_token: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        embedding: torch.Tensor,
+        *,
+        streaming: bool,
+        finalize: bool,
+        speed: float,
+        draws: dict[str, torch.Tensor],
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, _Cache | None]:
+        p = self.policy
+        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        mel = self.flow.inference(
+            token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
+            n_timesteps=self.flow_steps,
+        )  # fmt: skip
+        mel = mel[:, :, offset * p.token_mel_ratio :]
+        if cache is not None:
+            mel = torch.cat([cache.mel, mel], dim=2)
+            cache_source = cache.source
+        else:
+            cache_source = torch.zeros(1, 1, 0)
+        if finalize and speed != 1.0:
+            if cache is not None:
+                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+        speech, source = self.hift.inference(mel, cache_source, generator=generator, **draws)
+        if cache is not None:
+            speech = _fade_in_out(speech, cache.speech, _hamming(2 * p.source_cache_len))
+        if finalize:
+            return speech, None
+        n = p.source_cache_len
+        new_cache = _Cache(mel[:, :, -p.mel_cache_len :], source[:, :, -n:], speech[:, -n:])
+        return speech[:, :-n], new_cache
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: torch.Tensor,
+        prompt_token: torch.Tensor | None = None,
+        prompt_feat: torch.Tensor | None = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        generator: torch.Generator | None = None,
+        draws: Iterator[dict[str, torch.Tensor]] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
+
+        Args:
+            tokens: speech token ids; may be a generator (the LM's), consumed as it produces.
+            embedding: the flow's speaker embedding ``[1, 192]``.
+            prompt_token: ``[1, P]`` prompt speech tokens, default none.
+            prompt_feat: ``[1, 2P, 80]`` prompt mel, default none.
+            stream: chunk as tokens arrive (True) or synthesize once at the end (False).
+            speed: tempo factor, one-shot mode only (the reference's rule).
+            generator: source of the vocoder's random draws not injected through ``draws``.
+            draws: per-call injected vocoder draws (keyword arguments of its ``inference``), in call order.
+        """
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream and speed != 1.0:
+            raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+        p = self.policy
+        prompt_token = torch.zeros(1, 0, dtype=torch.int32) if prompt_token is None else prompt_token
+        prompt_feat = torch.zeros(1, 0, 80) if prompt_feat is None else prompt_feat
+        draws = draws if draws is not None else iter(())
+        if not stream:
+            all_tokens = list(tokens)
+            if all_tokens:
+                speech, _ = self._call(
+                    all_tokens, 0, None, prompt_token, prompt_feat, embedding,
+                    streaming=False, finalize=True, speed=speed, draws=next(draws, {}), generator=generator,
+                )  # fmt: skip
+                yield speech
+            return
+        buffer: list[int] = []
+        offset, hop, cache = 0, p.first_hop, None
+        pad = p.prompt_pad(prompt_token.shape[1])
+        for tok in tokens:
+            buffer.append(tok)
+            while True:
+                this_hop = hop + pad if offset == 0 else hop
+                if len(buffer) - offset < this_hop + p.pre_lookahead_len:
+                    break
+                speech, cache = self._call(
+                    buffer[: offset + this_hop + p.pre_lookahead_len], offset, cache, prompt_token, prompt_feat,
+                    embedding, streaming=True, finalize=False, speed=1.0, draws=next(draws, {}),
+                    generator=generator,
+                )  # fmt: skip
+                offset += this_hop
+                hop = p.next_hop(hop)
+                yield speech
+        if buffer:
+            speech, _ = self._call(
+                buffer, offset, cache, prompt_token, prompt_feat, embedding,
+                streaming=False, finalize=True, speed=1.0, draws=next(draws, {}), generator=generator,
+            )  # fmt: skip
+            yield speech
