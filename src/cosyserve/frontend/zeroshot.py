@@ -296,6 +296,20 @@ def prompt_input(
     return model_input
 
 
+def instruct2_input(
+    text: Ids, prompt: Mapping[str, torch.Tensor], instruction: Ids
+) -> dict[str, torch.Tensor]:
+    """CosyVoice2's instruct2: a cloned voice (``prompt``) saying ``text`` in the style ``instruction`` asks for
+    (the reference's ``frontend_instruct2``): the instruction is the LLM's prompt text, the LLM gets no prompt
+    speech tokens, the flow keeps the prompt's tokens, mel and embedding."""
+    model_input = dict(prompt)
+    model_input.pop("llm_prompt_speech_token", None)
+    model_input.pop("llm_prompt_speech_token_len", None)
+    model_input["prompt_text"], model_input["prompt_text_len"] = instruction
+    model_input["text"], model_input["text_len"] = text
+    return model_input
+
+
 class Frontend:
     """Builds the model input dicts of the reference frontend, key for key.
 

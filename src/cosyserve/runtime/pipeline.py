@@ -39,11 +39,13 @@ import torch
 
 from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.frontend.zeroshot import instruct_input, prompt_input, sft_input
+from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
 from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
 from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
+
+SPEECH_TOKENIZER_V2 = "speech_tokenizer_v2.onnx"  # CosyVoice2's (25 Hz, 6561 ids)
 
 __all__ = ["Pipeline", "PreparedRequest"]
 
@@ -112,17 +114,27 @@ class Pipeline:
         instruct: bool = True,
         default_voice: str | None = None,
         flow_steps: int | None = None,
+        family: str = "cosyvoice",
+        tokenizer: Any = None,
     ) -> None:
         self.llm = llm
-        self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
+        self.family = family  # the model family whose modes this pipeline runs
+        if family == "cosyvoice2":
+            from cosyserve.runtime.token2wav2 import Token2Wav2
+
+            self.token2wav: Any = Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
+            self.onnx_files: tuple[str, str] = (ONNX_FILES[0], SPEECH_TOKENIZER_V2)
+        else:
+            self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
+            self.onnx_files = (ONNX_FILES[0], ONNX_FILES[1])
+        self._tokenizer = tokenizer
         self.speakers = speakers
         self.sample_rate = sample_rate
         self.registry = registry
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.instruct = instruct
-        self.family = "cosyvoice"  # the model family whose modes this pipeline runs
         self.default_voice = default_voice
-        self.onnx_paths: dict[str, Path | None] = dict.fromkeys(ONNX_FILES)
+        self.onnx_paths: dict[str, Path | None] = dict.fromkeys(self.onnx_files)
         self.onnx_check: Callable[[Path], None] | None = None
         self._frontend: Any = None
         self._frontend_lock = threading.Lock()
@@ -139,9 +151,11 @@ class Pipeline:
     ) -> None:
         """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use.
         ``check(path)`` runs before a session opens a file (e.g. the bundle's size and checksum check)."""
-        unknown = set(paths) - set(ONNX_FILES)
+        unknown = set(paths) - set(self.onnx_files)
         if unknown:
-            raise ValueError(f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(ONNX_FILES)}")
+            raise ValueError(
+                f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(self.onnx_files)}"
+            )
         assert self._frontend is None, "set the ONNX paths before the zero-shot tier is created"
         self.onnx_paths.update({k: Path(v) if v is not None else None for k, v in paths.items()})
         if model_dir is not None:
@@ -193,7 +207,14 @@ class Pipeline:
 
     @property
     def tokenizer(self) -> Any:
-        """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier)."""
+        """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier):
+        the whisper one for CosyVoice-300M, the model's own Qwen tokenizer for CosyVoice2."""
+        if self._tokenizer is not None:
+            if callable(self._tokenizer) and not hasattr(self._tokenizer, "encode"):
+                with self._frontend_lock:
+                    if not hasattr(self._tokenizer, "encode"):
+                        self._tokenizer = self._tokenizer()  # a factory: built once, here
+            return self._tokenizer
         from cosyserve.frontend.tokenizer import get_tokenizer
 
         return get_tokenizer()
@@ -211,12 +232,18 @@ class Pipeline:
                     from cosyserve.frontend.zeroshot import Frontend, OnnxModel
 
                     base = self.model_dir or Path(".")
-                    frontend = Frontend(base, self.speakers, tokenizer=self.tokenizer)
+                    extra: dict[str, Any] = {}
+                    if self.family == "cosyvoice2":
+                        from cosyserve.frontend.features import mel_spectrogram_24k
+
+                        extra["feat_extractor"] = mel_spectrogram_24k
+                    frontend = Frontend(base, self.speakers, tokenizer=self.tokenizer, **extra)
+                    campplus, speech_tokenizer = self.onnx_files
                     frontend.campplus = OnnxModel(
-                        self.onnx_paths[ONNX_FILES[0]] or base / ONNX_FILES[0], self.onnx_check
+                        self.onnx_paths[campplus] or base / campplus, self.onnx_check
                     )
                     frontend.speech_tokenizer = OnnxModel(
-                        self.onnx_paths[ONNX_FILES[1]] or base / ONNX_FILES[1], self.onnx_check
+                        self.onnx_paths[speech_tokenizer] or base / speech_tokenizer, self.onnx_check
                     )
                     self._frontend = frontend
         return self._frontend
@@ -326,7 +353,11 @@ class Pipeline:
             self._speaker_of_kind(speaker, r.tenant, mode, "sft")
         elif mode != "vc" and speaker:
             self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
-        if mode == "instruct" or (mode in PROMPT_MODES and not (mode != "vc" and speaker)):
+        if (
+            mode == "instruct"
+            or (mode == "instruct2" and self.family != "cosyvoice2")
+            or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
+        ):
             self.require(mode)  # before any audio is read: a missing model is the clearer error
         if mode == r.mode and speaker == r.speaker:
             return r
@@ -374,13 +405,20 @@ class Pipeline:
                 instruction = self._text_ids(self._normalize_prompt(r.instruct_text, r.normalize))
                 prepared.inputs = [instruct_input(text, embedding, instruction) for text in texts]
             return prepared
-        assert mode in ("zero_shot", "cross_lingual")
+        assert mode in ("zero_shot", "cross_lingual", "instruct2")
         if r.speaker:
             prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
         else:
             prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
             # extracted once for all pieces: the reference re-extracts per piece with identical results
             prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
+        if mode == "instruct2":
+            # inference_instruct2 does not normalise the instruction. With a saved voice the reference keeps the
+            # voice's transcript and drops the instruction (frontend_zero_shot returns the saved entry as is);
+            # here the instruction is what a caller asked for, so it applies with a registered voice too.
+            instruction = self._text_ids(r.instruct_text)
+            prepared.inputs = [instruct2_input(text, prompt, instruction) for text in texts]
+            return prepared
         prepared.inputs = [prompt_input(text, prompt, mode) for text in texts]
         return prepared
 

@@ -23,7 +23,7 @@ from cosyserve.errors import ClientError, RegistryError
 from cosyserve.request import MODES, Mode, SynthesisRequest
 from cosyserve.runtime import RuntimeOptions, Voice
 from cosyserve.runtime.cores import CoreShare
-from cosyserve.runtime.pipeline import ONNX_FILES, Pipeline
+from cosyserve.runtime.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +228,26 @@ class TorchRuntime:
         self._parts = None
 
 
-def _load_text_tier() -> None:
+def _load_text_tier(pipeline: Pipeline) -> None:
     from cosyserve.frontend.text import load_normalizers
-    from cosyserve.frontend.tokenizer import get_tokenizer
 
-    get_tokenizer()
+    _ = pipeline.tokenizer  # the whisper tokenizer, or the model's Qwen tokenizer (built once)
     load_normalizers()
+
+
+def _qwen_tokenizer_factory(bundle: Any) -> Callable[[], Any]:
+    """Builds a CosyVoice2 bundle's Qwen tokenizer from its copied ``CosyVoice-BlankEN`` files, each checked
+    against the manifest first (as the weights are)."""
+
+    def build() -> Any:
+        from cosyserve.bundle.convert import QWEN_FILES
+        from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
+
+        for name in QWEN_FILES:
+            bundle.check_onnx(name)
+        return QwenTokenizer.from_dir(bundle.path / "CosyVoice-BlankEN")
+
+    return build
 
 
 def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
@@ -352,9 +366,27 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     with clock.phase("construct"):
         cfg = bundle.config
         flow = parts.modules["flow"]
-        policy = StreamPolicy.named(
-            o.chunk_policy, o.first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=cfg.sample_rate
-        )
+        tokenizer: Any = None
+        if cfg.family == "cosyvoice2":
+            from cosyserve.runtime.token2wav2 import StreamPolicy2
+
+            # the first hop is set in 50 Hz tokens (the 300M family's); CosyVoice2's tokens are 25 Hz
+            first_hop = max(4, round(o.first_hop * flow.input_frame_rate / 50)) if o.first_hop else None
+            policy: Any = StreamPolicy2.named(
+                o.chunk_policy,
+                first_hop,
+                token_hop_len=cfg.chunk_size,
+                pre_lookahead_len=flow.pre_lookahead_len,
+                token_mel_ratio=flow.token_mel_ratio,
+            )
+            tokenizer = _qwen_tokenizer_factory(bundle)
+        else:
+            policy = StreamPolicy.named(
+                o.chunk_policy,
+                o.first_hop,
+                input_frame_rate=flow.input_frame_rate,
+                sample_rate=cfg.sample_rate,
+            )
         registry_root = o.registry_dir or default_registry_dir(
             Path(str(path)),
             bundle.model_key,
@@ -373,9 +405,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             instruct=bundle.instruct,
             default_voice=o.default_voice,
             flow_steps=o.flow_steps,
+            family=cfg.family,
+            tokenizer=tokenizer,
         )
         pipeline.set_onnx_paths(
-            {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
+            {name: bundle.onnx_path(name) for name in pipeline.onnx_files},
+            check=lambda p: bundle.check_onnx(p.name),
         )
     runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
     if o.warmup:
@@ -388,7 +423,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     if o.text_tier == "background":
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
         # warm-up runs on token ids)
-        after.append(("text_tier", _load_text_tier))
+        after.append(("text_tier", lambda: _load_text_tier(pipeline)))
     if o.warmup:
         after.append(("warmup_token2wav", runtime.warm_up_token2wav))
     # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
