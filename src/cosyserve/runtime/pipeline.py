@@ -46,6 +46,7 @@ from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 logger = logging.getLogger(__name__)
 
 SPEECH_TOKENIZER_V2 = "speech_tokenizer_v2.onnx"  # CosyVoice2's (25 Hz, 6561 ids)
+ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
 
 __all__ = ["Pipeline", "PreparedRequest"]
 
@@ -348,6 +349,14 @@ class Pipeline:
                 kind, _ = self.resolve_speaker(r.speaker, r.tenant)
                 mode = "zero_shot" if kind == "zero_shot" else "sft"
         speaker = r.speaker
+        instruct_text = r.instruct_text
+        if mode == "instruct" and self.family == "cosyvoice2" and speaker and speaker not in self.speakers:
+            # a style instruction with a cloned voice (OpenAI `instructions`, `--mode instruct`): on CosyVoice2
+            # that is instruct2, whose instructions end with the marker the model was trained on
+            self._speaker_of_kind(speaker, r.tenant, "instruct2", "zero_shot")
+            mode = "instruct2"
+            if not instruct_text.rstrip().endswith(ENDOFPROMPT):
+                instruct_text = instruct_text.rstrip() + ENDOFPROMPT
         if mode in ("sft", "instruct"):
             speaker = speaker or self.default_speaker()
             self._speaker_of_kind(speaker, r.tenant, mode, "sft")
@@ -361,7 +370,7 @@ class Pipeline:
             self.require(mode)  # before any audio is read: a missing model is the clearer error
         if mode == r.mode and speaker == r.speaker:
             return r
-        return dataclasses.replace(r, mode=mode, speaker=speaker)
+        return dataclasses.replace(r, mode=mode, speaker=speaker, instruct_text=instruct_text)
 
     @torch.inference_mode()
     def prepare(self, request: SynthesisRequest) -> PreparedRequest:
