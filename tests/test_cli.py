@@ -534,3 +534,39 @@ def test_synth_wav_follows_the_umask(tmp_path: Path, mask: int, mode: int) -> No
         os.umask(saved)
     got = (tmp_path / "a.wav").stat().st_mode & 0o777
     assert got == mode, f"{oct(got)}: a WAV must get the umask's mode, as open() gives it"
+
+
+def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CosyVoice2 release holds CosyVoice-BlankEN/model.safetensors (~1 GB, every LM weight is in llm.pt) and
+    the reference's GPU exports (*.zip, *.plan, the estimator ONNX). If this fails, `--model FunAudioLLM/...`
+    downloads gigabytes nothing reads. Both hubs are stubbed (no network here); the patterns must match the
+    release's file names, each hub in its own syntax (globs for Hugging Face, regular expressions for
+    ModelScope)."""
+    import fnmatch
+    import re
+    import sys
+    import types
+
+    import cosyserve.hub
+
+    seen: dict[str, list[str]] = {}
+    hf = types.ModuleType("huggingface_hub")
+    hf.snapshot_download = lambda model_id, ignore_patterns: seen.setdefault("hf", ignore_patterns) and "/x"  # type: ignore[attr-defined]
+    ms = types.ModuleType("modelscope")
+    ms.snapshot_download = lambda model_id, ignore_file_pattern: (
+        seen.setdefault("ms", ignore_file_pattern) and "/y"
+    )  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hf)
+    monkeypatch.setitem(sys.modules, "modelscope", ms)
+    cosyserve.hub.download("FunAudioLLM/CosyVoice2-0.5B")
+    cosyserve.hub.download("iic/CosyVoice2-0.5B")
+    skipped = [
+        "CosyVoice-BlankEN/model.safetensors",
+        "flow.encoder.fp32.zip",
+        "flow.decoder.estimator.fp32.onnx",
+    ]
+    kept = ["llm.pt", "flow.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN/vocab.json"]
+    for name in skipped + kept:
+        by_hf = any(fnmatch.fnmatch(name, p) for p in seen["hf"])
+        by_ms = any(re.match(p, name) for p in seen["ms"])
+        assert by_hf == by_ms == (name in skipped), name

@@ -16,6 +16,9 @@ from cosyserve.errors import HubError
 __all__ = ["HubError", "download", "is_hub_id", "resolve_model"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# files of the official releases that cosyserve never reads, so never downloads: the TorchScript / TensorRT /
+# ONNX exports of the reference's GPU paths, and CosyVoice2's Qwen weights (~1 GB; llm.pt holds every LM weight)
+SKIPPED = ("*.zip", "*.plan", "flow.decoder.estimator.*.onnx", "CosyVoice-BlankEN/model.safetensors")
 
 
 def is_hub_id(source: str) -> bool:
@@ -40,7 +43,7 @@ def download(model_id: str) -> Path:
                 "(or download the model yourself and pass its directory; no local directory of that name exists)"
             ) from None
         try:
-            return Path(ms_download(model_id))
+            return Path(ms_download(model_id, ignore_file_pattern=[_regex(p) for p in SKIPPED]))
         except Exception as e:  # noqa: BLE001 - any failure of the download names the id
             raise HubError(f"{model_id}: ModelScope download failed: {e}") from e
     try:
@@ -51,6 +54,13 @@ def download(model_id: str) -> Path:
             "(or download the model yourself and pass its directory; no local directory of that name exists)"
         ) from None
     try:
-        return Path(snapshot_download(model_id))
+        return Path(snapshot_download(model_id, ignore_patterns=list(SKIPPED)))
     except Exception as e:  # noqa: BLE001
         raise HubError(f"{model_id}: Hugging Face download failed: {e}") from e
+
+
+def _regex(glob: str) -> str:
+    # ModelScope takes regular expressions where Hugging Face takes globs
+    import fnmatch
+
+    return fnmatch.translate(glob)
