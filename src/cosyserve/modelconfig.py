@@ -328,7 +328,7 @@ _IGNORED_TOP_LEVEL = re.compile(
     r"^(__set_seed\d*|text_encoder_input_size|llm_input_size|llm_output_size|spk_embed_dim|qwen_pretrain_path|"
     r"token_frame_rate|token_mel_ratio|chunk_size|num_decoding_left_chunks|mel_spec_transform\d*|hifigan|"
     r"parquet_opener|tokenize|filter|resample|truncate|feat_extractor|compute_fbank|compute_f0|parse_embedding|"
-    r"shuffle|sort|batch|padding|data_pipeline\w*|train_conf\w*|get_tokenizer|allowed_special)$"
+    r"shuffle|sort|batch|padding|data_pipeline\w*|train_conf\w*|get_tokenizer|allowed_special|compute_whisper_fbank)$"
 )
 
 
@@ -342,6 +342,7 @@ class ModelConfig:
     hift: Any
     source: str = ""
     family: str = "cosyvoice"  # cosyvoice (the 300M family) or cosyvoice2
+    chunk_size: int = 25  # CosyVoice2: the streaming hop and the flow's attention chunk, in tokens
 
     KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
 
@@ -357,12 +358,21 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
     Returns:
         The :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
-    from cosyserve.models.flow import FlowConfig
     from cosyserve.models.hift import HiFTConfig
-    from cosyserve.models.llm import LLMConfig
 
     if not isinstance(tree, dict):
         raise ModelConfigError(f"{source}: '{where or 'top level'}' should be a mapping, got {tree!r}")
+    family = tree.get("family", "cosyvoice")
+    if family not in FAMILY_FILES:
+        raise ModelConfigError(
+            f"{source}: '{_join(where, 'family')}' is {family!r}; expected one of {', '.join(FAMILY_FILES)}"
+        )
+    if family == "cosyvoice2":
+        from cosyserve.models.flow2 import CausalFlowConfig as FlowConfig
+        from cosyserve.models.qwen2lm import Qwen2LMConfig as LLMConfig
+    else:
+        from cosyserve.models.flow import FlowConfig  # type: ignore[assignment]
+        from cosyserve.models.llm import LLMConfig  # type: ignore[assignment]
     for key in ModelConfig.KNOWN:
         if key not in tree:
             raise ModelConfigError(
@@ -374,13 +384,15 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
         flow=build_config(FlowConfig, tree["flow"], source=source, where=_join(where, "flow")),
         hift=build_config(HiFTConfig, tree["hift"], source=source, where=_join(where, "hift")),
         source=str(source),
+        family=family,
+        chunk_size=_coerce(int, tree.get("chunk_size", 25), source, _join(where, "chunk_size")),
     )
 
 
 def config_tree(cfg: ModelConfig) -> dict[str, Any]:
     """``cfg`` as plain data (what a bundle's manifest stores; :func:`build_model_config` reads it back)."""
     return {
-        **({"family": cfg.family} if cfg.family != "cosyvoice" else {}),
+        **({"family": cfg.family, "chunk_size": cfg.chunk_size} if cfg.family != "cosyvoice" else {}),
         "sample_rate": cfg.sample_rate,
         **{k: dataclasses.asdict(getattr(cfg, k)) for k in ("llm", "flow", "hift")},
     }
@@ -395,6 +407,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         A :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
     path = Path(model_dir)
+    if path.is_dir() and detect_family(path) == "cosyvoice2":
+        return _load_cv2_config(path)
     if path.is_dir():
         path = path / "cosyvoice.yaml"
     if not path.is_file():
@@ -472,3 +486,28 @@ def qwen_config(model_dir: str | Path) -> dict[str, Any]:
             f"num_key_value_heads {doc['num_key_value_heads']} do not divide"
         )
     return doc
+
+
+def _load_cv2_config(model_dir: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of an official CosyVoice2 directory: ``cosyvoice2.yaml`` plus the Qwen config
+    (``CosyVoice-BlankEN/config.json``), which the LM's config carries (a bundle's manifest then holds both)."""
+    path = model_dir / FAMILY_FILES["cosyvoice2"]
+    doc = read_cv2_yaml(model_dir)
+    unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
+    if unknown:
+        raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
+    for key in ModelConfig.KNOWN:
+        if key not in doc:
+            raise ModelConfigError(f"{path}: missing required top-level key '{key}'")
+    llm = doc["llm"]
+    if not isinstance(llm, Tagged) or not isinstance(llm.value, dict):
+        raise ModelConfigError(f"{path}: 'llm' should be a !new: record of Qwen2LM arguments")
+    tree = {
+        "family": "cosyvoice2",
+        "chunk_size": doc.get("chunk_size", 25),
+        "sample_rate": doc["sample_rate"],
+        "llm": Tagged(llm.kind, llm.target, {**llm.value, "qwen": qwen_config(model_dir)}),
+        "flow": doc["flow"],
+        "hift": doc["hift"],
+    }
+    return build_model_config(tree, source=path)

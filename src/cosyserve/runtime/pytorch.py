@@ -371,7 +371,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             from cosyserve.runtime.token2wav2 import StreamPolicy2
 
             # the first hop is set in 50 Hz tokens (the 300M family's); CosyVoice2's tokens are 25 Hz
-            first_hop = max(4, round(o.first_hop * flow.input_frame_rate / 50)) if o.first_hop else None
+            first_hop = max(4, round(o.first_hop * cfg.flow.input_frame_rate / 50)) if o.first_hop else None
             policy: Any = StreamPolicy2.named(
                 o.chunk_policy,
                 first_hop,
