@@ -1,6 +1,7 @@
-"""HiFT vocoder of CosyVoice-300M: mel -> waveform (neural source filter + iSTFTNet).
+"""HiFT vocoder of CosyVoice-300M and CosyVoice2: mel -> waveform (neural source filter + iSTFTNet).
 
-Mirrors ``cosyvoice.hifigan.generator.HiFTGenerator`` (with ``SineGen``, ``SourceModuleHnNSF``, ``ResBlock``,
+Mirrors ``cosyvoice.hifigan.generator.HiFTGenerator`` (with ``SineGen`` or, at rates other than 22050 Hz,
+``SineGen2``, ``SourceModuleHnNSF``, ``ResBlock``,
 ``Snake``) and ``cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor``. Attribute names are the official
 ``hift.pt`` keys.
 
@@ -186,12 +187,10 @@ class HiFTGenerator(nn.Module):
         or plain ones for folded weights (False, what a bundle stores; official g/v keys still fold on load)."""
         super().__init__()
         wn = weight_norm
-        if cfg.sampling_rate != 22050:
-            # The reference switches to SineGen2 (interpolated phase, torch.rand initial phase) for other rates.
-            raise NotImplementedError(
-                f"hift sampling_rate={cfg.sampling_rate}: only the 22050 Hz SineGen path of CosyVoice-300M is "
-                "implemented (other rates use the reference's SineGen2)"
-            )
+        # The reference's source generator: SineGen at 22050 Hz (CosyVoice-300M), SineGen2 at any other rate
+        # (CosyVoice2's 24 kHz): phase integrated at the mel frame rate and interpolated, a uniform initial phase
+        # in cycles
+        self.sinegen2 = cfg.sampling_rate != 22050
         if not (
             len(cfg.upsample_rates) == len(cfg.upsample_kernel_sizes) == len(cfg.source_resblock_kernel_sizes)
         ):
@@ -324,6 +323,15 @@ class HiFTGenerator(nn.Module):
                 "and sine_noise="
             )
         H = self.cfg.nb_harmonics + 1
+        if self.sinegen2:
+            # SineGen2: torch.rand(B, H) (cycles), then randn_like of the (B, L, H) sines
+            if sine_phase is None:
+                assert generator is not None
+                sine_phase = torch.rand((batch, H), generator=generator, device=generator.device)
+            if sine_noise is None:
+                assert generator is not None
+                sine_noise = torch.randn((batch, samples, H), generator=generator, device=generator.device)
+            return sine_phase, sine_noise
         if sine_phase is None:
             assert generator is not None
             # torch.distributions.Uniform(-pi, pi).sample: low + rand * (high - low), in float32.
@@ -342,6 +350,8 @@ class HiFTGenerator(nn.Module):
         sine_phase: Tensor | None,
         sine_noise: Tensor | None,
     ) -> Tensor:
+        if self.sinegen2:
+            return self._source2(f0, generator, sine_phase, sine_noise)
         # SineGen (22.05 kHz variant) + SourceModuleHnNSF merge, float32 throughout.
         cfg = self.cfg
         B, H, device = f0.shape[0], cfg.nb_harmonics + 1, f0.device
@@ -367,6 +377,43 @@ class HiFTGenerator(nn.Module):
         # The reference then draws `source_noise` (randn_like(uv), the noise branch of SourceModuleHnNSF) that no
         # output uses; it is the last draw of the call, so skipping it changes no other draw.
         return self.m_source(sine)
+
+    def _source2(
+        self,
+        f0: Tensor,
+        generator: torch.Generator | None,
+        sine_phase: Tensor | None,
+        sine_noise: Tensor | None,
+    ) -> Tensor:
+        # SineGen2 + SourceModuleHnNSF merge, float32, in the reference's (B, L, H) layout and op order: the
+        # phase increments are averaged down to the frame rate (linear interpolation by 1/scale), integrated
+        # there, and interpolated back up (linear, x scale), so the cumulative sum runs over frames, not samples
+        cfg = self.cfg
+        B, H, device = f0.shape[0], cfg.nb_harmonics + 1, f0.device
+        scale = cfg.upsample_factor
+        f0 = F.interpolate(f0[:, None], scale_factor=float(scale), mode="nearest").transpose(
+            1, 2
+        )  # (B, L, 1)
+        L = f0.shape[1]
+        harmonics = torch.arange(1, H + 1, device=device, dtype=torch.float32).view(1, 1, H)
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, H) cycles per sample
+        sine_phase, sine_noise = self.draw_source_noise(B, L, generator, sine_phase, sine_noise)
+        if sine_phase.shape != (B, H):
+            raise ValueError(f"sine_phase must be {(B, H)} (SineGen2), got {tuple(sine_phase.shape)}")
+        if sine_noise.shape != (B, L, H):
+            raise ValueError(f"sine_noise must be {(B, L, H)} (SineGen2), got {tuple(sine_noise.shape)}")
+        rand_ini = sine_phase.to(device=device, dtype=torch.float32, copy=True)
+        rand_ini[:, 0] = 0  # no random phase for the fundamental
+        rad[:, 0, :] = rad[:, 0, :] + rand_ini
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="linear")
+        sine = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha  # (B, L, H)
+        uv = (f0 > cfg.nsf_voiced_threshold).float()  # (B, L, 1)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        sine = sine * uv + noise_amp * sine_noise.to(device=device, dtype=torch.float32)
+        # the reference then draws the unused noise branch (randn_like(uv)): the call's last draw, skipped
+        return self.m_source(sine.transpose(1, 2))
 
     def _decode(self, mel: Tensor, source: Tensor) -> Tensor:
         cfg = self.cfg

@@ -1,0 +1,34 @@
+"""Conformance kinds for CosyVoice2's vocoder and features: ``hift_inference``, ``mel``, ``whisper_logmel``,
+``resample`` (KINDS-cosyvoice2.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def hift2(ctx: Any) -> Any:
+    """The set's 24 kHz HiFT, loaded once per run."""
+    if "cv2_hift" not in ctx.cache:
+        from cosyserve.bundle.official import load_component
+        from cosyserve.modelconfig import build_config, read_cv2_yaml
+        from cosyserve.models.hift import HiFTConfig
+
+        cfg = build_config(
+            HiFTConfig, read_cv2_yaml(ctx.model_dir)["hift"], source=ctx.model_dir, where="hift"
+        )
+        ctx.cache["cv2_hift"] = load_component(ctx.model_dir, "hift", cfg, "cosyvoice2")
+    return ctx.cache["cv2_hift"]
+
+
+def run_hift_inference(ctx: Any, inputs: dict) -> dict:
+    # draws recorded: sine_rand_ini [1, 9], sine_noise [1, L, 9], source_noise (unused by any output)
+    speech, source = hift2(ctx).inference(
+        inputs["speech_feat"],
+        inputs["cache_source"],
+        sine_phase=inputs["sine_rand_ini"],
+        sine_noise=inputs["sine_noise"],
+    )
+    return {"speech": speech, "source": source}
+
+
+KINDS = {"hift_inference": run_hift_inference}
