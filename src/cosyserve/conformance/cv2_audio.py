@@ -31,4 +31,22 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
     return {"speech": speech, "source": source}
 
 
-KINDS = {"hift_inference": run_hift_inference}
+def run_mel(ctx: Any, inputs: dict) -> dict:
+    from cosyserve.frontend.features import mel_spectrogram_24k
+
+    return {"mel": mel_spectrogram_24k(inputs["speech"].float())}
+
+
+def _shared(kind: str) -> Any:
+    # whisper_logmel and resample mean the same as for CosyVoice-300M sets (128 mels; load_wav to the target)
+    from cosyserve.conformance.kinds_features import KINDS as FEATURES
+
+    return FEATURES[kind]
+
+
+KINDS = {
+    "hift_inference": run_hift_inference,
+    "mel": run_mel,
+    "whisper_logmel": lambda ctx, inputs: _shared("whisper_logmel")(ctx, inputs),
+    "resample": lambda ctx, inputs: _shared("resample")(ctx, inputs),
+}

@@ -261,3 +261,11 @@ def whisper_log_mel(speech: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     log_spec = torch.clamp(mel, min=1e-10).log10()
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
     return (log_spec + 4.0) / 4.0
+
+
+def mel_spectrogram_24k(speech: torch.Tensor) -> torch.Tensor:
+    """CosyVoice2's prompt mel (its yaml's ``feat_extractor``): 24 kHz, n_fft/window 1920, hop 480, 80 mels up to
+    8 kHz, no centering: ``N // 480`` frames."""
+    return mel_spectrogram(
+        speech, n_fft=1920, num_mels=80, sampling_rate=24000, hop_size=480, win_size=1920, fmin=0, fmax=8000
+    )
