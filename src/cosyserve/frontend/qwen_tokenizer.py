@@ -1,0 +1,139 @@
+"""CosyVoice2's text tokenizer: the model directory's Qwen2 byte-level BPE with CosyVoice2's special tokens.
+
+The reference builds ``AutoTokenizer.from_pretrained(<model>/CosyVoice-BlankEN)`` and adds ``<|endofprompt|>`` and
+CosyVoice2's paralinguistic tags as special tokens. Here the same vocabulary runs on tiktoken: ``vocab.json``
+maps each token (GPT-2's printable stand-ins for bytes) to its id, and in Qwen's vocabulary the ids are the BPE
+merge ranks (the merges were made in id order), so the id table is tiktoken's ``mergeable_ranks`` as it is and
+``merges.txt`` is not needed. Text is NFC-normalised first, then split by Qwen2's pattern (single digits). The
+special tokens match anywhere in the text, exactly; ids: the added tokens of ``tokenizer_config.json`` (Qwen's
+``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) keep theirs, CosyVoice2's take the next free ids in list
+order. CosyVoice-300M tags such as ``<|en|>`` are plain text here, as in the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import unicodedata
+from pathlib import Path
+
+from cosyserve.errors import ModelDirError
+
+__all__ = ["COSYVOICE2_SPECIALS", "QwenTokenizer"]
+
+_PAT_STR = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+# the reference's CosyVoice2Tokenizer additions, in its order
+COSYVOICE2_SPECIALS = (
+    "<|endofprompt|>",
+    "[breath]",
+    "<strong>",
+    "</strong>",
+    "[noise]",
+    "[laughter]",
+    "[cough]",
+    "[clucking]",
+    "[accent]",
+    "[quick_breath]",
+    "<laughter>",
+    "</laughter>",
+    "[hissing]",
+    "[sigh]",
+    "[vocalized-noise]",
+    "[lipsmack]",
+    "[mn]",
+)
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    # GPT-2's bytes_to_unicode, inverted: the printable stand-in of each byte -> the byte
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+class QwenTokenizer:
+    """Encode text to ids as the reference's CosyVoice2 frontend does (``tokenizer([text])['input_ids'][0]``)."""
+
+    def __init__(self, ranks: dict[bytes, int], specials: dict[str, int], name: str = "qwen") -> None:
+        import tiktoken
+
+        self.special_ids = dict(specials)
+        self.vocab_size = max([*ranks.values(), *specials.values()]) + 1
+        self.encoding = tiktoken.Encoding(
+            name=name, pat_str=_PAT_STR, mergeable_ranks=ranks, special_tokens=self.special_ids
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> QwenTokenizer:
+        """Read ``vocab.json`` and ``tokenizer_config.json`` from a ``CosyVoice-BlankEN`` folder.
+
+        Raises:
+            ModelDirError: a missing or malformed file, named with what is wrong.
+        """
+        path = Path(path)
+        return _load(str(path.resolve()))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (NFC first; special tokens written in the text become their ids)."""
+        return self.encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+
+_lock = threading.Lock()
+
+
+def _load(path: str) -> QwenTokenizer:
+    with _lock:
+        return _load_cached(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str) -> QwenTokenizer:
+    folder = Path(path)
+    vocab_path, config_path = folder / "vocab.json", folder / "tokenizer_config.json"
+    try:
+        vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"cannot read the Qwen vocabulary {vocab_path}: {e}") from e
+    if not isinstance(vocab, dict) or not vocab:
+        raise ModelDirError(f"{vocab_path}: expected a JSON object of token -> id")
+    to_byte = _unicode_to_byte()
+    ranks: dict[bytes, int] = {}
+    for token, rank in vocab.items():
+        try:
+            key = bytes(to_byte[ch] for ch in token)
+        except KeyError:
+            raise ModelDirError(f"{vocab_path}: token {token!r} is not byte-level BPE text") from None
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ModelDirError(f"{vocab_path}: token {token!r} has id {rank!r}, not a non-negative integer")
+        ranks[key] = rank
+    if len(set(ranks.values())) != len(ranks) or max(ranks.values()) != len(ranks) - 1:
+        raise ModelDirError(f"{vocab_path}: the ids must be 0..{len(ranks) - 1}, each once")
+    specials: dict[str, int] = {}
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        for key, entry in config.get("added_tokens_decoder", {}).items():
+            specials[str(entry["content"])] = int(key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelDirError(f"cannot read the added tokens of {config_path}: {e}") from e
+    # CosyVoice2's tokens take the next free ids, in order (len(tokenizer) grows by one per new token)
+    next_id = max([*ranks.values(), *specials.values()]) + 1
+    for token in COSYVOICE2_SPECIALS:
+        if token not in specials:
+            specials[token] = next_id
+            next_id += 1
+    try:
+        return QwenTokenizer(ranks, specials, name=f"qwen:{folder}")
+    except ValueError as e:
+        raise ModelDirError(f"{folder}: cannot build the tokenizer: {e}") from e
