@@ -506,8 +506,26 @@ def _load_cv2_config(model_dir: Path) -> ModelConfig:
         "family": "cosyvoice2",
         "chunk_size": doc.get("chunk_size", 25),
         "sample_rate": doc["sample_rate"],
-        "llm": Tagged(llm.kind, llm.target, {**llm.value, "qwen": qwen_config(model_dir)}),
+        "llm": Tagged(llm.kind, llm.target, {**llm.value, "qwen": _qwen_fields(model_dir)}),
         "flow": doc["flow"],
         "hift": doc["hift"],
     }
     return build_model_config(tree, source=path)
+
+
+def _qwen_fields(model_dir: Path) -> dict[str, Any]:
+    """The Qwen config's fields the LM uses; a config asking for what the LM does not implement is refused."""
+    from cosyserve.models.qwen2lm import Qwen2Config
+
+    doc = qwen_config(model_dir)
+    path = model_dir / QWEN_DIR / "config.json"
+    if doc.get("rope_scaling") not in (None, {}):
+        raise ModelConfigError(
+            f"{path}: rope_scaling {doc['rope_scaling']!r} is not supported (plain rotary only)"
+        )
+    if doc.get("use_sliding_window"):
+        raise ModelConfigError(f"{path}: use_sliding_window true is not supported (full attention only)")
+    if doc.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"{path}: hidden_act {doc['hidden_act']!r} is not supported (silu only)")
+    names = {f.name for f in dataclasses.fields(Qwen2Config)}
+    return {k: v for k, v in doc.items() if k in names}

@@ -18,3 +18,36 @@ def run_tokenize(ctx: Any, inputs: dict) -> dict:
 
 
 KINDS = {"tokenize": run_tokenize}
+
+
+def llm2(ctx: Any) -> Any:
+    """The set's Qwen2 LM, loaded once per run."""
+    if "cv2_llm" not in ctx.cache:
+        from cosyserve.bundle.official import load_component
+
+        ctx.cache["cv2_llm"] = load_component(ctx.model_dir, "llm", ctx.config.llm, "cosyvoice2")
+    return ctx.cache["cv2_llm"]
+
+
+def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
+    import torch
+
+    def ids(x: Any) -> Any:
+        return x.to(torch.int32)
+
+    def n(x: Any) -> Any:
+        return torch.tensor([x.shape[1]], dtype=torch.int32)
+
+    text, prompt_text, prompt_speech = (
+        ids(inputs["text"]),
+        ids(inputs["prompt_text"]),
+        ids(inputs["prompt_speech_token"]),
+    )
+    logprobs, min_len, max_len = llm2(ctx).teacher_forced_logprobs(
+        text, n(text), prompt_text, n(prompt_text), prompt_speech, n(prompt_speech), inputs["embedding"].float(),
+        inputs["teacher_tokens"],
+    )  # fmt: skip
+    return {"logprobs": logprobs, "min_len": min_len, "max_len": max_len}
+
+
+KINDS["llm_logprobs"] = run_llm_logprobs

@@ -1,0 +1,507 @@
+"""CosyVoice2's speech-token LM: a Qwen2 decoder (our own code, no transformers) with CosyVoice2's embeddings.
+
+Mirrors ``cosyvoice.llm.llm.Qwen2LM`` over ``transformers.Qwen2ForCausalLM``; attribute names are the official
+``llm.pt`` keys (``llm.model.model.*`` for the Qwen2 stack, ``llm_embedding``, ``llm_decoder``,
+``speech_embedding``). The Qwen2 stack: token embedding, N decoder layers (RMSNorm, grouped-query attention with
+rotary positions and biased q/k/v projections, RMSNorm, SiLU-gated MLP), a final RMSNorm. The tied ``lm_head``
+(text logits) is never used for speech and shares the embedding's tensor in the release: a load hook drops it,
+so a bundle neither stores nor maps it a second time.
+
+The LM's prompt: ``sos`` (``llm_embedding[0]``), the Qwen embeddings of prompt text + text, ``task_id``
+(``llm_embedding[1]``), the speech embeddings of the prompt speech tokens; the speaker embedding is not used
+(the reference takes it and ignores it). Decoding: ``llm_decoder`` on the last hidden state, log-softmax over
+6561 speech tokens + 3 stop tokens; any stop token ends the utterance, and before ``min_len`` only the first stop
+token (``eos``) is masked, as in the reference. The KV caches are preallocated and written in place, with the
+same interface as the CosyVoice-300M LM (:mod:`cosyserve.models.llm`), so the runtime drives both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyserve.models.llm import SamplingConfig, ras_sample
+from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
+
+__all__ = ["Qwen2Config", "Qwen2LM", "Qwen2LMConfig"]
+
+
+@dataclass
+class Qwen2Config:
+    """The fields of ``CosyVoice-BlankEN/config.json`` the LM uses (others are ignored)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"qwen hidden_size {self.hidden_size}, num_attention_heads {self.num_attention_heads} and "
+                f"num_key_value_heads {self.num_key_value_heads} do not divide"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class Qwen2EncoderConfig:
+    TARGET: ClassVar[str] = "cosyvoice.llm.llm.Qwen2Encoder"
+
+    pretrain_path: str | None = None  # where the reference reads Qwen's own weights from; never read here
+
+
+@dataclass
+class Qwen2LMConfig:
+    TARGET: ClassVar[str] = "cosyvoice.llm.llm.Qwen2LM"
+
+    llm_input_size: int
+    llm_output_size: int
+    speech_token_size: int
+    qwen: Qwen2Config
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    llm: Qwen2EncoderConfig = field(default_factory=Qwen2EncoderConfig)
+    length_normalized_loss: bool = True
+    lsm_weight: float = 0.0
+    mix_ratio: list[int] = field(default_factory=lambda: [5, 15])
+    spk_embed_dim: int = 192
+
+    def __post_init__(self) -> None:
+        if not self.llm_input_size == self.llm_output_size == self.qwen.hidden_size:
+            raise ValueError(
+                f"llm_input_size {self.llm_input_size} and llm_output_size {self.llm_output_size} must equal the "
+                f"Qwen hidden_size {self.qwen.hidden_size}"
+            )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # as transformers' Qwen2RMSNorm: the statistics in float32, scaled in the input's dtype
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * d)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: DecodeStep) -> Tensor:
+        # x: (B, T, C); cos/sin: (B, T, D) for the new positions
+        assert self.kv_cache is not None, "call setup_caches() first"
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, D)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        keys, values = self.kv_cache.update(step, k, v)  # (B, n_kv, kv_len, D)
+        groups = self.n_heads // self.n_kv
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        q = q.transpose(1, 2).to(keys.dtype)  # (B, H, T, D)
+        scores = torch.matmul(q, keys.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        attn = scores.masked_fill(step.masked, -float("inf")).softmax(dim=-1)
+        out = torch.matmul(attn, values).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out.to(x.dtype))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step: DecodeStep) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    """The Qwen2 stack (``llm.model.model``) with static KV caches; the interface of the 300M LM's stack."""
+
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def _rotary(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        # transformers' default rope: inv_freq in float32, angles = pos * inv_freq, duplicated halves
+        d = self.cfg.head_dim
+        inv_freq = 1.0 / (
+            self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=pos.device).float() / d)
+        )
+        freqs = pos.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.norm.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def setup_caches(
+        self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None, device: Any = None
+    ) -> None:
+        """Allocate the KV caches (idempotent: keeps caches that are large enough and match)."""
+        attn0: Attention = self.layers[0].self_attn
+        device = torch.device(device) if device is not None else self.norm.weight.device
+        dtype = dtype or cache_dtype(self.norm.weight.dtype, device)
+        cache = attn0.kv_cache
+        if cache is not None:
+            b, _, s, _ = cache.k_cache.shape
+            if b >= max_batch_size and s >= max_seq_len and cache.k_cache.dtype == dtype:
+                return
+        for layer in self.layers:
+            attn: Attention = layer.self_attn
+            attn.kv_cache = KVCache(max_batch_size, max_seq_len, attn.n_kv, attn.head_dim, dtype, device)
+
+    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """As :meth:`setup_caches`, keeping what every row holds."""
+        old = self.layers[0].self_attn.kv_cache
+        if old is None:
+            self.setup_caches(max_batch_size, max_seq_len)
+            return
+        b, _, s, _ = old.k_cache.shape
+        if b >= max_batch_size and s >= max_seq_len:
+            return
+        saved = [layer.self_attn.kv_cache for layer in self.layers]
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None
+        self.setup_caches(max(b, max_batch_size), max(s, max_seq_len), old.k_cache.dtype, old.k_cache.device)
+        for layer, kv in zip(self.layers, saved, strict=True):
+            layer.self_attn.kv_cache.k_cache[:b, :, :s] = kv.k_cache
+            layer.self_attn.kv_cache.v_cache[:b, :, :s] = kv.v_cache
+
+    def release_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None
+
+    def max_seq_len(self) -> int:
+        cache = self.layers[0].self_attn.kv_cache
+        return 0 if cache is None else cache.k_cache.size(2)
+
+    def forward_cached(
+        self, xs: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """Run new inputs through the stack against the KV caches (causal).
+
+        Args:
+            xs: (B, T, hidden) new input embeddings; row b holds positions input_pos[b] .. input_pos[b]+T-1.
+            input_pos: (B,) int64 start position per row.
+            kv_len: host int >= max(input_pos) + T.
+            rows: (B,) cache rows, or None for 0..B-1.
+        Returns:
+            (B, T, hidden), after the final norm (the reference's ``hidden_states[-1]``).
+        """
+        if kv_len > self.max_seq_len():
+            raise ValueError(f"kv_len={kv_len} exceeds the cache's max_seq_len={self.max_seq_len()}")
+        t = xs.size(1)
+        pos = input_pos.unsqueeze(1) + torch.arange(t, device=xs.device)  # (B, T)
+        dist = pos.unsqueeze(2) - torch.arange(kv_len, device=xs.device)  # (B, T, kv_len)
+        step = DecodeStep(pos, dist.clamp(min=0), (dist < 0).unsqueeze(1), kv_len, rows)
+        cos, sin = self._rotary(pos)
+        for layer in self.layers:
+            xs = layer(xs, cos, sin, step)
+        return self.norm(xs)
+
+
+class _CausalLM(nn.Module):
+    # ``llm.model``: the Qwen2 stack under ``model``; the text head (``lm_head``) is dropped on load
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.model = Qwen2Model(cfg)
+
+
+class _Encoder(nn.Module):
+    # ``llm``: the reference's Qwen2Encoder wrapper, kept for the key names
+    def __init__(self, cfg: Qwen2Config) -> None:
+        super().__init__()
+        self.model = _CausalLM(cfg)
+
+
+class Qwen2LM(nn.Module):
+    """CosyVoice2's LM; attribute names match the official ``llm.pt`` keys."""
+
+    REPEATED_STACKS = ("llm.model.model.layers",)
+    # the Qwen text vocabulary (151936 rows): a request reads a few rows of it, a preload leaves the rest unread
+    ROW_TABLES = ("llm.model.model.embed_tokens.weight", "speech_embedding.weight")
+    N_STOP = 3  # eos, and two more stop tokens (the "fill" tokens of training)
+
+    def __init__(self, cfg: Qwen2LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.sos, self.task_id = 0, 1
+        self.eos_token = cfg.speech_token_size
+        self.llm_embedding = nn.Embedding(2, cfg.llm_input_size)
+        self.llm = _Encoder(cfg.qwen)
+        self.llm_decoder = nn.Linear(cfg.llm_output_size, cfg.speech_token_size + self.N_STOP)
+        self.speech_embedding = nn.Embedding(cfg.speech_token_size + self.N_STOP, cfg.llm_input_size)
+        self._register_load_state_dict_pre_hook(self._drop_text_head)
+
+    @staticmethod
+    def _drop_text_head(state_dict: dict, prefix: str, *args: object) -> None:
+        state_dict.pop(prefix + "llm.model.lm_head.weight", None)
+
+    @property
+    def stack(self) -> Qwen2Model:
+        return self.llm.model.model
+
+    # --- input --------------------------------------------------------------------------------------------------
+
+    def embed_inputs(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+    ) -> Tensor:
+        """The LM's prompt (batch 1): sos, Qwen embeddings of prompt text + text, task_id, prompt speech.
+        ``embedding`` (the speaker) is not used, as in the reference."""
+        dtype = self.llm_embedding.weight.dtype
+        text_emb = self.stack.embed_tokens(torch.cat([prompt_text, text], dim=1).to(torch.int64)).to(dtype)
+        parts = [self.llm_embedding.weight[self.sos].reshape(1, 1, -1), text_emb]
+        parts.append(self.llm_embedding.weight[self.task_id].reshape(1, 1, -1))
+        if int(prompt_speech_token_len.reshape(-1)[0]) != 0:
+            parts.append(self.speech_embedding(prompt_speech_token.to(torch.int64)))
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def length_limits(
+        text_len: Tensor, min_token_text_ratio: float, max_token_text_ratio: float
+    ) -> tuple[int, int]:
+        n = text_len.reshape(-1)[:1].to(torch.int64)
+        return int(n * min_token_text_ratio), int(n * max_token_text_ratio)
+
+    def prepare_inference(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        sampling: SamplingConfig | None,
+        max_token_text_ratio: float,
+        min_token_text_ratio: float,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
+        sampling = sampling or self.cfg.sampling
+        if generator is None:
+            generator = torch.Generator(device=text.device)
+            generator.seed()
+        lm_input = self.embed_inputs(
+            text,
+            text_len,
+            prompt_text,
+            prompt_text_len,
+            prompt_speech_token,
+            prompt_speech_token_len,
+            embedding,
+        )
+        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        return lm_input, min_len, max_len, sampling, generator
+
+    # --- hot path -----------------------------------------------------------------------------------------------
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        self.stack.setup_caches(max_batch_size, max_seq_len)
+
+    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        self.stack.grow_caches(max_batch_size, max_seq_len)
+
+    def cache_shape(self) -> tuple[int, int]:
+        cache = self.stack.layers[0].self_attn.kv_cache
+        return (0, 0) if cache is None else (cache.k_cache.size(0), cache.k_cache.size(2))
+
+    def _logprobs(self, hidden: Tensor) -> Tensor:
+        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+
+    def prefill(self, lm_input: Tensor, lengths: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+        """Run prompts from position 0, filling the caches; (B, V) log-probabilities of the first token."""
+        b, t, _ = lm_input.shape
+        zeros = torch.zeros(b, dtype=torch.int64, device=lm_input.device)
+        hidden = self.stack.forward_cached(lm_input, zeros, t, rows)
+        last = (
+            hidden[:, -1] if lengths is None else hidden[torch.arange(b, device=hidden.device), lengths - 1]
+        )
+        return self._logprobs(last)
+
+    def decode_one_token(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """Feed one speech token per row; (B, V) log-probabilities of the next token."""
+        x = self.speech_embedding(tokens).unsqueeze(1)
+        return self._logprobs(self.stack.forward_cached(x, input_pos, kv_len, rows)[:, 0])
+
+    def is_stop(self, token_id: int) -> bool:
+        return token_id >= self.eos_token
+
+    # --- entry points -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up(self, n_tokens: int = 2) -> list[int]:
+        """Generate ``n_tokens`` tokens for four dummy text ids through one layer (every kernel the LM runs);
+        the caches are released after. Not while the LM serves requests."""
+        from cosyserve.models import one_layer_per_stack
+
+        text = torch.arange(1, 5, dtype=torch.int32).unsqueeze(0)
+        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+        ratio = max(n_tokens, 1) / text.shape[1]
+        trimmed = one_layer_per_stack(self)
+        try:
+            out: list[int] = []
+            for token in trimmed.inference(
+                text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
+                max_token_text_ratio=ratio, min_token_text_ratio=0.0, generator=torch.Generator().manual_seed(0),
+                stop=False,
+            ):  # fmt: skip
+                out.append(token)
+            return out
+        finally:
+            trimmed.stack.release_caches()
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        *,
+        sampling: SamplingConfig | None = None,
+        max_token_text_ratio: float = 20.0,
+        min_token_text_ratio: float = 2.0,
+        generator: torch.Generator | None = None,
+        stop: bool = True,
+    ) -> Iterator[int]:
+        """Generate speech token ids one at a time, as the reference's ``Qwen2LM.inference``.
+
+        Args:
+            text ... embedding: as :meth:`embed_inputs` (batch 1).
+            sampling: overrides the config's sampling options.
+            max_token_text_ratio, min_token_text_ratio: limits relative to the text length (without prompt).
+            generator: source of every random draw (default: a freshly seeded one, never the global RNG).
+            stop: end at a stop token (False: the warm-up's fixed count, stop tokens masked).
+        Yields:
+            Speech token ids (< speech_token_size); ends at any stop token or after max_len tokens.
+        """
+        lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+        )  # fmt: skip
+        if max_len <= 0:
+            return
+        t0 = lm_input.size(1)
+        self.setup_caches(1, t0 + max_len)
+        win = sampling.win_size
+        history = torch.full((1, max(win, 0)), -1, dtype=torch.int64, device=lm_input.device)
+        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
+        logp = self.prefill(lm_input)
+        for i in range(max_len):
+            if not stop:
+                logp[:, self.eos_token :] = -float("inf")
+            elif i < min_len:
+                logp[:, self.eos_token] = -float("inf")  # only eos: the other stop tokens stay drawable
+            token = ras_sample(logp, history, sampling, generator)
+            token_id = int(token)
+            if token_id >= self.eos_token:
+                return
+            yield token_id
+            if win > 0:
+                history[:, i % win] = token
+            if i + 1 < max_len:
+                logp = self.decode_one_token(token, pos, t0 + i + 1)
+                pos += 1
+
+    @torch.inference_mode()
+    def teacher_forced_logprobs(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        teacher_tokens: Tensor,
+        *,
+        max_token_text_ratio: float = 20.0,
+        min_token_text_ratio: float = 2.0,
+    ) -> tuple[Tensor, int, int]:
+        """Log-probabilities of each step when ``teacher_tokens`` are fed back (before any EOS masking)."""
+        lm_input = self.embed_inputs(
+            text,
+            text_len,
+            prompt_text,
+            prompt_text_len,
+            prompt_speech_token,
+            prompt_speech_token_len,
+            embedding,
+        )
+        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        k = teacher_tokens.numel()
+        t0 = lm_input.size(1)
+        self.setup_caches(1, t0 + k)
+        tokens = teacher_tokens.reshape(-1, 1).to(dtype=torch.int64)
+        out = torch.empty(k, self.cfg.speech_token_size + self.N_STOP, dtype=torch.float32)
+        pos = torch.full((1,), t0, dtype=torch.int64)
+        logp = self.prefill(lm_input)
+        for i in range(k):
+            out[i] = logp[0]
+            if i + 1 < k:
+                logp = self.decode_one_token(tokens[i], pos, t0 + i + 1)
+                pos += 1
+        return out, min_len, max_len
