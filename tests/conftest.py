@@ -29,6 +29,25 @@ def fixture_set_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv2_set_dir() -> Path:
+    """The tiny CosyVoice2 conformance set; skips when the fixtures are not beside the clone."""
+    path = _fixtures_root() / "cosyvoice2-tiny"
+    if not (path / "cases.json").is_file():
+        pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cv2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight CosyVoice2 model dir in the official layout (make-test-model --family cosyvoice2)."""
+    from cosyserve.testmodel import make_test_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-cv2"
+    make_test_model(out, size="tiny", seed=0, family="cosyvoice2")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight model dir in the official layout, made once per test session by make-test-model.
     Named like an instruct model (CosyVoice-300M-Instruct) so that it serves every mode, instruct included;

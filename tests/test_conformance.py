@@ -63,3 +63,15 @@ def test_unknown_kind_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
 def test_unknown_kind_filter_is_an_error(fixture_set_dir: Path) -> None:
     r = conformance(str(fixture_set_dir), "--kinds", "bogus")
     assert r.returncode == 1 and "unknown kind(s) bogus" in r.stderr
+
+
+def test_cosyvoice2_fixture_set_passes(cv2_set_dir: Path) -> None:
+    """Every case of the CosyVoice2 set (KINDS-cosyvoice2.md), straight from the model dir and through a bundle
+    (conversion and mmap loading change nothing)."""
+    doc = json.loads((cv2_set_dir / "cases.json").read_text())
+    for extra in ([], ["--via-bundle"]):
+        r = conformance(str(cv2_set_dir), *extra)
+        print(r.stdout)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
+        assert len(lines) == len(doc["cases"]), extra

@@ -3,7 +3,6 @@ chunks are causal, and building or running the flow leaves the global RNG alone.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,22 +15,16 @@ from cosyserve.models.flow2 import (
     CausalFlowConfig,
     CausalMaskedDiffWithXvec,
     fixed_noise,
-    load_cv2_flow,
 )
 from cosyserve.models.flow2_decoder import CausalConditionalDecoderConfig
 from cosyserve.models.flow2_encoder import UpsampleConformerEncoderConfig, attention_mask
 
-ROOT = Path(__file__).resolve().parents[1]
 
+def load_cv2_flow(model_dir: Path) -> CausalMaskedDiffWithXvec:
+    from cosyserve.bundle.official import load_component
+    from cosyserve.modelconfig import load_model_config
 
-@pytest.fixture(scope="module")
-def cv2_set_dir() -> Path:
-    """The tiny CosyVoice2 conformance set; skips when the fixtures are not beside the clone."""
-    env = os.environ.get("COSYSERVE_FIXTURES")
-    path = (Path(env) if env else ROOT.parent / "shared" / "fixtures") / "cosyvoice2-tiny"
-    if not (path / "cases.json").is_file():
-        pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
-    return path
+    return load_component(model_dir, "flow", load_model_config(model_dir).flow, "cosyvoice2")
 
 
 def _encoder_cfg(**kw) -> UpsampleConformerEncoderConfig:

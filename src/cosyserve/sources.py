@@ -84,15 +84,17 @@ def resolve_bundle(source: str | Path, *, progress: bool = True, cache_dir: Path
         return path
     if not path.is_dir():
         raise ModelDirError(f"model directory not found: {path}")
-    if not (path / "cosyvoice.yaml").is_file():
+    if not any((path / name).is_file() for name in ("cosyvoice.yaml", "cosyvoice2.yaml")):
         raise ModelDirError(
-            f"{path} is neither a bundle (manifest.json) nor an official model dir (cosyvoice.yaml)"
+            f"{path} is neither a bundle (manifest.json) nor an official model dir (cosyvoice.yaml, or "
+            "cosyvoice2.yaml for CosyVoice2)"
         )
     key = hashlib.sha256(str(path.resolve()).encode())
-    for f in sorted(path.iterdir()):
+    qwen = path / "CosyVoice-BlankEN"
+    for f in [*sorted(path.iterdir()), *(sorted(qwen.iterdir()) if qwen.is_dir() else [])]:
         if f.is_file():
             st = f.stat()
-            key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+            key.update(f"{f.relative_to(path)}:{st.st_size}:{st.st_mtime_ns};".encode())
     target = cache / "bundles" / f"{path.resolve().name}-{key.hexdigest()[:16]}"
     if not is_bundle(target):
         from cosyserve.bundle.convert import convert

@@ -304,6 +304,9 @@ def write_model2(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple
     info: dict[str, tuple[int, int]] = {}
     for name, module in parts.items():
         sd = {k: v.contiguous() for k, v in module.state_dict().items()}
+        if name == "llm":
+            # the release's tied Qwen text head: the embedding's tensor under a second key (stored once)
+            sd["llm.model.lm_head.weight"] = sd["llm.model.model.embed_tokens.weight"]
         path = tmp / f"{name}.pt"
         torch.save(sd, path)
         info[name] = (sum(v.numel() for v in sd.values() if v.is_floating_point()), path.stat().st_size)

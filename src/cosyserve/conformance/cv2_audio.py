@@ -7,17 +7,8 @@ from typing import Any
 
 
 def hift2(ctx: Any) -> Any:
-    """The set's 24 kHz HiFT, loaded once per run."""
-    if "cv2_hift" not in ctx.cache:
-        from cosyserve.bundle.official import load_component
-        from cosyserve.modelconfig import build_config, read_cv2_yaml
-        from cosyserve.models.hift import HiFTConfig
-
-        cfg = build_config(
-            HiFTConfig, read_cv2_yaml(ctx.model_dir)["hift"], source=ctx.model_dir, where="hift"
-        )
-        ctx.cache["cv2_hift"] = load_component(ctx.model_dir, "hift", cfg, "cosyvoice2")
-    return ctx.cache["cv2_hift"]
+    """The set's 24 kHz HiFT (from the model dir, or from its bundle with --via-bundle), loaded once."""
+    return ctx.hift()
 
 
 def run_hift_inference(ctx: Any, inputs: dict) -> dict:

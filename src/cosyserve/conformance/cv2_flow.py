@@ -6,12 +6,8 @@ from typing import Any
 
 
 def flow2(ctx: Any) -> Any:
-    """The set's CosyVoice2 flow, loaded once per run and kept in ``ctx.cache``."""
-    if "cv2_flow" not in ctx.cache:
-        from cosyserve.models.flow2 import load_cv2_flow
-
-        ctx.cache["cv2_flow"] = load_cv2_flow(ctx.model_dir)
-    return ctx.cache["cv2_flow"]
+    """The set's CosyVoice2 flow (from the model dir, or from its bundle with --via-bundle), loaded once."""
+    return ctx.flow()
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:

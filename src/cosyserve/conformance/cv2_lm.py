@@ -21,12 +21,8 @@ KINDS = {"tokenize": run_tokenize}
 
 
 def llm2(ctx: Any) -> Any:
-    """The set's Qwen2 LM, loaded once per run."""
-    if "cv2_llm" not in ctx.cache:
-        from cosyserve.bundle.official import load_component
-
-        ctx.cache["cv2_llm"] = load_component(ctx.model_dir, "llm", ctx.config.llm, "cosyvoice2")
-    return ctx.cache["cv2_llm"]
+    """The set's Qwen2 LM (from the model dir, or from its bundle with --via-bundle), loaded once."""
+    return ctx.llm()
 
 
 def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:

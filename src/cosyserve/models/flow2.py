@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "CausalFlowConfig",
     "CausalMaskedDiffWithXvec",
     "fixed_noise",
-    "load_cv2_flow",
 ]
 
 # The reference's CausalConditionalCFM draws this once at construction, right after seeding torch with 0.
@@ -167,6 +165,8 @@ class CausalConditionalCFM(nn.Module):
 class CausalMaskedDiffWithXvec(nn.Module):
     # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
     N_TIMESTEPS = 10
+    REPEATED_STACKS = ("encoder.encoders", "encoder.up_encoders", "decoder.estimator.mid_blocks")
+    ROW_TABLES = ("input_embedding.weight",)
 
     def __init__(self, cfg: CausalFlowConfig):
         super().__init__()
@@ -184,6 +184,20 @@ class CausalMaskedDiffWithXvec(nn.Module):
     def mel_frames(self, num_tokens: int, finalize: bool) -> int:
         """Mel frames (prompt included) a call on ``num_tokens`` tokens (prompt included) produces."""
         return self.token_mel_ratio * (num_tokens if finalize else num_tokens - self.pre_lookahead_len)
+
+    @torch.inference_mode()
+    def warm_up(self, n_tokens: int = 2) -> Tensor:
+        """One Euler step over dummy tokens through one layer of each stack, streaming and not (every kernel the
+        flow runs, once; :func:`cosyserve.models.one_layer_per_stack`); returns the mel. Leaves the module as it
+        was, so it may run while requests use the flow."""
+        from cosyserve.models import one_layer_per_stack
+
+        trimmed = one_layer_per_stack(self)
+        tokens = torch.zeros(1, max(n_tokens, 1) + self.pre_lookahead_len, dtype=torch.int32)
+        empty = torch.zeros(1, 0, dtype=torch.int32)
+        feat, emb = torch.zeros(1, 0, self.output_size), torch.zeros(1, self.cfg.spk_embed_dim)
+        trimmed.inference(tokens, empty, feat, emb, streaming=True, finalize=False, n_timesteps=1)
+        return trimmed.inference(tokens, empty, feat, emb, streaming=False, finalize=True, n_timesteps=1)
 
     @torch.inference_mode()
     def inference(
@@ -244,27 +258,3 @@ class CausalMaskedDiffWithXvec(nn.Module):
         noise = fixed_noise(frames, device, dtype)
         mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming)
         return mel[:, :, f:]
-
-
-def load_cv2_flow(model_dir: str | Path) -> CausalMaskedDiffWithXvec:
-    """Build the flow ``cosyvoice2.yaml`` describes and load ``flow.pt`` strictly (float32, eval, CPU)."""
-    from cosyserve.bundle.construct import assert_materialized, empty_modules
-    from cosyserve.bundle.official import read_state_dict
-    from cosyserve.errors import ModelDirError
-    from cosyserve.modelconfig import FAMILY_FILES, build_config, read_cv2_yaml
-
-    model_dir = Path(model_dir)
-    tree = read_cv2_yaml(model_dir)
-    cfg = build_config(
-        CausalFlowConfig, tree["flow"], source=model_dir / FAMILY_FILES["cosyvoice2"], where="flow"
-    )
-    path = model_dir / "flow.pt"
-    sd = read_state_dict(path)
-    with empty_modules():
-        flow = CausalMaskedDiffWithXvec(cfg)
-    try:
-        flow.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise ModelDirError(f"{path} does not match the flow in cosyvoice2.yaml: {e}") from e
-    assert_materialized(flow, str(path))
-    return flow.eval()
