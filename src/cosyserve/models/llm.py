@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from cosyserve.models.transformer import (
     TransformerEncoderConfig,
 )
 
-__all__ = ["LLMConfig", "SamplingConfig", "TransformerLM", "ras_sample"]
+__all__ = ["LLMConfig", "SamplingConfig", "SpeechLM", "TransformerLM", "ras_sample"]
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,238 @@ def ras_sample(scores: Tensor, history: Tensor, cfg: SamplingConfig, generator: 
     return torch.where(repeats >= math.ceil(cfg.win_size * cfg.tau_r), fallback, top.squeeze(1))
 
 
-class TransformerLM(nn.Module):
+class SpeechLM(nn.Module):
+    """What every speech-token LM shares: the prompt, the limits, the static KV caches, prefill and one-token
+    decode steps, sampling until a stop token. A subclass builds ``embed_inputs`` (the prompt), ``stack`` (a
+    transformer with ``forward_cached``/``setup_caches``/``grow_caches``), ``llm_decoder``, ``speech_embedding`` and
+    ``eos_token``; every id from ``eos_token`` up is a stop token (CosyVoice-300M has one, CosyVoice2 three), and
+    before ``min_len`` only ``eos_token`` is masked, as both references do. The batching LM
+    (:mod:`cosyserve.runtime.batching`) drives ``prepare_inference``, ``prefill`` and ``decode_one_token``."""
+
+    cfg: Any
+    eos_token: int
+    llm_decoder: nn.Linear
+    speech_embedding: nn.Embedding
+
+    @property
+    def stack(self) -> Any:
+        raise NotImplementedError
+
+    def embed_inputs(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+    ) -> Tensor:
+        raise NotImplementedError
+
+    def _first_cache(self) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def length_limits(
+        text_len: Tensor, min_token_text_ratio: float, max_token_text_ratio: float
+    ) -> tuple[int, int]:
+        """(min_len, max_len) of generated tokens from the text length without prompt, as the reference computes
+        them (float32 product of the integer length and the ratio, truncated)."""
+        n = text_len.reshape(-1)[:1].to(torch.int64)
+        return int(n * min_token_text_ratio), int(n * max_token_text_ratio)
+
+    def prepare_inference(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        sampling: SamplingConfig | None,
+        max_token_text_ratio: float,
+        min_token_text_ratio: float,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
+        """What :meth:`inference` (and the batching LM) start from: ``(lm_input (1, T0, C), min_len, max_len,
+        sampling, generator)``, the generator freshly seeded when none is given (never the global RNG)."""
+        sampling = sampling or self.cfg.sampling
+        if generator is None:
+            generator = torch.Generator(device=text.device)
+            generator.seed()
+        lm_input = self.embed_inputs(
+            text,
+            text_len,
+            prompt_text,
+            prompt_text_len,
+            prompt_speech_token,
+            prompt_speech_token_len,
+            embedding,
+        )
+        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        return lm_input, min_len, max_len, sampling, generator
+
+    # --- hot path -----------------------------------------------------------------------------------------------
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the LM's KV caches (idempotent; grows them if needed). Each row is an independent sequence."""
+        self.stack.setup_caches(max_batch_size, max_seq_len)
+
+    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """As :meth:`setup_caches`, but growing keeps what every row holds (rows decoding go on undisturbed)."""
+        self.stack.grow_caches(max_batch_size, max_seq_len)
+
+    def cache_shape(self) -> tuple[int, int]:
+        """(rows, positions per row) of the KV caches; (0, 0) before :meth:`setup_caches`."""
+        cache = self._first_cache()
+        return (0, 0) if cache is None else (cache.k_cache.size(0), cache.k_cache.size(2))
+
+    def _logprobs(self, hidden: Tensor) -> Tensor:
+        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+
+    def prefill(self, lm_input: Tensor, lengths: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+        """Run prompts through the LM from position 0, filling the caches.
+
+        Args:
+            lm_input: (B, T, llm_input_size) prompts, right-padded.
+            lengths: (B,) int64 valid lengths (default: all T).
+            rows: (B,) cache rows (default 0..B-1).
+        Returns:
+            (B, speech_token_size + 1) float32 log-probabilities of the first token after each prompt.
+        """
+        b, t, _ = lm_input.shape
+        zeros = torch.zeros(b, dtype=torch.int64, device=lm_input.device)
+        hidden = self.stack.forward_cached(lm_input, zeros, t, rows)  # (B, T, C)
+        last = (
+            hidden[:, -1] if lengths is None else hidden[torch.arange(b, device=hidden.device), lengths - 1]
+        )
+        return self._logprobs(last)
+
+    def decode_one_token(
+        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+    ) -> Tensor:
+        """Feed one speech token per row.
+
+        Args:
+            tokens: (B,) int64 speech token ids (< speech_token_size).
+            input_pos: (B,) int64 position each token is written at.
+            kv_len: host int >= max(input_pos) + 1.
+            rows: (B,) cache rows (default 0..B-1).
+        Returns:
+            (B, speech_token_size + 1) float32 log-probabilities of the next token.
+        """
+        x = self.speech_embedding(tokens).unsqueeze(1)  # (B, 1, C)
+        return self._logprobs(self.stack.forward_cached(x, input_pos, kv_len, rows)[:, 0])
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        *,
+        sampling: SamplingConfig | None = None,
+        max_token_text_ratio: float = 20.0,
+        min_token_text_ratio: float = 2.0,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[int]:
+        """Generate speech token ids one at a time, as the reference's ``TransformerLM.inference``.
+
+        Args:
+            text ... embedding: as :meth:`embed_inputs` (batch 1).
+            sampling: overrides the config's sampling options.
+            max_token_text_ratio, min_token_text_ratio: limits relative to the text length (without prompt);
+                EOS cannot be drawn before min_len tokens, at most max_len tokens are produced.
+            generator: source of every random draw (default: a freshly seeded one, never the global RNG).
+        Yields:
+            Speech token ids (ints < speech_token_size); stops at EOS or max_len.
+        """
+        lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
+            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+        )  # fmt: skip
+        if max_len <= 0:
+            return
+        t0 = lm_input.size(1)
+        self.setup_caches(1, t0 + max_len)
+        win = sampling.win_size
+        history = torch.full((1, max(win, 0)), -1, dtype=torch.int64, device=lm_input.device)
+        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
+        logp = self.prefill(lm_input)
+        for i in range(max_len):
+            if i < min_len:
+                logp[:, self.eos_token] = -float("inf")
+            token = ras_sample(logp, history, sampling, generator)  # (1,)
+            token_id = int(token)  # the step's one host sync: the caller needs the id
+            if token_id >= self.eos_token:  # eos, or another stop token after it
+                return
+            yield token_id
+            if win > 0:
+                history[:, i % win] = token
+            if i + 1 < max_len:
+                logp = self.decode_one_token(token, pos, t0 + i + 1)
+                pos += 1
+
+    @torch.inference_mode()
+    def teacher_forced_logprobs(
+        self,
+        text: Tensor,
+        text_len: Tensor,
+        prompt_text: Tensor,
+        prompt_text_len: Tensor,
+        prompt_speech_token: Tensor,
+        prompt_speech_token_len: Tensor,
+        embedding: Tensor,
+        teacher_tokens: Tensor,
+        *,
+        max_token_text_ratio: float = 20.0,
+        min_token_text_ratio: float = 2.0,
+    ) -> tuple[Tensor, int, int]:
+        """Log-probabilities of each step when the tokens fed back are ``teacher_tokens`` (before EOS masking).
+
+        Args:
+            text ... embedding: as :meth:`embed_inputs`.
+            teacher_tokens: (K,) speech token ids fed back after steps 0..K-2.
+        Returns:
+            (K, vocabulary) float32 log-probabilities, min_len, max_len.
+        """
+        lm_input = self.embed_inputs(
+            text,
+            text_len,
+            prompt_text,
+            prompt_text_len,
+            prompt_speech_token,
+            prompt_speech_token_len,
+            embedding,
+        )
+        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        k = teacher_tokens.numel()
+        t0 = lm_input.size(1)
+        self.setup_caches(1, t0 + k)
+        tokens = teacher_tokens.reshape(-1, 1).to(device=lm_input.device, dtype=torch.int64)
+        out = torch.empty(k, self.llm_decoder.out_features, dtype=torch.float32, device=lm_input.device)
+        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
+        logp = self.prefill(lm_input)
+        for i in range(k):
+            out[i] = logp[0]
+            if i + 1 < k:
+                logp = self.decode_one_token(tokens[i], pos, t0 + i + 1)
+                pos += 1
+        return out, min_len, max_len
+
+
+class TransformerLM(SpeechLM):
     """Text encoder + speech-token LM; attribute names match the official ``llm.pt`` keys."""
+
+    @property
+    def stack(self) -> TransformerEncoder:
+        return self.llm
 
     # stacks of identical layers: a warm-up runs one layer of each (cosyserve.models.one_layer_per_stack)
     REPEATED_STACKS = ("text_encoder.encoders", "llm.encoders")
@@ -170,75 +400,6 @@ class TransformerLM(nn.Module):
             parts.append(self.speech_embedding(prompt_speech_token))
         return torch.cat(parts, dim=1)
 
-    @staticmethod
-    def length_limits(
-        text_len: Tensor, min_token_text_ratio: float, max_token_text_ratio: float
-    ) -> tuple[int, int]:
-        """(min_len, max_len) of generated tokens from the text length without prompt, as the reference computes
-        them (float32 product of the integer length and the ratio, truncated)."""
-        n = text_len.reshape(-1)[:1].to(torch.int64)
-        return int(n * min_token_text_ratio), int(n * max_token_text_ratio)
-
-    def prepare_inference(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        sampling: SamplingConfig | None,
-        max_token_text_ratio: float,
-        min_token_text_ratio: float,
-        generator: torch.Generator | None,
-    ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
-        """What :meth:`inference` (and the batching LM) start from: ``(lm_input (1, T0, C), min_len, max_len,
-        sampling, generator)``, the generator freshly seeded when none is given (never the global RNG)."""
-        sampling = sampling or self.cfg.sampling
-        if generator is None:
-            generator = torch.Generator(device=text.device)
-            generator.seed()
-        lm_input, min_len, max_len = self._input_and_limits(
-            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            max_token_text_ratio, min_token_text_ratio,
-        )  # fmt: skip
-        return lm_input, min_len, max_len, sampling, generator
-
-    def _input_and_limits(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        max_token_text_ratio: float,
-        min_token_text_ratio: float,
-    ) -> tuple[Tensor, int, int]:
-        lm_input = self.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
-        return lm_input, min_len, max_len
-
-    # --- hot path -----------------------------------------------------------------------------------------------
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocate the LM's KV caches (idempotent; grows them if needed). Each row is an independent sequence."""
-        self.llm.setup_caches(max_batch_size, max_seq_len)
-
-    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """As :meth:`setup_caches`, but growing keeps what every row holds (rows decoding go on undisturbed)."""
-        self.llm.grow_caches(max_batch_size, max_seq_len)
-
     def warm_up(self, n_tokens: int = 2) -> list[int]:
         """Generate exactly ``n_tokens`` speech tokens for four dummy text ids through one layer of each stack
         (:func:`cosyserve.models.one_layer_per_stack`), paying the one-time costs of every kernel the LM runs
@@ -269,140 +430,5 @@ class TransformerLM(nn.Module):
         finally:
             trimmed.llm.release_caches()
 
-    def cache_shape(self) -> tuple[int, int]:
-        """(rows, positions per row) of the KV caches; (0, 0) before :meth:`setup_caches`."""
-        cache = self.llm.encoders[0].self_attn.kv_cache
-        return (0, 0) if cache is None else (cache.k_cache.size(0), cache.k_cache.size(2))
-
-    def _logprobs(self, hidden: Tensor) -> Tensor:
-        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
-
-    def prefill(self, lm_input: Tensor, lengths: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
-        """Run prompts through the LM from position 0, filling the caches.
-
-        Args:
-            lm_input: (B, T, llm_input_size) prompts, right-padded.
-            lengths: (B,) int64 valid lengths (default: all T).
-            rows: (B,) cache rows (default 0..B-1).
-        Returns:
-            (B, speech_token_size + 1) float32 log-probabilities of the first token after each prompt.
-        """
-        b, t, _ = lm_input.shape
-        zeros = torch.zeros(b, dtype=torch.int64, device=lm_input.device)
-        hidden = self.llm.forward_cached(lm_input, zeros, t, rows)  # (B, T, C)
-        last = (
-            hidden[:, -1] if lengths is None else hidden[torch.arange(b, device=hidden.device), lengths - 1]
-        )
-        return self._logprobs(last)
-
-    def decode_one_token(
-        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
-    ) -> Tensor:
-        """Feed one speech token per row.
-
-        Args:
-            tokens: (B,) int64 speech token ids (< speech_token_size).
-            input_pos: (B,) int64 position each token is written at.
-            kv_len: host int >= max(input_pos) + 1.
-            rows: (B,) cache rows (default 0..B-1).
-        Returns:
-            (B, speech_token_size + 1) float32 log-probabilities of the next token.
-        """
-        x = self.speech_embedding(tokens).unsqueeze(1)  # (B, 1, C)
-        return self._logprobs(self.llm.forward_cached(x, input_pos, kv_len, rows)[:, 0])
-
-    # --- entry points -------------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def inference(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        *,
-        sampling: SamplingConfig | None = None,
-        max_token_text_ratio: float = 20.0,
-        min_token_text_ratio: float = 2.0,
-        generator: torch.Generator | None = None,
-    ) -> Iterator[int]:
-        """Generate speech token ids one at a time, as the reference's ``TransformerLM.inference``.
-
-        Args:
-            text ... embedding: as :meth:`embed_inputs` (batch 1).
-            sampling: overrides the config's sampling options.
-            max_token_text_ratio, min_token_text_ratio: limits relative to the text length (without prompt);
-                EOS cannot be drawn before min_len tokens, at most max_len tokens are produced.
-            generator: source of every random draw (default: a freshly seeded one, never the global RNG).
-        Yields:
-            Speech token ids (ints < speech_token_size); stops at EOS or max_len.
-        """
-        lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
-            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            sampling, max_token_text_ratio, min_token_text_ratio, generator,
-        )  # fmt: skip
-        if max_len <= 0:
-            return
-        t0 = lm_input.size(1)
-        self.setup_caches(1, t0 + max_len)
-        win = sampling.win_size
-        history = torch.full((1, max(win, 0)), -1, dtype=torch.int64, device=lm_input.device)
-        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
-        logp = self.prefill(lm_input)
-        for i in range(max_len):
-            if i < min_len:
-                logp[:, self.eos_token] = -float("inf")
-            token = ras_sample(logp, history, sampling, generator)  # (1,)
-            token_id = int(token)  # the step's one host sync: the caller needs the id
-            if token_id == self.eos_token:
-                return
-            yield token_id
-            if win > 0:
-                history[:, i % win] = token
-            if i + 1 < max_len:
-                logp = self.decode_one_token(token, pos, t0 + i + 1)
-                pos += 1
-
-    @torch.inference_mode()
-    def teacher_forced_logprobs(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        teacher_tokens: Tensor,
-        *,
-        max_token_text_ratio: float = 20.0,
-        min_token_text_ratio: float = 2.0,
-    ) -> tuple[Tensor, int, int]:
-        """Log-probabilities of each step when the tokens fed back are ``teacher_tokens`` (before EOS masking).
-
-        Args:
-            text ... embedding: as :meth:`embed_inputs`.
-            teacher_tokens: (K,) speech token ids fed back after steps 0..K-2.
-        Returns:
-            (K, speech_token_size + 1) float32 log-probabilities, min_len, max_len.
-        """
-        lm_input, min_len, max_len = self._input_and_limits(
-            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            max_token_text_ratio, min_token_text_ratio,
-        )  # fmt: skip
-        k = teacher_tokens.numel()
-        t0 = lm_input.size(1)
-        self.setup_caches(1, t0 + k)
-        tokens = teacher_tokens.reshape(-1, 1).to(device=lm_input.device, dtype=torch.int64)
-        out = torch.empty(k, self.cfg.speech_token_size + 1, dtype=torch.float32, device=lm_input.device)
-        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
-        logp = self.prefill(lm_input)
-        for i in range(k):
-            out[i] = logp[0]
-            if i + 1 < k:
-                logp = self.decode_one_token(tokens[i], pos, t0 + i + 1)
-                pos += 1
-        return out, min_len, max_len
+    def _first_cache(self) -> Any:
+        return self.llm.encoders[0].self_attn.kv_cache

@@ -18,7 +18,6 @@ same interface as the CosyVoice-300M LM (:mod:`cosyserve.models.llm`), so the ru
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.models.llm import SamplingConfig, ras_sample
+from cosyserve.models.llm import SamplingConfig, SpeechLM
 from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
 
 __all__ = ["Qwen2Config", "Qwen2LM", "Qwen2LMConfig"]
@@ -265,7 +264,7 @@ class _Encoder(nn.Module):
         self.model = _CausalLM(cfg)
 
 
-class Qwen2LM(nn.Module):
+class Qwen2LM(SpeechLM):
     """CosyVoice2's LM; attribute names match the official ``llm.pt`` keys."""
 
     REPEATED_STACKS = ("llm.model.model.layers",)
@@ -314,77 +313,8 @@ class Qwen2LM(nn.Module):
             parts.append(self.speech_embedding(prompt_speech_token.to(torch.int64)))
         return torch.cat(parts, dim=1)
 
-    @staticmethod
-    def length_limits(
-        text_len: Tensor, min_token_text_ratio: float, max_token_text_ratio: float
-    ) -> tuple[int, int]:
-        n = text_len.reshape(-1)[:1].to(torch.int64)
-        return int(n * min_token_text_ratio), int(n * max_token_text_ratio)
-
-    def prepare_inference(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        sampling: SamplingConfig | None,
-        max_token_text_ratio: float,
-        min_token_text_ratio: float,
-        generator: torch.Generator | None,
-    ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
-        sampling = sampling or self.cfg.sampling
-        if generator is None:
-            generator = torch.Generator(device=text.device)
-            generator.seed()
-        lm_input = self.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
-        return lm_input, min_len, max_len, sampling, generator
-
-    # --- hot path -----------------------------------------------------------------------------------------------
-
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        self.stack.setup_caches(max_batch_size, max_seq_len)
-
-    def grow_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        self.stack.grow_caches(max_batch_size, max_seq_len)
-
-    def cache_shape(self) -> tuple[int, int]:
-        cache = self.stack.layers[0].self_attn.kv_cache
-        return (0, 0) if cache is None else (cache.k_cache.size(0), cache.k_cache.size(2))
-
-    def _logprobs(self, hidden: Tensor) -> Tensor:
-        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
-
-    def prefill(self, lm_input: Tensor, lengths: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
-        """Run prompts from position 0, filling the caches; (B, V) log-probabilities of the first token."""
-        b, t, _ = lm_input.shape
-        zeros = torch.zeros(b, dtype=torch.int64, device=lm_input.device)
-        hidden = self.stack.forward_cached(lm_input, zeros, t, rows)
-        last = (
-            hidden[:, -1] if lengths is None else hidden[torch.arange(b, device=hidden.device), lengths - 1]
-        )
-        return self._logprobs(last)
-
-    def decode_one_token(
-        self, tokens: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
-    ) -> Tensor:
-        """Feed one speech token per row; (B, V) log-probabilities of the next token."""
-        x = self.speech_embedding(tokens).unsqueeze(1)
-        return self._logprobs(self.stack.forward_cached(x, input_pos, kv_len, rows)[:, 0])
-
-    def is_stop(self, token_id: int) -> bool:
-        return token_id >= self.eos_token
+    def _first_cache(self) -> Any:
+        return self.stack.layers[0].self_attn.kv_cache
 
     # --- entry points -------------------------------------------------------------------------------------------
 
@@ -396,112 +326,15 @@ class Qwen2LM(nn.Module):
 
         text = torch.arange(1, 5, dtype=torch.int32).unsqueeze(0)
         empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        ratio = max(n_tokens, 1) / text.shape[1]
+        ratio = max(n_tokens, 1) / text.shape[1]  # min = max: n_tokens unless a non-eos stop token is drawn
         trimmed = one_layer_per_stack(self)
         try:
-            out: list[int] = []
-            for token in trimmed.inference(
-                text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
-                max_token_text_ratio=ratio, min_token_text_ratio=0.0, generator=torch.Generator().manual_seed(0),
-                stop=False,
-            ):  # fmt: skip
-                out.append(token)
-            return out
+            return list(
+                trimmed.inference(
+                    text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
+                    max_token_text_ratio=ratio, min_token_text_ratio=ratio,
+                    generator=torch.Generator().manual_seed(0),
+                )
+            )  # fmt: skip
         finally:
             trimmed.stack.release_caches()
-
-    @torch.inference_mode()
-    def inference(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        *,
-        sampling: SamplingConfig | None = None,
-        max_token_text_ratio: float = 20.0,
-        min_token_text_ratio: float = 2.0,
-        generator: torch.Generator | None = None,
-        stop: bool = True,
-    ) -> Iterator[int]:
-        """Generate speech token ids one at a time, as the reference's ``Qwen2LM.inference``.
-
-        Args:
-            text ... embedding: as :meth:`embed_inputs` (batch 1).
-            sampling: overrides the config's sampling options.
-            max_token_text_ratio, min_token_text_ratio: limits relative to the text length (without prompt).
-            generator: source of every random draw (default: a freshly seeded one, never the global RNG).
-            stop: end at a stop token (False: the warm-up's fixed count, stop tokens masked).
-        Yields:
-            Speech token ids (< speech_token_size); ends at any stop token or after max_len tokens.
-        """
-        lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
-            text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            sampling, max_token_text_ratio, min_token_text_ratio, generator,
-        )  # fmt: skip
-        if max_len <= 0:
-            return
-        t0 = lm_input.size(1)
-        self.setup_caches(1, t0 + max_len)
-        win = sampling.win_size
-        history = torch.full((1, max(win, 0)), -1, dtype=torch.int64, device=lm_input.device)
-        pos = torch.full((1,), t0, dtype=torch.int64, device=lm_input.device)
-        logp = self.prefill(lm_input)
-        for i in range(max_len):
-            if not stop:
-                logp[:, self.eos_token :] = -float("inf")
-            elif i < min_len:
-                logp[:, self.eos_token] = -float("inf")  # only eos: the other stop tokens stay drawable
-            token = ras_sample(logp, history, sampling, generator)
-            token_id = int(token)
-            if token_id >= self.eos_token:
-                return
-            yield token_id
-            if win > 0:
-                history[:, i % win] = token
-            if i + 1 < max_len:
-                logp = self.decode_one_token(token, pos, t0 + i + 1)
-                pos += 1
-
-    @torch.inference_mode()
-    def teacher_forced_logprobs(
-        self,
-        text: Tensor,
-        text_len: Tensor,
-        prompt_text: Tensor,
-        prompt_text_len: Tensor,
-        prompt_speech_token: Tensor,
-        prompt_speech_token_len: Tensor,
-        embedding: Tensor,
-        teacher_tokens: Tensor,
-        *,
-        max_token_text_ratio: float = 20.0,
-        min_token_text_ratio: float = 2.0,
-    ) -> tuple[Tensor, int, int]:
-        """Log-probabilities of each step when ``teacher_tokens`` are fed back (before any EOS masking)."""
-        lm_input = self.embed_inputs(
-            text,
-            text_len,
-            prompt_text,
-            prompt_text_len,
-            prompt_speech_token,
-            prompt_speech_token_len,
-            embedding,
-        )
-        min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
-        k = teacher_tokens.numel()
-        t0 = lm_input.size(1)
-        self.setup_caches(1, t0 + k)
-        tokens = teacher_tokens.reshape(-1, 1).to(dtype=torch.int64)
-        out = torch.empty(k, self.cfg.speech_token_size + self.N_STOP, dtype=torch.float32)
-        pos = torch.full((1,), t0, dtype=torch.int64)
-        logp = self.prefill(lm_input)
-        for i in range(k):
-            out[i] = logp[0]
-            if i + 1 < k:
-                logp = self.decode_one_token(tokens[i], pos, t0 + i + 1)
-                pos += 1
-        return out, min_len, max_len

@@ -348,7 +348,7 @@ class BatchingLM:
             for j, (req, token_id) in enumerate(zip(ready, ids, strict=True)):
                 if req.cancelled:
                     continue  # reaped at the next step
-                if token_id == eos:
+                if token_id >= eos:  # eos, or one of the stop tokens after it (CosyVoice2 has three)
                     self._active.remove(req)
                     self._finish_locked(req)
                     continue

@@ -76,7 +76,11 @@ class TorchRuntime:
         threads = options.worker_threads or self.cores
         p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=threads, name=name)
         self._batchers.append(p.llm)
-        if options.batch_flow:
+        if options.batch_flow and p.family != "cosyvoice":
+            logger.warning(
+                "%s: flow and vocoder stacking (batch_flow) is built for CosyVoice-300M only; off", name
+            )
+        elif options.batch_flow:
             t2w = p.token2wav
             t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
             t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
