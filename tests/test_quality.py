@@ -149,3 +149,20 @@ def test_cli_quality_json_and_check(tiny_bundle: Path) -> None:
     assert bad.returncode == 1 and "--option flow_stepz: unknown option" in bad.stderr
     bad = _cli("--model", str(tiny_bundle), "--parts", "llm,sound")
     assert bad.returncode == 1 and "--parts llm,sound" in bad.stderr
+
+
+def test_cosyvoice2_gate_measures_llm_and_token2wav(cv2_model_dir: Path) -> None:
+    """On a CosyVoice2 model the gate's LLM and token2wav parts run (its flow and vocoder compared with the same
+    vocoder draws): fp32 against itself is exact, fewer flow steps move the flow figure, and the chunks part,
+    built for the 300M streaming, is left out of the default and refused by name."""
+    from cosyserve.errors import ClientError
+
+    ref = load_runtime(cv2_model_dir, OPTIONS)
+    same = compare(ref, ref, parts=["llm", "token2wav"])
+    assert same["llm.top1"] == 1.0 and same["llm.dlogp"] == 0.0, same
+    assert same["token2wav.flow_mel_l1"] == 0.0 and same["token2wav.mel_l1"] == 0.0, same
+    assert not any(k.startswith("chunks.") for k in compare(ref, ref, parts=["llm"]))
+    fewer = load_runtime(cv2_model_dir, RuntimeOptions(warmup=False, text_tier="lazy", flow_steps=2))
+    assert compare(ref, fewer, parts=["token2wav"])["token2wav.flow_mel_l1"] > 0.0
+    with pytest.raises(ClientError, match="chunks"):
+        compare(ref, ref, parts=["chunks"])

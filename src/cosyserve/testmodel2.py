@@ -309,7 +309,8 @@ def write_model2(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple
             sd["llm.model.lm_head.weight"] = sd["llm.model.model.embed_tokens.weight"]
         path = tmp / f"{name}.pt"
         torch.save(sd, path)
-        info[name] = (sum(v.numel() for v in sd.values() if v.is_floating_point()), path.stat().st_size)
+        unique = {v.data_ptr(): v.numel() for v in sd.values()}  # the tied text head counted once
+        info[name] = (sum(unique.values()), path.stat().st_size)
     spk2info = {spk: {"embedding": torch.randn(1, 192, generator=gen)} for spk in SPEAKERS}
     torch.save(spk2info, tmp / "spk2info.pt")
     if onnx:
