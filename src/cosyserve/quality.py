@@ -349,8 +349,13 @@ def _token2wav_distance2(
         for t2w in (ref_t2w, var_t2w):
             mels.append(
                 t2w.flow.inference(
-                    tokens.reshape(1, -1).int(), empty, torch.zeros(1, 0, 80), embedding,
-                    streaming=False, finalize=True, n_timesteps=t2w.flow_steps,
+                    tokens.reshape(1, -1).int(),
+                    empty,
+                    torch.zeros(1, 0, 80),
+                    embedding,
+                    streaming=False,
+                    finalize=True,
+                    n_timesteps=t2w.flow_steps,
                 )  # fmt: skip
             )
             draws = iter([{"sine_phase": phase, "sine_noise": sine}])

@@ -21,9 +21,12 @@ class CaseContext:
 
     @cached_property
     def family(self) -> str:
-        """``cosyvoice`` or ``cosyvoice2``, from the yaml the model dir holds."""
-        from cosyserve.modelconfig import detect_family
+        """``cosyvoice`` or ``cosyvoice2``, from the yaml the model dir holds; a set without a model dir (feature
+        kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
+        from cosyserve.modelconfig import FAMILY_FILES, detect_family
 
+        if not any((self.model_dir / name).is_file() for name in FAMILY_FILES.values()):
+            return "cosyvoice"
         return detect_family(self.model_dir)
 
     @cached_property

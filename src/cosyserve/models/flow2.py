@@ -181,10 +181,6 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
         self.decoder = CausalConditionalCFM(cfg.decoder)
 
-    def mel_frames(self, num_tokens: int, finalize: bool) -> int:
-        """Mel frames (prompt included) a call on ``num_tokens`` tokens (prompt included) produces."""
-        return self.token_mel_ratio * (num_tokens if finalize else num_tokens - self.pre_lookahead_len)
-
     @torch.inference_mode()
     def warm_up(self, n_tokens: int = 2) -> Tensor:
         """One Euler step over dummy tokens through one layer of each stack, streaming and not (every kernel the

@@ -139,6 +139,7 @@ class Pipeline:
         self.onnx_check: Callable[[Path], None] | None = None
         self._frontend: Any = None
         self._frontend_lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         if onnx_paths is not None:
             self.set_onnx_paths(onnx_paths, model_dir)
 
@@ -212,7 +213,7 @@ class Pipeline:
         the whisper one for CosyVoice-300M, the model's own Qwen tokenizer for CosyVoice2."""
         if self._tokenizer is not None:
             if callable(self._tokenizer) and not hasattr(self._tokenizer, "encode"):
-                with self._frontend_lock:
+                with self._tokenizer_lock:  # not the frontend's: frontend() asks for the tokenizer holding it
                     if not hasattr(self._tokenizer, "encode"):
                         self._tokenizer = self._tokenizer()  # a factory: built once, here
             return self._tokenizer

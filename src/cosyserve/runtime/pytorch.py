@@ -391,7 +391,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
                 input_frame_rate=flow.input_frame_rate,
                 sample_rate=cfg.sample_rate,
             )
-        registry_root = o.registry_dir or default_registry_dir(
+        # one registry folder for every model (registry_dir) keeps CosyVoice2's voices apart: their prompt
+        # features (25 Hz v2 tokens, 24 kHz mel) mean nothing to a CosyVoice-300M model, and the reverse
+        shared = o.registry_dir
+        if shared is not None and cfg.family != "cosyvoice":
+            shared = Path(shared) / cfg.family
+        registry_root = shared or default_registry_dir(
             Path(str(path)),
             bundle.model_key,
             registry_dir=None,
