@@ -159,3 +159,25 @@ def test_http_routes_serve_a_cosyvoice2_model(client: Any) -> None:
         "/inference_instruct", data={"tts_text": "Hi.", "spk_id": SPK, "instruct_text": "Calmly."}
     )
     assert r.status_code == 400 and "instruct2" in r.json()["error"]["message"]
+
+
+def test_a_broken_tokenizer_file_is_refused_at_conversion(cv2_model_dir: Path, tmp_path: Path) -> None:
+    """A truncated vocab.json or a missing tokenizer config stops the conversion with the file named and no
+    bundle written; if this failed, the error would come from the first request's text instead (and, from
+    the background text tier, as a traceback in the server's log)."""
+    import shutil
+
+    from cosyserve.bundle.convert import convert
+    from cosyserve.errors import ModelDirError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(cv2_model_dir, broken)
+    vocab = broken / "CosyVoice-BlankEN" / "vocab.json"
+    vocab.write_text(vocab.read_text(encoding="utf-8")[:1000], encoding="utf-8")
+    with pytest.raises(ModelDirError, match="vocab.json"):
+        convert(broken, tmp_path / "b1", progress=False)
+    assert not (tmp_path / "b1").exists()
+    shutil.copy(cv2_model_dir / "CosyVoice-BlankEN" / "vocab.json", vocab)
+    (broken / "CosyVoice-BlankEN" / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelDirError, match="tokenizer_config.json"):
+        convert(broken, tmp_path / "b2", progress=False)

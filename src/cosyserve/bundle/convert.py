@@ -324,6 +324,12 @@ def convert(
                 for k, v in spk_tensors.items()
             },
         }
+        if cfg.family == "cosyvoice2":
+            # the tokenizer is built from these files on the first request: a bad one is refused now, not then
+            from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
+
+            step("checking the Qwen tokenizer")
+            QwenTokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
         for fname in EXTRA_FILES[cfg.family]:
             src = model_dir / fname
             if src.is_file():
