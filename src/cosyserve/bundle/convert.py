@@ -329,7 +329,7 @@ def convert(
             from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
 
             step("checking the Qwen tokenizer")
-            QwenTokenizer.from_dir(model_dir / "CosyVoice-BlankEN")
+            QwenTokenizer.check_dir(model_dir / "CosyVoice-BlankEN")
         for fname in EXTRA_FILES[cfg.family]:
             src = model_dir / fname
             if src.is_file():

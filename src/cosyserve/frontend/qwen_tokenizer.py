@@ -82,6 +82,16 @@ class QwenTokenizer:
         path = Path(path)
         return _load(str(path.resolve()))
 
+    @classmethod
+    def check_dir(cls, path: str | Path) -> None:
+        """Build the tokenizer of a ``CosyVoice-BlankEN`` folder once, to refuse bad files now, without keeping
+        it (the converter's check: the served bundle builds its own from its copies).
+
+        Raises:
+            ModelDirError: as :meth:`from_dir`.
+        """
+        _build(Path(path).resolve())
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (NFC first; special tokens written in the text become their ids)."""
         return self.encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
@@ -100,7 +110,10 @@ def _load(path: str) -> QwenTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str) -> QwenTokenizer:
-    folder = Path(path)
+    return _build(Path(path))
+
+
+def _build(folder: Path) -> QwenTokenizer:
     vocab_path, config_path = folder / "vocab.json", folder / "tokenizer_config.json"
     try:
         vocab = json.loads(vocab_path.read_text(encoding="utf-8"))

@@ -128,15 +128,19 @@ class Attention(nn.Module):
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
         keys, values = self.kv_cache.update(step, k, v)  # (B, n_kv, kv_len, D)
+        # grouped-query attention without copying the cache per step: query head h reads KV head h // groups, so
+        # each KV head's group of query heads is stacked along the query axis, (B, n_kv, groups * T, D)
         groups = self.n_heads // self.n_kv
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        q = q.transpose(1, 2).to(keys.dtype)  # (B, H, T, D)
-        scores = torch.matmul(q, keys.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        attn = scores.masked_fill(step.masked, -float("inf")).softmax(dim=-1)
-        out = torch.matmul(attn, values).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out.to(x.dtype))
+        q = (
+            q.view(b, t, self.n_kv, groups, self.head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, self.n_kv, -1, self.head_dim)
+        )
+        scores = torch.matmul(q.to(keys.dtype), keys.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        masked = step.masked.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(b, 1, groups * t, -1)
+        attn = scores.masked_fill(masked, -float("inf")).softmax(dim=-1)
+        out = torch.matmul(attn, values).view(b, self.n_kv, groups, t, self.head_dim)
+        return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, t, -1).to(x.dtype))
 
 
 class MLP(nn.Module):

@@ -128,7 +128,8 @@ class Pipeline:
         else:
             self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
             self.onnx_files = (ONNX_FILES[0], ONNX_FILES[1])
-        self._tokenizer = tokenizer
+        self._tokenizer: Any = None  # built on first use by tokenizer_factory (None: the whisper tokenizer)
+        self._tokenizer_factory: Callable[[], Any] | None = tokenizer
         self.speakers = speakers
         self.sample_rate = sample_rate
         self.registry = registry
@@ -211,11 +212,11 @@ class Pipeline:
     def tokenizer(self) -> Any:
         """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier):
         the whisper one for CosyVoice-300M, the model's own Qwen tokenizer for CosyVoice2."""
-        if self._tokenizer is not None:
-            if callable(self._tokenizer) and not hasattr(self._tokenizer, "encode"):
+        if self._tokenizer_factory is not None:
+            if self._tokenizer is None:
                 with self._tokenizer_lock:  # not the frontend's: frontend() asks for the tokenizer holding it
-                    if not hasattr(self._tokenizer, "encode"):
-                        self._tokenizer = self._tokenizer()  # a factory: built once, here
+                    if self._tokenizer is None:
+                        self._tokenizer = self._tokenizer_factory()
             return self._tokenizer
         from cosyserve.frontend.tokenizer import get_tokenizer
 
