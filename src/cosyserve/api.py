@@ -217,7 +217,7 @@ def load(
     *,
     settings: Settings | None = None,
     clock: Any = None,
-    runtime: str = "torch",
+    runtime: str | None = None,
     **options: Any,
 ) -> CosyVoiceModel:
     """Load a model: a bundle (``cosyserve convert``), an official CosyVoice-300M model directory
@@ -231,7 +231,8 @@ def load(
         path: what to load (see :mod:`cosyserve.sources`).
         settings: a :class:`cosyserve.settings.Settings` (default: ``Settings.load()``, the environment).
         clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
-        runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
+        runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``
+            setting, ``torch`` unless COSYSERVE_RUNTIME says otherwise).
         options: settings by name (``threads``, ``strategy``, ``verify``, ``warmup``, ``warmup_tokens``,
             ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of :class:`cosyserve.runtime.RuntimeOptions`
             (``batch_size``, ``batch_flow``, ...); those not given (or None) come from ``settings``.
@@ -242,7 +243,11 @@ def load(
             ModelConfigError, BundleError, SettingsError).
     """
     from cosyserve.runtime import load_runtime
+    from cosyserve.settings import Settings
 
+    settings = settings if settings is not None else Settings.load()
+    if runtime is None:
+        runtime = settings.runtime
     return CosyVoiceModel(
         load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock)
     )

@@ -117,8 +117,10 @@ def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
     except ValueError as e:
         raise CLIError(str(e)) from None
     t0 = time.perf_counter()
-    out = convert(args.model_dir, args.out, dtype=dtypes, quantize=quantize, force=args.force)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    out = convert(
+        args.model_dir, args.out, dtype=dtypes, quantize=quantize, force=args.force, runtime=args.runtime
+    )
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     what = ",".join(f"{c}={d}" for c, d in dtypes.items()) if len(set(dtypes.values())) > 1 else dtypes["llm"]
     what += "".join(f", {c} {q}" for c, q in quantize.items())
     print(f"wrote bundle {out} ({size / 1e9:.3f} GB, {what}) in {time.perf_counter() - t0:.1f} s")
@@ -270,7 +272,7 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
 def _load(settings: Settings, **overrides: Any) -> Any:
     import cosyserve
 
-    return cosyserve.load(settings.models[0], settings=settings, **overrides)
+    return cosyserve.load(settings.models[0], settings=settings, runtime=settings.runtime, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--speed", type=float, default=1.0, help="tempo factor in [0.25, 4.0]; not with --stream")
     _setting(p, "threads")
+    _setting(p, "runtime")
     for name in _PRECISION:
         _setting(p, name)
     p.set_defaults(func=_cmd_synth)
@@ -340,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(weight-only; a quarter of the bytes a decode step reads), or `none`",
     )
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument(
+        "--runtime",
+        choices=("torch", "lite"),
+        default="torch",
+        help="`lite`: also export and check the ONNX graphs the lite runtime serves (CosyVoice-300M; ONNX Runtime "
+        "and numpy, no torch where it serves); `torch`: the torch runtime's bundle only",
+    )
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
@@ -364,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up synthesis")
     _setting(p, "threads")
+    _setting(p, "runtime")
     p.set_defaults(func=_cmd_startup_report)
 
     p = sub.add_parser(
@@ -392,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-builtin", action="store_true", help="export the pre-defined speakers too")
     _setting(p, "registry_dir")
     _setting(p, "threads")
+    _setting(p, "runtime")
     p.set_defaults(func=_cmd_speakers)
 
     p = sub.add_parser("conformance", help="check outputs against reference fixtures", formatter_class=fmt)
@@ -454,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--check", action="store_true", help="exit with status 1 when a figure exceeds its bound")
     _setting(p, "threads")
+    _setting(p, "runtime")
     p.set_defaults(func=_cmd_quality)
 
     p = sub.add_parser(

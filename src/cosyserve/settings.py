@@ -223,6 +223,15 @@ class Settings:
         doc="logging level of the command",
     )
     # -- loading a model (every command, the server and cosyserve.load) ----------------------------------------
+    runtime: str = _loading(
+        "torch",
+        env="COSYSERVE_RUNTIME",
+        flag="--runtime",
+        cast=Choice("torch", "lite"),
+        doc="what runs the model: `torch` (our PyTorch modules; every model and mode) or `lite` (ONNX Runtime and "
+        "numpy, no torch in the process: a bundle converted with `convert --runtime lite`; CosyVoice-300M, sft "
+        "and instruct)",
+    )
     strategy: str = _loading(
         "preload",
         env="COSYSERVE_PRELOAD",

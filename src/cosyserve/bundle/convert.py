@@ -224,6 +224,7 @@ def convert(
     quantize: str | Mapping[str, str] = "none",
     force: bool = False,
     progress: bool = True,
+    runtime: str = "torch",
 ) -> Path:
     """Convert an official CosyVoice-300M model directory into a bundle.
 
@@ -236,6 +237,8 @@ def convert(
             per-channel float32 scales (their biases and every other tensor in the LLM's dtype).
         force: replace ``out`` if it is a bundle (or an empty directory); anything else there is refused.
         progress: report steps on stderr.
+        runtime: ``lite`` also writes ``lite/``, the lite runtime's ONNX graphs, each checked against its torch
+            module (:func:`cosyserve.lite.export.export_lite`); ``torch`` (default) does not.
     Returns:
         ``out`` as a Path.
     Raises:
@@ -251,6 +254,8 @@ def convert(
     from cosyserve.models.precision import keeps_float32
     from cosyserve.staging import Staging
 
+    if runtime not in ("torch", "lite"):
+        raise ValueError(f"runtime must be torch or lite, got {runtime!r}")
     dtypes = parse_component_dtypes(dtype, "dtype")
     quantized = parse_quantize(quantize, "quantize")
     model_dir, out = Path(model_dir), Path(out)
@@ -348,10 +353,15 @@ def convert(
                     "bytes": src.stat().st_size,
                     "sha256": sha256_file(src),
                 }
-        # the manifest is written last: a directory without it is never taken for a bundle
+        # the manifest is written last: a directory without it is never taken for a bundle (the staging
+        # directory is not yet one: it is moved into place below)
         (tmp / "manifest.json").write_text(
             json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8"
         )
+        if runtime == "lite":
+            from cosyserve.lite.export import export_lite
+
+            export_lite(tmp, step)
         # checked again: the path may have changed during the conversion
         _check_out(model_dir, out, force)
         staging.commit(replace=force)

@@ -74,6 +74,7 @@ MODEL_KEYS = frozenset(
         "warmup",
         "reload_warmup",
         "load",
+        "runtime",
     }
 )
 TENANT_KEYS = frozenset({"models", "max_models", "max_memory", "max_concurrent"})
@@ -209,6 +210,7 @@ def load_pool_config(
             warmup=r.bool_(m, "warmup", w, True),
             reload_warmup=r.bool_(m, "reload_warmup", w, False),
             load_options={_LOAD_FIELD.get(k, k): r.setting(load, k, f"{w} load.") for k in load},
+            runtime=own("runtime"),
         )
 
     models: dict[str, ModelSpec] = {}

@@ -418,14 +418,26 @@ class HiFTGenerator(nn.Module):
     def _decode(self, mel: Tensor, source: Tensor) -> Tensor:
         cfg = self.cfg
         n_fft, hop = cfg.istft_params["n_fft"], cfg.istft_params["hop_len"]
-        dtype = _dtype(self.conv_pre)
         # Built per call (16 values) so that meta-device construction leaves no uninitialised buffer. scipy's
         # periodic hann in float64, cast, as the reference builds it.
         window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device=source.device).float()
         # (B, n_fft/2+1, N) with N = L/hop + 1 frames (centered, reflect-padded)
         spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=window, return_complex=True)
+        x = self.decode_spectrum(mel, torch.cat([spec.real, spec.imag], dim=1))
+
+        magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
+        phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        speech = torch.istft(spec, n_fft, hop, n_fft, window=window)  # (B, L)
+        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def decode_spectrum(self, mel: Tensor, s_stft: Tensor) -> Tensor:
+        """The decoder from mel (B, 80, T) and the source's STFT (B, n_fft+2, N) as real and imaginary rows, to
+        the float32 log-magnitude and phase rows (B, n_fft+2, N) the iSTFT takes (the lite runtime's graph)."""
+        cfg = self.cfg
+        dtype = _dtype(self.conv_pre)
         # (B, n_fft+2, 1, N) channels-last, N = L/hop + 1 (see _conv)
-        s_stft = _channels_last(torch.cat([spec.real, spec.imag], dim=1).to(dtype))
+        s_stft = _channels_last(s_stft.to(dtype))
 
         # In-place ops below only touch buffers this function just created. From here to conv_post every
         # activation is (B, C, 1, T) channels-last; the elementwise ops keep that layout.
@@ -441,13 +453,7 @@ class HiFTGenerator(nn.Module):
                 xs = xs.add_(block(x))
             x = xs.div_(self.num_kernels)
         # leaky_relu's default slope 0.01 here, as the reference; conv_post: (B, n_fft+2, N)
-        x = _conv(self.conv_post, F.leaky_relu(x, inplace=True)).squeeze(2).float()
-
-        magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
-        phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        speech = torch.istft(spec, n_fft, hop, n_fft, window=window)  # (B, L)
-        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+        return _conv(self.conv_post, F.leaky_relu(x, inplace=True)).squeeze(2).float()
 
 
 def _dtype(module: nn.Module) -> torch.dtype:

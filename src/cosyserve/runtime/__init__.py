@@ -39,6 +39,7 @@ __all__ = [
 # runtime name -> "module:factory"; the factory is ``(path, options, clock) -> Runtime``
 RUNTIMES: dict[str, str] = {
     "torch": "cosyserve.runtime.pytorch:load",
+    "lite": "cosyserve.runtime.lite:load",
 }
 
 

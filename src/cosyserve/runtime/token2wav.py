@@ -22,108 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cosyserve.runtime import CHUNK_POLICY_CHOICES
+from cosyserve.runtime.streampolicy import StreamPolicy
 
 __all__ = ["CallDraws", "StreamPolicy", "Token2Wav"]
-
-
-@dataclass(frozen=True)
-class StreamPolicy:
-    """The chunking rules, in tokens and mel frames; the defaults are the reference CosyVoiceModel's.
-
-    ``token_min_hop_len`` is 2 s of tokens; the hop is multiplied by ``stream_scale_factor`` after each chunk up
-    to ``token_max_hop_len`` (4 s). The reference ships ``stream_scale_factor = 1`` (a constant 2 s hop).
-    ``first_hop_len`` (None: ``token_min_hop_len``) starts the hops shorter: the first audio then needs
-    ``first_hop_len + token_overlap_len`` tokens instead of 120. Build the named policies with :meth:`named`.
-    """
-
-    input_frame_rate: int = 50
-    sample_rate: int = 22050
-    hop_length: int = 256
-    token_overlap_len: int = 20
-    mel_cache_len: int = 20
-    stream_scale_factor: float = 1.0
-    first_hop_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.stream_scale_factor < 1:
-            raise ValueError(f"stream_scale_factor must be >= 1, got {self.stream_scale_factor}")
-        hop = self.first_hop
-        if hop > self.token_max_hop_len:
-            raise ValueError(f"first_hop_len must be <= {self.token_max_hop_len} tokens, got {hop}")
-        # the first window's audio must fill the vocoder's context (its source cache and held speech tail): a
-        # shorter window would leave no cache to cross-fade the second chunk with
-        if hop < self.min_first_hop:
-            raise ValueError(
-                f"first_hop_len must be >= {self.min_first_hop} tokens (its window of hop + "
-                f"{self.token_overlap_len} overlap tokens must leave {self.mel_cache_len} mel frames for the "
-                f"vocoder's cache), got {hop}"
-            )
-
-    @classmethod
-    def named(
-        cls, name: str, first_hop: int | None = None, *, input_frame_rate: int = 50, sample_rate: int = 22050
-    ) -> StreamPolicy:
-        """The policy called ``name``.
-
-        Args:
-            name: ``reference`` (the reference's rule; ``first_hop`` is ignored) or ``low-latency`` (hops of
-                ``first_hop``, then doubling up to ``token_max_hop_len``).
-            first_hop: the low-latency policy's first hop in tokens.
-            input_frame_rate: speech tokens per second.
-            sample_rate: audio samples per second.
-        Returns:
-            The :class:`StreamPolicy`.
-        """
-        if name == "reference":
-            return cls(input_frame_rate=input_frame_rate, sample_rate=sample_rate)
-        if name == "low-latency":
-            if first_hop is None:
-                raise ValueError("the low-latency chunk policy needs its first hop (tokens)")
-            return cls(
-                input_frame_rate=input_frame_rate,
-                sample_rate=sample_rate,
-                stream_scale_factor=2.0,
-                first_hop_len=first_hop,
-            )
-        raise ValueError(f"unknown chunk policy {name!r}; expected one of {', '.join(CHUNK_POLICY_CHOICES)}")
-
-    @property
-    def token_min_hop_len(self) -> int:
-        return 2 * self.input_frame_rate
-
-    @property
-    def token_max_hop_len(self) -> int:
-        return 4 * self.input_frame_rate
-
-    @property
-    def first_hop(self) -> int:
-        """Tokens the first chunk advances by (it sees ``first_hop + token_overlap_len`` tokens)."""
-        return self.token_min_hop_len if self.first_hop_len is None else self.first_hop_len
-
-    @property
-    def min_first_hop(self) -> int:
-        """The shortest first hop whose window still fills the vocoder's cache."""
-        hop = 1
-        while self.mel_frames(hop + self.token_overlap_len) - self.mel_overlap_len < self.mel_cache_len:
-            hop += 1
-        return hop
-
-    def next_hop(self, hop: int) -> int:
-        """The hop after a chunk of ``hop`` tokens."""
-        return min(self.token_max_hop_len, int(hop * self.stream_scale_factor))
-
-    def mel_frames(self, tokens: int) -> int:
-        """Mel frames the flow makes of ``tokens`` speech tokens (truncating, as the reference)."""
-        return int(tokens / self.input_frame_rate * self.sample_rate / self.hop_length)
-
-    @property
-    def mel_overlap_len(self) -> int:
-        return self.mel_frames(self.token_overlap_len)
-
-    @property
-    def source_cache_len(self) -> int:
-        return self.mel_cache_len * self.hop_length
 
 
 @dataclass
@@ -279,18 +180,5 @@ class Token2Wav:
                 generator,
             )
 
-        if not stream:
-            all_tokens = list(tokens)
-            if all_tokens:
-                yield run(all_tokens, True, speed)
-            return
-        buffer: list[int] = []
-        hop = p.first_hop
-        for tok in tokens:
-            buffer.append(tok)
-            if len(buffer) >= hop + p.token_overlap_len:
-                yield run(buffer[: hop + p.token_overlap_len], False)
-                del buffer[:hop]
-                hop = p.next_hop(hop)
-        if buffer:
-            yield run(buffer, True)
+        for window, final in p.windows(tokens, stream):
+            yield run(window, final, speed if final else 1.0)

@@ -1,0 +1,29 @@
+"""The lite runtime's bundle part: ONNX graphs of every model computation, checked at conversion.
+
+``cosyserve convert --runtime lite`` (on a machine with torch) writes ``lite/`` into a bundle: one ONNX graph per
+computation (:data:`GRAPHS`, each with its weights in an external data file beside it), a small safetensors file
+of tables the numpy code reads (:data:`TABLES_FILE`) and ``lite/manifest.json`` (the config numbers the runtime
+needs, each file's size and sha256, and how far each graph was from its torch module). Importing this package
+imports neither torch nor onnxruntime.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GRAPHS", "LITE_DIR", "LITE_FORMAT", "LITE_VERSION", "MAX_TEXT_POSITIONS", "TABLES_FILE"]
+
+LITE_DIR = "lite"
+LITE_FORMAT = "cosyserve-lite"
+LITE_VERSION = 1
+TABLES_FILE = "tables.safetensors"
+# the longest sequence a graph's relative-position table covers (text, prompt + speech tokens)
+MAX_TEXT_POSITIONS = 4096
+GRAPHS = {
+    "llm_text": "llm_text.onnx",
+    "llm_pos": "llm_pos.onnx",
+    "llm_step": "llm_step.onnx",
+    "flow_encoder": "flow_encoder.onnx",
+    "flow_regulator": "flow_regulator.onnx",
+    "flow_estimator": "flow_estimator.onnx",
+    "hift_f0": "hift_f0.onnx",
+    "hift_decode": "hift_decode.onnx",
+}

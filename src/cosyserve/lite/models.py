@@ -1,0 +1,542 @@
+"""The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
+
+:class:`LiteLM` generates speech tokens (prompt assembly from tables, prefill and one step per token against KV
+caches it owns, repetition-aware sampling), :class:`LiteFlow` turns tokens into mel (encoder graph, the length
+regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
+(f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
+runtime's :class:`~cosyserve.runtime.token2wav.Token2Wav` does. Sessions are thread-safe: requests share them and
+own only their caches and random generators. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyserve.errors import BundleError
+from cosyserve.lite import GRAPHS, LITE_DIR, LITE_FORMAT, LITE_VERSION, TABLES_FILE, dsp
+from cosyserve.runtime.streampolicy import StreamPolicy
+
+__all__ = ["LiteBundle", "LiteFlow", "LiteLM", "LiteToken2Wav", "LiteVocoder", "session_options"]
+
+OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
+CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
+POS_BLOCK = 256  # positional projections are computed in blocks of this many distances
+
+
+def mel_length(num_tokens: int, input_frame_rate: int) -> int:
+    return int(num_tokens / input_frame_rate * 22050 / 256)
+
+
+def session_options(threads: int | None, *, prepack: bool = False) -> Any:
+    """ORT session options for a fast start: no weight prepacking (a session then opens in milliseconds over
+    mapped weights; prepacking copies and reorders every weight, ~0.8 s per GB), ``threads`` intra-op threads."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    return so
+
+
+class LiteBundle:
+    """A bundle's ``lite/`` folder: its manifest checked, each file's size checked, its sessions opened.
+
+    Args:
+        path: the bundle directory.
+        verify: ``full`` (hash every lite file), ``stamp`` (hash a file once per version, as the torch loader
+            does), ``none`` (sizes only).
+        threads: intra-op threads of each session.
+    """
+
+    def __init__(self, path: Path, verify: str = "stamp", threads: int | None = None, prepack: bool = False):
+        self.path = Path(path)
+        self.dir = self.path / LITE_DIR
+        where = self.dir / "manifest.json"
+        try:
+            self.manifest = json.loads(where.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BundleError(
+                f"{self.path} has no lite runtime graphs ({LITE_DIR}/manifest.json): convert the model with "
+                "`cosyserve convert MODEL_DIR BUNDLE --runtime lite` on a machine with torch"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise BundleError(
+                f"{where}: unreadable ({e}); convert the model again with --runtime lite"
+            ) from e
+        if self.manifest.get("format") != LITE_FORMAT or self.manifest.get("version") != LITE_VERSION:
+            raise BundleError(
+                f"{where}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}, "
+                f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
+            )
+        self.config: dict[str, Any] = self.manifest["config"]
+        self._check_files(verify)
+        self.threads = threads
+        self.prepack = prepack
+        self.sessions: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _check_files(self, verify: str) -> None:
+        import hashlib
+        import os
+
+        files: dict[str, dict[str, Any]] = self.manifest.get("files", {})
+        stamp_file = self.dir / ".verified.json"
+        try:
+            stamps = json.loads(stamp_file.read_text()) if verify == "stamp" else {}
+        except (OSError, ValueError):
+            stamps = {}
+        fresh = dict(stamps)
+        for name, entry in files.items():
+            f = self.dir / name
+            try:
+                st = f.stat()
+            except OSError as e:
+                raise BundleError(
+                    f"{f}: cannot read it ({e.strerror}); convert again with --runtime lite"
+                ) from e
+            if st.st_size != entry["bytes"]:
+                raise BundleError(
+                    f"{f}: {st.st_size} bytes, the lite manifest says {entry['bytes']}: truncated or replaced; "
+                    "convert again with --runtime lite"
+                )
+            key = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+            if verify == "none" or (verify == "stamp" and stamps.get(name) == key):
+                continue
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+            if h.hexdigest() != entry["sha256"]:
+                raise BundleError(
+                    f"{f}: checksum mismatch: the file is corrupt; convert again with --runtime lite"
+                )
+            fresh[name] = key
+        if verify == "stamp" and fresh != stamps:
+            tmp = stamp_file.with_suffix(f".{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(fresh))
+                os.replace(tmp, stamp_file)
+            except OSError:  # a read-only bundle: hashing repeats next start
+                pass
+
+    def session(self, name: str) -> Any:
+        """The ORT session of graph ``name`` (opened once, on first use)."""
+        s = self.sessions.get(name)
+        if s is None:
+            with self._lock:
+                s = self.sessions.get(name)
+                if s is None:
+                    import onnxruntime as ort
+
+                    path = self.dir / GRAPHS[name]
+                    try:
+                        s = ort.InferenceSession(
+                            str(path),
+                            session_options(self.threads, prepack=self.prepack),
+                            providers=["CPUExecutionProvider"],
+                        )
+                    except Exception as e:  # noqa: BLE001 - ORT raises its own types; the file is what is wrong
+                        raise BundleError(f"{path}: ONNX Runtime cannot open it ({e})") from e
+                    self.sessions[name] = s
+        return s
+
+    def tables(self) -> dict[str, np.ndarray]:
+        from safetensors.numpy import load_file
+
+        return load_file(str(self.dir / TABLES_FILE))
+
+    def data_files(self) -> list[Path]:
+        return sorted(self.dir.glob("*.data")) + [self.dir / TABLES_FILE]
+
+
+def _normalize(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.float32).reshape(1, -1)
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), np.float32(1e-12))
+
+
+class LiteLM:
+    """Speech-token generation over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs."""
+
+    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray]) -> None:
+        c = bundle.config["llm"]
+        self.bundle = bundle
+        self.layers, self.heads, self.head_dim = int(c["layers"]), int(c["heads"]), int(c["head_dim"])
+        self.size = int(c["input_size"])
+        self.eos_token = int(c["eos_token"])
+        self.sampling = dict(c["sampling"])
+        self.sos, self.task = tables["llm.sos"], tables["llm.task"]
+        self.spk_w, self.spk_b = tables["llm.spk_affine.weight"], tables["llm.spk_affine.bias"]
+        self.speech_embedding = tables["llm.speech_embedding"]
+        self._pos: list[np.ndarray] = [np.zeros((0, self.heads, self.head_dim), np.float32)] * self.layers
+        self._pos_lock = threading.Lock()
+
+    def _positions(self, n: int) -> list[np.ndarray]:
+        # every layer's linear_pos(pe) for distances [0, n): weight-only, computed in blocks and kept
+        pos = self._pos
+        if pos[0].shape[0] >= n:
+            return pos
+        with self._pos_lock:
+            pos = self._pos
+            have = pos[0].shape[0]
+            if have < n:
+                stop = -(-n // POS_BLOCK) * POS_BLOCK
+                pe = dsp.distance_pe(self.size, have, stop)
+                (proj,) = self.bundle.session("llm_pos").run(None, {"pe": pe})  # (L, rows, H, D)
+                # new arrays (a running request keeps the ones it bound)
+                self._pos = pos = [np.concatenate([pos[i], proj[i]]) for i in range(self.layers)]
+        return pos
+
+    def embed(
+        self, text: list[int], prompt_text: list[int], prompt_speech: list[int], embedding: np.ndarray | None
+    ) -> np.ndarray:
+        """The LM's prompt (1, T0, C): sos, [speaker], encoded prompt text + text, task id, prompt speech."""
+        ids = np.asarray([list(prompt_text) + list(text)], dtype=np.int64)
+        (encoded,) = self.bundle.session("llm_text").run(None, {"text": ids})
+        parts = [self.sos.reshape(1, -1)]
+        if embedding is not None and embedding.size:
+            parts.append(_normalize(embedding) @ self.spk_w.T + self.spk_b)
+        parts += [encoded[0], self.task.reshape(1, -1)]
+        if prompt_speech:
+            parts.append(self.speech_embedding[np.asarray(prompt_speech, dtype=np.int64)])
+        return np.concatenate(parts).astype(np.float32)[None]
+
+    def _run_step(self, x: np.ndarray, k: list[np.ndarray], v: list[np.ndarray], p: int) -> np.ndarray:
+        """Run ``x`` (1, T, C) at positions p.. against caches k/v (1, max, H, D); writes rows p..p+T in place."""
+        import onnxruntime as ort
+
+        t = x.shape[1]
+        sess = self.bundle.session("llm_step")
+        pos = self._positions(p + t)
+        io = sess.io_binding()
+        io.bind_cpu_input("x", np.ascontiguousarray(x, dtype=np.float32))
+        keep = []
+        for i in range(self.layers):
+            for name, arr in (
+                (f"past_k{i}", k[i][:, :p]),
+                (f"past_v{i}", v[i][:, :p]),
+                (f"pos{i}", pos[i][: p + t]),
+            ):
+                val = ort.OrtValue.ortvalue_from_numpy(arr)
+                keep.append(val)
+                io.bind_ortvalue_input(name, val)
+            for name, arr in ((f"new_k{i}", k[i][:, p : p + t]), (f"new_v{i}", v[i][:, p : p + t])):
+                val = ort.OrtValue.ortvalue_from_numpy(arr)
+                keep.append(val)
+                io.bind_ortvalue_output(name, val)
+        logp = np.empty((1, self.eos_token + 1), np.float32)
+        out = ort.OrtValue.ortvalue_from_numpy(logp)
+        io.bind_ortvalue_output("logp", out)
+        sess.run_with_iobinding(io)
+        return logp[0]  # (V,)
+
+    def _caches(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        shape = (1, n, self.heads, self.head_dim)
+        # np.zeros maps untouched pages: a cache costs memory only for the positions a request reaches
+        return [np.zeros(shape, np.float32) for _ in range(self.layers)], [
+            np.zeros(shape, np.float32) for _ in range(self.layers)
+        ]
+
+    def generate(
+        self,
+        text: list[int],
+        prompt_text: list[int],
+        prompt_speech: list[int],
+        embedding: np.ndarray | None,
+        rng: np.random.Generator,
+        *,
+        max_token_text_ratio: float = 20.0,
+        min_token_text_ratio: float = 2.0,
+    ) -> Iterator[int]:
+        """Speech token ids one at a time, as :meth:`cosyserve.models.llm.SpeechLM.inference` (EOS masked before
+        ``min_len``; at most ``max_len`` tokens)."""
+        lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
+        min_len, max_len = int(len(text) * min_token_text_ratio), int(len(text) * max_token_text_ratio)
+        if max_len <= 0:
+            return
+        t0 = lm_input.shape[1]
+        k, v = self._caches(t0 + max_len)
+        logp = self._run_step(lm_input, k, v, 0)
+        history: list[int] = []
+        s = self.sampling
+        for i in range(max_len):
+            if i < min_len:
+                logp = logp.copy()
+                logp[self.eos_token] = -np.inf
+            token = dsp.ras_sample(
+                logp,
+                history,
+                top_p=s["top_p"],
+                top_k=s["top_k"],
+                win_size=s["win_size"],
+                tau_r=s["tau_r"],
+                rng=rng,
+            )
+            if token >= self.eos_token:
+                return
+            yield token
+            history.append(token)
+            if i + 1 < max_len:
+                logp = self._run_step(self.speech_embedding[token].reshape(1, 1, -1), k, v, t0 + i)
+
+    def teacher_forced(
+        self,
+        text: list[int],
+        prompt_text: list[int],
+        prompt_speech: list[int],
+        embedding: np.ndarray | None,
+        tokens: list[int],
+    ) -> np.ndarray:
+        """Log-probabilities (K, V) of each step when ``tokens`` are fed back (no EOS masking)."""
+        lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
+        t0 = lm_input.shape[1]
+        k, v = self._caches(t0 + len(tokens))
+        out = [self._run_step(lm_input, k, v, 0)]
+        for i, tok in enumerate(tokens[:-1]):
+            out.append(self._run_step(self.speech_embedding[tok].reshape(1, 1, -1), k, v, t0 + i))
+        return np.stack(out)
+
+    def warm_up(self, n_tokens: int = 2) -> list[int]:
+        rng = np.random.default_rng(0)
+        ratio = max(n_tokens, 1) / 4
+        return list(
+            self.generate([1, 2, 3, 4], [], [], np.zeros(192, np.float32), rng,
+                          max_token_text_ratio=ratio, min_token_text_ratio=ratio)
+        )  # fmt: skip
+
+
+class LiteFlow:
+    """Speech tokens -> mel over the ``flow_encoder``, ``flow_regulator`` and ``flow_estimator`` graphs."""
+
+    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray], n_timesteps: int | None = None):
+        c = bundle.config["flow"]
+        self.bundle = bundle
+        self.input_frame_rate = int(c["input_frame_rate"])
+        self.output_size = int(c["output_size"])
+        self.in_channels = int(c["in_channels"])
+        self.n_timesteps = int(n_timesteps or c["n_timesteps"])
+        self.scheduler = str(c["t_scheduler"])
+        self.cfg_rate = float(c["inference_cfg_rate"])
+        self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
+
+    def regulate(self, h: np.ndarray, p: int, f: int, m: int) -> np.ndarray:
+        """Resample the prompt's and the target's encoder frames (N, C) to f + m mel frames -> mu (C, f + m)."""
+        x2 = h[p:].T
+        if x2.shape[1] > 2 * OVERLAP_TOKENS:
+            n, edge = OVERLAP_TOKENS, mel_length(OVERLAP_TOKENS, self.input_frame_rate)
+            x2 = np.concatenate(
+                [
+                    dsp.interp_linear(x2[:, :n], edge),
+                    dsp.interp_linear(x2[:, n:-n], m - 2 * edge),
+                    dsp.interp_linear(x2[:, -n:], edge),
+                ],
+                axis=1,
+            )
+        else:
+            x2 = dsp.interp_linear(x2, m)
+        if p:
+            x2 = np.concatenate([dsp.interp_linear(h[:p].T, f), x2], axis=1)
+        (mu,) = self.bundle.session("flow_regulator").run(None, {"x": x2[None].astype(np.float32)})
+        return mu[0]
+
+    def inference(
+        self,
+        tokens: list[int],
+        prompt_token: list[int],
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        cache: np.ndarray | None,
+        noise: np.ndarray,
+        n_timesteps: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample."""
+        p, t = len(prompt_token), len(tokens)
+        ids = np.asarray([list(prompt_token) + list(tokens)], dtype=np.int64)
+        (h,) = self.bundle.session("flow_encoder").run(None, {"tokens": ids})
+        f, m = prompt_feat.shape[0], mel_length(t, self.input_frame_rate)
+        mu = self.regulate(h[0], p, f, m)  # (80, f + m)
+        total = f + m
+        spks = (_normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
+        z = noise.astype(np.float32).copy()
+        if cache is not None and cache.shape[1] > 0:
+            c = cache.shape[1]
+            z[:, :c], mu = cache[:, :, 0], mu.copy()
+            mu[:, :c] = cache[:, :, 1]
+        tail = CACHE_TAIL_FRAMES
+        new_cache = np.stack(
+            [np.concatenate([z[:, :f], z[:, -tail:]], 1), np.concatenate([mu[:, :f], mu[:, -tail:]], 1)], -1
+        )
+        n = self.output_size
+        h_in = np.zeros((2, self.in_channels, total), np.float32)
+        h_in[0, n : 2 * n] = mu
+        h_in[0, 2 * n : 3 * n] = spks[:, None]
+        if f:
+            h_in[0, 3 * n : 4 * n, :f] = prompt_feat.T
+        est = self.bundle.session("flow_estimator")
+        x = z
+        rate = np.float32(self.cfg_rate)
+        for t_, dt in dsp.euler_schedule(n_timesteps or self.n_timesteps, self.scheduler):
+            h_in[:, :n] = x
+            (vel,) = est.run(None, {"h": h_in, "t": np.full(2, t_, np.float32)})
+            vel = (np.float32(1.0) + rate) * vel[0] - rate * vel[1]
+            x = x + dt * vel
+        return x[:, f:].astype(np.float32), new_cache
+
+
+class LiteVocoder:
+    """Mel -> audio over the ``hift_f0`` and ``hift_decode`` graphs, the sine source and the iSTFT in numpy."""
+
+    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray]) -> None:
+        self.bundle = bundle
+        self.cfg = dict(bundle.config["hift"])
+        self.w, self.b = tables["hift.source.weight"], tables["hift.source.bias"]
+        self.harmonics = int(self.cfg["nb_harmonics"]) + 1
+        self.upsample = int(self.cfg["upsample_factor"])
+
+    def draws(self, frames: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(phase (H, 1) uniform in [-pi, pi), noise (H, L) standard normal) for ``frames`` mel frames."""
+        h, n = self.harmonics, frames * self.upsample
+        phase = (rng.random((h, 1), dtype=np.float32) * np.float32(2 * np.pi) - np.float32(np.pi)).astype(
+            np.float32
+        )
+        return phase, rng.standard_normal((h, n), dtype=np.float32)
+
+    def inference(
+        self, mel: np.ndarray, cache_source: np.ndarray | None, phase: np.ndarray, noise: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``."""
+        c = self.cfg
+        mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
+        (f0,) = self.bundle.session("hift_f0").run(None, {"mel": mel})
+        source = dsp.sine_source(
+            f0[0],
+            upsample=self.upsample,
+            sampling_rate=int(c["sampling_rate"]),
+            nb_harmonics=int(c["nb_harmonics"]),
+            alpha=float(c["nsf_alpha"]),
+            sigma=float(c["nsf_sigma"]),
+            voiced_threshold=float(c["nsf_voiced_threshold"]),
+            weight=self.w,
+            bias=self.b,
+            phase=phase,
+            noise=noise,
+        )
+        if cache_source is not None and cache_source.shape[0] > 0:
+            source[: cache_source.shape[0]] = cache_source
+        n_fft, hop = int(c["n_fft"]), int(c["hop_len"])
+        spec = dsp.stft(source, n_fft, hop)
+        s_stft = np.concatenate([spec.real, spec.imag]).astype(np.float32)[None]
+        (x,) = self.bundle.session("hift_decode").run(None, {"mel": mel, "s_stft": s_stft})
+        x = x[0]
+        half = n_fft // 2 + 1
+        magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
+        ph = np.sin(x[half:])  # the reference's (redundant) sin
+        speech = dsp.istft(magnitude * np.cos(ph) + 1j * (magnitude * np.sin(ph)), n_fft, hop)
+        limit = np.float32(c["audio_limit"])
+        return np.clip(speech, -limit, limit), source
+
+
+@dataclass
+class _State:
+    flow_cache: np.ndarray = field(default_factory=lambda: np.zeros((80, 0, 2), np.float32))
+    mel_overlap: np.ndarray | None = None
+    cache_mel: np.ndarray | None = None
+    cache_source: np.ndarray | None = None
+    cache_speech: np.ndarray | None = None
+
+
+class LiteToken2Wav:
+    """Speech tokens -> audio chunks, one-shot or streaming, with the torch runtime's chunking, overlap and fade
+    rules (:class:`cosyserve.runtime.token2wav.Token2Wav`). Random draws (flow noise, then the source's phase
+    and noise) come from the request's generator, or from ``draws`` (one (flow_noise, phase, noise) per call)."""
+
+    def __init__(
+        self, flow: LiteFlow, hift: LiteVocoder, policy: StreamPolicy, flow_steps: int | None = None
+    ):
+        self.flow, self.hift, self.policy, self.flow_steps = flow, hift, policy, flow_steps
+
+    def _call(
+        self,
+        tokens: list[int],
+        state: _State,
+        prompt_token: list[int],
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        finalize: bool,
+        speed: float,
+        rng: np.random.Generator | None,
+        draws: tuple[Any, Any, Any] | None,
+    ) -> np.ndarray:
+        p = self.policy
+        flow_noise, phase, noise = draws if draws is not None else (None, None, None)
+        total = prompt_feat.shape[0] + mel_length(len(tokens), self.flow.input_frame_rate)
+        if flow_noise is None:
+            assert rng is not None
+            flow_noise = rng.standard_normal((self.flow.output_size, total), dtype=np.float32)
+        mel, state.flow_cache = self.flow.inference(
+            tokens, prompt_token, prompt_feat, embedding, state.flow_cache, flow_noise, self.flow_steps
+        )
+        if state.mel_overlap is not None:
+            mel = dsp.fade_in_out(mel, state.mel_overlap, dsp.hamming(2 * p.mel_overlap_len))
+        cache_source = None
+        if state.cache_mel is not None:
+            mel = np.concatenate([state.cache_mel, mel], axis=1)
+            cache_source = state.cache_source
+        if not finalize:
+            state.mel_overlap = mel[:, -p.mel_overlap_len :]
+            mel = mel[:, : -p.mel_overlap_len]
+        elif speed != 1.0:
+            if state.cache_mel is not None:
+                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+            mel = dsp.interp_linear(mel, max(1, int(mel.shape[1] / speed)))
+        if phase is None or noise is None:
+            assert rng is not None
+            phase, noise = self.hift.draws(mel.shape[1], rng)
+        speech, source = self.hift.inference(mel, cache_source, phase, noise)
+        if state.cache_speech is not None:
+            speech = dsp.fade_in_out(speech, state.cache_speech, dsp.hamming(2 * p.source_cache_len))
+        if not finalize:
+            state.cache_mel = mel[:, -p.mel_cache_len :]
+            state.cache_source = source[-p.source_cache_len :]
+            state.cache_speech = speech[-p.source_cache_len :]
+            speech = speech[: -p.source_cache_len]
+        return speech
+
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: np.ndarray,
+        prompt_token: list[int] | None = None,
+        prompt_feat: np.ndarray | None = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        rng: np.random.Generator | None = None,
+        draws: Iterator[tuple[Any, Any, Any]] | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Yield float32 audio chunks (1-D) for a stream of speech token ids."""
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream and speed != 1.0:
+            raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+        p = self.policy
+        prompt_token = list(prompt_token or [])
+        prompt_feat = np.zeros((0, 80), np.float32) if prompt_feat is None else prompt_feat
+        state = _State()
+
+        def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
+            d = next(draws, None) if draws is not None else None
+            return self._call(window, state, prompt_token, prompt_feat, embedding, finalize, speed, rng, d)
+
+        for window, final in p.windows(tokens, stream):
+            yield run(window, final, speed if final else 1.0)

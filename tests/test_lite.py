@@ -1,0 +1,310 @@
+"""The lite runtime: ONNX graphs exported at conversion, checked against the torch modules, served with no torch.
+
+If these fail: a graph computes something else than its torch module (the lite runtime's audio would not be the
+torch runtime's), the numpy parts (Euler loop, sine source, STFT/iSTFT, streaming fades) drift from the torch
+ones, a damaged lite file is served, or the lite path imports torch after all.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.errors import BundleError, ConvertError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cosyserve.bundle.convert import convert
+
+    out = tmp_path_factory.mktemp("lite") / "bundle"
+    convert(tiny_model_dir, out, runtime="lite", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def both(lite_bundle: Path) -> tuple[dict, dict]:
+    """(torch modules, lite models) over the same bundle."""
+    from cosyserve.bundle.loader import LoadOptions, open_bundle
+    from cosyserve.lite.models import LiteBundle, LiteFlow, LiteLM, LiteVocoder
+
+    parts = open_bundle(lite_bundle).load(LoadOptions(strategy="lazy", verify="none"))
+    lb = LiteBundle(lite_bundle, verify="full", threads=1)
+    tables = lb.tables()
+    lite = {"llm": LiteLM(lb, tables), "flow": LiteFlow(lb, tables), "hift": LiteVocoder(lb, tables)}
+    return parts.modules, lite
+
+
+def _t(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([ids], dtype=torch.int32), torch.tensor([len(ids)], dtype=torch.int32)
+
+
+def test_manifest_lists_every_graph_and_its_check(lite_bundle: Path) -> None:
+    from cosyserve.lite import GRAPHS
+
+    m = json.loads((lite_bundle / "lite" / "manifest.json").read_text())
+    assert set(m["checked"]) == set(GRAPHS)
+    assert max(m["checked"].values()) < 1e-4
+    for name in GRAPHS.values():
+        assert m["files"][name]["bytes"] == (lite_bundle / "lite" / name).stat().st_size
+        assert (lite_bundle / "lite" / (name + ".data")).is_file()  # weights outside the graph: mapped by ORT
+
+
+def test_lm_logprobs_equal_torch(both: tuple[dict, dict]) -> None:
+    torch_m, lite = both
+    text, prompt_text, prompt_speech, teach = [5, 6, 7, 8, 9], [11, 12], [3, 4, 5], [1, 2, 3, 4, 5, 6, 7]
+    emb = np.random.default_rng(0).standard_normal(192).astype(np.float32)
+    want, _, _ = torch_m["llm"].teacher_forced_logprobs(
+        *_t(text), *_t(prompt_text), *_t(prompt_speech), torch.from_numpy(emb)[None], torch.tensor(teach)
+    )
+    got = lite["llm"].teacher_forced(text, prompt_text, prompt_speech, emb, teach)
+    assert got.shape == tuple(want.shape)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-4)
+    # no speaker (instruct mode keeps it out of the LM)
+    want, _, _ = torch_m["llm"].teacher_forced_logprobs(
+        *_t(text), *_t([]), *_t([]), torch.zeros(0, 192), torch.tensor(teach[:3])
+    )
+    np.testing.assert_allclose(
+        lite["llm"].teacher_forced(text, [], [], None, teach[:3]), want.numpy(), atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "n_tokens", [30, 60]
+)  # 60: the regulator interpolates the first/last 20 tokens apart
+def test_flow_equals_torch(both: tuple[dict, dict], n_tokens: int) -> None:
+    from cosyserve.models.flow import mel_length
+
+    torch_m, lite = both
+    rng = np.random.default_rng(n_tokens)
+    toks, ptok = list(range(50, 50 + n_tokens)), [1, 2, 3]
+    pfeat = rng.standard_normal((6, 80)).astype(np.float32)
+    emb = rng.standard_normal(192).astype(np.float32)
+    noise = rng.standard_normal((80, 6 + mel_length(n_tokens, 50))).astype(np.float32)
+    mel_t, cache_t = torch_m["flow"].inference(
+        *_t(toks), *_t(ptok), torch.from_numpy(pfeat)[None], torch.tensor([6]), torch.from_numpy(emb)[None],
+        torch.zeros(1, 80, 0, 2), noise=torch.from_numpy(noise)[None],
+    )  # fmt: skip
+    mel_l, cache_l = lite["flow"].inference(toks, ptok, pfeat, emb, None, noise)
+    np.testing.assert_allclose(mel_l, mel_t[0].numpy(), atol=1e-4)
+    np.testing.assert_allclose(cache_l, cache_t[0].numpy(), atol=1e-5)
+
+
+def test_vocoder_equals_torch(both: tuple[dict, dict]) -> None:
+    torch_m, lite = both
+    mel = np.random.default_rng(5).standard_normal((80, 23)).astype(np.float32) - 3
+    phase, noise = lite["hift"].draws(23, np.random.default_rng(6))
+    cache = np.random.default_rng(7).standard_normal(100).astype(np.float32) * 0.01
+    sp_t, so_t = torch_m["hift"].inference(
+        torch.from_numpy(mel)[None], torch.from_numpy(cache)[None, None],
+        sine_phase=torch.from_numpy(phase)[None], sine_noise=torch.from_numpy(noise)[None],
+    )  # fmt: skip
+    sp_l, so_l = lite["hift"].inference(mel, cache, phase, noise)
+    assert sp_l.shape == (sp_t.shape[1],)
+    np.testing.assert_allclose(so_l, so_t[0, 0].numpy(), atol=2e-4)
+    np.testing.assert_allclose(sp_l, sp_t[0].numpy(), atol=2e-4)
+
+
+def test_dsp_matches_torch_ops() -> None:
+    import torch.nn.functional as F
+
+    from cosyserve.lite import dsp
+
+    x = np.random.default_rng(0).standard_normal((4, 37)).astype(np.float32)
+    for size in (5, 37, 64, 101):
+        want = F.interpolate(torch.from_numpy(x)[None], size=size, mode="linear")[0].numpy()
+        np.testing.assert_allclose(dsp.interp_linear(x, size), want, atol=2e-5)  # torch fuses a multiply-add
+    sig = np.random.default_rng(1).standard_normal(400).astype(np.float32)
+    win = torch.hann_window(16, periodic=True, dtype=torch.float64).float()
+    spec = torch.stft(torch.from_numpy(sig), 16, 4, 16, window=win, return_complex=True).numpy()
+    np.testing.assert_allclose(dsp.stft(sig, 16, 4), spec, atol=1e-5)
+    back = torch.istft(torch.from_numpy(spec), 16, 4, 16, window=win).numpy()
+    np.testing.assert_allclose(dsp.istft(spec, 16, 4), back, atol=1e-5)
+
+
+def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
+    """Streaming windows, caches and fades: the same draws give the torch runtime's chunks."""
+    from cosyserve.lite.models import LiteToken2Wav, mel_length
+    from cosyserve.runtime.streampolicy import StreamPolicy
+    from cosyserve.runtime.token2wav import CallDraws, Token2Wav
+
+    torch_m, lite = both
+    policy = StreamPolicy.named("low-latency", 21)
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, 4096, 130)]
+    emb = np.random.default_rng(3).standard_normal(192).astype(np.float32)
+    # the windows the policy cuts: draws made for each in advance, fed to both
+    windows = [(len(w), final) for w, final in policy.windows(tokens, stream=True)]
+    rng = np.random.default_rng(4)
+    draws, mel_cache = [], 0
+    for i, (n, final) in enumerate(windows):
+        frames = mel_length(n, 50)
+        mel_in = frames + mel_cache - (0 if final else policy.mel_overlap_len)
+        phase, noise = lite["hift"].draws(mel_in, rng)
+        draws.append((rng.standard_normal((80, frames), dtype=np.float32), phase, noise))
+        mel_cache = policy.mel_cache_len if i == 0 or mel_cache else 0
+    t2w = Token2Wav(torch_m["flow"], torch_m["hift"], policy)
+    want = list(
+        t2w(
+            iter(tokens), embedding=torch.from_numpy(emb)[None], stream=True,
+            draws=iter(CallDraws(torch.from_numpy(f)[None], torch.from_numpy(p)[None], torch.from_numpy(z)[None])
+                       for f, p, z in draws),
+        )
+    )  # fmt: skip
+    got = list(LiteToken2Wav(lite["flow"], lite["hift"], policy)(iter(tokens), embedding=emb, stream=True,
+                                                                 draws=iter(draws)))  # fmt: skip
+    assert [len(c) for c in got] == [c.shape[1] for c in want]
+    np.testing.assert_allclose(np.concatenate(got), torch.cat(want, dim=1)[0].numpy(), atol=5e-4)
+
+
+def test_export_check_refuses_a_graph_that_differs(lite_bundle: Path) -> None:
+    from cosyserve.lite.export import _check
+
+    graph = lite_bundle / "lite" / "hift_f0.onnx"
+    wrong = torch.nn.Conv1d(80, 1, 1)  # not the f0 predictor
+
+    with pytest.raises(ConvertError, match="differs from the torch module"):
+        _check("hift_f0", graph, lambda mel: wrong(mel)[:, 0], [(torch.randn(1, 80, 9),)], ["mel"], 1e-4)
+
+
+def test_damaged_lite_files_are_refused(lite_bundle: Path, tmp_path: Path) -> None:
+    from cosyserve.lite.models import LiteBundle
+
+    copy = tmp_path / "b"
+    shutil.copytree(lite_bundle, copy)
+    data = copy / "lite" / "llm_step.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))  # same size, one byte changed
+    with pytest.raises(BundleError, match="llm_step.onnx.data: checksum mismatch"):
+        LiteBundle(copy, verify="full")
+    data.write_bytes(bytes(raw[:-8]))
+    with pytest.raises(BundleError, match="llm_step.onnx.data: .* truncated"):
+        LiteBundle(copy, verify="none")
+    shutil.rmtree(copy / "lite")
+    with pytest.raises(BundleError, match="--runtime lite"):
+        LiteBundle(copy)
+
+
+def test_convert_lite_refuses_cosyvoice2(cv2_model_dir: Path, tmp_path: Path) -> None:
+    from cosyserve.bundle.convert import convert
+
+    with pytest.raises(ConvertError, match="CosyVoice-300M"):
+        convert(cv2_model_dir, tmp_path / "b", runtime="lite", progress=False)
+    assert not (tmp_path / "b").exists()  # nothing half-written
+
+
+def _blocker(tmp: Path) -> Path:
+    """A folder whose ``torch`` package raises on import: first on PYTHONPATH, torch is unimportable."""
+    pkg = tmp / "block" / "torch"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('torch is blocked in this test: the lite path imported it')\n"
+    )
+    return tmp / "block"
+
+
+LITE_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None  # any `import torch` in the process now raises
+    import numpy as np
+    import cosyserve
+    from cosyserve.errors import ModeUnavailableError, RegistryError
+
+    model = cosyserve.load(sys.argv[1], runtime="lite", threads=1)
+    assert model.sample_rate == 22050
+    speaker = model.speakers[0]
+    one = model.synthesize_all("Hello world.", speaker=speaker, seed=3)
+    again = model.synthesize_all("Hello world.", speaker=speaker, seed=3)
+    assert one.dtype == np.float32 and one.size > 0 and np.isfinite(one).all()
+    assert np.array_equal(one, again), "the same seed gave different audio"
+    text = "Hello world, this is a longer test of streaming."
+    chunks = list(model.synthesize(text, speaker=speaker, seed=4, stream=True))
+    assert len(chunks) >= 2 and all(np.isfinite(c).all() for c in chunks), [len(c) for c in chunks]
+    inst = model.synthesize_all("Hello.", speaker=speaker, mode="instruct", instruct_text="Speak slowly.", seed=1)
+    assert inst.size > 0
+    modes = model.runtime.modes()
+    assert modes["sft"] is None and modes["instruct"] is None and "lite runtime" in modes["zero_shot"]
+    try:
+        model.synthesize_all("Hi.", mode="zero_shot", prompt_text="x", prompt_wav=b"RIFF")
+        raise AssertionError("zero_shot was served")
+    except ModeUnavailableError as e:
+        assert "torch runtime" in str(e)
+    try:
+        model.runtime.add_voice("v", b"", "x")
+        raise AssertionError("a voice was registered")
+    except RegistryError:
+        pass
+    print("torch" in sys.modules and sys.modules["torch"] is not None)
+    """
+)
+
+
+def test_lite_path_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(
+        [sys.executable, "-c", LITE_SCRIPT, str(lite_bundle)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.stdout.strip().splitlines()[-1] == "False"
+    # the CLI, with torch unimportable at the package level
+    out = tmp_path / "o.wav"
+    env["PYTHONPATH"] = os.pathsep.join([str(_blocker(tmp_path)), str(ROOT / "src")])
+    p = subprocess.run(
+        [sys.executable, "-m", "cosyserve", "synth", "--model", str(lite_bundle), "--runtime", "lite",
+         "--text", "Hello.", "--seed", "1", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 22050 and w.getnframes() > 0
+
+
+def test_server_on_lite_runtime_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
+    from server_util import running_server
+
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(_blocker(tmp_path)), str(ROOT / "src")]),
+        "COSYSERVE_RUNTIME": "lite",
+        "COSYSERVE_THREADS": "1",
+    }
+    with running_server(lite_bundle, tmp_path / "srv", env=env) as s, s.client(timeout=120) as c:
+        r = c.post(
+            "/v1/audio/speech", json={"input": "Hello there.", "voice": "英文女", "response_format": "wav"}
+        )
+        assert r.status_code == 200, r.text
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getframerate() == 22050 and w.getnframes() > 0
+        with c.stream(
+            "POST", "/v1/audio/speech",
+            json={"input": "Hello there, streaming now.", "voice": "英文女", "response_format": "pcm", "stream": True},
+        ) as r:  # fmt: skip
+            assert r.status_code == 200
+            body = b"".join(r.iter_bytes())
+        assert len(body) > 0 and len(body) % 2 == 0
+        r = c.post(
+            "/inference_zero_shot",
+            data={"tts_text": "Hi.", "prompt_text": "x"},
+            files={"prompt_wav": b"RIFF"},
+        )
+        assert r.status_code in (400, 422, 501), r.text
+        assert "lite runtime" in r.text
+        assert c.get("/health/ready").status_code == 200
+    assert "torch is blocked" not in s.log()
