@@ -9,7 +9,15 @@ imports neither torch nor onnxruntime.
 
 from __future__ import annotations
 
-__all__ = ["GRAPHS", "LITE_DIR", "LITE_FORMAT", "LITE_VERSION", "MAX_TEXT_POSITIONS", "TABLES_FILE"]
+__all__ = [
+    "GRAPHS",
+    "LITE_DIR",
+    "LITE_FORMAT",
+    "LITE_VERSION",
+    "MAX_TEXT_POSITIONS",
+    "POS_TABLE_ROWS",
+    "TABLES_FILE",
+]
 
 LITE_DIR = "lite"
 LITE_FORMAT = "cosyserve-lite"
@@ -17,6 +25,9 @@ LITE_VERSION = 1
 TABLES_FILE = "tables.safetensors"
 # the longest sequence a graph's relative-position table covers (text, prompt + speech tokens)
 MAX_TEXT_POSITIONS = 4096
+# LM positional projections stored in the tables for distances [0, POS_TABLE_ROWS) (58.7 MB at CosyVoice-300M's
+# size); longer sequences compute the rest with the llm_pos graph
+POS_TABLE_ROWS = 1024
 GRAPHS = {
     "llm_text": "llm_text.onnx",
     "llm_pos": "llm_pos.onnx",

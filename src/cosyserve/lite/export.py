@@ -28,7 +28,15 @@ import torch
 from torch import Tensor, nn
 
 from cosyserve.errors import ConvertError
-from cosyserve.lite import GRAPHS, LITE_DIR, LITE_FORMAT, LITE_VERSION, MAX_TEXT_POSITIONS, TABLES_FILE
+from cosyserve.lite import (
+    GRAPHS,
+    LITE_DIR,
+    LITE_FORMAT,
+    LITE_VERSION,
+    MAX_TEXT_POSITIONS,
+    POS_TABLE_ROWS,
+    TABLES_FILE,
+)
 from cosyserve.lite.dsp import distance_pe
 
 logger = logging.getLogger(__name__)
@@ -303,6 +311,10 @@ def _tables(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, np.nd
         "flow.spk_affine.bias": a(flow.spk_embed_affine_layer.bias),
         "hift.source.weight": a(hift.m_source.l_linear.weight),
         "hift.source.bias": a(hift.m_source.l_linear.bias),
+        # every LM layer's linear_pos(pe) for the first distances (L, rows, H, D): what the llm_pos graph gives
+        "llm.pos_proj": a(
+            PosProjGraph(llm)(torch.from_numpy(distance_pe(llm.cfg.llm_input_size, 0, POS_TABLE_ROWS)))
+        ),
     }
 
 
