@@ -17,7 +17,9 @@ entry, never a torn one; leftover ``.*.tmp`` files are ignored. File names are h
 safe on any filesystem (case-insensitive ones included); the name itself lives in the header.
 
 The reference's ``spk2info.pt`` (a pickled ``{name: {key: tensor}}``) is imported with
-``torch.load(weights_only=True)`` and exported with ``torch.save``.
+``torch.load(weights_only=True)`` and exported with ``torch.save`` (both need torch). Everything else works on
+numpy arrays and imports no torch: a registry made with ``arrays="numpy"`` (the lite runtime) returns numpy
+arrays, one made with ``arrays="torch"`` (the default, the torch runtime) tensors over the same memory.
 
 Location: ``COSYSERVE_REGISTRY_DIR`` if set, else ``<cache dir>/speakers/<model key>``, the key a hash of the
 model's weight files' checksums, so models in folders of the same name keep separate voices (see
@@ -40,9 +42,9 @@ import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-import torch
+import numpy as np
 
 from cosyserve.errors import RegistryError
 from cosyserve.registry_location import default_registry_dir
@@ -97,7 +99,8 @@ class Speaker:
     Attributes:
         name, tenant: where it is registered.
         kind: ``zero_shot`` (prompt features) or ``sft`` (an embedding only).
-        features: the reference's spk2info entry (see the module docstring), CPU tensors; treat as read-only.
+        features: the reference's spk2info entry (see the module docstring): CPU tensors, or numpy arrays from a
+            registry with ``arrays="numpy"``; treat as read-only.
         prompt_text: the transcript it was registered with ("" when imported from a spk2info.pt).
         created: registration time, seconds since the epoch.
     """
@@ -105,7 +108,7 @@ class Speaker:
     name: str
     tenant: str
     kind: Kind
-    features: dict[str, torch.Tensor]
+    features: dict[str, Any]
     prompt_text: str = ""
     created: float = 0.0
 
@@ -166,71 +169,106 @@ def validate_tenant(tenant: object) -> str:
 # entries
 
 
-def _as_int_len(t: torch.Tensor, key: str, where: str) -> torch.Tensor:
-    if t.numel() != 1 or t.is_floating_point() or t.is_complex():
+Arrays = Literal["torch", "numpy"]
+
+
+def _np(value: object) -> np.ndarray | None:
+    """``value`` as a numpy array (a torch tensor through its CPU memory), or None when it is no array."""
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        t = value.detach().cpu()  # type: ignore[attr-defined]
+        return (t.float() if t.is_floating_point() else t).numpy()  # type: ignore[no-any-return]
+    return None
+
+
+def _is_float(a: np.ndarray) -> bool:
+    return bool(np.issubdtype(a.dtype, np.floating))
+
+
+def _is_int(a: np.ndarray) -> bool:
+    return bool(np.issubdtype(a.dtype, np.integer))
+
+
+def _as_int_len(t: np.ndarray, key: str, where: str) -> np.ndarray:
+    if t.size != 1 or not _is_int(t):
         raise RegistryError(f"{where}: {key!r} should be one integer, got {t.dtype} {list(t.shape)}")
-    return t.reshape(1).to(torch.int32)
+    return t.reshape(1).astype(np.int32)
 
 
-def entry_kind(entry: Mapping[str, object], where: str = "entry") -> tuple[Kind, dict[str, torch.Tensor]]:
+def _as(arrays: Arrays, out: dict[str, np.ndarray]) -> dict[str, Any]:
+    if arrays == "numpy":
+        return out
+    import torch
+
+    return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def entry_kind(
+    entry: Mapping[str, object], where: str = "entry", arrays: Arrays = "torch"
+) -> tuple[Kind, dict[str, Any]]:
     """Check a spk2info entry and return its kind and a clean copy (CPU, contiguous, the reference's dtypes).
 
     Args:
-        entry: ``{key: tensor}`` as in the reference's spk2info (see the module docstring).
+        entry: ``{key: tensor}`` as in the reference's spk2info (see the module docstring); torch tensors or
+            numpy arrays.
         where: how messages name the entry.
+        arrays: what the copy holds: ``torch`` tensors or ``numpy`` arrays.
     Returns:
-        (``"zero_shot"`` or ``"sft"``, the checked tensors; keys outside the kind's set are dropped).
+        (``"zero_shot"`` or ``"sft"``, the checked arrays; keys outside the kind's set are dropped).
     Raises:
         RegistryError: missing keys, wrong dtypes or shapes, lengths that disagree with the tensors.
     """
     if not isinstance(entry, Mapping):
         raise RegistryError(f"{where} should be a dict of tensors, got {type(entry).__name__}")
+    tensors: dict[str, np.ndarray] = {}
     for k, v in entry.items():
-        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+        a = _np(v)
+        if not isinstance(k, str) or a is None:
             raise RegistryError(f"{where}: {k!r} should map a str to a tensor, got {type(v).__name__}")
-    tensors: dict[str, torch.Tensor] = dict(entry)  # type: ignore[arg-type]
+        tensors[k] = a
 
-    def embedding(key: str) -> torch.Tensor:
+    def embedding(key: str) -> np.ndarray:
         t = tensors[key]
-        if t.numel() != EMBED_DIM or not t.is_floating_point():
+        if t.size != EMBED_DIM or not _is_float(t):
             raise RegistryError(
                 f"{where}: {key!r} should hold {EMBED_DIM} floats, got {t.dtype} {list(t.shape)}"
             )
-        return t.detach().to("cpu", torch.float32).reshape(1, EMBED_DIM).contiguous()
+        return np.array(t, dtype=np.float32).reshape(1, EMBED_DIM)
 
     if all(k in tensors for k in ZERO_SHOT_KEYS):
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, np.ndarray] = {}
         for key in _TOKEN_KEYS:
             t = tensors[key]
-            if t.dim() != 2 or t.shape[0] != 1 or t.is_floating_point():
+            if t.ndim != 2 or t.shape[0] != 1 or not _is_int(t):
                 raise RegistryError(
                     f"{where}: {key!r} should be integer ids [1, n], got {t.dtype} {list(t.shape)}"
                 )
-            out[key] = t.detach().to("cpu", torch.int32).contiguous()
+            out[key] = np.array(t, dtype=np.int32)
             out[key + "_len"] = _as_int_len(tensors[key + "_len"], key + "_len", where)
-            if int(out[key + "_len"]) != t.shape[1]:
+            if int(out[key + "_len"][0]) != t.shape[1]:
                 raise RegistryError(
-                    f"{where}: {key}_len is {int(out[key + '_len'])} but {key} has {t.shape[1]} ids"
+                    f"{where}: {key}_len is {int(out[key + '_len'][0])} but {key} has {t.shape[1]} ids"
                 )
         feat = tensors["prompt_speech_feat"]
-        if feat.dim() != 3 or feat.shape[0] != 1 or feat.shape[2] != MEL_BINS or not feat.is_floating_point():
+        if feat.ndim != 3 or feat.shape[0] != 1 or feat.shape[2] != MEL_BINS or not _is_float(feat):
             raise RegistryError(
                 f"{where}: 'prompt_speech_feat' should be float [1, frames, {MEL_BINS}], got {feat.dtype} "
                 f"{list(feat.shape)}"
             )
-        out["prompt_speech_feat"] = feat.detach().to("cpu", torch.float32).contiguous()
+        out["prompt_speech_feat"] = np.array(feat, dtype=np.float32)
         out["prompt_speech_feat_len"] = _as_int_len(
             tensors["prompt_speech_feat_len"], "prompt_speech_feat_len", where
         )
-        if int(out["prompt_speech_feat_len"]) != feat.shape[1]:
+        if int(out["prompt_speech_feat_len"][0]) != feat.shape[1]:
             raise RegistryError(
                 f"{where}: prompt_speech_feat_len disagrees with prompt_speech_feat's {feat.shape[1]} frames"
             )
         out["llm_embedding"] = embedding("llm_embedding")
         out["flow_embedding"] = embedding("flow_embedding")
-        return "zero_shot", {k: out[k] for k in ZERO_SHOT_KEYS}
+        return "zero_shot", _as(arrays, {k: out[k] for k in ZERO_SHOT_KEYS})
     if "embedding" in tensors:
-        return "sft", {"embedding": embedding("embedding")}
+        return "sft", _as(arrays, {"embedding": embedding("embedding")})
     missing = [k for k in ZERO_SHOT_KEYS if k not in tensors]
     raise RegistryError(
         f"{where} is neither a zero-shot entry (missing {', '.join(missing)}) nor an sft entry (no 'embedding'); "
@@ -302,10 +340,12 @@ class SpeakerRegistry:
 
     Args:
         root: the registry folder (created on the first write).
+        arrays: what entries hold: ``torch`` tensors (the torch runtime) or ``numpy`` arrays (no torch import).
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], arrays: Arrays = "torch") -> None:
         self.root = Path(root)
+        self.arrays: Arrays = arrays
         self._lock = threading.Lock()
         self._cache: dict[Path, tuple[tuple[int, int, int], Speaker]] = {}
 
@@ -338,13 +378,13 @@ class SpeakerRegistry:
         except FileNotFoundError:
             return None
         meta = _read_header(data, path)
-        from safetensors.torch import load as load_safetensors
+        from safetensors.numpy import load as load_safetensors
 
         try:
             tensors = load_safetensors(data)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for bad files
             raise RegistryError(f"{path} is corrupt: {e}") from e
-        kind, features = entry_kind(tensors, f"speaker file {path}")
+        kind, features = entry_kind(tensors, f"speaker file {path}", self.arrays)
         if kind != meta.get("kind"):
             raise RegistryError(
                 f"{path}: header says kind {meta.get('kind')!r}, the tensors are a {kind} entry"
@@ -407,7 +447,7 @@ class SpeakerRegistry:
     def add(
         self,
         name: str,
-        features: Mapping[str, torch.Tensor],
+        features: Mapping[str, Any],
         *,
         tenant: str = DEFAULT_TENANT,
         prompt_text: str = "",
@@ -419,13 +459,15 @@ class SpeakerRegistry:
             RegistryError: bad name/tenant/features, or ``name`` exists and ``overwrite`` is False.
         """
         path = self.path_for(name, tenant)
-        kind, clean = entry_kind(features, f"speaker {name!r}")
+        kind, clean = entry_kind(features, f"speaker {name!r}", "numpy")
         if not overwrite and path.exists():
             raise RegistryError(
                 f"speaker {name!r} is already registered for tenant {tenant!r}: remove it first or overwrite"
             )
-        speaker = Speaker(name, tenant, kind, clean, prompt_text=prompt_text, created=time.time())
-        from safetensors.torch import save as save_safetensors
+        speaker = Speaker(
+            name, tenant, kind, _as(self.arrays, clean), prompt_text=prompt_text, created=time.time()
+        )
+        from safetensors.numpy import save as save_safetensors
 
         meta = {
             "format": FORMAT,
@@ -436,8 +478,8 @@ class SpeakerRegistry:
             "prompt_text": prompt_text,
             "created": repr(speaker.created),
         }
-        # the reference's entries alias llm/flow tokens and embeddings; safetensors stores each tensor on its own
-        data = save_safetensors({k: v.clone() for k, v in clean.items()}, metadata=meta)
+        # entry_kind made each array its own copy (the reference's entries alias llm/flow tokens and embeddings)
+        data = save_safetensors(clean, metadata=meta)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
         logger.info("registered speaker %r (%s) for tenant %r in %s", name, kind, tenant, path)
@@ -478,6 +520,7 @@ class SpeakerRegistry:
         path = Path(path)
         if not path.is_file():
             raise RegistryError(f"spk2info file {path} does not exist")
+        torch = _torch_for("importing a spk2info.pt")
         try:
             info = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a file we will not read
@@ -487,7 +530,7 @@ class SpeakerRegistry:
                 f"{path} should map speaker names to dicts of tensors, got {type(info).__name__}"
             )
         reserved = set(reserved)
-        todo: dict[str, dict[str, torch.Tensor]] = {}
+        todo: dict[str, dict[str, Any]] = {}
         skipped = []
         for name, entry in info.items():
             if not isinstance(name, str):
@@ -513,13 +556,14 @@ class SpeakerRegistry:
         path: str | os.PathLike[str],
         *,
         tenant: str = DEFAULT_TENANT,
-        extra: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        extra: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[str]:
         """Write the speakers of ``tenant`` (plus ``extra`` entries, e.g. the model's pre-defined speakers) as a
         reference ``spk2info.pt`` (``torch.save`` of ``{name: {key: tensor}}``), atomically. Returns the names."""
-        out: dict[str, dict[str, torch.Tensor]] = {k: dict(v) for k, v in (extra or {}).items()}
+        torch = _torch_for("exporting a spk2info.pt")
+        out: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (extra or {}).items()}
         for speaker in self.list(tenant):
-            out[speaker.name] = {k: v.clone() for k, v in speaker.features.items()}
+            out[speaker.name] = {k: torch.tensor(np.asarray(v)) for k, v in speaker.features.items()}
         import io
 
         buf = io.BytesIO()
@@ -529,3 +573,14 @@ class SpeakerRegistry:
             raise RegistryError(f"cannot write {path}: folder {path.parent} does not exist")
         atomic_write(path, buf.getvalue())
         return sorted(out)
+
+
+def _torch_for(what: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise RegistryError(
+            f"{what} needs torch (the reference's format is a torch pickle): run it where the torch runtime is "
+            "installed (pip install cosyserve)"
+        ) from None
+    return torch

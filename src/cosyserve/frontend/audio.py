@@ -13,12 +13,14 @@ import math
 import os
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from cosyserve.errors import AudioError
+
+if TYPE_CHECKING:
+    import torch
 
 LOWPASS_FILTER_WIDTH = 6
 ROLLOFF = 0.99
@@ -59,6 +61,43 @@ def load_wav(
     Raises:
         AudioError: undecodable data, no samples, a non-positive target rate or a source rate below `min_sr`.
     """
+    import torch
+
+    data, sample_rate, name = _decode(source, target_sr)
+    speech = torch.from_numpy(data).mean(dim=0, keepdim=True)  # [1, N]
+    if sample_rate != target_sr:
+        _check_source_rate(sample_rate, target_sr, min_sr, name)
+        speech = resample(speech, sample_rate, target_sr)
+    return speech
+
+
+def load_wav_np(
+    source: str | os.PathLike | bytes | bytearray | memoryview,
+    target_sr: int,
+    *,
+    min_sr: int = MIN_SOURCE_SR,
+) -> np.ndarray:
+    """:func:`load_wav` in numpy alone (the lite runtime): float32 [1, N], resampled by :func:`resample_np`."""
+    data, sample_rate, name = _decode(source, target_sr)
+    speech = data.mean(axis=0, keepdims=True, dtype=np.float32)  # [1, N]
+    if sample_rate != target_sr:
+        _check_source_rate(sample_rate, target_sr, min_sr, name)
+        speech = resample_np(speech, sample_rate, target_sr)
+    return speech
+
+
+def _check_source_rate(sample_rate: int, target_sr: int, min_sr: int, name: str) -> None:
+    if sample_rate < min_sr:
+        raise AudioError(
+            f"audio {name} has sample rate {sample_rate} Hz; prompts must be recorded at >= {min_sr} Hz "
+            f"to be resampled to {target_sr} Hz"
+        )
+
+
+def _decode(
+    source: str | os.PathLike | bytes | bytearray | memoryview, target_sr: int
+) -> tuple[np.ndarray, int, str]:
+    """(samples float32 [C, N], the file's rate, how messages name it); raises AudioError for what is unusable."""
     import soundfile  # lazy: libsndfile is only needed when audio is actually read
 
     name = _describe(source)
@@ -80,21 +119,13 @@ def load_wav(
         raise AudioError(f"audio {name} contains no samples")
     if sample_rate <= 0:
         raise AudioError(f"audio {name} declares an invalid sample rate {sample_rate}")
-
-    speech = torch.from_numpy(np.ascontiguousarray(data.T))  # [C, N]
-    speech = speech.mean(dim=0, keepdim=True)  # [1, N]
-    if sample_rate != target_sr:
-        if sample_rate < min_sr:
-            raise AudioError(
-                f"audio {name} has sample rate {sample_rate} Hz; prompts must be recorded at >= {min_sr} Hz "
-                f"to be resampled to {target_sr} Hz"
-            )
-        speech = resample(speech, sample_rate, target_sr)
-    return speech
+    return np.ascontiguousarray(data.T), int(sample_rate), name
 
 
 @lru_cache(maxsize=32)
 def _sinc_kernel(orig: int, new: int) -> tuple[torch.Tensor, int]:
+    import torch
+
     # orig/new are already divided by their gcd. Output phase j (0 <= j < new) of each block of `new` output
     # samples is a dot product of a windowed sinc, evaluated at offsets (i/orig - j/new), with input samples
     # i in [-width, width + orig) around the block start.
@@ -117,6 +148,48 @@ def _resampled_length(length: int, orig: int, new: int) -> int:
     return math.ceil(float(np.float32(new * length / orig)))
 
 
+def _check_rates(orig_sr: int, new_sr: int) -> None:
+    for label, rate in (("orig_sr", orig_sr), ("new_sr", new_sr)):
+        if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
+            raise AudioError(f"{label} must be a positive integer sample rate, got {rate!r}")
+
+
+@lru_cache(maxsize=32)
+def _sinc_kernel_np(orig: int, new: int) -> tuple[np.ndarray, int]:
+    # _sinc_kernel's arithmetic in numpy float64 (the phase rounded through float32 first, as torchaudio does)
+    base_freq = min(orig, new) * ROLLOFF
+    width = math.ceil(LOWPASS_FILTER_WIDTH * orig / base_freq)
+    idx = np.arange(-width, width + orig, dtype=np.float64) / orig  # [K]
+    phase = (np.arange(0, -new, -1, dtype=np.float32) / np.float32(new)).astype(np.float64)  # [new]
+    t = (phase[:, None] + idx[None, :]) * base_freq  # [new, K]
+    t = np.clip(t, -LOWPASS_FILTER_WIDTH, LOWPASS_FILTER_WIDTH)
+    window = np.cos(t * math.pi / LOWPASS_FILTER_WIDTH / 2) ** 2
+    t = t * math.pi
+    with np.errstate(invalid="ignore", divide="ignore"):
+        kernel = np.where(t == 0, 1.0, np.sin(t) / t)
+    kernel = kernel * (window * (base_freq / orig))
+    return kernel.astype(np.float32), width
+
+
+def resample_np(wave: np.ndarray, orig_sr: int, new_sr: int) -> np.ndarray:
+    """:func:`resample` in numpy alone: float32 [C, N] -> [C, ceil(N * new_sr / orig_sr)]."""
+    _check_rates(orig_sr, new_sr)
+    if orig_sr == new_sr:
+        return wave
+    gcd = math.gcd(orig_sr, new_sr)
+    orig, new = orig_sr // gcd, new_sr // gcd
+    kernel, width = _sinc_kernel_np(orig, new)  # [new, K]
+    x = np.asarray(wave, dtype=np.float32).reshape(-1, wave.shape[-1])
+    length = x.shape[-1]
+    x = np.pad(x, ((0, 0), (width, width + orig)))
+    frames = np.lib.stride_tricks.sliding_window_view(x, kernel.shape[1], axis=-1)[
+        :, ::orig
+    ]  # [B, blocks, K]
+    y = (frames @ kernel.T).reshape(x.shape[0], -1)  # [B, blocks * new]
+    y = y[:, : _resampled_length(length, orig, new)]
+    return np.ascontiguousarray(y.reshape(*wave.shape[:-1], y.shape[-1]), dtype=np.float32)
+
+
 def resample(wave: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
     """Resample like `torchaudio.transforms.Resample(orig_sr, new_sr)` with its defaults.
 
@@ -128,9 +201,9 @@ def resample(wave: torch.Tensor, orig_sr: int, new_sr: int) -> torch.Tensor:
     Returns:
         float32 tensor [C, N'] with N' = ceil(N * new_sr / orig_sr); `wave` itself when the rates are equal.
     """
-    for label, rate in (("orig_sr", orig_sr), ("new_sr", new_sr)):
-        if not isinstance(rate, int) or isinstance(rate, bool) or rate <= 0:
-            raise AudioError(f"{label} must be a positive integer sample rate, got {rate!r}")
+    import torch.nn.functional as F
+
+    _check_rates(orig_sr, new_sr)
     if not wave.is_floating_point():
         raise TypeError(f"resample expects a floating point waveform, got {wave.dtype}")
     if orig_sr == new_sr:

@@ -12,7 +12,7 @@ import numpy as np
 
 from cosyserve.frontend.melbank import slaney_mel_filterbank
 
-__all__ = ["mel_spectrogram", "mel_spectrogram_24k", "whisper_log_mel"]
+__all__ = ["kaldi_fbank", "mel_spectrogram", "mel_spectrogram_24k", "speaker_fbank", "whisper_log_mel"]
 
 WHISPER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_HOP_LENGTH = 16000, 400, 160
 
@@ -84,3 +84,59 @@ def whisper_log_mel(speech: np.ndarray, n_mels: int = 128) -> np.ndarray:
     log_spec = np.log10(np.maximum(mel, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
     return ((log_spec + 4.0) / 4.0).astype(np.float32)[None]
+
+
+# torchaudio.compliance.kaldi.fbank with its defaults, as cosyserve.frontend.features.kaldi_fbank computes it
+_PREEMPHASIS = np.float32(0.97)
+_KALDI_LOW_FREQ = 20.0
+_FLOAT32_EPS = np.finfo(np.float32).eps
+
+
+def _kaldi_mel_banks(num_bins: int, padded_window: int, sample_freq: float) -> np.ndarray:
+    # torchaudio's get_mel_banks in float32 (vtln_warp 1.0), plus the zero Nyquist column: [num_bins, n_fft/2 + 1]
+    def mel_scale(f: np.ndarray | float) -> np.ndarray:
+        return (
+            np.float32(1127.0) * np.log(np.float32(1.0) + np.asarray(f, np.float32) / np.float32(700.0))
+        ).astype(np.float32)
+
+    mel_low = float(1127.0 * np.log(1.0 + _KALDI_LOW_FREQ / 700.0))
+    mel_high = float(1127.0 * np.log(1.0 + 0.5 * sample_freq / 700.0))
+    delta = (mel_high - mel_low) / (num_bins + 1)
+    bins = np.arange(num_bins)[:, None]
+    left = (mel_low + bins * delta).astype(np.float32)
+    center = (mel_low + (bins + 1.0) * delta).astype(np.float32)
+    right = (mel_low + (bins + 2.0) * delta).astype(np.float32)
+    fft_freqs = np.float32(sample_freq / padded_window) * np.arange(padded_window // 2, dtype=np.float32)
+    mel = mel_scale(fft_freqs)[None, :]
+    up = (mel - left) / (center - left)
+    down = (right - mel) / (right - center)
+    banks = np.maximum(np.minimum(up, down), np.float32(0.0)).astype(np.float32)
+    return np.pad(banks, ((0, 0), (0, 1)))
+
+
+def kaldi_fbank(speech: np.ndarray, *, num_mel_bins: int = 80, sample_frequency: float = 16000) -> np.ndarray:
+    """Kaldi log mel filterbank (dither 0, povey window, preemphasis 0.97, DC removal, 25/10 ms frames):
+    float32 [1, N] -> [frames, num_mel_bins]."""
+    shift = int(sample_frequency * 10.0 * 0.001)
+    size = int(sample_frequency * 25.0 * 0.001)
+    padded = 2 ** (size - 1).bit_length()
+    speech = _check(speech, size, "kaldi_fbank")
+    n = 1 + (speech.shape[1] - size) // shift
+    idx = np.arange(size)[None, :] + shift * np.arange(n)[:, None]
+    frames = speech[0][idx]  # [m, size]
+    frames = frames - frames.mean(axis=1, keepdims=True, dtype=np.float32)
+    previous = np.concatenate([frames[:, :1], frames[:, :-1]], axis=1)
+    frames = frames - _PREEMPHASIS * previous
+    povey = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(size) / (size - 1))).astype(np.float32) ** np.float32(
+        0.85
+    )
+    frames = np.pad(frames * povey, ((0, 0), (0, padded - size)))
+    power = (np.abs(np.fft.rfft(frames, axis=1)) ** 2).astype(np.float32)
+    energies = power @ _kaldi_mel_banks(num_mel_bins, padded, float(sample_frequency)).T
+    return np.log(np.maximum(energies, _FLOAT32_EPS)).astype(np.float32)
+
+
+def speaker_fbank(speech: np.ndarray) -> np.ndarray:
+    """campplus's input: the 80-bin 16 kHz fbank minus its mean over time, [frames, 80]."""
+    feat = kaldi_fbank(speech, num_mel_bins=80, sample_frequency=16000)
+    return feat - feat.mean(axis=0, keepdims=True, dtype=np.float32)
