@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from cosyserve.errors import ModelDirError
 
+# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
+# a bundle unchanged, opened by the zero-shot frontend on first use
+from cosyserve.frontend.prompt import CAMPPLUS_FILE, ONNX_FILES, SPEECH_TOKENIZER_FILE  # noqa: F401
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,11 +37,7 @@ __all__ = [
 ]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
-# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
-# a bundle unchanged, opened by the zero-shot frontend on first use
-CAMPPLUS_FILE = "campplus.onnx"
-SPEECH_TOKENIZER_FILE = "speech_tokenizer_v1.onnx"
-ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
+
 INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
 
 

@@ -12,20 +12,38 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from cosyserve.errors import AudioError, BundleError, ModeUnavailableError
 from cosyserve.frontend.audio import decode_failure
 
-__all__ = ["FEAT_SR", "SPEAKER_SR", "AudioSource", "OnnxModel", "PromptAudio", "PromptLimits", "load_prompt"]
+__all__ = [
+    "instruct2_input",
+    "instruct_input",
+    "prompt_input",
+    "sft_input",
+    "CAMPPLUS_FILE",
+    "FEAT_SR",
+    "ONNX_FILES",
+    "SPEAKER_SR",
+    "SPEECH_TOKENIZER_FILE",
+    "AudioSource",
+    "OnnxModel",
+    "PromptAudio",
+    "PromptLimits",
+    "load_prompt",
+]
 
 logger = logging.getLogger(__name__)
 
+CAMPPLUS_FILE = "campplus.onnx"  # the speaker embedding model
+SPEECH_TOKENIZER_FILE = "speech_tokenizer_v1.onnx"  # CosyVoice-300M's speech tokenizer (50 Hz)
+ONNX_FILES = (CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
 SPEAKER_SR = 16000  # campplus and the speech tokenizer
 FEAT_SR = 24000  # the reference's _extract_speech_feat resamples the prompt to 24 kHz at this commit
 
@@ -224,3 +242,60 @@ class OnnxModel:
                 f"{self.path.name} takes {len(names)} inputs ({', '.join(names)}), got {len(arrays)}"
             )
         return session.run(None, dict(zip(names, arrays, strict=True)))[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# model inputs: the reference frontend's dicts, key for key, over torch tensors or numpy arrays alike
+
+Ids = tuple[Any, Any]  # token ids [1, n] and their length [1]
+
+_LLM_PROMPT_KEYS = (
+    "prompt_text",
+    "prompt_text_len",
+    "llm_prompt_speech_token",
+    "llm_prompt_speech_token_len",
+)
+
+
+def sft_input(text: Ids, embedding: Any) -> dict[str, Any]:
+    """The model input of a pre-defined speaker (``embedding`` [1, 192]) saying ``text``: the speaker's
+    embedding goes to both the LLM and the flow."""
+    return {"text": text[0], "text_len": text[1], "llm_embedding": embedding, "flow_embedding": embedding}
+
+
+def instruct_input(text: Ids, embedding: Any, instruction: Ids) -> dict[str, Any]:
+    """sft with a style instruction as the LLM's prompt text; the reference keeps the speaker out of the LM
+    (no ``llm_embedding``: "information leakage"), so the embedding goes to the flow only."""
+    return {
+        "text": text[0],
+        "text_len": text[1],
+        "flow_embedding": embedding,
+        "prompt_text": instruction[0],
+        "prompt_text_len": instruction[1],
+    }
+
+
+def prompt_input(
+    text: Ids, prompt: Mapping[str, Any], mode: Literal["zero_shot", "cross_lingual"]
+) -> dict[str, Any]:
+    """The model input of a cloned voice (``prompt``: :meth:`Frontend.prompt_features`, or a registered voice)
+    saying ``text``. zero_shot gives the LLM the prompt's transcript and speech tokens; cross_lingual drops them
+    (the LLM then speaks ``text`` in its own language with the prompt's timbre from the flow)."""
+    model_input = dict(prompt)
+    if mode == "cross_lingual":
+        for key in _LLM_PROMPT_KEYS:
+            model_input.pop(key, None)
+    model_input["text"], model_input["text_len"] = text
+    return model_input
+
+
+def instruct2_input(text: Ids, prompt: Mapping[str, Any], instruction: Ids) -> dict[str, Any]:
+    """CosyVoice2's instruct2: a cloned voice (``prompt``) saying ``text`` in the style ``instruction`` asks for
+    (the reference's ``frontend_instruct2``): the instruction is the LLM's prompt text, the LLM gets no prompt
+    speech tokens, the flow keeps the prompt's tokens, mel and embedding."""
+    model_input = dict(prompt)
+    model_input.pop("llm_prompt_speech_token", None)
+    model_input.pop("llm_prompt_speech_token_len", None)
+    model_input["prompt_text"], model_input["prompt_text_len"] = instruction
+    model_input["text"], model_input["text_len"] = text
+    return model_input

@@ -20,9 +20,9 @@ it for a prompt-based mode raises :class:`ModeUnavailableError` naming the missi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,13 +30,17 @@ import torch
 from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
 from cosyserve.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
-from cosyserve.frontend.prompt import (
+from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
     SPEAKER_SR,
     AudioSource,
     OnnxModel,
     PromptAudio,
     PromptLimits,
+    instruct2_input,
+    instruct_input,
     load_prompt,
+    prompt_input,
+    sft_input,
 )
 
 __all__ = [
@@ -67,58 +71,6 @@ def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 Ids = tuple[torch.Tensor, torch.Tensor]  # token ids int32 [1, n] and their length int32 [1]
-_LLM_PROMPT_KEYS = (
-    "prompt_text",
-    "prompt_text_len",
-    "llm_prompt_speech_token",
-    "llm_prompt_speech_token_len",
-)
-
-
-def sft_input(text: Ids, embedding: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model input of a pre-defined speaker (``embedding`` [1, 192]) saying ``text``: the speaker's
-    embedding goes to both the LLM and the flow."""
-    return {"text": text[0], "text_len": text[1], "llm_embedding": embedding, "flow_embedding": embedding}
-
-
-def instruct_input(text: Ids, embedding: torch.Tensor, instruction: Ids) -> dict[str, torch.Tensor]:
-    """sft with a style instruction as the LLM's prompt text; the reference keeps the speaker out of the LM
-    (no ``llm_embedding``: "information leakage"), so the embedding goes to the flow only."""
-    return {
-        "text": text[0],
-        "text_len": text[1],
-        "flow_embedding": embedding,
-        "prompt_text": instruction[0],
-        "prompt_text_len": instruction[1],
-    }
-
-
-def prompt_input(
-    text: Ids, prompt: Mapping[str, torch.Tensor], mode: Literal["zero_shot", "cross_lingual"]
-) -> dict[str, torch.Tensor]:
-    """The model input of a cloned voice (``prompt``: :meth:`Frontend.prompt_features`, or a registered voice)
-    saying ``text``. zero_shot gives the LLM the prompt's transcript and speech tokens; cross_lingual drops them
-    (the LLM then speaks ``text`` in its own language with the prompt's timbre from the flow)."""
-    model_input = dict(prompt)
-    if mode == "cross_lingual":
-        for key in _LLM_PROMPT_KEYS:
-            model_input.pop(key, None)
-    model_input["text"], model_input["text_len"] = text
-    return model_input
-
-
-def instruct2_input(
-    text: Ids, prompt: Mapping[str, torch.Tensor], instruction: Ids
-) -> dict[str, torch.Tensor]:
-    """CosyVoice2's instruct2: a cloned voice (``prompt``) saying ``text`` in the style ``instruction`` asks for
-    (the reference's ``frontend_instruct2``): the instruction is the LLM's prompt text, the LLM gets no prompt
-    speech tokens, the flow keeps the prompt's tokens, mel and embedding."""
-    model_input = dict(prompt)
-    model_input.pop("llm_prompt_speech_token", None)
-    model_input.pop("llm_prompt_speech_token_len", None)
-    model_input["prompt_text"], model_input["prompt_text_len"] = instruction
-    model_input["text"], model_input["text_len"] = text
-    return model_input
 
 
 class Frontend:

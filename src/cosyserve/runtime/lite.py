@@ -1,17 +1,17 @@
 """The lite runtime: a bundle's ``lite/`` ONNX graphs on ONNX Runtime, driven by numpy; no torch in the process.
 
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
-sessions (no weight prepacking: each opens in milliseconds over mapped weights), warms the LM and returns READY;
-the text tier, the flow and vocoder sessions and their warm-up follow in one background thread. It serves what
-the torch runtime serves for CosyVoice-300M in ``sft`` and ``instruct`` modes with the same chunking; the prompt
-modes (zero_shot, cross_lingual, vc) and registered voices are reported unavailable (their frontend and registry
-are torch code today). Its audio equals the torch runtime's up to float32 rounding when both get the same random
-draws; its random stream is numpy's, so a seed gives reproducible audio that differs from the torch runtime's.
+step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
+READY; the text tier and the other graphs' sessions follow in one background thread. It serves every
+CosyVoice-300M mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot, cross_lingual, vc),
+with the same chunking and the same voice registry (numpy arrays; importing or exporting a reference
+``spk2info.pt`` needs torch). Its audio equals the torch runtime's up to float32 rounding when both get the same
+random draws; its random stream is numpy's, so a seed gives reproducible audio that differs from the torch
+runtime's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -23,39 +23,161 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import BundleError, ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.request import MODES, Mode, SynthesisRequest
-from cosyserve.runtime import RuntimeOptions, Voice
+from cosyserve.errors import BundleError, ClientError
+from cosyserve.frontend.prompt import ONNX_FILES, instruct_input, prompt_input, sft_input
+from cosyserve.request import SynthesisRequest
+from cosyserve.runtime import RuntimeOptions
+from cosyserve.runtime.modes import ModelModes, RuntimeVoices
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LiteRuntime", "load"]
-
-_NO_PROMPT = (
-    "the lite runtime does not serve the prompt modes yet (their audio frontend and voice registry are torch "
-    "code); serve this model with the torch runtime (--runtime torch) for zero_shot, cross_lingual and vc"
-)
+__all__ = ["LitePipeline", "LiteRuntime", "load"]
 
 
-class LiteRuntime:
+def _ids(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray([ids], dtype=np.int32).reshape(1, -1), np.asarray([len(ids)], dtype=np.int32)
+
+
+def _flat(a: Any) -> list[int]:
+    return [int(x) for x in np.asarray(a).reshape(-1)]
+
+
+class LitePipeline(ModelModes):
+    """Requests -> model inputs -> speech tokens -> audio on the lite models (the torch
+    :class:`~cosyserve.runtime.pipeline.Pipeline`'s rules, numpy arrays instead of tensors)."""
+
+    def __init__(self, llm: Any, token2wav: Any, speakers: dict[str, dict[str, Any]], **kwargs: Any) -> None:
+        super().__init__(speakers, onnx_files=ONNX_FILES, **kwargs)
+        self.llm = llm
+        self.token2wav = token2wav
+        self._frontend_lock = threading.Lock()
+
+    def frontend(self) -> Any:
+        """The prompt frontend (:class:`cosyserve.lite.frontend.LiteFrontend`), made on first use."""
+        if self._frontend is None:
+            with self._frontend_lock:
+                if self._frontend is None:
+                    from cosyserve.lite.frontend import LiteFrontend
+
+                    campplus, tokenizer = (self.onnx_paths[n] for n in self.onnx_files)
+                    assert campplus is not None and tokenizer is not None, "require() the prompt modes first"
+                    self._frontend = LiteFrontend(campplus, tokenizer, self.tokenizer.encode, self.onnx_check)
+        return self._frontend
+
+    def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
+        self.require(mode)
+        return self.frontend().prompt_features(prompt_text, prompt_wav)  # type: ignore[no-any-return]
+
+    def prepare(self, request: SynthesisRequest) -> tuple[SynthesisRequest, list[dict[str, Any]]]:
+        """The request as this model runs it and one reference model-input dict per text piece (vc: one)."""
+        from cosyserve.frontend.text import nothing_to_speak
+
+        r = self.resolve(request)
+        mode = r.mode
+        if mode == "vc":
+            return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]
+        pieces = self.split_text(r.text) if r.normalize else ([] if nothing_to_speak(r.text) else [r.text])
+        if not pieces:
+            raise ClientError(
+                f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
+                "or invisible characters",
+                param="text",
+            )
+        texts = [_ids(self.tokenizer.encode(p)) for p in pieces]
+        if mode in ("sft", "instruct"):
+            assert r.speaker is not None
+            embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
+            if mode == "sft":
+                return r, [sft_input(t, embedding) for t in texts]
+            instruction = _ids(self.tokenizer.encode(self._normalize_prompt(r.instruct_text, r.normalize)))
+            return r, [instruct_input(t, embedding, instruction) for t in texts]
+        assert mode in ("zero_shot", "cross_lingual")
+        if r.speaker:
+            prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
+        else:
+            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
+            prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
+        return r, [prompt_input(t, prompt, mode) for t in texts]
+
+    def run(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        """Prepare now (errors raise here), then a generator of float32 chunks."""
+        r, inputs = self.prepare(request)
+        rng = np.random.default_rng(r.seed if r.seed is not None else secrets.randbits(63))
+        return self._generate(r, inputs, rng, should_stop)
+
+    def _generate(
+        self,
+        r: SynthesisRequest,
+        inputs: list[dict[str, Any]],
+        rng: np.random.Generator,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[np.ndarray]:
+        stopped = False
+
+        def until(tokens: Iterator[int]) -> Iterator[int]:
+            nonlocal stopped
+            for tok in tokens:
+                yield tok
+                if should_stop():
+                    stopped = True
+                    return
+
+        for model_input in inputs:
+            if "source_speech_token" in model_input:  # vc: the LM is bypassed
+                tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
+            else:
+                llm_embedding = model_input.get("llm_embedding")
+                tokens = until(
+                    self.llm.generate(
+                        _flat(model_input["text"]),
+                        _flat(model_input.get("prompt_text", [])),
+                        _flat(model_input.get("llm_prompt_speech_token", [])),
+                        None if llm_embedding is None else np.asarray(llm_embedding).reshape(-1),
+                        rng,
+                    )
+                )
+            feat = model_input.get("prompt_speech_feat")
+            for chunk in self.token2wav(
+                tokens,
+                embedding=np.asarray(model_input["flow_embedding"]).reshape(-1),
+                prompt_token=_flat(model_input.get("flow_prompt_speech_token", [])),
+                prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
+                stream=r.stream,
+                speed=r.speed,
+                rng=rng,
+            ):
+                if stopped:
+                    return
+                yield chunk.astype(np.float32, copy=False)
+                if should_stop():
+                    return
+            if stopped:
+                return
+
+
+class LiteRuntime(RuntimeVoices):
     """A CosyVoice-300M bundle on ONNX Runtime: implements :class:`cosyserve.runtime.Runtime`."""
 
     def __init__(
-        self, bundle_dir: Path, manifest: dict[str, Any], lite: Any, speakers: dict[str, np.ndarray],
-        options: RuntimeOptions, clock: Any,
-    ) -> None:  # fmt: skip
+        self,
+        bundle: Any,
+        lite: Any,
+        speakers: dict[str, dict[str, Any]],
+        options: RuntimeOptions,
+        clock: Any,
+        registry_root: Path,
+    ) -> None:
         from cosyserve.lite.models import LiteFlow, LiteLM, LiteToken2Wav, LiteVocoder
+        from cosyserve.registry import SpeakerRegistry
         from cosyserve.runtime.streampolicy import StreamPolicy
 
-        self.path = bundle_dir
-        self.manifest = manifest
+        self.bundle = bundle
+        self.path = bundle.path
         self.lite = lite
         self.options = options
         self.clock = clock
         self.sample_rate = int(lite.config["sample_rate"])
         self.slots = options.batch_size
-        self.instruct = bool(manifest.get("instruct", False))
-        self._speakers = speakers  # name -> embedding (192,)
         tables = lite.tables()
         self.llm = LiteLM(lite, tables)
         flow = LiteFlow(lite, tables)
@@ -66,153 +188,26 @@ class LiteRuntime:
             sample_rate=self.sample_rate,
         )
         self.token2wav = LiteToken2Wav(flow, LiteVocoder(lite, tables), policy, options.flow_steps)
+        self.pipeline = LitePipeline(
+            self.llm,
+            self.token2wav,
+            speakers,
+            registry=SpeakerRegistry(registry_root, arrays="numpy"),
+            model_dir=bundle.path,
+            instruct=bundle.instruct,
+            default_voice=options.default_voice,
+        )
+        self.pipeline.set_onnx_paths(
+            {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
+        )
         self.background: threading.Thread | None = None
 
-    # -- what it serves -------------------------------------------------------------------------------------------
-
-    def speakers(self) -> list[str]:
-        return sorted(self._speakers)
-
-    def voices(self, tenant: str = "default") -> list[Voice]:
-        return [Voice(s, "pre-defined", "sft") for s in self.speakers()]
-
-    def voice(self, name: str, tenant: str = "default") -> Voice | None:
-        return Voice(name, "pre-defined", "sft") if name in self._speakers else None
-
-    def modes(self) -> dict[Mode, str | None]:
-        why: dict[Mode, str | None] = dict.fromkeys(MODES)
-        why["instruct2"] = (
-            "instruct2 is CosyVoice2's instruction mode; this is a CosyVoice-300M model: use instruct with a "
-            "CosyVoice-300M-Instruct model"
-        )
-        if not self.instruct:
-            why["instruct"] = (
-                "this model is not an instruct model (a CosyVoice-300M-Instruct); use sft mode, or an -Instruct model"
-            )
-        for m in ("zero_shot", "cross_lingual", "vc"):
-            why[m] = _NO_PROMPT
-        return why
-
-    def _require(self, mode: str) -> None:
-        why = self.modes().get(mode)  # type: ignore[call-overload]
-        if why is not None:
-            available = ", ".join(m for m, w in self.modes().items() if w is None)
-            err = ModeUnavailableError(
-                f"{mode} synthesis is unavailable: {why} (available modes: {available})"
-            )
-            err.param = "instruct_text" if mode == "instruct" else None
-            raise err
-
-    def _default_speaker(self) -> str:
-        if self.options.default_voice is not None:
-            return self.options.default_voice
-        if not self._speakers:
-            raise ClientError(
-                "this model has no pre-defined speakers (spk2info.pt); the lite runtime serves sft and instruct "
-                "with a pre-defined speaker only",
-                param="speaker",
-            )
-        return sorted(self._speakers)[0]
-
-    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        import dataclasses
-
-        mode = request.mode or "sft"
-        self._require(mode)
-        speaker = request.speaker or self._default_speaker()
-        if speaker not in self._speakers:
-            known = ", ".join(self.speakers()) or "none"
-            raise UnknownVoiceError(
-                f"unknown speaker {speaker!r}; known speakers: {known} (the lite runtime serves pre-defined "
-                "speakers only)",
-                param="speaker",
-            )
-        if mode == request.mode and speaker == request.speaker:
-            return request
-        return dataclasses.replace(request, mode=mode, speaker=speaker)
-
-    # -- synthesis ------------------------------------------------------------------------------------------------
-
-    def _tokenize(self, text: str) -> list[int]:
-        from cosyserve.frontend.tokenizer import get_tokenizer
-
-        return list(get_tokenizer().encode(text))
-
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
-        from cosyserve.frontend.text import normalize_and_split, nothing_to_speak, text_normalize
-
-        r = self.resolve(request)
-        if r.normalize:
-            pieces = normalize_and_split(r.text, self._tokenize)
-        else:
-            pieces = [] if nothing_to_speak(r.text) else [r.text]
-        if not pieces:
-            raise ClientError(
-                f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
-                "or invisible characters",
-                param="text",
-            )
-        embedding = self._speakers[r.speaker or ""]
-        instruction: list[int] = []
-        if r.mode == "instruct":
-            text = r.instruct_text
-            if r.normalize:
-                text = str(text_normalize(text, split=False, tokenize=self._tokenize))
-            instruction = self._tokenize(text)
-        texts = [self._tokenize(p) for p in pieces]
-        rng = np.random.default_rng(r.seed if r.seed is not None else secrets.randbits(63))
-        return self._generate(r, texts, instruction, embedding, rng, should_stop)
-
-    def _generate(
-        self,
-        r: SynthesisRequest,
-        texts: list[list[int]],
-        instruction: list[int],
-        embedding: np.ndarray,
-        rng: np.random.Generator,
-        should_stop: Callable[[], bool],
-    ) -> Iterator[np.ndarray]:
-        for text in texts:
-            # instruct: the instruction is the LM's prompt text and the speaker stays out of the LM
-            llm_embedding = None if r.mode == "instruct" else embedding
-            tokens = self.llm.generate(text, instruction, [], llm_embedding, rng)
-            stopped = False
-
-            def until(tokens: Iterator[int] = tokens) -> Iterator[int]:
-                nonlocal stopped
-                for tok in tokens:
-                    yield tok
-                    if should_stop():
-                        stopped = True
-                        return
-
-            for chunk in self.token2wav(
-                until(), embedding=embedding, stream=r.stream, speed=r.speed, rng=rng
-            ):
-                if stopped:
-                    return
-                yield chunk.astype(np.float32, copy=False)
-                if should_stop():
-                    return
-            if stopped:
-                return
+        return self.pipeline.run(request, should_stop)
 
     def warm_up(self) -> None:
         with self.clock.phase("warmup"):
-            self.llm.warm_up(self.options.warmup_tokens)
-            self.warm_up_token2wav()
-
-    def warm_up_token2wav(self) -> None:
-        from cosyserve.lite.models import mel_length
-
-        t2w = self.token2wav
-        rng = np.random.default_rng(0)
-        n = max(self.options.warmup_tokens, 2)
-        noise = rng.standard_normal((80, mel_length(n, t2w.flow.input_frame_rate)), dtype=np.float32)
-        empty = np.zeros((0, 80), np.float32)
-        mel, _ = t2w.flow.inference([0] * n, [], empty, np.zeros(192, np.float32), None, noise, n_timesteps=1)
-        phase, noise = t2w.hift.draws(mel.shape[1], rng)
-        t2w.hift.inference(mel, None, phase, noise)
+            self.llm.warm_up(1)
 
     # -- memory ---------------------------------------------------------------------------------------------------
 
@@ -221,29 +216,6 @@ class LiteRuntime:
 
     def mapped_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.mapped_files())
-
-    # -- voices ---------------------------------------------------------------------------------------------------
-
-    def _no_registry(self) -> RegistryError:
-        return RegistryError(
-            "the lite runtime has no voice registry yet (registering a voice needs the prompt frontend, which is "
-            "torch code today): serve the model with the torch runtime to add, remove, import or export voices"
-        )
-
-    def add_voice(self, name: str, prompt_wav: Any, prompt_text: str, *, tenant: str = "default",
-                  overwrite: bool = False) -> Any:  # fmt: skip
-        raise self._no_registry()
-
-    def remove_voice(self, name: str, *, tenant: str = "default") -> None:
-        raise self._no_registry()
-
-    def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
-        raise self._no_registry()
-
-    def export_voices(
-        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
-    ) -> list[str]:
-        raise self._no_registry()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -264,30 +236,31 @@ class LiteRuntime:
         self.lite.sessions.clear()
 
 
-def _read_speakers(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
-    entry = manifest.get("speakers")
+def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
+    """The bundle's pre-defined speakers as ``{name: {"embedding": [1, 192] float32}}`` (numpy)."""
+    entry = bundle.manifest.get("speakers")
     if not entry:
         return {}
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from cosyserve.lite.models import map_safetensors
 
-    path = bundle_dir / entry["file"]
-    try:
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as e:
-        raise BundleError(f"{path}: cannot read the speakers ({e}); convert the model again") from e
-    names = list(entry.get("names", []))
-    out: dict[str, np.ndarray] = {}
-    for key, value in tensors.items():
+    path = bundle.path / entry["file"]
+    if path.stat().st_size != entry["bytes"]:
+        raise BundleError(
+            f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}: convert again"
+        )
+    names = bundle.speaker_names
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in map_safetensors(path).items():
         idx, fld = key.split(".", 1)
         if fld == "embedding":
-            out[names[int(idx)]] = np.ascontiguousarray(value, dtype=np.float32).reshape(-1)
+            out[names[int(idx)]] = {"embedding": np.array(value, dtype=np.float32).reshape(1, -1)}
     return out
 
 
 def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRuntime:
     """Load the bundle at ``path`` (converted with ``--runtime lite``) on ONNX Runtime; see
-    :func:`cosyserve.runtime.load_runtime`. Official model dirs and hub ids need the torch runtime to convert."""
+    :func:`cosyserve.runtime.load_runtime`. An official model dir or hub id is converted by the torch side first
+    (which needs torch): convert once with ``cosyserve convert MODEL_DIR BUNDLE --runtime lite``."""
     from cosyserve.clock import PhaseClock
 
     clock = clock or PhaseClock()
@@ -295,26 +268,33 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
     with clock.phase("imports"):
         import onnxruntime  # noqa: F401 - the one heavy import, timed as the torch runtime's imports are
 
+        from cosyserve.bundle.loader import is_bundle, open_bundle
         from cosyserve.lite.models import LiteBundle
-    bundle_dir = Path(str(path))
+        from cosyserve.registry_location import default_registry_dir
+        from cosyserve.sources import cache_dir_of
+    cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     with clock.phase("manifest"):
-        where = bundle_dir / "manifest.json"
-        try:
-            manifest = json.loads(where.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        if not is_bundle(path):
             raise BundleError(
-                f"{bundle_dir} is not a bundle (no manifest.json): the lite runtime loads a bundle converted with "
-                "`cosyserve convert MODEL_DIR BUNDLE --runtime lite` on a machine with torch"
-            ) from None
-        except (OSError, ValueError) as e:
-            raise BundleError(f"{where}: unreadable ({e})") from e
-        if manifest.get("family", "cosyvoice") != "cosyvoice":
-            raise BundleError(f"{bundle_dir}: the lite runtime serves CosyVoice-300M bundles only")
+                f"{path} is not a bundle: the lite runtime loads a bundle converted with `cosyserve convert "
+                "MODEL_DIR BUNDLE --runtime lite` (on a machine with torch)"
+            )
+        bundle = open_bundle(path)
+        if bundle.manifest.get("family", "cosyvoice") != "cosyvoice":
+            raise BundleError(
+                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a CosyVoice2 one)"
+            )
+        bundle.verify = o.verify
         threads = o.threads or os.cpu_count() or 1
-        lite = LiteBundle(bundle_dir, verify=o.verify, threads=threads)
-        speakers = _read_speakers(bundle_dir, manifest)
+        lite = LiteBundle(bundle.path, verify=o.verify, threads=threads)
+        speakers = _read_speakers(bundle)
+        registry_root = (
+            Path(o.registry_dir)
+            if o.registry_dir is not None
+            else default_registry_dir(bundle.path, bundle.model_key, registry_dir=None, cache_dir=cache_dir)
+        )
     with clock.phase("construct"):
-        runtime = LiteRuntime(bundle_dir, manifest, lite, speakers, o, clock)
+        runtime = LiteRuntime(bundle, lite, speakers, o, clock, registry_root)
     if o.fork_template:
         if o.text_tier == "background":
             _run_steps([("text_tier", _load_text_tier)], clock)  # pure Python: shared by the children
@@ -362,6 +342,8 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # no flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would take the
     # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in TOKEN2WAV_GRAPHS]))
+    if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
+        steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
     )

@@ -25,7 +25,6 @@ shared between requests but the read-only modules, so concurrent requests only n
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import threading
@@ -38,19 +37,17 @@ import numpy as np
 import torch
 
 from cosyserve.bundle.official import ONNX_FILES
-from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.errors import ClientError
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
-from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
+from cosyserve.request import Mode, SynthesisRequest
+from cosyserve.runtime.modes import ModelModes
 from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 
 logger = logging.getLogger(__name__)
 
 SPEECH_TOKENIZER_V2 = "speech_tokenizer_v2.onnx"  # CosyVoice2's (25 Hz, 6561 ids)
-ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
 
 __all__ = ["Pipeline", "PreparedRequest"]
-
-_MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 
 
 @dataclass
@@ -80,7 +77,7 @@ def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32)
 
 
-class Pipeline:
+class Pipeline(ModelModes):
     """Synthesis in every CosyVoice-300M mode over loaded modules.
 
     Args:
@@ -128,99 +125,23 @@ class Pipeline:
         else:
             self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
             self.onnx_files = (ONNX_FILES[0], ONNX_FILES[1])
-        self._tokenizer: Any = None  # built on first use by tokenizer_factory (None: the whisper tokenizer)
-        self._tokenizer_factory: Callable[[], Any] | None = tokenizer
-        self.speakers = speakers
+        ModelModes.__init__(
+            self,
+            speakers,
+            onnx_files=self.onnx_files,
+            registry=registry,
+            model_dir=model_dir,
+            instruct=instruct,
+            default_voice=default_voice,
+            family=family,
+            tokenizer=tokenizer,
+        )
         self.sample_rate = sample_rate
-        self.registry = registry
-        self.model_dir = Path(model_dir) if model_dir is not None else None
-        self.instruct = instruct
-        self.default_voice = default_voice
-        self.onnx_paths: dict[str, Path | None] = dict.fromkeys(self.onnx_files)
-        self.onnx_check: Callable[[Path], None] | None = None
-        self._frontend: Any = None
         self._frontend_lock = threading.Lock()
-        self._tokenizer_lock = threading.Lock()
         if onnx_paths is not None:
             self.set_onnx_paths(onnx_paths, model_dir)
 
     # --- the zero-shot tier ---------------------------------------------------------------------------------------
-
-    def set_onnx_paths(
-        self,
-        paths: Mapping[str, Path | None],
-        model_dir: str | Path | None = None,
-        check: Callable[[Path], None] | None = None,
-    ) -> None:
-        """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use.
-        ``check(path)`` runs before a session opens a file (e.g. the bundle's size and checksum check)."""
-        unknown = set(paths) - set(self.onnx_files)
-        if unknown:
-            raise ValueError(
-                f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(self.onnx_files)}"
-            )
-        assert self._frontend is None, "set the ONNX paths before the zero-shot tier is created"
-        self.onnx_paths.update({k: Path(v) if v is not None else None for k, v in paths.items()})
-        if model_dir is not None:
-            self.model_dir = Path(model_dir)
-        if check is not None:
-            self.onnx_check = check
-
-    def unavailable_modes(self) -> dict[str, str]:
-        """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
-        where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
-        out: dict[str, str] = {}
-        if self.family == "cosyvoice":
-            out["instruct2"] = (
-                "instruct2 is CosyVoice2's instruction mode (an instruction and a voice to clone); this is a "
-                "CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"
-            )
-        if self.family == "cosyvoice2":
-            out["instruct"] = (
-                "this is a CosyVoice2 model, which has no speaker-instruct mode (the reference's inference_instruct "
-                "is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
-            )
-        elif not self.instruct:
-            out["instruct"] = (
-                "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
-                "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
-                "model"
-            )
-        missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
-        if missing:
-            why = f"{where} has no {' or '.join(missing)} (copy it from the official model dir to enable it)"
-            out.update({m: why for m in PROMPT_MODES if m not in out})
-        return out
-
-    def available_modes(self) -> list[str]:
-        """The modes this model can run: sft always, instruct on an instruct model, the prompt modes with the
-        ONNX models."""
-        unavailable = self.unavailable_modes()
-        return [m for m in MODES if m not in unavailable]
-
-    def require(self, mode: str) -> None:
-        """Raise :class:`~cosyserve.frontend.zeroshot.ModeUnavailableError` when ``mode`` cannot run here."""
-        why = self.unavailable_modes().get(mode)
-        if why is not None:
-            err = ModeUnavailableError(
-                f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
-            )
-            err.param = _MODE_FIELD.get(mode)
-            raise err
-
-    @property
-    def tokenizer(self) -> Any:
-        """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier):
-        the whisper one for CosyVoice-300M, the model's own Qwen tokenizer for CosyVoice2."""
-        if self._tokenizer_factory is not None:
-            if self._tokenizer is None:
-                with self._tokenizer_lock:  # not the frontend's: frontend() asks for the tokenizer holding it
-                    if self._tokenizer is None:
-                        self._tokenizer = self._tokenizer_factory()
-            return self._tokenizer
-        from cosyserve.frontend.tokenizer import get_tokenizer
-
-        return get_tokenizer()
 
     @property
     def frontend_loaded(self) -> bool:
@@ -251,58 +172,10 @@ class Pipeline:
                     self._frontend = frontend
         return self._frontend
 
-    # --- text -----------------------------------------------------------------------------------------------------
-
-    def split_text(self, text: str) -> list[str]:
-        from cosyserve.frontend.text import normalize_and_split
-
-        return normalize_and_split(text, self.tokenizer.encode)
-
-    def _normalize_prompt(self, text: str, normalize: bool) -> str:
-        # the reference's text_normalize(..., split=False) for prompt and instruct texts
-        if not normalize:
-            return text
-        from cosyserve.frontend.text import text_normalize
-
-        out = text_normalize(text, split=False, tokenize=self.tokenizer.encode)
-        assert isinstance(out, str)
-        return out
-
     def _text_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
         return _ids(self.tokenizer.encode(text))
 
     # --- speakers -------------------------------------------------------------------------------------------------
-
-    def resolve_speaker(self, name: str, tenant: str = "default") -> tuple[str, dict[str, torch.Tensor]]:
-        """``(kind, entry)`` for a pre-defined (``sft``) or registered (``sft`` / ``zero_shot``) speaker.
-
-        Raises:
-            UnknownVoiceError: unknown speaker (the message lists the known ones).
-        """
-        if name in self.speakers:
-            return "sft", self.speakers[name]
-        try:
-            speaker = self.registry.get(name, tenant) if self.registry is not None else None
-        except RegistryError as e:  # a name the registry cannot hold (a path, too long) is nobody's voice
-            raise UnknownVoiceError(f"unknown speaker {name!r}: {e}", param="speaker") from None
-        if speaker is None:
-            known = sorted(self.speakers)
-            if self.registry is not None:
-                known += [n for n in self.registry.names(tenant) if n not in self.speakers]
-            listed = ", ".join(known) or "none (this model dir has no spk2info.pt and nothing is registered)"
-            raise UnknownVoiceError(f"unknown speaker {name!r}; known speakers: {listed}", param="speaker")
-        return speaker.kind, speaker.features
-
-    def default_speaker(self) -> str:
-        """The speaker of a request that names none: the configured default voice, else the first pre-defined one."""
-        if self.default_voice is not None:
-            return self.default_voice
-        if not self.speakers:
-            raise ClientError(
-                "this model has no pre-defined speakers (spk2info.pt); name a registered voice",
-                param="speaker",
-            )
-        return sorted(self.speakers)[0]
 
     def extract_prompt(
         self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot"
@@ -317,62 +190,6 @@ class Pipeline:
         return self.frontend().prompt_features(prompt_text, prompt_wav, self.sample_rate)
 
     # --- requests -------------------------------------------------------------------------------------------------
-
-    def _speaker_of_kind(self, speaker: str, tenant: str, mode: str, kind: str) -> dict[str, torch.Tensor]:
-        got, entry = self.resolve_speaker(speaker, tenant)
-        if got != kind:
-            if kind == "sft":
-                raise ClientError(
-                    f"speaker {speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
-                    f"use it in zero_shot or cross_lingual mode, not {mode}",
-                    param="speaker",
-                )
-            raise ClientError(
-                f"speaker {speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
-                f"sft or instruct mode, or register a voice with add_speaker for {mode}",
-                param="speaker",
-            )
-        return entry
-
-    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` as this model runs it: its mode decided (None: zero_shot for a registered zero-shot voice,
-        else sft) and its speaker (None in sft/instruct: the default voice); what the model cannot serve raises.
-        Reads no audio: cheap enough to run when a request is admitted.
-
-        Raises:
-            UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
-            ClientError: a voice of the wrong kind for the mode.
-        """
-        r = request
-        mode = r.mode
-        if mode is None:
-            mode = "sft"
-            if r.speaker and r.speaker not in self.speakers:
-                kind, _ = self.resolve_speaker(r.speaker, r.tenant)
-                mode = "zero_shot" if kind == "zero_shot" else "sft"
-        speaker = r.speaker
-        instruct_text = r.instruct_text
-        if mode == "instruct" and self.family == "cosyvoice2" and speaker and speaker not in self.speakers:
-            # a style instruction with a cloned voice (OpenAI `instructions`, `--mode instruct`): on CosyVoice2
-            # that is instruct2, whose instructions end with the marker the model was trained on
-            self._speaker_of_kind(speaker, r.tenant, "instruct2", "zero_shot")
-            mode = "instruct2"
-            if not instruct_text.rstrip().endswith(ENDOFPROMPT):
-                instruct_text = instruct_text.rstrip() + ENDOFPROMPT
-        if mode in ("sft", "instruct"):
-            speaker = speaker or self.default_speaker()
-            self._speaker_of_kind(speaker, r.tenant, mode, "sft")
-        elif mode != "vc" and speaker:
-            self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
-        if (
-            mode == "instruct"
-            or (mode == "instruct2" and self.family != "cosyvoice2")
-            or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
-        ):
-            self.require(mode)  # before any audio is read: a missing model is the clearer error
-        if mode == r.mode and speaker == r.speaker:
-            return r
-        return dataclasses.replace(r, mode=mode, speaker=speaker, instruct_text=instruct_text)
 
     @torch.inference_mode()
     def prepare(self, request: SynthesisRequest) -> PreparedRequest:
@@ -499,35 +316,3 @@ class Pipeline:
             yield chunk[0].numpy().astype(np.float32, copy=False)
             if should_stop is not None and should_stop():
                 raise _Stopped
-
-    # --- the registry ---------------------------------------------------------------------------------------------
-
-    def _registry(self) -> Any:
-        if self.registry is None:
-            raise ClientError("this pipeline has no speaker registry (construct it with registry=...)")
-        return self.registry
-
-    def add_speaker(
-        self,
-        name: str,
-        prompt_wav: Any,
-        prompt_text: str,
-        *,
-        tenant: str = "default",
-        overwrite: bool = False,
-        normalize: bool = True,
-    ) -> Any:
-        """Extract the zero-shot prompt features of ``prompt_wav`` + ``prompt_text`` and register them as ``name``
-        (the reference's ``add_zero_shot_spk`` + ``save_spkinfo``). Returns the registry's ``Speaker``."""
-        registry = self._registry()
-        from cosyserve.registry import validate_name
-
-        validate_name(name)
-        if name in self.speakers:
-            raise ClientError(f"{name!r} is a pre-defined speaker of this model; choose another name")
-        if not isinstance(prompt_text, str) or not prompt_text.strip():
-            raise ClientError("prompt_text (the transcript of prompt_wav) is empty")
-        if not overwrite and registry.get(name, tenant) is not None:
-            raise ClientError(f"speaker {name!r} is already registered for tenant {tenant!r}")
-        features = self.extract_prompt(prompt_wav, self._normalize_prompt(prompt_text, normalize))
-        return registry.add(name, features, tenant=tenant, prompt_text=prompt_text, overwrite=overwrite)

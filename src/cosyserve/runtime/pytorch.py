@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.errors import ClientError, RegistryError
-from cosyserve.request import MODES, Mode, SynthesisRequest
-from cosyserve.runtime import RuntimeOptions, Voice
+from cosyserve.request import SynthesisRequest
+from cosyserve.runtime import RuntimeOptions
 from cosyserve.runtime.cores import CoreShare
+from cosyserve.runtime.modes import RuntimeVoices
 from cosyserve.runtime.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TorchRuntime", "load"]
 
 
-class TorchRuntime:
+class TorchRuntime(RuntimeVoices):
     """A loaded CosyVoice-300M model on torch: implements :class:`cosyserve.runtime.Runtime`.
 
     Build it with :func:`load`. ``pipeline`` (its modules and input assembly) is public for this runtime's own
@@ -85,44 +85,7 @@ class TorchRuntime:
             t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
             t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
 
-    # -- what it serves -------------------------------------------------------------------------------------------
-
-    def speakers(self) -> list[str]:
-        return sorted(self.pipeline.speakers)
-
-    def voices(self, tenant: str = "default") -> list[Voice]:
-        out = [Voice(s, "pre-defined", "sft") for s in self.speakers()]
-        registry = self.pipeline.registry
-        if registry is not None:
-            out += [
-                Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
-                for sp in registry.list(tenant)
-                if sp.name not in self.pipeline.speakers
-            ]
-        return out
-
-    def voice(self, name: str, tenant: str = "default") -> Voice | None:
-        if name in self.pipeline.speakers:
-            return Voice(name, "pre-defined", "sft")
-        registry = self.pipeline.registry
-        if registry is None:
-            return None
-        try:
-            sp = registry.get(name, tenant)
-        except RegistryError:  # a name the registry cannot hold (a path, too long) is no voice
-            return None
-        if sp is None:
-            return None
-        return Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
-
-    def modes(self) -> dict[Mode, str | None]:
-        why = self.pipeline.unavailable_modes()
-        return {m: why.get(m) for m in MODES}
-
     # -- synthesis ------------------------------------------------------------------------------------------------
-
-    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        return self.pipeline.resolve(request)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         if self.options.worker_threads:
@@ -153,61 +116,6 @@ class TorchRuntime:
 
     def mapped_bytes(self) -> int:
         return int(self._parts.mapped_bytes()) if self._parts is not None else 0
-
-    # -- voices ---------------------------------------------------------------------------------------------------
-
-    def _registry(self) -> Any:
-        if self.pipeline.registry is None:
-            raise RegistryError("this model has no voice registry")
-        return self.pipeline.registry
-
-    def add_voice(
-        self,
-        name: str,
-        prompt_wav: Any,
-        prompt_text: str,
-        *,
-        tenant: str = "default",
-        overwrite: bool = False,
-        normalize: bool = True,
-    ) -> Any:
-        return self.pipeline.add_speaker(
-            name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite, normalize=normalize
-        )
-
-    def remove_voice(self, name: str, *, tenant: str = "default") -> None:
-        if name in self.pipeline.speakers:
-            raise ClientError(
-                f"{name!r} is a pre-defined speaker of the model (spk2info.pt); it cannot be removed",
-                param="speaker",
-            )
-        self._registry().remove(name, tenant)
-
-    def registered(self, tenant: str = "default") -> list[Any]:
-        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
-        return list(self._registry().list(tenant))
-
-    def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
-        return self._registry().import_spk2info(
-            path, tenant=tenant, overwrite=overwrite, reserved=self.pipeline.speakers
-        )
-
-    def export_voices(
-        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
-    ) -> list[str]:
-        extra = self.pipeline.speakers if include_builtin else None
-        return list(self._registry().export_spk2info(path, tenant=tenant, extra=extra))
-
-    def use_registry(self, root: str | Path) -> None:
-        """Keep registered voices under ``root`` instead of the default location."""
-        from cosyserve.registry import SpeakerRegistry
-
-        self.pipeline.registry = SpeakerRegistry(root)
-
-    @property
-    def registry_root(self) -> Path | None:
-        registry = self.pipeline.registry
-        return Path(registry.root) if registry is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 

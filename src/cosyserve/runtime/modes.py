@@ -1,0 +1,388 @@
+"""What a model serves, and how a request's mode and voice are decided: the rules both runtimes share.
+
+:class:`ModelModes` knows a model's speakers (its spk2info), its voice registry, its family, whether it is an
+-Instruct model and where the zero-shot tier's ONNX files are; from these it tells which modes a model serves (and
+why not), resolves a request's mode and speaker, and normalizes and splits text with the model's tokenizer. It
+holds no weights and imports no torch: the torch runtime's :class:`~cosyserve.runtime.pipeline.Pipeline` and the
+lite runtime build on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
+from cosyserve.runtime import Voice
+
+__all__ = ["ENDOFPROMPT", "ModelModes", "RuntimeVoices"]
+
+ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
+_MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
+
+
+class ModelModes:
+    """The modes and voices of one model (see the module docstring).
+
+    Args:
+        speakers: pre-defined speaker id -> its spk2info entry (``{"embedding": ...}``).
+        onnx_files: the zero-shot tier's (speaker embedding, speech tokenizer) file names.
+        registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered voices, or None.
+        model_dir: named in messages about missing files.
+        instruct: the model follows style instructions (a CosyVoice-300M-Instruct).
+        default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
+        family: ``cosyvoice`` or ``cosyvoice2``.
+        tokenizer: a factory of the model's tokenizer (None: the whisper tokenizer).
+    """
+
+    def __init__(
+        self,
+        speakers: dict[str, dict[str, Any]],
+        *,
+        onnx_files: tuple[str, str],
+        registry: Any = None,
+        model_dir: str | Path | None = None,
+        instruct: bool = True,
+        default_voice: str | None = None,
+        family: str = "cosyvoice",
+        tokenizer: Callable[[], Any] | None = None,
+    ) -> None:
+        self.family = family
+        self.onnx_files = onnx_files
+        self._tokenizer: Any = None  # built on first use by tokenizer_factory (None: the whisper tokenizer)
+        self._tokenizer_factory: Callable[[], Any] | None = tokenizer
+        self._tokenizer_lock = threading.Lock()
+        self.speakers = speakers
+        self.registry = registry
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.instruct = instruct
+        self.default_voice = default_voice
+        self.onnx_paths: dict[str, Path | None] = dict.fromkeys(self.onnx_files)
+        self.onnx_check: Callable[[Path], None] | None = None
+        self._frontend: Any = None
+
+    # --- the zero-shot tier ---------------------------------------------------------------------------------------
+
+    def set_onnx_paths(
+        self,
+        paths: Mapping[str, Path | None],
+        model_dir: str | Path | None = None,
+        check: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Where the zero-shot tier's ONNX models are (e.g. ``{name: bundle.onnx_path(name)}``); before use.
+        ``check(path)`` runs before a session opens a file (e.g. the bundle's size and checksum check)."""
+        unknown = set(paths) - set(self.onnx_files)
+        if unknown:
+            raise ValueError(
+                f"unknown ONNX model(s) {sorted(unknown)}; expected {', '.join(self.onnx_files)}"
+            )
+        assert self._frontend is None, "set the ONNX paths before the zero-shot tier is created"
+        self.onnx_paths.update({k: Path(v) if v is not None else None for k, v in paths.items()})
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+        if check is not None:
+            self.onnx_check = check
+
+    def unavailable_modes(self) -> dict[str, str]:
+        """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
+        where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
+        out: dict[str, str] = {}
+        if self.family == "cosyvoice":
+            out["instruct2"] = (
+                "instruct2 is CosyVoice2's instruction mode (an instruction and a voice to clone); this is a "
+                "CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"
+            )
+        if self.family == "cosyvoice2":
+            out["instruct"] = (
+                "this is a CosyVoice2 model, which has no speaker-instruct mode (the reference's inference_instruct "
+                "is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
+            )
+        elif not self.instruct:
+            out["instruct"] = (
+                "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
+                "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
+                "model"
+            )
+        missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
+        if missing:
+            why = f"{where} has no {' or '.join(missing)} (copy it from the official model dir to enable it)"
+            out.update({m: why for m in PROMPT_MODES if m not in out})
+        return out
+
+    def available_modes(self) -> list[str]:
+        """The modes this model can run: sft always, instruct on an instruct model, the prompt modes with the
+        ONNX models."""
+        unavailable = self.unavailable_modes()
+        return [m for m in MODES if m not in unavailable]
+
+    def require(self, mode: str) -> None:
+        """Raise :class:`~cosyserve.frontend.zeroshot.ModeUnavailableError` when ``mode`` cannot run here."""
+        why = self.unavailable_modes().get(mode)
+        if why is not None:
+            err = ModeUnavailableError(
+                f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
+            )
+            err.param = _MODE_FIELD.get(mode)
+            raise err
+
+    @property
+    def tokenizer(self) -> Any:
+        """The text tokenizer, built on first use (``cosyserve.load`` builds it after READY, see its text tier):
+        the whisper one for CosyVoice-300M, the model's own Qwen tokenizer for CosyVoice2."""
+        if self._tokenizer_factory is not None:
+            if self._tokenizer is None:
+                with self._tokenizer_lock:  # not the frontend's: frontend() asks for the tokenizer holding it
+                    if self._tokenizer is None:
+                        self._tokenizer = self._tokenizer_factory()
+            return self._tokenizer
+        from cosyserve.frontend.tokenizer import get_tokenizer
+
+        return get_tokenizer()
+
+    # --- text -----------------------------------------------------------------------------------------------------
+
+    def split_text(self, text: str) -> list[str]:
+        from cosyserve.frontend.text import normalize_and_split
+
+        return normalize_and_split(text, self.tokenizer.encode)
+
+    def _normalize_prompt(self, text: str, normalize: bool) -> str:
+        # the reference's text_normalize(..., split=False) for prompt and instruct texts
+        if not normalize:
+            return text
+        from cosyserve.frontend.text import text_normalize
+
+        out = text_normalize(text, split=False, tokenize=self.tokenizer.encode)
+        assert isinstance(out, str)
+        return out
+
+    # --- speakers -------------------------------------------------------------------------------------------------
+
+    def resolve_speaker(self, name: str, tenant: str = "default") -> tuple[str, dict[str, Any]]:
+        """``(kind, entry)`` for a pre-defined (``sft``) or registered (``sft`` / ``zero_shot``) speaker.
+
+        Raises:
+            UnknownVoiceError: unknown speaker (the message lists the known ones).
+        """
+        if name in self.speakers:
+            return "sft", self.speakers[name]
+        try:
+            speaker = self.registry.get(name, tenant) if self.registry is not None else None
+        except RegistryError as e:  # a name the registry cannot hold (a path, too long) is nobody's voice
+            raise UnknownVoiceError(f"unknown speaker {name!r}: {e}", param="speaker") from None
+        if speaker is None:
+            known = sorted(self.speakers)
+            if self.registry is not None:
+                known += [n for n in self.registry.names(tenant) if n not in self.speakers]
+            listed = ", ".join(known) or "none (this model dir has no spk2info.pt and nothing is registered)"
+            raise UnknownVoiceError(f"unknown speaker {name!r}; known speakers: {listed}", param="speaker")
+        return speaker.kind, speaker.features
+
+    def default_speaker(self) -> str:
+        """The speaker of a request that names none: the configured default voice, else the first pre-defined one."""
+        if self.default_voice is not None:
+            return self.default_voice
+        if not self.speakers:
+            raise ClientError(
+                "this model has no pre-defined speakers (spk2info.pt); name a registered voice",
+                param="speaker",
+            )
+        return sorted(self.speakers)[0]
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def _speaker_of_kind(self, speaker: str, tenant: str, mode: str, kind: str) -> dict[str, Any]:
+        got, entry = self.resolve_speaker(speaker, tenant)
+        if got != kind:
+            if kind == "sft":
+                raise ClientError(
+                    f"speaker {speaker!r} is a registered zero-shot voice (prompt features, no 'embedding'): "
+                    f"use it in zero_shot or cross_lingual mode, not {mode}",
+                    param="speaker",
+                )
+            raise ClientError(
+                f"speaker {speaker!r} is a pre-defined speaker (an embedding, no prompt features): use it in "
+                f"sft or instruct mode, or register a voice with add_speaker for {mode}",
+                param="speaker",
+            )
+        return entry
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        """``request`` as this model runs it: its mode decided (None: zero_shot for a registered zero-shot voice,
+        else sft) and its speaker (None in sft/instruct: the default voice); what the model cannot serve raises.
+        Reads no audio: cheap enough to run when a request is admitted.
+
+        Raises:
+            UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
+            ClientError: a voice of the wrong kind for the mode.
+        """
+        r = request
+        mode = r.mode
+        if mode is None:
+            mode = "sft"
+            if r.speaker and r.speaker not in self.speakers:
+                kind, _ = self.resolve_speaker(r.speaker, r.tenant)
+                mode = "zero_shot" if kind == "zero_shot" else "sft"
+        speaker = r.speaker
+        instruct_text = r.instruct_text
+        if mode == "instruct" and self.family == "cosyvoice2" and speaker and speaker not in self.speakers:
+            # a style instruction with a cloned voice (OpenAI `instructions`, `--mode instruct`): on CosyVoice2
+            # that is instruct2, whose instructions end with the marker the model was trained on
+            self._speaker_of_kind(speaker, r.tenant, "instruct2", "zero_shot")
+            mode = "instruct2"
+            if not instruct_text.rstrip().endswith(ENDOFPROMPT):
+                instruct_text = instruct_text.rstrip() + ENDOFPROMPT
+        if mode in ("sft", "instruct"):
+            speaker = speaker or self.default_speaker()
+            self._speaker_of_kind(speaker, r.tenant, mode, "sft")
+        elif mode != "vc" and speaker:
+            self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
+        if (
+            mode == "instruct"
+            or (mode == "instruct2" and self.family != "cosyvoice2")
+            or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
+        ):
+            self.require(mode)  # before any audio is read: a missing model is the clearer error
+        if mode == r.mode and speaker == r.speaker:
+            return r
+        return dataclasses.replace(r, mode=mode, speaker=speaker, instruct_text=instruct_text)
+
+    def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
+        """The zero-shot prompt features of a recording and its transcript (each runtime's own frontend)."""
+        raise NotImplementedError
+
+    # --- the registry ---------------------------------------------------------------------------------------------
+
+    def _registry(self) -> Any:
+        if self.registry is None:
+            raise ClientError("this pipeline has no speaker registry (construct it with registry=...)")
+        return self.registry
+
+    def add_speaker(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+        normalize: bool = True,
+    ) -> Any:
+        """Extract the zero-shot prompt features of ``prompt_wav`` + ``prompt_text`` and register them as ``name``
+        (the reference's ``add_zero_shot_spk`` + ``save_spkinfo``). Returns the registry's ``Speaker``."""
+        registry = self._registry()
+        from cosyserve.registry import validate_name
+
+        validate_name(name)
+        if name in self.speakers:
+            raise ClientError(f"{name!r} is a pre-defined speaker of this model; choose another name")
+        if not isinstance(prompt_text, str) or not prompt_text.strip():
+            raise ClientError("prompt_text (the transcript of prompt_wav) is empty")
+        if not overwrite and registry.get(name, tenant) is not None:
+            raise ClientError(f"speaker {name!r} is already registered for tenant {tenant!r}")
+        features = self.extract_prompt(prompt_wav, self._normalize_prompt(prompt_text, normalize))
+        return registry.add(name, features, tenant=tenant, prompt_text=prompt_text, overwrite=overwrite)
+
+
+class RuntimeVoices:
+    """The voice and mode methods of :class:`cosyserve.runtime.Runtime` over a runtime's ``pipeline`` (a
+    :class:`ModelModes`): what both runtimes answer alike."""
+
+    pipeline: ModelModes
+
+    # -- what it serves -------------------------------------------------------------------------------------------
+
+    def speakers(self) -> list[str]:
+        return sorted(self.pipeline.speakers)
+
+    def voices(self, tenant: str = "default") -> list[Voice]:
+        out = [Voice(s, "pre-defined", "sft") for s in self.speakers()]
+        registry = self.pipeline.registry
+        if registry is not None:
+            out += [
+                Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
+                for sp in registry.list(tenant)
+                if sp.name not in self.pipeline.speakers
+            ]
+        return out
+
+    def voice(self, name: str, tenant: str = "default") -> Voice | None:
+        if name in self.pipeline.speakers:
+            return Voice(name, "pre-defined", "sft")
+        registry = self.pipeline.registry
+        if registry is None:
+            return None
+        try:
+            sp = registry.get(name, tenant)
+        except RegistryError:  # a name the registry cannot hold (a path, too long) is no voice
+            return None
+        if sp is None:
+            return None
+        return Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
+
+    def modes(self) -> dict[Mode, str | None]:
+        why = self.pipeline.unavailable_modes()
+        return {m: why.get(m) for m in MODES}
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        return self.pipeline.resolve(request)
+
+    # -- voices ---------------------------------------------------------------------------------------------------
+
+    def _registry(self) -> Any:
+        if self.pipeline.registry is None:
+            raise RegistryError("this model has no voice registry")
+        return self.pipeline.registry
+
+    def add_voice(
+        self,
+        name: str,
+        prompt_wav: Any,
+        prompt_text: str,
+        *,
+        tenant: str = "default",
+        overwrite: bool = False,
+        normalize: bool = True,
+    ) -> Any:
+        return self.pipeline.add_speaker(
+            name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite, normalize=normalize
+        )
+
+    def remove_voice(self, name: str, *, tenant: str = "default") -> None:
+        if name in self.pipeline.speakers:
+            raise ClientError(
+                f"{name!r} is a pre-defined speaker of the model (spk2info.pt); it cannot be removed",
+                param="speaker",
+            )
+        self._registry().remove(name, tenant)
+
+    def registered(self, tenant: str = "default") -> list[Any]:
+        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
+        return list(self._registry().list(tenant))
+
+    def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
+        return self._registry().import_spk2info(
+            path, tenant=tenant, overwrite=overwrite, reserved=self.pipeline.speakers
+        )
+
+    def export_voices(
+        self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
+    ) -> list[str]:
+        extra = self.pipeline.speakers if include_builtin else None
+        return list(self._registry().export_spk2info(path, tenant=tenant, extra=extra))
+
+    def use_registry(self, root: str | Path) -> None:
+        """Keep registered voices under ``root`` instead of the default location."""
+        from cosyserve.registry import SpeakerRegistry
+
+        arrays = self.pipeline.registry.arrays if self.pipeline.registry is not None else "torch"
+        self.pipeline.registry = SpeakerRegistry(root, arrays=arrays)
+
+    @property
+    def registry_root(self) -> Path | None:
+        registry = self.pipeline.registry
+        return Path(registry.root) if registry is not None else None
