@@ -75,3 +75,19 @@ def test_cosyvoice2_fixture_set_passes(cv2_set_dir: Path) -> None:
         assert r.returncode == 0, r.stdout + r.stderr
         lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
         assert len(lines) == len(doc["cases"]), extra
+
+
+def test_fixture_set_passes_on_the_lite_runtime(fixture_set_dir: Path) -> None:
+    """Every case of the CosyVoice-300M set computed by the lite runtime (ONNX graphs + numpy), within the same
+    tolerances as the torch runtime: if this fails, the lite runtime's audio is not the reference's."""
+    doc = json.loads((fixture_set_dir / "cases.json").read_text())
+    r = conformance(str(fixture_set_dir), "--runtime", "lite")
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
+    assert len(lines) == len(doc["cases"])
+
+
+def test_lite_runtime_refuses_a_cosyvoice2_set(cv2_set_dir: Path) -> None:
+    r = conformance(str(cv2_set_dir), "--runtime", "lite")
+    assert r.returncode != 0 and "CosyVoice-300M" in r.stdout + r.stderr

@@ -216,7 +216,7 @@ def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
-        results = run_conformance(args.dir, kinds=kinds, via_bundle=args.via_bundle)
+        results = run_conformance(args.dir, kinds=kinds, via_bundle=args.via_bundle, runtime=args.runtime)
     except ValueError as e:
         raise CLIError(str(e)) from e
     if not results:
@@ -413,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--via-bundle",
         action="store_true",
         help="convert the set's model to a bundle and load the modules from it",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=("torch", "lite"),
+        default="torch",
+        help="`lite`: convert the set's model with --runtime lite and run every model kind on its ONNX graphs and "
+        "the lite runtime's numpy code (CosyVoice-300M sets)",
     )
     p.set_defaults(func=_cmd_conformance)
 

@@ -76,7 +76,14 @@ class CaseResult:
         )
 
 
-def _kind_function(kind: str, family: str = "cosyvoice") -> Callable[..., dict[str, Any]] | None:
+def _kind_function(
+    kind: str, family: str = "cosyvoice", runtime: str = "torch"
+) -> Callable[..., dict[str, Any]] | None:
+    if runtime == "lite":
+        from cosyserve.conformance.kinds_lite import KINDS as LITE_KINDS
+
+        if kind in LITE_KINDS:
+            return LITE_KINDS[kind]
     module_name = FAMILY_KINDS[family].get(kind)
     if module_name is None:
         return None
@@ -139,7 +146,7 @@ def run_case(case: dict[str, Any], tensors: dict[str, Any], ctx: Any) -> CaseRes
     atol, rtol = float(case.get("atol", 0.0)), float(case.get("rtol", 0.0))
     t0 = time.perf_counter()
     try:
-        fn = _kind_function(kind, ctx.family)
+        fn = _kind_function(kind, ctx.family, ctx.runtime)
     except ImportError as e:
         return CaseResult(name, kind, False, math.nan, atol, rtol, 0.0, f"kind {kind!r} not available: {e}")
     if fn is None:
@@ -171,6 +178,7 @@ def run_conformance(
     kinds: Iterable[str] | None = None,
     report: Callable[[str], None] | None = print,
     via_bundle: bool = False,
+    runtime: str = "torch",
 ) -> list[CaseResult]:
     """Run every case of a fixture set (optionally only some kinds) and report one line per case.
 
@@ -180,6 +188,8 @@ def run_conformance(
         report: called with each case line and the summary line; ``None`` to stay quiet.
         via_bundle: convert the set's model dir into a temporary bundle and take the modules from it (proves
             that conversion and mmap loading change nothing).
+        runtime: ``torch`` (our torch modules) or ``lite`` (the set's model converted with ``--runtime lite``;
+            every model kind runs on its ONNX graphs and the numpy code of the lite runtime; CosyVoice-300M sets).
     Returns:
         The per-case results; the run passed when every ``passed`` is true.
     """
@@ -204,15 +214,20 @@ def run_conformance(
             )
     tensors_path = set_dir / "tensors.safetensors"
     tensors = load_file(str(tensors_path)) if tensors_path.is_file() else {}
+    if runtime not in ("torch", "lite"):
+        raise ValueError(f"runtime must be torch or lite, got {runtime!r}")
     ctx = CaseContext(set_dir, set_dir / doc.get("model", "model"))
+    ctx.runtime = runtime
+    if runtime == "lite" and ctx.family != "cosyvoice":
+        raise ValueError(f"{set_dir}: the lite runtime serves CosyVoice-300M; this set is {ctx.family}'s")
     tmp = None
-    if via_bundle:
+    if via_bundle or runtime == "lite":
         import tempfile
 
         from cosyserve.bundle.convert import convert
 
         tmp = tempfile.TemporaryDirectory(prefix="cosyserve-conformance-")
-        ctx.bundle_dir = convert(ctx.model_dir, Path(tmp.name) / "bundle", progress=False)
+        ctx.bundle_dir = convert(ctx.model_dir, Path(tmp.name) / "bundle", progress=False, runtime=runtime)
     results = []
     for case in doc["cases"]:
         if wanted is not None and case.get("kind") not in wanted:

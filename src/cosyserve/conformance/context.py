@@ -18,6 +18,9 @@ class CaseContext:
         self._modules: dict[str, Any] = {}
         self.cache: dict[str, Any] = {}  # per-family kinds keep their lazily built objects here
         self.bundle_dir: Path | None = None  # when set, modules come from this bundle instead of model_dir
+        self.runtime = (
+            "torch"  # "lite": the model kinds run on the bundle's lite graphs (conformance.kinds_lite)
+        )
 
     @cached_property
     def family(self) -> str:
