@@ -352,3 +352,26 @@ def test_prompt_features_equal_torch_frontend(tiny_model_dir: Path, tmp_path: Pa
             np.testing.assert_allclose(got[key], value.numpy(), atol=1e-3, err_msg=key)
         else:
             np.testing.assert_array_equal(got[key], value.numpy(), err_msg=key)
+
+
+def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """convert --runtime lite --quantize llm=int8 writes the quantized step graph and records its distance from
+    the float one; llm_quantize=int8 serves it, and a bundle without it is refused by name."""
+    from cosyserve.bundle.convert import convert
+    from cosyserve.lite.models import LiteBundle, LiteLM
+
+    out = convert(tiny_model_dir, tmp_path / "b8", runtime="lite", quantize="llm=int8", progress=False)
+    m = json.loads((out / "lite" / "manifest.json").read_text())
+    assert "llm_step.int8.onnx" in m["files"] and m["int8"]["top1_agree"] > 0
+    lb = LiteBundle(out, int8=True, threads=1)
+    text = [5, 6, 7, 8]
+    q = LiteLM(lb, lb.tables()).teacher_forced(text, [], [], None, [1, 2, 3])
+    f = LiteBundle(out, threads=1)
+    ref = LiteLM(f, f.tables()).teacher_forced(text, [], [], None, [1, 2, 3])
+    assert not np.array_equal(q, ref)  # another graph ran ...
+    np.testing.assert_allclose(q, ref, atol=0.5)  # ... computing nearly the same thing
+    assert (out / "lite" / "llm_step.int8.onnx.data") in lb.data_files()
+    shutil.rmtree(out / "lite")
+    convert(tiny_model_dir, out, runtime="lite", progress=False, force=True)
+    with pytest.raises(BundleError, match="--quantize llm=int8"):
+        LiteBundle(out, int8=True)

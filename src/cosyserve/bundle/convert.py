@@ -361,7 +361,7 @@ def convert(
         if runtime == "lite":
             from cosyserve.lite.export import export_lite
 
-            export_lite(tmp, step)
+            export_lite(tmp, step, model_dir=model_dir, int8=quantized.get("llm") == "int8")
         # checked again: the path may have changed during the conversion
         _check_out(model_dir, out, force)
         staging.commit(replace=force)

@@ -28,6 +28,9 @@ MAX_TEXT_POSITIONS = 4096
 # LM positional projections stored in the tables for distances [0, POS_TABLE_ROWS) (58.7 MB at CosyVoice-300M's
 # size); longer sequences compute the rest with the llm_pos graph
 POS_TABLE_ROWS = 1024
+INT8_STEP = (
+    "llm_step.int8.onnx"  # the step graph with ORT's dynamic int8 matmuls (convert --quantize llm=int8)
+)
 GRAPHS = {
     "llm_text": "llm_text.onnx",
     "llm_pos": "llm_pos.onnx",

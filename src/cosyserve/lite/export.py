@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from cosyserve.errors import ConvertError
 from cosyserve.lite import (
     GRAPHS,
+    INT8_STEP,
     LITE_DIR,
     LITE_FORMAT,
     LITE_VERSION,
@@ -297,6 +298,52 @@ def _check(
     return worst
 
 
+def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str]) -> dict[str, float]:
+    """``llm_step.int8.onnx``: ORT's dynamic quantization (int8 weights per tensor, activations quantized per
+    call) of the step graph's matrix products; returns how far its log-probabilities are from the float graph's
+    on ``cases`` (max |difference|, mean KL divergence in nats, top-1 agreement)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src, dst = out / GRAPHS["llm_step"], out / INT8_STEP
+    tmp = out / "int8.tmp.onnx"
+    model = onnx.load(str(src), load_external_data=True)
+    onnx.save_model(
+        model, str(tmp)
+    )  # inline weights: the quantizer reads them from the graph (< 2 GB at 300M)
+    del model
+    root = logging.getLogger()
+    level = root.level
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root.setLevel(logging.ERROR)  # the quantizer's "consider pre-processing" goes to the root logger
+        try:
+            quantize_dynamic(
+                str(tmp), str(tmp.with_suffix(".q.onnx")), weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"], extra_options={"MatMulConstBOnly": True},
+            )  # fmt: skip
+        finally:
+            root.setLevel(level)
+    tmp.unlink()
+    quantized = onnx.load(str(tmp.with_suffix(".q.onnx")))
+    tmp.with_suffix(".q.onnx").unlink()
+    _constants_to_initializers(quantized)
+    onnx.save_model(
+        quantized, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+        location=dst.name + ".data", size_threshold=0,
+    )  # fmt: skip
+    (out / (dst.name + ".data")).chmod(0o644)
+    base, q = _session(src), _session(dst)
+    worst, kls, agree = 0.0, [], []
+    for case in cases:
+        feeds = {n: c.detach().numpy() for n, c in zip(names, case, strict=True)}
+        a, b = base.run(["logp"], feeds)[0][0], q.run(["logp"], feeds)[0][0]
+        worst = max(worst, float(np.abs(a - b).max()))
+        kls.append(float(np.sum(np.exp(a) * (a - b))))
+        agree.append(float(np.argmax(a) == np.argmax(b)))
+    return {"max_abs_logp": worst, "mean_kl": float(np.mean(kls)), "top1_agree": float(np.mean(agree))}
+
+
 def _tables(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, np.ndarray]:
     def a(t: Tensor) -> np.ndarray:
         return np.ascontiguousarray(t.detach().float().numpy())
@@ -363,8 +410,22 @@ def _config(cfg: Any, llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[
     }
 
 
-def export_lite(bundle_dir: Path, step: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+def export_lite(
+    bundle_dir: Path,
+    step: Callable[[str], None] = lambda msg: None,
+    *,
+    model_dir: Path | None = None,
+    int8: bool = False,
+) -> dict[str, Any]:
     """Write ``bundle_dir/lite/`` from the bundle's weights and check every graph; returns its manifest.
+
+    Args:
+        bundle_dir: the bundle (its float components are exported).
+        step: reports progress.
+        model_dir: the official model dir the bundle came from: its float LLM is exported when the bundle stores
+            the LLM as int8 (torch's int8 is not ONNX's).
+        int8: also write ``llm_step.int8.onnx``, the step graph with ONNX Runtime's dynamic int8 quantization of
+            its matrix products (what ``llm_quantize=int8`` serves); its distance from the float graph is recorded.
 
     Raises:
         ConvertError: a family or storage the lite runtime does not serve, or a graph that differs from its module.
@@ -380,12 +441,13 @@ def export_lite(bundle_dir: Path, step: Callable[[str], None] = lambda msg: None
         raise ConvertError(
             f"--runtime lite serves the CosyVoice-300M family; this is a {cfg.family} model (use the torch runtime)"
         )
-    if bundle.quantized("llm") != "none":
-        raise ConvertError(
-            "--runtime lite exports float weights: convert without --quantize (the lite runtime's int8 is ONNX "
-            "Runtime's own quantization)"
-        )
     parts = bundle.load(LoadOptions(strategy="lazy", verify="none"))
+    if bundle.quantized("llm") != "none":
+        if model_dir is None:
+            raise ConvertError("--runtime lite exports float weights; this bundle stores the LLM as int8")
+        from cosyserve.bundle.official import load_component
+
+        parts.modules["llm"] = load_component(model_dir, "llm", cfg.llm, cfg.family)
     llm, flow, hift = (parts.modules[n].float().eval() for n in ("llm", "flow", "hift"))
     # the relative-position tables are Python-side buffers: grown before tracing so the traced constant covers
     # every length a request can have
@@ -571,6 +633,10 @@ def export_lite(bundle_dir: Path, step: Callable[[str], None] = lambda msg: None
     finally:
         torch.set_grad_enabled(True)
 
+    int8_delta: dict[str, float] = {}
+    if int8:
+        step("lite: LM step, int8")
+        int8_delta = _quantize_step(out, [step_case(0, 9), step_case(30, 1)], names)
     step("lite: tables")
     save_file(_tables(llm, flow, hift), str(out / TABLES_FILE), metadata={"format": LITE_FORMAT})
     (out / TABLES_FILE).chmod(0o644)
@@ -585,6 +651,7 @@ def export_lite(bundle_dir: Path, step: Callable[[str], None] = lambda msg: None
         "graphs": GRAPHS,
         "files": files,
         "checked": {k: float(f"{v:.3g}") for k, v in errors.items()},
+        **({"int8": int8_delta} if int8 else {}),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     logger.info("lite graphs checked against the modules: %s", errors)
