@@ -30,8 +30,8 @@ import json, resource, sys, time
 t_main = time.time()
 import cosyserve
 from cosyserve.clock import process_start_time
-bundle, runtime, threads, text = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-model = cosyserve.load(bundle, runtime=runtime, threads=threads)
+bundle, runtime, threads, text, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+model = cosyserve.load(bundle, runtime=runtime, threads=threads, llm_quantize=quantize)
 t0 = process_start_time()
 ready = model.runtime.clock.points["ready"]
 speaker = model.speakers[0]
@@ -81,6 +81,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", default="Hello world, this is a test.")
+    ap.add_argument(
+        "--quantize", default="none", choices=("none", "int8"),
+        help="llm_quantize for both runtimes (int8: a bundle converted with --runtime lite --quantize llm=int8)",
+    )  # fmt: skip
     args = ap.parse_args()
     print(f"load average {os.getloadavg()}")
     for f in sorted(Path(args.bundle).rglob("*")):  # warm page cache
@@ -94,10 +98,13 @@ def main() -> None:
         rows["floor onnxruntime"].append(_floor("onnxruntime"))
         rows["floor torch"].append(_floor("torch"))
         for name in order:
-            rows[name].append(_run(args.bundle, name, args.threads, args.text))
+            rows[name].append(_run(args.bundle, name, args.threads, args.text, args.quantize))
             print(f"round {r} {name}: {json.dumps(rows[name][-1])}", flush=True)
     med = statistics.median
-    print(f"\nload average {os.getloadavg()}; medians over {args.rounds} rounds, {args.threads} threads")
+    print(
+        f"\nload average {os.getloadavg()}; medians over {args.rounds} rounds, {args.threads} threads, "
+        f"llm_quantize={args.quantize}"
+    )
     print(f"floor `import onnxruntime`: {med(rows['floor onnxruntime']):.0f} ms (process start to exit)")
     print(f"floor `import torch`:       {med(rows['floor torch']):.0f} ms")
     keys = ["ready_ms", "first_audio_ms", "request_to_first_ms", "rtf", "peak_rss_mb"]

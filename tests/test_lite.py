@@ -375,3 +375,22 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
     convert(tiny_model_dir, out, runtime="lite", progress=False, force=True)
     with pytest.raises(BundleError, match="--quantize llm=int8"):
         LiteBundle(out, int8=True)
+
+
+def test_prefork_workers_on_lite_runtime(lite_bundle: Path, tmp_path: Path) -> None:
+    """The template imports ONNX Runtime and opens no session; each forked worker opens its own after the fork
+    (an ORT thread pool does not survive fork: a session made before it would hang the workers)."""
+    from server_util import running_server
+
+    env = {"COSYSERVE_RUNTIME": "lite", "COSYSERVE_THREADS": "1"}
+    with (
+        running_server(lite_bundle, tmp_path / "srv", env=env, args=["--workers", "2"]) as s,
+        s.client(timeout=120) as c,
+    ):
+        for _ in range(4):
+            r = c.post(
+                "/v1/audio/speech", json={"input": "Hi there.", "voice": "英文女", "response_format": "wav"}
+            )
+            assert r.status_code == 200, r.text
+
+        assert c.get("/health/ready").json()["workers"]["ready"] == 2

@@ -567,6 +567,12 @@ def _show_progress() -> None:
 
 def _missing_package(e: ModuleNotFoundError) -> str:
     top = (e.name or "").partition(".")[0]
+    if top == "torch":
+        return (
+            "this needs torch (the torch runtime, convert and make-test-model): pip install torch==2.13.0 (the CPU "
+            "build; or 'cosyserve[torch]'); without torch, serve a bundle converted with --runtime lite using "
+            "--runtime lite"
+        )
     extra = _EXTRAS.get(top)
     if extra:
         return f"this needs the {top!r} package: pip install 'cosyserve[{extra}]'"

@@ -492,6 +492,8 @@ def serve_prefork(settings: Settings) -> int:
     os.environ[_MULTIPROC] = run_dir
     try:
         import numpy  # noqa: F401 - its BLAS pool is the one thread the template may hold (see _check_threads)
+        import onnxruntime  # noqa: F401 - the lite runtime's engine (the torch runtime's zero-shot tier's too): its
+        # import starts one native thread, which forked workers do without (their sessions open after the fork)
         import prometheus_client  # noqa: F401 - imported once, in the template, in multiprocess mode
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
