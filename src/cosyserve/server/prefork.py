@@ -491,9 +491,11 @@ def serve_prefork(settings: Settings) -> int:
     saved = os.environ.get(_MULTIPROC)
     os.environ[_MULTIPROC] = run_dir
     try:
-        import numpy  # noqa: F401 - its BLAS pool is the one thread the template may hold (see _check_threads)
-        import onnxruntime  # noqa: F401 - the lite runtime's engine (the torch runtime's zero-shot tier's too): its
-        # import starts one native thread, which forked workers do without (their sessions open after the fork)
+        # numpy's BLAS pool is a thread the template may hold (see _check_threads); so is the one native thread
+        # that importing ONNX Runtime starts (the lite runtime's engine, the torch runtime's zero-shot tier's):
+        # forked workers do without it, and open their sessions after the fork
+        import numpy  # noqa: F401
+        import onnxruntime  # noqa: F401
         import prometheus_client  # noqa: F401 - imported once, in the template, in multiprocess mode
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
