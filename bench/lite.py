@@ -63,9 +63,9 @@ def _floor(module: str) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def _run(bundle: str, runtime: str, threads: int, text: str) -> dict:
+def _run(bundle: str, runtime: str, threads: int, text: str, quantize: str) -> dict:
     p = subprocess.run(
-        [sys.executable, "-c", CHILD, bundle, runtime, str(threads), text],
+        [sys.executable, "-c", CHILD, bundle, runtime, str(threads), text, quantize],
         capture_output=True,
         text=True,
         check=False,

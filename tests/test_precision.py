@@ -263,3 +263,23 @@ def test_bad_values_are_named(monkeypatch: pytest.MonkeyPatch, fp32_bundle: Path
         RuntimeOptions(flow_steps=0)
     with pytest.raises(ValueError, match="llm_quantize must be none or int8"):
         RuntimeOptions(llm_quantize="int4")  # type: ignore[arg-type]
+
+
+def test_int8_weights_mapped_misaligned_are_copied_aligned() -> None:
+    """A bundle may place an int8 weight at an address that is not 64-byte aligned (safetensors aligns to the
+    element size only); the int8pack kernel then crashes the process (SIGSEGV) on 4+ rows. Loading copies such a
+    weight into aligned memory, so a forward on 4 rows works and equals the aligned one."""
+    from cosyserve.models.precision import INT8_ALIGN, Int8Linear
+
+    torch.manual_seed(0)
+    ref = Int8Linear.from_linear(torch.nn.Linear(256, 128))
+    raw = torch.empty(ref.weight.numel() + INT8_ALIGN, dtype=torch.int8)
+    start = (INT8_ALIGN - raw.data_ptr() % INT8_ALIGN) % INT8_ALIGN + 24  # 24 bytes past an aligned address
+    view = raw[start : start + ref.weight.numel()].view(128, 256)
+    view.copy_(ref.weight)
+    assert view.data_ptr() % INT8_ALIGN == 24
+    q = Int8Linear(256, 128)
+    q.load_state_dict({"weight": view, "scales": ref.scales, "bias": ref.bias}, assign=True)
+    assert q.weight.data_ptr() % INT8_ALIGN == 0
+    x = torch.randn(4, 256)
+    torch.testing.assert_close(q(x), ref(x))

@@ -20,11 +20,14 @@ way, before the state dict is loaded).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DECODE_ROWS",
@@ -139,10 +142,29 @@ class Int8Linear(nn.Module):
         )
 
 
+# the int8pack kernel reads the weight with aligned vector loads once it multiplies 4 or more rows: a weight
+# mapped from a bundle at an address that is not a multiple of this crashes the process (SIGSEGV, seen at 24 mod
+# 64 on a full-size bundle); safetensors aligns tensors only to their element size, so where the file puts them
+# decides
+INT8_ALIGN = 64
+_misaligned_warned = False
+
+
 def _derive_scales(module: nn.Module, incompatible: object) -> None:
     assert isinstance(module, Int8Linear)
-    if not module.scales.is_meta:
-        module._scales_bf16 = module.scales.to(torch.bfloat16)
+    if module.scales.is_meta:
+        return
+    module._scales_bf16 = module.scales.to(torch.bfloat16)
+    if module.weight.data_ptr() % INT8_ALIGN:
+        global _misaligned_warned
+        if not _misaligned_warned:
+            _misaligned_warned = True
+            logger.warning(
+                "this bundle's int8 weights are not %d-byte aligned in the file: they are copied into private "
+                "memory (the int8 kernel needs aligned rows); they cost RSS instead of shared mapped pages",
+                INT8_ALIGN,
+            )
+        module.weight = module.weight.clone()  # torch's allocator aligns to 64 bytes
 
 
 def quantized_linears(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZED) -> Iterator[str]:
