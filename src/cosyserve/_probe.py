@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     hold_gc()  # as `cosyserve serve` does from process start to READY
     opts = json.loads(argv[0])
     if opts.get("strategy") != "lazy":
-        prefetch_bundles([opts["model"]])  # as `cosyserve serve` does before importing torch
+        prefetch_bundles([opts["model"]], runtime=opts.get("runtime") or "torch")  # as `cosyserve serve` does
     clock = PhaseClock()
     clock.add("interpreter", (T_MAIN - clock.t0) * 1e3, start_ms=0.0)
     import cosyserve
@@ -32,6 +32,7 @@ def main(argv: list[str]) -> None:
         warmup=opts.get("warmup", True),
         threads=opts.get("threads"),
         clock=clock,
+        runtime=opts.get("runtime"),
     )
     release_gc()
     speaker = model.speakers[0] if model.speakers else None
@@ -43,8 +44,9 @@ def main(argv: list[str]) -> None:
         next(stream)
         first_audio = clock.mark("first_audio")
         stream.close()
-    if model.runtime.zero_shot_thread is not None:
-        model.runtime.zero_shot_thread.join()
+    zero_shot = getattr(model.runtime, "zero_shot_thread", None)  # the torch runtime's
+    if zero_shot is not None:
+        zero_shot.join()
     out = clock.as_dict()
     out["first_audio_ms"] = first_audio
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

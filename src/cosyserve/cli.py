@@ -519,7 +519,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         from cosyserve.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
-        prefetch_bundles((m.partition("=")[2] or m for m in settings.models), settings.strategy)
+        prefetch_bundles(
+            (m.partition("=")[2] or m for m in settings.models), settings.strategy, settings.runtime
+        )
     if args.command == "synth" and args.stream and args.speed != 1.0:
         parser.error("--speed needs one-shot synthesis: drop --stream or --speed")
     if args.command == "synth":

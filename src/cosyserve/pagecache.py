@@ -286,7 +286,9 @@ def prefetch_files(
     return [thread]
 
 
-def prefetch_bundles(paths: Iterable[str], strategy: str = "preload") -> list[threading.Thread]:
+def prefetch_bundles(
+    paths: Iterable[str], strategy: str = "preload", runtime: str = "torch"
+) -> list[threading.Thread]:
     """Start :func:`prefetch_files` on the weight files of each of ``paths`` that is a bundle, largest first,
     unless the load strategy is ``lazy``.
 
@@ -296,6 +298,8 @@ def prefetch_bundles(paths: Iterable[str], strategy: str = "preload") -> list[th
     Args:
         paths: model arguments as given (bundles, model directories, hub ids: only bundles are read).
         strategy: the ``strategy`` setting the models will load with.
+        runtime: the runtime that will map them: ``torch`` (the safetensors files) or ``lite`` (``lite/``'s
+            graph weights and tables).
 
     Returns:
         The reading thread (see :func:`prefetch_files`); empty when nothing is read.
@@ -306,7 +310,8 @@ def prefetch_bundles(paths: Iterable[str], strategy: str = "preload") -> list[th
     for p in paths:
         d = Path(p)
         if (d / "manifest.json").is_file():
-            for f in d.glob("*.safetensors"):
+            weights = d.glob("lite/*.data") if runtime == "lite" else d.glob("*.safetensors")
+            for f in weights:
                 try:
                     files.append((f.stat().st_size, f))
                 except OSError:

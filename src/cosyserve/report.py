@@ -27,10 +27,16 @@ if TYPE_CHECKING:
 
 __all__ = ["spawn_timed", "startup_report", "waterfall_svg"]
 
-_FLOOR_CODE = "import time, torch; print('COSYSERVE_FLOOR', time.time(), flush=True)"
+# the floor of each runtime: a fresh process that imports its engine and nothing else
+_FLOOR_MODULE = {"torch": "torch", "lite": "onnxruntime"}
+_FLOOR_CODE = "import time, {module}; print('COSYSERVE_FLOOR', time.time(), flush=True)"
 
 
-def _bundle_files(bundle: Path) -> list[Path]:
+def _bundle_files(bundle: Path, runtime: str = "torch") -> list[Path]:
+    if runtime == "lite":
+        return sorted(
+            p for p in (bundle / "lite").iterdir() if p.is_file() and p.suffix in (".data", ".safetensors")
+        )
     return sorted(p for p in bundle.iterdir() if p.is_file() and p.suffix == ".safetensors")
 
 
@@ -178,7 +184,7 @@ def waterfall_svg(summary: dict[str, Any], width: int = 900) -> str:
     title = (
         f"cosyserve start-up, median of {summary['runs']} runs ({'cold' if summary['cold'] else 'warm'} page "
         f"cache, {summary['strategy']}): READY {_fmt_ms(summary['ready_ms']['median'])} = "
-        f"{summary['ratio_ready_to_floor']:.2f}x the floor (a fresh python -c 'import torch')"
+        f"{summary['ratio_ready_to_floor']:.2f}x the floor (a fresh python -c 'import {summary['floor_module']}')"
     )
     title_lines = _wrap(title, width - 20, _FONT + 1, bold=True)
     top = 12 + 18 * len(title_lines)
@@ -327,12 +333,18 @@ def startup_report(
     if flamegraph:
         _find_pyspy()
     bundle = resolve_bundle(model, cache_dir=settings.cache_dir)
-    strategy, threads = settings.strategy, settings.threads
-    files = _bundle_files(bundle)
+    strategy, threads, runtime = settings.strategy, settings.threads, settings.runtime
+    files = _bundle_files(bundle, runtime)
     env = {k: v for k, v in os.environ.items() if k != "COSYSERVE_SPAWN_T0"}
-    opts = {"model": str(bundle), "strategy": strategy, "warmup": warmup, "threads": threads}
+    opts = {
+        "model": str(bundle),
+        "strategy": strategy,
+        "warmup": warmup,
+        "threads": threads,
+        "runtime": runtime,
+    }
     probe_cmd = [sys.executable, "-m", "cosyserve._probe", json.dumps(opts)]
-    floor_cmd = [sys.executable, "-c", _FLOOR_CODE]
+    floor_cmd = [sys.executable, "-c", _FLOOR_CODE.format(module=_FLOOR_MODULE[runtime])]
     ready, floor, first_audio, rss = [], [], [], []
     phases: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
@@ -362,6 +374,7 @@ def startup_report(
         "cold": cold,
         "ready_ms": _stats(ready),
         "floor_ms": _stats(floor),
+        "floor_module": _FLOOR_MODULE[runtime],
         "ratio_ready_to_floor": statistics.median(ready) / statistics.median(floor),
         "phases_ms": {p: _stats(phases[p]) for p in PHASES if p in phases},
         "phase_starts_ms": {p: _stats(starts[p]) for p in PHASES if p in starts},  # since process start
@@ -405,7 +418,8 @@ def _print_table(s: dict[str, Any]) -> None:
         if st:
             print(f"{label:<14} {st['min']:9.1f} {st['median']:9.1f} {st['max']:9.1f}   since process start")
     print(
-        f"ready / floor (python -c 'import torch'): {s['ratio_ready_to_floor']:.2f}x; peak RSS {s['peak_rss_mb']['median']:.0f} MB"
+        f"ready / floor (python -c 'import {s['floor_module']}'): {s['ratio_ready_to_floor']:.2f}x; peak RSS "
+        f"{s['peak_rss_mb']['median']:.0f} MB"
     )
     if "cold_read" in s:
         c = s["cold_read"]
