@@ -443,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shutdown_grace_s",
         "default_voice",
         "serve_log_level",
+        "runtime",
         *_PRECISION,
     ):
         _setting(p, name)

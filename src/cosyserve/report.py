@@ -184,7 +184,7 @@ def waterfall_svg(summary: dict[str, Any], width: int = 900) -> str:
     title = (
         f"cosyserve start-up, median of {summary['runs']} runs ({'cold' if summary['cold'] else 'warm'} page "
         f"cache, {summary['strategy']}): READY {_fmt_ms(summary['ready_ms']['median'])} = "
-        f"{summary['ratio_ready_to_floor']:.2f}x the floor (a fresh python -c 'import {summary['floor_module']}')"
+        f"{summary['ratio_ready_to_floor']:.2f}x the floor (a fresh python -c 'import {summary.get('floor_module', 'torch')}')"
     )
     title_lines = _wrap(title, width - 20, _FONT + 1, bold=True)
     top = 12 + 18 * len(title_lines)
@@ -418,7 +418,7 @@ def _print_table(s: dict[str, Any]) -> None:
         if st:
             print(f"{label:<14} {st['min']:9.1f} {st['median']:9.1f} {st['max']:9.1f}   since process start")
     print(
-        f"ready / floor (python -c 'import {s['floor_module']}'): {s['ratio_ready_to_floor']:.2f}x; peak RSS "
+        f"ready / floor (python -c 'import {s.get('floor_module', 'torch')}'): {s['ratio_ready_to_floor']:.2f}x; peak RSS "
         f"{s['peak_rss_mb']['median']:.0f} MB"
     )
     if "cold_read" in s:

@@ -2,7 +2,9 @@
 
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
 step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
-READY; the text tier and the other graphs' sessions follow in one background thread. It serves every
+READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
+binding holds the GIL while a session opens (~1.7 s for the flow and vocoder graphs at full size on 2 cores):
+a request that arrives in that window waits for it, later ones do not. It serves every
 CosyVoice-300M mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot, cross_lingual, vc),
 with the same chunking and the same voice registry (numpy arrays; importing or exporting a reference
 ``spk2info.pt`` needs torch). Its audio equals the torch runtime's up to float32 rounding when both get the same
@@ -339,7 +341,8 @@ def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:
 
 
 def _after_ready(runtime: LiteRuntime) -> threading.Thread:
-    """The rest of the start, in one thread after READY: text tier, the token2wav sessions and their warm-up."""
+    """The rest of the start, in one thread after READY: the text tier, the text encoder's session, the flow's
+    and vocoder's sessions (and the zero-shot tier's when asked)."""
     o = runtime.options
     steps: list[tuple[str, Callable[[], Any]]] = []
     if o.text_tier == "background" and not o.fork_template:
