@@ -394,3 +394,27 @@ def test_prefork_workers_on_lite_runtime(lite_bundle: Path, tmp_path: Path) -> N
             assert r.status_code == 200, r.text
 
         assert c.get("/health/ready").json()["workers"]["ready"] == 2
+
+
+def test_damaged_manifest_or_speakers_are_refused(lite_bundle: Path, tmp_path: Path) -> None:
+    """A lite manifest that is not what conversion wrote, or a speakers file whose bytes changed, is a one-line
+    BundleError naming the file, never a KeyError or wrong voices."""
+    from cosyserve.lite.models import LiteBundle
+    from cosyserve.runtime import RuntimeOptions
+    from cosyserve.runtime.lite import load
+
+    copy = tmp_path / "b"
+    shutil.copytree(lite_bundle, copy)
+    manifest = copy / "lite" / "manifest.json"
+    good = manifest.read_text()
+    for bad in ("[]", json.dumps({**json.loads(good), "config": {}})):
+        manifest.write_text(bad)
+        with pytest.raises(BundleError, match="manifest.json"):
+            LiteBundle(copy, verify="none")
+    manifest.write_text(good)
+    speakers = copy / "speakers.safetensors"
+    raw = bytearray(speakers.read_bytes())
+    raw[-3] ^= 0x10  # inside the last embedding's floats: same size, other values
+    speakers.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="speakers.safetensors: tensor .* does not match"):
+        load(copy, RuntimeOptions(threads=1, warmup=False, verify="none", registry_dir=str(tmp_path / "r")))

@@ -85,12 +85,19 @@ class LiteBundle:
             raise BundleError(
                 f"{where}: unreadable ({e}); convert the model again with --runtime lite"
             ) from e
+        if not isinstance(self.manifest, dict):
+            raise BundleError(f"{where}: not a JSON object; convert the model again with --runtime lite")
         if self.manifest.get("format") != LITE_FORMAT or self.manifest.get("version") != LITE_VERSION:
             raise BundleError(
                 f"{where}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}, "
                 f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
             )
-        self.config: dict[str, Any] = self.manifest["config"]
+        config = self.manifest.get("config")
+        if not isinstance(config, dict) or not {"llm", "flow", "hift", "sample_rate"} <= set(config):
+            raise BundleError(
+                f"{where}: no complete config in it; convert the model again with --runtime lite"
+            )
+        self.config: dict[str, Any] = config
         self.int8 = int8
         if int8 and INT8_STEP not in self.manifest.get("files", {}):
             raise BundleError(

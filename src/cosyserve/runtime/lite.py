@@ -14,6 +14,7 @@ runtime's.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -251,8 +252,18 @@ def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
             f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}: convert again"
         )
     names = bundle.speaker_names
+    expected = entry.get("tensors", {})
     out: dict[str, dict[str, Any]] = {}
     for key, value in map_safetensors(path).items():
+        want = expected.get(key, {}).get("sha256")
+        # a few KB: checked on every start, whatever the verify policy (the torch loader hashes it too)
+        if (
+            want is None
+            or hashlib.sha256(memoryview(np.ascontiguousarray(value)).cast("B")).hexdigest() != want
+        ):
+            raise BundleError(
+                f"{path}: tensor {key!r} does not match the manifest: the file is corrupt; convert again"
+            )
         idx, fld = key.split(".", 1)
         if fld == "embedding":
             out[names[int(idx)]] = {"embedding": np.array(value, dtype=np.float32).reshape(1, -1)}
