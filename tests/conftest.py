@@ -67,3 +67,13 @@ def plain_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     out = tmp_path_factory.mktemp("models") / "tiny-sft"
     shutil.copytree(tiny_model_dir, out, copy_function=os.link)  # hard links: the same bytes, another dir
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model converted with ``--runtime lite`` (its ONNX graphs beside the torch runtime's files)."""
+    from cosyserve.bundle.convert import convert
+
+    return convert(
+        tiny_model_dir, tmp_path_factory.mktemp("lite") / "tiny-Instruct", runtime="lite", progress=False
+    )

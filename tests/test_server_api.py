@@ -1,7 +1,8 @@
 """The HTTP API over real HTTP: a `cosyserve serve` process on loopback with the tiny model, driven by httpx,
 the `openai` client and a reference-style client (GET with a form body).
 
-Three servers, one per fixture (module scope): ``server`` (no keys; --max-text-chars 50, small uploads),
+Three servers, one per fixture (module scope): ``server`` (no keys; --max-text-chars 50, small uploads; once on
+each runtime: the torch one over the model dir, the lite one over its ``--runtime lite`` bundle),
 ``keyed`` (API keys for two tenants, a voice registered for one) and ``busy`` (queue limit 0, for overload).
 Slow paths (SIGTERM drain, disconnects, schema fuzz, the web page) are tested elsewhere.
 """
@@ -41,10 +42,17 @@ def prompt_wav(seconds: float = 2.0, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["torch", "lite"])
+def server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The server on each runtime: the model dir on torch, its --runtime lite bundle on the lite runtime."""
     args = ["--max-text-chars", str(MAX_CHARS), "--max-upload-bytes", str(MAX_UPLOAD)]
-    with running_server(tiny_model_dir, tmp_path_factory.mktemp("srv"), args=args) as s:
+    if request.param == "lite":
+        model, env = request.getfixturevalue("tiny_lite_bundle"), {"COSYSERVE_RUNTIME": "lite"}
+    else:
+        model, env = tiny_model_dir, {}
+    with running_server(model, tmp_path_factory.mktemp("srv"), args=args, env=env) as s:
         yield s
 
 

@@ -93,9 +93,16 @@ def count(samples: dict[Any, float], name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(f"tiny={tiny_model_dir}", tmp_path_factory.mktemp("lifecycle")) as s:
+@pytest.fixture(scope="module", params=["torch", "lite"])
+def server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The server on each runtime: the model dir on torch, its --runtime lite bundle on the lite runtime."""
+    if request.param == "lite":
+        model, env = request.getfixturevalue("tiny_lite_bundle"), {"COSYSERVE_RUNTIME": "lite"}
+    else:
+        model, env = tiny_model_dir, {}
+    with running_server(f"tiny={model}", tmp_path_factory.mktemp("lifecycle"), env=env) as s:
         yield s
 
 
