@@ -192,13 +192,64 @@ def _check_out(model_dir: Path, out: Path, force: bool) -> None:
         raise FileExistsError(f"{out} already exists (use --force to replace it)")
 
 
-def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+# int8 weights are laid out at file offsets that are multiples of this (the int8 kernel's aligned reads, see
+# cosyserve.models.precision.INT8_ALIGN; the mapping itself starts on a page)
+INT8_FILE_ALIGN = 64
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I8", "uint8": "U8",
+              "int32": "I32", "int64": "I64", "bool": "BOOL", "float64": "F64"}  # fmt: skip
 
+
+def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
     from cosyserve.staging import file_mode
 
-    save_file(tensors, str(path), metadata=metadata)
+    if any(str(v.dtype) == "torch.int8" for v in tensors.values()):
+        _save_aligned(tensors, path, metadata)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, file_mode())  # save_file makes the file private (0600) whatever the umask
+
+
+def _save_aligned(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file whose int8 tensors start at offsets that are multiples of :data:`INT8_FILE_ALIGN`.
+
+    safetensors' own writer orders tensors by dtype and name and aligns each only to its element size, so an int8
+    weight lands wherever the float tensors before it end (24 mod 64 was seen), and the torch runtime must copy
+    it. Here the header is padded (with spaces, as safetensors pads) so the data starts aligned, the int8 tensors
+    whose sizes are multiples of the alignment come first, the rest after: still a valid safetensors file (the
+    tensors cover the data without holes; the order is free)."""
+    import struct
+
+    import torch
+
+    def nbytes(t: Any) -> int:
+        return int(t.numel() * t.element_size())
+
+    def first(name: str) -> bool:
+        t = tensors[name]
+        return t.dtype == torch.int8 and nbytes(t) % INT8_FILE_ALIGN == 0
+
+    order = sorted(tensors, key=lambda k: (not first(k), k))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    pos = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {
+            "dtype": _ST_DTYPES[str(t.dtype).removeprefix("torch.")],
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + nbytes(t)],
+        }
+        pos += nbytes(t)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * ((-(8 + len(raw))) % INT8_FILE_ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in order:
+            flat = tensors[name].detach().contiguous().reshape(-1)
+            if flat.numel():
+                f.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def _component_tensors(
