@@ -229,8 +229,8 @@ class Settings:
         flag="--runtime",
         cast=Choice("torch", "lite"),
         doc="what runs the model: `torch` (our PyTorch modules; every model and mode) or `lite` (ONNX Runtime and "
-        "numpy, no torch in the process: a bundle converted with `convert --runtime lite`; CosyVoice-300M, sft "
-        "and instruct)",
+        "numpy, no torch in the process: a bundle converted with `convert --runtime lite`; CosyVoice-300M, every "
+        "mode)",
     )
     strategy: str = _loading(
         "preload",
