@@ -25,8 +25,11 @@ from server_util import ServerProcess, running_server
 MAX_TEXT_CHARS = 24  # keeps each synthesis on the tiny model well under a second
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["torch", "lite"])
+def server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """The server on each runtime: the model dir on torch, its --runtime lite bundle on the lite runtime."""
     args = [
         "--max-text-chars",
         str(MAX_TEXT_CHARS),
@@ -35,7 +38,11 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--serve-log-level",
         "warning",
     ]
-    with running_server(tiny_model_dir, tmp_path_factory.mktemp("fuzz"), args=args) as s:
+    if request.param == "lite":
+        model, env = request.getfixturevalue("tiny_lite_bundle"), {"COSYSERVE_RUNTIME": "lite"}
+    else:
+        model, env = tiny_model_dir, {}
+    with running_server(model, tmp_path_factory.mktemp("fuzz"), args=args, env=env) as s:
         yield s
 
 
