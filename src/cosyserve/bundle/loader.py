@@ -148,8 +148,17 @@ class Bundle:
         entry = self.manifest.get("extras", {}).get(name)
         if entry is None:  # not part of the bundle: nothing recorded to check against
             return
+        self.check_file(name, entry)
+
+    def check_file(
+        self,
+        name: str,
+        entry: dict[str, Any],
+        again: str = "convert the model dir again (cosyserve convert MODEL_DIR BUNDLE --force)",
+    ) -> None:
+        """Check the bundle's file ``name`` (a path inside it) against ``entry`` (``bytes``, ``sha256``): its size
+        always, its sha256 per :attr:`verify`. Raises :class:`BundleError` naming the file and saying ``again``."""
         path = self.path / name
-        again = "convert the model dir again (cosyserve convert MODEL_DIR BUNDLE --force)"
         public = f"the model's {name} is damaged ({{}}); its bundle must be converted again"
         try:
             key = _stat_key(path)

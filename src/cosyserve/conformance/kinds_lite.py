@@ -55,7 +55,8 @@ def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
         emb if emb.size else None,
         _ids(inputs["teacher_tokens"]),
     )
-    return {"logprobs": logprobs, "min_len": int(len(text) * 2.0), "max_len": int(len(text) * 20.0)}
+    min_len, max_len = _lite(ctx)["llm"].length_limits(len(text))
+    return {"logprobs": logprobs, "min_len": min_len, "max_len": max_len}
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:

@@ -23,6 +23,7 @@ from cosyserve.errors import AudioError, BundleError, ModeUnavailableError
 from cosyserve.frontend.audio import decode_failure
 
 __all__ = [
+    "check_token_seconds",
     "instruct2_input",
     "instruct_input",
     "prompt_input",
@@ -242,6 +243,16 @@ class OnnxModel:
                 f"{self.path.name} takes {len(names)} inputs ({', '.join(names)}), got {len(arrays)}"
             )
         return session.run(None, dict(zip(names, arrays, strict=True)))[0]
+
+
+def check_token_seconds(speech_16k: Any, limits: PromptLimits) -> None:
+    """Refuse speech-token extraction from more than ``limits.max_seconds`` of 16 kHz audio (the reference's
+    limit; [1, N] torch tensor or numpy array)."""
+    seconds = speech_16k.shape[1] / SPEAKER_SR
+    if seconds > limits.max_seconds:
+        raise AudioError(
+            f"cannot extract speech tokens from {seconds:.2f} s of audio; at most {limits.max_seconds:g} s"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -31,11 +31,11 @@ from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
 from cosyserve.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
-    SPEAKER_SR,
     AudioSource,
     OnnxModel,
     PromptAudio,
     PromptLimits,
+    check_token_seconds,
     instruct2_input,
     instruct_input,
     load_prompt,
@@ -143,11 +143,7 @@ class Frontend:
     @torch.inference_mode()
     def extract_speech_token(self, speech_16k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """16 kHz waveform [1, N] (at most 30 s) -> (speech tokens int32 [1, S], length int32 [1])."""
-        if speech_16k.shape[1] / SPEAKER_SR > self.limits.max_seconds:
-            raise AudioError(
-                f"cannot extract speech tokens from {speech_16k.shape[1] / SPEAKER_SR:.2f} s of audio; "
-                f"at most {self.limits.max_seconds:g} s"
-            )
+        check_token_seconds(speech_16k, self.limits)
         feat = whisper_log_mel(speech_16k, n_mels=128)  # [1, 128, frames]
         lengths = np.array([feat.shape[2]], dtype=np.int32)
         tokens = self.speech_tokenizer.run(feat.numpy(), lengths)  # [1, ceil(frames / 2)] int64

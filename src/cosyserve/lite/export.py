@@ -205,11 +205,14 @@ def _export(
     outputs: list[str],
     dynamic: dict[str, dict[int, str]],
 ) -> None:
+    import tempfile
+
     import onnx
 
-    tmp = path.with_suffix(".tmp.onnx")
-    with warnings.catch_warnings():
+    # the exporter writes into a folder of its own (a graph past 2 GB would put its tensors beside it), removed after
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        tmp = Path(d) / "graph.onnx"
         torch.onnx.export(
             module,
             args,
@@ -221,11 +224,8 @@ def _export(
             opset_version=OPSET,
             do_constant_folding=True,
         )
-    model = onnx.load(str(tmp), load_external_data=True)
-    tmp.unlink()
+        model = onnx.load(str(tmp), load_external_data=True)
     _constants_to_initializers(model)
-    for leftover in path.parent.glob("*.tmp.onnx*"):
-        leftover.unlink()
     data = path.name + ".data"
     # every initializer in one data file beside the graph, each at a page-aligned offset (ORT maps it)
     onnx.save_model(
@@ -238,9 +238,6 @@ def _export(
         convert_attribute=False,
     )
     (path.parent / data).chmod(0o644)
-    for stray in path.parent.iterdir():  # a traced constant may have been written beside the graph
-        if stray.name.startswith(("onnx__", "_")) and stray.is_file():
-            stray.unlink()
 
 
 def _optimize_offline(path: Path) -> None:
@@ -367,7 +364,7 @@ def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str])
     base, q = _session(src), _session(dst)
     worst, kls, agree = 0.0, [], []
     for case in cases:
-        feeds = {n: c.detach().numpy() for n, c in zip(names, case, strict=True)}
+        feeds = {n: c.numpy() for n, c in zip(names, case, strict=True)}
         a, b = base.run(["logp"], feeds)[0][0], q.run(["logp"], feeds)[0][0]
         worst = max(worst, float(np.abs(a - b).max()))
         kls.append(float(np.sum(np.exp(a) * (a - b))))
@@ -441,6 +438,7 @@ def _config(cfg: Any, llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[
     }
 
 
+@torch.no_grad()
 def export_lite(
     bundle_dir: Path,
     step: Callable[[str], None] = lambda msg: None,
@@ -501,169 +499,98 @@ def export_lite(
     def pe_rows(n: int) -> Tensor:
         return torch.from_numpy(distance_pe(c, 0, n))
 
-    torch.set_grad_enabled(False)
-    try:
-        # (name, module, example args, input names, output names, dynamic axes, check cases, tolerance)
-        step("lite: LM text encoder")
-        te = TextEncoderGraph(llm)
-        _export(
-            te,
-            (ints(100, 7),),
-            out / GRAPHS["llm_text"],
-            ["text"],
-            ["encoded"],
-            {"text": {1: "n"}, "encoded": {1: "n"}},
-        )
-        errors["llm_text"] = _check(
-            "llm_text", out / GRAPHS["llm_text"], te, [(ints(1000, 5),), (ints(1000, 23),)], ["text"], 1e-4
+    def graph(
+        name: str,
+        module: nn.Module,
+        example: tuple[Tensor, ...],
+        inputs: list[str],
+        outputs: list[str],
+        dynamic: dict[str, dict[int, str]],
+        cases: list[tuple[Tensor, ...]],
+        optimize: bool = False,
+    ) -> None:
+        """Export ``module`` as graph ``name`` (traced on ``example``) and check it on ``cases``."""
+        path = out / GRAPHS[name]
+        _export(module, example, path, inputs, outputs, dynamic)
+        if optimize:
+            _optimize_offline(path)
+        errors[name] = _check(name, path, module, cases, inputs, 1e-4)
+
+    step("lite: LM text encoder")
+    graph(
+        "llm_text", TextEncoderGraph(llm), (ints(100, 7),), ["text"], ["encoded"],
+        {"text": {1: "n"}, "encoded": {1: "n"}}, [(ints(1000, 5),), (ints(1000, 23),)],
+    )  # fmt: skip
+
+    step("lite: LM positions")
+    pp = PosProjGraph(llm)
+    graph(
+        "llm_pos", pp, (pe_rows(9),), ["pe"], ["proj"], {"pe": {0: "n"}, "proj": {1: "n"}},
+        [(pe_rows(4),), (pe_rows(33),)],
+    )  # fmt: skip
+
+    step("lite: LM step")
+    names = ["x"] + [f"past_k{i}" for i in range(n_layers)] + [f"past_v{i}" for i in range(n_layers)]
+    names += [f"pos{i}" for i in range(n_layers)]
+    outs = ["logp"] + [f"new_k{i}" for i in range(n_layers)] + [f"new_v{i}" for i in range(n_layers)]
+    dyn: dict[str, dict[int, str]] = {"x": {1: "t"}}
+    dyn.update({n: {1: "p"} for n in names if n.startswith("past")})
+    dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
+    dyn.update({n: {1: "t"} for n in outs if n.startswith("new")})
+
+    def step_case(p: int, t: int) -> tuple[Tensor, ...]:
+        proj = pp(pe_rows(p + t))
+        return (
+            randn(1, t, c),
+            *[randn(1, p, heads, head_dim) for _ in range(2 * n_layers)],
+            *[proj[i] for i in range(n_layers)],
         )
 
-        step("lite: LM positions")
-        pp = PosProjGraph(llm)
-        _export(
-            pp, (pe_rows(9),), out / GRAPHS["llm_pos"], ["pe"], ["proj"], {"pe": {0: "n"}, "proj": {1: "n"}}
-        )
-        errors["llm_pos"] = _check(
-            "llm_pos", out / GRAPHS["llm_pos"], pp, [(pe_rows(4),), (pe_rows(33),)], ["pe"], 1e-4
-        )
+    graph(
+        "llm_step", StepGraph(llm), step_case(5, 3), names, outs, dyn,
+        [step_case(0, 9), step_case(9, 1), step_case(30, 1)],
+    )  # fmt: skip
 
-        step("lite: LM step")
-        sg = StepGraph(llm)
-        names = ["x"] + [f"past_k{i}" for i in range(n_layers)] + [f"past_v{i}" for i in range(n_layers)]
-        names += [f"pos{i}" for i in range(n_layers)]
-        outs = ["logp"] + [f"new_k{i}" for i in range(n_layers)] + [f"new_v{i}" for i in range(n_layers)]
-        dyn: dict[str, dict[int, str]] = {"x": {1: "t"}}
-        dyn.update({n: {1: "p"} for n in names if n.startswith("past")})
-        dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
-        dyn.update({n: {1: "t"} for n in outs if n.startswith("new")})
+    step("lite: flow encoder")
+    vocab = flow.input_embedding.num_embeddings
+    graph(
+        "flow_encoder", FlowEncoderGraph(flow), (ints(vocab, 11),), ["tokens"], ["h"],
+        {"tokens": {1: "n"}, "h": {1: "n"}}, [(ints(vocab, 6),), (ints(vocab, 47),)],
+    )  # fmt: skip
 
-        def step_case(p: int, t: int) -> tuple[Tensor, ...]:
-            proj = pp(pe_rows(p + t))
-            return (
-                randn(1, t, c),
-                *[randn(1, p, heads, head_dim) for _ in range(2 * n_layers)],
-                *[proj[i] for i in range(n_layers)],
-            )
+    step("lite: length regulator")
+    ch = flow.output_size
+    graph(
+        "flow_regulator", RegulatorGraph(flow), (randn(1, ch, 13),), ["x"], ["mu"],
+        {"x": {2: "m"}, "mu": {2: "m"}}, [(randn(1, ch, 7),), (randn(1, ch, 60),)],
+    )  # fmt: skip
 
-        _export(sg, step_case(5, 3), out / GRAPHS["llm_step"], names, outs, dyn)
-        errors["llm_step"] = _check(
-            "llm_step",
-            out / GRAPHS["llm_step"],
-            sg,
-            [step_case(0, 9), step_case(9, 1), step_case(30, 1)],
-            names,
-            1e-4,
-        )
+    step("lite: flow estimator")
+    cin = flow.decoder.estimator.in_channels
 
-        step("lite: flow encoder")
-        fe = FlowEncoderGraph(flow)
-        vocab = flow.input_embedding.num_embeddings
-        _export(
-            fe,
-            (ints(vocab, 11),),
-            out / GRAPHS["flow_encoder"],
-            ["tokens"],
-            ["h"],
-            {"tokens": {1: "n"}, "h": {1: "n"}},
-        )
-        errors["flow_encoder"] = _check(
-            "flow_encoder",
-            out / GRAPHS["flow_encoder"],
-            fe,
-            [(ints(vocab, 6),), (ints(vocab, 47),)],
-            ["tokens"],
-            1e-4,
-        )
+    def est_case(m: int) -> tuple[Tensor, Tensor]:
+        return randn(2, cin, m), torch.rand(2, generator=gen)
 
-        step("lite: length regulator")
-        rg = RegulatorGraph(flow)
-        ch = flow.output_size
-        _export(
-            rg,
-            (randn(1, ch, 13),),
-            out / GRAPHS["flow_regulator"],
-            ["x"],
-            ["mu"],
-            {"x": {2: "m"}, "mu": {2: "m"}},
-        )
-        errors["flow_regulator"] = _check(
-            "flow_regulator",
-            out / GRAPHS["flow_regulator"],
-            rg,
-            [(randn(1, ch, 7),), (randn(1, ch, 60),)],
-            ["x"],
-            1e-4,
-        )
+    graph(
+        "flow_estimator", EstimatorGraph(flow), est_case(16), ["h", "t"], ["v"],
+        {"h": {0: "b", 2: "m"}, "t": {0: "b"}, "v": {0: "b", 2: "m"}}, [est_case(9), est_case(70)], optimize=True,
+    )  # fmt: skip
 
-        step("lite: flow estimator")
-        es = EstimatorGraph(flow)
-        cin = flow.decoder.estimator.in_channels
-        _export(
-            es,
-            (randn(2, cin, 16), torch.rand(2, generator=gen)),
-            out / GRAPHS["flow_estimator"],
-            ["h", "t"],
-            ["v"],
-            {"h": {0: "b", 2: "m"}, "t": {0: "b"}, "v": {0: "b", 2: "m"}},
-        )
-        _optimize_offline(out / GRAPHS["flow_estimator"])
-        errors["flow_estimator"] = _check(
-            "flow_estimator",
-            out / GRAPHS["flow_estimator"],
-            es,
-            [
-                (randn(2, cin, 9), torch.rand(2, generator=gen)),
-                (randn(2, cin, 70), torch.rand(2, generator=gen)),
-            ],
-            ["h", "t"],
-            1e-4,
-        )
+    step("lite: vocoder")
+    mels = hift.cfg.in_channels
+    graph(
+        "hift_f0", F0Graph(hift), (randn(1, mels, 10),), ["mel"], ["f0"], {"mel": {2: "t"}, "f0": {1: "t"}},
+        [(randn(1, mels, 4),), (randn(1, mels, 37),)],
+    )  # fmt: skip
+    n_fft, hop = hift.cfg.istft_params["n_fft"], hift.cfg.istft_params["hop_len"]
 
-        step("lite: vocoder")
-        f0 = F0Graph(hift)
-        mels = hift.cfg.in_channels
-        _export(
-            f0,
-            (randn(1, mels, 10),),
-            out / GRAPHS["hift_f0"],
-            ["mel"],
-            ["f0"],
-            {"mel": {2: "t"}, "f0": {1: "t"}},
-        )
-        errors["hift_f0"] = _check(
-            "hift_f0",
-            out / GRAPHS["hift_f0"],
-            f0,
-            [(randn(1, mels, 4),), (randn(1, mels, 37),)],
-            ["mel"],
-            1e-4,
-        )
-        vg = VocoderGraph(hift)
-        n_fft = hift.cfg.istft_params["n_fft"]
-        up = hift.cfg.upsample_factor
-        hop = hift.cfg.istft_params["hop_len"]
+    def voc_case(t: int) -> tuple[Tensor, Tensor]:
+        return randn(1, mels, t), randn(1, n_fft + 2, t * hift.cfg.upsample_factor // hop + 1)
 
-        def voc_case(t: int) -> tuple[Tensor, Tensor]:
-            return randn(1, mels, t), randn(1, n_fft + 2, t * up // hop + 1)
-
-        _export(
-            vg,
-            voc_case(6),
-            out / GRAPHS["hift_decode"],
-            ["mel", "s_stft"],
-            ["spec"],
-            {"mel": {2: "t"}, "s_stft": {2: "n"}, "spec": {2: "n"}},
-        )
-        errors["hift_decode"] = _check(
-            "hift_decode",
-            out / GRAPHS["hift_decode"],
-            vg,
-            [voc_case(3), voc_case(25)],
-            ["mel", "s_stft"],
-            1e-4,
-        )
-    finally:
-        torch.set_grad_enabled(True)
+    graph(
+        "hift_decode", VocoderGraph(hift), voc_case(6), ["mel", "s_stft"], ["spec"],
+        {"mel": {2: "t"}, "s_stft": {2: "n"}, "spec": {2: "n"}}, [voc_case(3), voc_case(25)],
+    )  # fmt: skip
 
     int8_delta: dict[str, float] = {}
     if int8:

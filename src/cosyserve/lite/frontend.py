@@ -18,11 +18,11 @@ from cosyserve.errors import AudioError
 from cosyserve.frontend import features_np
 from cosyserve.frontend.audio import load_wav_np
 from cosyserve.frontend.prompt import (
-    SPEAKER_SR,
     AudioSource,
     OnnxModel,
     PromptAudio,
     PromptLimits,
+    check_token_seconds,
     load_prompt,
 )
 
@@ -73,11 +73,7 @@ class LiteFrontend:
 
     def speech_tokens(self, speech_16k: np.ndarray) -> list[int]:
         """16 kHz waveform [1, N] (at most 30 s) -> 50 Hz speech token ids."""
-        if speech_16k.shape[1] / SPEAKER_SR > self.limits.max_seconds:
-            raise AudioError(
-                f"cannot extract speech tokens from {speech_16k.shape[1] / SPEAKER_SR:.2f} s of audio; "
-                f"at most {self.limits.max_seconds:g} s"
-            )
+        check_token_seconds(speech_16k, self.limits)
         feat = features_np.whisper_log_mel(speech_16k, n_mels=128)  # [1, 128, frames]
         tokens = self.speech_tokenizer.run(feat, np.array([feat.shape[2]], dtype=np.int32))
         return [int(t) for t in np.asarray(tokens).reshape(-1)]

@@ -61,6 +61,10 @@ class LiteBundle:
         verify: ``full`` (hash every lite file), ``stamp`` (hash a file once per version, as the torch loader
             does), ``none`` (sizes only).
         threads: intra-op threads of each session.
+        prepack: prepack the LM graphs' weights too (the flow's and vocoder's always are).
+        int8: serve the int8 LM step graph.
+        bundle: the opened :class:`cosyserve.bundle.loader.Bundle` (default: opened here), whose file check and
+            stamps the lite files share.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class LiteBundle:
         threads: int | None = None,
         prepack: bool = False,
         int8: bool = False,
+        bundle: Any = None,
     ):
         self.path = Path(path)
         self.dir = self.path / LITE_DIR
@@ -104,55 +109,23 @@ class LiteBundle:
                 f"{self.path} has no int8 LM graph: convert the model with `cosyserve convert MODEL_DIR BUNDLE "
                 "--runtime lite --quantize llm=int8`, or serve it with llm_quantize=none"
             )
-        self._check_files(verify)
+        self._check_files(verify, bundle)
         self.threads = threads
         self.prepack = prepack
         self.sessions: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def _check_files(self, verify: str) -> None:
-        import hashlib
-        import os
+    def _check_files(self, verify: str, bundle: Any) -> None:
+        # the bundle's own check (size always, sha256 per the policy, stamps in the bundle's stamp file)
+        if bundle is None:
+            from cosyserve.bundle.loader import open_bundle
 
-        files: dict[str, dict[str, Any]] = self.manifest.get("files", {})
-        stamp_file = self.dir / ".verified.json"
-        try:
-            stamps = json.loads(stamp_file.read_text()) if verify == "stamp" else {}
-        except (OSError, ValueError):
-            stamps = {}
-        fresh = dict(stamps)
-        for name, entry in files.items():
-            f = self.dir / name
-            try:
-                st = f.stat()
-            except OSError as e:
-                raise BundleError(
-                    f"{f}: cannot read it ({e.strerror}); convert again with --runtime lite"
-                ) from e
-            if st.st_size != entry["bytes"]:
-                raise BundleError(
-                    f"{f}: {st.st_size} bytes, the lite manifest says {entry['bytes']}: truncated or replaced; "
-                    "convert again with --runtime lite"
-                )
-            key = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-            if verify == "none" or (verify == "stamp" and stamps.get(name) == key):
-                continue
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
-            if h.hexdigest() != entry["sha256"]:
-                raise BundleError(
-                    f"{f}: checksum mismatch: the file is corrupt; convert again with --runtime lite"
-                )
-            fresh[name] = key
-        if verify == "stamp" and fresh != stamps:
-            tmp = stamp_file.with_suffix(f".{os.getpid()}.tmp")
-            try:
-                tmp.write_text(json.dumps(fresh))
-                os.replace(tmp, stamp_file)
-            except OSError:  # a read-only bundle: hashing repeats next start
-                pass
+            bundle = open_bundle(self.path)
+        bundle.verify = verify
+        for name, entry in self.manifest.get("files", {}).items():
+            bundle.check_file(
+                f"{LITE_DIR}/{name}", entry, again="convert the model again with --runtime lite"
+            )
 
     def session(self, name: str) -> Any:
         """The ORT session of graph ``name`` (opened once, on first use)."""
@@ -312,6 +285,12 @@ class LiteLM:
             np.zeros(shape, np.float32) for _ in range(self.layers)
         ]
 
+    @staticmethod
+    def length_limits(text_len: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
+        """(min_len, max_len) of generated tokens for ``text_len`` text tokens (without prompt), truncated as the
+        torch LM's :meth:`~cosyserve.models.llm.SpeechLM.length_limits`."""
+        return int(text_len * min_ratio), int(text_len * max_ratio)
+
     def generate(
         self,
         text: list[int],
@@ -326,7 +305,7 @@ class LiteLM:
         """Speech token ids one at a time, as :meth:`cosyserve.models.llm.SpeechLM.inference` (EOS masked before
         ``min_len``; at most ``max_len`` tokens)."""
         lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
-        min_len, max_len = int(len(text) * min_token_text_ratio), int(len(text) * max_token_text_ratio)
+        min_len, max_len = self.length_limits(len(text), min_token_text_ratio, max_token_text_ratio)
         if max_len <= 0:
             return
         t0 = lm_input.shape[1]

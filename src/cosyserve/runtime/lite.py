@@ -299,9 +299,11 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
             )
         bundle.verify = o.verify
         threads = o.threads or os.cpu_count() or 1
-        lite = LiteBundle(bundle.path, verify=o.verify, threads=threads, int8=o.llm_quantize == "int8")
-        ignored = [f"{n}={getattr(o, n)}" for n in ("llm_dtype", "flow_dtype", "hift_dtype")]
-        ignored = [i for i in ignored if not i.endswith(("=None", "=float32"))]
+        lite = LiteBundle(
+            bundle.path, verify=o.verify, threads=threads, int8=o.llm_quantize == "int8", bundle=bundle
+        )
+        names = ("llm_dtype", "flow_dtype", "hift_dtype")
+        ignored = [f"{n}={v}" for n in names if (v := getattr(o, n)) not in (None, "float32")]
         if ignored:
             logger.warning(
                 "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)

@@ -492,10 +492,13 @@ def serve_prefork(settings: Settings) -> int:
     os.environ[_MULTIPROC] = run_dir
     try:
         # numpy's BLAS pool is a thread the template may hold (see _check_threads); so is the one native thread
-        # that importing ONNX Runtime starts (the lite runtime's engine, the torch runtime's zero-shot tier's):
-        # forked workers do without it, and open their sessions after the fork
+        # that importing ONNX Runtime starts, imported here when a model may run on the lite runtime (the
+        # setting, or a pool file, which may name it per model): forked workers do without that thread, and open
+        # their sessions after the fork. A torch-only template leaves it to the workers that need it.
         import numpy  # noqa: F401
-        import onnxruntime  # noqa: F401
+
+        if settings.runtime == "lite" or settings.pool_config is not None:
+            import onnxruntime  # noqa: F401
         import prometheus_client  # noqa: F401 - imported once, in the template, in multiprocess mode
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
