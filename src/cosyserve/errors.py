@@ -31,7 +31,8 @@
 
 Which HTTP status each class gets is decided in one table, :data:`cosyserve.server.errors.STATUS`. Messages name
 the bad value and what is expected; for a failure that is not the client's, :attr:`CosyserveError.public_message`
-is what a server may show a client (an operator's file paths are not in it).
+is what a server may show a client (an operator's file paths are not in it). A message that echoes a client's value
+shows it with :func:`shown` (quoted, a long one cut), so that a 100,000-character name is not sent back whole.
 """
 
 from __future__ import annotations
@@ -62,7 +63,25 @@ __all__ = [
     "UnknownModelError",
     "UnknownVoiceError",
     "UnsupportedMediaTypeError",
+    "cut",
+    "shown",
 ]
+
+# the longest part of a client's value a message or a log line repeats
+SHOWN_CHARS = 80
+
+
+def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text``, or its first ``limit`` characters, an ellipsis and its length when it is longer (for log lines)."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as a message quotes it (``repr``), cut to ``limit`` characters with an ellipsis and its length:
+    ``shown("a" * 100_000)`` is ``'aa…a…' (100000 characters)``, 80 a's between the quotes."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit] + '…'!r} ({len(value)} characters)"
+    return cut(repr(value), limit)
 
 
 class CosyserveError(Exception):

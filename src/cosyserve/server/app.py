@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from cosyserve.clock import PhaseClock
 from cosyserve.engine.streams import shared
-from cosyserve.errors import CosyserveError, UnknownModelError
+from cosyserve.errors import CosyserveError, UnknownModelError, cut, shown
 from cosyserve.gchold import release_gc
 from cosyserve.server.errors import LastResortMiddleware, cosyserve_error_response, error_response, status_of
 from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
@@ -115,7 +115,9 @@ class ServerState:
                 raise UnknownModelError("no model is available to this API key", param=param)
             return self.default_model if self.default_model in visible else visible[0]
         if name not in visible:
-            raise UnknownModelError(f"unknown model {name!r}; available: {', '.join(visible)}", param=param)
+            raise UnknownModelError(
+                f"unknown model {shown(name)}; available: {', '.join(visible)}", param=param
+            )
         return name
 
     def ready(self) -> bool:
@@ -378,9 +380,10 @@ def create_app(
 
     async def on_starlette_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        path = cut(request.url.path)
         msg = {
-            404: f"no route {request.url.path}",
-            405: f"method {request.method} not allowed on {request.url.path}",
+            404: f"no route {path}",
+            405: f"method {cut(request.method)} not allowed on {path}",
         }
         route = request.scope.get("route")
         state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")

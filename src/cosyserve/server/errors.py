@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import math
 import re
@@ -23,6 +24,7 @@ from cosyserve.errors import (
     RequestCancelledError,
     UnknownModelError,
     UnsupportedMediaTypeError,
+    shown,
 )
 
 __all__ = [
@@ -97,19 +99,42 @@ def error_response(
 
 
 # an absolute path: "/" at the start or after a blank, quote, bracket or "=", then path characters
-_ABS_PATH = re.compile(r"(?<![^\s'\"(\[=])/(?:[^\s/'\"()\[\]]+/)*([^\s/'\"()\[\]]+)")
+_ABS_PATH = r"(?<![^\s'\"(\[=])/(?:[^\s/'\"()\[\]]+/)*(?P<last>[^\s/'\"()\[\]]+)"
+# a value quoted as repr() quotes it (not an apostrophe inside a word)
+_QUOTED = r"""(?<!\w)(?P<quoted>'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")"""
+_PATHS = re.compile(_ABS_PATH)
+_PATHS_OUTSIDE_QUOTES = re.compile(f"{_QUOTED}|{_ABS_PATH}")
 
 
 def without_paths(message: str) -> str:
     """``message`` with each absolute filesystem path cut to its last part (``/srv/models/m has ...`` ->
     ``m has ...``): a remote client is never told where the server keeps its files."""
-    return _ABS_PATH.sub(r"\1", message)
+    return _PATHS.sub(r"\g<last>", message)
+
+
+def _client_value(m: re.Match[str]) -> str:
+    # a client's own value, quoted by the message: as given (a path too), cut when long
+    quoted = m.group("quoted")
+    if quoted is None:
+        return m.group("last")
+    try:
+        value = ast.literal_eval(quoted)  # a string literal only (the pattern admits nothing else)
+    except (ValueError, SyntaxError):
+        return quoted
+    return shown(value) if isinstance(value, str) else quoted
 
 
 def client_message(e: CosyserveError) -> str:
-    """What a remote client is told of ``e``: a client error's message (the client's own values; any absolute
-    path cut to its last part), else the error's public message, else its message without paths."""
-    if not isinstance(e, ClientError) and e.public_message:
+    """What a remote client is told of ``e``.
+
+    A client error's message names the client's values, quoted: they are shown as given (``unknown model
+    '/etc/passwd'`` stays so), a long one cut (:func:`cosyserve.errors.shown`), while an absolute path outside
+    quotes (a model dir of the server's) is cut to its last part. Any other error: its public message, else its
+    message with every absolute path cut to its last part.
+    """
+    if isinstance(e, ClientError):
+        return _PATHS_OUTSIDE_QUOTES.sub(_client_value, str(e))
+    if e.public_message:
         return e.public_message
     return without_paths(str(e))
 

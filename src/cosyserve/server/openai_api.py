@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cosyserve.errors import PayloadTooLargeError, UnsupportedMediaTypeError
+from cosyserve.errors import PayloadTooLargeError, UnsupportedMediaTypeError, shown
 from cosyserve.server.schemas import parse_speech_request
 from cosyserve.server.synth import synthesis_request, synthesize_response
 
@@ -58,7 +58,9 @@ def routes(state: Any) -> list[Route]:
     async def speech(request: Request) -> Response:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
-            raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+            raise UnsupportedMediaTypeError(
+                f"Content-Type must be application/json, got {shown(ctype or 'none')}"
+            )
         sr = parse_speech_request(await read_body(request, state.config.max_body_bytes))
         tenant = state.tenant_of(request)
         model = state.resolve_model(sr.model, tenant)

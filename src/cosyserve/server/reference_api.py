@@ -3,7 +3,8 @@
 ``/inference_sft`` (tts_text, spk_id), ``/inference_zero_shot`` (tts_text, prompt_text, prompt_wav file),
 ``/inference_cross_lingual`` (tts_text, prompt_wav), ``/inference_instruct`` (tts_text, spk_id, instruct_text),
 and CosyVoice2's ``/inference_instruct2`` (tts_text, instruct_text, prompt_wav);
-GET and POST, form fields (multipart or urlencoded; the reference client sends a GET with a form body). The
+GET and POST, form fields (multipart or urlencoded; the reference client sends a GET with a form body; a urlencoded
+form is read as UTF-8, raw or percent-encoded, as browsers and curl send it). The
 response is the reference's: raw int16 PCM at the model's rate, one piece per sentence (its ``stream=False``).
 The default model serves them; ``X-Model`` (a header) picks another.
 """
@@ -11,13 +12,21 @@ The default model serves them; ``X-Model`` (a header) picks another.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import parse_qsl
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cosyserve.errors import ClientError, CosyserveError, PayloadTooLargeError, UnsupportedMediaTypeError
+from cosyserve.errors import (
+    ClientError,
+    CosyserveError,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+    shown,
+)
+from cosyserve.server.openai_api import read_body
 from cosyserve.server.synth import synthesis_request, synthesize_response
 
 __all__ = ["PARAMS", "routes"]
@@ -33,6 +42,35 @@ _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 _FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 # the engine's request fields -> the form's (prompt_wav, prompt_text and instruct_text are named alike)
 PARAMS = {"text": "tts_text", "speaker": "spk_id"}
+_MAX_FIELDS = 16
+
+
+def parse_urlencoded(body: bytes) -> FormData:
+    """An ``application/x-www-form-urlencoded`` body, as UTF-8 (raw bytes and %-escapes alike).
+
+    Starlette reads the raw bytes as latin-1, so ``tts_text=你好`` as curl sends it arrived as mojibake.
+
+    Raises:
+        ClientError: bytes or %-escapes that are not UTF-8, or more than 16 fields.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ClientError(
+            f"the form is not UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start}): send it as UTF-8, as "
+            "browsers do",
+            code="invalid_form",
+        ) from None
+    try:
+        pairs = parse_qsl(text, keep_blank_values=True, errors="strict", max_num_fields=_MAX_FIELDS)
+    except UnicodeDecodeError:
+        raise ClientError(
+            "a %-escaped value of the form is not UTF-8: send it as UTF-8, as browsers do",
+            code="invalid_form",
+        ) from None
+    except ValueError:  # more fields than max_num_fields
+        raise ClientError(f"the form has more than {_MAX_FIELDS} fields", code="invalid_form") from None
+    return FormData(pairs)
 
 
 def routes(state: Any) -> list[Route]:
@@ -45,7 +83,8 @@ def routes(state: Any) -> list[Route]:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype not in _FORM_TYPES:
                 raise UnsupportedMediaTypeError(
-                    f"send the fields as a form ({' or '.join(_FORM_TYPES)}), got {ctype or 'no content type'!r}",
+                    f"send the fields as a form ({' or '.join(_FORM_TYPES)}), got "
+                    f"{shown(ctype) if ctype else 'no content type'}",
                 )
             declared = request.headers.get("content-length")
             if (
@@ -57,9 +96,14 @@ def routes(state: Any) -> list[Route]:
                     f"the body is {declared} bytes; uploads are limited to {cfg.max_upload_bytes}"
                 )
             try:
-                form = await request.form(
-                    max_files=len(file_fields) or 1, max_fields=16, max_part_size=cfg.max_upload_bytes
-                )
+                if ctype == "application/x-www-form-urlencoded":
+                    form = parse_urlencoded(await read_body(request, cfg.max_body_bytes))
+                else:
+                    form = await request.form(
+                        max_files=len(file_fields) or 1,
+                        max_fields=_MAX_FIELDS,
+                        max_part_size=cfg.max_upload_bytes,
+                    )
             except CosyserveError:
                 raise
             except Exception as e:  # noqa: BLE001 - multipart parser errors: a malformed body

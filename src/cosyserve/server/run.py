@@ -1,6 +1,7 @@
 """`cosyserve serve`: uvicorn around :func:`cosyserve.server.app.create_app`.
 
-One worker runs in this process: exit code 0 after a SIGTERM drain, 3 when a preload model fails to load.
+One worker runs in this process. Its exit codes are :data:`EXIT_CODES` (0 after a SIGTERM drain, 3 when the start
+fails: a preload model that cannot load, a port that cannot be bound).
 ``--workers N`` (N > 1, Linux) forks N workers from a template that loaded the models: see
 :mod:`cosyserve.server.prefork`; each worker runs :func:`run_app` on the socket the master bound.
 """
@@ -15,7 +16,24 @@ from typing import Any
 
 from cosyserve.settings import Settings
 
-__all__ = ["run_app", "serve", "setup_logging", "uvicorn_options"]
+__all__ = ["EXIT_CODES", "run_app", "serve", "setup_logging", "uvicorn_options"]
+
+# `cosyserve serve`'s exit codes, for its help and the README; 3 is uvicorn's own STARTUP_FAILURE (a port it
+# cannot bind), which cosyserve.server.app.STARTUP_FAILURE shares for a preload model that fails to load
+EXIT_CODES = (
+    (0, "stopped by SIGTERM or SIGINT, after the drain (also when stopped before the models were loaded)"),
+    (
+        1,
+        "a setting, flag value or file it cannot use (one line on stderr names it); with --workers, a failed fork",
+    ),
+    (2, "a command-line usage error (an unknown flag, a flag without its value)"),
+    (
+        3,
+        "the start failed: a preload model could not be loaded, or the port could not be bound (in use, no "
+        "permission); with --workers, also a worker that failed its start, or ten in a row that died before READY",
+    ),
+)
+
 
 # uvicorn's own grace timeout is a backstop only: the app cuts what still runs when the grace is over
 # (ServerState._cut_leftovers), and the requests it cut need a moment to end
@@ -67,7 +85,8 @@ def run_app(app: Any, settings: Settings, sockets: list[socket.socket] | None = 
         sockets: listening sockets to accept on (a prefork worker's, bound by the master); None: bind
             ``settings.host``/``port``.
     Returns:
-        The exit code: 0 after a drain, 3 when a preload model failed to load.
+        The exit code: 0 after a drain, 3 when a preload model failed to load (uvicorn itself exits 3, through
+        SystemExit, when it cannot bind the port).
     """
     import uvicorn
 
@@ -92,7 +111,7 @@ def serve(settings: Settings) -> int:
     Args:
         settings: what to serve and how (host, port, workers, models, pool config, limits, ...).
     Returns:
-        The process exit code: 0 after a drain, 3 when a preload model failed to load.
+        The process exit code (:data:`EXIT_CODES`): 0 after a drain, 3 when the start failed.
     """
     setup_logging(settings)
     if settings.workers > 1:

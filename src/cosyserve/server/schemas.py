@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosyserve.audiofile import FORMATS, MEDIA_TYPES
-from cosyserve.errors import ClientError
+from cosyserve.errors import ClientError, cut, shown
 from cosyserve.request import SPEED_MAX, SPEED_MIN
 
-__all__ = ["SpeechRequest", "openapi_document", "parse_speech_request"]
+__all__ = ["MAX_NAME_CHARS", "SpeechRequest", "openapi_document", "parse_speech_request"]
+
+# the longest voice name (``voice``, ``spk_id``) a request may give: a speaker of a model or a registered voice
+MAX_NAME_CHARS = 256
 
 _SPEECH_FIELDS = {
     "model",
@@ -59,7 +62,8 @@ def parse_speech_request(body: bytes) -> SpeechRequest:
         raise ClientError("the body must be a JSON object", code="invalid_json")
     unknown = sorted(set(data) - _SPEECH_FIELDS)
     if unknown:
-        raise _bad(f"unknown field {unknown[0]!r}; accepted: {', '.join(sorted(_SPEECH_FIELDS))}", unknown[0])
+        accepted = ", ".join(sorted(_SPEECH_FIELDS))
+        raise _bad(f"unknown field {shown(unknown[0])}; accepted: {accepted}", cut(unknown[0]))
     data = {k: v for k, v in data.items() if v is not None}  # null means "not given", as clients send it
 
     def string(name: str, default: str | None = None, required: bool = False) -> str | None:
@@ -81,11 +85,12 @@ def parse_speech_request(body: bytes) -> SpeechRequest:
     assert fmt is not None
     if fmt not in FORMATS:
         raise _bad(
-            f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}", "response_format"
+            f"response_format {shown(fmt)} is not supported; choose one of {', '.join(FORMATS)}",
+            "response_format",
         )
     speed = data.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise _bad(f"speed must be a number, got {speed!r}", "speed")
+        raise _bad(f"speed must be a number, got {shown(speed)}", "speed")
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream must be true or false", "stream")
@@ -98,7 +103,7 @@ def parse_speech_request(body: bytes) -> SpeechRequest:
     if isinstance(seed, float) and seed.is_integer():  # JSON Schema counts 3.0 as an integer
         seed = int(seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
+        raise _bad(f"seed must be an integer, got {shown(seed)}", "seed")
     return SpeechRequest(
         model=string("model"),
         input=text,
@@ -174,7 +179,12 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
     # a non-blank string, as the server checks it (blank text or names are refused with a 400)
     # something to speak: a letter or a digit (Python's [^\W_] is \p{L} and \p{N}, what the server requires)
     text = {"type": "string", "minLength": 1, "maxLength": max_text_chars, "pattern": r"[^\W_]"}
-    name = {"type": "string", "minLength": 1, "maxLength": min(256, max_text_chars), "pattern": r"\S"}
+    name = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": min(MAX_NAME_CHARS, max_text_chars),
+        "pattern": r"\S",
+    }
 
     def reference(op_id: str, fields: dict[str, Any], files: tuple[str, ...] = ()) -> dict[str, Any]:
         props = {**fields, **{f: {**binary, "minLength": 1} for f in files}}

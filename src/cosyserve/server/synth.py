@@ -31,9 +31,11 @@ from cosyserve.errors import (
     EngineDeadError,
     NotReadyError,
     RequestCancelledError,
+    cut,
 )
 from cosyserve.request import SynthesisRequest
 from cosyserve.server.errors import status_of
+from cosyserve.server.schemas import MAX_NAME_CHARS
 
 logger = logging.getLogger("cosyserve.access")
 
@@ -110,7 +112,7 @@ class _Record:
                     "route": self.route,
                     "model": self.model,
                     "mode": self.req.mode,
-                    "voice": self.req.speaker,
+                    "voice": None if self.req.speaker is None else cut(self.req.speaker),
                     "format": self.fmt,
                     "stream": self.req.stream,
                     "chars": len(self.req.text),
@@ -279,16 +281,24 @@ async def synthesize_response(
 
 def synthesis_request(state: Any, request: Request, **fields: Any) -> SynthesisRequest:
     """The request an HTTP route asks for: ``fields`` of :class:`SynthesisRequest`, with the server's deadline,
-    the caller's request id (``X-Request-Id``) and tenant, and the server's limit on text length.
+    the caller's request id (``X-Request-Id``) and tenant, and the server's limits on text and name length (those
+    the OpenAPI document states).
 
     Raises:
-        ClientError: a text over the limit, or a request :meth:`SynthesisRequest.verify` refuses.
+        ClientError: a text or a voice name over its limit, or a request :meth:`SynthesisRequest.verify` refuses.
     """
     limit = state.config.max_text_chars
     for name in ("text", "prompt_text", "instruct_text"):
         value = fields.get(name)
         if isinstance(value, str) and len(value) > limit:
             raise ClientError(f"{name} is {len(value)} characters; the limit is {limit}", param=name)
+    speaker = fields.get("speaker")
+    most = min(MAX_NAME_CHARS, limit)
+    if isinstance(speaker, str) and len(speaker) > most:
+        raise ClientError(
+            f"the voice name is {len(speaker)} characters; a speaker or registered voice has at most {most}",
+            param="speaker",
+        )
     return SynthesisRequest(
         deadline=time.monotonic() + state.config.request_timeout_s,
         request_id=new_request_id(request),

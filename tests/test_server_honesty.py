@@ -1,0 +1,135 @@
+"""What the server tells a client: its own values in error messages (cut when long, never mangled), urlencoded
+forms in UTF-8, exit codes.
+
+In-process (starlette's TestClient) on the fake runtime; one test starts a real ``cosyserve serve`` to see its exit
+code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from starlette.testclient import TestClient
+
+from cosyserve.engine.pool import ModelPool, ModelSpec
+from cosyserve.errors import shown
+from cosyserve.server.app import create_app
+from cosyserve.server.run import EXIT_CODES
+from cosyserve.settings import Settings
+from fake_runtime import FakeRuntime
+from server_util import ROOT, free_port
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"not {what} after {timeout} s"
+        time.sleep(0.02)
+
+
+# --- the client's own values in messages ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[TestClient]:
+    pool = ModelPool(
+        [ModelSpec("m", policy="preload")],
+        load_model=lambda spec, reload: FakeRuntime(speakers=("alice", "中文女")),
+        memory_probe=None,
+    )
+    with TestClient(create_app(Settings.load(), pool=pool)) as client:
+        wait_for(lambda: client.get("/health/ready").status_code == 200, "ready")
+        yield client
+
+
+def speech(client: TestClient, **fields: Any) -> Any:
+    return client.post(
+        "/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "response_format": "pcm"} | fields
+    )
+
+
+def test_a_long_value_is_cut_in_the_error_and_the_access_log(
+    fake: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If this fails, a client's 100,000-character value comes back whole in the 400 (and fills the log):
+    a megabyte of echo per request, for free."""
+    huge = "v" * 100_000
+    for fields, param in (({"voice": huge}, "voice"), ({"speed": huge}, "speed"), ({huge: 1}, None)):
+        r = speech(fake, **fields)
+        assert r.status_code == 400 and len(r.content) < 1000, (r.status_code, len(r.content))
+        err = r.json()["error"]
+        assert "100000 characters" in err["message"], err
+        if param is not None:
+            assert err["param"] == param, err
+    with caplog.at_level(logging.INFO, logger="cosyserve.access"):
+        r = speech(fake, voice="w" * 200)  # under the name limit: the model's own refusal, logged
+    err = r.json()["error"]
+    assert r.status_code == 400 and f"{shown('w' * 200)}; known speakers: alice, 中文女" in err["message"], (
+        err
+    )
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "cosyserve.access"]
+    assert lines and lines[-1]["voice"] == "w" * 80 + "… (200 characters)", lines[-1:]
+
+
+def test_the_clients_own_path_is_echoed_as_given(fake: TestClient) -> None:
+    """If this fails, the path-stripping meant for the server's paths rewrites the client's own value
+    (``"model": "/etc/passwd"`` answered "unknown model 'passwd'"): the client is told of a value it never sent."""
+    err = speech(fake, model="/etc/passwd").json()["error"]
+    assert err["message"].startswith("unknown model '/etc/passwd'; available: m"), err
+    err = speech(fake, voice="/etc/passwd").json()["error"]
+    assert "'/etc/passwd'" in err["message"], err
+
+
+def sft_form(client: TestClient, body: bytes) -> Any:
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    return client.post("/inference_sft", content=body, headers=headers)
+
+
+def test_a_urlencoded_form_is_read_as_utf8(fake: TestClient) -> None:
+    """If this fails, `curl --data 'tts_text=你好&spk_id=中文女'` (raw UTF-8, as curl and browsers send it) is
+    read as latin-1 and refused as an unknown speaker with a garbled name."""
+    raw = "tts_text=你好&spk_id=中文女".encode()
+    r = sft_form(fake, raw)
+    assert r.status_code == 200 and r.content, r.text[:300]
+    escaped = urlencode({"tts_text": "你好", "spk_id": "中文女"}).encode()
+    assert sft_form(fake, escaped).status_code == 200, "percent-encoded UTF-8 is read as before"
+    for body in (b"tts_text=\xff\xfe&spk_id=alice", b"tts_text=%ff%fe&spk_id=alice"):
+        err = sft_form(fake, body).json()["error"]
+        assert "not UTF-8" in err["message"] and err["code"] == "invalid_form", err
+
+
+# --- exit codes ---------------------------------------------------------------------------------------------
+
+
+def test_a_taken_port_exits_with_the_documented_code(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """If this fails, `cosyserve serve` on a port in use exits with a code the documentation does not give it
+    (it said 3 meant a preload model that failed), and a supervisor reads the wrong cause."""
+    codes = dict(EXIT_CODES)
+    assert sorted(codes) == [0, 1, 2, 3] and "port" in codes[3] and "model" in codes[3], codes
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSYSERVE_")}
+    env |= {"PYTHONPATH": str(ROOT / "src"), "COSYSERVE_CACHE_DIR": os.environ["COSYSERVE_CACHE_DIR"]}
+    env |= {"COSYSERVE_REGISTRY_DIR": str(tmp_path / "registry"), "OMP_NUM_THREADS": "1"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = subprocess.run(
+            [sys.executable, "-m", "cosyserve", "serve", "--model", str(tiny_model_dir), "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert proc.returncode == 3, f"exit {proc.returncode}:\n{proc.stderr[-2000:]}"
+    assert "address already in use" in proc.stderr.lower(), proc.stderr[-2000:]
