@@ -262,9 +262,10 @@ def test_failed_load_is_reported_and_retried() -> None:
             raise OSError("disk hiccup")
         return FakeRuntime(1, 100, size=10)
 
-    pool, _, _ = make_pool([spec("a")], loader=flaky)
+    pool, _, clock = make_pool([spec("a")], loader=flaky)
     with pytest.raises(Exception, match="disk hiccup"):
         use(pool, "a")
+    clock.t += 1.0  # the back-off after a first failure (test_server_honesty tests it)
     use(pool, "a")
     s = pool.stats()["models"]["a"]
     assert s["load_failures"] == 1 and s["loads"] == 1

@@ -1,8 +1,8 @@
-"""What the server tells a client: its own values in error messages (cut when long, never mangled), urlencoded
-forms in UTF-8, exit codes.
+"""What the server tells a client: a model that cannot load, its own values in error messages (cut when long,
+never mangled), urlencoded forms in UTF-8, exit codes.
 
-In-process (starlette's TestClient) on the fake runtime; one test starts a real ``cosyserve serve`` to see its exit
-code.
+In-process (starlette's TestClient) on the fake runtime, with a fake clock where time matters; one test starts a
+real ``cosyserve serve`` to see its exit code.
 """
 
 from __future__ import annotations
@@ -22,13 +22,24 @@ from urllib.parse import urlencode
 import pytest
 from starlette.testclient import TestClient
 
-from cosyserve.engine.pool import ModelPool, ModelSpec
-from cosyserve.errors import shown
+from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent
+from cosyserve.errors import BundleError, LoadFailedError, shown
+from cosyserve.request import SynthesisRequest
 from cosyserve.server.app import create_app
 from cosyserve.server.run import EXIT_CODES
 from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import ROOT, free_port
+
+SECRET_DIR = "/srv/secret-models/tenant-b"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -36,6 +47,98 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
     while not check():
         assert time.monotonic() < end, f"not {what} after {timeout} s"
         time.sleep(0.02)
+
+
+# --- a model that cannot load ---------------------------------------------------------------------------------
+
+
+class FailingLoader:
+    """Fails every load (a damaged bundle) until ``fixed``; counts the attempts."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.fixed = False
+
+    def __call__(self, spec: ModelSpec, reload: bool) -> FakeRuntime:
+        self.attempts += 1
+        if not self.fixed:
+            raise BundleError(f"{SECRET_DIR}/flow.safetensors: checksum mismatch")
+        return FakeRuntime()
+
+
+def backing_off(path: str | None = None) -> tuple[ModelPool, FailingLoader, Clock, list[PoolEvent]]:
+    loader, clock, events = FailingLoader(), Clock(), []
+    pool = ModelPool([ModelSpec("m", path=path)], load_model=loader, memory_probe=None, clock=clock)
+    pool.add_listener(events.append)
+    return pool, loader, clock, events
+
+
+def starts(events: list[PoolEvent]) -> int:
+    return sum(ev.kind == "load_started" for ev in events)
+
+
+def test_a_model_that_cannot_load_is_not_loaded_per_request() -> None:
+    """If this fails, every request to a model whose bundle is damaged loads it again (a core, and a large
+    bundle's checksum reads, per request), and clients are told neither why nor when to come back."""
+    pool, loader, clock, events = backing_off()
+    with TestClient(create_app(Settings.load(), pool=pool)) as client:
+        answers = [
+            client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "response_format": "pcm"})
+            for _ in range(4)
+        ]
+        assert loader.attempts == 1 and starts(events) == 1, f"{loader.attempts} loads for 4 requests"
+        for r in answers:
+            assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers)
+            err = r.json()["error"]
+            assert err["code"] == "load_failed" and "flow.safetensors: checksum mismatch" in err["message"], (
+                err
+            )
+            assert SECRET_DIR not in err["message"], err
+        ready = client.get("/health/ready").json()["models"]["m"]
+        assert ready["state"] == "failed" and "checksum mismatch" in ready["cause"], ready
+
+
+def test_load_back_off_doubles_to_its_bound_and_a_success_ends_it() -> None:
+    """If this fails, a model that keeps failing is tried too often (no doubling: CPU burnt) or too rarely (no
+    bound: a fixed bundle stays refused for long), or a model that loads again keeps its old failure."""
+    pool, loader, clock, events = backing_off()
+    waits = []
+    for _ in range(9):
+        with pytest.raises(LoadFailedError) as info:
+            pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10)
+        waits.append(info.value.retry_after)
+        assert isinstance(info.value.__cause__, BundleError), "the loader's own exception is the cause"
+        for _ in range(3):  # within the back-off: refused at once, no load
+            with pytest.raises(LoadFailedError):
+                pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10)
+        clock.t += info.value.retry_after
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60], waits
+    assert loader.attempts == starts(events) == 9
+    assert pool.stats()["models"]["m"]["rejected"]["load_backoff"] == 27
+    loader.fixed = True
+    assert list(pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10))
+    assert pool.load_failure("m") is None and pool.stats()["models"]["m"]["state"] == "ready"
+    pool.close_sync()
+
+
+def test_load_back_off_ends_early_when_the_files_change(tmp_path: Path) -> None:
+    """If this fails, an operator who replaced a damaged bundle waits out a back-off of up to a minute."""
+    (tmp_path / "flow.safetensors").write_bytes(b"damaged")
+    pool, loader, clock, _ = backing_off(str(tmp_path))
+    for t in (0.0, 1.0, 3.0):  # three failures, each at the end of the last back-off: the next try at t=7
+        clock.t = t
+        with pytest.raises(LoadFailedError):
+            pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10)
+    clock.t = 4.0
+    with pytest.raises(LoadFailedError, match="3 times in a row"):  # the files are as they were: refused
+        pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10)
+    assert loader.attempts == 3
+    (tmp_path / "flow.safetensors").write_bytes(b"converted again")
+    loader.fixed = True
+    clock.t = 5.0
+    assert list(pool.submit_sync("m", SynthesisRequest("hi", "alice"), load_timeout=10)), "loaded at t=5"
+    assert loader.attempts == 4
+    pool.close_sync()
 
 
 # --- the client's own values in messages ---------------------------------------------------------------------

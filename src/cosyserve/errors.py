@@ -23,6 +23,7 @@
     │   └── MemoryBudgetError           the model does not fit and nothing can be evicted
     ├── NotReadyError                   the model is loading or draining
     ├── EngineDeadError                 the model failed to load or was released
+    │   └── LoadFailedError             its last load failed: not tried again for ``retry_after`` seconds
     ├── DeadlineExceededError           the request's deadline passed
     ├── RequestCancelledError           the client went away or closed the stream
     └── InternalError                   a failure inside the model code (a bug); ``__cause__`` holds it
@@ -49,6 +50,7 @@ __all__ = [
     "HubError",
     "InputError",
     "InternalError",
+    "LoadFailedError",
     "MemoryBudgetError",
     "ModeUnavailableError",
     "ModelConfigError",
@@ -233,6 +235,23 @@ class EngineDeadError(CosyserveError):
     """The model failed to load, or was released; ``__cause__`` holds the failure where there is one."""
 
     code = "engine_dead"
+
+
+class LoadFailedError(EngineDeadError):
+    """The model's last load failed (``__cause__``); it is not loaded again for ``retry_after`` seconds.
+
+    Args:
+        message: the model and the cause.
+        model: the model's name.
+        retry_after: seconds until the next load may start (> 0).
+    """
+
+    code = "load_failed"
+
+    def __init__(self, message: str, model: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.retry_after = max(float(retry_after), 0.001)
 
 
 class DeadlineExceededError(CosyserveError):

@@ -14,7 +14,11 @@ Rules, all applied under one pool lock (engine locks are only ever taken inside 
 - before a load, room is made (:mod:`cosyserve.engine.eviction`): within the requesting tenant's quota, then the
   memory budget, then under the pressure threshold;
 - :meth:`ModelPool.maintain` (run periodically by :meth:`ModelPool.run_housekeeping`) releases models idle
-  for longer than their TTL and evicts while memory pressure is above the threshold.
+  for longer than their TTL and evicts while memory pressure is above the threshold;
+- a model whose load failed is not loaded again until its back-off ends (:data:`LOAD_BACKOFF_S`): requests in
+  between get the failure at once (:class:`~cosyserve.errors.LoadFailedError`, with the wait), so a model that
+  cannot load costs one load attempt a minute at most, whatever the request rate; a change of its files on disk
+  ends the back-off early.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
@@ -36,13 +42,15 @@ from cosyserve.engine.eviction import evictable, lru_k_order, plan_room, pressur
 from cosyserve.engine.quotas import InFlight, Tenant, sole_owners
 from cosyserve.engine.state import EngineState
 from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
-from cosyserve.errors import OverloadedError, UnknownModelError
+from cosyserve.errors import EngineDeadError, LoadFailedError, OverloadedError, UnknownModelError
 from cosyserve.pagecache import memory_limit_bytes, memory_usage, rss_of_files
 from cosyserve.request import SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "LOAD_BACKOFF_S",
+    "LoadFailure",
     "ModelPool",
     "ModelSpec",
     "PoolEvent",
@@ -51,6 +59,53 @@ __all__ = [
     "memory_usage",
     "rss_of_files",
 ]
+
+
+# Back-off after a failed load: the first wait, doubled after each further failure, up to the last. A load that
+# failed (a damaged or missing file) fails again the same way; loading it per request would spend a core (and, for
+# a large bundle, its checksum reads) on every request.
+LOAD_BACKOFF_S = (1.0, 60.0)
+
+
+@dataclass
+class LoadFailure:
+    """A model's last failed load: why, how many failed in a row, and when the next may start (pool clock)."""
+
+    cause: BaseException
+    failures: int
+    retry_at: float
+    stamp: tuple[tuple[str, int, int], ...] | None  # its files when it failed (see _files_stamp)
+    checked_at: float  # when the stamp was last compared with the disk
+
+    def error(self, model: str, now: float) -> LoadFailedError:
+        wait = max(self.retry_at - now, 0.001)
+        times = f" ({self.failures} times in a row)" if self.failures > 1 else ""
+        err = LoadFailedError(
+            f"model {model!r} failed to load{times}: {self.cause}; "
+            f"it is tried again in {math.ceil(wait)} s at the earliest",
+            model=model,
+            retry_after=wait,
+        )
+        err.__cause__ = self.cause
+        return err
+
+
+def _files_stamp(path: str | None) -> tuple[tuple[str, int, int], ...] | None:
+    # (name, size, mtime) of a model's path and its top-level entries: a few stat calls, enough to see a bundle
+    # converted again or a file replaced; None when it is not a local path (a hub id, a test fake)
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        st = os.stat(path)
+        items = [("", st.st_size, st.st_mtime_ns)]
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                for e in it:
+                    est = e.stat()
+                    items.append((e.name, est.st_size, est.st_mtime_ns))
+    except OSError:
+        return ()
+    return tuple(sorted(items))
 
 
 def _no_release() -> None:
@@ -122,6 +177,7 @@ class ModelPool:
         self._seq = itertools.count()
         self._listeners: list[Callable[[PoolEvent], None]] = []
         self._housekeeping: asyncio.Task[None] | None = None
+        self._failures: dict[str, LoadFailure] = {}  # by model: its last load failed
         for t in tenants:
             self.add_tenant(t)
 
@@ -159,6 +215,12 @@ class ModelPool:
     def engine(self, name: str) -> Engine | None:
         """The model's current engine (None when not loaded)."""
         return self._entry(name).engine
+
+    def load_failure(self, name: str) -> LoadFailure | None:
+        """Why the model's last load failed and when it may be tried again; None once a load succeeded."""
+        self._entry(name)
+        with self._lock:
+            return self._failures.get(name)
 
     def _entry(self, name: str) -> Entry:
         try:
@@ -355,13 +417,33 @@ class ModelPool:
     async def load(self, name: str) -> Engine:
         return await shared(self.start_load(name))
 
+    def _backing_off_locked(self, entry: Entry) -> LoadFailedError | None:
+        # the failure to answer with while the model's back-off runs; None when a load may start
+        failure = self._failures.get(entry.name)
+        now = self.clock()
+        if failure is None or now >= failure.retry_at:
+            return None
+        if failure.stamp is not None and now - failure.checked_at >= LOAD_BACKOFF_S[0]:
+            failure.checked_at = now  # at most one look at the disk a second, whatever the request rate
+            if _files_stamp(entry.spec.path) != failure.stamp:
+                logger.info(
+                    "pool: %s: its files changed since its load failed: loading it again now", entry.name
+                )
+                return None
+        return failure.error(entry.name, now)
+
     def _ensure_loading_locked(self, entry: Entry, tenant: str | None) -> concurrent.futures.Future[Engine]:
         if entry.load_future is not None and not entry.load_future.done():
             return entry.load_future
+        done: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         if entry.ready:
             assert entry.engine is not None
-            done: concurrent.futures.Future[Engine] = concurrent.futures.Future()
             done.set_result(entry.engine)
+            return done
+        refused = self._backing_off_locked(entry)
+        if refused is not None:
+            entry.stats.record_reject("load_backoff")
+            done.set_exception(refused)
             return done
         need = self._estimate_locked(entry)
         own = [e for e in self._entries.values() if tenant is not None and self._owner.get(e.name) == tenant]
@@ -425,20 +507,43 @@ class ModelPool:
             error = e
         finally:
             seconds = time.perf_counter() - t0
+            refused: LoadFailedError | None = None
             with self._lock:
                 if error is None:
                     entry.bytes = entry.last_bytes = size
                     entry.loaded_once = True
                     entry.idle_since = self.clock()
-                elif entry.engine is engine:
-                    entry.engine = None
+                    self._failures.pop(entry.name, None)
+                else:
+                    if entry.engine is engine:
+                        entry.engine = None
+                    refused = self._record_failure_locked(entry, error)
             entry.stats.record_load(seconds, error is None)
-            if error is None:
+            if refused is None:
                 self._emit("loaded", entry.name, f"{seconds * 1e3:.0f} ms, {size} bytes")
                 fut.set_result(engine)
             else:
-                self._emit("load_failed", entry.name, repr(error))
-                fut.set_exception(error)
+                self._emit("load_failed", entry.name, f"{error!r}; back-off {refused.retry_after:.0f} s")
+                fut.set_exception(refused)
+
+    def _record_failure_locked(self, entry: Entry, error: BaseException) -> LoadFailedError:
+        # the engine wraps the loader's exception; the failure keeps the loader's own
+        cause = (
+            error.__cause__ if isinstance(error, EngineDeadError) and error.__cause__ is not None else error
+        )
+        previous = self._failures.get(entry.name)
+        failures = previous.failures + 1 if previous is not None else 1
+        first, most = LOAD_BACKOFF_S
+        now = self.clock()
+        failure = LoadFailure(
+            cause,
+            failures,
+            retry_at=now + min(most, first * 2 ** min(failures - 1, 16)),
+            stamp=_files_stamp(entry.spec.path),
+            checked_at=now,
+        )
+        self._failures[entry.name] = failure
+        return failure.error(entry.name, now)
 
     # -- eviction --------------------------------------------------------------------------------------------
 
@@ -577,9 +682,11 @@ class ModelPool:
         with self._lock:
             items = [(n, e, e.engine) for n, e in self._entries.items()]
             held = {n: e.held_bytes() for n, e in self._entries.items()}
+            failed = set(self._failures)
         for name, e, eng in items:
+            idle = "evicting" if e.retiring else ("failed" if name in failed else "unloaded")
             d: dict[str, Any] = {
-                "state": eng.state.value if eng is not None else ("evicting" if e.retiring else "unloaded"),
+                "state": eng.state.value if eng is not None else idle,
                 "policy": e.spec.policy,
                 "pinned": e.spec.pinned,
                 "instances": e.spec.instances,

@@ -17,6 +17,7 @@ from cosyserve.errors import (
     CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
+    LoadFailedError,
     NotReadyError,
     OverloadedError,
     PayloadTooLargeError,
@@ -150,7 +151,7 @@ def cosyserve_error_response(e: CosyserveError, params: Mapping[str, str] | None
     if param is not None and params:
         param = params.get(param, param)
     headers: dict[str, str] = {}
-    if isinstance(e, OverloadedError):
+    if isinstance(e, OverloadedError | LoadFailedError):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
     elif isinstance(e, NotReadyError):
         headers["Retry-After"] = "1"  # loading, or draining for shutdown: another replica or a moment later
