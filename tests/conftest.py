@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# ONNX Runtime's telemetry off in the tests and their subprocesses, as cosyserve's entry points turn it off
+# (cosyserve.api.quiet_onnxruntime): else every process that imports it leaves a mat-debug-<pid>.log in /tmp
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 
 def _fixtures_root() -> Path:
@@ -32,6 +35,15 @@ def fixture_set_dir() -> Path:
 def cv2_set_dir() -> Path:
     """The tiny CosyVoice2 conformance set; skips when the fixtures are not beside the clone."""
     path = _fixtures_root() / "cosyvoice2-tiny"
+    if not (path / "cases.json").is_file():
+        pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cv3_set_dir() -> Path:
+    """The tiny CosyVoice3 conformance set; skips when the fixtures are not beside the clone."""
+    path = _fixtures_root() / "cosyvoice3-tiny"
     if not (path / "cases.json").is_file():
         pytest.skip(f"conformance fixtures not found at {path} (set COSYSERVE_FIXTURES to their folder)")
     return path

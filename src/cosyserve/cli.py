@@ -500,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from cosyserve.api import quiet_onnxruntime
+
+    quiet_onnxruntime()  # before any command imports onnxruntime; inherited by the server's workers and probes
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["serve"], ["synth"]):
         # no garbage collection from here to READY: `import torch` and the model build long-lived objects that

@@ -13,8 +13,12 @@ Storage: ``<root>/<tenant>/<sha256(name)[:32]>.safetensors``, one file per speak
 above and a JSON-able string header (``__metadata__``: format, version, name, tenant, kind, prompt_text,
 created). Nothing is unpickled. Every write goes to a temporary file in the same folder, is fsynced and then
 renamed over the target (and the folder fsynced), so a crash at any point leaves either the old or the new
-entry, never a torn one; leftover ``.*.tmp`` files are ignored. File names are hashes, so any speaker name is
-safe on any filesystem (case-insensitive ones included); the name itself lives in the header.
+entry, never a torn one. A writer holds a shared ``flock`` on the tenant's folder while its temporary exists;
+the first write of a process into a folder removes the temporaries of our naming
+(``.<hash>.safetensors.<pid>.<8 hex>.tmp``) when it can lock the folder exclusively without waiting, i.e. when
+no writer is at work there: those were left by killed writers (a lock dies with its process, whatever pid
+namespace it ran in). File names are hashes, so any speaker name is safe on any filesystem (case-insensitive
+ones included); the name itself lives in the header.
 
 The reference's ``spk2info.pt`` (a pickled ``{name: {key: tensor}}``) is imported with
 ``torch.load(weights_only=True)`` and exported with ``torch.save`` (both need torch). Everything else works on
@@ -29,6 +33,9 @@ the folder's name).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -39,7 +46,7 @@ import struct
 import threading
 import time
 import unicodedata
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -88,6 +95,8 @@ ZERO_SHOT_KEYS = (
 SFT_KEYS = ("embedding",)
 _TOKEN_KEYS = ("prompt_text", "llm_prompt_speech_token", "flow_prompt_speech_token")
 _TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# the temporary atomic_write makes for an entry (see the module docstring)
+_TEMP_RE = re.compile(r"\.[0-9a-f]{32}\.safetensors\.[0-9]+\.[0-9a-f]{8}\.tmp")
 
 Kind = Literal["zero_shot", "sft"]
 
@@ -310,6 +319,51 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def _writing(folder: Path) -> Iterator[None]:
+    """Hold a shared lock on ``folder`` while writing into it: no cleaner removes our temporary meanwhile."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # no directory fds here: no cleaner can lock it either
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # filesystems without flock: the same holds for the cleaner
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def clean_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the entry temporaries in ``folder`` left by killed writers (see the module docstring).
+
+    Returns:
+        The files removed (none while a writer is at work in ``folder``).
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    removed: list[Path] = []
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:  # a writer is at work (or no flock here): its temporary may be live
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                logger.debug("cannot lock %s (%s): leftover temporaries stay", folder, e)
+            return removed
+        for entry in os.scandir(folder):
+            if _TEMP_RE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+                    logger.info("removed %s, left by a writer killed before its rename", entry.path)
+    finally:
+        os.close(fd)
+    return removed
+
+
 def _read_header(data: bytes, path: Path) -> dict[str, str]:
     if len(data) < 8:
         raise RegistryError(f"{path} is truncated ({len(data)} bytes)")
@@ -348,6 +402,7 @@ class SpeakerRegistry:
         self.arrays: Arrays = arrays
         self._lock = threading.Lock()
         self._cache: dict[Path, tuple[tuple[int, int, int], Speaker]] = {}
+        self._cleaned: set[Path] = set()  # folders whose leftover temporaries this registry removed
 
     def __repr__(self) -> str:
         return f"SpeakerRegistry({str(self.root)!r})"
@@ -481,7 +536,11 @@ class SpeakerRegistry:
         # entry_kind made each array its own copy (the reference's entries alias llm/flow tokens and embeddings)
         data = save_safetensors(clean, metadata=meta)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data)
+        if path.parent not in self._cleaned:
+            self._cleaned.add(path.parent)
+            clean_stale_temporaries(path.parent)
+        with _writing(path.parent):
+            atomic_write(path, data)
         logger.info("registered speaker %r (%s) for tenant %r in %s", name, kind, tenant, path)
         return speaker
 

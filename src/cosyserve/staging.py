@@ -13,6 +13,10 @@ our lock file and whose lock it can take without waiting: their writer is dead. 
 file, not a pid, so the test also holds between containers that share a volume (separate pid namespaces).
 Anything else, however similar its name, is never touched.
 
+The same rules keep a private working directory (:class:`LockedDir`, e.g. the prefork server's metrics files in
+the temp dir) for as long as its process, and the children it forked, live: :func:`clean_stale_dirs` removes one
+whose holders were all killed, on the next start. Both cleaners remove only directories of the calling user.
+
 Where the filesystem cannot exchange two directories (NFS, non-Linux), the swap is two renames: ``OUT`` into
 the temporary, then the build into ``OUT``, with a marker written first; if the writer dies between the two,
 :func:`clean_stale` puts the complete build (or else the old ``OUT``) back in place before removing the rest.
@@ -39,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["LOCK_NAME", "Staging", "clean_stale", "file_mode"]
+__all__ = ["LOCK_NAME", "LockedDir", "Staging", "clean_stale", "clean_stale_dirs", "file_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +139,8 @@ class Staging:
         parent = self.out.parent
         parent.mkdir(parents=True, exist_ok=True)
         clean_stale(parent, self.tag)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.{self.tag}.", dir=parent))
+        self.tmp, self._lock_fd = _make_locked(parent, f".{self.out.name}.{self.tag}.")
         try:
-            fd = os.open(self.tmp / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self._lock_fd = fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            # written only once locked: a cleaner that finds the file empty knows its writer is just starting
-            info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-            os.write(fd, json.dumps(info).encode())
             os.mkdir(self.path)
         except BaseException:
             self.discard()
@@ -182,6 +180,51 @@ class Staging:
             self.tmp = None
 
 
+class LockedDir:
+    """A directory of this process in ``parent``, named ``prefix`` + 8 random characters, held (its lock file
+    locked) for as long as this process and the children it forks live; :meth:`remove` deletes it.
+
+    One left behind by a killed process is removed by :func:`clean_stale_dirs`, which making one first calls.
+
+    Args:
+        prefix: the start of its name (``cosyserve-metrics-``); only directories so named are ever cleaned.
+        parent: where (default: the temp dir, ``tempfile.gettempdir()``).
+    """
+
+    def __init__(self, prefix: str, parent: str | os.PathLike[str] | None = None) -> None:
+        where = Path(parent if parent is not None else tempfile.gettempdir())
+        clean_stale_dirs(where, prefix)
+        self.path, self._lock_fd = _make_locked(where, prefix)
+
+    def remove(self) -> None:
+        """Delete the directory, then release its lock (idempotent)."""
+        if self._lock_fd is None:
+            return
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _make_locked(parent: Path, prefix: str) -> tuple[Path, int]:
+    """A fresh directory ``parent/prefix*`` holding our lock file, locked: (its path, the lock's fd)."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    fd = -1
+    try:
+        fd = os.open(tmp / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # written only once locked: a cleaner that finds the file empty knows its writer is just starting
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        os.write(fd, json.dumps(info).encode())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the lock (if taken) is released last
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return tmp, fd
+
+
 def clean_stale(parent: str | os.PathLike[str], tag: str) -> list[Path]:
     """Remove the temporaries of ``tag`` in ``parent`` whose writer is dead (see the module docstring).
 
@@ -189,7 +232,22 @@ def clean_stale(parent: str | os.PathLike[str], tag: str) -> list[Path]:
         The temporaries removed.
     """
     parent = Path(parent)
-    pattern = _temp_pattern(tag)
+    return _clean(parent, _temp_pattern(tag), lambda m, tmp: _restore(parent / m["name"], tmp))
+
+
+def clean_stale_dirs(parent: str | os.PathLike[str], prefix: str) -> list[Path]:
+    """Remove the :class:`LockedDir` directories named ``prefix`` + 8 random characters in ``parent`` whose
+    holders are all dead (see the module docstring).
+
+    Returns:
+        The directories removed.
+    """
+    return _clean(Path(parent), re.compile(rf"{re.escape(prefix)}[a-z0-9_]{{8}}"), None)
+
+
+def _clean(parent: Path, pattern: re.Pattern[str], before: Any) -> list[Path]:
+    # the directories in `parent` named by `pattern`, holding our lock file, of this user, whose lock can be taken
+    # without waiting (their holders are dead): `before(match, dir)` runs with the lock held, then the removal
     removed: list[Path] = []
     try:
         entries = list(os.scandir(parent))
@@ -201,12 +259,14 @@ def clean_stale(parent: str | os.PathLike[str], tag: str) -> list[Path]:
             continue
         tmp = Path(entry.path)
         try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue  # another user's: never ours to remove
             fd = os.open(tmp / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:  # no lock file: not ours (or its writer is starting), keep it
             continue
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -214,7 +274,8 @@ def clean_stale(parent: str | os.PathLike[str], tag: str) -> list[Path]:
                 continue
             if os.fstat(fd).st_size == 0 or os.fstat(fd).st_nlink == 0:
                 continue  # a writer between creating and locking it, or another cleaner got there first
-            _restore(parent / m["name"], tmp)
+            if before is not None:
+                before(m, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
             if os.path.lexists(tmp):
                 logger.warning("could not remove the stale temporary %s left by a killed writer", tmp)

@@ -44,11 +44,9 @@ import json
 import logging
 import os
 import selectors
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -57,12 +55,14 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.settings import Settings
+from cosyserve.staging import LockedDir
 
 logger = logging.getLogger("cosyserve.prefork")
 
 __all__ = ["WorkerLink", "serve_prefork", "worker_threads"]
 
 _MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
+_RUN_DIR_PREFIX = "cosyserve-metrics-"  # in the temp dir: the metrics files and the pool's state
 _STATUS = "workers.json"
 _MAX_BACKOFF_S = 5.0
 _MAX_EARLY_DEATHS = 10  # workers in a row that die before READY (~20 s of back-off): the start is broken
@@ -486,8 +486,10 @@ def serve_prefork(settings: Settings) -> int:
             f"{sys.platform}); run --workers 1 per process behind a load balancer instead"
         )
     # before prometheus_client is imported (it picks its value class at import); always a fresh directory of
-    # ours: files left by another run would add to our counts
-    run_dir = tempfile.mkdtemp(prefix="cosyserve-metrics-")
+    # ours: files left by another run would add to our counts. It stays locked while this process or a worker
+    # lives, so that one left by a master killed with SIGKILL is removed by the next start (cosyserve.staging)
+    owned = LockedDir(_RUN_DIR_PREFIX)
+    run_dir = str(owned.path)
     saved = os.environ.get(_MULTIPROC)
     os.environ[_MULTIPROC] = run_dir
     try:
@@ -529,7 +531,7 @@ def serve_prefork(settings: Settings) -> int:
             return 1
         raise
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        owned.remove()
         if saved is None:
             os.environ.pop(_MULTIPROC, None)
         else:
