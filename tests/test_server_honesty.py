@@ -1,5 +1,5 @@
-"""What the server tells a client: a model that cannot load, its own values in error messages (cut when long,
-never mangled), urlencoded forms in UTF-8, exit codes.
+"""What the server tells whom: model names and server paths on the open routes, a model that cannot load, the
+client's own values in error messages (cut when long, never mangled), urlencoded forms in UTF-8, exit codes.
 
 In-process (starlette's TestClient) on the fake runtime, with a fake clock where time matters; one test starts a
 real ``cosyserve serve`` to see its exit code.
@@ -22,10 +22,12 @@ from urllib.parse import urlencode
 import pytest
 from starlette.testclient import TestClient
 
-from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent
+from cosyserve.engine.pool import LOAD_BACKOFF_S, ModelPool, ModelSpec, PoolEvent
+from cosyserve.engine.quotas import Tenant
 from cosyserve.errors import BundleError, LoadFailedError, shown
 from cosyserve.request import SynthesisRequest
 from cosyserve.server.app import create_app
+from cosyserve.server.metrics import OTHER_MODELS
 from cosyserve.server.run import EXIT_CODES
 from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
@@ -47,6 +49,118 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
     while not check():
         assert time.monotonic() < end, f"not {what} after {timeout} s"
         time.sleep(0.02)
+
+
+def keyed_settings() -> Settings:
+    # key-ops's tenant is not in the pool: it sees every model (a scraper's key)
+    return Settings.load().replace(api_keys={"key-a": "a", "key-b": "b", "key-ops": "ops"})
+
+
+def two_tenants(load_model: Callable[[ModelSpec, bool], Any], **kw: Any) -> ModelPool:
+    return ModelPool(
+        [ModelSpec("model-a", policy="preload"), ModelSpec("model-b", **kw)],
+        tenants=[Tenant("a", frozenset({"model-a"})), Tenant("b", frozenset({"model-b"}))],
+        load_model=load_model,
+        memory_probe=None,
+        clock=Clock(),  # stopped: a failed model stays in its back-off
+    )
+
+
+def fails_b(spec: ModelSpec, reload: bool) -> FakeRuntime:
+    if spec.name == "model-b":
+        raise BundleError(
+            f"{SECRET_DIR}/llm.safetensors: header length 99999999 is over the file's 1000 bytes"
+        )
+    return FakeRuntime()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# --- model names and server paths on the open routes --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[TestClient]:
+    """API keys for tenants a (model-a, preloaded) and b (model-b, lazy, whose bundle is damaged), and ops."""
+    with TestClient(create_app(keyed_settings(), pool=two_tenants(fails_b))) as client:
+        wait_for(lambda: client.get("/health/ready").status_code == 200, "ready")
+        r = client.post(
+            "/v1/audio/speech",
+            json={"input": "Hi.", "voice": "alice", "model": "model-b"},
+            headers=auth("key-b"),
+        )
+        assert r.status_code == 503, r.text  # model-b failed to load: now in its back-off
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/health/ready", "/health/startup", "/metrics", "/v1/startup"])
+def test_open_routes_name_no_model_to_a_caller_without_a_key(keyed: TestClient, path: str) -> None:
+    """If this fails, anyone who can reach the port learns every tenant's model names (and so which customers
+    the server has) from a route that needs no key, though /v1/models hides them per key."""
+    r = keyed.get(path)
+    assert r.status_code == 200, f"{path} must answer a probe without a key: {r.status_code} {r.text[:300]}"
+    for name in ("model-a", "model-b"):
+        assert name not in r.text, f"{path} names {name} to a caller without a key:\n{r.text[:2000]}"
+    assert SECRET_DIR not in r.text and "secret-models" not in r.text, f"{path} shows a server path"
+
+
+def test_health_counts_every_model_by_state_and_names_the_keys_own(keyed: TestClient) -> None:
+    """If this fails, a probe without a key cannot tell a failed model from a healthy server, or a tenant sees
+    another tenant's model (or not its own)."""
+    anonymous = keyed.get("/health/ready").json()
+    assert anonymous["models"] == {} and anonymous["model_states"] == {"ready": 1, "failed": 1}, anonymous
+    as_a = keyed.get("/health/ready", headers=auth("key-a")).json()
+    assert list(as_a["models"]) == ["model-a"] and as_a["models"]["model-a"]["state"] == "ready", as_a
+    as_b = keyed.get("/health/startup", headers=auth("key-b")).json()
+    b = as_b["models"]["model-b"]
+    assert list(as_b["models"]) == ["model-b"] and b["state"] == "failed", as_b
+    assert "llm.safetensors: header length 99999999" in b["cause"], "the cause is named to whom may use it"
+    assert SECRET_DIR not in b["cause"], f"a server path reached an open route: {b['cause']}"
+    assert 0 < b["retry_in_s"] <= LOAD_BACKOFF_S[0]
+    ops = keyed.get("/health/ready", headers=auth("key-ops")).json()
+    assert sorted(ops["models"]) == ["model-a", "model-b"], "a key of no pool tenant sees every model"
+
+
+def test_metrics_name_the_keys_models_and_sum_the_others(keyed: TestClient) -> None:
+    """If this fails, /metrics shows a keyless scraper (or another tenant) every model name, or the sums over
+    hidden models are lost (a dashboard's total in flight, a count of failed models)."""
+    keyed.post(
+        "/v1/audio/speech",
+        json={"input": "Hi.", "voice": "alice", "response_format": "pcm"},
+        headers=auth("key-a"),
+    )
+    anonymous = keyed.get("/metrics").text
+    assert f'cosyserve_model_state{{model="{OTHER_MODELS}",state="failed"}} 1.0' in anonymous, anonymous
+    assert f'cosyserve_model_state{{model="{OTHER_MODELS}",state="ready"}} 1.0' in anonymous
+    requests = [line for line in anonymous.splitlines() if line.startswith("cosyserve_requests_total{")]
+    assert requests and all(f'model="{OTHER_MODELS}"' in line for line in requests), requests
+    assert "cosyserve_real_time_factor{" not in anonymous, "a median does not sum: left out, not added up"
+    as_a = keyed.get("/metrics", headers=auth("key-a")).text
+    assert 'cosyserve_model_state{model="model-a",state="ready"} 1.0' in as_a and "model-b" not in as_a
+    assert f'cosyserve_model_state{{model="{OTHER_MODELS}",state="failed"}} 1.0' in as_a
+    ops = keyed.get("/metrics", headers=auth("key-ops")).text
+    assert 'model="model-b"' in ops and OTHER_MODELS not in ops, "a key of no pool tenant sees every series"
+
+
+def test_a_failed_preload_shows_its_cause_without_the_server_path() -> None:
+    """If this fails, /health/startup (open, polled by Kubernetes) shows where the server keeps its models, or
+    names a tenant's model to a caller without a key, while the same failure on the API is cut."""
+    pool = two_tenants(fails_b, policy="preload")
+    with TestClient(create_app(keyed_settings(), pool=pool)) as client:
+        wait_for(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
+        anonymous = client.get("/health/startup")
+        assert anonymous.status_code == 503 and "model-b" not in anonymous.text, anonymous.text
+        assert "failed to load" in anonymous.json()["error"] and SECRET_DIR not in anonymous.text
+        as_b = client.get("/health/startup", headers=auth("key-b")).json()
+        assert "model 'model-b' failed to load" in as_b["error"] and "llm.safetensors" in as_b["error"], as_b
+        assert SECRET_DIR not in json.dumps(as_b), as_b
+    no_keys = two_tenants(fails_b, policy="preload")
+    with TestClient(create_app(Settings.load(), pool=no_keys)) as client:
+        wait_for(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
+        body = client.get("/health/startup").json()
+        assert "model-b" in body["error"] and SECRET_DIR not in json.dumps(body), body
 
 
 # --- a model that cannot load ---------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Start-up order: the lifespan starts loading the preload models in background thr
 so uvicorn opens the port right after the imports; ``/health/live`` answers from then on,
 ``/health/startup`` and ``/health/ready`` say 503 with each model's state until every preload model is READY.
 A preload that fails makes ``/health/startup`` report the cause and stops the server with exit code 3.
+With API keys, the open routes (health, metrics, ``/v1/startup``) name a model only to a key that may use it
+(:meth:`ServerState.shown_models`); none of them shows a server path.
 On SIGTERM readiness turns 503 at once and new synthesis requests get 503 with Retry-After, while the port stays
 open for ``drain_delay_s`` so load balancers see the drain; then uvicorn closes the port and in-flight streams
 get ``shutdown_grace_s`` to finish; what is still running then is cut (a stream ends without its final chunk),
@@ -35,9 +37,15 @@ from starlette.routing import Route
 
 from cosyserve.clock import PhaseClock
 from cosyserve.engine.streams import shared
-from cosyserve.errors import CosyserveError, UnknownModelError, cut, shown
+from cosyserve.errors import CosyserveError, LoadFailedError, UnknownModelError, cut, shown
 from cosyserve.gchold import release_gc
-from cosyserve.server.errors import LastResortMiddleware, cosyserve_error_response, error_response, status_of
+from cosyserve.server.errors import (
+    LastResortMiddleware,
+    cosyserve_error_response,
+    error_response,
+    public_cause,
+    status_of,
+)
 from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
 
 logger = logging.getLogger("cosyserve.server")
@@ -86,14 +94,6 @@ class ServerState:
         self.pool = pool
         self.metrics = Metrics(self)
         self.pool.add_listener(self.metrics.on_pool_event)
-        self.load_errors: dict[str, str] = {}  # the pool drops a failed engine; health still names the cause
-        self.pool.add_listener(self._on_pool_event)
-
-    def _on_pool_event(self, ev: Any) -> None:
-        if ev.kind == "load_failed":
-            self.load_errors[ev.model] = ev.detail
-        elif ev.kind == "loaded":
-            self.load_errors.pop(ev.model, None)
 
     @property
     def model_names(self) -> list[str]:
@@ -106,6 +106,17 @@ class ServerState:
 
     def tenant_of(self, request: Request) -> str | None:
         return getattr(request.state, "tenant", None)
+
+    def shown_models(self, request: Request) -> set[str] | None:
+        """The models an open route may name to this caller; None: every model (the server has no API keys).
+
+        With API keys, a caller is shown the models its key may use (as on ``/v1/models``) and no model without
+        a key: an open route gives a keyless caller states and counts, never another tenant's model names.
+        """
+        if not self.config.api_keys:
+            return None
+        tenant = self.tenant_of(request)
+        return set(self.pool.visible(tenant)) if tenant is not None else set()
 
     def resolve_model(self, name: str | None, tenant: str | None, param: str = "model") -> str:
         """A request's model name -> a pool model; OpenAI's names (tts-1, ...) mean the default model."""
@@ -128,21 +139,53 @@ class ServerState:
     def _state(self, name: str) -> str:
         eng = self.pool.engine(name)
         if eng is None:
-            return "failed" if name in self.load_errors else "unloaded"
+            return "failed" if self.pool.load_failure(name) is not None else "unloaded"
         return eng.state.value
 
-    def describe_models(self) -> dict[str, Any]:
+    def describe_models(self, names: set[str] | None = None) -> dict[str, Any]:
+        """State, load and failure of each model (of ``names`` only, when given), as the health routes show it."""
         out = {}
         for n in self.model_names:
+            if names is not None and n not in names:
+                continue
             eng = self.pool.engine(n)
+            failure = self.pool.load_failure(n) if eng is None else None
+            cause = failure.cause if failure is not None else (eng.cause if eng is not None else None)
             out[n] = {
                 "state": self._state(n),
                 "preload": n in self.preload,
                 "in_flight": eng.in_flight if eng is not None else 0,
                 "queue_depth": eng.queue_depth if eng is not None else 0,
-                "cause": self.load_errors.get(n) if eng is None else (repr(eng.cause) if eng.cause else None),
+                "cause": public_cause(cause) if cause is not None else None,
             }
+            if failure is not None:  # when the pool loads it again, at the earliest
+                out[n]["retry_in_s"] = round(max(0.0, failure.retry_at - self.pool.clock()), 1)
         return out
+
+    def health(self, request: Request, status: str) -> dict[str, Any]:
+        """The body of ``/health/ready`` and ``/health/startup``: the caller's models (:meth:`shown_models`),
+        a count of every model by state, and the cause of a failed start-up, without server paths."""
+        names = self.shown_models(request)
+        states: dict[str, int] = {}
+        for n in self.model_names:
+            st = self._state(n)
+            states[st] = states.get(st, 0) + 1
+        body: dict[str, Any] = {
+            "status": status,
+            "models": self.describe_models(names),
+            "model_states": states,
+            "demo": self.demo,
+        }
+        if self.worker is not None:  # readiness is this worker's; the pool of workers is the master's view
+            body["workers"] = self.worker.status()
+        e = self.startup_error
+        if e is not None:
+            model = e.model if isinstance(e, LoadFailedError) else None
+            if names is None or model in names:
+                body["error"] = public_cause(e)
+            else:
+                body["error"] = "a preload model failed to load (a key that may use it is told which and why)"
+        return body
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -318,35 +361,27 @@ def create_app(
         return JSONResponse({"status": "alive", "uptime_s": round(time.time() - state.started_wall, 3)})
 
     async def startup(request: Request) -> Response:
-        body: dict[str, Any] = {"models": state.describe_models(), "demo": state.demo}
-        if state.worker is not None:
-            body["workers"] = state.worker.status()
         if state.startup_error is not None:
-            body.update(status="failed", error=str(state.startup_error))
-            return JSONResponse(body, status_code=503)
+            return JSONResponse(state.health(request, "failed"), status_code=503)
         if not state.startup_done:
-            body.update(status="starting", elapsed_ms=round(state.clock.now_ms(), 1))
+            body = state.health(request, "starting") | {"elapsed_ms": round(state.clock.now_ms(), 1)}
             return JSONResponse(body, status_code=503)
-        body.update(status="started", ready_ms=state.clock.points.get("ready"))
+        body = state.health(request, "started") | {"ready_ms": state.clock.points.get("ready")}
         return JSONResponse(body)
 
     async def ready(request: Request) -> Response:
         ok = state.ready()
         status = "ready" if ok else ("draining" if state.draining else "not_ready")
-        body = {"status": status, "models": state.describe_models(), "demo": state.demo}
-        if state.worker is not None:  # readiness is this worker's; the pool of workers is the master's view
-            body["workers"] = state.worker.status()
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return JSONResponse(state.health(request, status), status_code=200 if ok else 503)
 
     async def index(request: Request) -> Response:
         return FileResponse(os.path.join(_STATIC, "index.html"), media_type="text/html")
 
     async def startup_report(request: Request) -> Response:
         report = state.metrics.startup_report()
-        if state.config.api_keys:  # model names are the caller's business only, as on /v1/models
-            tenant = state.tenant_of(request)
-            visible = set(state.pool.visible(tenant)) if tenant is not None else set()
-            report["models"] = {n: c for n, c in report["models"].items() if n in visible}
+        names = state.shown_models(request)
+        if names is not None:
+            report["models"] = {n: c for n, c in report["models"].items() if n in names}
         return JSONResponse(report)
 
     async def openapi(request: Request) -> Response:

@@ -34,6 +34,7 @@ __all__ = [
     "client_message",
     "cosyserve_error_response",
     "error_response",
+    "public_cause",
     "status_of",
     "without_paths",
 ]
@@ -138,6 +139,13 @@ def client_message(e: CosyserveError) -> str:
     if e.public_message:
         return e.public_message
     return without_paths(str(e))
+
+
+def public_cause(e: BaseException) -> str:
+    """A failure (a model's load, the start-up) as an open route may show it: no server path in it."""
+    if isinstance(e, CosyserveError):
+        return client_message(e)
+    return without_paths(f"{type(e).__name__}: {e}")
 
 
 def cosyserve_error_response(e: CosyserveError, params: Mapping[str, str] | None = None) -> JSONResponse:

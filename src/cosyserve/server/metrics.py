@@ -13,6 +13,12 @@ holds for its own models, are published by every worker to that directory each s
 with a ``pid`` label: a worker's model states, load times and start-up phases are its own (a sum of them would
 mean nothing), and ``sum without (pid)`` gives the totals where they make sense (in flight, queue, engine
 counters).
+
+With API keys, a scrape names a model only when its key may use it (the open routes' one rule,
+:meth:`cosyserve.server.app.ServerState.shown_models`): the series of the other models are summed into one
+``model="(other)"`` series where a sum means something (requests, states, in flight, bytes, loads), and left out
+where it does not (a median, a load's duration, start-up times). A scraper's key of a tenant that the pool
+config does not list sees every model.
 """
 
 from __future__ import annotations
@@ -27,12 +33,24 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
 from cosyserve.clock import PHASES
 
-__all__ = ["Metrics"]
+__all__ = ["OTHER_MODELS", "Metrics"]
+
+OTHER_MODELS = "(other)"  # the model label of the models a scrape may not name
+# per-model values that do not add up over models: a hidden model's are left out, not summed
+_NOT_ADDITIVE = frozenset(
+    {
+        "cosyserve_real_time_factor",
+        "cosyserve_model_load_seconds",
+        "cosyserve_startup_phase_seconds",
+        "cosyserve_startup_point_seconds",
+    }
+)
 
 _STATES = ("unloaded", "new", "loading", "ready", "draining", "released", "failed", "evicting")
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -214,6 +232,32 @@ class _WorkerPools:
         yield from merged.values()
 
 
+class _Shown(Collector):
+    """A registry's families as a caller who may see only ``names`` sees them (see the module's docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, names: set[str]) -> None:
+        self.registry = registry
+        self.names = names
+
+    def _named(self, family: str, model: str) -> bool:
+        return model in self.names or (family == "cosyserve_startup_point_seconds" and model == "server")
+
+    def collect(self) -> Any:
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            others: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for x in fam.samples:
+                model = x.labels.get("model")
+                if model is None or self._named(fam.name, model):
+                    out.add_sample(x.name, x.labels, x.value, x.timestamp, x.exemplar, x.native_histogram)
+                elif fam.name not in _NOT_ADDITIVE and not x.name.endswith("_created"):
+                    key = (x.name, tuple(sorted({**x.labels, "model": OTHER_MODELS}.items())))
+                    others[key] = others.get(key, 0.0) + x.value
+            for (name, labels), value in others.items():
+                out.add_sample(name, dict(labels), value)
+            yield out
+
+
 def _alive(pid: str) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -335,4 +379,6 @@ class Metrics:
         return out
 
     async def endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        names = self.state.shown_models(request)
+        source = self.registry if names is None else _Shown(self.registry, names)
+        return Response(generate_latest(source), media_type="text/plain; version=0.0.4; charset=utf-8")

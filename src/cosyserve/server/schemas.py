@@ -145,14 +145,18 @@ def _health_schema() -> dict[str, Any]:
             "in_flight": {"type": "integer", "minimum": 0},
             "queue_depth": {"type": "integer", "minimum": 0},
             "cause": {"type": ["string", "null"]},
+            "retry_in_s": {"type": "number", "minimum": 0},
         },
     }
     return {
         "type": "object",
-        "required": ["status", "models", "demo"],
+        "required": ["status", "models", "model_states", "demo"],
         "properties": {
             "status": {"type": "string"},
+            # with API keys, only the models of the caller's key (none without one)
             "models": {"type": "object", "additionalProperties": model},
+            # every model, counted by state
+            "model_states": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
             "demo": {"type": "boolean"},
             "error": {"type": "string"},
         },
