@@ -1,7 +1,8 @@
 """API keys -> tenants. With keys configured, every API route needs ``Authorization: Bearer KEY`` (401 without
 one); the key's tenant then limits which models and registered voices the request can see or use. Health, metrics,
-the web page, the OpenAPI document and ``/v1/startup`` stay open (probes and scrapers carry no keys); a valid key
-sent to them still names the tenant, so ``/v1/startup`` shows that tenant's models only (none without a key).
+the web page, the OpenAPI document and ``/v1/startup`` stay open (probes and scrapers need no key); a valid key
+sent to them still names the tenant, and they name only that tenant's models (none without a key: states and
+counts only, see :meth:`cosyserve.server.app.ServerState.shown_models`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from cosyserve.server.errors import error_response
 __all__ = ["AuthMiddleware", "OPEN_PATHS"]
 
 # Open on purpose. /openapi.json describes routes and fields only (no model, voice, tenant or key), and clients
-# and API tools read it before they have a key; /v1/startup filters its models by the caller's key itself.
+# and API tools read it before they have a key; the others name a model only to a key that may use it.
 OPEN_PATHS = (
     "/",
     "/health/live",
