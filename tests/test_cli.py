@@ -570,3 +570,58 @@ def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch:
         by_hf = any(fnmatch.fnmatch(name, p) for p in seen["hf"])
         by_ms = any(re.match(p, name) for p in seen["ms"])
         assert by_hf == by_ms == (name in skipped), name
+
+
+def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """If this fails, `--log-level` works only before the command (`cosyserve --log-level debug synth ...`), though
+    every command takes it, or given after the command it undoes the one given before."""
+    from cosyserve.cli import _flags, build_parser
+    from cosyserve.settings import Settings
+
+    parser = build_parser()
+    for argv, level in (
+        (["synth", "--out", "x.wav", "--log-level", "debug"], "debug"),
+        (["--log-level", "info", "speakers"], "info"),  # not overwritten by the command's own (absent) flag
+        (["--log-level", "info", "serve", "--log-level", "error"], "error"),
+        (["convert", "a", "b"], "warning"),
+    ):
+        args = parser.parse_args(argv)
+        assert Settings.load(flags=_flags(args), env={}).log_level == level, argv
+    r = cli("speakers", "--model", str(tiny_model_dir), "--log-level", "info")
+    assert r.returncode == 0 and " INFO cosyserve." in r.stderr, r.stderr[-3000:]
+    r = cli("synth", "--out", str(tmp_path / "x.wav"), "--log-level", "loud")
+    assert r.returncode == 1 and "--log-level loud" in r.stderr, r.stderr[-3000:]
+
+
+def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """If this fails, importing a spk2info.pt whose pickle names a function (os.system here) shows torch's
+    several lines that advise loading it with weights_only=False (running it), or runs it."""
+    marker = tmp_path / "ran"
+    code = (
+        "import os, sys, torch\n"
+        "class Evil:\n"
+        "    def __reduce__(self):\n"
+        "        return (os.system, ('touch ' + sys.argv[2],))\n"
+        "torch.save({'evil': {'embedding': Evil()}}, sys.argv[1])\n"
+    )
+    evil = tmp_path / "spk2info.pt"
+    made = subprocess.run(
+        [sys.executable, "-c", code, str(evil), str(marker)], capture_output=True, timeout=120
+    )
+    assert made.returncode == 0 and evil.is_file(), made.stderr
+    r = cli(
+        "speakers",
+        "import",
+        str(evil),
+        "--model",
+        str(tiny_model_dir),
+        env=cli_env(COSYSERVE_REGISTRY_DIR=str(tmp_path / "voices")),
+    )
+    assert r.returncode == 1 and not marker.exists(), r.stderr[-3000:]
+    # (a first conversion of the model adds its one progress line, "cosyserve: converting ...")
+    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("cosyserve: ")]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert str(evil) in lines[0] and "other than tensors" in lines[0] and "system" in lines[0], lines[0]
+    assert "weights_only" not in lines[0] and "trust" not in lines[0], lines[0]

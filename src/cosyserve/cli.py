@@ -55,7 +55,16 @@ def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
     env = f"env {s.env}; " if s.env else ""
     kwargs.setdefault("help", f"{s.doc} ({env}default {s.shown_default()})".replace("%", "%%"))
     kwargs.setdefault("metavar", s.flag.lstrip("-").upper().replace("-", "_"))
-    p.add_argument(s.flag, dest=name, default=None, **kwargs)
+    kwargs.setdefault("default", None)
+    p.add_argument(s.flag, dest=name, **kwargs)
+
+
+def _every_command_setting(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
+    """Setting ``name`` on every command too (``cosyserve synth ... --log-level debug``), as before the command
+    (``cosyserve --log-level debug synth ...``). Not given there, it leaves alone the value given before:
+    argparse copies every attribute of the command's namespace over the top-level one's."""
+    for p in sub.choices.values():
+        _setting(p, name, default=argparse.SUPPRESS)
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -496,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=_cmd_make_test_model)
+    _every_command_setting(sub, "log_level")
     return parser
 
 

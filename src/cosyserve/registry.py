@@ -583,7 +583,7 @@ class SpeakerRegistry:
         try:
             info = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a file we will not read
-            raise RegistryError(f"cannot read {path} as a weights-only torch file: {e}") from e
+            raise RegistryError(_unreadable_spk2info(path, e)) from None
         if not isinstance(info, dict):
             raise RegistryError(
                 f"{path} should map speaker names to dicts of tensors, got {type(info).__name__}"
@@ -632,6 +632,21 @@ class SpeakerRegistry:
             raise RegistryError(f"cannot write {path}: folder {path.parent} does not exist")
         atomic_write(path, buf.getvalue())
         return sorted(out)
+
+
+def _unreadable_spk2info(path: Path, e: Exception) -> str:
+    """One line for a spk2info.pt that ``torch.load(weights_only=True)`` refused, without torch's text (several
+    lines, which suggest loading the file with ``weights_only=False``: running whatever its pickle names)."""
+    text = str(e)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (
+            f"{path} holds objects other than tensors and dicts of them (its pickle names {found[1]}): refused; a "
+            "spk2info.pt holds only those, and cosyserve reads it weights-only, running nothing in it"
+        )
+    detail = re.search(r"Unsupported [^\n.]*", text)
+    first = detail[0] if detail else (text.strip().splitlines() or [type(e).__name__])[0]
+    return f"cannot read {path} as a weights-only torch file of tensors: {first}"
 
 
 def _torch_for(what: str) -> Any:
