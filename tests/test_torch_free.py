@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(
@@ -100,3 +102,127 @@ def test_engine_pool_and_server_run_with_torch_unimportable() -> None:
         [sys.executable, "-c", SCRIPT, str(TESTS)], capture_output=True, text=True, timeout=120, env=env
     )
     assert r.returncode == 0 and "OK" in r.stdout, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+
+
+# -- a torch-free install: every entry point picks the lite runtime by itself ----------------------------------------
+# (item 8 of issue 25: before, `cosyserve.load(bundle)` was a ModuleNotFoundError traceback, `serve` exited 3 with
+# a log line and `speakers` said "this needs torch", for a bundle the lite runtime serves)
+
+SRC = str(TESTS.parent / "src")
+
+
+@pytest.fixture(scope="module")
+def lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from cosyserve.bundle.convert import convert
+
+    out = tmp_path_factory.mktemp("lite") / "bundle"
+    convert(tiny_model_dir, out, runtime="lite", progress=False)
+    return out
+
+
+def _no_torch_env(tmp: Path) -> dict[str, str]:
+    """An environment whose Python processes (``python -m cosyserve``, a server, its probes) find no torch, as on
+    an install without it: a ``sitecustomize`` first on the path puts None for torch in ``sys.modules``."""
+    folder = tmp / "no-torch"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text('import sys\nsys.modules["torch"] = None\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSYSERVE_")}
+    env["COSYSERVE_CACHE_DIR"] = str(tmp / "cache")
+    env["COSYSERVE_REGISTRY_DIR"] = str(tmp / "voices")
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), SRC])
+    return env
+
+
+API_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys
+    assert sys.modules["torch"] is None, "the sitecustomize did not run"
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+    import cosyserve
+    from cosyserve.engine.poolfile import load_pool_config
+    from cosyserve.errors import InputError
+    from cosyserve.settings import Settings
+
+    lite, torch_only, pool_file = sys.argv[1:4]
+    model = cosyserve.load(lite, warmup=False, threads=1)
+    assert type(model.runtime).__name__ == "LiteRuntime", type(model.runtime)
+    assert model.speakers, model.speakers
+    model.close()
+    # a pool file's model without a runtime of its own, and the setting itself
+    settings = Settings.load(env={}, file=pool_file)
+    assert settings.runtime == "lite" and settings.origin("runtime") == "default"
+    assert load_pool_config(settings).models["m"].runtime == "lite"
+    for path, kwargs, says in (
+        (torch_only, {}, "pip install torch"),
+        (lite, {"runtime": "torch"}, "--runtime lite serves it"),
+    ):
+        try:
+            cosyserve.load(path, warmup=False, **kwargs)
+            raise AssertionError(f"{path} {kwargs} loaded without torch")
+        except InputError as e:
+            assert says in str(e) and "\\n" not in str(e), str(e)
+            print("REFUSED", e)
+    print("OK")
+    """
+)
+
+
+def test_every_entry_point_picks_the_lite_runtime_where_torch_is_not_installed(
+    lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """If this fails, an install without torch cannot use a lite bundle through some entry point unless it says
+    `--runtime lite` (or the choice is not said at INFO)."""
+    from server_util import running_server
+
+    env = _no_torch_env(tmp_path)
+    pool = tmp_path / "pool.toml"
+    pool.write_text(f'[models.m]\npath = "{lite_bundle}"\n', encoding="utf-8")
+    r = subprocess.run(
+        [sys.executable, "-c", API_SCRIPT, str(lite_bundle), str(tiny_model_dir), str(pool)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.endswith("OK\n"), f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert f"INFO cosyserve.api: torch is not installed: {lite_bundle} runs on the lite runtime" in r.stdout
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "cosyserve", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+    out = tmp_path / "o.wav"
+    r = cli("synth", "--model", str(lite_bundle), "--text", "Hello.", "--seed", "1", "--out", str(out),
+            "--threads", "1", "--log-level", "info")  # fmt: skip
+    assert r.returncode == 0 and out.stat().st_size > 44, r.stderr[-3000:]
+    assert "torch is not installed" in r.stderr, r.stderr[-3000:]
+    r = cli("speakers", "--model", str(lite_bundle))
+    assert r.returncode == 0 and "英文女" in r.stdout.splitlines(), r.stderr[-3000:]
+    r = cli("startup-report", "--model", str(lite_bundle), "--runs", "1", "--no-warmup", "--json")
+    assert r.returncode == 0 and '"floor_module": "onnxruntime"' in r.stdout, r.stderr[-3000:]
+    with running_server(lite_bundle, tmp_path / "srv", env={**env, "COSYSERVE_THREADS": "1"}) as s:
+        with s.client() as c:
+            r2 = c.post(
+                "/v1/audio/speech", json={"input": "Hi.", "voice": "英文女", "response_format": "pcm"}
+            )
+            assert r2.status_code == 200 and len(r2.content) > 0, r2.text
+        assert "torch is not installed" in s.log(), s.log()[-3000:]
+
+
+def test_without_torch_a_command_that_needs_it_says_what_to_install_in_one_line(
+    lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """If this fails, a command that cannot run without torch prints a traceback, a log line or exit code 3
+    instead of one line naming what to install (and, for conformance, that it needs torch with --runtime lite)."""
+    env = _no_torch_env(tmp_path)
+    cases = [
+        (["synth", "--model", str(tiny_model_dir), "--text", "Hi.", "--out", str(tmp_path / "o.wav")],
+         "pip install torch"),
+        (["serve", "--model", str(tiny_model_dir), "--port", "0"], "pip install torch"),
+        (["serve", "--model", str(lite_bundle), "--runtime", "torch", "--port", "0"], "--runtime lite serves it"),
+        (["conformance", str(tmp_path), "--runtime", "lite"], "conformance reads the fixture tensors and converts"),
+    ]  # fmt: skip
+    for args, says in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "cosyserve", *args], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert r.returncode == 1, (args, r.returncode, r.stderr[-3000:])
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "torch" in lines[0], (args, r.stderr[-3000:])

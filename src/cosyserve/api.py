@@ -25,7 +25,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CosyVoiceModel", "load", "quiet_onnxruntime", "resolve_bundle", "runtime_options"]
+__all__ = [
+    "CosyVoiceModel",
+    "choose_runtime",
+    "load",
+    "quiet_onnxruntime",
+    "resolve_bundle",
+    "runtime_options",
+]
+
+# what a torch-free install lacks, and how to add it (README: Install)
+TORCH_INSTALL = "pip install torch==2.13.0 (the CPU build; or 'cosyserve[torch]')"
 
 
 class CosyVoiceModel:
@@ -223,6 +233,43 @@ def quiet_onnxruntime() -> None:
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 
+def choose_runtime(source: str | Path, settings: Settings, runtime: str | None = None) -> str:
+    """The runtime that loads ``source``: ``runtime`` when given, else the ``runtime`` setting, whose default is
+    ``torch`` where torch is installed and ``lite`` where it is not (said at INFO).
+
+    Args:
+        source: the model (see :mod:`cosyserve.sources`).
+        settings: the settings (their ``runtime``, and where it came from).
+        runtime: a runtime the caller names itself (None: the setting's).
+    Returns:
+        ``torch`` or ``lite``.
+    Raises:
+        cosyserve.errors.InputError: torch is not installed and ``source`` needs it: the torch runtime was chosen,
+            or the lite runtime by default for a model that is not a bundle converted with ``--runtime lite``.
+    """
+    from cosyserve.errors import InputError
+    from cosyserve.sources import has_lite_files, torch_installed
+
+    chosen = runtime or settings.runtime
+    lite_files = has_lite_files(source)
+    if chosen == "torch" and not torch_installed():
+        by = f"runtime={runtime!r}" if runtime else f"chosen by {settings.where('runtime')}"
+        alternative = " (it is a lite bundle: --runtime lite serves it without torch)" if lite_files else ""
+        raise InputError(
+            f"{source}: the torch runtime ({by}) needs torch, which is not installed: {TORCH_INSTALL}"
+            f"{alternative}"
+        )
+    if chosen == "lite" and runtime is None and settings.origin("runtime") == "default":
+        if not lite_files:
+            raise InputError(
+                f"{source}: torch is not installed, and this is not a bundle converted with `--runtime lite`, which "
+                f"is all that runs without torch: {TORCH_INSTALL}; or convert it with `cosyserve convert MODEL_DIR "
+                "BUNDLE --runtime lite` where torch is, and serve that bundle"
+            )
+        logger.info("torch is not installed: %s runs on the lite runtime (ONNX Runtime)", source)
+    return chosen
+
+
 def load(
     path: str | Path,
     *,
@@ -243,7 +290,7 @@ def load(
         settings: a :class:`cosyserve.settings.Settings` (default: ``Settings.load()``, the environment).
         clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``
-            setting, ``torch`` unless COSYSERVE_RUNTIME says otherwise).
+            setting: ``torch``, or ``lite`` where torch is not installed, unless COSYSERVE_RUNTIME says otherwise).
         options: settings by name (``threads``, ``strategy``, ``verify``, ``warmup``, ``warmup_tokens``,
             ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of :class:`cosyserve.runtime.RuntimeOptions`
             (``batch_size``, ``batch_flow``, ...); those not given (or None) come from ``settings``.
@@ -251,15 +298,14 @@ def load(
         A :class:`CosyVoiceModel`.
     Raises:
         cosyserve.errors.InputError: the model, a setting or an option cannot be used (ModelDirError,
-            ModelConfigError, BundleError, SettingsError).
+            ModelConfigError, BundleError, SettingsError), or needs torch where it is not installed.
     """
     from cosyserve.runtime import load_runtime
     from cosyserve.settings import Settings
 
     quiet_onnxruntime()
     settings = settings if settings is not None else Settings.load()
-    if runtime is None:
-        runtime = settings.runtime
+    runtime = choose_runtime(path, settings, runtime)
     return CosyVoiceModel(
         load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock)
     )

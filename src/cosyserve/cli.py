@@ -136,8 +136,10 @@ def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _cmd_startup_report(args: argparse.Namespace, settings: Settings) -> None:
+    from cosyserve.api import choose_runtime
     from cosyserve.report import startup_report
 
+    choose_runtime(settings.models[0], settings)  # the runtime its fresh processes will load on
     startup_report(
         settings.models[0],
         runs=args.runs,
@@ -274,14 +276,33 @@ def _cmd_make_test_model(args: argparse.Namespace, settings: Settings) -> None:
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> None:
     settings.model_args()  # checks the --model names before anything starts
     from cosyserve.server import serve
+    from cosyserve.server.run import setup_logging
 
+    setup_logging(settings)  # as serve() does: the runtime notes below are the server's first lines
+    _preload_runtimes(settings)
     sys.exit(serve(settings))
+
+
+def _preload_runtimes(settings: Settings) -> None:
+    """Choose each preload model's runtime as its load will (``cosyserve.api.choose_runtime``): the lite runtime is
+    said at INFO where torch is not installed, and a model that needs torch there stops the start in one line."""
+    from cosyserve.api import choose_runtime
+    from cosyserve.engine.poolfile import load_pool_config
+    from cosyserve.settings import DEMO_MODEL, ModelArg
+
+    args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
+    defaulted = settings.origin("runtime") == "default"
+    for spec in load_pool_config(settings, preload=args).models.values():
+        if spec.policy == "preload":
+            # a model without a runtime of its own in the pool config has the setting's
+            own = None if defaulted and spec.runtime == settings.runtime else spec.runtime
+            choose_runtime(spec.path, settings, own)
 
 
 def _load(settings: Settings, **overrides: Any) -> Any:
     import cosyserve
 
-    return cosyserve.load(settings.models[0], settings=settings, runtime=settings.runtime, **overrides)
+    return cosyserve.load(settings.models[0], settings=settings, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] in ("", "cosyserve"):
             raise  # our own code: a bug, not an install to fix
-        print(f"cosyserve {args.command}: error: {_missing_package(e)}", file=sys.stderr)
+        print(f"cosyserve {args.command}: error: {_missing_package(e, args.command)}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -581,13 +602,25 @@ def _show_progress() -> None:
     log.propagate = False
 
 
-def _missing_package(e: ModuleNotFoundError) -> str:
+# why a command needs torch whatever its --runtime (the others need it for the torch runtime only)
+_TORCH_FOR = {
+    "convert": "convert reads the official checkpoints with torch, with --runtime lite too",
+    "make-test-model": "make-test-model builds the model with torch",
+    "conformance": "conformance reads the fixture tensors and converts the set's model with torch, with --runtime lite "
+    "too",
+    "quality": "quality measures the torch runtime",
+}
+
+
+def _missing_package(e: ModuleNotFoundError, command: str = "") -> str:
     top = (e.name or "").partition(".")[0]
     if top == "torch":
+        from cosyserve.api import TORCH_INSTALL
+
+        why = _TORCH_FOR.get(command, "the torch runtime needs it")
         return (
-            "this needs torch (the torch runtime, convert and make-test-model): pip install torch==2.13.0 (the CPU "
-            "build; or 'cosyserve[torch]'); without torch, serve a bundle converted with --runtime lite using "
-            "--runtime lite"
+            f"this needs torch, which is not installed ({why}): {TORCH_INSTALL}; without torch, cosyserve serves "
+            "bundles converted with --runtime lite (where torch is)"
         )
     extra = _EXTRAS.get(top)
     if extra:

@@ -168,6 +168,12 @@ def _cache_dir(env: Mapping[str, str]) -> Path:
     return Path(base) / "cosyserve"
 
 
+def _default_runtime(env: Mapping[str, str]) -> str:
+    from cosyserve.sources import torch_installed
+
+    return "torch" if torch_installed() else "lite"
+
+
 @dataclass(frozen=True)
 class ModelArg:
     """One ``--model``: served as ``name``, from ``source`` (bundle, official dir or hub id)."""
@@ -228,6 +234,8 @@ class Settings:
         env="COSYSERVE_RUNTIME",
         flag="--runtime",
         cast=Choice("torch", "lite"),
+        factory=_default_runtime,
+        shown="torch (lite where torch is not installed)",
         doc="what runs the model: `torch` (our PyTorch modules; every model and mode) or `lite` (ONNX Runtime and "
         "numpy, no torch in the process: a bundle converted with `convert --runtime lite`; CosyVoice-300M, every "
         "mode)",

@@ -18,13 +18,40 @@ from pathlib import Path
 
 from cosyserve.errors import ModelDirError
 
-__all__ = ["DEMO_MODEL", "cache_dir_of", "demo_model_dir", "resolve_bundle", "resolve_source"]
+__all__ = [
+    "DEMO_MODEL",
+    "cache_dir_of",
+    "demo_model_dir",
+    "has_lite_files",
+    "resolve_bundle",
+    "resolve_source",
+    "torch_installed",
+]
 
 logger = logging.getLogger(__name__)
 # expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
 progress_logger = logging.getLogger("cosyserve.progress")
 
 DEMO_MODEL = "demo"
+
+
+def torch_installed() -> bool:
+    """Whether torch is installed, found without importing it (a millisecond, not the second its import takes)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # ValueError: a module object in sys.modules without a spec
+        return False
+
+
+def has_lite_files(source: str | Path) -> bool:
+    """Whether ``source`` is a bundle converted with ``--runtime lite`` (its ``lite/`` manifest is there; the
+    lite runtime checks the files themselves when it loads)."""
+    from cosyserve.lite import LITE_DIR
+
+    path = Path(source)
+    return (path / "manifest.json").is_file() and (path / LITE_DIR / "manifest.json").is_file()
 
 
 def cache_dir_of(cache_dir: Path | None) -> Path:
