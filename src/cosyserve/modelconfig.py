@@ -341,8 +341,10 @@ class ModelConfig:
     flow: Any
     hift: Any
     source: str = ""
-    family: str = "cosyvoice"  # cosyvoice (the 300M family) or cosyvoice2
-    chunk_size: int = 25  # CosyVoice2: the streaming hop and the flow's attention chunk, in tokens
+    family: str = "cosyvoice"  # cosyvoice (the 300M family), cosyvoice2 or cosyvoice3
+    chunk_size: int = 25  # CosyVoice2/3: the streaming hop and the flow's attention chunk, in tokens
+    # the yaml's prompt mel extractor (MelSpectrogramConfig) where the family reads it (CosyVoice2/3), else None
+    feat_extractor: Any = None
 
     KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
 
@@ -358,8 +360,6 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
     Returns:
         The :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
-    from cosyserve.models.hift import HiFTConfig
-
     if not isinstance(tree, dict):
         raise ModelConfigError(f"{source}: '{where or 'top level'}' should be a mapping, got {tree!r}")
     family = tree.get("family", "cosyvoice")
@@ -367,12 +367,7 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
         raise ModelConfigError(
             f"{source}: '{_join(where, 'family')}' is {family!r}; expected one of {', '.join(FAMILY_FILES)}"
         )
-    if family == "cosyvoice2":
-        from cosyserve.models.flow2 import CausalFlowConfig as FlowConfig
-        from cosyserve.models.qwen2lm import Qwen2LMConfig as LLMConfig
-    else:
-        from cosyserve.models.flow import FlowConfig  # type: ignore[assignment]
-        from cosyserve.models.llm import LLMConfig  # type: ignore[assignment]
+    LLMConfig, FlowConfig, HiFTConfig = (_import(path) for path in _COMPONENT_CONFIGS[family])
     for key in ModelConfig.KNOWN:
         if key not in tree:
             raise ModelConfigError(
@@ -386,7 +381,43 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
         source=str(source),
         family=family,
         chunk_size=_coerce(int, tree.get("chunk_size", 25), source, _join(where, "chunk_size")),
+        feat_extractor=_feat_extractor(tree.get("feat_extractor"), source, _join(where, "feat_extractor")),
     )
+
+
+# each family's llm, flow and hift config classes, imported when a config of that family is built
+_COMPONENT_CONFIGS = {
+    "cosyvoice": (
+        "cosyserve.models.llm:LLMConfig",
+        "cosyserve.models.flow:FlowConfig",
+        "cosyserve.models.hift:HiFTConfig",
+    ),
+    "cosyvoice2": (
+        "cosyserve.models.qwen2lm:Qwen2LMConfig",
+        "cosyserve.models.flow2:CausalFlowConfig",
+        "cosyserve.models.hift:HiFTConfig",
+    ),
+    "cosyvoice3": (
+        "cosyserve.models.cosyvoice3_lm:CosyVoice3LMConfig",
+        "cosyserve.models.dit:DiTFlowConfig",
+        "cosyserve.models.causal_hift:CausalHiFTConfig",
+    ),
+}
+
+
+def _import(path: str) -> Any:
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _feat_extractor(node: Any, source: str | Path, where: str) -> Any:
+    if node is None:
+        return None
+    from cosyserve.frontend.features import MelSpectrogramConfig
+
+    return build_config(MelSpectrogramConfig, node, source=source, where=where)
 
 
 def config_tree(cfg: ModelConfig) -> dict[str, Any]:
@@ -395,20 +426,27 @@ def config_tree(cfg: ModelConfig) -> dict[str, Any]:
         **({"family": cfg.family, "chunk_size": cfg.chunk_size} if cfg.family != "cosyvoice" else {}),
         "sample_rate": cfg.sample_rate,
         **{k: dataclasses.asdict(getattr(cfg, k)) for k in ("llm", "flow", "hift")},
+        **(
+            {"feat_extractor": dataclasses.asdict(cfg.feat_extractor)}
+            if cfg.feat_extractor is not None
+            else {}
+        ),
     }
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``MODEL_DIR/cosyvoice.yaml`` and build the LLM, flow and HiFT configs.
+def load_model_config(model_dir: str | Path, *, served_only: bool = True) -> ModelConfig:
+    """Read ``MODEL_DIR/cosyvoice.yaml`` (or ``cosyvoice2.yaml``, ``cosyvoice3.yaml``) and build the LLM, flow and
+    HiFT configs.
 
     Args:
-        model_dir: an official CosyVoice-300M model directory (or the yaml file itself).
+        model_dir: an official model directory (or a CosyVoice-300M yaml file itself).
+        served_only: refuse a family cosyserve does not serve yet (see :func:`detect_family`).
     Returns:
         A :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
     path = Path(model_dir)
-    if path.is_dir() and detect_family(path) == "cosyvoice2":
-        return _load_cv2_config(path)
+    if path.is_dir() and (family := detect_family(path, served_only=served_only)) != "cosyvoice":
+        return _load_qwen_family_config(path, family)
     if path.is_dir():
         path = path / "cosyvoice.yaml"
     if not path.is_file():
@@ -421,40 +459,47 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 # The reference's AutoModel picks the family by which yaml the directory holds, in this order.
-FAMILY_FILES = {"cosyvoice": "cosyvoice.yaml", "cosyvoice2": "cosyvoice2.yaml"}
+FAMILY_FILES = {
+    "cosyvoice": "cosyvoice.yaml",
+    "cosyvoice2": "cosyvoice2.yaml",
+    "cosyvoice3": "cosyvoice3.yaml",
+}
+# the families the runtimes serve; CosyVoice3 is implemented and conformance-tested, not yet served
+SERVED_FAMILIES = ("cosyvoice", "cosyvoice2")
 QWEN_DIR = "CosyVoice-BlankEN"
 
 
-def detect_family(model_dir: str | Path) -> str:
-    """``cosyvoice`` (the 300M family) or ``cosyvoice2``: which official yaml ``model_dir`` holds.
+def detect_family(model_dir: str | Path, *, served_only: bool = True) -> str:
+    """``cosyvoice`` (the 300M family), ``cosyvoice2`` or ``cosyvoice3``: which official yaml ``model_dir`` holds.
 
-    Never guessed from names. A directory with ``cosyvoice3.yaml`` only is refused as unsupported.
+    Never guessed from names. With ``served_only`` a family the runtimes do not serve yet (CosyVoice3) is refused
+    with an error that says so.
     """
     path = Path(model_dir)
     for family, name in FAMILY_FILES.items():
         if (path / name).is_file():
+            if served_only and family not in SERVED_FAMILIES:
+                raise ModelConfigError(
+                    f"{path} is a CosyVoice3 model ({name}); cosyserve does not serve that family yet"
+                )
             return family
-    if (path / "cosyvoice3.yaml").is_file():
-        raise ModelConfigError(
-            f"{path} is a CosyVoice3 model (cosyvoice3.yaml); cosyserve does not serve that family yet"
-        )
     raise ModelConfigError(
         f"no model config in {path}: an official model dir holds cosyvoice.yaml (CosyVoice-300M) "
         "or cosyvoice2.yaml (CosyVoice2)"
     )
 
 
-def read_cv2_yaml(model_dir: str | Path) -> dict[str, Any]:
-    """The parsed ``cosyvoice2.yaml`` of an official CosyVoice2 directory (tags as :class:`Tagged`, refs
-    resolved; nothing executed)."""
-    path = Path(model_dir) / FAMILY_FILES["cosyvoice2"]
+def read_cv2_yaml(model_dir: str | Path, family: str = "cosyvoice2") -> dict[str, Any]:
+    """The parsed ``cosyvoice2.yaml`` (or ``family``'s yaml) of an official directory (tags as :class:`Tagged`,
+    refs resolved; nothing executed)."""
+    path = Path(model_dir) / FAMILY_FILES[family]
     if not path.is_file():
         raise ModelConfigError(f"model config not found: {path}")
     return read_yaml(path)
 
 
 def qwen_config(model_dir: str | Path) -> dict[str, Any]:
-    """``CosyVoice-BlankEN/config.json`` of a CosyVoice2 directory, checked for the keys the LM needs."""
+    """``CosyVoice-BlankEN/config.json`` of a CosyVoice2/3 directory, checked for the keys the LM needs."""
     import json
 
     path = Path(model_dir) / QWEN_DIR / "config.json"
@@ -488,11 +533,12 @@ def qwen_config(model_dir: str | Path) -> dict[str, Any]:
     return doc
 
 
-def _load_cv2_config(model_dir: Path) -> ModelConfig:
-    """The :class:`ModelConfig` of an official CosyVoice2 directory: ``cosyvoice2.yaml`` plus the Qwen config
-    (``CosyVoice-BlankEN/config.json``), which the LM's config carries (a bundle's manifest then holds both)."""
-    path = model_dir / FAMILY_FILES["cosyvoice2"]
-    doc = read_cv2_yaml(model_dir)
+def _load_qwen_family_config(model_dir: Path, family: str) -> ModelConfig:
+    """The :class:`ModelConfig` of an official CosyVoice2 or CosyVoice3 directory: its yaml plus the Qwen config
+    (``CosyVoice-BlankEN/config.json``), which the LM's config carries (a bundle's manifest then holds both).
+    The yaml's ``feat_extractor`` (the prompt mel) is kept too: CosyVoice3's differs from CosyVoice2's (fmax)."""
+    path = model_dir / FAMILY_FILES[family]
+    doc = read_cv2_yaml(model_dir, family)
     unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
     if unknown:
         raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
@@ -503,13 +549,15 @@ def _load_cv2_config(model_dir: Path) -> ModelConfig:
     if not isinstance(llm, Tagged) or not isinstance(llm.value, dict):
         raise ModelConfigError(f"{path}: 'llm' should be a !new: record of Qwen2LM arguments")
     tree = {
-        "family": "cosyvoice2",
+        "family": family,
         "chunk_size": doc.get("chunk_size", 25),
         "sample_rate": doc["sample_rate"],
         "llm": Tagged(llm.kind, llm.target, {**llm.value, "qwen": _qwen_fields(model_dir)}),
         "flow": doc["flow"],
         "hift": doc["hift"],
     }
+    if "feat_extractor" in doc:
+        tree["feat_extractor"] = doc["feat_extractor"]
     return build_model_config(tree, source=path)
 
 

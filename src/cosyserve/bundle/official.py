@@ -95,32 +95,37 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> Non
     assert_materialized(module, str(path))
 
 
+# each family's module classes, imported on first use
+_MODULE_CLASSES = {
+    "cosyvoice": {
+        "llm": "cosyserve.models.llm:TransformerLM",
+        "flow": "cosyserve.models.flow:MaskedDiffWithXvec",
+        "hift": "cosyserve.models.hift:HiFTGenerator",
+    },
+    "cosyvoice2": {
+        "llm": "cosyserve.models.qwen2lm:Qwen2LM",
+        "flow": "cosyserve.models.flow2:CausalMaskedDiffWithXvec",
+        "hift": "cosyserve.models.hift:HiFTGenerator",
+    },
+    "cosyvoice3": {
+        "llm": "cosyserve.models.cosyvoice3_lm:CosyVoice3LM",
+        "flow": "cosyserve.models.dit:CausalMaskedDiffWithDiT",
+        "hift": "cosyserve.models.causal_hift:CausalHiFTGenerator",
+    },
+}
+
+
 def module_class(name: str, family: str = "cosyvoice") -> type:
     """The module class of component ``name`` (llm, flow or hift) in model ``family`` (cosyvoice: the 300M
-    family; cosyvoice2)."""
-    if family not in ("cosyvoice", "cosyvoice2"):
+    family; cosyvoice2; cosyvoice3)."""
+    import importlib
+
+    if family not in _MODULE_CLASSES:
         raise ValueError(f"unknown model family {family!r}")
-    if name == "llm":
-        if family == "cosyvoice2":
-            from cosyserve.models.qwen2lm import Qwen2LM
-
-            return Qwen2LM
-        from cosyserve.models.llm import TransformerLM
-
-        return TransformerLM
-    if name == "flow":
-        if family == "cosyvoice2":
-            from cosyserve.models.flow2 import CausalMaskedDiffWithXvec
-
-            return CausalMaskedDiffWithXvec
-        from cosyserve.models.flow import MaskedDiffWithXvec
-
-        return MaskedDiffWithXvec
-    if name == "hift":
-        from cosyserve.models.hift import HiFTGenerator
-
-        return HiFTGenerator
-    raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
+    if name not in COMPONENT_FILES:
+        raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
+    module, cls = _MODULE_CLASSES[family][name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def new_module(name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:

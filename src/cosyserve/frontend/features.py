@@ -11,7 +11,9 @@ arithmetic (and its float32 rounding points) and cached per device.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -216,6 +218,37 @@ def whisper_log_mel(speech: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     log_spec = torch.clamp(mel, min=1e-10).log10()
     log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
     return (log_spec + 4.0) / 4.0
+
+
+@dataclass(frozen=True)
+class MelSpectrogramConfig:
+    """A model yaml's ``feat_extractor`` (``!name:matcha.utils.audio.mel_spectrogram`` and its arguments); calling
+    it computes that mel: waveform [1, N] at ``sampling_rate`` -> [1, num_mels, frames]."""
+
+    TARGET: ClassVar[str] = "matcha.utils.audio.mel_spectrogram"
+
+    n_fft: int
+    num_mels: int
+    sampling_rate: int
+    hop_size: int
+    win_size: int
+    fmin: float = 0
+    fmax: float | None = None
+    center: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.n_fft, self.num_mels, self.sampling_rate, self.hop_size, self.win_size) <= 0:
+            raise ValueError(
+                "feat_extractor n_fft, num_mels, sampling_rate, hop_size and win_size must be > 0"
+            )
+        if self.win_size > self.n_fft or self.hop_size > self.n_fft:
+            raise ValueError(f"feat_extractor win_size and hop_size must not exceed n_fft={self.n_fft}")
+
+    def __call__(self, speech: torch.Tensor) -> torch.Tensor:
+        return mel_spectrogram(
+            speech, n_fft=self.n_fft, num_mels=self.num_mels, sampling_rate=self.sampling_rate,
+            hop_size=self.hop_size, win_size=self.win_size, fmin=self.fmin, fmax=self.fmax, center=self.center,
+        )  # fmt: skip
 
 
 def mel_spectrogram_24k(speech: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,307 @@
+"""CosyVoice3's vocoder: ``CausalHiFTGenerator``, a causal HiFT (neural source filter + iSTFTNet) at 24 kHz.
+
+What differs from the HiFT of :mod:`cosyserve.models.hift` (whose pieces it reuses):
+
+- every convolution is causal: left zero padding (the upsampling stages repeat each frame, pad ``k - 1`` on the
+  left and convolve; the source's STFT is brought down by strided convolutions padded ``stride - 1`` on the left);
+  ``conv_pre`` looks ``conv_pre_look_right`` (4) frames ahead and the f0 predictor's first convolution 3 frames;
+- ``finalize=False`` (a streaming chunk): those lookahead frames are real context instead of zero padding. The f0
+  predictor sees the whole mel and gives ``T - 3`` frames; the decoder sees the first ``T - 3`` and gives
+  ``T - 7`` frames of spectrum, and the last 480 samples are dropped, so a chunk of ``T`` mel frames gives
+  ``(T - 8) * 480`` samples that no later frame can change;
+- the f0 predictor runs in float64 (the reference converts it; phase is the integral of f0, so float32 f0 would
+  drift audibly over a long utterance); its weights are folded from weight norm in float64 too;
+- the sine source is SineGen2 with **nearest** (not linear) upsampling of the frame-rate phase, and it draws
+  nothing: the initial phases (``rand_ini``, [1, 9], fundamental 0) and the additive noise (``sine_waves``, uniform
+  [0, 1), [1, L, 9], the first L rows used) are fixed buffers in the reference, passed in here.
+
+Attribute names are the official ``hift.pt`` keys (weight-norm ``parametrizations`` form, folded on load as in
+:class:`~cosyserve.models.hift.HiFTGenerator`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyserve.models.hift import (
+    ConvRNNF0Predictor,
+    F0PredictorConfig,
+    HiFTConfig,
+    HiFTGenerator,
+    ResBlock,
+    SourceModuleHnNSF,
+    _channels_last,
+    _conv,
+    _wn,
+)
+
+__all__ = [
+    "CausalF0PredictorConfig",
+    "CausalHiFTConfig",
+    "CausalHiFTGenerator",
+    "source_noise",
+]
+
+F0_LOOKAHEAD = 3  # the f0 predictor's first conv: kernel 4, "right" causal (3 frames ahead)
+
+
+@dataclass
+class CausalF0PredictorConfig(F0PredictorConfig):
+    TARGET: ClassVar[str] = "cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor"
+
+
+@dataclass
+class CausalHiFTConfig(HiFTConfig):
+    TARGET: ClassVar[str] = "cosyvoice.hifigan.generator.CausalHiFTGenerator"
+
+    conv_pre_look_right: int = 4
+    f0_predictor: CausalF0PredictorConfig = field(default_factory=CausalF0PredictorConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sampling_rate == 22050:
+            raise ValueError(
+                "CausalHiFTGenerator sampling_rate=22050 selects the reference's SineGen, which has no causal form; "
+                "CosyVoice3 is 24000 Hz"
+            )
+        if self.conv_pre_look_right < 1:
+            raise ValueError(f"hift conv_pre_look_right={self.conv_pre_look_right} must be >= 1")
+
+    @property
+    def lookahead(self) -> int:
+        """Mel frames a non-final call holds back: the f0 predictor's and conv_pre's lookahead, plus the last
+        frame whose samples the iSTFT has not finished (8 for the release)."""
+        return F0_LOOKAHEAD + self.conv_pre_look_right + 1
+
+
+def _causal_padding(kernel_size: int, dilation: int = 1) -> int:
+    # the reference's CausalConv1d: equals (k - 1) * d for the odd kernels and k - 1 for the even ones it builds
+    return int((kernel_size * dilation - dilation) / 2) * 2 + (kernel_size + 1) % 2
+
+
+def source_noise(
+    samples: int, generator: torch.Generator | None = None, harmonics: int = 9
+) -> tuple[Tensor, Tensor]:
+    """Noise buffers drawn as the reference draws its own: ``rand_ini`` [1, harmonics] uniform in [0, 1) with
+    column 0 zeroed, then ``sine_waves`` [1, samples, harmonics] uniform in [0, 1).
+
+    A stream must give every call of one utterance the same buffers (each call reads their first rows)."""
+    rand_ini = torch.rand(1, harmonics, generator=generator)
+    rand_ini[:, 0] = 0
+    return rand_ini, torch.rand(1, samples, harmonics, generator=generator)
+
+
+class CausalResBlock(ResBlock):
+    """HiFT's residual block with every dilated convolution padded on the left only."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: list[int], wn: bool = True):
+        super().__init__(channels, kernel_size, dilations, wn)
+        for conv in (*self.convs1, *self.convs2):
+            conv.padding = (0,)  # padded explicitly (left) in forward
+        self.pads1 = [_causal_padding(kernel_size, d) for d in dilations]
+        self.pad2 = _causal_padding(kernel_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: (B, C, 1, T) channels-last (see hift._conv)
+        for conv1, conv2, act1, act2, pad1 in zip(
+            self.convs1, self.convs2, self.activations1, self.activations2, self.pads1, strict=True
+        ):
+            h = _conv(conv1, F.pad(act1(x), (pad1, 0)))
+            x = _conv(conv2, F.pad(act2(h), (self.pad2, 0))).add_(x)
+        return x
+
+
+class CausalConvRNNF0Predictor(ConvRNNF0Predictor):
+    """HiFT's f0 predictor with causal convolutions: the first looks 3 frames ahead, the others back only."""
+
+    def __init__(self, cfg: F0PredictorConfig, wn: bool = True):
+        super().__init__(cfg, wn)
+        self.condnet[0] = _wn(nn.Conv1d(cfg.in_channels, cfg.cond_channels, F0_LOOKAHEAD + 1), wn)
+        for conv in self.condnet[2::2]:
+            conv.padding = (0,)  # padded explicitly (left) in forward
+
+    def forward(self, mel: Tensor, finalize: bool = True) -> Tensor:
+        # mel: (B, 80, T) -> f0 in Hz (B, T) if finalize, else (B, T - 3) (the last 3 frames are lookahead), in
+        # the weights' dtype
+        mel = mel.to(self.classifier.weight.dtype)
+        x = F.pad(mel, (0, F0_LOOKAHEAD)) if finalize else mel
+        for i, layer in enumerate(self.condnet):
+            if isinstance(layer, nn.Conv1d) and i > 0:
+                x = F.pad(x, (_causal_padding(layer.kernel_size[0]), 0))
+            x = layer(x)
+        return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
+
+
+class CausalHiFTGenerator(HiFTGenerator):
+    # the source module stays float32 in a lower-precision vocoder; the f0 predictor is float64 (see _f0)
+    FLOAT32_PARTS = ("m_source",)
+
+    def __init__(self, cfg: CausalHiFTConfig, weight_norm: bool = True):
+        """Args: weight_norm: as :class:`~cosyserve.models.hift.HiFTGenerator`."""
+        nn.Module.__init__(self)
+        wn = weight_norm
+        if not (
+            len(cfg.upsample_rates) == len(cfg.upsample_kernel_sizes) == len(cfg.source_resblock_kernel_sizes)
+        ):
+            raise ValueError(
+                "hift upsample_rates, upsample_kernel_sizes and source_resblock_kernel_sizes must have equal lengths"
+            )
+        self.cfg = cfg
+        self.sinegen2 = True
+        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        n_fft, base = cfg.istft_params["n_fft"], cfg.base_channels
+
+        self.m_source = SourceModuleHnNSF(cfg.nb_harmonics)
+        self.conv_pre = _wn(nn.Conv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1), wn)
+        self.ups = nn.ModuleList(
+            _wn(nn.Conv1d(base // 2**i, base // 2 ** (i + 1), k), wn)
+            for i, k in enumerate(cfg.upsample_kernel_sizes)
+        )
+        down_rates = [math.prod(cfg.upsample_rates[i + 1 :]) for i in range(len(cfg.upsample_rates))]
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (u, k, d) in enumerate(
+            zip(down_rates, cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes, strict=True)
+        ):
+            ch = base // 2 ** (i + 1)
+            self.source_downs.append(
+                nn.Conv1d(n_fft + 2, ch, 1) if u == 1 else nn.Conv1d(n_fft + 2, ch, 2 * u, u)
+            )
+            self.source_resblocks.append(CausalResBlock(ch, k, d, wn))
+        self.resblocks = nn.ModuleList(
+            CausalResBlock(base // 2 ** (i + 1), k, d, wn)
+            for i in range(len(self.ups))
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True)
+        )
+        self.conv_post = _wn(nn.Conv1d(base // 2 ** len(self.ups), n_fft + 2, 7), wn)
+        self.f0_predictor = CausalConvRNNF0Predictor(cfg.f0_predictor, wn).to(torch.float64)
+        # f0 entries become float64 before the weight-norm fold, so the fold is float64 as in the reference
+        self._register_load_state_dict_pre_hook(self._f0_float64)
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    @staticmethod
+    def _f0_float64(state_dict: dict, prefix: str, *args: object) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix + "f0_predictor.")]:
+            if state_dict[key].is_floating_point():
+                state_dict[key] = state_dict[key].to(torch.float64)
+
+    # -- inference -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warm_up(self, n_frames: int = 4) -> Tensor:
+        """Vocode ``n_frames`` silent mel frames once, finalizing (every kernel the vocoder runs). Returns the
+        audio."""
+        mel = torch.zeros(1, self.cfg.in_channels, max(n_frames, 1), dtype=self.conv_pre.weight.dtype)
+        rand_ini, sine_waves = source_noise(mel.shape[2] * self.cfg.upsample_factor, torch.Generator())
+        audio, _ = self.inference(mel, True, rand_ini=rand_ini, sine_waves=sine_waves)
+        return audio
+
+    @torch.inference_mode()
+    def inference(  # type: ignore[override]
+        self, speech_feat: Tensor, finalize: bool = True, *, rand_ini: Tensor, sine_waves: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Vocode a mel spectrogram, the whole utterance so far.
+
+        Args:
+            speech_feat: (B, 80, T) log-mel frames.
+            finalize: the utterance ends here. Otherwise the last frames are lookahead only: T must exceed
+                :attr:`CausalHiFTConfig.lookahead` (8).
+            rand_ini: (1 or B, H) initial phase per harmonic in cycles, H = nb_harmonics + 1 (column 0 ignored).
+            sine_waves: (1 or B, >= L, H) the additive noise buffer (uniform [0, 1)); its first L rows are used.
+        Returns:
+            speech: (B, T * 480) if finalizing, else (B, (T - 8) * 480), float32 in [-audio_limit, audio_limit];
+            source: (B, 1, L) float32 excitation, L = T * 480 or (T - 3) * 480.
+        """
+        cfg = self.cfg
+        if speech_feat.dim() != 3 or speech_feat.shape[1] != cfg.in_channels:
+            raise ValueError(f"speech_feat must be (B, {cfg.in_channels}, T), got {tuple(speech_feat.shape)}")
+        if not finalize and speech_feat.shape[2] <= cfg.lookahead:
+            raise ValueError(
+                f"a vocoder call that does not finalize needs more than {cfg.lookahead} mel frames, "
+                f"got {speech_feat.shape[2]}"
+            )
+        f0 = self._f0(speech_feat, finalize)  # (B, T')
+        source = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
+        mel = speech_feat if finalize else speech_feat[:, :, :-F0_LOOKAHEAD]
+        return self._causal_decode(mel, source, finalize), source
+
+    def _f0(self, speech_feat: Tensor, finalize: bool) -> Tensor:
+        if next(self.f0_predictor.parameters()).dtype != torch.float64:
+            # as the reference does (should a whole-module cast have undone it)
+            self.f0_predictor.to(torch.float64)
+        return self.f0_predictor(speech_feat.to(torch.float64), finalize).to(torch.float32)
+
+    def _causal_source(self, f0: Tensor, rand_ini: Tensor, sine_waves: Tensor) -> Tensor:
+        # SineGen2 in the reference's (B, L, H) layout and op order; the frame-rate phase is upsampled by repetition
+        cfg = self.cfg
+        B, H, device = f0.shape[0], cfg.nb_harmonics + 1, f0.device
+        scale = cfg.upsample_factor
+        f0 = F.interpolate(f0[:, None], scale_factor=float(scale), mode="nearest")
+        f0 = f0.transpose(1, 2)  # (B, L, 1)
+        L = f0.shape[1]
+        if rand_ini.dim() != 2 or rand_ini.shape[1] != H or rand_ini.shape[0] not in (1, B):
+            raise ValueError(f"rand_ini must be (1, {H}) or ({B}, {H}), got {tuple(rand_ini.shape)}")
+        if sine_waves.dim() != 3 or sine_waves.shape[1] < L or sine_waves.shape[2] != H:
+            raise ValueError(f"sine_waves must be (1, >= {L}, {H}), got {tuple(sine_waves.shape)}")
+        harmonics = torch.arange(1, H + 1, device=device, dtype=torch.float32).view(1, 1, H)
+        rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, H) cycles per sample
+        rad[:, 0, :] = rad[:, 0, :] + rand_ini.to(device=device, dtype=torch.float32)
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
+        phase = torch.cumsum(rad, dim=1) * 2 * math.pi  # (B, T', H)
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="nearest")
+        sine = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha  # (B, L, H)
+        uv = (f0 > cfg.nsf_voiced_threshold).float()  # (B, L, 1)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
+        sine = sine * uv + noise_amp * sine_waves[:, :L].to(device=device, dtype=torch.float32)
+        return self.m_source(sine.transpose(1, 2))
+
+    def _causal_decode(self, mel: Tensor, source: Tensor, finalize: bool) -> Tensor:
+        cfg = self.cfg
+        n_fft, hop = cfg.istft_params["n_fft"], cfg.istft_params["hop_len"]
+        window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device=source.device).float()
+        spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=window, return_complex=True)
+        s_stft = torch.cat([spec.real, spec.imag], dim=1)  # (B, n_fft+2, L/hop + 1)
+        if not finalize:
+            # conv_pre's right context gets no output frames: neither do the source frames under it
+            s_stft = s_stft[:, :, : -math.prod(cfg.upsample_rates) * cfg.conv_pre_look_right]
+        x = self.causal_spectrum(mel, s_stft, finalize)
+        magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
+        phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        speech = torch.istft(spec, n_fft, hop, n_fft, window=window)  # (B, samples)
+        if not finalize:
+            speech = speech[:, : -cfg.upsample_factor]
+        return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def causal_spectrum(self, mel: Tensor, s_stft: Tensor, finalize: bool) -> Tensor:
+        """The decoder from mel (B, 80, T) and the source's STFT rows (B, n_fft+2, N) to the float32
+        log-magnitude and phase rows the iSTFT takes; not finalizing, conv_pre's last input frames are context."""
+        cfg = self.cfg
+        dtype = next(self.conv_pre.parameters()).dtype
+        s_stft = _channels_last(s_stft.to(dtype))
+        x = _channels_last(mel.to(dtype))  # (B, 80, 1, T)
+        if finalize:
+            x = F.pad(x, (0, cfg.conv_pre_look_right))
+        x = _conv(self.conv_pre, x)
+        for i, (up, rate) in enumerate(zip(self.ups, cfg.upsample_rates, strict=True)):
+            x = F.leaky_relu(x, cfg.lrelu_slope)
+            x = F.interpolate(x, scale_factor=(1.0, float(rate)), mode="nearest")
+            x = _conv(up, F.pad(x, (up.kernel_size[0] - 1, 0)))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0, 0, 0), mode="reflect")  # to the STFT's L/hop + 1 frames
+            down = self.source_downs[i]
+            si = _conv(down, F.pad(s_stft, (down.stride[0] - 1, 0)))
+            x = x.add_(self.source_resblocks[i](si))
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            xs = blocks[0](x)
+            for block in blocks[1:]:
+                xs = xs.add_(block(x))
+            x = xs.div_(self.num_kernels)
+        x = F.pad(F.leaky_relu(x), (self.conv_post.kernel_size[0] - 1, 0))
+        return _conv(self.conv_post, x).squeeze(2).float()
