@@ -91,3 +91,20 @@ def test_fixture_set_passes_on_the_lite_runtime(fixture_set_dir: Path) -> None:
 def test_lite_runtime_refuses_a_cosyvoice2_set(cv2_set_dir: Path) -> None:
     r = conformance(str(cv2_set_dir), "--runtime", "lite")
     assert r.returncode != 0 and "CosyVoice-300M" in r.stdout + r.stderr
+
+
+def test_cosyvoice3_fixture_set_passes(cv3_set_dir: Path) -> None:
+    """Every case of the CosyVoice3 set (KINDS-cosyvoice3.md), every kind of it known: if a case fails, our
+    CosyVoice3 computes something other than the reference."""
+    doc = json.loads((cv3_set_dir / "cases.json").read_text())
+    r = conformance(str(cv3_set_dir))
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
+    assert len(lines) == len(doc["cases"])
+
+
+def test_a_cosyvoice3_set_is_not_run_through_a_bundle(cv3_set_dir: Path) -> None:
+    # bundles of CosyVoice3 models are not made yet: say so instead of failing inside the converter
+    r = conformance(str(cv3_set_dir), "--via-bundle", "--kinds", "tokenize")
+    assert r.returncode != 0 and "cosyvoice3 has none yet" in r.stdout + r.stderr

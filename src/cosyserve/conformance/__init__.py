@@ -52,7 +52,17 @@ KIND_MODULES_CV2 = {
     "token2wav_stream": "cosyserve.conformance.cv2_token2wav",
     "token2wav_full": "cosyserve.conformance.cv2_token2wav",
 }
-FAMILY_KINDS = {"cosyvoice": KIND_MODULES, "cosyvoice2": KIND_MODULES_CV2}
+# CosyVoice3 sets (KINDS-cosyvoice3.md): every kind lives with the family
+_CV3 = "cosyserve.families.cosyvoice3.conformance"
+KIND_MODULES_CV3 = dict.fromkeys(
+    (
+        "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference",
+        "token2wav_stream", "token2wav_full", "mel", "whisper_logmel", "resample", "speech_token",
+        "zero_shot_frontend", "cross_lingual_frontend", "instruct2_frontend", "vc_frontend", "silent_token_filter",
+    ),
+    _CV3,
+)  # fmt: skip
+FAMILY_KINDS = {"cosyvoice": KIND_MODULES, "cosyvoice2": KIND_MODULES_CV2, "cosyvoice3": KIND_MODULES_CV3}
 
 
 @dataclass
@@ -196,6 +206,7 @@ def run_conformance(
     from safetensors.torch import load_file
 
     from cosyserve.conformance.context import CaseContext
+    from cosyserve.modelconfig import SERVED_FAMILIES
 
     set_dir = Path(set_dir)
     cases_path = set_dir / "cases.json"
@@ -207,11 +218,10 @@ def run_conformance(
         raise ValueError(f"{cases_path}: expected {{'format': 1, 'cases': [...]}}")
     wanted = set(kinds) if kinds is not None else None
     if wanted is not None:
-        unknown = sorted(wanted - set(KIND_MODULES) - set(KIND_MODULES_CV2))
+        known = set().union(*FAMILY_KINDS.values())
+        unknown = sorted(wanted - known)
         if unknown:
-            raise ValueError(
-                f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(set(KIND_MODULES) | set(KIND_MODULES_CV2)))}"
-            )
+            raise ValueError(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     tensors_path = set_dir / "tensors.safetensors"
     tensors = load_file(str(tensors_path)) if tensors_path.is_file() else {}
     if runtime not in ("torch", "lite"):
@@ -220,6 +230,10 @@ def run_conformance(
     ctx.runtime = runtime
     if runtime == "lite" and ctx.family != "cosyvoice":
         raise ValueError(f"{set_dir}: the lite runtime serves CosyVoice-300M; this set is {ctx.family}'s")
+    if via_bundle and ctx.family not in SERVED_FAMILIES:
+        raise ValueError(
+            f"{set_dir}: --via-bundle needs a bundle of this set's model; {ctx.family} has none yet"
+        )
     tmp = None
     if via_bundle or runtime == "lite":
         import tempfile

@@ -24,19 +24,19 @@ class CaseContext:
 
     @cached_property
     def family(self) -> str:
-        """``cosyvoice`` or ``cosyvoice2``, from the yaml the model dir holds; a set without a model dir (feature
-        kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
+        """``cosyvoice``, ``cosyvoice2`` or ``cosyvoice3``, from the yaml the model dir holds; a set without a model
+        dir (feature kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
         from cosyserve.modelconfig import FAMILY_FILES, detect_family
 
         if not any((self.model_dir / name).is_file() for name in FAMILY_FILES.values()):
             return "cosyvoice"
-        return detect_family(self.model_dir)
+        return detect_family(self.model_dir, served_only=False)
 
     @cached_property
     def config(self) -> Any:
         from cosyserve.modelconfig import load_model_config
 
-        return load_model_config(self.model_dir)
+        return load_model_config(self.model_dir, served_only=False)
 
     def _component(self, name: str) -> Any:
         if name not in self._modules:

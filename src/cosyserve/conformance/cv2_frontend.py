@@ -21,8 +21,11 @@ def frontend2(ctx: Any) -> Any:
     return ctx.cache["cv2_frontend"]
 
 
-def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    return frontend2(ctx).frontend_zero_shot(
+# Each kind takes the frontend to run (default CosyVoice2's): CosyVoice3's kinds are the same calls on its own.
+
+
+def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = None) -> dict[str, Any]:
+    return (frontend or frontend2(ctx)).frontend_zero_shot(
         inputs["tts_text"],
         inputs["prompt_text"],
         ctx.set_dir / inputs["prompt_wav"],
@@ -30,16 +33,16 @@ def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    return frontend2(ctx).frontend_cross_lingual(
+def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = None) -> dict[str, Any]:
+    return (frontend or frontend2(ctx)).frontend_cross_lingual(
         inputs["tts_text"], ctx.set_dir / inputs["prompt_wav"], int(inputs["resample_rate"])
     )
 
 
-def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = None) -> dict[str, Any]:
     # the reference's frontend_instruct2: frontend_zero_shot with the instruction as the prompt text, minus the
     # LLM's prompt speech tokens
-    out = frontend2(ctx).frontend_zero_shot(
+    out = (frontend or frontend2(ctx)).frontend_zero_shot(
         inputs["tts_text"],
         inputs["instruct_text"],
         ctx.set_dir / inputs["prompt_wav"],

@@ -4,6 +4,7 @@ and the vocoder's recorded draws per call. The flow's noise is its fixed buffer 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from cosyserve.conformance.cv2_audio import hift2
@@ -20,6 +21,11 @@ def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         {"sine_phase": inputs[f"c{c}_sine_rand_ini"], "sine_noise": inputs[f"c{c}_sine_noise"]} for c in calls
     )
     t2w = Token2Wav2(flow2(ctx), hift2(ctx))  # the reference policy: hops 25 (+ prompt pad), 50, 100
+    return vc_chunks(t2w, inputs, draws)
+
+
+def vc_chunks(t2w: Any, inputs: dict[str, Any], draws: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """The case's outputs: ``t2w`` (a Token2Wav2 or a subclass) on the vc branch's inputs, with ``draws``."""
     chunks = list(
         t2w(
             inputs["source_speech_token"].flatten().tolist(),

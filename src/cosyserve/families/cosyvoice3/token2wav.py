@@ -1,0 +1,118 @@
+"""CosyVoice3 speech tokens -> audio, one-shot or streaming, with the reference's CosyVoice3 rules.
+
+The chunk schedule and the flow calls are CosyVoice2's (:class:`~cosyserve.runtime.token2wav2.Token2Wav2`: the
+first hop tops the prompt up to a whole 25-token chunk, hops double up to 100, 3 lookahead tokens, the last call
+with full attention). The vocoder side differs (``CosyVoice3Model.token2wav``): each call appends its new mel
+frames to the request's mel, the causal vocoder re-runs on **all** of it, and the chunk is the audio from the
+request's ``speech_offset`` on. No source cache, no cross-fade, no mel fade: the vocoder is causal, so what a
+non-final call emitted (everything up to 8 frames before the end of its mel) does not change later; the next call
+recomputes it and emits only what is new.
+
+Before vocoding, runs of the "silent" tokens (FSQ silence and breath codes) that the LM emits are cut to 5
+(:func:`filter_silent_tokens`); the LM itself still consumes every token it sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cosyserve.runtime.token2wav2 import StreamPolicy2, Token2Wav2
+
+__all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
+
+# CosyVoice3Model.silent_tokens ("FSQ silent and breath token") and the longest run of them kept
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+MAX_SILENT_RUN = 5
+
+
+def filter_silent_tokens(
+    tokens: Iterable[int], silent: Iterable[int] = SILENT_TOKENS, max_run: int = MAX_SILENT_RUN
+) -> Iterator[int]:
+    """The tokens to vocode: every run of consecutive ``silent`` tokens cut to its first ``max_run`` (the
+    reference's ``llm_job``). Lazy: a token is yielded as soon as it arrives."""
+    silent = frozenset(silent)
+    run = 0
+    for token in tokens:
+        if token in silent:
+            run += 1
+            if run > max_run:
+                continue
+        else:
+            run = 0
+        yield token
+
+
+@dataclass
+class _MelCache:
+    mel: torch.Tensor  # (1, 80, frames) every frame of the request so far
+    speech_offset: int  # samples already emitted
+
+
+class Token2Wav3(Token2Wav2):
+    """Turns speech tokens into audio with a CosyVoice3 flow and causal vocoder.
+
+    Args:
+        flow: :class:`~cosyserve.models.dit.CausalMaskedDiffWithDiT`.
+        hift: :class:`~cosyserve.models.causal_hift.CausalHiFTGenerator`.
+        policy: the chunking (CosyVoice2's rules); default the reference's.
+        flow_steps: the flow's Euler steps (None: the model's own count).
+
+    Calling it (see :meth:`Token2Wav2.__call__`) takes the vocoder's noise buffers as ``draws``: an iterator of
+    ``{"rand_ini": ..., "sine_waves": ...}`` per call, which must be the same buffers for every call of a request
+    (``itertools.repeat``), as the reference's are fixed.
+    """
+
+    def __init__(
+        self, flow: Any, hift: Any, policy: StreamPolicy2 | None = None, flow_steps: int | None = None
+    ) -> None:
+        super().__init__(flow, hift, policy, flow_steps)
+        p, need = self.policy, hift.cfg.lookahead
+        if p.first_hop * p.token_mel_ratio <= need:
+            raise ValueError(
+                f"first_hop_len must exceed {need // p.token_mel_ratio} tokens (a streaming vocoder call holds "
+                f"back {need} mel frames), got {p.first_hop}"
+            )
+
+    def _call(  # type: ignore[override]
+        self,
+        tokens: list[int],
+        offset: int,
+        cache: _MelCache | None,
+        prompt_token: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        embedding: torch.Tensor,
+        *,
+        streaming: bool,
+        finalize: bool,
+        speed: float,
+        draws: dict[str, torch.Tensor],
+        generator: torch.Generator | None,
+        **stop: Any,
+    ) -> tuple[torch.Tensor, _MelCache | None]:
+        # generator: unused, CosyVoice3's vocoder draws nothing; stop: the caller's stop check, for the flow
+        p = self.policy
+        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        mel = self.flow.inference(
+            token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
+            n_timesteps=self.flow_steps, **{k: v for k, v in stop.items() if v is not None},
+        )  # fmt: skip
+        mel = mel[:, :, offset * p.token_mel_ratio :]
+        state = (
+            _MelCache(mel, 0)
+            if cache is None
+            else _MelCache(torch.cat([cache.mel, mel], dim=2), cache.speech_offset)
+        )
+        mel = state.mel
+        if speed != 1.0:
+            if offset != 0 or not finalize:
+                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+        speech, _ = self.hift.inference(mel, finalize, **draws)
+        speech = speech[:, state.speech_offset :]
+        state.speech_offset += speech.shape[1]
+        return speech, None if finalize else state
