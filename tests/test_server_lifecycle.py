@@ -12,8 +12,10 @@ sees either readiness 503 or a refused connection, never 200); requests already 
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
+import string
 import threading
 import time
 from collections.abc import Iterator
@@ -398,17 +400,20 @@ def test_a_stream_cut_by_the_deadline_is_incomplete_for_the_client(
 ) -> None:
     """Headers and audio are out when the deadline passes: the connection must end without the final chunk so
     the client's HTTP library raises, instead of a clean end that looks like complete audio."""
-    with running_server(tiny_model_dir, tmp_path, args=["--request-timeout", "6"]) as server:
+    # the deadline must fall after the first chunk (a second or two, more on a busy machine) and long before the
+    # end of the speech: 4096 letters without punctuation are 17 pieces of up to a minute of speech each
+    with running_server(tiny_model_dir, tmp_path, args=["--request-timeout", "10"]) as server:
         with server.client() as c:
             assert c.post("/v1/audio/speech", json={**speech_body("Hi."), "stream": False}).status_code == 200
             with c.stream("POST", "/v1/audio/speech", json=speech_body("Hi there.")) as r:
                 assert r.status_code == 200
                 assert b"".join(r.iter_raw()), "a complete stream must end cleanly"
             before = metric_samples(c)
-            with c.stream("POST", "/v1/audio/speech", json=speech_body(LONG_TEXT * 3)) as r:
+            endless = "".join(random.Random(0).choice(string.ascii_lowercase) for _ in range(4096))
+            with c.stream("POST", "/v1/audio/speech", json=speech_body(endless)) as r:
                 assert r.status_code == 200, f"the first chunk came after the deadline: {r.read()!r}"
                 with pytest.raises(httpx.RemoteProtocolError):
-                    for _ in r.iter_raw():  # ~a minute of speech: far more than the 6 s deadline
+                    for _ in r.iter_raw():  # minutes of work: far more than the 10 s deadline
                         pass
             now = metric_samples(c)
         log = server.log()

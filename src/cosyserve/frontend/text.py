@@ -12,6 +12,11 @@ Text that carries markup (both ``<|`` and ``|>``) passes untouched. Otherwise, a
 Then the text is split at sentence punctuation into pieces of about 60-80 (tokens or characters), a short
 tail (< 20) merged into the piece before, and pieces with nothing to speak (no letter or digit) dropped.
 
+Unlike the reference, no piece is longer than :data:`PIECE_MAX_N` (160) units: a piece is what one LM run, and
+without streaming one flow and one vocoder pass, work on, so a sentence longer than that (text without
+punctuation, a list of clauses) is cut at clause punctuation, then between words, then between characters
+(:func:`bound_pieces`). Text the reference splits into pieces of at most 160 units is split the same here.
+
 wetext reads all its FSTs (tens of MB) when imported, so it is imported on the first call that needs it,
 never by importing this module; one load is shared by concurrent first callers. The strings match the
 reference run with wetext 0.1.8 (whose FSTs ship in its wheel and load offline).
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "PIECE_MAX_N",
+    "bound_pieces",
     "load_normalizers",
     "contains_chinese",
     "nothing_to_speak",
@@ -45,6 +52,10 @@ logger = logging.getLogger(__name__)
 TOKEN_MAX_N = 80
 TOKEN_MIN_N = 60
 MERGE_LEN = 20
+# the longest piece (tokens, or characters of Chinese text): twice the reference's target, so that its pieces of
+# normal text are kept as they are, while one run of text without sentence punctuation cannot make one LM run
+# (and its flow and vocoder passes) as long as the whole text
+PIECE_MAX_N = 2 * TOKEN_MAX_N
 
 _CJK = re.compile(r"[\u4e00-\u9fff]+")
 _ZH_PUNCT = ("。", "？", "！", "；", "：", "、", ".", "?", "!", ";")
@@ -290,19 +301,20 @@ def text_normalize(
     """Normalise ``text`` for synthesis and (by default) split it into pieces, as the reference frontend does.
 
     Args:
-        text: user text. With both ``<|`` and ``|>`` in it, it is returned unchanged (``[text]`` or ``text``).
+        text: user text. With both ``<|`` and ``|>`` in it, it is returned unchanged (``text``, or ``[text]`` cut
+            by :func:`bound_pieces` when it is longer than a piece may be).
         split: return the list of pieces (True) or the whole normalised string (False).
         tokenize: text -> token ids for measuring English pieces; default the whisper tokenizer.
     Returns:
         The pieces (pieces with :func:`nothing_to_speak` dropped; empty for blank text), or the normalised string.
         The reference returns ``['']`` for ``''`` and fails on blank text; here blank text gives ``[]``.
     """
+    tokenize = tokenize or _default_tokenize
     if "<|" in text and "|>" in text:
-        return [text] if split else text
+        return bound_pieces([text], tokenize) if split else text
     text = text.strip()
     if not text:
         return [] if split else ""
-    tokenize = tokenize or _default_tokenize
     if contains_chinese(text):
         text = _normalize_zh(text)
         lang = "zh"
@@ -312,7 +324,73 @@ def text_normalize(
     if not split:
         return text
     pieces = split_paragraph(text, tokenize, lang, TOKEN_MAX_N, TOKEN_MIN_N, MERGE_LEN, comma_split=False)
+    pieces = bound_pieces(pieces, tokenize, lang)
     return [p for p in pieces if not nothing_to_speak(p)]
+
+
+# where a piece that is too long is cut, coarsest first: after clause punctuation, after blanks (between words),
+# between characters; markup tags (<|endofprompt|>, [breath], [laughter]) are never cut
+_CLAUSE = re.compile(r"[^，,、；;：:…—]*[，,、；;：:…—]+\s*|[^，,、；;：:…—]+")
+_WORD = re.compile(r"\S+\s*|\s+")
+_CHAR = re.compile(r"<\|[^|\s]{1,32}\|>|\[[^\]\s]{1,32}\]|.", re.S)
+
+
+def bound_pieces(
+    pieces: list[str],
+    tokenize: Callable[[str], list[int]],
+    lang: str | None = None,
+    max_n: int = PIECE_MAX_N,
+) -> list[str]:
+    """Cut every piece longer than ``max_n`` units into pieces of at most ``max_n``, keeping the others.
+
+    Units are characters for ``lang="zh"`` and tokenizer tokens otherwise (as :func:`split_paragraph`; None:
+    ``zh`` when the piece holds Chinese). A long piece is cut after clause punctuation (，,、；;：: … —) into
+    parts packed greedily up to ``max_n``; a clause still too long is cut between words, a word between
+    characters. Concatenated, the result is the input.
+    """
+    out: list[str] = []
+    for piece in pieces:
+        zh = contains_chinese(piece) if lang is None else lang == "zh"
+
+        def length(s: str, zh: bool = zh) -> int:
+            return len(s) if zh else len(tokenize(s))
+
+        out.extend([piece] if length(piece) <= max_n else _cut(piece, length, max_n, (_CLAUSE, _WORD, _CHAR)))
+    return out
+
+
+def _cut(
+    text: str, length: Callable[[str], int], max_n: int, levels: tuple[re.Pattern[str], ...]
+) -> list[str]:
+    # the parts of `text` at the coarsest level, a part too long cut at the next level, then packed. A part of
+    # at most max_n / 4 characters fits unmeasured: no character is more than 4 tokens (its UTF-8 bytes).
+    parts: list[str] = []
+    for part in levels[0].findall(text):
+        if len(levels) > 1 and 4 * len(part) > max_n and length(part) > max_n:
+            parts.extend(_cut(part, length, max_n, levels[1:]))
+        else:
+            parts.append(part)
+    return _pack(parts, length, max_n)
+
+
+def _pack(parts: list[str], length: Callable[[str], int], max_n: int) -> list[str]:
+    # joins runs of parts into pieces of at most max_n units, each as long as a search over the next parts finds
+    # (doubling, then halving: a few measurements per piece, not one per part, so a long run of characters is cut
+    # in milliseconds); each part alone fits
+    pieces: list[str] = []
+    i = 0
+    while i < len(parts):
+        lo, step = i + 1, 1  # parts[i:lo] fits
+        hi = len(parts)  # parts[i:hi + 1] does not fit, or hi is the end
+        while lo < hi:
+            mid = min(hi, lo + step)
+            if length("".join(parts[i:mid])) <= max_n:
+                lo, step = mid, 2 * step
+            else:
+                hi, step = mid - 1, 1
+        pieces.append("".join(parts[i:lo]))
+        i = lo
+    return pieces
 
 
 def normalize_and_split(text: str, tokenize: Callable[[str], list[int]]) -> list[str]:

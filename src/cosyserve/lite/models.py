@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from cosyserve.errors import BundleError
-from cosyserve.lite import GRAPHS, INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_VERSION, TABLES_FILE, dsp
+from cosyserve.lite import GRAPHS, INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_VERSION, TABLES_FILE, dsp, terminate
 from cosyserve.runtime.streampolicy import StreamPolicy
+from cosyserve.stop import ShouldStop, check
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteLM", "LiteToken2Wav", "LiteVocoder", "session_options"]
 
@@ -301,11 +302,15 @@ class LiteLM:
         *,
         max_token_text_ratio: float = 20.0,
         min_token_text_ratio: float = 2.0,
+        max_tokens: int | None = None,
     ) -> Iterator[int]:
         """Speech token ids one at a time, as :meth:`cosyserve.models.llm.SpeechLM.inference` (EOS masked before
-        ``min_len``; at most ``max_len`` tokens)."""
+        ``min_len``; at most ``max_len`` tokens, and at most ``max_tokens``)."""
         lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
         min_len, max_len = self.length_limits(len(text), min_token_text_ratio, max_token_text_ratio)
+        if max_tokens is not None:
+            max_len = min(max_len, max_tokens)
+            min_len = min(min_len, max_len)
         if max_len <= 0:
             return
         t0 = lm_input.shape[1]
@@ -403,11 +408,13 @@ class LiteFlow:
         cache: np.ndarray | None,
         noise: np.ndarray,
         n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample."""
+        """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample. ``should_stop``
+        is asked before each Euler step and ends a graph's run early (:class:`cosyserve.stop.Stopped`)."""
         p, t = len(prompt_token), len(tokens)
         ids = np.asarray([list(prompt_token) + list(tokens)], dtype=np.int64)
-        (h,) = self.bundle.session("flow_encoder").run(None, {"tokens": ids})
+        (h,) = terminate.run(self.bundle.session("flow_encoder"), {"tokens": ids}, should_stop)
         f, m = prompt_feat.shape[0], mel_length(t, self.input_frame_rate)
         mu = self.regulate(h[0], p, f, m)  # (80, f + m)
         total = f + m
@@ -431,8 +438,9 @@ class LiteFlow:
         x = z
         rate = np.float32(self.cfg_rate)
         for t_, dt in dsp.euler_schedule(n_timesteps or self.n_timesteps, self.scheduler):
+            check(should_stop)
             h_in[:, :n] = x
-            (vel,) = est.run(None, {"h": h_in, "t": np.full(2, t_, np.float32)})
+            (vel,) = terminate.run(est, {"h": h_in, "t": np.full(2, t_, np.float32)}, should_stop)
             vel = (np.float32(1.0) + rate) * vel[0] - rate * vel[1]
             x = x + dt * vel
         return x[:, f:].astype(np.float32), new_cache
@@ -457,12 +465,18 @@ class LiteVocoder:
         return phase, rng.standard_normal((h, n), dtype=np.float32)
 
     def inference(
-        self, mel: np.ndarray, cache_source: np.ndarray | None, phase: np.ndarray, noise: np.ndarray
+        self,
+        mel: np.ndarray,
+        cache_source: np.ndarray | None,
+        phase: np.ndarray,
+        noise: np.ndarray,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``."""
+        """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``.
+        ``should_stop`` ends its graphs' runs early (:class:`cosyserve.stop.Stopped`)."""
         c = self.cfg
         mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
-        (f0,) = self.bundle.session("hift_f0").run(None, {"mel": mel})
+        (f0,) = terminate.run(self.bundle.session("hift_f0"), {"mel": mel}, should_stop)
         source = dsp.sine_source(
             f0[0],
             upsample=self.upsample,
@@ -478,10 +492,11 @@ class LiteVocoder:
         )
         if cache_source is not None and cache_source.shape[0] > 0:
             source[: cache_source.shape[0]] = cache_source
+        check(should_stop)
         n_fft, hop = int(c["n_fft"]), int(c["hop_len"])
         spec = dsp.stft(source, n_fft, hop)
         s_stft = np.concatenate([spec.real, spec.imag]).astype(np.float32)[None]
-        (x,) = self.bundle.session("hift_decode").run(None, {"mel": mel, "s_stft": s_stft})
+        (x,) = terminate.run(self.bundle.session("hift_decode"), {"mel": mel, "s_stft": s_stft}, should_stop)
         x = x[0]
         half = n_fft // 2 + 1
         magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
@@ -521,6 +536,7 @@ class LiteToken2Wav:
         speed: float,
         rng: np.random.Generator | None,
         draws: tuple[Any, Any, Any] | None,
+        should_stop: ShouldStop | None = None,
     ) -> np.ndarray:
         p = self.policy
         flow_noise, phase, noise = draws if draws is not None else (None, None, None)
@@ -529,25 +545,31 @@ class LiteToken2Wav:
             assert rng is not None
             flow_noise = rng.standard_normal((self.flow.output_size, total), dtype=np.float32)
         mel, state.flow_cache = self.flow.inference(
-            tokens, prompt_token, prompt_feat, embedding, state.flow_cache, flow_noise, self.flow_steps
+            tokens,
+            prompt_token,
+            prompt_feat,
+            embedding,
+            state.flow_cache,
+            flow_noise,
+            self.flow_steps,
+            should_stop,
         )
         if state.mel_overlap is not None:
             mel = dsp.fade_in_out(mel, state.mel_overlap, dsp.hamming(2 * p.mel_overlap_len))
+        if not finalize:
+            state.mel_overlap = mel[:, -p.mel_overlap_len :]
+            mel = mel[:, : -p.mel_overlap_len]
+        if speed != 1.0:  # as the torch runtime's Token2Wav
+            mel = dsp.interp_linear(mel, max(1, int(mel.shape[1] / speed)))
         cache_source = None
         if state.cache_mel is not None:
             mel = np.concatenate([state.cache_mel, mel], axis=1)
             cache_source = state.cache_source
-        if not finalize:
-            state.mel_overlap = mel[:, -p.mel_overlap_len :]
-            mel = mel[:, : -p.mel_overlap_len]
-        elif speed != 1.0:
-            if state.cache_mel is not None:
-                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = dsp.interp_linear(mel, max(1, int(mel.shape[1] / speed)))
         if phase is None or noise is None:
             assert rng is not None
             phase, noise = self.hift.draws(mel.shape[1], rng)
-        speech, source = self.hift.inference(mel, cache_source, phase, noise)
+        check(should_stop)
+        speech, source = self.hift.inference(mel, cache_source, phase, noise, should_stop)
         if state.cache_speech is not None:
             speech = dsp.fade_in_out(speech, state.cache_speech, dsp.hamming(2 * p.source_cache_len))
         if not finalize:
@@ -568,8 +590,10 @@ class LiteToken2Wav:
         speed: float = 1.0,
         rng: np.random.Generator | None = None,
         draws: Iterator[tuple[Any, Any, Any]] | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> Iterator[np.ndarray]:
-        """Yield float32 audio chunks (1-D) for a stream of speech token ids."""
+        """Yield float32 audio chunks (1-D) for a stream of speech token ids; ``should_stop`` is asked between
+        the pieces of every call's work (:class:`cosyserve.stop.Stopped`)."""
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if stream and speed != 1.0:
@@ -581,7 +605,9 @@ class LiteToken2Wav:
 
         def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
             d = next(draws, None) if draws is not None else None
-            return self._call(window, state, prompt_token, prompt_feat, embedding, finalize, speed, rng, d)
+            return self._call(
+                window, state, prompt_token, prompt_feat, embedding, finalize, speed, rng, d, should_stop
+            )
 
         for window, final in p.windows(tokens, stream):
-            yield run(window, final, speed if final else 1.0)
+            yield run(window, final, speed)

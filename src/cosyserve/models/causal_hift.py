@@ -40,6 +40,7 @@ from cosyserve.models.hift import (
     _conv,
     _wn,
 )
+from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "CausalF0PredictorConfig",
@@ -204,7 +205,13 @@ class CausalHiFTGenerator(HiFTGenerator):
 
     @torch.inference_mode()
     def inference(  # type: ignore[override]
-        self, speech_feat: Tensor, finalize: bool = True, *, rand_ini: Tensor, sine_waves: Tensor
+        self,
+        speech_feat: Tensor,
+        finalize: bool = True,
+        *,
+        rand_ini: Tensor,
+        sine_waves: Tensor,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Vocode a mel spectrogram, the whole utterance so far.
 
@@ -214,6 +221,7 @@ class CausalHiFTGenerator(HiFTGenerator):
                 :attr:`CausalHiFTConfig.lookahead` (8).
             rand_ini: (1 or B, H) initial phase per harmonic in cycles, H = nb_harmonics + 1 (column 0 ignored).
             sine_waves: (1 or B, >= L, H) the additive noise buffer (uniform [0, 1)); its first L rows are used.
+            should_stop: asked between the decoder's stages (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             speech: (B, T * 480) if finalizing, else (B, (T - 8) * 480), float32 in [-audio_limit, audio_limit];
             source: (B, 1, L) float32 excitation, L = T * 480 or (T - 3) * 480.
@@ -229,7 +237,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         f0 = self._f0(speech_feat, finalize)  # (B, T')
         source = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
         mel = speech_feat if finalize else speech_feat[:, :, :-F0_LOOKAHEAD]
-        return self._causal_decode(mel, source, finalize), source
+        return self._causal_decode(mel, source, finalize, should_stop), source
 
     def _f0(self, speech_feat: Tensor, finalize: bool) -> Tensor:
         if next(self.f0_predictor.parameters()).dtype != torch.float64:
@@ -261,7 +269,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         sine = sine * uv + noise_amp * sine_waves[:, :L].to(device=device, dtype=torch.float32)
         return self.m_source(sine.transpose(1, 2))
 
-    def _causal_decode(self, mel: Tensor, source: Tensor, finalize: bool) -> Tensor:
+    def _causal_decode(
+        self, mel: Tensor, source: Tensor, finalize: bool, should_stop: ShouldStop | None = None
+    ) -> Tensor:
         cfg = self.cfg
         n_fft, hop = cfg.istft_params["n_fft"], cfg.istft_params["hop_len"]
         window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device=source.device).float()
@@ -270,7 +280,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         if not finalize:
             # conv_pre's right context gets no output frames: neither do the source frames under it
             s_stft = s_stft[:, :, : -math.prod(cfg.upsample_rates) * cfg.conv_pre_look_right]
-        x = self.causal_spectrum(mel, s_stft, finalize)
+        x = self.causal_spectrum(mel, s_stft, finalize, should_stop)
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
@@ -279,9 +289,12 @@ class CausalHiFTGenerator(HiFTGenerator):
             speech = speech[:, : -cfg.upsample_factor]
         return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
 
-    def causal_spectrum(self, mel: Tensor, s_stft: Tensor, finalize: bool) -> Tensor:
+    def causal_spectrum(
+        self, mel: Tensor, s_stft: Tensor, finalize: bool, should_stop: ShouldStop | None = None
+    ) -> Tensor:
         """The decoder from mel (B, 80, T) and the source's STFT rows (B, n_fft+2, N) to the float32
-        log-magnitude and phase rows the iSTFT takes; not finalizing, conv_pre's last input frames are context."""
+        log-magnitude and phase rows the iSTFT takes; not finalizing, conv_pre's last input frames are context.
+        ``should_stop`` is asked before each upsampling stage and each of its residual blocks."""
         cfg = self.cfg
         dtype = next(self.conv_pre.parameters()).dtype
         s_stft = _channels_last(s_stft.to(dtype))
@@ -290,6 +303,7 @@ class CausalHiFTGenerator(HiFTGenerator):
             x = F.pad(x, (0, cfg.conv_pre_look_right))
         x = _conv(self.conv_pre, x)
         for i, (up, rate) in enumerate(zip(self.ups, cfg.upsample_rates, strict=True)):
+            check(should_stop)
             x = F.leaky_relu(x, cfg.lrelu_slope)
             x = F.interpolate(x, scale_factor=(1.0, float(rate)), mode="nearest")
             x = _conv(up, F.pad(x, (up.kernel_size[0] - 1, 0)))
@@ -301,6 +315,7 @@ class CausalHiFTGenerator(HiFTGenerator):
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             xs = blocks[0](x)
             for block in blocks[1:]:
+                check(should_stop)
                 xs = xs.add_(block(x))
             x = xs.div_(self.num_kernels)
         x = F.pad(F.leaky_relu(x), (self.conv_post.kernel_size[0] - 1, 0))

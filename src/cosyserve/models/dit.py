@@ -31,6 +31,7 @@ from cosyserve.models.flow2 import NOISE_SHAPE, CausalConditionalCFM, CausalCond
 from cosyserve.models.flow2_encoder import PreLookaheadLayer as _PreLookahead
 from cosyserve.models.flow_decoder import SinusoidalPosEmb
 from cosyserve.models.transformer import subsequent_chunk_mask
+from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "DiT",
@@ -313,13 +314,16 @@ class DiT(nn.Module):
         spks = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         return self.forward_packed(torch.cat([x, mu, spks, cond], dim=1), t, streaming)
 
-    def forward_packed(self, h: Tensor, t: Tensor, streaming: bool = False) -> Tensor:
+    def forward_packed(
+        self, h: Tensor, t: Tensor, streaming: bool = False, should_stop: ShouldStop | None = None
+    ) -> Tensor:
         """Predict the flow velocity.
 
         Args:
             h: (B, in_channels, N) = cat([x, mu, spks repeated over time, cond], dim=1), the layout the CFM packs.
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
+            should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             (B, mel_dim, N) velocity.
         """
@@ -334,6 +338,7 @@ class DiT(nn.Module):
         if streaming and self.static_chunk_size > 0:
             mask = subsequent_chunk_mask(n, self.static_chunk_size, h.device).view(1, 1, n, n)
         for block in self.transformer_blocks:
+            check(should_stop)
             y = block(y, temb, rope, mask)
         scale, shift = self.norm_out(temb)
         y = _norm(y) * (1 + scale) + shift
@@ -395,7 +400,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         finalize: bool,
         *,
         n_timesteps: int | None = None,
-        should_stop: Any = None,
+        should_stop: ShouldStop | None = None,
     ) -> Tensor:
         """Speech tokens -> mel after a prompt, the whole utterance so far (the reference's flow inference).
 
@@ -442,6 +447,5 @@ class CausalMaskedDiffWithDiT(nn.Module):
         cond = torch.zeros_like(mu)
         cond[:, :, :f] = prompt_feat.to(device=device, dtype=dtype).transpose(1, 2)
         noise = fixed_noise(frames, device, dtype)
-        stop = () if should_stop is None else (should_stop,)
-        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, *stop)
+        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
         return mel[:, :, f:]

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig
 from cosyserve.models.transformer import ConformerEncoder, ConformerEncoderConfig
+from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "CFMParams",
@@ -181,6 +182,7 @@ class ConditionalCFM(nn.Module):
         cache: Tensor | None = None,
         n_timesteps: int = 10,
         mask: Tensor | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Integrate the flow from ``noise`` to a mel with classifier-free guidance.
 
@@ -193,6 +195,7 @@ class ConditionalCFM(nn.Module):
             cache: [B, n_feats, C, 2] (z, mu) of a previous chunk; its C frames replace the start of z and mu.
             n_timesteps: Euler steps.
             mask: [B, 1, T] float frame mask, or None for no padding (what equal-length inference has).
+            should_stop: asked before each Euler step; :class:`cosyserve.stop.Stopped` once it says True.
         Returns:
             (mel [B, n_feats, T] float32, cache [B, n_feats, prompt_len + 34, 2]).
         """
@@ -212,10 +215,17 @@ class ConditionalCFM(nn.Module):
             ],
             dim=-1,
         )
-        return self.solve_euler(z, mu, spks, cond, n_timesteps, mask), new_cache
+        return self.solve_euler(z, mu, spks, cond, n_timesteps, mask, should_stop), new_cache
 
     def solve_euler(
-        self, x: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, mask: Tensor | None
+        self,
+        x: Tensor,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        n_timesteps: int,
+        mask: Tensor | None,
+        should_stop: ShouldStop | None = None,
     ) -> Tensor:
         """Fixed-step Euler with CFG as one batch of 2B: rows :B conditioned, rows B: with zero mu, spks, cond."""
         B, n, T = x.shape[0], x.shape[1], x.shape[2]
@@ -236,9 +246,10 @@ class ConditionalCFM(nn.Module):
         mask_in = None if mask is None else mask.to(dtype).repeat(2, 1, 1)
         rate = self.inference_cfg_rate
         for t, dt in _euler_schedule(n_timesteps, self.t_scheduler, dtype, x.device):
+            check(should_stop)
             h.unflatten(0, (2, B))[:, :, :n] = x  # both CFG halves, one write
             t_in.copy_(t.expand(2 * B))
-            v = self.estimator.forward_packed(h, mask_in, t_in)  # (2B, n, T)
+            v = self.estimator.forward_packed(h, mask_in, t_in, should_stop)  # (2B, n, T)
             v = (1.0 + rate) * v[:B] - rate * v[B:]
             x = x + dt * v
         return x.float()
@@ -315,6 +326,7 @@ class MaskedDiffWithXvec(nn.Module):
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
         n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Speech tokens -> mel, continuing a prompt and (when streaming) a previous chunk's cache.
 
@@ -334,6 +346,7 @@ class MaskedDiffWithXvec(nn.Module):
             noise: [B, n_mels, F + M] starting noise; drawn from ``generator`` when None (B = 1 only).
             generator: the source of the noise when ``noise`` is None.
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
+            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             (mel [B, n_mels, M] float32 with M = int(T / input_frame_rate * 22050 / 256),
              new_flow_cache [B, n_mels, F + 34, 2]).
@@ -386,6 +399,7 @@ class MaskedDiffWithXvec(nn.Module):
             prompt_len=f,
             cache=flow_cache.to(device=device, dtype=dtype),
             n_timesteps=n_timesteps,
+            should_stop=should_stop,
         )
         mel = mel[:, :, f:]
         assert mel.shape[2] == m, "regulator returned the wrong number of frames"

@@ -26,6 +26,7 @@ from cosyserve.models.flow2_encoder import (
     UpsampleConformerEncoder,
     UpsampleConformerEncoderConfig,
 )
+from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "NOISE_SHAPE",
@@ -130,7 +131,14 @@ class CausalConditionalCFM(nn.Module):
         self.estimator = CausalConditionalDecoder(cfg.estimator)
 
     def forward(
-        self, mu: Tensor, spks: Tensor, cond: Tensor, noise: Tensor, n_timesteps: int, streaming: bool
+        self,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        noise: Tensor,
+        n_timesteps: int,
+        streaming: bool,
+        should_stop: ShouldStop | None = None,
     ) -> Tensor:
         """Integrate from ``noise`` to a mel: fixed-step Euler, classifier-free guidance as one batch of 2B.
 
@@ -141,6 +149,7 @@ class CausalConditionalCFM(nn.Module):
             noise: (B or 1, n, T) the starting sample.
             n_timesteps: Euler steps.
             streaming: chunk attention masks in the estimator.
+            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             (B, n, T) float32 mel.
         """
@@ -155,9 +164,10 @@ class CausalConditionalCFM(nn.Module):
         t_in = torch.zeros(2 * B, device=mu.device, dtype=dtype)
         rate = self.inference_cfg_rate
         for t, dt in _euler_schedule(n_timesteps, self.t_scheduler, dtype, mu.device):
+            check(should_stop)
             h.unflatten(0, (2, B))[:, :, :n] = x
             t_in.copy_(t.expand(2 * B))
-            v = self.estimator.forward_packed(h, t_in, streaming)  # (2B, n, T)
+            v = self.estimator.forward_packed(h, t_in, streaming, should_stop)  # (2B, n, T)
             x = x + dt * ((1.0 + rate) * v[:B] - rate * v[B:])
         return x.float()
 
@@ -206,6 +216,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         finalize: bool,
         *,
         n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> Tensor:
         """Speech tokens -> mel after a prompt, the whole utterance so far (the reference's flow inference).
 
@@ -220,6 +231,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
             finalize: the utterance ends here; otherwise the last 3 tokens are lookahead context only and get no
                 frames.
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
+            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             (B, n_mels, M) float32 mel with M = 2T (finalize) or 2(T - 3).
         """
@@ -252,5 +264,5 @@ class CausalMaskedDiffWithXvec(nn.Module):
         cond = torch.zeros_like(mu)
         cond[:, :, :f] = prompt_feat.to(device=device, dtype=dtype).transpose(1, 2)
         noise = fixed_noise(frames, device, dtype)
-        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming)
+        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
         return mel[:, :, f:]

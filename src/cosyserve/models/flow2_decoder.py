@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig
 from cosyserve.models.transformer import subsequent_chunk_mask
+from cosyserve.stop import ShouldStop, check
 
 __all__ = ["CausalBlock1D", "CausalConditionalDecoder", "CausalConditionalDecoderConfig", "CausalConv1d"]
 
@@ -95,7 +96,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
         return self.forward_packed(torch.cat([x, mu, spks, cond], dim=1), t, streaming)
 
     def forward_packed(  # type: ignore[override]
-        self, h: Tensor, t: Tensor, streaming: bool = False
+        self, h: Tensor, t: Tensor, streaming: bool = False, should_stop: ShouldStop | None = None
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -103,6 +104,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
             h: (B, in_channels, T) = cat([x, mu, spks repeated over time, cond], dim=1).
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
+            should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             (B, out_channels, T) velocity.
         """
@@ -111,12 +113,15 @@ class CausalConditionalDecoder(ConditionalDecoder):
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []
         for resnet, blocks, downsample in self.down_blocks:
+            check(should_stop)
             h = self._attend(blocks, resnet(h, None, temb), streaming)
             hiddens.append(h)
             h = downsample(h)
         for resnet, blocks in self.mid_blocks:
+            check(should_stop)
             h = self._attend(blocks, resnet(h, None, temb), streaming)
         for resnet, blocks, upsample in self.up_blocks:
+            check(should_stop)
             skip = hiddens.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)  # (B, 2C, T_level)
             h = upsample(self._attend(blocks, resnet(h, None, temb), streaming))

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.stop import ShouldStop, check
+
 __all__ = ["ConditionalDecoder", "ConditionalDecoderConfig"]
 
 _ACTIVATIONS = {"gelu": "none", "gelu-approximate": "tanh"}
@@ -259,12 +261,16 @@ class ConditionalDecoder(nn.Module):
             parts.append(cond)
         return self.forward_packed(torch.cat(parts, dim=1), mask, t)
 
-    def forward_packed(self, h: Tensor, mask: Tensor | None, t: Tensor) -> Tensor:
-        """Same as :meth:`forward` with the inputs already concatenated: h = cat([x, mu, spks, cond], 1)."""
+    def forward_packed(
+        self, h: Tensor, mask: Tensor | None, t: Tensor, should_stop: ShouldStop | None = None
+    ) -> Tensor:
+        """Same as :meth:`forward` with the inputs already concatenated: h = cat([x, mu, spks, cond], 1);
+        ``should_stop`` is asked before each block (:class:`cosyserve.stop.Stopped`)."""
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []
         masks = [mask]
         for resnet, blocks, downsample in self.down_blocks:
+            check(should_stop)
             m = masks[-1]
             h = resnet(h, m, temb)
             h = _transformer_stack(blocks, h, m)
@@ -274,9 +280,11 @@ class ConditionalDecoder(nn.Module):
         masks.pop()
         m = masks[-1]
         for resnet, blocks in self.mid_blocks:
+            check(should_stop)
             h = resnet(h, m, temb)
             h = _transformer_stack(blocks, h, m)
         for resnet, blocks, upsample in self.up_blocks:
+            check(should_stop)
             m = masks.pop()
             skip = hiddens.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)  # (B, 2C, T_level)

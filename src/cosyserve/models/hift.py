@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from cosyserve.stop import ShouldStop, check
+
 __all__ = ["F0PredictorConfig", "HiFTConfig", "HiFTGenerator"]
 
 _WN_G = ".parametrizations.weight.original0"
@@ -276,6 +278,7 @@ class HiFTGenerator(nn.Module):
         generator: torch.Generator | None = None,
         sine_phase: Tensor | None = None,
         sine_noise: Tensor | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Vocode a mel spectrogram.
 
@@ -287,6 +290,7 @@ class HiFTGenerator(nn.Module):
             sine_phase: (B, H, 1) initial phase per harmonic, H = nb_harmonics + 1, as the reference draws it
                 (uniform in [-pi, pi)); row 0 (the fundamental) is ignored, as in the reference.
             sine_noise: (B, H, L) standard normal noise, L = T * upsample_factor.
+            should_stop: asked between the decoder's stages (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
             speech: (B, L) float32 waveform in [-audio_limit, audio_limit];
             source: (B, 1, L) float32 excitation after the cache overwrite (the next chunk's cache_source).
@@ -302,7 +306,7 @@ class HiFTGenerator(nn.Module):
                     f"cache_source must be (B, 1, S) with S <= {source.shape[-1]}, got {tuple(cache_source.shape)}"
                 )
             source[:, :, : cache_source.shape[-1]] = cache_source
-        return self._decode(speech_feat, source), source
+        return self._decode(speech_feat, source, should_stop), source
 
     def draw_source_noise(
         self,
@@ -415,7 +419,7 @@ class HiFTGenerator(nn.Module):
         # the reference then draws the unused noise branch (randn_like(uv)): the call's last draw, skipped
         return self.m_source(sine.transpose(1, 2))
 
-    def _decode(self, mel: Tensor, source: Tensor) -> Tensor:
+    def _decode(self, mel: Tensor, source: Tensor, should_stop: ShouldStop | None = None) -> Tensor:
         cfg = self.cfg
         n_fft, hop = cfg.istft_params["n_fft"], cfg.istft_params["hop_len"]
         # Built per call (16 values) so that meta-device construction leaves no uninitialised buffer. scipy's
@@ -423,7 +427,7 @@ class HiFTGenerator(nn.Module):
         window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64, device=source.device).float()
         # (B, n_fft/2+1, N) with N = L/hop + 1 frames (centered, reflect-padded)
         spec = torch.stft(source.squeeze(1), n_fft, hop, n_fft, window=window, return_complex=True)
-        x = self.decode_spectrum(mel, torch.cat([spec.real, spec.imag], dim=1))
+        x = self.decode_spectrum(mel, torch.cat([spec.real, spec.imag], dim=1), should_stop)
 
         magnitude = torch.exp(x[:, : n_fft // 2 + 1]).clamp(max=1e2)
         phase = torch.sin(x[:, n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
@@ -431,9 +435,10 @@ class HiFTGenerator(nn.Module):
         speech = torch.istft(spec, n_fft, hop, n_fft, window=window)  # (B, L)
         return speech.clamp(-cfg.audio_limit, cfg.audio_limit)
 
-    def decode_spectrum(self, mel: Tensor, s_stft: Tensor) -> Tensor:
+    def decode_spectrum(self, mel: Tensor, s_stft: Tensor, should_stop: ShouldStop | None = None) -> Tensor:
         """The decoder from mel (B, 80, T) and the source's STFT (B, n_fft+2, N) as real and imaginary rows, to
-        the float32 log-magnitude and phase rows (B, n_fft+2, N) the iSTFT takes (the lite runtime's graph)."""
+        the float32 log-magnitude and phase rows (B, n_fft+2, N) the iSTFT takes (the lite runtime's graph).
+        ``should_stop`` is asked before each upsampling stage and each of its residual blocks."""
         cfg = self.cfg
         dtype = _dtype(self.conv_pre)
         # (B, n_fft+2, 1, N) channels-last, N = L/hop + 1 (see _conv)
@@ -443,6 +448,7 @@ class HiFTGenerator(nn.Module):
         # activation is (B, C, 1, T) channels-last; the elementwise ops keep that layout.
         x = _channels_last(self.conv_pre(mel.to(dtype)))
         for i, up in enumerate(self.ups):
+            check(should_stop)
             x = _conv(up, F.leaky_relu(x, cfg.lrelu_slope, inplace=True))
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0, 0, 0), mode="reflect")  # to the STFT's L/hop + 1 frames
@@ -450,6 +456,7 @@ class HiFTGenerator(nn.Module):
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
             xs = blocks[0](x)
             for block in blocks[1:]:
+                check(should_stop)
                 xs = xs.add_(block(x))
             x = xs.div_(self.num_kernels)
         # leaky_relu's default slope 0.01 here, as the reference; conv_post: (B, n_fft+2, N)

@@ -154,9 +154,11 @@ class SpeechLM(nn.Module):
         max_token_text_ratio: float,
         min_token_text_ratio: float,
         generator: torch.Generator | None,
+        max_tokens: int | None = None,
     ) -> tuple[Tensor, int, int, SamplingConfig, torch.Generator]:
         """What :meth:`inference` (and the batching LM) start from: ``(lm_input (1, T0, C), min_len, max_len,
-        sampling, generator)``, the generator freshly seeded when none is given (never the global RNG)."""
+        sampling, generator)``, the generator freshly seeded when none is given (never the global RNG);
+        ``max_tokens`` (None: none) caps max_len, and min_len with it."""
         sampling = sampling or self.cfg.sampling
         if generator is None:
             generator = torch.Generator(device=text.device)
@@ -171,6 +173,9 @@ class SpeechLM(nn.Module):
             embedding,
         )
         min_len, max_len = self.length_limits(text_len, min_token_text_ratio, max_token_text_ratio)
+        if max_tokens is not None:
+            max_len = min(max_len, max_tokens)
+            min_len = min(min_len, max_len)
         return lm_input, min_len, max_len, sampling, generator
 
     # --- hot path -----------------------------------------------------------------------------------------------
@@ -240,6 +245,7 @@ class SpeechLM(nn.Module):
         max_token_text_ratio: float = 20.0,
         min_token_text_ratio: float = 2.0,
         generator: torch.Generator | None = None,
+        max_tokens: int | None = None,
     ) -> Iterator[int]:
         """Generate speech token ids one at a time, as the reference's ``TransformerLM.inference``.
 
@@ -249,12 +255,14 @@ class SpeechLM(nn.Module):
             max_token_text_ratio, min_token_text_ratio: limits relative to the text length (without prompt);
                 EOS cannot be drawn before min_len tokens, at most max_len tokens are produced.
             generator: source of every random draw (default: a freshly seeded one, never the global RNG).
+            max_tokens: at most this many tokens whatever the text's length (None: the ratio alone, as the
+                reference): bounds the work and memory of one piece.
         Yields:
             Speech token ids (ints < speech_token_size); stops at EOS or max_len.
         """
         lm_input, min_len, max_len, sampling, generator = self.prepare_inference(
             text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator, max_tokens,
         )  # fmt: skip
         if max_len <= 0:
             return

@@ -28,6 +28,7 @@ __all__ = [
     "CHUNK_POLICY_CHOICES",
     "FIRST_HOP_DEFAULT",
     "FIRST_HOP_RANGE",
+    "PIECE_SECONDS_MAX",
     "RUNTIMES",
     "Runtime",
     "RuntimeOptions",
@@ -42,6 +43,14 @@ RUNTIMES: dict[str, str] = {
     "lite": "cosyserve.runtime.lite:load",
 }
 
+
+# The longest speech one piece of text may make, in seconds. A piece (a sentence, or a bounded part of a long one:
+# cosyserve.frontend.text.PIECE_MAX_N) is one LM run and, without streaming, one flow and one vocoder pass; the
+# reference caps its LM at 20 speech tokens per text token (64 s for a piece of 160 tokens at 50 Hz, 128 s at
+# 25 Hz), and a model that never draws its stop token (random weights, or text it cannot read) runs to that cap.
+# This bounds the work and memory of one pass and of one LM run, and is far above the speech of any piece read at a
+# normal pace (160 tokens are about 120 English words: 48 s at 150 words a minute).
+PIECE_SECONDS_MAX = 60
 
 # the streaming chunk policies (cosyserve.runtime.token2wav.StreamPolicy.named) and the first hop's range in tokens:
 # below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop

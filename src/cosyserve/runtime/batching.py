@@ -164,6 +164,7 @@ class BatchingLM:
         max_token_text_ratio: float = 20.0,
         min_token_text_ratio: float = 2.0,
         generator: torch.Generator | None = None,
+        max_tokens: int | None = None,
     ) -> Iterator[int]:
         """Generate speech token ids as :meth:`TransformerLM.inference` does, decoded in the shared batch.
 
@@ -173,7 +174,7 @@ class BatchingLM:
         # The prompt is encoded here, in the consumer's thread: the text encoder has no cache to share.
         lm_input, min_len, max_len, sampling, generator = self.lm.prepare_inference(
             text, text_len, prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding,
-            sampling, max_token_text_ratio, min_token_text_ratio, generator,
+            sampling, max_token_text_ratio, min_token_text_ratio, generator, max_tokens,
         )  # fmt: skip
         if max_len <= 0:
             return

@@ -29,8 +29,9 @@ import numpy as np
 from cosyserve.errors import BundleError, ClientError
 from cosyserve.frontend.prompt import ONNX_FILES, instruct_input, prompt_input, sft_input
 from cosyserve.request import SynthesisRequest
-from cosyserve.runtime import RuntimeOptions
+from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
+from cosyserve.stop import Stopped, check
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class LitePipeline(ModelModes):
         super().__init__(speakers, onnx_files=ONNX_FILES, **kwargs)
         self.llm = llm
         self.token2wav = token2wav
+        # one piece's speech tokens at most (as the torch pipeline's)
+        self.max_piece_tokens = PIECE_SECONDS_MAX * int(token2wav.flow.input_frame_rate)
         self._frontend_lock = threading.Lock()
 
     def frontend(self) -> Any:
@@ -73,13 +76,16 @@ class LitePipeline(ModelModes):
 
     def prepare(self, request: SynthesisRequest) -> tuple[SynthesisRequest, list[dict[str, Any]]]:
         """The request as this model runs it and one reference model-input dict per text piece (vc: one)."""
-        from cosyserve.frontend.text import nothing_to_speak
+        from cosyserve.frontend.text import bound_pieces, nothing_to_speak
 
         r = self.resolve(request)
         mode = r.mode
         if mode == "vc":
             return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]
-        pieces = self.split_text(r.text) if r.normalize else ([] if nothing_to_speak(r.text) else [r.text])
+        if r.normalize:
+            pieces = self.split_text(r.text)
+        else:
+            pieces = [p for p in bound_pieces([r.text], self.tokenizer.encode) if not nothing_to_speak(p)]
         if not pieces:
             raise ClientError(
                 f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
@@ -115,47 +121,51 @@ class LitePipeline(ModelModes):
         rng: np.random.Generator,
         should_stop: Callable[[], bool],
     ) -> Iterator[np.ndarray]:
-        stopped = False
+        try:
+            for model_input in inputs:
+                yield from self._tts(r, model_input, rng, should_stop)
+        except Stopped:
+            return  # the generators below are closed by the unwinding: the LM's caches go with them
 
+    def _tts(
+        self,
+        r: SynthesisRequest,
+        model_input: dict[str, Any],
+        rng: np.random.Generator,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[np.ndarray]:
         def until(tokens: Iterator[int]) -> Iterator[int]:
-            nonlocal stopped
             for tok in tokens:
                 yield tok
-                if should_stop():
-                    stopped = True
-                    return
+                check(should_stop)
 
-        for model_input in inputs:
-            if "source_speech_token" in model_input:  # vc: the LM is bypassed
-                tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
-            else:
-                llm_embedding = model_input.get("llm_embedding")
-                tokens = until(
-                    self.llm.generate(
-                        _flat(model_input["text"]),
-                        _flat(model_input.get("prompt_text", [])),
-                        _flat(model_input.get("llm_prompt_speech_token", [])),
-                        None if llm_embedding is None else np.asarray(llm_embedding).reshape(-1),
-                        rng,
-                    )
+        if "source_speech_token" in model_input:  # vc: the LM is bypassed
+            tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
+        else:
+            llm_embedding = model_input.get("llm_embedding")
+            tokens = until(
+                self.llm.generate(
+                    _flat(model_input["text"]),
+                    _flat(model_input.get("prompt_text", [])),
+                    _flat(model_input.get("llm_prompt_speech_token", [])),
+                    None if llm_embedding is None else np.asarray(llm_embedding).reshape(-1),
+                    rng,
+                    max_tokens=self.max_piece_tokens,
                 )
-            feat = model_input.get("prompt_speech_feat")
-            for chunk in self.token2wav(
-                tokens,
-                embedding=np.asarray(model_input["flow_embedding"]).reshape(-1),
-                prompt_token=_flat(model_input.get("flow_prompt_speech_token", [])),
-                prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
-                stream=r.stream,
-                speed=r.speed,
-                rng=rng,
-            ):
-                if stopped:
-                    return
-                yield chunk.astype(np.float32, copy=False)
-                if should_stop():
-                    return
-            if stopped:
-                return
+            )
+        feat = model_input.get("prompt_speech_feat")
+        for chunk in self.token2wav(
+            tokens,
+            embedding=np.asarray(model_input["flow_embedding"]).reshape(-1),
+            prompt_token=_flat(model_input.get("flow_prompt_speech_token", [])),
+            prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
+            stream=r.stream,
+            speed=r.speed,
+            rng=rng,
+            should_stop=should_stop,
+        ):
+            yield chunk.astype(np.float32, copy=False)
+            check(should_stop)
 
 
 class LiteRuntime(RuntimeVoices):

@@ -40,8 +40,10 @@ from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ClientError
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
 from cosyserve.request import Mode, SynthesisRequest
+from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.modes import ModelModes
 from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
+from cosyserve.stop import Stopped, check
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +62,11 @@ class PreparedRequest:
     pieces: list[str] = field(default_factory=list)
 
 
-class _Stopped(Exception):
-    """Raised inside the token loop once ``should_stop`` says so: unwinds the request's generators at once."""
-
-
 def _until(tokens: Iterator[int], should_stop: Callable[[], bool]) -> Iterator[int]:
     # a cancelled request costs at most one more speech token
     for token in tokens:
         yield token
-        if should_stop():
-            raise _Stopped
+        check(should_stop)
 
 
 def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +113,8 @@ class Pipeline(ModelModes):
         tokenizer: Any = None,
     ) -> None:
         self.llm = llm
+        # one piece's speech tokens at most (its LM run, and its flow and vocoder passes without streaming)
+        self.max_piece_tokens = PIECE_SECONDS_MAX * int(flow.cfg.input_frame_rate)
         self.family = family  # the model family whose modes this pipeline runs
         if family == "cosyvoice2":
             from cosyserve.runtime.token2wav2 import Token2Wav2
@@ -210,12 +209,12 @@ class Pipeline(ModelModes):
             prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
             return prepared
 
-        from cosyserve.frontend.text import nothing_to_speak
+        from cosyserve.frontend.text import bound_pieces, nothing_to_speak
 
         if r.normalize:
             pieces = self.split_text(r.text)  # pieces with nothing to speak are dropped there
         else:
-            pieces = [] if nothing_to_speak(r.text) else [r.text]
+            pieces = [p for p in bound_pieces([r.text], self.tokenizer.encode) if not nothing_to_speak(p)]
         if not pieces:
             raise ClientError(
                 f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
@@ -270,7 +269,7 @@ class Pipeline(ModelModes):
                 yield from self._tts(
                     model_input, stream=r.stream, speed=r.speed, generator=generator, should_stop=should_stop
                 )
-        except _Stopped:
+        except Stopped:
             return  # the generators below are closed by the unwinding: the LM frees its cache (or batch row)
 
     def _tts(
@@ -299,6 +298,7 @@ class Pipeline(ModelModes):
                 torch.tensor([prompt_tokens.shape[1]], dtype=torch.int32),
                 model_input.get("llm_embedding", empty_embedding),
                 generator=generator,
+                max_tokens=self.max_piece_tokens,
             )
             if should_stop is not None:
                 tokens = _until(tokens, should_stop)
@@ -312,7 +312,7 @@ class Pipeline(ModelModes):
             stream=stream,
             speed=speed,
             generator=generator,
+            should_stop=should_stop,
         ):
             yield chunk[0].numpy().astype(np.float32, copy=False)
-            if should_stop is not None and should_stop():
-                raise _Stopped
+            check(should_stop)

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cosyserve.stop import ShouldStop, Stopped
+
 __all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
 
 
@@ -52,6 +54,7 @@ class StackStats:
 class _Group:
     def __init__(self) -> None:
         self.calls: list[tuple[Tensor, ...]] = []
+        self.stops: list[ShouldStop | None] = []  # each call's stop signal
         self.closed = False  # no more joiners
         self.done = threading.Event()
         self.results: list[tuple[Tensor, Tensor]] = []
@@ -87,10 +90,14 @@ class _Stacker:
             raise AttributeError(name)
         return getattr(self.module, name)
 
-    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+    def _run(
+        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
+    ) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError
 
-    def _submit(self, call: tuple[Tensor, ...], *extra: Any) -> tuple[Tensor, Tensor]:
+    def _submit(
+        self, call: tuple[Tensor, ...], *extra: Any, should_stop: ShouldStop | None = None
+    ) -> tuple[Tensor, Tensor]:
         # a call already batched, or with one row shorter than its tensor (padding), runs alone
         key = (
             None if call[0].shape[0] != 1 else (*extra, *((tuple(x.shape), x.dtype, x.device) for x in call))
@@ -98,7 +105,7 @@ class _Stacker:
         if key is None or self.max_batch_size == 1:
             with self._cv:
                 self.stats.calls += 1
-            return self._run([call], *extra)[0]
+            return self._run([call], should_stop, *extra)[0]
         with self._cv:
             self.stats.calls += 1
             group = self._open.get(key)
@@ -107,6 +114,7 @@ class _Stacker:
                 group = self._open[key] = _Group()
             index = len(group.calls)
             group.calls.append(call)
+            group.stops.append(should_stop)
             if len(group.calls) >= self.max_batch_size:
                 self._close_locked(key, group)
             if leader:
@@ -124,7 +132,7 @@ class _Stacker:
                 self.stats.peak = max(self.stats.peak, n)
         if leader:
             try:
-                group.results = self._run_group(group.calls, extra)
+                group.results = self._run_group(group.calls, group.stops, extra)
             except BaseException as e:  # noqa: BLE001 - handed to every caller of the group
                 group.error = e
             finally:
@@ -132,13 +140,15 @@ class _Stacker:
         else:
             group.done.wait()
         if group.error is not None:
-            if len(group.calls) == 1:
+            if len(group.calls) == 1 or isinstance(
+                group.error, Stopped
+            ):  # Stopped: every caller asked for it
                 raise group.error
             raise RuntimeError(f"batched {self.name} failed: {group.error!r}") from group.error
         return group.results[index]
 
     def _run_group(
-        self, calls: list[tuple[Tensor, ...]], extra: tuple[Any, ...]
+        self, calls: list[tuple[Tensor, ...]], stops: list[ShouldStop | None], extra: tuple[Any, ...]
     ) -> list[tuple[Tensor, Tensor]]:
         # The callers' threads wait idle while this one runs them all: lend their torch threads (per-thread
         # setting) to the stacked run, or a CPU with one torch thread per worker runs the batch on one core.
@@ -146,8 +156,13 @@ class _Stacker:
         lend = min(threads * len(calls), _cpus()) if len(calls) > 1 and self.lend_threads else threads
         if lend > threads:
             torch.set_num_threads(lend)
+
+        # a stacked run stops when every request in it has stopped (the others still want their rows)
+        def all_stopped() -> bool:
+            return all(s is not None and s() for s in stops)
+
         try:
-            return self._run(calls, *extra)
+            return self._run(calls, stops[0] if len(stops) == 1 else all_stopped, *extra)
         finally:
             if lend > threads:
                 torch.set_num_threads(threads)
@@ -202,8 +217,10 @@ class FlowBatcher(_Stacker):
         noise: Tensor | None = None,
         generator: torch.Generator | None = None,
         n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Same arguments and result as the flow's ``inference``; may run stacked with other threads' calls."""
+        """Same arguments and result as the flow's ``inference``; may run stacked with other threads' calls
+        (a stacked run stops once every request in it asks to stop)."""
         if noise is None:
             if generator is None:
                 raise ValueError("flow inference needs either `noise` or a `generator` to draw it from")
@@ -214,16 +231,23 @@ class FlowBatcher(_Stacker):
             int(token_len[0]) != token.shape[1] or int(prompt_token_len[0]) != prompt_token.shape[1]
         )
         if padded:
-            return self.module.inference(*call[:-1], noise=noise, n_timesteps=n_timesteps)
-        return self._submit(call, n_timesteps)
+            return self.module.inference(  # type: ignore[no-any-return]
+                *call[:-1], noise=noise, n_timesteps=n_timesteps, should_stop=should_stop
+            )
+        return self._submit(call, n_timesteps, should_stop=should_stop)
 
-    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+    def _run(
+        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
+    ) -> list[tuple[Tensor, Tensor]]:
         (n_timesteps,) = extra
         if len(calls) == 1:
             *args, noise = calls[0]
-            return [self.module.inference(*args, noise=noise, n_timesteps=n_timesteps)]
+            return [
+                self.module.inference(*args, noise=noise, n_timesteps=n_timesteps, should_stop=should_stop)
+            ]
         *args, noise = (torch.cat(xs) for xs in zip(*calls, strict=True))
-        out = self.module.inference(*args, noise=noise, n_timesteps=n_timesteps)  # (B, n_mels, M), (B, ...)
+        # (B, n_mels, M), (B, ...)
+        out = self.module.inference(*args, noise=noise, n_timesteps=n_timesteps, should_stop=should_stop)
         return _rows(out, len(calls))
 
 
@@ -251,17 +275,23 @@ class VocoderBatcher(_Stacker):
         generator: torch.Generator | None = None,
         sine_phase: Tensor | None = None,
         sine_noise: Tensor | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Same arguments and result as the vocoder's ``inference``; may run stacked with other threads' calls."""
+        """Same arguments and result as the vocoder's ``inference``; may run stacked with other threads' calls
+        (a stacked run stops once every request in it asks to stop)."""
         samples = speech_feat.shape[-1] * self.module.cfg.upsample_factor
         sine_phase, sine_noise = self.module.draw_source_noise(
             speech_feat.shape[0], samples, generator, sine_phase, sine_noise
         )
         if cache_source is None:
             cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
-        return self._submit((speech_feat, cache_source, sine_phase, sine_noise))
+        return self._submit((speech_feat, cache_source, sine_phase, sine_noise), should_stop=should_stop)
 
-    def _run(self, calls: list[tuple[Tensor, ...]], *extra: Any) -> list[tuple[Tensor, Tensor]]:
+    def _run(
+        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
+    ) -> list[tuple[Tensor, Tensor]]:
         mel, cache_source, sine_phase, sine_noise = (torch.cat(xs) for xs in zip(*calls, strict=True))
-        out = self.module.inference(mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise)
+        out = self.module.inference(
+            mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise, should_stop=should_stop
+        )
         return [out] if len(calls) == 1 else _rows(out, len(calls))

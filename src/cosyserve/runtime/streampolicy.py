@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from cosyserve.runtime import CHUNK_POLICY_CHOICES
 
-__all__ = ["StreamPolicy"]
+__all__ = ["ONE_PASS_SECONDS", "StreamPolicy"]
+
+# the longest speech that one-shot synthesis runs through the flow and the vocoder in one pass
+ONE_PASS_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class StreamPolicy:
         return 4 * self.input_frame_rate
 
     @property
+    def one_pass_max_len(self) -> int:
+        """The most tokens one-shot synthesis runs through the flow and vocoder in one pass (30 s of speech); a
+        longer piece goes through windows of the longest hop instead (see :meth:`windows`)."""
+        return ONE_PASS_SECONDS * self.input_frame_rate
+
+    @property
     def first_hop(self) -> int:
         """Tokens the first chunk advances by (it sees ``first_hop + token_overlap_len`` tokens)."""
         return self.token_min_hop_len if self.first_hop_len is None else self.first_hop_len
@@ -114,16 +123,26 @@ class StreamPolicy:
 
     def windows(self, tokens: Iterable[int], stream: bool) -> Iterator[tuple[list[int], bool]]:
         """The (window of tokens, final) calls a request makes as ``tokens`` arrive: one final call with all of
-        them (``stream`` False), else a window of ``hop + token_overlap_len`` tokens each time that many are
-        buffered (the window then slides by ``hop``, which grows per :meth:`next_hop`) and a final call with the
-        rest. Consumes ``tokens`` lazily (a generator's tokens are taken as they come)."""
+        them (``stream`` False, the reference's one-shot rule, up to :attr:`one_pass_max_len` tokens), else a
+        window of ``hop + token_overlap_len`` tokens each time that many are buffered (the window then slides by
+        ``hop``, which grows per :meth:`next_hop`) and a final call with the rest. Consumes ``tokens`` lazily (a
+        generator's tokens are taken as they come).
+
+        One-shot synthesis of more than :attr:`one_pass_max_len` tokens (a piece the LM ran long on) goes through
+        windows of the longest hop, as streaming does: the flow's attention over a whole long piece would hold
+        memory quadratic in its length (gigabytes at a minute of speech), while a window's is bounded.
+        """
         if not stream:
             all_tokens = list(tokens)
-            if all_tokens:
+            if len(all_tokens) > self.one_pass_max_len:
+                yield from self._slide(all_tokens, self.token_max_hop_len)
+            elif all_tokens:
                 yield all_tokens, True
             return
+        yield from self._slide(tokens, self.first_hop)
+
+    def _slide(self, tokens: Iterable[int], hop: int) -> Iterator[tuple[list[int], bool]]:
         buffer: list[int] = []
-        hop = self.first_hop
         for tok in tokens:
             buffer.append(tok)
             if len(buffer) >= hop + self.token_overlap_len:

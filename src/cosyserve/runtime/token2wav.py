@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cosyserve.runtime.streampolicy import StreamPolicy
+from cosyserve.stop import ShouldStop
 
 __all__ = ["CallDraws", "StreamPolicy", "Token2Wav"]
 
@@ -89,6 +90,7 @@ class Token2Wav:
         speed: float,
         draws: CallDraws,
         generator: torch.Generator | None,
+        should_stop: ShouldStop | None,
     ) -> torch.Tensor:
         p = self.policy
         token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
@@ -104,24 +106,30 @@ class Token2Wav:
             noise=draws.flow_noise,
             generator=generator,
             n_timesteps=self.flow_steps,
+            should_stop=should_stop,
         )
         if state.mel_overlap is not None:
             mel = _fade_in_out(mel, state.mel_overlap, _hamming(2 * p.mel_overlap_len))
+        if not finalize:
+            state.mel_overlap = mel[:, :, -p.mel_overlap_len :]
+            mel = mel[:, :, : -p.mel_overlap_len]
+        if speed != 1.0:
+            # the reference stretches the one-shot mel before the vocoder; a long piece's windows (see
+            # StreamPolicy.windows) each stretch their new frames. At least one frame: a very short piece at a high
+            # speed would otherwise stretch to nothing
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
         if state.cache_mel is not None:
             mel = torch.cat([state.cache_mel, mel], dim=2)
             cache_source = state.cache_source
         else:
             cache_source = torch.zeros(1, 1, 0)
-        if not finalize:
-            state.mel_overlap = mel[:, :, -p.mel_overlap_len :]
-            mel = mel[:, :, : -p.mel_overlap_len]
-        elif speed != 1.0:
-            if state.cache_mel is not None:
-                raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            # at least one frame: a very short piece at a high speed would otherwise stretch to nothing
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
         speech, source = self.hift.inference(
-            mel, cache_source, generator=generator, sine_phase=draws.sine_phase, sine_noise=draws.sine_noise
+            mel,
+            cache_source,
+            generator=generator,
+            sine_phase=draws.sine_phase,
+            sine_noise=draws.sine_noise,
+            should_stop=should_stop,
         )
         if state.cache_speech is not None:
             speech = _fade_in_out(speech, state.cache_speech, _hamming(2 * p.source_cache_len))
@@ -144,6 +152,7 @@ class Token2Wav:
         speed: float = 1.0,
         generator: torch.Generator | None = None,
         draws: Iterator[CallDraws] | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
 
@@ -156,6 +165,8 @@ class Token2Wav:
             speed: tempo factor, one-shot mode only (the reference's rule).
             generator: source of random draws not injected through ``draws``.
             draws: per-call injected draws, in call order.
+            should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
+                (:class:`cosyserve.stop.Stopped` once it says True).
         """
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -178,7 +189,8 @@ class Token2Wav:
                 speed,
                 next(draws, CallDraws()),
                 generator,
+                should_stop,
             )
 
         for window, final in p.windows(tokens, stream):
-            yield run(window, final, speed if final else 1.0)
+            yield run(window, final, speed)

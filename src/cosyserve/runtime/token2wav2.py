@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cosyserve.runtime.token2wav import _fade_in_out, _hamming
+from cosyserve.stop import ShouldStop
 
 __all__ = ["StreamPolicy2", "Token2Wav2"]
 
@@ -126,12 +127,13 @@ class Token2Wav2:
         speed: float,
         draws: dict[str, torch.Tensor],
         generator: torch.Generator | None,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[torch.Tensor, _Cache | None]:
         p = self.policy
         token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
         mel = self.flow.inference(
             token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
-            n_timesteps=self.flow_steps,
+            n_timesteps=self.flow_steps, should_stop=should_stop,
         )  # fmt: skip
         mel = mel[:, :, offset * p.token_mel_ratio :]
         if cache is not None:
@@ -143,7 +145,9 @@ class Token2Wav2:
             if cache is not None:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
             mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
-        speech, source = self.hift.inference(mel, cache_source, generator=generator, **draws)
+        speech, source = self.hift.inference(
+            mel, cache_source, generator=generator, should_stop=should_stop, **draws
+        )
         if cache is not None:
             speech = _fade_in_out(speech, cache.speech, _hamming(2 * p.source_cache_len))
         if finalize:
@@ -164,6 +168,7 @@ class Token2Wav2:
         speed: float = 1.0,
         generator: torch.Generator | None = None,
         draws: Iterator[dict[str, torch.Tensor]] | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
 
@@ -176,6 +181,8 @@ class Token2Wav2:
             speed: tempo factor, one-shot mode only (the reference's rule).
             generator: source of the vocoder's random draws not injected through ``draws``.
             draws: per-call injected vocoder draws (keyword arguments of its ``inference``), in call order.
+            should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
+                (:class:`cosyserve.stop.Stopped` once it says True).
         """
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -191,6 +198,7 @@ class Token2Wav2:
                 speech, _ = self._call(
                     all_tokens, 0, None, prompt_token, prompt_feat, embedding,
                     streaming=False, finalize=True, speed=speed, draws=next(draws, {}), generator=generator,
+                    should_stop=should_stop,
                 )  # fmt: skip
                 yield speech
             return
@@ -206,7 +214,7 @@ class Token2Wav2:
                 speech, cache = self._call(
                     buffer[: offset + this_hop + p.pre_lookahead_len], offset, cache, prompt_token, prompt_feat,
                     embedding, streaming=True, finalize=False, speed=1.0, draws=next(draws, {}),
-                    generator=generator,
+                    generator=generator, should_stop=should_stop,
                 )  # fmt: skip
                 offset += this_hop
                 hop = p.next_hop(hop)
@@ -215,5 +223,6 @@ class Token2Wav2:
             speech, _ = self._call(
                 buffer, offset, cache, prompt_token, prompt_feat, embedding,
                 streaming=False, finalize=True, speed=1.0, draws=next(draws, {}), generator=generator,
+                should_stop=should_stop,
             )  # fmt: skip
             yield speech

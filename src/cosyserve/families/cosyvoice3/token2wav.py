@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cosyserve.runtime.token2wav2 import StreamPolicy2, Token2Wav2
+from cosyserve.stop import ShouldStop
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
 
@@ -92,14 +93,14 @@ class Token2Wav3(Token2Wav2):
         speed: float,
         draws: dict[str, torch.Tensor],
         generator: torch.Generator | None,
-        **stop: Any,
+        should_stop: ShouldStop | None = None,
     ) -> tuple[torch.Tensor, _MelCache | None]:
-        # generator: unused, CosyVoice3's vocoder draws nothing; stop: the caller's stop check, for the flow
+        # generator: unused, CosyVoice3's vocoder draws nothing
         p = self.policy
         token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
         mel = self.flow.inference(
             token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
-            n_timesteps=self.flow_steps, **{k: v for k, v in stop.items() if v is not None},
+            n_timesteps=self.flow_steps, should_stop=should_stop,
         )  # fmt: skip
         mel = mel[:, :, offset * p.token_mel_ratio :]
         state = (
@@ -112,7 +113,7 @@ class Token2Wav3(Token2Wav2):
             if offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
             mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
-        speech, _ = self.hift.inference(mel, finalize, **draws)
+        speech, _ = self.hift.inference(mel, finalize, should_stop=should_stop, **draws)
         speech = speech[:, state.speech_offset :]
         state.speech_offset += speech.shape[1]
         return speech, None if finalize else state
