@@ -246,7 +246,10 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
     Raises:
         cosyserve.errors.InputError: torch is not installed and ``source`` needs it: the torch runtime was chosen,
             or the lite runtime by default for a model that is not a bundle converted with ``--runtime lite``.
+        cosyserve.errors.SettingsError: the ``device`` setting names a device the chosen runtime cannot use here
+            (:func:`cosyserve.device.check_device`: checked once at start, before anything loads).
     """
+    from cosyserve.device import check_device, device_given
     from cosyserve.errors import InputError
     from cosyserve.sources import has_lite_files, torch_installed
 
@@ -267,6 +270,7 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
                 "BUNDLE --runtime lite` where torch is, and serve that bundle"
             )
         logger.info("torch is not installed: %s runs on the lite runtime (ONNX Runtime)", source)
+    check_device(settings.device, chosen, device_given(settings))
     return chosen
 
 
@@ -291,20 +295,24 @@ def load(
         clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``
             setting: ``torch``, or ``lite`` where torch is not installed, unless COSYSERVE_RUNTIME says otherwise).
-        options: settings by name (``threads``, ``strategy``, ``verify``, ``warmup``, ``warmup_tokens``,
-            ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of :class:`cosyserve.runtime.RuntimeOptions`
-            (``batch_size``, ``batch_flow``, ...); those not given (or None) come from ``settings``.
+        options: settings by name (``device``, ``threads``, ``strategy``, ``verify``, ``warmup``,
+            ``warmup_tokens``, ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of
+            :class:`cosyserve.runtime.RuntimeOptions` (``batch_size``, ``batch_flow``, ...); those not given (or
+            None) come from ``settings``.
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
         cosyserve.errors.InputError: the model, a setting or an option cannot be used (ModelDirError,
-            ModelConfigError, BundleError, SettingsError), or needs torch where it is not installed.
+            ModelConfigError, BundleError, SettingsError), needs torch where it is not installed, or ``device``
+            names one this machine or the runtime does not have (``device='cuda'`` without CUDA).
     """
     from cosyserve.runtime import load_runtime
     from cosyserve.settings import Settings
 
     quiet_onnxruntime()
     settings = settings if settings is not None else Settings.load()
+    if options.get("device") is not None:  # checked with the runtime's choice, before anything loads
+        settings = settings.replace(where="cosyserve.load", device=options["device"])
     runtime = choose_runtime(path, settings, runtime)
     return CosyVoiceModel(
         load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock)

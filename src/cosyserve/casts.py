@@ -21,6 +21,7 @@ __all__ = [
     "ApiKeys",
     "Bool",
     "Choice",
+    "Device",
     "Float",
     "Folder",
     "Int",
@@ -123,6 +124,20 @@ class Choice:
             return self.booleans[0] if raw is True or v in _TRUE else self.booleans[1]
         names = ", ".join(self.choices)
         raise ValueError(f"expected one of {names}" + (" or a boolean" if self.booleans else ""))
+
+
+class Device:
+    """A torch device name: ``cpu``, ``cuda`` or ``cuda:N`` (any case), given back in lower case. Only the name is
+    checked here; whether the machine has that device is checked once at start (:mod:`cosyserve.device`)."""
+
+    def __call__(self, raw: Any) -> str:
+        v = str(raw).strip().lower()
+        if v in ("cpu", "cuda"):
+            return v
+        kind, sep, index = v.partition(":")
+        if kind == "cuda" and sep and index.isdigit() and index.isascii():
+            return f"cuda:{int(index)}"
+        raise ValueError("expected cpu, cuda or cuda:N (N: a GPU's index, 0 for the first)")
 
 
 class Text:

@@ -45,7 +45,7 @@ _SETTINGS = {s.name: s for s in declared()}
 # commands that load a model: they need --model (or COSYSERVE_MODEL)
 _NEEDS_MODEL = ("synth", "speakers", "startup-report", "quality")
 # the compute settings `synth` and `serve` take as flags
-_PRECISION = ("llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps")
+_PRECISION = ("device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps")
 
 
 def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:

@@ -31,6 +31,7 @@ from cosyserve.casts import (
     ApiKeys,
     Bool,
     Choice,
+    Device,
     Float,
     Folder,
     Int,
@@ -239,6 +240,15 @@ class Settings:
         doc="what runs the model: `torch` (our PyTorch modules; every model and mode) or `lite` (ONNX Runtime and "
         "numpy, no torch in the process: a bundle converted with `convert --runtime lite`; CosyVoice-300M, every "
         "mode)",
+    )
+    device: str = _loading(
+        "cpu",
+        env="COSYSERVE_DEVICE",
+        flag="--device",
+        key="device",
+        cast=Device(),
+        doc="where the torch runtime computes: `cpu`, `cuda` (the first GPU) or `cuda:N`; a machine or a torch "
+        "build without CUDA stops the start with one line; the lite runtime runs on the CPU only",
     )
     strategy: str = _loading(
         "preload",

@@ -3,12 +3,15 @@
 The prompt ``[sos_eos, speaker, encoded text, task_id, prompt speech tokens]`` is run once through the LM
 (:meth:`TransformerLM.prefill`), then one speech token per step (:meth:`TransformerLM.decode_one_token`) against
 static KV caches written in place. Sampling is the reference's repetition-aware sampling (:func:`ras_sample`) done
-with tensor ops and an explicit generator; the only host sync per token is reading the sampled id.
+with tensor ops and an explicit generator; on the CPU the only host sync per token is reading the sampled id. On a
+GPU the loop runs ahead of the host instead (:func:`decode_ahead`): the ids are read back a few steps late, without
+a synchronisation per step, and the draws are the CPU loop's.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,7 +27,20 @@ from cosyserve.models.transformer import (
     TransformerEncoderConfig,
 )
 
-__all__ = ["LLMConfig", "SamplingConfig", "SpeechLM", "TransformerLM", "ras_sample"]
+__all__ = [
+    "READ_AHEAD",
+    "LLMConfig",
+    "SamplingConfig",
+    "SpeechLM",
+    "TransformerLM",
+    "decode_ahead",
+    "ras_sample",
+]
+
+# decode_ahead: how many steps the device may run ahead of the ids the host has read. Each step's id is read as soon
+# as its copy is done (a GPU step takes milliseconds, the copy microseconds), so this bounds only the work queued
+# past a stop token or a stop request, not the latency of the ids.
+READ_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,84 @@ def ras_sample(scores: Tensor, history: Tensor, cfg: SamplingConfig, generator: 
     repeats = (history == top).sum(dim=-1)  # (B,)
     # `repeats >= win_size * tau_r` for an integer count is `repeats >= ceil(win_size * tau_r)`.
     return torch.where(repeats >= math.ceil(cfg.win_size * cfg.tau_r), fallback, top.squeeze(1))
+
+
+def decode_ahead(
+    lm: SpeechLM,
+    lm_input: Tensor,
+    min_len: int,
+    max_len: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    ahead: int = READ_AHEAD,
+) -> Iterator[int]:
+    """:meth:`SpeechLM.inference`'s decode loop without a host synchronisation per step, for a GPU.
+
+    The sampled token stays on the device: it is fed back to the next step as a tensor (a stop token as token 0:
+    its embedding row may not exist, and what follows a stop is never yielded) while a non-blocking copy brings it
+    to the host, where it is read once that copy is done, or at the latest when ``ahead`` more steps are queued
+    (on the CPU every id waits for that: the same code then runs, and is tested, with the lag). A stop token is
+    seen when read; the steps queued after it are dropped. The draws are the CPU loop's, step for step, and when
+    the generator is left (a stop token, ``max_len``, or the consumer closing it after an id) its state is put back
+    to the one after the last step read, so the draws that follow (the next piece, the flow's noise) are the CPU
+    loop's too.
+
+    Args:
+        lm: the LM, its caches set up by this call.
+        lm_input: (1, T0, C) the prompt (:meth:`SpeechLM.prepare_inference`); its device is where the loop runs.
+        min_len, max_len: no stop token before ``min_len`` ids; at most ``max_len`` ids (> 0).
+        sampling: the sampling options.
+        generator: on ``lm_input``'s device; source of every draw.
+        ahead: steps the device may run past the last id read (>= 0).
+    Yields:
+        Speech token ids (ints below ``lm.eos_token``); ends at a stop token or after ``max_len`` ids.
+    """
+    device = lm_input.device
+    t0 = lm_input.size(1)
+    lm.setup_caches(1, t0 + max_len)
+    win = sampling.win_size
+    history = torch.full((1, max(win, 0)), -1, dtype=torch.int64, device=device)
+    pos = torch.full((1,), t0, dtype=torch.int64, device=device)
+    on_gpu = device.type == "cuda"
+    ids = torch.empty(max_len, dtype=torch.int64, pin_memory=on_gpu)  # the host's copy of every id
+    host = ids.numpy()
+    pending: deque[tuple[int, Any, Tensor]] = deque()  # (step, its copy's event, generator state after it)
+    resume: Tensor | None = None  # the generator's state after the last step read
+    logp = lm.prefill(lm_input)
+    try:
+        for i in range(max_len):
+            if i < min_len:
+                logp[:, lm.eos_token] = -float("inf")
+            token = ras_sample(logp, history, sampling, generator)  # (1,), on the device
+            ids[i : i + 1].copy_(token, non_blocking=True)
+            event = None
+            if on_gpu:
+                event = torch.cuda.Event()
+                event.record()
+            pending.append((i, event, generator.get_state()))
+            while pending and (len(pending) > ahead or (pending[0][1] is not None and pending[0][1].query())):
+                step, done, resume = pending.popleft()
+                if done is not None:
+                    done.synchronize()  # returns at once when query() said so
+                if host[step] >= lm.eos_token:  # eos, or another stop token after it
+                    return
+                yield int(host[step])
+            if win > 0:
+                history[:, i % win] = token
+            if i + 1 < max_len:
+                fed = torch.where(token < lm.eos_token, token, 0)
+                logp = lm.decode_one_token(fed, pos, t0 + i + 1)
+                pos += 1
+        while pending:
+            step, done, resume = pending.popleft()
+            if done is not None:
+                done.synchronize()
+            if host[step] >= lm.eos_token:
+                return
+            yield int(host[step])
+    finally:
+        if resume is not None:
+            generator.set_state(resume)
 
 
 class SpeechLM(nn.Module):
@@ -265,6 +359,9 @@ class SpeechLM(nn.Module):
             sampling, max_token_text_ratio, min_token_text_ratio, generator, max_tokens,
         )  # fmt: skip
         if max_len <= 0:
+            return
+        if lm_input.device.type != "cpu":  # no host sync per step; the CPU keeps the loop below
+            yield from decode_ahead(self, lm_input, min_len, max_len, sampling, generator)
             return
         t0 = lm_input.size(1)
         self.setup_caches(1, t0 + max_len)

@@ -114,6 +114,9 @@ class RuntimeOptions:
             ones included) and leave none running when the load returns; the work a runtime would do in the
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
             waits for :meth:`Runtime.after_fork`, which each forked child calls.
+        device: where the torch runtime computes, ``cpu``, ``cuda`` or ``cuda:N`` (the name only is checked here;
+            :func:`cosyserve.device.resolve_device` checks the machine has it). The lite runtime refuses any but
+            ``cpu``.
     """
 
     strategy: Literal["preload", "lazy", "prefetch"] = "preload"
@@ -139,6 +142,7 @@ class RuntimeOptions:
     llm_quantize: Literal["none", "int8"] = "none"
     flow_steps: int | None = None
     fork_template: bool = False
+    device: str = "cpu"
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
@@ -163,6 +167,7 @@ class RuntimeOptions:
             hift_dtype=s.hift_dtype,
             llm_quantize=s.llm_quantize,
             flow_steps=s.flow_steps,
+            device=s.device,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
 
@@ -192,6 +197,17 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
+        if not _is_device_name(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N (N >= 0), got {self.device!r}")
+
+
+def _is_device_name(value: object) -> bool:
+    from cosyserve.casts import Device
+
+    try:
+        return isinstance(value, str) and Device()(value) == value
+    except ValueError:
+        return False
 
 
 @runtime_checkable

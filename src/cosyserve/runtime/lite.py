@@ -292,9 +292,11 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         import onnxruntime  # noqa: F401 - the one heavy import, timed as the torch runtime's imports are
 
         from cosyserve.bundle.loader import is_bundle, open_bundle
+        from cosyserve.device import check_device
         from cosyserve.lite.models import LiteBundle
         from cosyserve.registry_location import default_registry_dir
         from cosyserve.sources import cache_dir_of
+    check_device(o.device, "lite")  # the start checked it already; a pool's lazy load did not
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     with clock.phase("manifest"):
         if not is_bundle(path):
