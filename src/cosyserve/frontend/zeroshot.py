@@ -293,7 +293,10 @@ class Frontend:
         """Voice conversion: the source's speech tokens spoken with the prompt's voice.
 
         Returns ``source_speech_token(_len)``, ``flow_prompt_speech_token(_len)``, ``prompt_speech_feat(_len)``,
-        ``flow_embedding``.
+        ``flow_embedding``. Unlike :meth:`prompt_features` at 24 kHz, nothing is trimmed (the reference's
+        ``frontend_vc``; ``resample_rate`` is unused): the prompt's mel (F frames) and speech tokens (P) keep their
+        extracted lengths, so with CosyVoice2's 25 Hz tokens F is 2P, 2P - 1 or 2P - 2, and the causal flow's
+        output then starts with the 2P - F frames of the last prompt tokens, as the reference's does.
         """
         self.require("vc")
         prompt = self._prompt(prompt_wav)

@@ -225,7 +225,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         Args:
             token: (B, T) speech token ids to synthesise.
             prompt_token: (B, P) prompt speech tokens (P may be 0).
-            prompt_feat: (B, F, n_mels) prompt mel, F = 2P.
+            prompt_feat: (B, F, n_mels) prompt mel. Usually F = 2P (the zero-shot frontend trims to it); voice
+                conversion passes the prompt's whole mel, and the output then starts with the d = 2P - F frames of
+                the last prompt tokens, as in the reference.
             embedding: (B, spk_embed_dim) speaker x-vector (L2-normalised here).
             streaming: static chunk attention in the encoder and estimator (what a streaming chunk uses).
             finalize: the utterance ends here; otherwise the last 3 tokens are lookahead context only and get no
@@ -233,16 +235,11 @@ class CausalMaskedDiffWithXvec(nn.Module):
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
             should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
         Returns:
-            (B, n_mels, M) float32 mel with M = 2T (finalize) or 2(T - 3).
+            (B, n_mels, M) float32 mel with M = 2(P + T) - F (finalize) or 2(P + T - 3) - F.
         """
         n_timesteps = self.N_TIMESTEPS if n_timesteps is None else n_timesteps
         if n_timesteps < 1:
             raise ValueError(f"n_timesteps must be >= 1, got {n_timesteps}")
-        p, f = prompt_token.shape[1], prompt_feat.shape[1]
-        if f != self.token_mel_ratio * p:
-            raise ValueError(
-                f"prompt_feat has {f} frames for {p} prompt tokens; expected {self.token_mel_ratio * p}"
-            )
         tokens = torch.cat([prompt_token, token], dim=1)
         lookahead = 0 if finalize else self.pre_lookahead_len
         if token.shape[1] <= lookahead:
@@ -250,6 +247,10 @@ class CausalMaskedDiffWithXvec(nn.Module):
                 f"a chunk that does not finalize needs more than {lookahead} tokens (the last {lookahead} are "
                 f"lookahead), got {token.shape[1]}"
             )
+        f = prompt_feat.shape[1]
+        frames = self.token_mel_ratio * (tokens.shape[1] - lookahead)
+        if f > frames:
+            raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
         dtype = self.spk_embed_affine_layer.weight.dtype
         device = self.spk_embed_affine_layer.weight.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device=device, dtype=dtype), dim=1))
@@ -259,8 +260,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
             h = self.encoder(x[:, :-lookahead], x[:, -lookahead:], streaming=streaming)
         else:
             h = self.encoder(x, streaming=streaming)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, n_mels, N)
-        frames = mu.shape[2]
+        mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, n_mels, N), N = frames
         cond = torch.zeros_like(mu)
         cond[:, :, :f] = prompt_feat.to(device=device, dtype=dtype).transpose(1, 2)
         noise = fixed_noise(frames, device, dtype)

@@ -176,7 +176,10 @@ class Token2Wav2:
             tokens: speech token ids; may be a generator (the LM's), consumed as it produces.
             embedding: the flow's speaker embedding ``[1, 192]``.
             prompt_token: ``[1, P]`` prompt speech tokens, default none.
-            prompt_feat: ``[1, 2P, 80]`` prompt mel, default none.
+            prompt_feat: ``[1, F, 80]`` prompt mel, default none. Usually F = 2P; vc passes the prompt's whole
+                mel (F = 2P - d): the flow's output then starts d frames early and, as in the reference, each
+                chunk still drops 2 frames per token already spoken, so its first d frames repeat the previous
+                chunk's last ones.
             stream: chunk as tokens arrive (True) or synthesize once at the end (False).
             speed: tempo factor, one-shot mode only (the reference's rule).
             generator: source of the vocoder's random draws not injected through ``draws``.
