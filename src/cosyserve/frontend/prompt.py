@@ -59,7 +59,8 @@ class PromptLimits:
         max_channels: mono or stereo; more suggests a file that is not a voice recording.
         max_bytes: largest encoded file.
         min_sample_rate: lowest source rate (the reference refuses to resample from below 16 kHz).
-        silence_peak: a prompt whose peak |sample| is below this (default -60 dBFS) is silent.
+        silence_peak: a prompt whose peak |sample| is below this (default -60 dBFS) is silent (a prompt with NaN or
+            infinite samples is refused whatever the limits).
         clip_level: |sample| at or above this counts as clipped ...
         max_clipped_fraction: ... and a prompt with more than this fraction of clipped samples is refused.
     """
@@ -161,6 +162,7 @@ def load_prompt(
     if speech_16k.shape[1] < limits.min_seconds * SPEAKER_SR:
         raise AudioError(f"{name} decodes to {speech_16k.shape[1]} samples at 16 kHz; it is too short")
     magnitude = np.abs(np.asarray(speech_16k))
+    _check_finite(magnitude, name)
     peak = float(magnitude.max())
     if peak < limits.silence_peak:
         raise AudioError(f"{name} is silent (peak level {peak:.2g}); record the voice louder")
@@ -170,7 +172,17 @@ def load_prompt(
             f"{name} is clipped ({clipped:.1%} of samples at full scale); record it at a lower level"
         )
     speech_24k = loader(src, FEAT_SR, min_sr=limits.min_sample_rate)  # [1, N24]
+    _check_finite(speech_24k, name)
     return PromptAudio(speech_16k, speech_24k, info.samplerate, info.channels, seconds)
+
+
+def _check_finite(wave: Any, name: str) -> None:
+    # NaN passes every level check (each comparison is False) and becomes NaN features, NaN speaker embeddings and
+    # silent output; a float file can hold NaN or infinity, and resampling spreads one such sample to its neighbours
+    if not np.isfinite(np.asarray(wave)).all():
+        raise AudioError(
+            f"{name} is not finite: it has NaN or infinite samples; give a recording whose samples are all finite"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
