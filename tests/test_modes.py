@@ -523,3 +523,22 @@ def test_no_speaker_means_the_default_voice(model: Any) -> None:
     a = model.synthesize_all("Hi.", None, seed=5)
     b = model.synthesize_all("Hi.", first, seed=5)
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_huge_unknown_speaker_name_is_cut_in_messages(model: Any, reference_frontend: Frontend) -> None:
+    """A 100,000-character speaker name is shown cut (its first characters and its length) by the Python API and
+    the frontend, as the server shows it: if this fails, the CLI prints, and a caller logs, the whole name."""
+    from cosyserve.errors import UnknownVoiceError
+
+    name = "v" * 100_000
+    calls = (
+        lambda: model.synthesize("Hi.", name),
+        lambda: model.synthesize("Hi.", name, mode="zero_shot"),
+        lambda: reference_frontend.frontend_sft("Hi.", name),
+        lambda: reference_frontend.frontend_zero_shot("Hi.", "", b"", zero_shot_spk_id=name),
+        lambda: reference_frontend.frontend_cross_lingual("Hi.", b"", zero_shot_spk_id=name),
+    )
+    for call in calls:
+        with pytest.raises(UnknownVoiceError) as e:
+            call()
+        assert len(str(e.value)) < 1000 and "(100000 characters)" in str(e.value), str(e.value)[:200]

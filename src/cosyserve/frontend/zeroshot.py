@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
-from cosyserve.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError, shown
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
     AudioSource,
@@ -179,7 +179,7 @@ class Frontend:
     def speaker_embedding(self, spk_id: str) -> torch.Tensor:
         if spk_id not in self.speakers:
             known = ", ".join(sorted(self.speakers)) or "none (this model dir has no spk2info.pt)"
-            raise UnknownVoiceError(f"unknown speaker {spk_id!r}; known speakers: {known}")
+            raise UnknownVoiceError(f"unknown speaker {shown(spk_id)}; known speakers: {known}")
         return self.speakers[spk_id]["embedding"]
 
     def frontend_sft(
@@ -212,7 +212,7 @@ class Frontend:
         """
         if zero_shot_spk_id:
             if zero_shot_spk_id not in self.speakers:
-                raise UnknownVoiceError(f"unknown saved speaker {zero_shot_spk_id!r}")
+                raise UnknownVoiceError(f"unknown saved speaker {shown(zero_shot_spk_id)}")
             entry = self.speakers[zero_shot_spk_id]
         else:
             entry = self.prompt_features(prompt_text, prompt_wav, resample_rate)
@@ -261,7 +261,7 @@ class Frontend:
         """The zero-shot dict without the LLM prompt (no prompt text, no LLM prompt speech tokens)."""
         if zero_shot_spk_id:
             if zero_shot_spk_id not in self.speakers:
-                raise UnknownVoiceError(f"unknown saved speaker {zero_shot_spk_id!r}")
+                raise UnknownVoiceError(f"unknown saved speaker {shown(zero_shot_spk_id)}")
             entry = self.speakers[zero_shot_spk_id]
         else:
             self.require("cross_lingual")

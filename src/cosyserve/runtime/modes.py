@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
 from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
 from cosyserve.runtime import Voice
 
@@ -173,13 +173,15 @@ class ModelModes:
         try:
             speaker = self.registry.get(name, tenant) if self.registry is not None else None
         except RegistryError as e:  # a name the registry cannot hold (a path, too long) is nobody's voice
-            raise UnknownVoiceError(f"unknown speaker {name!r}: {e}", param="speaker") from None
+            raise UnknownVoiceError(f"unknown speaker {shown(name)}: {e}", param="speaker") from None
         if speaker is None:
             known = sorted(self.speakers)
             if self.registry is not None:
                 known += [n for n in self.registry.names(tenant) if n not in self.speakers]
             listed = ", ".join(known) or "none (this model dir has no spk2info.pt and nothing is registered)"
-            raise UnknownVoiceError(f"unknown speaker {name!r}; known speakers: {listed}", param="speaker")
+            raise UnknownVoiceError(
+                f"unknown speaker {shown(name)}; known speakers: {listed}", param="speaker"
+            )
         return speaker.kind, speaker.features
 
     def default_speaker(self) -> str:
