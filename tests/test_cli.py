@@ -625,3 +625,28 @@ def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice
     assert len(lines) == 1, r.stderr[-3000:]
     assert str(evil) in lines[0] and "other than tensors" in lines[0] and "system" in lines[0], lines[0]
     assert "weights_only" not in lines[0] and "trust" not in lines[0], lines[0]
+
+
+def test_serve_help_lists_the_exit_codes_and_stays_light() -> None:
+    """`serve --help` ends with every exit code of cosyserve.server.run.EXIT_CODES (one table for the help and the
+    README), one per line; building it imports neither torch nor the server framework. If this fails, an operator
+    cannot tell a port in use (3) from a bad flag (2) without the source, or `--help` got slow."""
+    from cosyserve.server.run import EXIT_CODES
+
+    code = (
+        "import sys, cosyserve.cli\n"
+        "try:\n    cosyserve.cli.main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'numpy', 'starlette', 'uvicorn') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(COLUMNS="100"), timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert "exit codes:\n" in r.stdout, r.stdout[-500:]
+    table = r.stdout.split("exit codes:\n", 1)[1]
+    starts = [line.split()[0] for line in table.splitlines() if line.startswith("  ") and line[2] != " "]
+    assert starts == [str(c) for c, _ in EXIT_CODES], table
+    flat = " ".join(table.split())
+    for c, meaning in EXIT_CODES:
+        assert f"{c} {' '.join(meaning.split())}" in flat, f"exit code {c} is not explained: {table}"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,29 @@ class CLIError(Exception):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, unless there is none (None, an empty list) or the help already says it."""
+    """Shows each flag's default, unless there is none (None, an empty list) or the help already says it; keeps the
+    line breaks of a description or epilog (RawDescriptionHelpFormatter's behaviour, for the exit-code table of
+    ``serve --help``), each line still wrapped to the terminal and a line that starts with blanks hanging under
+    its text."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, []) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            hang = re.match(r"\s+\S+\s+", line)  # "  3  the start failed: ..." wraps under "the"
+            more = indent + " " * (hang.end() if hang else 0)
+            lines.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=more))
+        return "\n".join(lines)
+
+
+def _exit_codes() -> str:
+    from cosyserve.server.run import EXIT_CODES  # light: no server framework, no torch
+
+    return "exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES)
 
 
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
@@ -457,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="HTTP server: OpenAI /v1/audio/speech, the reference's /inference_*, health, metrics",
         formatter_class=fmt,
+        epilog=_exit_codes(),
     )
     _setting(p, "models", action="append")
     for name in (
