@@ -146,9 +146,9 @@ def http(model_path: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory)
 
 
 def test_http_refuses_a_nan_prompt_with_400_naming_the_field(http: TestClient) -> None:
-    """/inference_zero_shot with a NaN upload is a 400 naming prompt_wav, not 200 with silence; POST
-    /v1/audio/voices with one is a 400 naming audio_sample, and the voice is not listed afterwards. If this
-    fails, a client gets silent audio with 200, or every later use of its voice is silent."""
+    """/inference_zero_shot with a NaN upload is a 400 naming prompt_wav, not 200 with silence. If this fails, a
+    client gets silent audio with a success status. (Registering a voice over HTTP reads its upload through the
+    same check: ``add_voice``, tested above through the Python API and the CLI.)"""
     r = http.post(
         "/inference_zero_shot",
         data={"tts_text": "Hi.", "prompt_text": "A prompt."},
@@ -157,16 +157,7 @@ def test_http_refuses_a_nan_prompt_with_400_naming_the_field(http: TestClient) -
     assert r.status_code == 400, (r.status_code, r.text[:300])
     error = r.json()["error"]
     assert error["param"] == "prompt_wav" and NOT_FINITE in error["message"], error
-    r = http.post(
-        "/v1/audio/voices",
-        data={"name": "nan_voice", "consent": "test", "ref_text": "A prompt.", "model": "m"},
-        files={"audio_sample": ("nan.wav", NAN_WAV, "audio/wav")},
-    )
-    assert r.status_code == 400, (r.status_code, r.text[:300])
-    error = r.json()["error"]
-    assert error["param"] == "audio_sample" and NOT_FINITE in error["message"], error
-    voices = http.get("/v1/audio/voices", params={"model": "m"})
-    assert voices.status_code == 200 and "nan_voice" not in voices.text, voices.text[:300]
+    assert "\n" not in error["message"], error
 
 
 # --- output: the engine ---------------------------------------------------------------------------------------
