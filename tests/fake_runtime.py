@@ -1,10 +1,14 @@
 """One fake :class:`cosyserve.runtime.Runtime` for the engine, pool, tenant and server tests (no torch).
 
 It speaks sft only: ``chunks`` chunks of ``chunk_len`` samples, chunk ``i`` filled with ``seed + i``, so a test
-can tell requests and their order apart. Knobs: ``hold`` (an Event each chunk waits for), ``delay`` (seconds per
-chunk), ``size`` (its mapped bytes, for the pool's budget). Texts with a meaning: ``boom`` fails inside the
-model (a bug), ``tokens`` runs a 10k-token LM loop before its one chunk (cancellation must stop it at the next
-token: ``made`` counts the tokens).
+can tell requests and their order apart. Text given as an iterable of pieces (the runtime's contract, see
+:mod:`cosyserve.textfeed`) is read as it comes, in the worker thread: one chunk of ``chunk_len`` samples per
+piece with something to speak, as soon as it arrives, chunk ``i`` filled with ``seed + i``; the pieces read are
+kept in ``pieces`` (one list per request), and an utterance that ended with nothing to speak is refused as the
+runtimes refuse it. Knobs: ``hold`` (an Event each chunk waits for), ``delay`` (seconds per chunk), ``size`` (its
+mapped bytes, for the pool's budget). Texts with a meaning: ``boom`` fails inside the model (a bug), ``tokens``
+runs a 10k-token LM loop before its one chunk (cancellation must stop it at the next token: ``made`` counts the
+tokens).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from cosyserve.clock import PhaseClock
-from cosyserve.errors import ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.request import MODES, SynthesisRequest
+from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.request import MODES, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Runtime, Voice
 
 __all__ = ["FakeRuntime"]
@@ -56,6 +60,7 @@ class FakeRuntime:
         self.running = 0
         self.max_running = 0
         self.closed_in: list[str] = []  # threads where a request's generator was closed
+        self.pieces: list[list[str]] = []  # per request given its text as pieces: the pieces read
         self.closed = False
         self._lock = threading.Lock()
 
@@ -73,7 +78,10 @@ class FakeRuntime:
 
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
         if request.mode not in (None, "sft"):
-            raise ModeUnavailableError(f"{request.mode} synthesis is unavailable: the fake speaks sft only")
+            raise ModeUnavailableError(  # the field that asked for the mode, as the runtimes name it
+                f"{request.mode} synthesis is unavailable: the fake speaks sft only",
+                param="instruct_text" if request.mode == "instruct" else None,
+            )
         if request.speaker is not None and request.speaker not in self._speakers:
             raise UnknownVoiceError(
                 f"unknown speaker {request.speaker!r}; known speakers: {', '.join(self.speakers())}",
@@ -89,6 +97,9 @@ class FakeRuntime:
             self.running += 1
             self.max_running = max(self.max_running, self.running)
         try:
+            if is_text_iterable(r.text):
+                yield from self._generate_pieces(r, should_stop)
+                return
             if r.text == "boom":
                 raise RuntimeError("kaboom")
             if r.text == "tokens":  # non-streaming: the whole LM loop runs before the first chunk
@@ -111,6 +122,26 @@ class FakeRuntime:
             with self._lock:
                 self.running -= 1
             self.closed_in.append(threading.current_thread().name)
+
+    def _generate_pieces(self, r: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        seen: list[str] = []
+        with self._lock:
+            self.pieces.append(seen)
+        for i, piece in enumerate(r.text):
+            seen.append(piece)
+            if piece == "boom":
+                raise RuntimeError("kaboom")
+            if should_stop():
+                return
+            if not piece.strip():
+                continue  # nothing to speak in it
+            time.sleep(self.delay)
+            self.yielded += 1
+            yield np.full(self.chunk_len, float(r.seed or 0) + i, np.float32)
+        if not "".join(seen).strip() and not should_stop():
+            raise ClientError(
+                "the text has nothing to speak: the utterance ended without a word", param="text"
+            )
 
     def warm_up(self) -> None:
         pass

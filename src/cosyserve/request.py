@@ -17,13 +17,18 @@ checks when the request starts.
 ``mode=None`` means ``zero_shot`` when ``speaker`` is a registered zero-shot voice, else ``sft`` (decided by the
 runtime, which knows the voices). ``instruct`` is CosyVoice-300M-Instruct's (a speaker and a style instruction);
 ``instruct2`` is CosyVoice2's (``inference_instruct2``: the instruction and a voice to clone).
+
+``text`` is one string, or an iterable of string pieces that is not a string (an LLM's output as it is generated,
+such as a :class:`cosyserve.textfeed.TextFeed`): the runtime iterates it in its worker thread and speaks the text as
+it arrives. An iterable cannot be checked for emptiness up front: the runtime refuses an utterance that ended with
+nothing to speak.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -40,6 +45,7 @@ __all__ = [
     "Mode",
     "SynthesisRequest",
     "field_errors",
+    "is_text_iterable",
     "speed_error",
 ]
 
@@ -55,6 +61,13 @@ SPEED_MIN = 0.25
 SPEED_MAX = 4.0
 
 AudioSource = str | Path | bytes | bytearray | memoryview  # a file's path, or the encoded file's bytes
+Text = str | Iterable[str]  # one string, or its pieces as they arrive
+
+
+def is_text_iterable(text: object) -> bool:
+    """Whether ``text`` is text given as pieces: an iterable that is neither a string nor bytes-like."""
+    return not isinstance(text, str | bytes | bytearray | memoryview) and hasattr(text, "__iter__")
+
 
 # field -> modes that accept it
 _ACCEPTS: dict[str, tuple[Mode, ...]] = {
@@ -72,7 +85,8 @@ class SynthesisRequest:
     """One synthesis request (frozen; derive variants with :func:`dataclasses.replace`).
 
     Args:
-        text: what to say (every mode but vc); split into sentence pieces unless ``normalize`` is False.
+        text: what to say (every mode but vc); split into sentence pieces unless ``normalize`` is False. Or an
+            iterable of pieces that is not a str, read as they arrive (see the module docstring).
         speaker: a pre-defined speaker id, or a voice registered for ``tenant``; None in sft/instruct: the model's
             default voice.
         mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``vc``, or None (see the module docstring).
@@ -91,7 +105,7 @@ class SynthesisRequest:
         request_id: names the request in logs, metrics and headers.
     """
 
-    text: str = ""
+    text: Text = ""
     speaker: str | None = None
     mode: Mode | None = None
     prompt_text: str = ""
@@ -116,6 +130,8 @@ class SynthesisRequest:
             for name in ("text", "speaker", "prompt_text", "instruct_text")
             if isinstance(getattr(self, name), str) and getattr(self, name).strip()
         }
+        if is_text_iterable(self.text):  # its pieces are yet to come
+            out.add("text")
         return out | {name for name in ("prompt_wav", "source_wav") if getattr(self, name) is not None}
 
     def verify(self) -> None:
@@ -126,13 +142,18 @@ class SynthesisRequest:
         """
         if self.mode is not None and self.mode not in MODES:
             raise ClientError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}", param="mode")
-        for name in ("text", "prompt_text", "instruct_text"):
+        if not isinstance(self.text, str) and not is_text_iterable(self.text):
+            raise ClientError(
+                f"text must be a string or an iterable of string pieces, got {type(self.text).__name__}",
+                param="text",
+            )
+        for name in ("prompt_text", "instruct_text"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ClientError(f"{name} must be a string, got {type(value).__name__}", param=name)
         if self.speaker is not None and not isinstance(self.speaker, str):
             raise ClientError(f"speaker must be a string, got {type(self.speaker).__name__}", param="speaker")
-        if self.mode != "vc" and not self.text.strip():
+        if self.mode != "vc" and isinstance(self.text, str) and not self.text.strip():
             raise ClientError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(self.mode, self.present())
         if errors:
