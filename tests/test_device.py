@@ -80,11 +80,17 @@ def test_importing_the_settings_and_checking_cpu_never_imports_torch() -> None:
 # -- the start check -----------------------------------------------------------------------------------------------
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, built: bool, available: bool, count: int = 0) -> None:
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, built: bool, count: int = 0) -> None:
     monkeypatch.setattr(torch.version, "cuda", "12.8" if built else None)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+    def no_init() -> bool:
+        raise AssertionError(
+            "the check initialised CUDA (cudaGetDeviceCount) instead of counting GPUs by NVML"
+        )
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_init)
 
 
 def test_cuda_on_a_machine_without_one_is_one_line_naming_the_setting(
@@ -93,14 +99,14 @@ def test_cuda_on_a_machine_without_one_is_one_line_naming_the_setting(
     """If this fails, `--device cuda` where torch cannot use a GPU gets past the start (to fail later, deep in a
     load), or its message does not say which flag or variable asked and what is missing."""
     flag = Settings.load(flags={"device": "cuda"}, env={})
-    _fake_cuda(monkeypatch, built=False, available=False)
+    _fake_cuda(monkeypatch, built=False)
     with pytest.raises(SettingsError) as e:
         choose_runtime("demo", flag, "torch")
     message = str(e.value)
     assert message.startswith("--device cuda: this torch (") and "built without CUDA" in message
     assert "\n" not in message
 
-    _fake_cuda(monkeypatch, built=True, available=False)
+    _fake_cuda(monkeypatch, built=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     env = Settings.load(env={"COSYSERVE_DEVICE": "cuda:1"})
     with pytest.raises(
@@ -108,7 +114,7 @@ def test_cuda_on_a_machine_without_one_is_one_line_naming_the_setting(
     ):
         choose_runtime("demo", env, "torch")
 
-    _fake_cuda(monkeypatch, built=True, available=True, count=2)
+    _fake_cuda(monkeypatch, built=True, count=2)
     with pytest.raises(
         SettingsError, match=r"^device 'cuda:2': there is no GPU 2: 2 visible \(cuda:0 to cuda:1\)$"
     ):
@@ -128,7 +134,7 @@ def test_cosyserve_load_checks_device_before_loading(monkeypatch: pytest.MonkeyP
         raise AssertionError("the model was loaded before the device was checked")
 
     monkeypatch.setattr(cosyserve.runtime, "load_runtime", no_load)
-    _fake_cuda(monkeypatch, built=True, available=False)
+    _fake_cuda(monkeypatch, built=True)
     with pytest.raises(SettingsError, match=r"^cosyserve\.load\(device='cuda'\): torch .* finds no GPU"):
         load("demo", device="cuda", runtime="torch")
     with pytest.raises(

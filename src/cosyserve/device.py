@@ -65,8 +65,8 @@ def device_given(settings: Any) -> str:
 def check_device(name: str, runtime: str, where: str | None = None) -> None:
     """Check, once at start, that ``runtime`` can compute on device ``name`` here.
 
-    Cheap: nothing is imported for ``cpu``; for CUDA it asks torch whether a GPU is visible, which does not create a
-    CUDA context.
+    Cheap: nothing is imported for ``cpu``; for CUDA it asks torch how many GPUs are visible, which reads NVML and
+    does not initialise CUDA.
 
     Args:
         name: the device setting (``cpu``, ``cuda`` or ``cuda:N``).
@@ -118,7 +118,7 @@ def resolve_device(name: str, where: str | None = None) -> torch.device:
         to the device of the tensors on it).
     Raises:
         SettingsError: a name that is not a device, a torch build without CUDA, no GPU visible
-            (``torch.cuda.is_available()`` False), or an index past the GPUs visible; one line each.
+            (``torch.cuda.device_count()`` 0), or an index past the GPUs visible; one line each.
     """
     import torch
 
@@ -131,15 +131,17 @@ def resolve_device(name: str, where: str | None = None) -> torch.device:
             f"{where}: this torch ({torch.__version__}) is built without CUDA; install a CUDA build "
             f"({CUDA_TORCH_INSTALL}) or use device cpu"
         )
-    if not torch.cuda.is_available():
+    # NVML first (torch falls back to the CUDA runtime where NVML fails): no CUDA context, milliseconds, and a
+    # process that forks after the check leaves its children free to use CUDA
+    count = torch.cuda.device_count()
+    if count == 0:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hint = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
         raise SettingsError(
-            f"{where}: torch {torch.__version__} finds no GPU (torch.cuda.is_available() is False{hint}); check "
+            f"{where}: torch {torch.__version__} finds no GPU (torch.cuda.device_count() is 0{hint}); check "
             "the driver (nvidia-smi) and the container's GPU access (docker --gpus, the nvidia.com/gpu resource), "
             "or use device cpu"
         )
-    count = torch.cuda.device_count()
     if index >= count:
         raise SettingsError(f"{where}: there is no GPU {index}: {count} visible (cuda:0 to cuda:{count - 1})")
     return torch.device("cuda", index)
