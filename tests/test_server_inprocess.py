@@ -384,7 +384,8 @@ def limited_client(tiny_model_dir: Path) -> Iterator[TestClient]:
         (body(stream=True, speed=1.5), "speed", "stream=false"),
         (body(seed=-1), "seed", "integer"),
         (body(temperature=1), "temperature", "unknown field"),
-        (body(stream_format="sse"), "stream_format", "not supported"),
+        (body(stream_format="json"), "stream_format", "not supported"),
+        (body(stream_format="sse", speed=1.5), "speed", "stream_format"),
         (json.dumps({"voice": "alloy"}).encode(), "input", "required"),
     ],
 )

@@ -460,6 +460,13 @@ class Settings:
         cast=Float(0.1, 86400),
         doc="seconds a request may take before it is stopped",
     )
+    ws_idle_timeout_s: float = _serve(
+        30.0,
+        env="COSYSERVE_WS_IDLE_TIMEOUT",
+        cast=Float(0.1, 86400),
+        doc="seconds a WebSocket session waits on its client (its next message, or taking the audio sent) "
+        "before it is closed and its work freed",
+    )
     drain_delay_s: float = _serve(
         5.0,
         env="COSYSERVE_DRAIN_DELAY",

@@ -6,7 +6,9 @@ the event loop; the runtime iterates it in its worker thread, as the ``text`` of
 ends once the producer calls :meth:`TextFeed.finish` (after the pieces put so far), at once when it calls
 :meth:`TextFeed.abort` (a cancelled request, a client gone: the pieces not yet taken are dropped), or at the
 feed's deadline, so a worker never waits on a producer that went away. The producer must end every feed it
-starts, one way or the other. Pure Python (no numpy, no torch): runtimes import it too.
+starts, one way or the other; it cancels a request before it aborts its feed, so that a runtime whose text ends
+finds ``should_stop()`` true and does not take the cut text for a finished utterance. Pure Python (no numpy, no
+torch): runtimes import it too.
 
 Example::
 

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from cosyserve.clock import PhaseClock
 from cosyserve.engine.streams import shared
@@ -76,6 +76,10 @@ class ServerState:
         self.startup_error: BaseException | None = None
         self.startup_done = False
         self.started: asyncio.Event | None = None  # set once startup_done is (made in the lifespan's loop)
+        self.drain_event: asyncio.Event | None = None  # set once draining is (made in the lifespan's loop)
+        self.ws_sessions: set[Any] = set()  # the open WebSocket sessions (cosyserve.server.ws.Session)
+        self._ws_wait: asyncio.Task[None] | None = None
+        self._sessions_gone: asyncio.Event | None = None  # set when the last session closes, while stopping
         self.preload: list[str] = []
         self.demo = config.demo
         self._server: Any = None  # the uvicorn server, to stop it when start-up fails
@@ -191,6 +195,8 @@ class ServerState:
         if not self.draining:
             self.draining = True
             self.drain_started = time.monotonic()
+            if self.drain_event is not None:
+                self.drain_event.set()  # WebSocket sessions finish their utterance in flight, then close
             logger.info(
                 "shutting down: readiness is 503 now; in-flight requests get %.0f s once the port closes",
                 self.config.shutdown_grace_s,
@@ -217,11 +223,42 @@ class ServerState:
 
     def _stop(self, signum: int, stop: Any) -> None:
         self._stop_timer = None
-        stop(signum, None)
         if self.stop_started is None:
             self.stop_started = time.monotonic()
             grace = self.config.shutdown_grace_s
             self._cut_timer = asyncio.get_running_loop().call_later(grace, self._cut_leftovers, grace)
+        if self.ws_sessions and self._ws_wait is None:
+            # uvicorn fails every open WebSocket at once (1012) when it stops: the sessions finish the utterance in
+            # flight and close (1001) first, within the grace
+            logger.info(
+                "waiting for %d WebSocket session(s) to finish their utterance", len(self.ws_sessions)
+            )
+            self._ws_wait = asyncio.ensure_future(self._stop_after_sessions(signum, stop))
+            return
+        if self._ws_wait is not None and not self._ws_wait.done():  # a second signal: no more waiting
+            self._ws_wait.cancel()
+            self._abort_sessions()
+        stop(signum, None)
+
+    async def _stop_after_sessions(self, signum: int, stop: Any) -> None:
+        self._sessions_gone = asyncio.Event()
+        try:
+            if self.ws_sessions:
+                await self._sessions_gone.wait()
+        finally:
+            stop(signum, None)
+
+    def session_opened(self, session: Any) -> None:
+        self.ws_sessions.add(session)
+
+    def session_closed(self, session: Any) -> None:
+        self.ws_sessions.discard(session)
+        if not self.ws_sessions and self._sessions_gone is not None:
+            self._sessions_gone.set()
+
+    def _abort_sessions(self) -> None:
+        for session in list(self.ws_sessions):
+            asyncio.ensure_future(session.abort())
 
     def _cut_leftovers(self, grace: float) -> None:
         """The grace is over: stop what still runs through the engine (a stream then ends cut, see synth.py), so
@@ -230,6 +267,7 @@ class ServerState:
         n = sum(int(m["in_flight"]) for m in self.describe_models().values())
         if n:
             logger.warning("shutdown grace of %g s is over: cutting %d request(s) still running", grace, n)
+        self._abort_sessions()  # their text feeds end, so no worker waits on text that will not come
         self.pool.start_close(timeout=0)
 
     def cancel_timers(self) -> None:
@@ -237,6 +275,8 @@ class ServerState:
             if t is not None:
                 t.cancel()
         self._stop_timer = self._cut_timer = None
+        if self._ws_wait is not None:
+            self._ws_wait.cancel()
 
     async def run_startup(self) -> None:
         """Preload (in parallel, in threads), then mark READY; a failure stops the server."""
@@ -320,7 +360,7 @@ def create_app(
     Returns:
         The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
     """
-    from cosyserve.server import openai_api, reference_api
+    from cosyserve.server import openai_api, reference_api, voices, ws
     from cosyserve.server.auth import AuthMiddleware
 
     config = config if config is not None else Settings.load()
@@ -330,6 +370,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.clock.mark("lifespan")
         state.started = asyncio.Event()
+        state.drain_event = asyncio.Event()
         task = asyncio.ensure_future(state.run_startup())
         if ready_before_serving:
             await state.started.wait()  # the task itself goes on with the pool's housekeeping
@@ -387,10 +428,11 @@ def create_app(
     async def openapi(request: Request) -> Response:
         from cosyserve.server.schemas import openapi_document
 
-        return JSONResponse(openapi_document(config.max_text_chars))
+        return JSONResponse(openapi_document(config.max_text_chars, config.max_upload_bytes))
 
     openai_routes, reference_routes = openai_api.routes(state), reference_api.routes(state)
-    routes = [
+    voice_routes = voices.routes(state)
+    routes: list[BaseRoute] = [
         Route("/", index, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
         Route("/health/startup", startup, methods=["GET"]),
@@ -399,13 +441,17 @@ def create_app(
         Route("/v1/startup", startup_report, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *openai_routes,
+        *voice_routes,
+        *ws.routes(state),
         *reference_routes,
     ]
 
     # each route's names for the request's fields, for the `param` of its errors
-    params = {r.path: openai_api.PARAMS for r in openai_routes} | {
-        r.path: reference_api.PARAMS for r in reference_routes
-    }
+    params = (
+        {r.path: openai_api.PARAMS for r in openai_routes}
+        | {r.path: voices.PARAMS for r in voice_routes}
+        | {r.path: reference_api.PARAMS for r in reference_routes}
+    )
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, CosyserveError)
@@ -425,7 +471,7 @@ def create_app(
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
     middleware = [
-        Middleware(AuthMiddleware, state=state, paths=frozenset(r.path for r in routes)),
+        Middleware(AuthMiddleware, state=state, paths=frozenset(getattr(r, "path", "") for r in routes)),
         Middleware(LastResortMiddleware, metrics=state.metrics),
     ]
     if config.cors_origins:
@@ -436,7 +482,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["Authorization", "Content-Type"],
                 expose_headers=["X-Request-Id", "X-Sample-Rate", "Retry-After"],
             ),

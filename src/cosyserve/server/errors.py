@@ -24,6 +24,7 @@ from cosyserve.errors import (
     QuotaExceededError,
     RequestCancelledError,
     UnknownModelError,
+    UnknownVoiceError,
     UnsupportedMediaTypeError,
     shown,
 )
@@ -31,10 +32,13 @@ from cosyserve.errors import (
 __all__ = [
     "STATUS",
     "LastResortMiddleware",
+    "VoiceNotFoundError",
     "client_message",
     "cosyserve_error_response",
+    "error_object",
     "error_response",
     "public_cause",
+    "retry_after",
     "status_of",
     "without_paths",
 ]
@@ -57,11 +61,17 @@ _TYPES = {
 }
 
 
+class VoiceNotFoundError(UnknownVoiceError):
+    """The voice a route names as its resource (``DELETE /v1/audio/voices/{name}``) is not registered: 404, where
+    a request that names an unknown voice to speak with is a 400 (as OpenAI answers an invalid voice)."""
+
+
 # the HTTP status of each error class (cosyserve.errors); a class not listed takes its nearest listed base's
 STATUS: dict[type[CosyserveError], int] = {
     CosyserveError: 500,
     ClientError: 400,
     UnknownModelError: 404,
+    VoiceNotFoundError: 404,
     PayloadTooLargeError: 413,
     UnsupportedMediaTypeError: 415,
     OverloadedError: 503,
@@ -92,7 +102,7 @@ def error_response(
     body = {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "type": _error_type(status),
             "param": param,
             "code": code,
         }
@@ -148,24 +158,40 @@ def public_cause(e: BaseException) -> str:
     return without_paths(f"{type(e).__name__}: {e}")
 
 
-def cosyserve_error_response(e: CosyserveError, params: Mapping[str, str] | None = None) -> JSONResponse:
-    """``e`` as the response the server sends: status by :data:`STATUS`, the OpenAI error shape, Retry-After.
+def _error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def retry_after(e: CosyserveError) -> int | None:
+    """Whole seconds a client should wait before it sends ``e``'s request again (None: retrying will not help)."""
+    if isinstance(e, OverloadedError | LoadFailedError):
+        return max(1, math.ceil(e.retry_after))
+    if isinstance(e, NotReadyError):
+        return 1  # loading, or draining for shutdown: another replica or a moment later
+    return None
+
+
+def error_object(e: CosyserveError, params: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``e`` as the OpenAI error object (``message``, ``type``, ``param``, ``code``), as every transport states it.
 
     ``params`` maps request field names (``text``, ``instruct_text``, ...) to the route's own (``input``,
     ``instructions``) for the error's ``param``; a field without an entry keeps its name.
     """
-    status = status_of(e)
     param = e.param
     if param is not None and params:
         param = params.get(param, param)
-    headers: dict[str, str] = {}
-    if isinstance(e, OverloadedError | LoadFailedError):
-        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    elif isinstance(e, NotReadyError):
-        headers["Retry-After"] = "1"  # loading, or draining for shutdown: another replica or a moment later
+    return {"message": client_message(e), "type": _error_type(status_of(e)), "param": param, "code": e.code}
+
+
+def cosyserve_error_response(e: CosyserveError, params: Mapping[str, str] | None = None) -> JSONResponse:
+    """``e`` as the response the server sends: status by :data:`STATUS`, the OpenAI error shape
+    (:func:`error_object`), Retry-After."""
+    status = status_of(e)
+    wait = retry_after(e)
+    headers = {"Retry-After": str(wait)} if wait is not None else {}
     if status == 499:  # nobody is listening; a sane status for whoever logs the response
         status = 400
-    return error_response(status, client_message(e), param=param, code=e.code, headers=headers)
+    return JSONResponse({"error": error_object(e, params)}, status_code=status, headers=headers)
 
 
 class LastResortMiddleware:

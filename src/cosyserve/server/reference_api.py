@@ -29,7 +29,7 @@ from cosyserve.errors import (
 from cosyserve.server.openai_api import read_body
 from cosyserve.server.synth import synthesis_request, synthesize_response
 
-__all__ = ["PARAMS", "routes"]
+__all__ = ["PARAMS", "form_file", "form_text", "read_form", "routes"]
 
 # endpoint -> (mode, text fields, file fields)
 _ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
@@ -73,6 +73,75 @@ def parse_urlencoded(body: bytes) -> FormData:
     return FormData(pairs)
 
 
+async def read_form(
+    request: Request, config: Any, *, files: int, types: tuple[str, ...] = _FORM_TYPES
+) -> FormData:
+    """The form of ``request`` (one of ``types``), with at most ``files`` files, each within the upload limit.
+
+    Raises:
+        UnsupportedMediaTypeError: another content type.
+        PayloadTooLargeError: a declared body or a part over the upload limit.
+        ClientError: a malformed body.
+    """
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in types:
+        raise UnsupportedMediaTypeError(
+            f"send the fields as a form ({' or '.join(types)}), got "
+            f"{shown(ctype) if ctype else 'no content type'}",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > config.max_upload_bytes + (1 << 20):
+        raise PayloadTooLargeError(
+            f"the body is {declared} bytes; uploads are limited to {config.max_upload_bytes}"
+        )
+    try:
+        if ctype == "application/x-www-form-urlencoded":
+            return parse_urlencoded(await read_body(request, config.max_body_bytes))
+        return await request.form(
+            max_files=files or 1, max_fields=_MAX_FIELDS, max_part_size=config.max_upload_bytes
+        )
+    except CosyserveError:
+        raise
+    except Exception as e:  # noqa: BLE001 - multipart parser errors: a malformed body
+        raise ClientError(f"cannot parse the form: {getattr(e, 'detail', e)}") from None
+
+
+def form_text(form: FormData, name: str, *, required: bool = True) -> str | None:
+    """Form field ``name`` as text: None when absent and not ``required``.
+
+    Raises:
+        ClientError: absent (when required), a file, or blank.
+    """
+    v = form.get(name)
+    if v is None:
+        if required:
+            raise ClientError(f"form field {name} is required", param=name)
+        return None
+    if not isinstance(v, str):
+        raise ClientError(f"form field {name} must be text, not a file", param=name)
+    if not v.strip():
+        raise ClientError(f"form field {name} is empty", param=name)
+    return v
+
+
+async def form_file(form: FormData, name: str, limit: int) -> bytes:
+    """The bytes of the form's uploaded file ``name``.
+
+    Raises:
+        ClientError: not a file, or an empty one.
+        PayloadTooLargeError: over ``limit`` bytes.
+    """
+    f = form.get(name)
+    if not isinstance(f, UploadFile):
+        raise ClientError(f"form field {name} must be an uploaded audio file", param=name)
+    data = await f.read(limit + 1)
+    if len(data) > limit:
+        raise PayloadTooLargeError(f"{name} is over the upload limit of {limit} bytes", param=name)
+    if not data:
+        raise ClientError(f"{name} is an empty file", param=name)
+    return data
+
+
 def routes(state: Any) -> list[Route]:
     cfg = state.config
 
@@ -80,57 +149,11 @@ def routes(state: Any) -> list[Route]:
         mode, text_fields, file_fields = _ENDPOINTS[endpoint]
 
         async def handler(request: Request) -> Response:
-            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype not in _FORM_TYPES:
-                raise UnsupportedMediaTypeError(
-                    f"send the fields as a form ({' or '.join(_FORM_TYPES)}), got "
-                    f"{shown(ctype) if ctype else 'no content type'}",
-                )
-            declared = request.headers.get("content-length")
-            if (
-                declared is not None
-                and declared.isdigit()
-                and int(declared) > cfg.max_upload_bytes + (1 << 20)
-            ):
-                raise PayloadTooLargeError(
-                    f"the body is {declared} bytes; uploads are limited to {cfg.max_upload_bytes}"
-                )
+            form = await read_form(request, cfg, files=len(file_fields))
             try:
-                if ctype == "application/x-www-form-urlencoded":
-                    form = parse_urlencoded(await read_body(request, cfg.max_body_bytes))
-                else:
-                    form = await request.form(
-                        max_files=len(file_fields) or 1,
-                        max_fields=_MAX_FIELDS,
-                        max_part_size=cfg.max_upload_bytes,
-                    )
-            except CosyserveError:
-                raise
-            except Exception as e:  # noqa: BLE001 - multipart parser errors: a malformed body
-                raise ClientError(f"cannot parse the form: {getattr(e, 'detail', e)}") from None
-            try:
-                values: dict[str, Any] = {}
-                for name in text_fields:
-                    v = form.get(name)
-                    if v is None:
-                        raise ClientError(f"form field {name} is required", param=name)
-                    if not isinstance(v, str):
-                        raise ClientError(f"form field {name} must be text, not a file", param=name)
-                    if not v.strip():
-                        raise ClientError(f"form field {name} is empty", param=name)
-                    values[name] = v
+                values: dict[str, Any] = {name: form_text(form, name) for name in text_fields}
                 for name in file_fields:
-                    f = form.get(name)
-                    if not isinstance(f, UploadFile):
-                        raise ClientError(f"form field {name} must be an uploaded audio file", param=name)
-                    data = await f.read(cfg.max_upload_bytes + 1)
-                    if len(data) > cfg.max_upload_bytes:
-                        raise PayloadTooLargeError(
-                            f"{name} is over the upload limit of {cfg.max_upload_bytes} bytes", param=name
-                        )
-                    if not data:
-                        raise ClientError(f"{name} is an empty file", param=name)
-                    values[name] = data
+                    values[name] = await form_file(form, name, cfg.max_upload_bytes)
             finally:
                 await form.close()
             tenant = state.tenant_of(request)

@@ -65,7 +65,14 @@ def setup_logging(settings: Settings) -> None:
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """The uvicorn ``Config`` arguments of a worker (the server's own logging, no access log)."""
+    """The uvicorn ``Config`` arguments of a worker (the server's own logging, no access log).
+
+    A WebSocket frame may be as large as the largest speech request (a ``session.config`` carries ``ref_audio`` as
+    that body does); a larger one closes the connection (1009). Frames are not compressed: PCM hardly compresses,
+    and deflate would take a core's time per stream.
+    """
+    from cosyserve.server.schemas import speech_body_limit
+
     return dict(
         host=settings.host,
         port=settings.port,
@@ -73,6 +80,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + _BACKSTOP_S,
         access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
         log_config=None,
+        ws_max_size=speech_body_limit(settings),
+        ws_per_message_deflate=False,
     )
 
 

@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from cosyserve.audiofile import FORMATS, MEDIA_TYPES
-from cosyserve.errors import ClientError, cut, shown
+from cosyserve.errors import ClientError, PayloadTooLargeError, cut, shown
 from cosyserve.request import SPEED_MAX, SPEED_MIN
 
-__all__ = ["MAX_NAME_CHARS", "SpeechRequest", "openapi_document", "parse_speech_request"]
+__all__ = [
+    "MAX_NAME_CHARS",
+    "OPENAI_VOICES",
+    "SESSION_FORMATS",
+    "SessionConfig",
+    "SpeechRequest",
+    "base64_size",
+    "decode_ref_audio",
+    "json_object",
+    "openapi_document",
+    "parse_session_config",
+    "parse_speech_request",
+    "speech_body_limit",
+]
 
 # the longest voice name (``voice``, ``spk_id``) a request may give: a speaker of a model or a registered voice
 MAX_NAME_CHARS = 256
+# OpenAI's voice names: each means the server's default voice
+OPENAI_VOICES = (
+    "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse", "marin", "cedar",
+)  # fmt: skip
 
 _SPEECH_FIELDS = {
     "model",
@@ -25,49 +45,147 @@ _SPEECH_FIELDS = {
     "seed",
     "instructions",
     "stream_format",
+    "ref_audio",
+    "ref_text",
 }
+# what a WebSocket session's session.config may carry (its "type" aside)
+_SESSION_FIELDS = {
+    "model",
+    "voice",
+    "response_format",
+    "sample_rate",
+    "speed",
+    "seed",
+    "instructions",
+    "ref_audio",
+    "ref_text",
+    "stream_audio",
+}
+# what the WebSocket sends: 16-bit PCM, raw or after a WAV header
+SESSION_FORMATS = ("pcm", "wav")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
 class SpeechRequest:
     model: str | None
     input: str
-    voice: str
+    voice: str | None
     response_format: str
     speed: float
     stream: bool
     seed: int | None
     instructions: str
+    stream_format: str = "audio"
+    ref_audio: bytes | None = None
+    ref_text: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """A WebSocket session's ``session.config``: what every utterance of the session is spoken with."""
+
+    model: str | None
+    voice: str | None
+    response_format: str
+    sample_rate: int | None
+    speed: float
+    seed: int | None
+    instructions: str
+    ref_audio: bytes | None
+    ref_text: str | None
 
 
 def _bad(msg: str, param: str) -> ClientError:
     return ClientError(msg, param=param)
 
 
-def parse_speech_request(body: bytes) -> SpeechRequest:
-    """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the server's own
-    choices (format) only; the values are checked with every other request's, by
-    :meth:`cosyserve.request.SynthesisRequest.verify`.
+def base64_size(n: int) -> int:
+    """Characters of ``n`` bytes in base64 (with padding)."""
+    return 4 * ((n + 2) // 3)
+
+
+def speech_body_limit(config: Any) -> int:
+    """The largest ``/v1/audio/speech`` body (and WebSocket frame): the JSON limit, plus room for ``ref_audio`` of
+    the upload limit in base64."""
+    return int(config.max_body_bytes + base64_size(config.max_upload_bytes) + 1024)
+
+
+def decode_ref_audio(value: object, limit: int, param: str = "ref_audio") -> bytes:
+    """A client's reference audio given inline: base64, or a ``data:`` URL with base64 data.
+
+    A URL of any other scheme (http, https, file, ...) is refused: the server never fetches what a client names.
 
     Raises:
-        ClientError: not JSON, not an object, an unknown field, or a field of the wrong type (``param`` names it).
+        ClientError: not a string, a URL, not base64, or empty (``param`` names the field).
+        PayloadTooLargeError: more than ``limit`` bytes once decoded.
+    """
+    if not isinstance(value, str):
+        raise _bad(f"{param} must be a string (base64 or a data: URL), got {type(value).__name__}", param)
+    text = value.strip()
+    if text[:5].lower() == "data:":
+        head, comma, text = text.partition(",")
+        if not comma or not head.lower().endswith(";base64"):
+            raise _bad(
+                f"{param} is a data: URL without base64 data: send data:audio/wav;base64,<the file in base64>",
+                param,
+            )
+    elif _URL.match(text):
+        raise _bad(
+            f"{param} is a URL ({shown(text.split('://', 1)[0] + '://...')}): the server never fetches a URL; "
+            "send the audio file itself, in base64 or as a data: URL",
+            param,
+        )
+    text = "".join(text.split())  # line breaks, as some encoders write them
+    if len(text) > base64_size(limit):
+        raise PayloadTooLargeError(
+            f"{param} is over the upload limit of {limit} bytes ({len(text)} base64 characters)", param=param
+        )
+    altchars = b"-_" if ("-" in text or "_" in text) else None  # the URL-safe alphabet
+    try:
+        data = base64.b64decode(text, altchars=altchars, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(
+            f"{param} is not valid base64: send the audio file in base64 (standard or URL-safe alphabet, "
+            "with its padding), or as a data: URL",
+            param,
+        ) from None
+    if not data:
+        raise _bad(f"{param} is empty: send an audio file", param)
+    if len(data) > limit:
+        raise PayloadTooLargeError(f"{param} is over the upload limit of {limit} bytes", param=param)
+    return data
+
+
+def json_object(body: bytes | str, what: str = "the body") -> dict[str, Any]:
+    """``body`` parsed as a JSON object.
+
+    Raises:
+        ClientError: not JSON (also when nested too deeply for the parser), or not an object.
     """
     try:
         data = json.loads(body)
     except RecursionError:  # json's C parser recurses once per nested [ or {
-        raise ClientError("the body is not valid JSON: nested too deeply", code="invalid_json") from None
+        raise ClientError(f"{what} is not valid JSON: nested too deeply", code="invalid_json") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ClientError(f"the body is not valid JSON: {e}", code="invalid_json") from None
+        raise ClientError(f"{what} is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise ClientError("the body must be a JSON object", code="invalid_json")
-    unknown = sorted(set(data) - _SPEECH_FIELDS)
-    if unknown:
-        accepted = ", ".join(sorted(_SPEECH_FIELDS))
-        raise _bad(f"unknown field {shown(unknown[0])}; accepted: {accepted}", cut(unknown[0]))
-    data = {k: v for k, v in data.items() if v is not None}  # null means "not given", as clients send it
+        raise ClientError(f"{what} must be a JSON object", code="invalid_json")
+    return data
 
-    def string(name: str, default: str | None = None, required: bool = False) -> str | None:
-        v = data.get(name, default)
+
+class _Fields:
+    """A JSON object's fields, checked one by one: unknown names refused, null meaning "not given"."""
+
+    def __init__(self, data: dict[str, Any], accepted: set[str]) -> None:
+        unknown = sorted(set(data) - accepted)
+        if unknown:
+            names = ", ".join(sorted(accepted))
+            raise _bad(f"unknown field {shown(unknown[0])}; accepted: {names}", cut(unknown[0]))
+        self.data = {k: v for k, v in data.items() if v is not None}  # null: not given, as clients send it
+
+    def string(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+        v = self.data.get(name, default)
         if v is None:
             if required:
                 raise _bad(f"{name} is required", name)
@@ -76,43 +194,105 @@ def parse_speech_request(body: bytes) -> SpeechRequest:
             raise _bad(f"{name} must be a string, got {type(v).__name__}", name)
         return v
 
-    text = string("input", required=True)
-    voice = string("voice", required=True)
-    assert text is not None and voice is not None
-    if not voice.strip():
-        raise _bad("voice is empty: name a speaker, a registered voice or an OpenAI voice", "voice")
-    fmt = string("response_format", "mp3")
-    assert fmt is not None
-    if fmt not in FORMATS:
-        raise _bad(
-            f"response_format {shown(fmt)} is not supported; choose one of {', '.join(FORMATS)}",
-            "response_format",
-        )
-    speed = data.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float):
-        raise _bad(f"speed must be a number, got {shown(speed)}", "speed")
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream must be true or false", "stream")
-    sf = data.get("stream_format")
-    if sf is not None and sf not in ("audio", "sse"):
-        raise _bad("stream_format must be 'audio'", "stream_format")
-    if sf == "sse":
-        raise _bad("stream_format 'sse' is not supported; use 'audio' (chunked audio bytes)", "stream_format")
-    seed = data.get("seed")
-    if isinstance(seed, float) and seed.is_integer():  # JSON Schema counts 3.0 as an integer
-        seed = int(seed)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad(f"seed must be an integer, got {shown(seed)}", "seed")
+    def voice(self) -> str | None:
+        v = self.data.get("voice")
+        if isinstance(v, dict):  # OpenAI's custom voice reference: {"id": "..."}
+            if set(v) != {"id"} or not isinstance(v["id"], str):
+                raise _bad('voice as an object must be {"id": "<voice name>"}', "voice")
+            v = v["id"]
+        if v is not None and not isinstance(v, str):
+            raise _bad(f"voice must be a string or {{'id': ...}}, got {type(v).__name__}", "voice")
+        if v is not None and not v.strip():
+            raise _bad("voice is empty: name a speaker, a registered voice or an OpenAI voice", "voice")
+        return v
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        v = self.string(name, default)
+        assert v is not None
+        if v not in choices:
+            raise _bad(f"{name} {shown(v)} is not supported; choose one of {', '.join(choices)}", name)
+        return v
+
+    def speed(self) -> float:
+        speed = self.data.get("speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, int | float):
+            raise _bad(f"speed must be a number, got {shown(speed)}", "speed")
+        return float(speed)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        v = self.data.get(name, default)
+        if not isinstance(v, bool):
+            raise _bad(f"{name} must be true or false", name)
+        return v
+
+    def integer(self, name: str) -> int | None:
+        v = self.data.get(name)
+        if isinstance(v, float) and v.is_integer():  # JSON Schema counts 3.0 as an integer
+            v = int(v)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise _bad(f"{name} must be an integer, got {shown(v)}", name)
+        return v
+
+    def ref_audio(self, limit: int) -> bytes | None:
+        v = self.data.get("ref_audio")
+        return None if v is None else decode_ref_audio(v, limit)
+
+
+def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> SpeechRequest:
+    """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the server's own
+    choices (format) only; the values are checked with every other request's, by
+    :meth:`cosyserve.request.SynthesisRequest.verify`. ``ref_audio`` is decoded here (at most
+    ``max_upload_bytes``).
+
+    Raises:
+        ClientError: not JSON, not an object, an unknown field, or a field of the wrong type (``param`` names it).
+    """
+    f = _Fields(json_object(body), _SPEECH_FIELDS)
+    text = f.string("input", required=True)
+    assert text is not None
+    voice = f.voice()
+    if voice is None and "ref_audio" not in f.data:
+        raise _bad("voice is required (or ref_audio, a voice to clone)", "voice")
+    fmt = f.choice("response_format", "mp3", FORMATS)
+    sf = f.choice("stream_format", "audio", ("audio", "sse"))
     return SpeechRequest(
-        model=string("model"),
+        model=f.string("model"),
         input=text,
         voice=voice,
         response_format=fmt,
-        speed=float(speed),
-        stream=stream,
-        seed=seed,
-        instructions=string("instructions", "") or "",
+        speed=f.speed(),
+        stream=f.boolean("stream", False),
+        seed=f.integer("seed"),
+        instructions=f.string("instructions", "") or "",
+        stream_format=sf,
+        ref_audio=f.ref_audio(max_upload_bytes),
+        ref_text=f.string("ref_text"),
+    )
+
+
+def parse_session_config(data: dict[str, Any], max_upload_bytes: int) -> SessionConfig:
+    """A WebSocket ``session.config`` message (its ``type`` removed) -> :class:`SessionConfig`, checked as
+    :func:`parse_speech_request` checks its fields.
+
+    Raises:
+        ClientError: an unknown field, or a field of the wrong type or value (``param`` names it).
+    """
+    f = _Fields(data, _SESSION_FIELDS)
+    rate = f.integer("sample_rate")
+    if rate is not None and rate <= 0:
+        raise _bad(f"sample_rate must be a positive integer, got {rate}", "sample_rate")
+    if not f.boolean("stream_audio", True):
+        raise _bad("stream_audio must be true: audio is always sent as it is made", "stream_audio")
+    return SessionConfig(
+        model=f.string("model"),
+        voice=f.voice(),
+        response_format=f.choice("response_format", "pcm", SESSION_FORMATS),
+        sample_rate=rate,
+        speed=f.speed(),
+        seed=f.integer("seed"),
+        instructions=f.string("instructions", "") or "",
+        ref_audio=f.ref_audio(max_upload_bytes),
+        ref_text=f.string("ref_text"),
     )
 
 
@@ -163,12 +343,68 @@ def _health_schema() -> dict[str, Any]:
     }
 
 
-def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
+def _websocket_doc(max_text_chars: int) -> dict[str, Any]:
+    # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.ws has the whole protocol)
+    def event(kind: str, **props: Any) -> dict[str, Any]:
+        return {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}, **props}}
+
+    return {
+        "/v1/audio/speech/stream": {
+            "description": "text in as it is written, audio out as it is spoken (vLLM-Omni's protocol): JSON text "
+            "frames in; JSON events and binary frames of 16-bit little-endian mono PCM out. API keys as on every "
+            "route: 'Authorization: Bearer KEY', or from a browser the subprotocol 'bearer.<the key in "
+            "base64url>' beside 'cosyserve'.",
+            "client": [
+                event(
+                    "session.config",
+                    model={"type": "string"},
+                    voice={"type": "string"},
+                    ref_audio={"type": "string"},
+                    ref_text={"type": "string", "maxLength": max_text_chars},
+                    instructions={"type": "string", "maxLength": max_text_chars},
+                    response_format={"enum": list(SESSION_FORMATS)},
+                    sample_rate={"type": "integer"},
+                    seed={"type": "integer"},
+                    speed={"const": 1.0},
+                    stream_audio={"const": True},
+                ),
+                event("input.text", text={"type": "string"}),
+                event("input.done"),
+                event("session.close"),
+            ],
+            "server": [
+                event(
+                    "audio.start",
+                    utterance_index={"type": "integer"},
+                    request_id={"type": "string"},
+                    format={"enum": list(SESSION_FORMATS)},
+                    sample_rate={"type": "integer"},
+                    channels={"const": 1},
+                    sample_format={"const": "s16le"},
+                ),
+                event("audio.done", utterance_index={"type": "integer"}, usage={"type": "object"}),
+                event("session.done", utterance_index={"type": "integer"}, error={"type": "boolean"}),
+                event(
+                    "error",
+                    code={"type": "string"},
+                    message={"type": "string"},
+                    param={"type": ["string", "null"]},
+                    status={"type": "integer"},
+                    fatal={"type": "boolean"},
+                ),
+            ],
+        }
+    }
+
+
+def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 20) -> dict[str, Any]:
     """OpenAPI 3.1 description of the API (used by clients and by the schema fuzz test).
 
-    ``max_text_chars`` is the server's text limit, so the document promises exactly what the server accepts.
-    Which voices exist is known only at run time (speakers of the model, voices registered per API key): a
-    well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid voice.
+    ``max_text_chars`` and ``max_upload_bytes`` are the server's limits, so the document promises exactly what the
+    server accepts. Which voices exist is known only at run time (speakers of the model, voices registered per API
+    key): a well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid
+    voice; whether uploaded bytes are audio cannot be said in a schema either. The WebSocket route, which
+    OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.ws`).
     """
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     binary = {"type": "string", "format": "binary"}
@@ -188,6 +424,72 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
         "minLength": 1,
         "maxLength": min(MAX_NAME_CHARS, max_text_chars),
         "pattern": r"\S",
+    }
+
+    # a voice name the registry takes: no path separator, no control character, no blank at either end
+    voice_name = {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 64,
+        "pattern": r"^[^\s/\\\x00-\x1f\x7f-\x9f](?:[^/\\\x00-\x1f\x7f-\x9f]*[^\s/\\\x00-\x1f\x7f-\x9f])?$",
+    }
+
+    def given(field: str, pattern: str | None = None) -> dict[str, Any]:
+        # the field is given: a string (null means not given), one that matches ``pattern`` if any
+        schema: dict[str, Any] = {"type": "string"} | ({"pattern": pattern} if pattern else {})
+        return {"required": [field], "properties": {field: schema}}
+
+    base64_audio = {
+        "type": "string",
+        "minLength": 4,
+        "maxLength": base64_size(max_upload_bytes),
+        "pattern": r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
+        "description": "an audio file in base64 (or a data: URL with base64 data); never a URL to fetch",
+    }
+    voice_ref = {  # OpenAI's custom voice reference
+        "type": "object",
+        "required": ["id"],
+        "additionalProperties": False,
+        "properties": {"id": name},
+    }
+    voice_object = {
+        "type": "object",
+        "required": ["id", "object", "name", "type", "created_at", "consent", "ref_text", "model"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "audio.voice"},
+            "name": {"type": "string"},
+            "type": {"const": "audio_sample"},
+            "created_at": {"type": "integer"},
+            "consent": {"type": "string"},
+            "ref_text": {"type": "string"},
+            "model": {"type": "string"},
+        },
+    }
+
+    # one Server-Sent Event of a speech stream, its data a JSON object of the event's type
+    sse_kinds = ["speech.audio.delta", "speech.audio.done", "speech.audio.error"]
+    sse_event = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"enum": sse_kinds},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"enum": sse_kinds},
+                        "audio": {"type": "string", "contentEncoding": "base64"},
+                        "format": {"enum": list(FORMATS)},
+                        "usage": {"type": "object"},
+                        "error": {"$ref": "#/components/schemas/Error/properties/error"},
+                    },
+                },
+            },
+        },
     }
 
     def reference(op_id: str, fields: dict[str, Any], files: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -228,7 +530,11 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                         },
                     },
                     "responses": {
-                        "200": {"description": "audio", "content": audio},
+                        "200": {
+                            "description": "audio, or with stream_format sse its Server-Sent Events "
+                            "(speech.audio.delta, then speech.audio.done or speech.audio.error)",
+                            "content": {**audio, "text/event-stream": {"schema": sse_event}},
+                        },
                         **errors(400, 401, 404, 413, 415, 429, 503, 504),
                     },
                 }
@@ -251,6 +557,61 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                     "responses": {
                         "200": json_body("voices", {"$ref": "#/components/schemas/VoiceList"}),
                         **errors(401, 404),
+                    },
+                },
+                "post": {
+                    "operationId": "createVoice",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "multipart/form-data": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["audio_sample", "name", "consent", "ref_text"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "audio_sample": {
+                                            **binary,
+                                            "minLength": 1,
+                                            "maxLength": max_upload_bytes,
+                                        },
+                                        "name": voice_name,
+                                        "consent": name,
+                                        "ref_text": {**name, "maxLength": max_text_chars},
+                                        "model": name,
+                                        "type": {"const": "audio_sample"},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": json_body("the registered voice (OpenAI's voice object)", voice_object),
+                        **errors(400, 401, 404, 413, 415, 503),
+                    },
+                },
+            },
+            "/v1/audio/voices/{name}": {
+                "delete": {
+                    "operationId": "deleteVoice",
+                    "parameters": [
+                        {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
+                        {"name": "model", "in": "query", "required": False, "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": json_body(
+                            "deleted",
+                            {
+                                "type": "object",
+                                "required": ["id", "object", "deleted"],
+                                "properties": {
+                                    "id": {"type": "string"},
+                                    "object": {"const": "audio.voice.deleted"},
+                                    "deleted": {"const": True},
+                                },
+                            },
+                        ),
+                        **errors(400, 401, 404, 503),
                     },
                 }
             },
@@ -302,18 +663,25 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                 }
             },
         },
+        "x-websocket": _websocket_doc(max_text_chars),
         "components": {
             "schemas": {
                 "Error": _error_schema(),
                 "SpeechRequest": {
                     "type": "object",
-                    "required": ["input", "voice"],
+                    "required": ["input"],
                     "additionalProperties": False,
                     # an optional field given as null means the field is not given
                     "properties": {
                         "model": {"type": ["string", "null"]},
                         "input": text,
-                        "voice": name,
+                        "voice": {"anyOf": [name, voice_ref]},
+                        "ref_audio": {"anyOf": [base64_audio, {"type": "null"}]},
+                        "ref_text": {
+                            "type": ["string", "null"],
+                            "maxLength": max_text_chars,
+                            "pattern": r"\S",
+                        },
                         "response_format": {"enum": [*FORMATS, None], "default": "mp3"},
                         "speed": {
                             "type": ["number", "null"],
@@ -324,11 +692,32 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                         "stream": {"type": ["boolean", "null"], "default": False},
                         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
                         "instructions": {"type": ["string", "null"], "maxLength": max_text_chars},
-                        "stream_format": {"enum": ["audio", None]},
+                        "stream_format": {"enum": ["audio", "sse", None]},
                     },
-                    # speed is applied to whole sentences: a streamed request keeps the natural speed
-                    "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-                    "then": {"properties": {"speed": {"const": 1.0}}},
+                    # a voice to speak with, or one to clone
+                    "anyOf": [{"required": ["voice"]}, given("ref_audio")],
+                    "allOf": [
+                        # ref_text is the transcript of ref_audio; instruct2 (instructions with ref_audio) takes none
+                        {"if": given("ref_text"), "then": given("ref_audio")},
+                        {"if": given("ref_text"), "then": {"not": given("instructions", r"\S")}},
+                        # speed is applied to whole sentences: a streamed request keeps the natural speed
+                        {
+                            "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+                            "then": {"properties": {"speed": {"const": 1.0}}},
+                        },
+                        {
+                            "if": {
+                                "required": ["stream_format"],
+                                "properties": {"stream_format": {"const": "sse"}},
+                            },
+                            "then": {"properties": {"speed": {"const": 1.0}}},
+                        },
+                        # with a voice to clone, voice may only be an OpenAI name (it then means nothing)
+                        {
+                            "if": given("ref_audio"),
+                            "then": {"properties": {"voice": {"enum": list(OPENAI_VOICES)}}},
+                        },
+                    ],
                     "example": {"input": "Hello there.", "voice": "alloy", "response_format": "wav"},
                 },
                 "ModelList": {
@@ -367,6 +756,10 @@ def openapi_document(max_text_chars: int = 4096) -> dict[str, Any]:
                                     "voice_id": {"type": "string"},
                                     "name": {"type": "string"},
                                     "kind": {"enum": ["pre-defined", "registered"]},
+                                    # a voice registered through POST /v1/audio/voices
+                                    "consent": {"type": "string"},
+                                    "ref_text": {"type": "string"},
+                                    "created_at": {"type": "integer"},
                                 },
                             },
                         },

@@ -13,11 +13,12 @@ chunk, so the client sees a truncated body instead of audio that merely looks co
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -34,12 +35,20 @@ from cosyserve.errors import (
     cut,
 )
 from cosyserve.request import SynthesisRequest
-from cosyserve.server.errors import status_of
+from cosyserve.server.errors import error_object, status_of
 from cosyserve.server.schemas import MAX_NAME_CHARS
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = ["StreamCut", "new_request_id", "synthesis_request", "synthesize_response"]
+__all__ = [
+    "Record",
+    "StreamCut",
+    "new_request_id",
+    "submit",
+    "synthesis_request",
+    "synthesize_response",
+    "usage",
+]
 
 
 class StreamCut(BaseException):
@@ -65,6 +74,20 @@ def _cut_outcome(e: CosyserveError) -> str:
 
 _T = TypeVar("_T")
 
+# an event stream must reach the client as it is written: no proxy buffering, no cache
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    """One Server-Sent Event: its ``type`` as the event name, the object as JSON data."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+def _sse_delta(data: bytes, fmt: str) -> bytes:
+    return _sse(
+        {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii"), "format": fmt}
+    )
+
 
 def new_request_id(request: Request) -> str:
     given = request.headers.get("x-request-id", "")
@@ -73,7 +96,7 @@ def new_request_id(request: Request) -> str:
     return uuid.uuid4().hex[:16]
 
 
-class _Record:
+class Record:
     """What one request did, for the access log line and the metrics (filled as it goes)."""
 
     def __init__(self, state: Any, route: str, model: str, req: SynthesisRequest, fmt: str) -> None:
@@ -115,7 +138,7 @@ class _Record:
                     "voice": None if self.req.speaker is None else cut(self.req.speaker),
                     "format": self.fmt,
                     "stream": self.req.stream,
-                    "chars": len(self.req.text),
+                    "chars": text_chars(self.req.text),
                     "status": self.status,
                     "outcome": self.outcome,
                     "ttfa_ms": None if self.ttfa_s is None else round(self.ttfa_s * 1e3, 1),
@@ -128,7 +151,32 @@ class _Record:
         )
 
 
-async def _submit(state: Any, model: str, req: SynthesisRequest, tenant: str | None) -> Any:
+def text_chars(text: Any) -> int | None:
+    """Characters of a request's text: a string's length, a text feed's count so far (None: not known)."""
+    return len(text) if isinstance(text, str) else getattr(text, "chars", None)
+
+
+def usage(rec: Record) -> dict[str, Any]:
+    """What a request spoke, as the SSE and WebSocket ``usage`` objects state it."""
+    rate = rec.sample_rate
+    return {
+        "input_characters": text_chars(rec.req.text),
+        "audio_samples": rec.samples,
+        "audio_seconds": round(rec.samples / rate, 3) if rate else 0.0,
+        "sample_rate": rate,
+    }
+
+
+async def submit(state: Any, model: str, req: SynthesisRequest, tenant: str | None) -> Any:
+    """Admit ``req`` on ``model`` through the pool: the tenant's quota, the model's load, the engine's queue.
+
+    Returns:
+        The request's :class:`~cosyserve.engine.streams.AudioStream`.
+    Raises:
+        NotReadyError: the server is draining. Otherwise what the pool and engine refuse with.
+    """
+    if state.draining:
+        raise NotReadyError("the server is shutting down")
     # the pool counts a tenant's requests against its quota; an API key's tenant that the pool config does not
     # list has no quota
     known = tenant if tenant is not None and tenant in state.pool.tenants else None
@@ -160,10 +208,10 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) 
 
 
 async def _start(
-    state: Any, model: str, req: SynthesisRequest, tenant: str | None, rec: _Record, whole: bool
+    state: Any, model: str, req: SynthesisRequest, tenant: str | None, rec: Record, whole: bool
 ) -> tuple[Any, list[Any]]:
     """Submit ``req``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
-    stream = await _submit(state, model, req, tenant)
+    stream = await submit(state, model, req, tenant)
     rec.req = stream.request  # as the model resolved it: the voice and mode that speak
     chunks: list[Any] = []
     try:
@@ -188,6 +236,8 @@ async def synthesize_response(
     model: str,
     req: SynthesisRequest,
     fmt: str,
+    sse: bool = False,
+    params: Mapping[str, str] | None = None,
 ) -> Response:
     """Run ``req`` on ``model`` and answer with its audio in ``fmt`` (``raw`` = the reference's int16 PCM).
 
@@ -195,8 +245,13 @@ async def synthesize_response(
     (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
     them to JSON errors); after it, they end the stream early and are logged. A client that disconnects
     before the response starts stops the generation (logged as ``client_gone``, status 499).
+
+    With ``sse``, the response is OpenAI's Server-Sent Events (``stream_format: "sse"``): one
+    ``speech.audio.delta`` event per piece of encoded audio (``audio``: its bytes in base64; a format that cannot
+    be streamed comes whole in one), then ``speech.audio.done`` with the ``usage``, or ``speech.audio.error``
+    (``error``: the OpenAI error object, ``params`` naming the route's fields) when it ended early.
     """
-    rec = _Record(state, route, model, req, fmt)
+    rec = Record(state, route, model, req, fmt)
     if state.draining:
         rec.status, rec.outcome = 503, "draining"
         rec.done()
@@ -222,10 +277,16 @@ async def synthesize_response(
         headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
 
     if whole:
-        body = await asyncio.to_thread(encode_all, chunks, fmt, rate)
-        rec.bytes = len(body)
+        data = await asyncio.to_thread(encode_all, chunks, fmt, rate)
+        if not sse:
+            rec.bytes = len(data)
+            rec.done()
+            return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
+        # a format that cannot be streamed goes whole, in one delta
+        events = _sse_delta(data, fmt) + _sse({"type": "speech.audio.done", "usage": usage(rec)})
+        rec.bytes = len(events)
         rec.done()
-        return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
+        return Response(events, media_type="text/event-stream", headers=headers | _SSE_HEADERS)
 
     first = chunks[0] if chunks else None
     enc = Encoder(fmt, rate) if fmt != "raw" else None
@@ -233,26 +294,33 @@ async def synthesize_response(
     def encode(chunk: Any) -> bytes:
         return enc.encode(chunk) if enc is not None else to_int16(chunk)
 
+    async def audio() -> AsyncIterator[bytes]:
+        head = enc.header() if enc is not None else b""
+        data = head + (encode(first) if first is not None else b"")
+        if data:
+            yield data
+        async for c in stream:
+            rec.samples += len(c)
+            data = encode(c)
+            if data:
+                yield data
+        if enc is not None:
+            tail = enc.finish()
+            if tail:
+                yield tail
+
     async def body() -> AsyncIterator[bytes]:
         cut: CosyserveError | None = None
         try:
-            head = enc.header() if enc is not None else b""
-            data = head + (encode(first) if first is not None else b"")
-            if data:
-                rec.bytes += len(data)
-                yield data
-            async for c in stream:
-                rec.samples += len(c)
-                data = encode(c)
-                if data:
-                    rec.bytes += len(data)
-                    yield data
-            if enc is not None:
-                tail = enc.finish()
-                if tail:
-                    rec.bytes += len(tail)
-                    yield tail
-        except CosyserveError as e:  # headers are out: cutting the connection is the only way left to say so
+            async for data in audio():
+                out = _sse_delta(data, fmt) if sse else data
+                rec.bytes += len(out)
+                yield out
+            if sse:
+                done = _sse({"type": "speech.audio.done", "usage": usage(rec)})
+                rec.bytes += len(done)
+                yield done
+        except CosyserveError as e:  # headers are out: an SSE event says so, an audio stream can only be cut
             rec.outcome = _cut_outcome(e)
             cut = e
         except (asyncio.CancelledError, GeneratorExit):
@@ -264,8 +332,21 @@ async def synthesize_response(
             raise
         finally:
             await stream.aclose()
+            if not sse or cut is None:
+                rec.done()
+        if cut is not None and sse:
+            logger.warning(
+                "request %s: stream ended early after %d bytes (%s: %s); the last event says so",
+                req.request_id,
+                rec.bytes,
+                rec.outcome,
+                cut,
+            )
+            failed = _sse({"type": "speech.audio.error", "error": error_object(cut, params)})
+            rec.bytes += len(failed)
             rec.done()
-        if cut is not None:
+            yield failed
+        elif cut is not None:
             logger.warning(
                 "request %s: stream cut after %d bytes (%s: %s); closing the connection without the final chunk",
                 req.request_id,
@@ -275,6 +356,8 @@ async def synthesize_response(
             )
             raise StreamCut(req.request_id)
 
+    if sse:
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers | _SSE_HEADERS)
     media = MEDIA_TYPES.get(fmt, "application/octet-stream")
     return StreamingResponse(body(), media_type=media, headers=headers)
 

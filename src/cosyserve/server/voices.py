@@ -1,0 +1,266 @@
+"""Voices over the model's persistent registry, per tenant (the API key's): list, register from an upload, delete.
+
+- ``GET /v1/audio/voices?model=``: the model's pre-defined speakers, then the voices registered for the caller's
+  tenant (with their ``consent``, ``ref_text`` and ``created_at`` when they were registered here); OpenAI's voice
+  names as ``aliases`` of the default voice.
+- ``POST /v1/audio/voices`` (multipart, as OpenAI's and vLLM-Omni's): ``audio_sample`` (the recording, within the
+  upload limit), ``name``, ``consent`` (the speaker's consent, as the client records it: an id or a statement),
+  ``ref_text`` (the recording's transcript: CosyVoice clones in zero-shot mode from the two), and optionally
+  ``model`` and ``type`` (``audio_sample``). The prompt features are extracted once (the zero-shot tier) and kept
+  across restarts; the voice is then usable by name as ``voice`` on every route. Answers OpenAI's voice object.
+- ``DELETE /v1/audio/voices/{name}?model=``: removes a registered voice of the caller's tenant (404 when it has
+  none of that name); answers OpenAI's ``audio.voice.deleted``.
+
+A tenant never sees, uses or deletes another tenant's voices: the registry keeps one folder per tenant. Consent is
+recorded in an append-only ledger beside the tenant's voices (``consent.jsonl``: who registered which recording,
+its sha256, the consent given, when; and when it was deleted), which outlives the voice it is about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from cosyserve.errors import (
+    ClientError,
+    InternalError,
+    NotReadyError,
+    OverloadedError,
+    RegistryError,
+    shown,
+)
+from cosyserve.server.errors import VoiceNotFoundError
+from cosyserve.server.openai_api import OPENAI_VOICES
+from cosyserve.server.reference_api import form_file, form_text, read_form
+from cosyserve.server.schemas import MAX_NAME_CHARS
+
+__all__ = ["CONSENT_FILE", "PARAMS", "ConsentLedger", "routes"]
+
+# the runtime's field names -> this route's
+PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "name"}
+CONSENT_FILE = "consent.jsonl"
+_FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
+
+
+class ConsentLedger:
+    """The append-only consent records of a registry (one JSON line per registration or deletion, per tenant).
+
+    Args:
+        root: the registry's folder (its tenants' folders hold their ledger).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, tenant: str) -> Path:
+        from cosyserve.registry import validate_tenant
+
+        return self.root / validate_tenant(tenant) / CONSENT_FILE
+
+    def record(self, tenant: str, entry: dict[str, Any]) -> None:
+        """Append ``entry``, synced to disk before this returns (an O_APPEND write: whole lines, whoever writes)."""
+        path = self.path(tenant)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def current(self, tenant: str) -> dict[str, dict[str, Any]]:
+        """Each voice name -> its latest registration record, unless a deletion came after it."""
+        try:
+            text = self.path(tenant).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash mid-write: the records before and after it stand
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                continue
+            if entry.get("event") == "create":
+                out[entry["name"]] = entry
+            elif entry.get("event") == "delete":
+                out.pop(entry["name"], None)
+        return out
+
+
+def _ledger(runtime: Any) -> ConsentLedger:
+    root = getattr(runtime, "registry_root", None)
+    if root is None:
+        raise RegistryError("this model has no voice registry")
+    return ConsentLedger(root)
+
+
+def _voice_object(entry: dict[str, Any]) -> dict[str, Any]:
+    """A registration record as OpenAI's voice object (``audio.voice``), with what cosyserve keeps besides."""
+    return {
+        "id": entry["name"],
+        "object": "audio.voice",
+        "name": entry["name"],
+        "type": "audio_sample",
+        "created_at": entry["created_at"],
+        "consent": entry["consent"],
+        "ref_text": entry["ref_text"],
+        "model": entry["model"],
+    }
+
+
+def routes(state: Any) -> list[Route]:
+    cfg = state.config
+    registering = asyncio.Lock()  # one extraction at a time per process: it takes a core for about a second
+
+    def tenant_of(request: Request) -> str:
+        return state.tenant_of(request) or "default"
+
+    async def runtime_of(model: str) -> Any:
+        engine = await state.pool.load(model)  # at once when it is loaded; else loaded, as a request would
+        return engine.runtime
+
+    async def list_voices(request: Request) -> Response:
+        tenant = state.tenant_of(request)
+        model = state.resolve_model(request.query_params.get("model"), tenant)
+        eng = state.pool.engine(model)
+        runtime = eng.runtime if eng is not None else None
+        voices: list[dict[str, Any]] = []
+        if runtime is not None:  # none while the model is not loaded
+            kept = {}
+            if getattr(runtime, "registry_root", None) is not None:
+                kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
+            for v in runtime.voices(tenant or "default"):
+                item: dict[str, Any] = {"voice_id": v.name, "name": v.name, "kind": v.kind}
+                entry = kept.get(v.name) if v.kind == "registered" else None
+                if entry is not None:
+                    item |= {k: entry[k] for k in ("consent", "ref_text", "created_at")}
+                voices.append(item)
+        return JSONResponse(
+            {
+                "model": model,
+                "state": state.describe_models()[model]["state"],
+                "voices": voices,
+                "aliases": {v: "default voice" for v in OPENAI_VOICES},
+            }
+        )
+
+    async def create_voice(request: Request) -> Response:
+        if state.draining:
+            raise NotReadyError("the server is shutting down")
+        tenant = tenant_of(request)
+        form = await read_form(request, cfg, files=1, types=("multipart/form-data",))
+        try:
+            unknown = sorted(set(form.keys()) - set(_FIELDS))
+            if unknown:
+                raise ClientError(
+                    f"unknown form field {shown(unknown[0])}; accepted: {', '.join(_FIELDS)}",
+                    param=unknown[0][:64],
+                )
+            name = form_text(form, "name")
+            consent = form_text(form, "consent")
+            ref_text = form_text(form, "ref_text")
+            kind = form_text(form, "type", required=False)
+            model_name = form_text(form, "model", required=False)
+            audio = await form_file(form, "audio_sample", cfg.max_upload_bytes)
+        finally:
+            await form.close()
+        assert name is not None and consent is not None and ref_text is not None
+        if kind not in (None, "audio_sample"):
+            raise ClientError(
+                f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
+            )
+        from cosyserve.registry import validate_name
+
+        try:
+            validate_name(name)
+        except RegistryError as e:
+            raise RegistryError(str(e), param="name") from None
+        if name.lower() in OPENAI_VOICES:
+            raise ClientError(
+                f"{shown(name)} is an OpenAI voice name, which always means the default voice: choose another name",
+                param="name",
+            )
+        if len(consent) > MAX_NAME_CHARS:
+            raise ClientError(
+                f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent"
+            )
+        if len(ref_text) > cfg.max_text_chars:
+            raise ClientError(
+                f"ref_text is {len(ref_text)} characters; the limit is {cfg.max_text_chars}", param="ref_text"
+            )
+        model = state.resolve_model(model_name, tenant, param="model")
+        runtime = await runtime_of(model)
+        ledger = _ledger(runtime)
+        if runtime.voice(name, tenant) is not None:
+            raise ClientError(
+                f"the name {shown(name)} is taken (a speaker of the model, or a voice registered for this API key): "
+                "delete it first or choose another",
+                param="name",
+                code="voice_exists",
+            )
+        if registering.locked():
+            raise OverloadedError("another voice is being registered: try again in a moment", retry_after=1.0)
+        async with registering:
+            await asyncio.to_thread(runtime.add_voice, name, audio, ref_text, tenant=tenant)
+        entry = {
+            "event": "create",
+            "name": name,
+            "tenant": tenant,
+            "model": model,
+            "consent": consent,
+            "ref_text": ref_text,
+            "created_at": int(time.time()),
+            "audio_bytes": len(audio),
+            "audio_sha256": hashlib.sha256(audio).hexdigest(),
+            "request_id": request.headers.get("x-request-id"),
+        }
+        try:
+            await asyncio.to_thread(ledger.record, tenant, entry)
+        except OSError as e:  # no voice without its consent record
+            await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
+            raise InternalError(
+                f"cannot record the consent of voice {name!r}: {e}",
+                public="cannot record the consent of the voice; it was not registered (details in the server log)",
+            ) from e
+        return JSONResponse(_voice_object(entry))
+
+    async def delete_voice(request: Request) -> Response:
+        tenant = tenant_of(request)
+        name = request.path_params["name"]
+        model = state.resolve_model(request.query_params.get("model"), state.tenant_of(request))
+        runtime = await runtime_of(model)
+        voice = runtime.voice(name, tenant)
+        if voice is None:
+            raise VoiceNotFoundError(f"no voice {shown(name)} is registered for this API key", param="name")
+        if voice.kind != "registered":
+            raise ClientError(f"{shown(name)} is a speaker of the model: it cannot be deleted", param="name")
+        await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
+        entry = {
+            "event": "delete",
+            "name": name,
+            "tenant": tenant,
+            "model": model,
+            "deleted_at": int(time.time()),
+        }
+        await asyncio.to_thread(_ledger(runtime).record, tenant, entry)
+        return JSONResponse({"id": name, "object": "audio.voice.deleted", "deleted": True})
+
+    async def voices(request: Request) -> Response:
+        return await (create_voice if request.method == "POST" else list_voices)(request)
+
+    return [
+        Route("/v1/audio/voices", voices, methods=["GET", "POST"]),
+        Route("/v1/audio/voices/{name}", delete_voice, methods=["DELETE"]),
+    ]

@@ -1,0 +1,550 @@
+"""``/v1/audio/speech/stream``: text in over a WebSocket as it is written, audio out as it is spoken.
+
+The protocol is vLLM-Omni's. The client sends JSON text frames, each an object with a ``type``:
+
+- ``session.config``: once, first: ``model``, ``voice`` (a speaker, a registered voice or an OpenAI voice name),
+  or ``ref_audio`` (base64 or a ``data:`` URL) with ``ref_text`` to clone one, ``instructions``,
+  ``response_format`` (``pcm``, default, or ``wav``), ``sample_rate`` (the model's; no resampling), ``seed``,
+  ``speed`` (1.0 only: the audio is streamed), ``stream_audio`` (true only);
+- ``input.text`` ``{"text": ...}``: a piece of the current utterance (the first opens it);
+- ``input.done``: the utterance is complete; the session stays open for the next one, with the same config;
+- ``session.close``: the current utterance (if any) is completed, its audio sent, then the server closes (1000).
+
+For each utterance the server sends ``audio.start`` (JSON: ``format``, ``sample_rate``, ``channels``,
+``sample_format``, ``request_id``, ...), binary frames of 16-bit little-endian mono PCM (after a 44-byte WAV
+header frame for ``wav``), ``audio.done`` (``usage``: characters, samples, seconds) and ``session.done``; every
+message about an utterance carries its ``utterance_index`` (counted from 0, one per ``input.done``). An utterance
+that fails gets an ``error`` instead of ``audio.done``, and ``session.done`` with ``"error": true`` once its
+``input.done`` arrives (the text sent for it until then is dropped). ``error`` events carry the HTTP routes'
+``code``, ``message``, ``param`` and ``status`` (the status table's), and ``fatal`` (the server then closes).
+Bad messages (not JSON, no or an unknown ``type``, unknown fields, text after ``session.close``, a second
+``session.config``, binary frames) get an ``error`` and change nothing; frames over the size limit close the
+connection (1009).
+
+Each utterance is one engine request (one slot, in the pool's admission and the tenant's quota like any request):
+its text reaches the runtime as a :class:`~cosyserve.textfeed.TextFeed`, read as it arrives; utterances of a
+session are spoken one after another. Text is read from the socket only while the utterance's unread text stays
+under ``max_text_chars`` (TCP pushes back on a client that writes faster than the model reads).
+
+Ends: a client that disconnects frees its work at once (the engine request is cancelled and its feed ended); a
+client that sends nothing for ``ws_idle_timeout_s`` while it holds an utterance open, or between utterances, gets
+an ``error`` (``idle_timeout``) and a close (1008); one that stops reading the audio is cut off (1008) once a send
+has waited ``ws_idle_timeout_s`` (the kernel's socket buffers being full); a server drain (SIGTERM) lets the
+utterance in flight finish, then closes (1001); a bug closes with 1011. API keys are checked at the handshake
+(:mod:`cosyserve.server.auth`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from cosyserve.audiofile import to_int16, wav_header
+from cosyserve.errors import ClientError, CosyserveError, NotReadyError, shown
+from cosyserve.request import SynthesisRequest
+from cosyserve.server.errors import error_object, error_response, retry_after, status_of
+from cosyserve.server.openai_api import voice_fields
+from cosyserve.server.schemas import SessionConfig, json_object, parse_session_config
+from cosyserve.server.synth import Record, submit, usage
+from cosyserve.textfeed import TextFeed
+
+logger = logging.getLogger("cosyserve.server")
+
+__all__ = ["PARAMS", "ROUTE", "Session", "routes"]
+
+ROUTE = "/v1/audio/speech/stream"
+SUBPROTOCOL = "cosyserve"  # what the server answers a browser that offered it (with its key, see auth.py)
+# request fields -> this route's names
+PARAMS = {
+    "text": "text",
+    "speaker": "voice",
+    "instruct_text": "instructions",
+    "prompt_wav": "ref_audio",
+    "prompt_text": "ref_text",
+}
+_TYPES = ("session.config", "input.text", "input.done", "session.close")
+
+# close codes (RFC 6455)
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # the server drains
+CLOSE_POLICY = 1008  # idle, or not reading
+CLOSE_INTERNAL = 1011
+
+
+class _Gone(Exception):
+    """The client went away, or stopped reading: the session ends without another message."""
+
+
+class _Utterance:
+    """One utterance: its text feed, its engine request's task, and whether its ``input.done`` came."""
+
+    def __init__(self, index: int, feed: TextFeed) -> None:
+        self.index = index
+        self.feed = feed
+        self.flushed = asyncio.Event()
+        self.failed = False
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def speaking(self) -> bool:
+        """Flushed and still making audio: the server works, the client waits."""
+        return self.flushed.is_set() and self.task is not None and not self.task.done()
+
+
+class Session:
+    """One WebSocket connection (see the module docstring)."""
+
+    def __init__(self, state: Any, ws: WebSocket) -> None:
+        self.state = state
+        self.ws = ws
+        cfg = state.config
+        self.idle_s = float(cfg.ws_idle_timeout_s)
+        self.high_water = int(cfg.max_text_chars)
+        self.tenant: str | None = state.tenant_of(ws)
+        self.config: SessionConfig | None = None
+        self.model = ""
+        self.fields: dict[str, Any] = {}
+        self.current: _Utterance | None = None  # the open utterance (text still coming)
+        self.last: _Utterance | None = None  # the latest utterance (open or flushed)
+        self.next_index = 0
+        self.closing = False  # session.close came: no more input
+        self._send_lock = asyncio.Lock()
+        self._room = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._ended = False  # closed, or the client is gone: nothing more is sent
+        self._crashed = False  # an utterance's task failed unexpectedly (a bug, logged)
+        self._utterances: list[_Utterance] = []  # not yet over
+
+    # -- sending --------------------------------------------------------------------------------------------
+
+    async def _send(self, message: Coroutine[Any, Any, None]) -> None:
+        # a send that waits longer than the idle timeout means a client that stopped reading: cut it off
+        async with self._send_lock:
+            if self._ended:
+                message.close()
+                raise _Gone("the session ended")
+            try:
+                await asyncio.wait_for(message, self.idle_s)
+            except TimeoutError:
+                logger.warning(
+                    "websocket %s: the client has not taken the audio sent for %g s: cutting it off",
+                    self.ws.client,
+                    self.idle_s,
+                )
+                self._ended = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.ws.close(CLOSE_POLICY, "not reading"), 1.0)
+                raise _Gone("not reading") from None
+            except (WebSocketDisconnect, OSError, RuntimeError) as e:  # closed under us
+                self._ended = True
+                raise _Gone(str(e)) from None
+
+    async def send_event(self, event: dict[str, Any]) -> None:
+        await self._send(self.ws.send_json(event))
+
+    async def send_error(
+        self, e: CosyserveError, utterance: _Utterance | None = None, fatal: bool = False
+    ) -> None:
+        """An ``error`` event: the HTTP routes' error object, its status, the utterance and whether it ends the
+        session."""
+        obj = error_object(e, PARAMS)
+        event: dict[str, Any] = {
+            "type": "error",
+            "code": obj["code"],
+            "message": obj["message"],
+            "param": obj["param"],
+            "error_type": obj["type"],
+            "status": status_of(e),
+            "fatal": fatal,
+        }
+        wait = retry_after(e)
+        if wait is not None:
+            event["retry_after"] = wait
+        if utterance is not None:
+            event["utterance_index"] = utterance.index
+        await self.send_event(event)
+
+    # -- the session ------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        offered = self.ws.scope.get("subprotocols") or ()
+        await self.ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        receiving: asyncio.Task[Any] = asyncio.ensure_future(self.ws.receive())
+        draining = asyncio.ensure_future(self.state.drain_event.wait())
+        code, reason = CLOSE_NORMAL, ""
+        try:
+            while True:
+                if self._ended:  # the client stopped reading and was cut off
+                    break
+                if self._crashed:
+                    code, reason = CLOSE_INTERNAL, await self._internal_error()
+                    break
+                if self.state.draining and not self._busy():
+                    code, reason = CLOSE_GOING_AWAY, "the server is shutting down"
+                    break
+                if self.closing and not self._busy():
+                    break
+                waits: set[asyncio.Future[Any]] = {receiving}
+                if not draining.done():  # once it is, the checks above see state.draining
+                    waits.add(draining)
+                if self.last is not None and self.last.task is not None and not self.last.task.done():
+                    waits.add(self.last.task)
+                timeout = (
+                    None if (self.last is not None and self.last.speaking) or self.closing else self.idle_s
+                )
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not done:  # the client held the session idle
+                    await self.send_error(
+                        ClientError(
+                            f"no message for {self.idle_s:g} s: the session is closed (COSYSERVE_WS_IDLE_TIMEOUT)",
+                            code="idle_timeout",
+                        ),
+                        self.current,
+                        fatal=True,
+                    )
+                    code, reason = CLOSE_POLICY, "idle"
+                    break
+                if receiving not in done:
+                    continue  # a drain began, or an utterance ended: the checks above decide
+                message = receiving.result()
+                if message["type"] == "websocket.disconnect":
+                    raise _Gone("disconnected")
+                await self._on_message(message)
+                receiving = asyncio.ensure_future(self.ws.receive())
+        except _Gone:
+            self._ended = True
+        except Exception:
+            logger.exception("websocket %s: the session failed unexpectedly", self.ws.client)
+            code, reason = CLOSE_INTERNAL, await self._internal_error()
+        finally:
+            for t in (receiving, draining):
+                t.cancel()
+            await self.abort()
+        if not self._ended:
+            self._ended = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(code, reason), self.idle_s)
+
+    async def _internal_error(self) -> str:
+        # a bug (logged where it happened): say so without details, then close with 1011
+        reason = "internal error (details are in the server log)"
+        with contextlib.suppress(_Gone):
+            await self.send_event(
+                {
+                    "type": "error",
+                    "code": "internal_error",
+                    "message": f"internal server error: the session failed, {reason}",
+                    "param": None,
+                    "error_type": "server_error",
+                    "status": 500,
+                    "fatal": True,
+                }
+            )
+        return reason
+
+    def _busy(self) -> bool:
+        # an utterance open, or one whose audio is still being sent
+        last = self.last
+        return last is not None and (
+            not last.flushed.is_set() or (last.task is not None and not last.task.done())
+        )
+
+    async def abort(self) -> None:
+        """End every utterance now: feeds ended, engine requests cancelled (their tasks awaited)."""
+        utterances, self._utterances = self._utterances, []
+        # the requests are cancelled first, their feeds ended after (by each task, on its way out): a runtime
+        # whose text ends then sees should_stop(), and does not take the cut text for a finished utterance
+        for utt in utterances:
+            if utt.task is not None:
+                utt.task.cancel()
+        tasks = [u.task for u in utterances if u.task is not None]
+        if tasks:
+            await asyncio.wait(tasks)
+        for utt in utterances:
+            utt.feed.abort()
+
+    # -- messages ---------------------------------------------------------------------------------------------
+
+    async def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("text") is None:
+            await self.send_error(
+                ClientError("binary frames are not accepted: send JSON text frames", code="invalid_frame")
+            )
+            return
+        try:
+            data = json_object(message["text"], "the message")
+            kind = data.pop("type", None)
+            if kind not in _TYPES:
+                raise ClientError(
+                    f"unknown message type {shown(kind)}; expected one of {', '.join(_TYPES)}",
+                    param="type",
+                    code="invalid_event",
+                )
+            if self.closing:
+                raise ClientError(
+                    f"{kind} after session.close: the session is closing", code="session_closed"
+                )
+            if kind == "session.config":
+                await self._configure(data)
+            elif kind == "input.text":
+                await self._text(data)
+            else:
+                self._no_fields(kind, data)
+                await self._flush(closing=kind == "session.close")
+        except ClientError as e:
+            await self.send_error(e)
+
+    @staticmethod
+    def _no_fields(kind: str, data: dict[str, Any], allowed: tuple[str, ...] = ()) -> None:
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ClientError(
+                f"{kind} takes {', '.join(allowed) or 'no other field'}; got {shown(unknown[0])}",
+                param=str(unknown[0])[:64],
+            )
+
+    async def _configure(self, data: dict[str, Any]) -> None:
+        if self.config is not None:
+            raise ClientError(
+                "the session is configured already: a session keeps its first session.config (open another "
+                "session to change it)",
+                param="type",
+                code="session_already_configured",
+            )
+        cfg = parse_session_config(data, self.state.config.max_upload_bytes)
+        model = self.state.resolve_model(cfg.model, self.tenant)
+        if cfg.speed != 1.0:
+            raise ClientError(
+                f"speed must be 1.0 on the WebSocket, got {cfg.speed:g}: the audio is streamed as it is made, and "
+                "speed applies to whole sentences",
+                param="speed",
+            )
+        fields = voice_fields(self.state, cfg.voice, cfg.instructions, cfg.ref_audio, cfg.ref_text)
+        probe = SynthesisRequest(
+            text=(), stream=True, seed=cfg.seed, **fields
+        )  # verify() checks the fields now
+        eng = self.state.pool.engine(model)
+        if eng is not None and eng.runtime is not None:  # loaded: what only the model knows, checked now too
+            probe = eng.runtime.resolve(probe)
+            self._check_rate(cfg, int(eng.sample_rate or 0))
+        self.config, self.model, self.fields = cfg, model, fields
+
+    @staticmethod
+    def _check_rate(cfg: SessionConfig, rate: int) -> None:
+        if cfg.sample_rate is not None and cfg.sample_rate != rate:
+            raise ClientError(
+                f"sample_rate {cfg.sample_rate} is not the model's: it speaks at {rate} Hz, and the server does not "
+                "resample (leave sample_rate out, or resample on the client)",
+                param="sample_rate",
+            )
+
+    async def _text(self, data: dict[str, Any]) -> None:
+        self._no_fields("input.text", data, ("text",))
+        text = data.get("text")
+        if not isinstance(text, str):
+            raise ClientError(f"text must be a string, got {type(text).__name__}", param="text")
+        if self.config is None:
+            raise ClientError(
+                "send session.config before input.text", param="type", code="session_not_configured"
+            )
+        utt = self.current
+        if utt is None:
+            if not text:
+                return  # nothing to open an utterance with
+            utt = self._open()
+        if utt.failed:
+            return  # its error was sent: the rest of its text is dropped until its input.done
+        utt.feed.put(text)
+        while utt.feed.pending_chars > self.high_water and not utt.feed.closed:
+            # the model reads slower than the client writes: stop reading the socket until it catches up
+            self._room.clear()
+            if utt.feed.pending_chars <= self.high_water:
+                break
+            room = asyncio.ensure_future(self._room.wait())
+            assert utt.task is not None
+            await asyncio.wait({room, utt.task}, return_when=asyncio.FIRST_COMPLETED)
+            room.cancel()
+
+    def _open(self) -> _Utterance:
+        cfg = self.state.config
+        deadline = time.monotonic() + cfg.request_timeout_s
+        feed = TextFeed(deadline=deadline, on_take=self._on_take)
+        utt = _Utterance(self.next_index, feed)
+        self.next_index += 1
+        req = SynthesisRequest(
+            text=feed,
+            stream=True,
+            seed=self.config.seed if self.config is not None else None,
+            deadline=deadline,
+            request_id=uuid.uuid4().hex[:16],
+            tenant=self.tenant or "default",
+            **self.fields,
+        )
+        previous = self.last.task if self.last is not None else None
+        utt.task = asyncio.ensure_future(self._speak(utt, req, previous))
+        self.current = self.last = utt
+        self._utterances.append(utt)
+        return utt
+
+    def _on_take(self) -> None:
+        # in the runtime's worker thread, after it took a piece: a reader waiting for room may go on
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._room.set)
+
+    async def _flush(self, closing: bool) -> None:
+        self.closing = self.closing or closing
+        utt = self.current
+        if utt is None:
+            if not closing:  # an empty utterance: nothing to speak, nothing asked of the engine
+                index = self.next_index
+                self.next_index += 1
+                await self.send_event({"type": "session.done", "utterance_index": index, "error": False})
+            return
+        self.current = None
+        utt.feed.finish()
+        utt.flushed.set()
+
+    # -- an utterance's request ---------------------------------------------------------------------------------
+
+    async def _speak(
+        self, utt: _Utterance, req: SynthesisRequest, previous: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            if previous is not None:  # one utterance at a time, in order
+                await asyncio.wait({previous})
+            await self._speak_now(utt, req)
+        except _Gone:
+            pass
+        except Exception:
+            logger.exception("websocket %s: utterance %d failed unexpectedly", self.ws.client, utt.index)
+            self._crashed = True
+        finally:
+            utt.feed.abort()
+            with contextlib.suppress(ValueError):
+                self._utterances.remove(utt)
+
+    async def _speak_now(self, utt: _Utterance, req: SynthesisRequest) -> None:
+        rec = Record(
+            self.state, ROUTE, self.model, req, self.config.response_format if self.config else "pcm"
+        )
+        try:
+            stream = await submit(self.state, self.model, req, self.tenant)
+        except CosyserveError as e:
+            rec.failed(e)
+            await self._fail(utt, e)
+            return
+        except BaseException as e:
+            rec.failed(e)
+            raise
+        rec.req = stream.request
+        rec.sample_rate = rate = int(stream.sample_rate or 0)
+        error: CosyserveError | None = None
+        started = False
+        try:
+            assert self.config is not None
+            self._check_rate(self.config, rate)
+            async for chunk in stream:
+                if not started:  # audio.start says that audio follows: an utterance refused before has none
+                    started = True
+                    await self._start_audio(utt, rec)
+                if rec.ttfa_s is None:
+                    rec.ttfa_s = time.perf_counter() - rec.t0
+                rec.samples += len(chunk)
+                data = to_int16(chunk)
+                rec.bytes += len(data)
+                await self._send(self.ws.send_bytes(data))
+            if not started:
+                await self._start_audio(utt, rec)
+        except CosyserveError as e:
+            error = e
+            rec.status, rec.outcome = status_of(e), e.code
+        except (asyncio.CancelledError, _Gone):
+            rec.status, rec.outcome = 499, "client_gone"
+            raise
+        except BaseException:
+            rec.status, rec.outcome = 500, "error"
+            raise
+        finally:
+            await stream.aclose()
+            utt.feed.abort()
+            rec.done()
+        if error is not None:
+            await self._fail(utt, error)
+            return
+        await self.send_event(
+            {
+                "type": "audio.done",
+                "utterance_index": utt.index,
+                "request_id": req.request_id,
+                "total_bytes": rec.bytes,
+                "usage": usage(rec),
+            }
+        )
+        await self.send_event({"type": "session.done", "utterance_index": utt.index, "error": False})
+
+    async def _start_audio(self, utt: _Utterance, rec: Record) -> None:
+        assert self.config is not None
+        fmt = self.config.response_format
+        await self.send_event(
+            {
+                "type": "audio.start",
+                "utterance_index": utt.index,
+                "request_id": rec.req.request_id,
+                "model": self.model,
+                "voice": rec.req.speaker,
+                "mode": rec.req.mode,
+                "format": fmt,
+                "sample_rate": rec.sample_rate,
+                "channels": 1,
+                "sample_format": "s16le",
+            }
+        )
+        if fmt == "wav":  # a header of unknown length, as a streamed wav response has
+            head = wav_header(rec.sample_rate, None)
+            rec.bytes += len(head)
+            await self._send(self.ws.send_bytes(head))
+
+    async def _fail(self, utt: _Utterance, e: CosyserveError) -> None:
+        # the utterance is over: its error now, its session.done once its input.done came
+        utt.failed = True
+        utt.feed.abort()
+        await self.send_error(e, utt)
+        await utt.flushed.wait()
+        await self.send_event({"type": "session.done", "utterance_index": utt.index, "error": True})
+
+
+def routes(state: Any) -> list[WebSocketRoute]:
+    async def endpoint(ws: WebSocket) -> None:
+        if state.draining:
+            await _deny(ws, NotReadyError("the server is shutting down"))
+            return
+        session = Session(state, ws)
+        state.session_opened(session)
+        try:
+            await session.run()
+        finally:
+            state.session_closed(session)
+
+    return [WebSocketRoute(ROUTE, endpoint)]
+
+
+async def _deny(ws: WebSocket, e: CosyserveError) -> None:
+    """Refuse a handshake with ``e`` as the HTTP answer (a close, which uvicorn answers 403, without support)."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        wait = retry_after(e)
+        headers = {"Retry-After": str(wait)} if wait is not None else None
+        body = error_object(e, PARAMS)
+        resp = error_response(
+            status_of(e), body["message"], param=body["param"], code=body["code"], headers=headers
+        )
+        await ws.send_denial_response(resp)
+    else:
+        await ws.close(CLOSE_GOING_AWAY, str(e)[:120])
