@@ -40,9 +40,10 @@ def test_official_layout_round_trips_through_a_bundle(cv2_model_dir: Path, tmp_p
     equal the official ones (the vocoder's weight norm folded; the LM's tied text head, which speech never uses,
     not stored), the manifest names the family and the Qwen tokenizer files travel with the bundle. If this
     failed, a CosyVoice2 bundle would serve other weights than the directory it came from."""
-    from cosyserve.bundle.convert import QWEN_FILES, convert
+    from cosyserve.bundle.convert import convert
     from cosyserve.bundle.loader import LoadOptions, open_bundle
     from cosyserve.bundle.official import load_component, read_state_dict
+    from cosyserve.families.cosyvoice2 import QWEN_FILES
     from cosyserve.modelconfig import load_model_config
 
     bundle = convert(cv2_model_dir, tmp_path / "b", progress=False)

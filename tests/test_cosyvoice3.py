@@ -32,7 +32,7 @@ def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cfg(cv3_dir: Path) -> Any:
-    return load_model_config(cv3_dir, served_only=False)
+    return load_model_config(cv3_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,10 @@ def noise(samples: int, seed: int = 0) -> dict[str, torch.Tensor]:
 # --- config and loading -------------------------------------------------------------------------------------------
 
 
-def test_a_cosyvoice3_dir_is_read_for_conformance_and_refused_for_serving(cv3_dir: Path, cfg: Any) -> None:
-    """If serving accepted it, the runtimes (which do not know the family yet) would run it as another family."""
-    with pytest.raises(ModelConfigError, match="does not serve that family yet"):
-        load_model_config(cv3_dir)
-    assert cfg.family == "cosyvoice3" and cfg.chunk_size == 25
+def test_a_cosyvoice3_dir_is_read_as_cosyvoice3(cv3_dir: Path, cfg: Any) -> None:
+    """The family comes from the yaml the directory holds: read as another family, the runtime would build the
+    wrong modules and rules."""
+    assert cfg.family == "cosyvoice3" and cfg.family_spec.name == "cosyvoice3" and cfg.chunk_size == 25
     assert cfg.feat_extractor.fmax is None and cfg.feat_extractor.hop_size == 480  # CosyVoice3's prompt mel
     assert cfg.flow.decoder.estimator.static_chunk_size == 50  # <chunk_size> * <token_mel_ratio>
 
@@ -68,7 +67,7 @@ def test_a_flow_wider_than_80_is_refused_by_name(cv3_dir: Path, tmp_path: Path) 
     path = bad / "cosyvoice3.yaml"
     path.write_text(path.read_text().replace("    input_size: 80\n", "    input_size: 96\n", 1))
     with pytest.raises(ModelConfigError, match="input_size=96"):
-        load_model_config(bad, served_only=False)
+        load_model_config(bad)
 
 
 def test_checkpoints_load_strictly_under_the_official_names(cv3_dir: Path, cfg: Any, parts: dict) -> None:
@@ -140,7 +139,7 @@ def test_streaming_token2wav_is_the_reference_per_call_computation(parts: dict) 
     """Stream chunks equal the reference's calls restated here: hops 25 + prompt pad, 50, 100 (3 lookahead
     tokens), each call's new mel frames appended to the request's mel, the vocoder re-run on all of it and only the
     samples after the last chunk emitted; the last call finalizes with full attention. One-shot is one call."""
-    from cosyserve.families.cosyvoice3 import Token2Wav3
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
     flow, hift = parts["flow"], parts["hift"]
     g = torch.Generator().manual_seed(3)
@@ -178,7 +177,7 @@ def test_streaming_token2wav_is_the_reference_per_call_computation(parts: dict) 
 
 def test_silent_token_runs_are_cut_to_five() -> None:
     """The reference vocodes at most 5 silence/breath tokens in a row; other tokens pass and reset the count."""
-    from cosyserve.families.cosyvoice3 import SILENT_TOKENS, filter_silent_tokens
+    from cosyserve.families.cosyvoice3.token2wav import SILENT_TOKENS, filter_silent_tokens
 
     assert {1, 2, 2323} <= SILENT_TOKENS
     tokens = [7, 1, 1, 2, 28, 29, 55, 248, 494, 9, 2241, 2242, 2322, 2323, 1, 2, 3]
@@ -205,7 +204,7 @@ def test_vc_flow_accepts_an_untrimmed_prompt(parts: dict) -> None:
 def test_tokenizer_special_tokens(cv3_dir: Path) -> None:
     """CosyVoice3's 278 added tokens take ids 151646..151923 in the reference's order and match before NFC; the
     CosyVoice2 tokenizer of the same files keeps its 17 (a phone tag is plain text there)."""
-    from cosyserve.families.cosyvoice3 import build_tokenizer
+    from cosyserve.families.cosyvoice3.frontend import build_tokenizer
     from cosyserve.frontend.qwen_tokenizer import COSYVOICE3_SPECIALS, QwenTokenizer
 
     tok = build_tokenizer(cv3_dir)

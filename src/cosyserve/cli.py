@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyserve.families import FAMILIES
 from cosyserve.settings import Settings, declared
 
 __all__ = ["main"]
@@ -535,13 +536,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=["tiny", "full"],
         default="tiny",
-        help="tiny for tests; full = the release's dimensions (CosyVoice-300M, or CosyVoice2-0.5B)",
+        help="tiny for tests; full = the release's dimensions (CosyVoice-300M, CosyVoice2-0.5B, CosyVoice3-0.5B)",
     )
     p.add_argument(
         "--family",
-        choices=["cosyvoice", "cosyvoice2"],
+        choices=list(FAMILIES),
         default="cosyvoice",
-        help="cosyvoice: the CosyVoice-300M layout; cosyvoice2: the CosyVoice2-0.5B layout",
+        help="the layout: cosyvoice (CosyVoice-300M), cosyvoice2 (CosyVoice2-0.5B), cosyvoice3 (Fun-CosyVoice3-0.5B)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")

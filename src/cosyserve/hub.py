@@ -1,6 +1,8 @@
 """Model ids on a hub -> a local model directory (optional: needs the ``hub`` extra).
 
-``FunAudioLLM/...`` ids come from Hugging Face (huggingface_hub), ``iic/...`` from ModelScope. The download
+``FunAudioLLM/...`` ids come from Hugging Face (huggingface_hub), ``iic/...`` from ModelScope; a ``modelscope:`` or
+``hf:`` prefix picks the hub for any id (``modelscope:FunAudioLLM/Fun-CosyVoice3-0.5B-2512``: the ModelScope twin of
+a Hugging Face repo). The download
 lands in the hub library's own cache and is reused; conversion to a bundle happens afterwards, as for any
 official directory. Every ``--model`` (serve, synth, speakers, startup-report) and :func:`cosyserve.load` go
 through :func:`resolve_model`. Never downloads in the tests (there is no network there).
@@ -15,7 +17,7 @@ from cosyserve.errors import HubError
 
 __all__ = ["HubError", "download", "is_hub_id", "resolve_model"]
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HUB_ID = re.compile(r"^(?:(?:modelscope|hf):)?[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # files of the official releases that cosyserve never reads, so never downloads: the TorchScript / TensorRT /
 # ONNX exports of the reference's GPU paths, and CosyVoice2's Qwen weights (~1 GB; llm.pt holds every LM weight)
 SKIPPED = ("*.zip", "*.plan", "flow.decoder.estimator.*.onnx", "CosyVoice-BlankEN/model.safetensors")
@@ -32,9 +34,12 @@ def resolve_model(source: str | Path) -> Path:
 
 
 def download(model_id: str) -> Path:
-    """Fetch ``model_id`` (``owner/name``) and return its local directory."""
-    owner = model_id.split("/", 1)[0]
-    if owner == "iic":
+    """Fetch ``model_id`` (``owner/name``, optionally ``modelscope:`` or ``hf:`` first) and return its local
+    directory."""
+    hub, _, bare = model_id.rpartition(":")
+    owner = bare.split("/", 1)[0]
+    if hub == "modelscope" or (not hub and owner == "iic"):
+        model_id = bare
         try:
             from modelscope import snapshot_download as ms_download  # type: ignore[import-not-found]
         except ImportError:
@@ -46,6 +51,7 @@ def download(model_id: str) -> Path:
             return Path(ms_download(model_id, ignore_file_pattern=[_regex(p) for p in SKIPPED]))
         except Exception as e:  # noqa: BLE001 - any failure of the download names the id
             raise HubError(f"{model_id}: ModelScope download failed: {e}") from e
+    model_id = bare
     try:
         from huggingface_hub import snapshot_download  # type: ignore[import-not-found]
     except ImportError:

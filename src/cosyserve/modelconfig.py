@@ -28,10 +28,10 @@ __all__ = [
     "build_config",
     "build_model_config",
     "config_tree",
-    "detect_family",
     "load_model_config",
+    "load_qwen_family_config",
+    "load_yaml_config",
     "qwen_config",
-    "read_cv2_yaml",
     "read_yaml",
 ]
 
@@ -348,6 +348,13 @@ class ModelConfig:
 
     KNOWN: ClassVar[tuple[str, ...]] = ("sample_rate", "llm", "flow", "hift")
 
+    @property
+    def family_spec(self) -> Any:
+        """The :class:`~cosyserve.families.base.Family` this config is of."""
+        from cosyserve.families import family_named
+
+        return family_named(self.family)
+
 
 def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> ModelConfig:
     """The :class:`ModelConfig` of a parsed config tree: the one builder for an official dir's yaml
@@ -362,12 +369,14 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
     """
     if not isinstance(tree, dict):
         raise ModelConfigError(f"{source}: '{where or 'top level'}' should be a mapping, got {tree!r}")
+    from cosyserve.families import family_named
+
     family = tree.get("family", "cosyvoice")
-    if family not in FAMILY_FILES:
-        raise ModelConfigError(
-            f"{source}: '{_join(where, 'family')}' is {family!r}; expected one of {', '.join(FAMILY_FILES)}"
-        )
-    LLMConfig, FlowConfig, HiFTConfig = (_import(path) for path in _COMPONENT_CONFIGS[family])
+    try:
+        spec = family_named(family)
+    except ValueError as e:
+        raise ModelConfigError(f"{source}: '{_join(where, 'family')}': {e}") from None
+    LLMConfig, FlowConfig, HiFTConfig = (spec.config_class(c) for c in ("llm", "flow", "hift"))
     for key in ModelConfig.KNOWN:
         if key not in tree:
             raise ModelConfigError(
@@ -385,33 +394,6 @@ def build_model_config(tree: Any, *, source: str | Path, where: str = "") -> Mod
     )
 
 
-# each family's llm, flow and hift config classes, imported when a config of that family is built
-_COMPONENT_CONFIGS = {
-    "cosyvoice": (
-        "cosyserve.models.llm:LLMConfig",
-        "cosyserve.models.flow:FlowConfig",
-        "cosyserve.models.hift:HiFTConfig",
-    ),
-    "cosyvoice2": (
-        "cosyserve.models.qwen2lm:Qwen2LMConfig",
-        "cosyserve.models.flow2:CausalFlowConfig",
-        "cosyserve.models.hift:HiFTConfig",
-    ),
-    "cosyvoice3": (
-        "cosyserve.models.cosyvoice3_lm:CosyVoice3LMConfig",
-        "cosyserve.models.dit:DiTFlowConfig",
-        "cosyserve.models.causal_hift:CausalHiFTConfig",
-    ),
-}
-
-
-def _import(path: str) -> Any:
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _feat_extractor(node: Any, source: str | Path, where: str) -> Any:
     if node is None:
         return None
@@ -423,7 +405,8 @@ def _feat_extractor(node: Any, source: str | Path, where: str) -> Any:
 def config_tree(cfg: ModelConfig) -> dict[str, Any]:
     """``cfg`` as plain data (what a bundle's manifest stores; :func:`build_model_config` reads it back)."""
     return {
-        **({"family": cfg.family, "chunk_size": cfg.chunk_size} if cfg.family != "cosyvoice" else {}),
+        "family": cfg.family,
+        "chunk_size": cfg.chunk_size,
         "sample_rate": cfg.sample_rate,
         **{k: dataclasses.asdict(getattr(cfg, k)) for k in ("llm", "flow", "hift")},
         **(
@@ -434,21 +417,29 @@ def config_tree(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def load_model_config(model_dir: str | Path, *, served_only: bool = True) -> ModelConfig:
-    """Read ``MODEL_DIR/cosyvoice.yaml`` (or ``cosyvoice2.yaml``, ``cosyvoice3.yaml``) and build the LLM, flow and
-    HiFT configs.
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read an official model directory's yaml (its family's: ``cosyvoice.yaml``, ``cosyvoice2.yaml``,
+    ``cosyvoice3.yaml``; see :mod:`cosyserve.families`) and build the LLM, flow and HiFT configs.
 
     Args:
         model_dir: an official model directory (or a CosyVoice-300M yaml file itself).
-        served_only: refuse a family cosyserve does not serve yet (see :func:`detect_family`).
     Returns:
         A :class:`ModelConfig`. Raises :class:`ModelConfigError` naming the file and key for anything unusable.
     """
+    from cosyserve.families import family_of, family_yamls
+
     path = Path(model_dir)
-    if path.is_dir() and (family := detect_family(path, served_only=served_only)) != "cosyvoice":
-        return _load_qwen_family_config(path, family)
-    if path.is_dir():
-        path = path / "cosyvoice.yaml"
+    if not path.is_dir():
+        return load_yaml_config(path)
+    family = family_of(path)
+    if family is None:
+        names = ", ".join(family_yamls().values())
+        raise ModelConfigError(f"no model config in {path}: an official model dir holds one of {names}")
+    return family.read_config(path)  # type: ignore[no-any-return]
+
+
+def load_yaml_config(path: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a CosyVoice-300M ``cosyvoice.yaml``."""
     if not path.is_file():
         raise ModelConfigError(f"model config not found: {path} (an official model dir holds cosyvoice.yaml)")
     doc = read_yaml(path)
@@ -458,44 +449,7 @@ def load_model_config(model_dir: str | Path, *, served_only: bool = True) -> Mod
     return build_model_config(doc, source=path)
 
 
-# The reference's AutoModel picks the family by which yaml the directory holds, in this order.
-FAMILY_FILES = {
-    "cosyvoice": "cosyvoice.yaml",
-    "cosyvoice2": "cosyvoice2.yaml",
-    "cosyvoice3": "cosyvoice3.yaml",
-}
-# the families the runtimes serve; CosyVoice3 is implemented and conformance-tested, not yet served
-SERVED_FAMILIES = ("cosyvoice", "cosyvoice2")
 QWEN_DIR = "CosyVoice-BlankEN"
-
-
-def detect_family(model_dir: str | Path, *, served_only: bool = True) -> str:
-    """``cosyvoice`` (the 300M family), ``cosyvoice2`` or ``cosyvoice3``: which official yaml ``model_dir`` holds.
-
-    Never guessed from names. With ``served_only`` a family the runtimes do not serve yet (CosyVoice3) is refused
-    with an error that says so.
-    """
-    path = Path(model_dir)
-    for family, name in FAMILY_FILES.items():
-        if (path / name).is_file():
-            if served_only and family not in SERVED_FAMILIES:
-                raise ModelConfigError(
-                    f"{path} is a CosyVoice3 model ({name}); cosyserve does not serve that family yet"
-                )
-            return family
-    raise ModelConfigError(
-        f"no model config in {path}: an official model dir holds cosyvoice.yaml (CosyVoice-300M) "
-        "or cosyvoice2.yaml (CosyVoice2)"
-    )
-
-
-def read_cv2_yaml(model_dir: str | Path, family: str = "cosyvoice2") -> dict[str, Any]:
-    """The parsed ``cosyvoice2.yaml`` (or ``family``'s yaml) of an official directory (tags as :class:`Tagged`,
-    refs resolved; nothing executed)."""
-    path = Path(model_dir) / FAMILY_FILES[family]
-    if not path.is_file():
-        raise ModelConfigError(f"model config not found: {path}")
-    return read_yaml(path)
 
 
 def qwen_config(model_dir: str | Path) -> dict[str, Any]:
@@ -533,12 +487,15 @@ def qwen_config(model_dir: str | Path) -> dict[str, Any]:
     return doc
 
 
-def _load_qwen_family_config(model_dir: Path, family: str) -> ModelConfig:
-    """The :class:`ModelConfig` of an official CosyVoice2 or CosyVoice3 directory: its yaml plus the Qwen config
-    (``CosyVoice-BlankEN/config.json``), which the LM's config carries (a bundle's manifest then holds both).
-    The yaml's ``feat_extractor`` (the prompt mel) is kept too: CosyVoice3's differs from CosyVoice2's (fmax)."""
-    path = model_dir / FAMILY_FILES[family]
-    doc = read_cv2_yaml(model_dir, family)
+def load_qwen_family_config(model_dir: Path, family: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of an official directory of a Qwen-LM ``family`` (CosyVoice2, CosyVoice3): its yaml
+    plus the Qwen config (``CosyVoice-BlankEN/config.json``), which the LM's config carries (a bundle's manifest
+    then holds both). The yaml's ``feat_extractor`` (the prompt mel) is kept too: CosyVoice3's differs from
+    CosyVoice2's (fmax)."""
+    path = model_dir / family.yaml
+    if not path.is_file():
+        raise ModelConfigError(f"model config not found: {path}")
+    doc = read_yaml(path)
     unknown = sorted(k for k in doc if k not in ModelConfig.KNOWN and not _IGNORED_TOP_LEVEL.match(str(k)))
     if unknown:
         raise ModelConfigError(f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}")
@@ -549,7 +506,7 @@ def _load_qwen_family_config(model_dir: Path, family: str) -> ModelConfig:
     if not isinstance(llm, Tagged) or not isinstance(llm.value, dict):
         raise ModelConfigError(f"{path}: 'llm' should be a !new: record of Qwen2LM arguments")
     tree = {
-        "family": family,
+        "family": family.name,
         "chunk_size": doc.get("chunk_size", 25),
         "sample_rate": doc["sample_rate"],
         "llm": Tagged(llm.kind, llm.target, {**llm.value, "qwen": _qwen_fields(model_dir)}),

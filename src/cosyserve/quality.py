@@ -320,7 +320,7 @@ def token2wav_distance(reference: Any, variant: Any, *, seed: int = 0) -> Token2
     mel_diff = 0.0
     mel_frames = 0
     ref_t2w, var_t2w = reference.pipeline.token2wav, variant.pipeline.token2wav
-    if reference.pipeline.family == "cosyvoice2":
+    if reference.pipeline.family.reruns_flow:
         return _token2wav_distance2(reference, ref_t2w, var_t2w, embedding, seed)
     for i, tokens in enumerate(_sequences(reference, seed)):
         m = ref_t2w.policy.mel_frames(tokens.numel())
@@ -337,14 +337,17 @@ def token2wav_distance(reference: Any, variant: Any, *, seed: int = 0) -> Token2
 def _token2wav_distance2(
     reference: Any, ref_t2w: Any, var_t2w: Any, embedding: torch.Tensor, seed: int
 ) -> Token2WavDistance:
-    # CosyVoice2: the flow's noise is its fixed buffer (nothing to inject); the vocoder's draws are shared
+    # CosyVoice2/3: the flow's noise is its fixed buffer (nothing to inject); the vocoder's draws are shared
+    # (CosyVoice3's vocoder reads fixed noise: nothing to inject either)
+    random_vocoder = reference.pipeline.family.random_vocoder
     parts: list[AudioDistance] = []
     mel_diff, mel_frames = 0.0, 0
     empty = torch.zeros(1, 0, dtype=torch.int32)
     for i, tokens in enumerate(_sequences(reference, seed)):
         m = ref_t2w.policy.token_mel_ratio * tokens.numel()
         g = torch.Generator().manual_seed(seed + 100 + i)
-        phase, sine = ref_t2w.hift.draw_source_noise(1, m * ref_t2w.hift.cfg.upsample_factor, g)
+        if random_vocoder:
+            phase, sine = ref_t2w.hift.draw_source_noise(1, m * ref_t2w.hift.cfg.upsample_factor, g)
         mels, audio = [], []
         for t2w in (ref_t2w, var_t2w):
             mels.append(
@@ -358,7 +361,7 @@ def _token2wav_distance2(
                     n_timesteps=t2w.flow_steps,
                 )  # fmt: skip
             )
-            draws = iter([{"sine_phase": phase, "sine_noise": sine}])
+            draws = iter([{"sine_phase": phase, "sine_noise": sine}]) if random_vocoder else None
             audio.append(torch.cat(list(t2w(tokens.tolist(), embedding=embedding, draws=draws)), dim=1)[0])
         mel_diff += float((mels[0] - mels[1]).abs().mean(dim=(0, 1)).sum())
         mel_frames += m
@@ -542,7 +545,7 @@ def compare(reference: Any, variant: Any, *, seed: int = 0, parts: Sequence[str]
     from cosyserve.runtime.token2wav import StreamPolicy
 
     family = reference.pipeline.family
-    if family != "cosyvoice" and "chunks" in parts:
+    if family.reruns_flow and "chunks" in parts:
         if list(parts) == list(PARTS):  # the default: what applies to this family
             parts = [p for p in parts if p != "chunks"]
         else:
@@ -550,7 +553,7 @@ def compare(reference: Any, variant: Any, *, seed: int = 0, parts: Sequence[str]
 
             raise ClientError(
                 f"the chunks part of the quality gate is built for CosyVoice-300M's streaming only; this is a "
-                f"{family} model (its chunks re-run the flow with chunked attention): use --parts llm,token2wav"
+                f"{family.title} model (its chunks re-run the flow with chunked attention): use --parts llm,token2wav"
             )
     out: dict[str, float] = {}
     if "llm" in parts:

@@ -111,10 +111,12 @@ def resolve_bundle(source: str | Path, *, progress: bool = True, cache_dir: Path
         return path
     if not path.is_dir():
         raise ModelDirError(f"model directory not found: {path}")
-    if not any((path / name).is_file() for name in ("cosyvoice.yaml", "cosyvoice2.yaml")):
+    from cosyserve.families import family_of, family_yamls
+
+    if family_of(path) is None:
         raise ModelDirError(
-            f"{path} is neither a bundle (manifest.json) nor an official model dir (cosyvoice.yaml, or "
-            "cosyvoice2.yaml for CosyVoice2)"
+            f"{path} is neither a bundle (manifest.json) nor an official model dir (one of "
+            f"{', '.join(family_yamls().values())})"
         )
     key = hashlib.sha256(str(path.resolve()).encode())
     qwen = path / "CosyVoice-BlankEN"

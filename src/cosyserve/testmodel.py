@@ -228,7 +228,9 @@ def _is_test_model(path: Path) -> bool:
         return False
     if not any(path.iterdir()):
         return True
-    for name in ("cosyvoice.yaml", "cosyvoice2.yaml"):
+    from cosyserve.families import family_yamls
+
+    for name in family_yamls().values():
         try:
             with open(path / name, encoding="utf-8") as f:
                 if _HEADER_MARK in f.readline():
@@ -252,24 +254,18 @@ def make_test_model(
     Args:
         out: directory to create (written to a temporary sibling, then renamed: never left half-written).
         size: ``tiny`` (tests) or ``full`` (the release's dimensions: CosyVoice-300M ~1.7 GB, CosyVoice2-0.5B
-            ~2 GB).
-        family: ``cosyvoice`` (the 300M layout) or ``cosyvoice2`` (:mod:`cosyserve.testmodel2`).
+            ~2 GB, CosyVoice3-0.5B ~3.5 GB).
+        family: a name of :data:`cosyserve.families.FAMILIES` (its ``test_model`` writes the files).
         seed: seed for every random weight.
         force: replace ``out`` if it exists.
-        onnx: also write small random campplus.onnx / speech_tokenizer_v1.onnx (the zero-shot tier).
+        onnx: also write small random campplus.onnx and the family's speech tokenizer (the zero-shot tier).
     Returns:
         component -> (parameter count, file size in bytes).
     """
-    import torch
-
-    from cosyserve.modelconfig import load_model_config
-    from cosyserve.models.flow import MaskedDiffWithXvec
-    from cosyserve.models.hift import HiFTGenerator
-    from cosyserve.models.llm import TransformerLM
+    from cosyserve.families import family_named
     from cosyserve.staging import Staging
 
-    if family not in ("cosyvoice", "cosyvoice2"):
-        raise ValueError(f"unknown family {family!r}; expected cosyvoice or cosyvoice2")
+    spec = family_named(family)
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     out = Path(out)
@@ -282,38 +278,44 @@ def make_test_model(
                 "(or an empty folder); choose another path"
             )
     staging = Staging(out, "making").start()
-    tmp = staging.path
-    info: dict[str, tuple[int, int]] = {}
     try:
-        if family == "cosyvoice2":
-            from cosyserve.testmodel2 import write_model2
-
-            info = write_model2(tmp, size, seed, onnx)
-            staging.commit(replace=force)
-            return info
-        (tmp / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
-        cfg = load_model_config(tmp)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            parts = {
-                "llm": TransformerLM(cfg.llm),
-                "flow": MaskedDiffWithXvec(cfg.flow),
-                "hift": HiFTGenerator(cfg.hift),
-            }
-        voice_f0_head(parts["hift"], gen)
-        for name, module in parts.items():
-            sd = {k: v.contiguous() for k, v in module.state_dict().items()}
-            path = tmp / f"{name}.pt"
-            torch.save(sd, path)
-            info[name] = (sum(v.numel() for v in sd.values()), path.stat().st_size)
-        spk2info = {spk: {"embedding": torch.randn(1, 192, generator=gen)} for spk in SPEAKERS}
-        torch.save(spk2info, tmp / "spk2info.pt")
-        if onnx:
-            from cosyserve.frontend.onnx_testmodels import write_test_onnx_models
-
-            write_test_onnx_models(tmp, seed=seed)
+        info = spec.write_test_model(staging.path, size, seed, onnx)
         staging.commit(replace=force)
     finally:
         staging.discard()
+    return info
+
+
+def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
+    """Write a random-weight CosyVoice-300M model of ``size`` into the empty directory ``tmp``."""
+    import torch
+
+    from cosyserve.modelconfig import load_model_config
+    from cosyserve.models.flow import MaskedDiffWithXvec
+    from cosyserve.models.hift import HiFTGenerator
+    from cosyserve.models.llm import TransformerLM
+
+    info: dict[str, tuple[int, int]] = {}
+    (tmp / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
+    cfg = load_model_config(tmp)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        parts = {
+            "llm": TransformerLM(cfg.llm),
+            "flow": MaskedDiffWithXvec(cfg.flow),
+            "hift": HiFTGenerator(cfg.hift),
+        }
+    voice_f0_head(parts["hift"], gen)
+    for name, module in parts.items():
+        sd = {k: v.contiguous() for k, v in module.state_dict().items()}
+        path = tmp / f"{name}.pt"
+        torch.save(sd, path)
+        info[name] = (sum(v.numel() for v in sd.values()), path.stat().st_size)
+    spk2info = {spk: {"embedding": torch.randn(1, 192, generator=gen)} for spk in SPEAKERS}
+    torch.save(spk2info, tmp / "spk2info.pt")
+    if onnx:
+        from cosyserve.frontend.onnx_testmodels import write_test_onnx_models
+
+        write_test_onnx_models(tmp, seed=seed)
     return info

@@ -157,7 +157,7 @@ def write_model3(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple
 
     (tmp / "cosyvoice3.yaml").write_text(render_yaml3(size), encoding="utf-8")
     write_qwen_files(tmp / "CosyVoice-BlankEN", size)
-    cfg = load_model_config(tmp, served_only=False)
+    cfg = load_model_config(tmp)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

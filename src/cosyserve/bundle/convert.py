@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ConvertError, ModelDirError
 
 __all__ = [
@@ -51,16 +50,6 @@ COMPONENTS = ("llm", "flow", "hift")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZABLE = ("llm",)  # components whose linears may be int8
-# CosyVoice2: the Qwen tokenizer's files (CosyVoice-BlankEN/model.safetensors, ~1 GB, is never read: llm.pt
-# holds every LM weight)
-QWEN_FILES = tuple(
-    f"CosyVoice-BlankEN/{n}" for n in ("config.json", "tokenizer_config.json", "vocab.json", "merges.txt")
-)
-# the files a bundle copies unchanged from the model dir, per family (the ONNX ones only when present)
-EXTRA_FILES = {
-    "cosyvoice": ONNX_FILES,
-    "cosyvoice2": ("campplus.onnx", "speech_tokenizer_v2.onnx", *QWEN_FILES),
-}
 
 
 def _component_spec(
@@ -300,7 +289,7 @@ def convert(
     import torch
 
     from cosyserve import __version__
-    from cosyserve.bundle.official import is_instruct_model_dir, load_speakers, module_class
+    from cosyserve.bundle.official import load_speakers, module_class
     from cosyserve.modelconfig import config_tree, load_model_config
     from cosyserve.models.precision import keeps_float32
     from cosyserve.staging import Staging
@@ -315,6 +304,7 @@ def convert(
     _check_out(model_dir, out, force)
     step = _progress(f"convert {model_dir.name}") if progress else (lambda msg: None)
     cfg = load_model_config(model_dir)
+    family = cfg.family_spec
     with Staging(out, "converting") as staging:
         tmp = staging.path
         manifest: dict[str, Any] = {
@@ -324,8 +314,8 @@ def convert(
             # one dtype for all (what readers of version 1 know), or "mixed" (see each component's)
             "dtype": dtypes["llm"] if len(set(dtypes.values())) == 1 else "mixed",
             "family": cfg.family,
-            # takes instruct mode (see is_instruct_model_dir; CosyVoice2 has instruct2 instead)
-            "instruct": cfg.family == "cosyvoice" and is_instruct_model_dir(model_dir),
+            # takes instruct mode (see is_instruct_model_dir; CosyVoice2 and 3 have instruct2 instead)
+            "instruct": family.is_instruct_dir(model_dir),
             "config": config_tree(cfg),
             "components": {},
             "source": {"dir": str(model_dir.resolve()), "files": {}},
@@ -380,23 +370,15 @@ def convert(
                 for k, v in spk_tensors.items()
             },
         }
-        if cfg.family == "cosyvoice2":
-            # the tokenizer is built from these files on the first request: a bad one is refused now, not then
-            from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
-
-            step("checking the Qwen tokenizer")
-            QwenTokenizer.check_dir(model_dir / "CosyVoice-BlankEN")
-        for fname in EXTRA_FILES[cfg.family]:
+        step("checking the tokenizer and frontend files")
+        family.check_model_dir(model_dir)
+        for fname in family.bundle_files:
             src = model_dir / fname
             if src.is_file():
                 step(f"copying {fname}")
                 (tmp / fname).parent.mkdir(exist_ok=True)
                 shutil.copyfile(src, tmp / fname)
                 manifest["extras"][fname] = {"bytes": src.stat().st_size, "sha256": sha256_file(tmp / fname)}
-            elif fname in QWEN_FILES and not fname.endswith("merges.txt"):
-                raise ModelDirError(
-                    f"missing {src}: a CosyVoice2 model dir holds the Qwen config and tokenizer there"
-                )
         step("hashing source files")
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx")):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS, EXTRA_FILES
+from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS
 from cosyserve.clock import PhaseClock
 from cosyserve.errors import BundleError
 
@@ -117,6 +117,14 @@ class Bundle:
     @property
     def speaker_names(self) -> list[str]:
         return list(self.manifest.get("speakers", {}).get("names", []))
+
+    @property
+    def family(self) -> Any:
+        """The bundle's :class:`~cosyserve.families.base.Family`, from its manifest (builds no config: imports no
+        model code)."""
+        from cosyserve.families import family_named
+
+        return family_named(self.manifest.get("family", "cosyvoice"))
 
     @property
     def model_key(self) -> str:
@@ -392,7 +400,12 @@ def open_bundle(path: str | Path) -> Bundle:
         quantize = manifest["components"][name].get("quantize", "none")
         if quantize not in ("none", "int8") or (quantize != "none" and name != "llm"):
             raise BundleError(f"{mpath}: component {name!r}: unknown quantization {quantize!r}")
-    known = {f for files in EXTRA_FILES.values() for f in files}
+    from cosyserve.families import family_named
+
+    try:
+        known = set(family_named(manifest.get("family", "cosyvoice")).bundle_files)
+    except ValueError as e:
+        raise BundleError(f"{mpath}: {e}") from None
     for extra in manifest.get("extras", {}):
         if extra not in known:
             raise BundleError(f"{mpath}: unknown extra file {extra!r}")

@@ -95,37 +95,14 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> Non
     assert_materialized(module, str(path))
 
 
-# each family's module classes, imported on first use
-_MODULE_CLASSES = {
-    "cosyvoice": {
-        "llm": "cosyserve.models.llm:TransformerLM",
-        "flow": "cosyserve.models.flow:MaskedDiffWithXvec",
-        "hift": "cosyserve.models.hift:HiFTGenerator",
-    },
-    "cosyvoice2": {
-        "llm": "cosyserve.models.qwen2lm:Qwen2LM",
-        "flow": "cosyserve.models.flow2:CausalMaskedDiffWithXvec",
-        "hift": "cosyserve.models.hift:HiFTGenerator",
-    },
-    "cosyvoice3": {
-        "llm": "cosyserve.models.cosyvoice3_lm:CosyVoice3LM",
-        "flow": "cosyserve.models.dit:CausalMaskedDiffWithDiT",
-        "hift": "cosyserve.models.causal_hift:CausalHiFTGenerator",
-    },
-}
-
-
 def module_class(name: str, family: str = "cosyvoice") -> type:
-    """The module class of component ``name`` (llm, flow or hift) in model ``family`` (cosyvoice: the 300M
-    family; cosyvoice2; cosyvoice3)."""
-    import importlib
+    """The module class of component ``name`` (llm, flow or hift) in model ``family`` (a name of
+    :data:`cosyserve.families.FAMILIES`)."""
+    from cosyserve.families import family_named
 
-    if family not in _MODULE_CLASSES:
-        raise ValueError(f"unknown model family {family!r}")
     if name not in COMPONENT_FILES:
         raise ValueError(f"unknown component {name!r}; expected one of {sorted(COMPONENT_FILES)}")
-    module, cls = _MODULE_CLASSES[family][name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return family_named(family).module_class(name)
 
 
 def new_module(name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:

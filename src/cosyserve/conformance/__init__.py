@@ -17,52 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CaseResult", "KIND_MODULES", "run_conformance"]
-
-# kind -> module holding it (resolved lazily, so a run of one kind imports only what it needs)
-KIND_MODULES = {
-    "tokenize": "cosyserve.conformance.kinds_text",
-    "llm_logprobs": "cosyserve.conformance.kinds_llm",
-    "flow_inference": "cosyserve.conformance.kinds_flow",
-    "hift_inference": "cosyserve.conformance.kinds_hift",
-    "token2wav_stream": "cosyserve.conformance.kinds_token2wav",
-    "token2wav_full": "cosyserve.conformance.kinds_token2wav",
-    "mel": "cosyserve.conformance.kinds_features",
-    "fbank": "cosyserve.conformance.kinds_features",
-    "whisper_logmel": "cosyserve.conformance.kinds_features",
-    "resample": "cosyserve.conformance.kinds_features",
-    "text_frontend": "cosyserve.conformance.kinds_frontend",
-    "zero_shot_frontend": "cosyserve.conformance.kinds_frontend",
-    "cross_lingual_frontend": "cosyserve.conformance.kinds_frontend",
-    "instruct_frontend": "cosyserve.conformance.kinds_frontend",
-}
-
-# CosyVoice2 sets (KINDS-cosyvoice2.md): the same kind names mean that family's computation
-KIND_MODULES_CV2 = {
-    "tokenize": "cosyserve.conformance.cv2_lm",
-    "llm_logprobs": "cosyserve.conformance.cv2_lm",
-    "flow_inference": "cosyserve.conformance.cv2_flow",
-    "hift_inference": "cosyserve.conformance.cv2_audio",
-    "mel": "cosyserve.conformance.cv2_audio",
-    "whisper_logmel": "cosyserve.conformance.cv2_audio",
-    "resample": "cosyserve.conformance.cv2_audio",
-    "zero_shot_frontend": "cosyserve.conformance.cv2_frontend",
-    "cross_lingual_frontend": "cosyserve.conformance.cv2_frontend",
-    "instruct2_frontend": "cosyserve.conformance.cv2_frontend",
-    "token2wav_stream": "cosyserve.conformance.cv2_token2wav",
-    "token2wav_full": "cosyserve.conformance.cv2_token2wav",
-}
-# CosyVoice3 sets (KINDS-cosyvoice3.md): every kind lives with the family
-_CV3 = "cosyserve.families.cosyvoice3.conformance"
-KIND_MODULES_CV3 = dict.fromkeys(
-    (
-        "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference",
-        "token2wav_stream", "token2wav_full", "mel", "whisper_logmel", "resample", "speech_token",
-        "zero_shot_frontend", "cross_lingual_frontend", "instruct2_frontend", "vc_frontend", "silent_token_filter",
-    ),
-    _CV3,
-)  # fmt: skip
-FAMILY_KINDS = {"cosyvoice": KIND_MODULES, "cosyvoice2": KIND_MODULES_CV2, "cosyvoice3": KIND_MODULES_CV3}
+__all__ = ["CaseResult", "known_kinds", "run_conformance"]
 
 
 @dataclass
@@ -86,19 +41,26 @@ class CaseResult:
         )
 
 
-def _kind_function(
-    kind: str, family: str = "cosyvoice", runtime: str = "torch"
-) -> Callable[..., dict[str, Any]] | None:
+def known_kinds() -> set[str]:
+    """Every kind some family's sets hold (each family declares its own: ``Family.conformance_kinds``)."""
+    from cosyserve.families import FAMILIES, family_named
+
+    return set().union(*(family_named(name).conformance_kinds for name in FAMILIES))
+
+
+def _kind_function(kind: str, family: Any, runtime: str = "torch") -> Callable[..., dict[str, Any]] | None:
+    # a kind's function: the family's module for it (resolved lazily, so a run of one kind imports only what it
+    # needs); on the lite runtime, the lite runtime's own where it has one
     if runtime == "lite":
         from cosyserve.conformance.kinds_lite import KINDS as LITE_KINDS
 
         if kind in LITE_KINDS:
             return LITE_KINDS[kind]
-    module_name = FAMILY_KINDS[family].get(kind)
+    module_name = family.conformance_kinds.get(kind)
     if module_name is None:
         return None
     module = importlib.import_module(module_name)
-    return module.KINDS.get(kind)
+    return module.KINDS.get(kind)  # type: ignore[no-any-return]
 
 
 def _resolve_inputs(inputs: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
@@ -206,7 +168,6 @@ def run_conformance(
     from safetensors.torch import load_file
 
     from cosyserve.conformance.context import CaseContext
-    from cosyserve.modelconfig import SERVED_FAMILIES
 
     set_dir = Path(set_dir)
     cases_path = set_dir / "cases.json"
@@ -218,7 +179,7 @@ def run_conformance(
         raise ValueError(f"{cases_path}: expected {{'format': 1, 'cases': [...]}}")
     wanted = set(kinds) if kinds is not None else None
     if wanted is not None:
-        known = set().union(*FAMILY_KINDS.values())
+        known = known_kinds()
         unknown = sorted(wanted - known)
         if unknown:
             raise ValueError(f"unknown kind(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -228,11 +189,9 @@ def run_conformance(
         raise ValueError(f"runtime must be torch or lite, got {runtime!r}")
     ctx = CaseContext(set_dir, set_dir / doc.get("model", "model"))
     ctx.runtime = runtime
-    if runtime == "lite" and ctx.family != "cosyvoice":
-        raise ValueError(f"{set_dir}: the lite runtime serves CosyVoice-300M; this set is {ctx.family}'s")
-    if via_bundle and ctx.family not in SERVED_FAMILIES:
+    if runtime == "lite" and not ctx.family.lite:
         raise ValueError(
-            f"{set_dir}: --via-bundle needs a bundle of this set's model; {ctx.family} has none yet"
+            f"{set_dir}: the lite runtime serves CosyVoice-300M; this set is {ctx.family.title}'s"
         )
     tmp = None
     if via_bundle or runtime == "lite":

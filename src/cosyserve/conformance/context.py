@@ -23,20 +23,18 @@ class CaseContext:
         )
 
     @cached_property
-    def family(self) -> str:
-        """``cosyvoice``, ``cosyvoice2`` or ``cosyvoice3``, from the yaml the model dir holds; a set without a model
-        dir (feature kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
-        from cosyserve.modelconfig import FAMILY_FILES, detect_family
+    def family(self) -> Any:
+        """The set's :class:`~cosyserve.families.base.Family`, from the yaml the model dir holds; a set without a
+        model dir (feature kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
+        from cosyserve.families import family_named, family_of
 
-        if not any((self.model_dir / name).is_file() for name in FAMILY_FILES.values()):
-            return "cosyvoice"
-        return detect_family(self.model_dir, served_only=False)
+        return family_of(self.model_dir) or family_named("cosyvoice")
 
     @cached_property
     def config(self) -> Any:
         from cosyserve.modelconfig import load_model_config
 
-        return load_model_config(self.model_dir, served_only=False)
+        return load_model_config(self.model_dir)
 
     def _component(self, name: str) -> Any:
         if name not in self._modules:

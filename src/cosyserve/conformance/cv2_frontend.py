@@ -10,14 +10,7 @@ from typing import Any
 def frontend2(ctx: Any) -> Any:
     """The set's CosyVoice2 frontend, built once per run (its ONNX sessions open on first use)."""
     if "cv2_frontend" not in ctx.cache:
-        from cosyserve.conformance.cv2_lm import tokenizer2
-        from cosyserve.frontend.features import mel_spectrogram_24k
-        from cosyserve.frontend.zeroshot import Frontend, OnnxModel
-        from cosyserve.runtime.pipeline import SPEECH_TOKENIZER_V2
-
-        frontend = Frontend(ctx.model_dir, {}, tokenizer=tokenizer2(ctx), feat_extractor=mel_spectrogram_24k)
-        frontend.speech_tokenizer = OnnxModel(ctx.model_dir / SPEECH_TOKENIZER_V2)
-        ctx.cache["cv2_frontend"] = frontend
+        ctx.cache["cv2_frontend"] = ctx.family.frontend(ctx.model_dir, ctx.config)
     return ctx.cache["cv2_frontend"]
 
 

@@ -466,9 +466,10 @@ def export_lite(
 
     bundle = open_bundle(bundle_dir)
     cfg = bundle.config
-    if cfg.family != "cosyvoice":
+    if not cfg.family_spec.lite:
         raise ConvertError(
-            f"--runtime lite serves the CosyVoice-300M family; this is a {cfg.family} model (use the torch runtime)"
+            f"--runtime lite serves the CosyVoice-300M family; this is a {cfg.family_spec.title} model (use the "
+            "torch runtime)"
         )
     parts = bundle.load(LoadOptions(strategy="lazy", verify="none"))
     if bundle.quantized("llm") != "none":

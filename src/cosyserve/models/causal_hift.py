@@ -140,8 +140,9 @@ class CausalConvRNNF0Predictor(ConvRNNF0Predictor):
 
 
 class CausalHiFTGenerator(HiFTGenerator):
-    # the source module stays float32 in a lower-precision vocoder; the f0 predictor is float64 (see _f0)
-    FLOAT32_PARTS = ("m_source",)
+    # in a lower-precision vocoder the source module stays float32 and the f0 predictor float64 (see _f0): a
+    # bundle stores the f0 predictor as folded in float64
+    FLOAT32_PARTS = ("f0_predictor", "m_source")
 
     def __init__(self, cfg: CausalHiFTConfig, weight_norm: bool = True):
         """Args: weight_norm: as :class:`~cosyserve.models.hift.HiFTGenerator`."""

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from cosyserve.errors import BundleError, ClientError
-from cosyserve.frontend.prompt import ONNX_FILES, instruct_input, prompt_input, sft_input
+from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
@@ -51,7 +51,7 @@ class LitePipeline(ModelModes):
     :class:`~cosyserve.runtime.pipeline.Pipeline`'s rules, numpy arrays instead of tensors)."""
 
     def __init__(self, llm: Any, token2wav: Any, speakers: dict[str, dict[str, Any]], **kwargs: Any) -> None:
-        super().__init__(speakers, onnx_files=ONNX_FILES, **kwargs)
+        super().__init__(speakers, family="cosyvoice", **kwargs)
         self.llm = llm
         self.token2wav = token2wav
         # one piece's speech tokens at most (as the torch pipeline's)
@@ -211,7 +211,8 @@ class LiteRuntime(RuntimeVoices):
             default_voice=options.default_voice,
         )
         self.pipeline.set_onnx_paths(
-            {name: bundle.onnx_path(name) for name in ONNX_FILES}, check=lambda p: bundle.check_onnx(p.name)
+            {name: bundle.onnx_path(name) for name in self.pipeline.onnx_files},
+            check=lambda p: bundle.check_onnx(p.name),
         )
         self.background: threading.Thread | None = None
 
@@ -305,9 +306,11 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
                 "MODEL_DIR BUNDLE --runtime lite` (on a machine with torch)"
             )
         bundle = open_bundle(path)
-        if bundle.manifest.get("family", "cosyvoice") != "cosyvoice":
+        family = bundle.family
+        if not family.lite:
             raise BundleError(
-                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a CosyVoice2 one)"
+                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one): serve it "
+                "on the torch runtime"
             )
         bundle.verify = o.verify
         threads = o.threads or os.cpu_count() or 1

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
+from cosyserve.families import family_named
+from cosyserve.families.base import Family
 from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
 from cosyserve.runtime import Voice
 
-__all__ = ["ENDOFPROMPT", "ModelModes", "RuntimeVoices"]
+__all__ = ["ModelModes", "RuntimeVoices"]
 
-ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 
 
@@ -30,12 +31,12 @@ class ModelModes:
 
     Args:
         speakers: pre-defined speaker id -> its spk2info entry (``{"embedding": ...}``).
-        onnx_files: the zero-shot tier's (speaker embedding, speech tokenizer) file names.
         registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered voices, or None.
         model_dir: named in messages about missing files.
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct).
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
-        family: ``cosyvoice`` or ``cosyvoice2``.
+        family: the model's :class:`~cosyserve.families.base.Family` (or its name): its modes, its prompt
+            frontend's files (speaker embedding, speech tokenizer).
         tokenizer: a factory of the model's tokenizer (None: the whisper tokenizer).
     """
 
@@ -43,16 +44,15 @@ class ModelModes:
         self,
         speakers: dict[str, dict[str, Any]],
         *,
-        onnx_files: tuple[str, str],
         registry: Any = None,
         model_dir: str | Path | None = None,
         instruct: bool = True,
         default_voice: str | None = None,
-        family: str = "cosyvoice",
+        family: Family | str = "cosyvoice",
         tokenizer: Callable[[], Any] | None = None,
     ) -> None:
-        self.family = family
-        self.onnx_files = onnx_files
+        self.family = family_named(family) if isinstance(family, str) else family
+        self.onnx_files = self.family.onnx_files
         self._tokenizer: Any = None  # built on first use by tokenizer_factory (None: the whisper tokenizer)
         self._tokenizer_factory: Callable[[], Any] | None = tokenizer
         self._tokenizer_lock = threading.Lock()
@@ -90,23 +90,7 @@ class ModelModes:
     def unavailable_modes(self) -> dict[str, str]:
         """mode -> why it cannot run on this model (empty when every mode can). Checks files, loads nothing."""
         where = f"model dir {self.model_dir}" if self.model_dir is not None else "the model"
-        out: dict[str, str] = {}
-        if self.family == "cosyvoice":
-            out["instruct2"] = (
-                "instruct2 is CosyVoice2's instruction mode (an instruction and a voice to clone); this is a "
-                "CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"
-            )
-        if self.family == "cosyvoice2":
-            out["instruct"] = (
-                "this is a CosyVoice2 model, which has no speaker-instruct mode (the reference's inference_instruct "
-                "is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
-            )
-        elif not self.instruct:
-            out["instruct"] = (
-                "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
-                "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
-                "model"
-            )
+        out = self.family.unavailable_modes(self.instruct)
         missing = [name for name, p in self.onnx_paths.items() if p is None or not p.is_file()]
         if missing:
             why = f"{where} has no {' or '.join(missing)} (copy it from the official model dir to enable it)"
@@ -231,13 +215,17 @@ class ModelModes:
                 mode = "zero_shot" if kind == "zero_shot" else "sft"
         speaker = r.speaker
         instruct_text = r.instruct_text
-        if mode == "instruct" and self.family == "cosyvoice2" and speaker and speaker not in self.speakers:
+        if (
+            mode == "instruct"
+            and self.family.instruct_mode == "instruct2"
+            and speaker
+            and speaker not in self.speakers
+        ):
             # a style instruction with a cloned voice (OpenAI `instructions`, `--mode instruct`): on CosyVoice2
-            # that is instruct2, whose instructions end with the marker the model was trained on
+            # and 3 that is instruct2, whose instructions end with the marker the model was trained on
             self._speaker_of_kind(speaker, r.tenant, "instruct2", "zero_shot")
             mode = "instruct2"
-            if not instruct_text.rstrip().endswith(ENDOFPROMPT):
-                instruct_text = instruct_text.rstrip() + ENDOFPROMPT
+            instruct_text = self.family.instruction(instruct_text)
         if mode in ("sft", "instruct"):
             speaker = speaker or self.default_speaker()
             self._speaker_of_kind(speaker, r.tenant, mode, "sft")
@@ -245,7 +233,7 @@ class ModelModes:
             self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
         if (
             mode == "instruct"
-            or (mode == "instruct2" and self.family != "cosyvoice2")
+            or (mode == "instruct2" and "instruct2" in self.family.unavailable_modes(self.instruct))
             or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
         ):
             self.require(mode)  # before any audio is read: a missing model is the clearer error

@@ -36,18 +36,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.bundle.official import ONNX_FILES
 from cosyserve.errors import ClientError
+from cosyserve.families import family_named
+from cosyserve.families.base import Family
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
 from cosyserve.request import Mode, SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.modes import ModelModes
-from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
+from cosyserve.runtime.streampolicy import StreamPolicy
 from cosyserve.stop import Stopped, check
 
 logger = logging.getLogger(__name__)
-
-SPEECH_TOKENIZER_V2 = "speech_tokenizer_v2.onnx"  # CosyVoice2's (25 Hz, 6561 ids)
 
 __all__ = ["Pipeline", "PreparedRequest"]
 
@@ -109,25 +108,19 @@ class Pipeline(ModelModes):
         instruct: bool = True,
         default_voice: str | None = None,
         flow_steps: int | None = None,
-        family: str = "cosyvoice",
+        family: Family | str = "cosyvoice",
         tokenizer: Any = None,
+        config: Any = None,
     ) -> None:
         self.llm = llm
         # one piece's speech tokens at most (its LM run, and its flow and vocoder passes without streaming)
         self.max_piece_tokens = PIECE_SECONDS_MAX * int(flow.cfg.input_frame_rate)
-        self.family = family  # the model family whose modes this pipeline runs
-        if family == "cosyvoice2":
-            from cosyserve.runtime.token2wav2 import Token2Wav2
-
-            self.token2wav: Any = Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
-            self.onnx_files: tuple[str, str] = (ONNX_FILES[0], SPEECH_TOKENIZER_V2)
-        else:
-            self.token2wav = Token2Wav(flow, hift, policy, flow_steps=flow_steps)
-            self.onnx_files = (ONNX_FILES[0], ONNX_FILES[1])
+        family = family_named(family) if isinstance(family, str) else family
+        self.config = config  # the model's ModelConfig (what the family builds its parts from)
+        self.token2wav: Any = family.token2wav(config, flow, hift, policy, flow_steps)
         ModelModes.__init__(
             self,
             speakers,
-            onnx_files=self.onnx_files,
             registry=registry,
             model_dir=model_dir,
             instruct=instruct,
@@ -152,23 +145,14 @@ class Pipeline(ModelModes):
         if self._frontend is None:
             with self._frontend_lock:
                 if self._frontend is None:
-                    from cosyserve.frontend.zeroshot import Frontend, OnnxModel
-
-                    base = self.model_dir or Path(".")
-                    extra: dict[str, Any] = {}
-                    if self.family == "cosyvoice2":
-                        from cosyserve.frontend.features import mel_spectrogram_24k
-
-                        extra["feat_extractor"] = mel_spectrogram_24k
-                    frontend = Frontend(base, self.speakers, tokenizer=self.tokenizer, **extra)
-                    campplus, speech_tokenizer = self.onnx_files
-                    frontend.campplus = OnnxModel(
-                        self.onnx_paths[campplus] or base / campplus, self.onnx_check
+                    self._frontend = self.family.frontend(
+                        self.model_dir or Path("."),
+                        self.config,
+                        self.speakers,
+                        tokenizer=self.tokenizer,
+                        paths=self.onnx_paths,
+                        check=self.onnx_check,
                     )
-                    frontend.speech_tokenizer = OnnxModel(
-                        self.onnx_paths[speech_tokenizer] or base / speech_tokenizer, self.onnx_check
-                    )
-                    self._frontend = frontend
         return self._frontend
 
     def _text_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +185,12 @@ class Pipeline(ModelModes):
             UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
             AudioError: unusable prompt or source audio; ClientError: nothing to speak in the text.
         """
+        prepared = self._prepare(request)
+        if prepared.mode != "vc":
+            prepared.inputs = self.family.complete_inputs(prepared.inputs, self.tokenizer.encode)
+        return prepared
+
+    def _prepare(self, request: SynthesisRequest) -> PreparedRequest:
         r = self.resolve(request)
         mode = r.mode
         assert mode is not None
@@ -243,7 +233,7 @@ class Pipeline(ModelModes):
             # inference_instruct2 does not normalise the instruction. With a saved voice the reference keeps the
             # voice's transcript and drops the instruction (frontend_zero_shot returns the saved entry as is);
             # here the instruction is what a caller asked for, so it applies with a registered voice too.
-            instruction = self._text_ids(r.instruct_text)
+            instruction = self._text_ids(self.family.complete_instruction(r.instruct_text))
             prepared.inputs = [instruct2_input(text, prompt, instruction) for text in texts]
             return prepared
         prepared.inputs = [prompt_input(text, prompt, mode) for text in texts]
@@ -302,6 +292,7 @@ class Pipeline(ModelModes):
             )
             if should_stop is not None:
                 tokens = _until(tokens, should_stop)
+            tokens = self.family.speech_tokens(tokens)
         else:  # vc: the LLM is bypassed
             tokens = source.flatten().tolist()
         for chunk in self.token2wav(

@@ -76,7 +76,7 @@ class TorchRuntime(RuntimeVoices):
         threads = options.worker_threads or self.cores
         p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=threads, name=name)
         self._batchers.append(p.llm)
-        if options.batch_flow and p.family != "cosyvoice":
+        if options.batch_flow and not p.family.stacks_flow:
             logger.warning(
                 "%s: flow and vocoder stacking (batch_flow) is built for CosyVoice-300M only; off", name
             )
@@ -147,21 +147,6 @@ def _load_text_tier(pipeline: Pipeline) -> None:
     load_normalizers()
 
 
-def _qwen_tokenizer_factory(bundle: Any) -> Callable[[], Any]:
-    """Builds a CosyVoice2 bundle's Qwen tokenizer from its copied ``CosyVoice-BlankEN`` files, each checked
-    against the manifest first (as the weights are)."""
-
-    def build() -> Any:
-        from cosyserve.bundle.convert import QWEN_FILES
-        from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
-
-        for name in QWEN_FILES:
-            bundle.check_onnx(name)
-        return QwenTokenizer.from_dir(bundle.path / "CosyVoice-BlankEN")
-
-    return build
-
-
 def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
     """Run each ``(phase, work)`` of ``steps`` in turn, timed as ``phase``; a failure is logged and the next step
     runs (the first request that needs a failed tier raises the same error with its context)."""
@@ -202,10 +187,7 @@ def _set_precision(modules: dict[str, Any], casts: dict[str, str], quantize: boo
 def _warn_slow_bf16(modules: dict[str, Any]) -> None:
     # bfloat16 convolutions on a CPU without native bf16 (AVX512-BF16, AMX) take a slow path: measured 8x slower
     # (flow) to 50x slower (vocoder) than float32 on a 2-core AVX2 machine (bench/fast_paths.py)
-    dtypes = {
-        "flow": modules["flow"].encoder_proj.weight.dtype,
-        "hift": modules["hift"].conv_pre.weight.dtype,
-    }
+    dtypes = {name: next(modules[name].parameters()).dtype for name in ("flow", "hift")}
     slow = [name for name, dtype in dtypes.items() if dtype == torch.bfloat16]
     native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     if slow and native is not None and not native():
@@ -241,7 +223,6 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
         from cosyserve.registry import SpeakerRegistry
         from cosyserve.registry_location import default_registry_dir
-        from cosyserve.runtime.token2wav import StreamPolicy
 
     threads = o.threads or torch.get_num_threads()
     if o.fork_template:
@@ -277,33 +258,14 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     _warn_slow_bf16(parts.modules)
     with clock.phase("construct"):
         cfg = bundle.config
+        family = cfg.family_spec
         flow = parts.modules["flow"]
-        tokenizer: Any = None
-        if cfg.family == "cosyvoice2":
-            from cosyserve.runtime.token2wav2 import StreamPolicy2
-
-            # the first hop is set in 50 Hz tokens (the 300M family's); CosyVoice2's tokens are 25 Hz
-            first_hop = max(4, round(o.first_hop * cfg.flow.input_frame_rate / 50)) if o.first_hop else None
-            policy: Any = StreamPolicy2.named(
-                o.chunk_policy,
-                first_hop,
-                token_hop_len=cfg.chunk_size,
-                pre_lookahead_len=flow.pre_lookahead_len,
-                token_mel_ratio=flow.token_mel_ratio,
-            )
-            tokenizer = _qwen_tokenizer_factory(bundle)
-        else:
-            policy = StreamPolicy.named(
-                o.chunk_policy,
-                o.first_hop,
-                input_frame_rate=flow.input_frame_rate,
-                sample_rate=cfg.sample_rate,
-            )
-        # one registry folder for every model (registry_dir) keeps CosyVoice2's voices apart: their prompt
-        # features (25 Hz v2 tokens, 24 kHz mel) mean nothing to a CosyVoice-300M model, and the reverse
+        policy = family.stream_policy(cfg, flow, o.chunk_policy, o.first_hop)
+        # one registry folder for every model (registry_dir) keeps each family's voices apart: the prompt
+        # features of one (CosyVoice2's 25 Hz v2 tokens, 24 kHz mel) mean nothing to another's model
         shared = o.registry_dir
-        if shared is not None and cfg.family != "cosyvoice":
-            shared = Path(shared) / cfg.family
+        if shared is not None:
+            shared = Path(shared) / family.registry_folder if family.registry_folder else Path(shared)
         registry_root = shared or default_registry_dir(
             Path(str(path)),
             bundle.model_key,
@@ -322,8 +284,9 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             instruct=bundle.instruct,
             default_voice=o.default_voice,
             flow_steps=o.flow_steps,
-            family=cfg.family,
-            tokenizer=tokenizer,
+            family=family,
+            tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
+            config=cfg,
         )
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in pipeline.onnx_files},

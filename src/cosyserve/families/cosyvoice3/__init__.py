@@ -1,17 +1,116 @@
-"""Fun-CosyVoice3-0.5B (``cosyvoice3.yaml``): its frontend, its token-to-audio rules and its conformance kinds.
+"""Fun-CosyVoice3-0.5B (``cosyvoice3.yaml``): CosyVoice2's shape with its own modules and rules.
 
-The modules are :mod:`cosyserve.models.cosyvoice3_lm` (the LM), :mod:`cosyserve.models.dit` (the flow) and
-:mod:`cosyserve.models.causal_hift` (the vocoder); the config is read by :mod:`cosyserve.modelconfig`.
+The modules are :mod:`cosyserve.models.cosyvoice3_lm` (the LM over 6561 speech tokens + 200 special ids),
+:mod:`cosyserve.models.dit` (the DiT flow) and :mod:`cosyserve.models.causal_hift` (the causal vocoder, its noise
+fixed: :mod:`.noise`); CosyVoice2's Qwen tokenizer with 280 more special tokens; ``speech_tokenizer_v3.onnx``;
+the yaml's prompt mel (up to 12 kHz); token2wav with CosyVoice2's chunks and a vocoder re-run on the whole mel so
+far, silent-token runs cut to 5 (:mod:`.token2wav`); conformance kinds in :mod:`.conformance`.
+
+The LM needs ``<|endofprompt|>`` in its prompt text or text (the reference asserts it; callers put
+``You are a helpful assistant.<|endofprompt|>`` there). A request without one is completed here with that default,
+the prefix of every example of the official README, rather than refused: an OpenAI-style client knows nothing of
+the marker, and the default is what the model was shown.
 """
 
-from cosyserve.families.cosyvoice3.frontend import SPEECH_TOKENIZER_FILE, build_frontend, build_tokenizer
-from cosyserve.families.cosyvoice3.token2wav import SILENT_TOKENS, Token2Wav3, filter_silent_tokens
+from __future__ import annotations
 
-__all__ = [
-    "SILENT_TOKENS",
-    "SPEECH_TOKENIZER_FILE",
-    "Token2Wav3",
-    "build_frontend",
-    "build_tokenizer",
-    "filter_silent_tokens",
-]
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+from cosyserve.families.cosyvoice2 import ENDOFPROMPT, QWEN_FILES, CosyVoice2
+
+__all__ = ["DEFAULT_PREFIX", "CosyVoice3"]
+
+DEFAULT_PREFIX = "You are a helpful assistant." + ENDOFPROMPT
+_SYSTEM = "You are a helpful assistant. "
+
+
+class CosyVoice3(CosyVoice2):
+    name = "cosyvoice3"
+    title = "CosyVoice3"
+    config_classes = (
+        "cosyserve.models.cosyvoice3_lm:CosyVoice3LMConfig",
+        "cosyserve.models.dit:DiTFlowConfig",
+        "cosyserve.models.causal_hift:CausalHiFTConfig",
+    )
+    module_classes: ClassVar[dict[str, str]] = {
+        "llm": "cosyserve.models.cosyvoice3_lm:CosyVoice3LM",
+        "flow": "cosyserve.models.dit:CausalMaskedDiffWithDiT",
+        "hift": "cosyserve.models.causal_hift:CausalHiFTGenerator",
+    }
+    speech_tokenizer_file = "speech_tokenizer_v3.onnx"  # 25 Hz FSQ tokens (6561 codes)
+    bundle_files = ("campplus.onnx", "speech_tokenizer_v3.onnx", *QWEN_FILES)
+    registry_folder = "cosyvoice3"
+    random_vocoder = False
+    test_model = "cosyserve.testmodel3:write_model3"
+    conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
+        (
+            "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference",
+            "token2wav_stream", "token2wav_full", "mel", "whisper_logmel", "speech_token", "resample",
+            "zero_shot_frontend", "cross_lingual_frontend", "instruct2_frontend", "vc_frontend",
+            "silent_token_filter",
+        ),
+        "cosyserve.families.cosyvoice3.conformance",
+    )  # fmt: skip
+    hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
+    specials = "COSYVOICE3_SPECIALS"
+
+    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+        if config.feat_extractor is None:
+            from cosyserve.errors import ModelConfigError
+
+            raise ModelConfigError(
+                f"{config.source}: no feat_extractor (the prompt mel); a CosyVoice3 yaml has one"
+            )
+        return config.feat_extractor  # type: ignore[no-any-return]
+
+    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+        from cosyserve.families.cosyvoice3.noise import VocoderNoise
+        from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+
+        return Token2Wav3(flow, hift, policy, flow_steps=flow_steps, noise=VocoderNoise(config))
+
+    def instruction(self, text: str) -> str:
+        # the official examples: "You are a helpful assistant. <instruction><|endofprompt|>"
+        text = text.strip()
+        return text if ENDOFPROMPT in text else f"{_SYSTEM}{text}{ENDOFPROMPT}"
+
+    def complete_instruction(self, text: str) -> str:
+        return self.instruction(text)
+
+    def complete_inputs(
+        self, inputs: list[dict[str, Any]], encode: Callable[[str], list[int]]
+    ) -> list[dict[str, Any]]:
+        # each piece is one LM run: its prompt text or text must hold the marker. A piece without it gets the
+        # first piece's own prefix (a text that began with one) or the default: in its prompt text when it has
+        # one (zero-shot: the transcript), else in its text
+        import torch
+
+        (marker,) = encode(ENDOFPROMPT)
+        prefix = encode(DEFAULT_PREFIX)
+
+        def has(ids: Any) -> bool:
+            return ids is not None and bool((ids == marker).any())
+
+        first = inputs[0]["text"][0].tolist() if inputs and "text" in inputs[0] else []
+        own = first[: first.index(marker) + 1] if marker in first else None
+        out = []
+        for x in inputs:
+            if "text" not in x or has(x.get("prompt_text")) or has(x["text"]):
+                out.append(x)
+                continue
+            x = dict(x)
+            if own is None and x.get("prompt_text") is not None and x["prompt_text"].shape[1]:
+                ids = torch.cat([torch.tensor([prefix], dtype=x["prompt_text"].dtype), x["prompt_text"]], 1)
+                x["prompt_text"], x["prompt_text_len"] = ids, torch.tensor([ids.shape[1]], dtype=torch.int32)
+            else:
+                head = own if own is not None else prefix
+                ids = torch.cat([torch.tensor([head], dtype=x["text"].dtype), x["text"]], 1)
+                x["text"], x["text_len"] = ids, torch.tensor([ids.shape[1]], dtype=torch.int32)
+            out.append(x)
+        return out
+
+    def speech_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
+        from cosyserve.families.cosyvoice3.token2wav import filter_silent_tokens
+
+        return filter_silent_tokens(tokens)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cosyserve.conformance import cv2_flow, cv2_frontend, cv2_lm, cv2_token2wav, kinds_features
-from cosyserve.families.cosyvoice3.frontend import build_frontend, build_tokenizer
+from cosyserve.families.cosyvoice3.frontend import build_tokenizer
 from cosyserve.families.cosyvoice3.token2wav import Token2Wav3, filter_silent_tokens
 from cosyserve.frontend.audio import load_wav
 
@@ -24,7 +24,7 @@ __all__ = ["KINDS"]
 def frontend3(ctx: Any) -> Any:
     """The set's CosyVoice3 frontend, built once per run (its ONNX sessions open on first use)."""
     if "cv3_frontend" not in ctx.cache:
-        ctx.cache["cv3_frontend"] = build_frontend(ctx.model_dir, ctx.config)
+        ctx.cache["cv3_frontend"] = ctx.family.frontend(ctx.model_dir, ctx.config)
     return ctx.cache["cv3_frontend"]
 
 

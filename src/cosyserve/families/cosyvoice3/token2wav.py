@@ -65,13 +65,20 @@ class Token2Wav3(Token2Wav2):
 
     Calling it (see :meth:`Token2Wav2.__call__`) takes the vocoder's noise buffers as ``draws``: an iterator of
     ``{"rand_ini": ..., "sine_waves": ...}`` per call, which must be the same buffers for every call of a request
-    (``itertools.repeat``), as the reference's are fixed.
+    (``itertools.repeat``), as the reference's are fixed; without ``draws`` each call takes them from ``noise``
+    (the model's own, :class:`~cosyserve.families.cosyvoice3.noise.VocoderNoise`).
     """
 
     def __init__(
-        self, flow: Any, hift: Any, policy: StreamPolicy2 | None = None, flow_steps: int | None = None
+        self,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy2 | None = None,
+        flow_steps: int | None = None,
+        noise: Any = None,
     ) -> None:
         super().__init__(flow, hift, policy, flow_steps)
+        self.noise = noise  # the model's fixed vocoder noise (.noise.VocoderNoise), for calls given no draws
         p, need = self.policy, hift.cfg.lookahead
         if p.first_hop * p.token_mel_ratio <= need:
             raise ValueError(
@@ -113,6 +120,13 @@ class Token2Wav3(Token2Wav2):
             if offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
             mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+        if not draws:
+            if self.noise is None:
+                raise ValueError(
+                    "CosyVoice3's vocoder needs its noise buffers: pass draws, or build with noise="
+                )
+            samples = mel.shape[2] * self.hift.cfg.upsample_factor
+            draws = self.noise.draws(samples)
         speech, _ = self.hift.inference(mel, finalize, should_stop=should_stop, **draws)
         speech = speech[:, state.speech_offset :]
         state.speech_offset += speech.shape[1]

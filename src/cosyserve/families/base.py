@@ -1,0 +1,189 @@
+"""What every model family declares (see :mod:`cosyserve.families`).
+
+A :class:`Family` is a small object with class-level declarations (file names, import strings of its config and
+module classes, flags) and a few methods that build its parts: its tokenizer, its speech-token-to-audio pipeline
+and chunk policy, its prompt mel, its modes. Its methods import what they build when asked, so importing a family
+imports no torch. Subclasses override what differs; what two families truly share lives below them, in
+:mod:`cosyserve.models` and :mod:`cosyserve.frontend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+__all__ = ["Family"]
+
+CAMPPLUS_FILE = "campplus.onnx"  # the speaker embedding model, the same in every family
+
+
+def import_string(target: str) -> Any:
+    """The object a ``module:attr`` import string names (imported now)."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Family:
+    """One model family (abstract: see :class:`~cosyserve.families.cosyvoice.CosyVoice` and its siblings).
+
+    Class attributes:
+        name: the registry key (a bundle's manifest records it).
+        title: how messages name it.
+        config_classes: the llm, flow and hift config dataclasses, as import strings.
+        module_classes: component (llm, flow, hift) -> its module class, as an import string.
+        speech_tokenizer_file: the prompt frontend's speech tokenizer (ONNX) in a model dir.
+        bundle_files: files a bundle copies unchanged from the model dir when present (besides the weights).
+        required_files: of those, the ones a model dir must hold (a bundle without them cannot serve).
+        registry_folder: where its registered voices live inside a registry dir shared by every model ("" is
+            the dir itself): their prompt features mean nothing to another family's model.
+        instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
+            ``instruct2``: a voice to clone and an instruction).
+        lite: the lite runtime (ONNX Runtime + numpy) serves it.
+        reruns_flow: streaming re-runs the flow on every token so far (CosyVoice2/3), instead of windows that
+            carry a flow cache (CosyVoice-300M).
+        random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
+        stacks_flow: concurrent requests' flow and vocoder calls may run stacked (``batch_flow``).
+        test_model: ``module:function`` writing a random-weight model dir: ``(dir, size, seed, onnx) -> info``.
+        conformance_kinds: fixture kind -> the module holding its function (``KINDS``), by import string.
+        hub_ids: official model ids on the hubs (Hugging Face ``owner/name``; ModelScope ``iic/name``).
+    """
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    config_classes: ClassVar[tuple[str, str, str]]
+    module_classes: ClassVar[Mapping[str, str]]
+    speech_tokenizer_file: ClassVar[str]
+    bundle_files: ClassVar[tuple[str, ...]] = ()
+    required_files: ClassVar[tuple[str, ...]] = ()
+    registry_folder: ClassVar[str]
+    instruct_mode: ClassVar[str]
+    lite: ClassVar[bool] = False
+    reruns_flow: ClassVar[bool] = True
+    random_vocoder: ClassVar[bool] = True
+    stacks_flow: ClassVar[bool] = False
+    test_model: ClassVar[str]
+    conformance_kinds: ClassVar[Mapping[str, str]]
+    hub_ids: ClassVar[tuple[str, ...]] = ()
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+    @property
+    def yaml(self) -> str:
+        """The yaml file that marks its official model directories."""
+        from cosyserve.families import FAMILIES
+
+        return FAMILIES[self.name][0]
+
+    @property
+    def onnx_files(self) -> tuple[str, str]:
+        """The prompt frontend's ONNX models: (speaker embedding, speech tokenizer)."""
+        return (CAMPPLUS_FILE, self.speech_tokenizer_file)
+
+    # --- config and modules ----------------------------------------------------------------------------------
+
+    def config_class(self, component: str) -> type:
+        """The config dataclass of ``component`` (llm, flow or hift)."""
+        return import_string(self.config_classes[("llm", "flow", "hift").index(component)])  # type: ignore[no-any-return]
+
+    def module_class(self, component: str) -> type:
+        """The module class of ``component`` (llm, flow or hift)."""
+        return import_string(self.module_classes[component])  # type: ignore[no-any-return]
+
+    def read_config(self, model_dir: Path) -> Any:
+        """The :class:`~cosyserve.modelconfig.ModelConfig` of an official directory of this family."""
+        raise NotImplementedError
+
+    # --- a model directory -----------------------------------------------------------------------------------
+
+    def is_instruct_dir(self, model_dir: Path) -> bool:
+        """Whether the directory holds a model trained to follow ``instruct`` mode's style instructions."""
+        return False
+
+    def check_model_dir(self, model_dir: Path) -> None:
+        """Refuse at conversion what would fail on a first request (a broken tokenizer file, ...); the weights
+        are checked by their strict loads."""
+
+    # --- serving ---------------------------------------------------------------------------------------------
+
+    def tokenizer(self, files: Path, check: Callable[[str], None] | None = None) -> Callable[[], Any] | None:
+        """A factory of the text tokenizer read from ``files`` (a model dir or a bundle; ``check(name)`` runs on
+        each file it reads first), or None for the whisper tokenizer every CosyVoice-300M model uses."""
+        return None
+
+    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+        """The prompt mel extractor (waveform [1, N] at the model's rate -> [1, 80, frames]) of a model with
+        ``config``; None: the frontend's default (CosyVoice-300M's)."""
+        return None
+
+    def frontend(
+        self,
+        files: Path,
+        config: Any,
+        speakers: dict[str, Any] | None = None,
+        *,
+        tokenizer: Any = None,
+        paths: Mapping[str, Path | None] | None = None,
+        check: Callable[[Path], None] | None = None,
+    ) -> Any:
+        """The prompt frontend (:class:`~cosyserve.frontend.zeroshot.Frontend`) of a model with ``config`` whose
+        files are in ``files`` (a model dir or a bundle): its tokenizer (None: this family's, read from
+        ``files``), prompt mel and ONNX models (``paths``: file name -> where it is, None: in ``files``;
+        ``check(path)`` runs before a session opens one)."""
+        from cosyserve.frontend.zeroshot import Frontend, OnnxModel
+
+        if tokenizer is None:
+            factory = self.tokenizer(files)
+            tokenizer = factory() if factory is not None else None
+        mel = self.prompt_mel(config) if config is not None else None
+        frontend = Frontend(files, speakers or {}, tokenizer=tokenizer, feat_extractor=mel)
+        paths = paths or {}
+        campplus, speech_tokenizer = self.onnx_files
+        frontend.campplus = OnnxModel(paths.get(campplus) or files / campplus, check)
+        frontend.speech_tokenizer = OnnxModel(paths.get(speech_tokenizer) or files / speech_tokenizer, check)
+        return frontend
+
+    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+        """The streaming chunk policy ``chunk_policy`` (``reference`` or ``low-latency``, whose first hop is
+        ``first_hop`` tokens at 50 Hz) for a model with ``config`` and ``flow``."""
+        raise NotImplementedError
+
+    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+        """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
+        ``policy``: called as
+        ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
+        yielding ``[1, samples]`` chunks."""
+        raise NotImplementedError
+
+    def unavailable_modes(self, instruct: bool) -> dict[str, str]:
+        """mode -> why a model of this family cannot run it, whatever its files (``instruct``: the model
+        follows ``instruct`` mode's instructions)."""
+        return {}
+
+    def instruction(self, text: str) -> str:
+        """A style instruction as the model is to read it (CosyVoice2/3 end theirs with a marker)."""
+        return text
+
+    def complete_instruction(self, text: str) -> str:
+        """An ``instruct2`` request's instruction as the model is to read it (as given, unless the family's LM
+        needs more)."""
+        return text
+
+    def complete_inputs(
+        self, inputs: list[dict[str, Any]], encode: Callable[[str], list[int]]
+    ) -> list[dict[str, Any]]:
+        """The model-input dicts of a request's pieces (the reference frontend's, one per piece) completed as the
+        family's LM needs them (CosyVoice3: its prompt marker); ``encode`` is the model's tokenizer."""
+        return inputs
+
+    def speech_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
+        """The LM's speech tokens as token2wav is to get them (CosyVoice3 cuts runs of silent tokens)."""
+        return tokens
+
+    # --- tools -----------------------------------------------------------------------------------------------
+
+    def write_test_model(self, out: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
+        """Write a random-weight model of ``size`` (tiny or full) into the empty directory ``out``."""
+        return import_string(self.test_model)(out, size, seed, onnx)  # type: ignore[no-any-return]

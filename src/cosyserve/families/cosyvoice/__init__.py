@@ -1,0 +1,100 @@
+"""CosyVoice-300M, -300M-SFT and -300M-Instruct (``cosyvoice.yaml``).
+
+The modules are :mod:`cosyserve.models.llm` (the transformer LM), :mod:`cosyserve.models.flow` (the conformer +
+U-Net flow) and :mod:`cosyserve.models.hift` (HiFT at 22.05 kHz); the whisper tokenizer; 50 Hz speech tokens
+from ``speech_tokenizer_v1.onnx``; token2wav in windows with a flow cache, mel and audio cross-fades
+(:mod:`cosyserve.runtime.token2wav`). The only family the lite runtime serves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cosyserve.families.base import Family
+
+__all__ = ["CosyVoice"]
+
+
+class CosyVoice(Family):
+    name = "cosyvoice"
+    title = "CosyVoice-300M"
+    config_classes = (
+        "cosyserve.models.llm:LLMConfig",
+        "cosyserve.models.flow:FlowConfig",
+        "cosyserve.models.hift:HiFTConfig",
+    )
+    module_classes: ClassVar[dict[str, str]] = {
+        "llm": "cosyserve.models.llm:TransformerLM",
+        "flow": "cosyserve.models.flow:MaskedDiffWithXvec",
+        "hift": "cosyserve.models.hift:HiFTGenerator",
+    }
+    speech_tokenizer_file = "speech_tokenizer_v1.onnx"  # 50 Hz, 4096 ids
+    bundle_files = ("campplus.onnx", "speech_tokenizer_v1.onnx")
+    registry_folder = ""  # the registry dir itself (where the voices of earlier versions are)
+    instruct_mode = "instruct"
+    lite = True
+    reruns_flow = False
+    stacks_flow = True
+    test_model = "cosyserve.testmodel:write_model"
+    conformance_kinds: ClassVar[dict[str, str]] = {
+        "tokenize": "cosyserve.conformance.kinds_text",
+        "llm_logprobs": "cosyserve.conformance.kinds_llm",
+        "flow_inference": "cosyserve.conformance.kinds_flow",
+        "hift_inference": "cosyserve.conformance.kinds_hift",
+        "token2wav_stream": "cosyserve.conformance.kinds_token2wav",
+        "token2wav_full": "cosyserve.conformance.kinds_token2wav",
+        "mel": "cosyserve.conformance.kinds_features",
+        "fbank": "cosyserve.conformance.kinds_features",
+        "whisper_logmel": "cosyserve.conformance.kinds_features",
+        "resample": "cosyserve.conformance.kinds_features",
+        "text_frontend": "cosyserve.conformance.kinds_frontend",
+        "zero_shot_frontend": "cosyserve.conformance.kinds_frontend",
+        "cross_lingual_frontend": "cosyserve.conformance.kinds_frontend",
+        "instruct_frontend": "cosyserve.conformance.kinds_frontend",
+    }
+    hub_ids = (
+        "iic/CosyVoice-300M",
+        "iic/CosyVoice-300M-SFT",
+        "iic/CosyVoice-300M-Instruct",
+        "FunAudioLLM/CosyVoice-300M",
+        "FunAudioLLM/CosyVoice-300M-SFT",
+        "FunAudioLLM/CosyVoice-300M-Instruct",
+    )
+
+    def read_config(self, model_dir: Path) -> Any:
+        from cosyserve.modelconfig import load_yaml_config
+
+        return load_yaml_config(model_dir / self.yaml)
+
+    def is_instruct_dir(self, model_dir: Path) -> bool:
+        from cosyserve.bundle.official import is_instruct_model_dir
+
+        return is_instruct_model_dir(model_dir)
+
+    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+        from cosyserve.runtime.streampolicy import StreamPolicy
+
+        return StreamPolicy.named(
+            chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate
+        )
+
+    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+        from cosyserve.runtime.token2wav import Token2Wav
+
+        return Token2Wav(flow, hift, policy, flow_steps=flow_steps)
+
+    def unavailable_modes(self, instruct: bool) -> dict[str, str]:
+        out = {
+            "instruct2": (
+                "instruct2 is CosyVoice2's and CosyVoice3's instruction mode (an instruction and a voice to "
+                "clone); this is a CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"
+            )
+        }
+        if not instruct:
+            out["instruct"] = (
+                "this model is not an instruct model (a CosyVoice-300M-Instruct: as in the reference, one whose "
+                "model directory's name contains '-Instruct' when it is converted); use sft mode, or an -Instruct "
+                "model"
+            )
+        return out

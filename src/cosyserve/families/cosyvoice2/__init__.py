@@ -1,0 +1,137 @@
+"""CosyVoice2-0.5B (``cosyvoice2.yaml``).
+
+The modules are :mod:`cosyserve.models.qwen2lm` (a Qwen2 LM over 6561 speech tokens), :mod:`cosyserve.models.flow2`
+(the causal conformer flow with chunked attention) and :mod:`cosyserve.models.hift` (HiFT at 24 kHz, SineGen2);
+the model's own Qwen tokenizer (``CosyVoice-BlankEN/``); 25 Hz speech tokens from ``speech_tokenizer_v2.onnx``;
+token2wav re-running the flow on every token so far (:mod:`cosyserve.runtime.token2wav2`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from cosyserve.families.base import Family
+
+__all__ = ["ENDOFPROMPT", "QWEN_DIR", "QWEN_FILES", "CosyVoice2"]
+
+QWEN_DIR = "CosyVoice-BlankEN"
+# the Qwen tokenizer's files (CosyVoice-BlankEN/model.safetensors, ~1 GB, is never read: llm.pt holds every LM
+# weight); merges.txt is optional (the merges follow from the vocabulary's ranks)
+QWEN_FILES = tuple(
+    f"{QWEN_DIR}/{n}" for n in ("config.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+)
+ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
+
+
+class CosyVoice2(Family):
+    name = "cosyvoice2"
+    title = "CosyVoice2"
+    config_classes = (
+        "cosyserve.models.qwen2lm:Qwen2LMConfig",
+        "cosyserve.models.flow2:CausalFlowConfig",
+        "cosyserve.models.hift:HiFTConfig",
+    )
+    module_classes: ClassVar[dict[str, str]] = {
+        "llm": "cosyserve.models.qwen2lm:Qwen2LM",
+        "flow": "cosyserve.models.flow2:CausalMaskedDiffWithXvec",
+        "hift": "cosyserve.models.hift:HiFTGenerator",
+    }
+    speech_tokenizer_file = "speech_tokenizer_v2.onnx"  # 25 Hz, 6561 ids
+    bundle_files = ("campplus.onnx", "speech_tokenizer_v2.onnx", *QWEN_FILES)
+    required_files = QWEN_FILES[:3]
+    registry_folder = "cosyvoice2"
+    instruct_mode = "instruct2"
+    test_model = "cosyserve.testmodel2:write_model2"
+    conformance_kinds: ClassVar[dict[str, str]] = {
+        "tokenize": "cosyserve.conformance.cv2_lm",
+        "llm_logprobs": "cosyserve.conformance.cv2_lm",
+        "flow_inference": "cosyserve.conformance.cv2_flow",
+        "hift_inference": "cosyserve.conformance.cv2_audio",
+        "mel": "cosyserve.conformance.cv2_audio",
+        "whisper_logmel": "cosyserve.conformance.cv2_audio",
+        "resample": "cosyserve.conformance.cv2_audio",
+        "zero_shot_frontend": "cosyserve.conformance.cv2_frontend",
+        "cross_lingual_frontend": "cosyserve.conformance.cv2_frontend",
+        "instruct2_frontend": "cosyserve.conformance.cv2_frontend",
+        "token2wav_stream": "cosyserve.conformance.cv2_token2wav",
+        "token2wav_full": "cosyserve.conformance.cv2_token2wav",
+    }
+    hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
+    # the tokenizer's added tokens (cosyserve.frontend.qwen_tokenizer)
+    specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
+
+    def read_config(self, model_dir: Path) -> Any:
+        from cosyserve.modelconfig import load_qwen_family_config
+
+        return load_qwen_family_config(model_dir, self)
+
+    def _specials(self) -> tuple[str, ...]:
+        from cosyserve.frontend import qwen_tokenizer
+
+        return getattr(qwen_tokenizer, self.specials)  # type: ignore[no-any-return]
+
+    def check_model_dir(self, model_dir: Path) -> None:
+        from cosyserve.errors import ModelDirError
+        from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
+
+        for name in self.required_files:
+            if not (model_dir / name).is_file():
+                raise ModelDirError(
+                    f"missing {model_dir / name}: a {self.title} model dir holds the Qwen config and tokenizer "
+                    f"in {QWEN_DIR}/"
+                )
+        # the tokenizer is built from these files on the first request: a bad one is refused now, not then
+        QwenTokenizer.check_dir(model_dir / QWEN_DIR, self._specials())
+
+    def tokenizer(self, files: Path, check: Callable[[str], None] | None = None) -> Callable[[], Any] | None:
+        specials = self._specials()
+
+        def build() -> Any:
+            from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
+
+            if check is not None:
+                for name in QWEN_FILES:
+                    check(name)
+            return QwenTokenizer.from_dir(files / QWEN_DIR, specials)
+
+        return build
+
+    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+        if config.feat_extractor is not None:
+            return config.feat_extractor  # type: ignore[no-any-return]
+        from cosyserve.frontend.features import mel_spectrogram_24k
+
+        return mel_spectrogram_24k  # a bundle written before the yaml's extractor was kept
+
+    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+        from cosyserve.runtime.token2wav2 import StreamPolicy2
+
+        # the first hop is set in 50 Hz tokens (the 300M family's); these tokens are 25 Hz
+        hop = max(4, round(first_hop * config.flow.input_frame_rate / 50)) if first_hop else None
+        return StreamPolicy2.named(
+            chunk_policy,
+            hop,
+            token_hop_len=config.chunk_size,
+            pre_lookahead_len=flow.pre_lookahead_len,
+            token_mel_ratio=flow.token_mel_ratio,
+        )
+
+    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+        from cosyserve.runtime.token2wav2 import Token2Wav2
+
+        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
+
+    def unavailable_modes(self, instruct: bool) -> dict[str, str]:
+        return {
+            "instruct": (
+                f"this is a {self.title} model, which has no speaker-instruct mode (the reference's "
+                "inference_instruct is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
+            )
+        }
+
+    def instruction(self, text: str) -> str:
+        # instructions end with the marker the model was trained on
+        text = text.rstrip()
+        return text if text.endswith(ENDOFPROMPT) else text + ENDOFPROMPT
