@@ -9,38 +9,31 @@ arrives, a whole utterance. The client is the ``websockets`` library's.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 
-from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.quotas import Tenant, TenantQuota
 from cosyserve.errors import ClientError
 from cosyserve.request import SynthesisRequest
-from cosyserve.server.app import create_app
 from cosyserve.server.run import uvicorn_options
-from cosyserve.settings import Settings
 from cosyserve.textfeed import TextFeed
 from fake_runtime import FakeRuntime
+from inprocess_server import WAIT_S, Served, serve
 from server_util import ServerProcess, running_server
 
 ws_client = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
-WAIT_S = 30.0  # bound on every wait for the server; each step takes milliseconds
 CHUNK = 50  # samples per fake chunk
 PATH = "/v1/audio/speech/stream"
 
@@ -119,95 +112,12 @@ def test_a_request_takes_text_as_pieces_and_still_checks_a_string() -> None:
         SynthesisRequest(text=feed, mode="vc", prompt_wav=b"x", source_wav=b"y")
 
 
-# --- a real uvicorn around the app, in this process --------------------------------------------------------------
-
-
-class Served:
-    """The app under uvicorn on 127.0.0.1, its state, its event loop and its fake runtime."""
-
-    def __init__(self, app: Any, fake: FakeRuntime, port: int) -> None:
-        self.app = app
-        self.state = app.state.cosy
-        self.fake = fake
-        self.port = port
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # the app, seen by uvicorn through this: the loop is the one its first call (the lifespan) runs on
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        await self.app(scope, receive, send)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the server's loop (as a signal handler would)."""
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def tasks(self) -> int:
-        """asyncio tasks alive on the server's loop."""
-        assert self.loop is not None
-
-        async def count() -> int:
-            return len(asyncio.all_tasks())
-
-        return asyncio.run_coroutine_threadsafe(count(), self.loop).result(WAIT_S)
-
-    def url(self, path: str = PATH) -> str:
-        return f"ws://127.0.0.1:{self.port}{path}"
-
-    @property
-    def engine(self) -> Any:
-        return self.state.pool.engine("m")
-
-    def connect(self, **kwargs: Any) -> Any:
-        kwargs.setdefault("open_timeout", WAIT_S)
-        return ws_client.connect(self.url(), proxy=None, compression=None, **kwargs)
-
-    def wait_until(self, cond: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not cond():
-            assert time.monotonic() < deadline, f"never: {what}"
-            time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def serve(
-    fake: FakeRuntime | None = None,
-    *,
-    tenants: tuple[Tenant, ...] = (),
-    **settings: Any,
-) -> Iterator[Served]:
-    fake = fake or FakeRuntime(chunk_len=CHUNK)
-    pool = ModelPool(
-        [ModelSpec("m", policy="preload")],
-        tenants=tenants,
-        load_model=lambda spec, reload: fake,
-        memory_probe=None,
-    )
-    cfg = Settings.load(env={}).replace(**settings) if settings else Settings.load(env={})
-    app = create_app(cfg, pool=pool)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    served = Served(app, fake, sock.getsockname()[1])
-    opts = uvicorn_options(cfg) | {"log_level": "warning"}
-    opts.pop("host"), opts.pop("port")
-    server = uvicorn.Server(uvicorn.Config(served, **opts))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        served.wait_until(lambda: server.started and served.state.ready(), "the server was ready")
-        yield served
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
+# --- a real uvicorn in this process (inprocess_server), over the fake runtime -------------------------------
 
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Served]:
-    with serve() as s:
+    with serve(FakeRuntime(chunk_len=CHUNK)) as s:
         yield s
 
 
