@@ -470,6 +470,10 @@ def test_a_drain_lets_the_utterance_in_flight_finish_then_closes_with_1001() -> 
             stopped = threading.Event()
             s.call(s.state.on_signal, signal.SIGTERM, lambda *_: stopped.set())  # uvicorn's stop: the test's
             assert close_code(idle) == 1001, "a session with nothing in flight closes at once"
+            with pytest.raises(InvalidStatus) as refused:
+                s.connect()
+            assert refused.value.response.status_code == 503, "no new session while draining"
+            assert refused.value.response.headers.get("Retry-After") == "1"
             send(busy, "input.text", text="and finished after it.")
             send(busy, "input.done")
             kinds = []
@@ -544,6 +548,25 @@ def test_a_key_is_checked_at_the_handshake_before_any_work() -> None:
             send(ws, "input.text", text="By subprotocol.")
             send(ws, "input.done")
             utterance(ws)
+
+
+def test_a_page_of_another_site_may_open_a_session_only_when_cors_allows_it(srv: Served) -> None:
+    """Browsers apply no CORS to WebSockets: any site could drive a server without keys from its visitors'
+    browsers, unless the handshake's Origin is checked."""
+    with pytest.raises(InvalidStatus) as e:
+        srv.connect(origin="http://evil.example")
+    assert e.value.response.status_code == 403
+    assert json.loads(e.value.response.body)["error"]["code"] == "origin_not_allowed"
+    with srv.connect(origin=f"http://127.0.0.1:{srv.port}") as ws:  # the server's own page
+        send(ws, "session.config")
+        send(ws, "session.close")
+        assert close_code(ws) == 1000
+    with serve(cors_origins="http://app.example") as s:
+        with s.connect(origin="http://app.example") as ws:
+            send(ws, "session.close")
+            assert close_code(ws) == 1000
+        with pytest.raises(InvalidStatus):
+            s.connect(origin="http://evil.example")
 
 
 @pytest.fixture(scope="module")

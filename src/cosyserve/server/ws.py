@@ -30,8 +30,9 @@ Ends: a client that disconnects frees its work at once (the engine request is ca
 client that sends nothing for ``ws_idle_timeout_s`` while it holds an utterance open, or between utterances, gets
 an ``error`` (``idle_timeout``) and a close (1008); one that stops reading the audio is cut off (1008) once a send
 has waited ``ws_idle_timeout_s`` (the kernel's socket buffers being full); a server drain (SIGTERM) lets the
-utterance in flight finish, then closes (1001); a bug closes with 1011. API keys are checked at the handshake
-(:mod:`cosyserve.server.auth`).
+utterance in flight finish, then closes (1001), and a handshake while it drains gets 503; a bug closes with 1011.
+API keys are checked at the handshake (:mod:`cosyserve.server.auth`); so is a browser page's ``Origin``: the
+server's own page and the CORS origins only (403), as browsers apply no CORS to WebSockets.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -522,9 +524,17 @@ class Session:
 
 
 def routes(state: Any) -> list[WebSocketRoute]:
+    allowed = frozenset(state.config.cors_origins)
+
     async def endpoint(ws: WebSocket) -> None:
         if state.draining:
-            await _deny(ws, NotReadyError("the server is shutting down"))
+            e = NotReadyError("the server is shutting down")
+            await _deny(ws, status_of(e), error_object(e, PARAMS), {"Retry-After": str(retry_after(e))})
+            return
+        origin = _foreign_origin(ws, allowed)
+        if origin is not None:
+            message = f"a page of origin {shown(origin)} may not open this WebSocket: list it in COSYSERVE_CORS_ORIGINS"
+            await _deny(ws, 403, {"message": message, "param": None, "code": "origin_not_allowed"})
             return
         session = Session(state, ws)
         state.session_opened(session)
@@ -536,15 +546,27 @@ def routes(state: Any) -> list[WebSocketRoute]:
     return [WebSocketRoute(ROUTE, endpoint)]
 
 
-async def _deny(ws: WebSocket, e: CosyserveError) -> None:
-    """Refuse a handshake with ``e`` as the HTTP answer (a close, which uvicorn answers 403, without support)."""
+def _foreign_origin(ws: WebSocket, allowed: frozenset[str]) -> str | None:
+    """The handshake's ``Origin`` when it is a browser page of another site than the server's and not one of the
+    CORS origins (None: allowed). Browsers apply no CORS to WebSockets: without this, any site a user visits could
+    open sessions on a server without keys from the user's browser. Clients that are not browsers send no Origin."""
+    origin = ws.headers.get("origin")
+    if origin is None or "*" in allowed or origin in allowed:
+        return None
+    if urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower():
+        return None  # the server's own page
+    return origin
+
+
+async def _deny(
+    ws: WebSocket, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
+) -> None:
+    """Refuse a handshake with ``status`` and the OpenAI ``error`` as its HTTP answer (without the server's
+    support for that, a close, which uvicorn answers with 403)."""
     if "websocket.http.response" in ws.scope.get("extensions", {}):
-        wait = retry_after(e)
-        headers = {"Retry-After": str(wait)} if wait is not None else None
-        body = error_object(e, PARAMS)
         resp = error_response(
-            status_of(e), body["message"], param=body["param"], code=body["code"], headers=headers
+            status, error["message"], param=error["param"], code=error["code"], headers=headers
         )
         await ws.send_denial_response(resp)
     else:
-        await ws.close(CLOSE_GOING_AWAY, str(e)[:120])
+        await ws.close(CLOSE_POLICY, error["message"][:120])
