@@ -325,8 +325,9 @@ def _type_as_you_go(page: Browser, words: list[str], *, audio_per_word: bool) ->
     for kind in ("keyDown", "keyUp"):
         page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
     live = page.wait_for(
-        "window.cosyLive && (window.cosyLive.done >= 1 || window.cosyLive.errors.length) && window.cosyLive",
-        "the utterance's audio.done",
+        "window.cosyLive && (window.cosyLive.events.includes('session.done') || window.cosyLive.errors.length)"
+        " && window.cosyLive",
+        "the utterance's session.done",
     )
     assert live["errors"] == [], f"the session said: {live['errors']}; status: {page.js(LIVE_STATUS)!r}"
     return dict(live)
