@@ -50,6 +50,17 @@ def cv3_set_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight CosyVoice3 model dir in the official layout, its ONNX stand-ins included
+    (make-test-model --family cosyvoice3)."""
+    from cosyserve.testmodel import make_test_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-cv3"
+    make_test_model(out, size="tiny", seed=0, family="cosyvoice3")
+    return out
+
+
+@pytest.fixture(scope="session")
 def cv2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight CosyVoice2 model dir in the official layout (make-test-model --family cosyvoice2)."""
     from cosyserve.testmodel import make_test_model

@@ -586,11 +586,6 @@ def test_a_real_server_refuses_a_missing_or_wrong_key_at_the_handshake(keyed: Se
     assert f'"route": "{PATH}"' not in keyed.log(), "a refused handshake must not reach the route"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the runtimes read SynthesisRequest.text as an iterator of pieces (the lead's runtime work): until "
-    "then the model fails on a TextFeed; this test passes, and must lose this mark, once they do",
-)
 def test_a_real_model_speaks_text_streamed_in_word_by_word(keyed: ServerProcess) -> None:
     url = f"ws://127.0.0.1:{keyed.port}{PATH}"
     with ws_client.connect(

@@ -373,11 +373,6 @@ def test_type_as_you_go_streams_text_over_the_websocket_and_plays_the_audio_as_i
         assert all("status of 401" in e for e in errors), errors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the runtimes read SynthesisRequest.text as an iterator of pieces (the lead's runtime work); this "
-    "test passes, and must lose this mark, once they do",
-)
 def test_type_as_you_go_speaks_with_the_real_model(page: Browser) -> None:
     page.js("window.cosyLive = null")
     # the 300M family speaks a sentence once its end has come, CosyVoice2/3 once the LM has enough text: the audio

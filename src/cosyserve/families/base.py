@@ -10,7 +10,7 @@ imports no torch. Subclasses override what differs; what two families truly shar
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -172,10 +172,11 @@ class Family:
         return text
 
     def complete_inputs(
-        self, inputs: list[dict[str, Any]], encode: Callable[[str], list[int]]
-    ) -> list[dict[str, Any]]:
-        """The model-input dicts of a request's pieces (the reference frontend's, one per piece) completed as the
-        family's LM needs them (CosyVoice3: its prompt marker); ``encode`` is the model's tokenizer."""
+        self, inputs: Iterable[dict[str, Any]], encode: Callable[[str], list[int]]
+    ) -> Iterable[dict[str, Any]]:
+        """The model-input dicts of a request's pieces (the reference frontend's, one per piece, as they come)
+        completed as the family's LM needs them (CosyVoice3: its prompt marker); ``encode`` is the model's
+        tokenizer."""
         return inputs
 
     def speech_tokens(self, tokens: Iterator[int]) -> Iterator[int]:

@@ -202,6 +202,7 @@ class SpeechLM(nn.Module):
     before ``min_len`` only ``eos_token`` is masked, as both references do. The batching LM
     (:mod:`cosyserve.runtime.batching`) drives ``prepare_inference``, ``prefill`` and ``decode_one_token``."""
 
+    STREAMS_TEXT: bool = False  # an LM that takes text as it arrives has ``inference_bistream``
     cfg: Any
     eos_token: int
     llm_decoder: nn.Linear

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import BundleError, ClientError
+from cosyserve.errors import BundleError
 from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
@@ -74,39 +74,38 @@ class LitePipeline(ModelModes):
         self.require(mode)
         return self.frontend().prompt_features(prompt_text, prompt_wav)  # type: ignore[no-any-return]
 
-    def prepare(self, request: SynthesisRequest) -> tuple[SynthesisRequest, list[dict[str, Any]]]:
-        """The request as this model runs it and one reference model-input dict per text piece (vc: one)."""
-        from cosyserve.frontend.text import bound_pieces, nothing_to_speak
-
+    def prepare(
+        self, request: SynthesisRequest
+    ) -> tuple[SynthesisRequest, list[dict[str, Any]] | Iterator[dict[str, Any]]]:
+        """The request as this model runs it and one reference model-input dict per text piece (vc: one); for text
+        given as pieces, an iterator that builds each dict as its sentence arrives."""
         r = self.resolve(request)
         mode = r.mode
         if mode == "vc":
             return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]
-        if r.normalize:
-            pieces = self.split_text(r.text)
-        else:
-            pieces = [p for p in bound_pieces([r.text], self.tokenizer.encode) if not nothing_to_speak(p)]
-        if not pieces:
-            raise ClientError(
-                f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
-                "or invisible characters",
-                param="text",
-            )
-        texts = [_ids(self.tokenizer.encode(p)) for p in pieces]
+        make = self._input_builder(r)
+        pieces = self.text_pieces(r)
+        if isinstance(pieces, list):
+            return r, [make(_ids(self.tokenizer.encode(p))) for p in pieces]
+        return r, (make(_ids(self.tokenizer.encode(p))) for p in pieces)
+
+    def _input_builder(self, r: SynthesisRequest) -> Callable[[Any], dict[str, Any]]:
+        # the model input of one piece's ids, the speaker or prompt resolved now (as the torch pipeline's)
+        mode = r.mode
         if mode in ("sft", "instruct"):
             assert r.speaker is not None
             embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
             if mode == "sft":
-                return r, [sft_input(t, embedding) for t in texts]
+                return lambda t: sft_input(t, embedding)
             instruction = _ids(self.tokenizer.encode(self._normalize_prompt(r.instruct_text, r.normalize)))
-            return r, [instruct_input(t, embedding, instruction) for t in texts]
+            return lambda t: instruct_input(t, embedding, instruction)
         assert mode in ("zero_shot", "cross_lingual")
         if r.speaker:
             prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
         else:
             prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
             prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
-        return r, [prompt_input(t, prompt, mode) for t in texts]
+        return lambda t: prompt_input(t, prompt, mode)  # type: ignore[arg-type]
 
     def run(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         """Prepare now (errors raise here), then a generator of float32 chunks."""

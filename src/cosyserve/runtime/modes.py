@@ -11,19 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
-from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest
+from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Voice
 
 __all__ = ["ModelModes", "RuntimeVoices"]
 
 _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
+
+
+def _nothing_to_speak(what: str) -> ClientError:
+    return ClientError(
+        f"text {what} has nothing to speak: no letter or digit, only punctuation, symbols, blanks or invisible "
+        "characters",
+        param="text",
+    )
 
 
 class ModelModes:
@@ -133,6 +141,62 @@ class ModelModes:
         from cosyserve.frontend.text import normalize_and_split
 
         return normalize_and_split(text, self.tokenizer.encode)
+
+    def _pieces_of(self, text: str, normalize: bool) -> list[str]:
+        # text -> the pieces it is spoken in (normalised and split, or only bounded), none with nothing to speak
+        from cosyserve.frontend.text import bound_pieces, nothing_to_speak
+
+        if normalize:
+            return self.split_text(text)  # pieces with nothing to speak are dropped there
+        return [p for p in bound_pieces([text], self.tokenizer.encode) if not nothing_to_speak(p)]
+
+    def text_pieces(self, r: SynthesisRequest) -> list[str] | Iterator[str]:
+        """The pieces ``r``'s text is spoken in, one LM run each.
+
+        Text given as one string: the list (a :class:`ClientError` when nothing in it can be spoken). Text given
+        as pieces (:func:`cosyserve.request.is_text_iterable`): an iterator that reads them as they arrive and
+        yields the pieces of each finished sentence as soon as its end arrives (see
+        :func:`cosyserve.frontend.textstream.finished_sentences`); it raises the :class:`ClientError` at the end
+        of a text that held nothing to speak.
+        """
+        if not is_text_iterable(r.text):
+            assert isinstance(r.text, str)
+            pieces = self._pieces_of(r.text, r.normalize)
+            if not pieces:
+                raise _nothing_to_speak(repr(shown(r.text)))
+            return pieces
+        return self._streamed_pieces(r)
+
+    def _streamed_pieces(self, r: SynthesisRequest) -> Iterator[str]:
+        from cosyserve.frontend.textstream import finished_sentences
+
+        spoken = False
+        for chunk in finished_sentences(r.text, self.tokenizer.encode):  # type: ignore[arg-type]
+            for piece in self._pieces_of(chunk, r.normalize):
+                spoken = True
+                yield piece
+        if not spoken:
+            raise _nothing_to_speak("the streamed text")
+
+    def text_segments(self, r: SynthesisRequest) -> Iterator[Iterator[str]]:
+        """``r``'s text, given as pieces, as the sub-streams an LM that takes text as it arrives runs on, one LM
+        run each (:func:`cosyserve.frontend.textstream.segments`); as the reference's bistream, not normalised.
+        Raises the :class:`ClientError` at the end of a text that held nothing to speak."""
+        from cosyserve.frontend.text import nothing_to_speak
+        from cosyserve.frontend.textstream import segments
+
+        seen: list[str] = []
+
+        def watched(seg: Iterator[str]) -> Iterator[str]:
+            for piece in seg:
+                if not seen and not nothing_to_speak(piece):
+                    seen.append(piece)
+                yield piece
+
+        for seg in segments(r.text, self.tokenizer.encode):  # type: ignore[arg-type]
+            yield watched(seg)
+        if not seen:
+            raise _nothing_to_speak("the streamed text")
 
     def _normalize_prompt(self, text: str, normalize: bool) -> str:
         # the reference's text_normalize(..., split=False) for prompt and instruct texts

@@ -36,11 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.errors import ClientError
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
-from cosyserve.request import Mode, SynthesisRequest
+from cosyserve.request import Mode, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.modes import ModelModes
 from cosyserve.runtime.streampolicy import StreamPolicy
@@ -53,11 +52,13 @@ __all__ = ["Pipeline", "PreparedRequest"]
 
 @dataclass
 class PreparedRequest:
-    """A checked request and its model inputs: one reference model-input dict per text piece (vc: one)."""
+    """A checked request and its model inputs: one reference model-input dict per text piece (vc: one). For text
+    given as pieces, ``inputs`` is an iterator that builds each dict as its text arrives (and ``pieces`` stays
+    empty)."""
 
     request: SynthesisRequest
     mode: Mode
-    inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    inputs: list[dict[str, Any]] | Iterator[dict[str, Any]] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
 
 
@@ -187,7 +188,8 @@ class Pipeline(ModelModes):
         """
         prepared = self._prepare(request)
         if prepared.mode != "vc":
-            prepared.inputs = self.family.complete_inputs(prepared.inputs, self.tokenizer.encode)
+            completed = self.family.complete_inputs(prepared.inputs, self.tokenizer.encode)
+            prepared.inputs = list(completed) if isinstance(prepared.inputs, list) else completed
         return prepared
 
     def _prepare(self, request: SynthesisRequest) -> PreparedRequest:
@@ -199,45 +201,52 @@ class Pipeline(ModelModes):
             prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
             return prepared
 
-        from cosyserve.frontend.text import bound_pieces, nothing_to_speak
-
-        if r.normalize:
-            pieces = self.split_text(r.text)  # pieces with nothing to speak are dropped there
+        make = self._input_builder(r, mode)
+        if not is_text_iterable(r.text):
+            prepared.pieces = self.text_pieces(
+                r
+            )  # at least one: nothing to speak raises here, before any audio
+            prepared.inputs = [make(self._text_ids(piece)) for piece in prepared.pieces]
+        elif getattr(self.llm, "STREAMS_TEXT", False):  # the batching LM does not: its runs share one batch
+            # the LM takes text as it arrives (the reference's bistream), one run per bounded segment
+            prepared.inputs = (make(self._id_stream(seg)) for seg in self.text_segments(r))
         else:
-            pieces = [p for p in bound_pieces([r.text], self.tokenizer.encode) if not nothing_to_speak(p)]
-        if not pieces:
-            raise ClientError(
-                f"text {r.text!r} has nothing to speak: no letter or digit, only punctuation, symbols, blanks "
-                "or invisible characters",
-                param="text",
-            )
-        prepared.pieces = pieces
-        texts = [self._text_ids(piece) for piece in pieces]
+            # each finished sentence as soon as its end arrives
+            prepared.inputs = (make(self._text_ids(piece)) for piece in self.text_pieces(r))
+        return prepared
+
+    def _input_builder(self, r: SynthesisRequest, mode: Mode) -> Callable[[Any], dict[str, Any]]:
+        # the reference frontend's model input for one piece of text (ids, or a stream of them), the speaker or
+        # prompt resolved (and the prompt's features extracted) now, once for every piece: the reference
+        # re-extracts per piece with identical results
         if mode in ("sft", "instruct"):
             assert r.speaker is not None
             embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
             if mode == "sft":
-                prepared.inputs = [sft_input(text, embedding) for text in texts]
-            else:
-                instruction = self._text_ids(self._normalize_prompt(r.instruct_text, r.normalize))
-                prepared.inputs = [instruct_input(text, embedding, instruction) for text in texts]
-            return prepared
+                return lambda text: sft_input(text, embedding)
+            instruction = self._text_ids(self._normalize_prompt(r.instruct_text, r.normalize))
+            return lambda text: instruct_input(text, embedding, instruction)
         assert mode in ("zero_shot", "cross_lingual", "instruct2")
         if r.speaker:
             prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
         else:
             prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
-            # extracted once for all pieces: the reference re-extracts per piece with identical results
             prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
         if mode == "instruct2":
             # inference_instruct2 does not normalise the instruction. With a saved voice the reference keeps the
             # voice's transcript and drops the instruction (frontend_zero_shot returns the saved entry as is);
             # here the instruction is what a caller asked for, so it applies with a registered voice too.
-            instruction = self._text_ids(self.family.complete_instruction(r.instruct_text))
-            prepared.inputs = [instruct2_input(text, prompt, instruction) for text in texts]
-            return prepared
-        prepared.inputs = [prompt_input(text, prompt, mode) for text in texts]
-        return prepared
+            instruction2 = self._text_ids(self.family.complete_instruction(r.instruct_text))
+            return lambda text: instruct2_input(text, prompt, instruction2)
+        return lambda text: prompt_input(text, prompt, mode)  # type: ignore[arg-type]
+
+    def _id_stream(self, pieces: Iterator[str]) -> tuple[Iterator[torch.Tensor], torch.Tensor]:
+        # a text stream as the LM's bistream takes it: each piece's ids as it arrives, tokenized on its own (as
+        # the reference does); the length is unknown (-1)
+        encode = self.tokenizer.encode
+        return (torch.tensor([encode(p)], dtype=torch.int32).reshape(1, -1) for p in pieces), torch.tensor(
+            [-1]
+        )
 
     def run(
         self, request: SynthesisRequest, should_stop: Callable[[], bool] | None = None
@@ -279,17 +288,22 @@ class Pipeline(ModelModes):
             text = model_input["text"]
             prompt_text = model_input.get("prompt_text", empty_ids)
             prompt_tokens = model_input.get("llm_prompt_speech_token", empty_ids)
-            tokens: Any = self.llm.inference(
-                text,
-                torch.tensor([text.shape[1]], dtype=torch.int32),
-                prompt_text,
-                torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
-                prompt_tokens,
-                torch.tensor([prompt_tokens.shape[1]], dtype=torch.int32),
-                model_input.get("llm_embedding", empty_embedding),
-                generator=generator,
-                max_tokens=self.max_piece_tokens,
-            )
+            if not isinstance(text, torch.Tensor):  # text still arriving: the LM takes its ids as they come
+                tokens: Any = self.llm.inference_bistream(
+                    text, prompt_text, prompt_tokens, generator=generator, max_tokens=self.max_piece_tokens
+                )
+            else:
+                tokens = self.llm.inference(
+                    text,
+                    torch.tensor([text.shape[1]], dtype=torch.int32),
+                    prompt_text,
+                    torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+                    prompt_tokens,
+                    torch.tensor([prompt_tokens.shape[1]], dtype=torch.int32),
+                    model_input.get("llm_embedding", empty_embedding),
+                    generator=generator,
+                    max_tokens=self.max_piece_tokens,
+                )
             if should_stop is not None:
                 tokens = _until(tokens, should_stop)
             tokens = self.family.speech_tokens(tokens)

@@ -14,7 +14,7 @@ the marker, and the default is what the model was shown.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 from cosyserve.families.cosyvoice2 import ENDOFPROMPT, QWEN_FILES, CosyVoice2
@@ -79,36 +79,44 @@ class CosyVoice3(CosyVoice2):
         return self.instruction(text)
 
     def complete_inputs(
-        self, inputs: list[dict[str, Any]], encode: Callable[[str], list[int]]
-    ) -> list[dict[str, Any]]:
-        # each piece is one LM run: its prompt text or text must hold the marker. A piece without it gets the
-        # first piece's own prefix (a text that began with one) or the default: in its prompt text when it has
-        # one (zero-shot: the transcript), else in its text
+        self, inputs: Iterable[dict[str, Any]], encode: Callable[[str], list[int]]
+    ) -> Iterator[dict[str, Any]]:
+        # Each piece is one LM run: its prompt text or text must hold the marker. A piece without it gets the first
+        # piece's own prefix (a text that began with one) or the default: in its prompt text when it has one
+        # (zero-shot: the transcript; instruct2: the instruction), else in its text. Text that arrives as a stream
+        # (the LM's bistream) needs the marker in the prompt text: the default goes there.
         import torch
 
         (marker,) = encode(ENDOFPROMPT)
         prefix = encode(DEFAULT_PREFIX)
-
-        def has(ids: Any) -> bool:
-            return ids is not None and bool((ids == marker).any())
-
-        first = inputs[0]["text"][0].tolist() if inputs and "text" in inputs[0] else []
-        own = first[: first.index(marker) + 1] if marker in first else None
-        out = []
-        for x in inputs:
-            if "text" not in x or has(x.get("prompt_text")) or has(x["text"]):
-                out.append(x)
+        own: list[int] | None = None
+        for i, x in enumerate(inputs):
+            text = x.get("text")
+            prompt = x.get("prompt_text")
+            has_prompt = prompt is not None and prompt.shape[1] > 0
+            streamed = not isinstance(text, torch.Tensor)
+            if streamed:
+                if has_prompt and bool((prompt == marker).any()):
+                    yield x
+                    continue
+                head = torch.tensor([prefix], dtype=torch.int32)
+                x = dict(x)
+                x["prompt_text"] = torch.cat([head, prompt.to(torch.int32)], 1) if has_prompt else head
+                x["prompt_text_len"] = torch.tensor([x["prompt_text"].shape[1]], dtype=torch.int32)
+                yield x
+                continue
+            ids = text[0].tolist()
+            if i == 0 and marker in ids:
+                own = ids[: ids.index(marker) + 1]
+            if marker in ids or (has_prompt and bool((prompt == marker).any())):
+                yield x
                 continue
             x = dict(x)
-            if own is None and x.get("prompt_text") is not None and x["prompt_text"].shape[1]:
-                ids = torch.cat([torch.tensor([prefix], dtype=x["prompt_text"].dtype), x["prompt_text"]], 1)
-                x["prompt_text"], x["prompt_text_len"] = ids, torch.tensor([ids.shape[1]], dtype=torch.int32)
-            else:
-                head = own if own is not None else prefix
-                ids = torch.cat([torch.tensor([head], dtype=x["text"].dtype), x["text"]], 1)
-                x["text"], x["text_len"] = ids, torch.tensor([ids.shape[1]], dtype=torch.int32)
-            out.append(x)
-        return out
+            key = "prompt_text" if has_prompt and own is None else "text"
+            head_ids = prefix if key == "prompt_text" or own is None else own
+            ids_t = torch.cat([torch.tensor([head_ids], dtype=x[key].dtype), x[key]], 1)
+            x[key], x[f"{key}_len"] = ids_t, torch.tensor([ids_t.shape[1]], dtype=torch.int32)
+            yield x
 
     def speech_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
         from cosyserve.families.cosyvoice3.token2wav import filter_silent_tokens
