@@ -142,7 +142,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     model = args.model
     if model is None:
-        from cosyserve.testmodel import make_test_model
+        from cosyserve.families.testmodel import make_test_model
 
         model = str(Path(tmp.name) / "tiny")
         make_test_model(model, size="tiny", seed=0)

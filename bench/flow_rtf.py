@@ -14,12 +14,12 @@ import time
 
 import torch
 
+from cosyserve.families.cosyvoice.testmodel import model_config
 from cosyserve.models.flow import (
     FlowConfig,
     MaskedDiffWithXvec,
     mel_length,
 )
-from cosyserve.testmodel import model_config
 
 
 def full_config() -> FlowConfig:

@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from cosyserve.families.cosyvoice.testmodel import model_config
 from cosyserve.models.llm import LLMConfig, TransformerLM
-from cosyserve.testmodel import model_config
 
 
 def full_config() -> LLMConfig:

@@ -198,7 +198,7 @@ def main() -> None:
             model = args.model
             if model is None:
                 sys.path.insert(0, str(ROOT / "src"))
-                from cosyserve.testmodel import make_test_model
+                from cosyserve.families.testmodel import make_test_model
 
                 model = str(work / "tiny")
                 make_test_model(Path(model), size="tiny", seed=0)

@@ -53,7 +53,7 @@ def cv3_set_dir() -> Path:
 def cv3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight CosyVoice3 model dir in the official layout, its ONNX stand-ins included
     (make-test-model --family cosyvoice3)."""
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-cv3"
     make_test_model(out, size="tiny", seed=0, family="cosyvoice3")
@@ -63,7 +63,7 @@ def cv3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cv2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight CosyVoice2 model dir in the official layout (make-test-model --family cosyvoice2)."""
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-cv2"
     make_test_model(out, size="tiny", seed=0, family="cosyvoice2")
@@ -75,7 +75,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight model dir in the official layout, made once per test session by make-test-model.
     Named like an instruct model (CosyVoice-300M-Instruct) so that it serves every mode, instruct included;
     :func:`plain_model_dir` is the same files under a name that is not."""
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-Instruct"
     make_test_model(out, size="tiny", seed=0)

@@ -13,8 +13,8 @@ import torch
 
 import cosyserve
 from cosyserve.errors import SettingsError
+from cosyserve.families.cosyvoice.token2wav import StreamPolicy, Token2Wav
 from cosyserve.runtime import RuntimeOptions
-from cosyserve.runtime.token2wav import StreamPolicy, Token2Wav
 from cosyserve.settings import Settings
 
 

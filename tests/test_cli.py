@@ -206,7 +206,7 @@ def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
 def test_make_test_model_force_replaces_only_its_own_models(tmp_path: Path) -> None:
     """--force must never delete what make-test-model did not write: a real model dir or any other folder the user
     names survives untouched; a test model it wrote before (or an empty folder) is replaced."""
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     real = tmp_path / "CosyVoice-300M-SFT"
     real.mkdir()

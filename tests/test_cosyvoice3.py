@@ -1,5 +1,5 @@
-"""CosyVoice3's modules on a tiny random-weight model in the official layout (cosyserve.testmodel3): strict loads
-of the official key names (also from bfloat16 checkpoints), the causal vocoder's streaming property, the streaming
+"""CosyVoice3's modules on a tiny random-weight model in the official layout
+(cosyserve.families.cosyvoice3.testmodel): strict loads of the official key names (also from bfloat16 checkpoints), the causal vocoder's streaming property, the streaming
 token2wav rules, the silent-token filter, the tokenizer's special tokens, the LM's prompt rule and its streaming
 text input. Equality with the reference is the conformance fixtures' job (tests/test_conformance.py runs the
 CosyVoice3 set)."""
@@ -22,11 +22,11 @@ from cosyserve.modelconfig import load_model_config
 
 @pytest.fixture(scope="module")
 def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.testmodel3 import write_model3
+    from cosyserve.families.cosyvoice3.testmodel import write_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-cv3"
     out.mkdir()
-    write_model3(out, "tiny", seed=0, onnx=False)
+    write_model(out, "tiny", seed=0, onnx=False)
     return out
 
 

@@ -1,5 +1,5 @@
-"""CosyVoice2 flow (models/flow2*.py): official weights load strictly, the fixed noise is the reference's, streaming
-chunks are causal, and building or running the flow leaves the global RNG alone."""
+"""CosyVoice2 flow (models/causal_flow.py, causal_flow_decoder.py, upsample_encoder.py): official weights load
+strictly, the fixed noise is the reference's, streaming chunks are causal, and building or running the flow leaves the global RNG alone."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve.models.flow import CFMParams
-from cosyserve.models.flow2 import (
+from cosyserve.models.causal_flow import (
     NOISE_SHAPE,
     CausalConditionalCFMConfig,
     CausalFlowConfig,
     CausalMaskedDiffWithXvec,
     fixed_noise,
 )
-from cosyserve.models.flow2_decoder import CausalConditionalDecoderConfig
-from cosyserve.models.flow2_encoder import UpsampleConformerEncoderConfig, attention_mask
+from cosyserve.models.causal_flow_decoder import CausalConditionalDecoderConfig
+from cosyserve.models.flow import CFMParams
+from cosyserve.models.upsample_encoder import UpsampleConformerEncoderConfig, attention_mask
 
 
 def load_cv2_flow(model_dir: Path) -> CausalMaskedDiffWithXvec:
@@ -145,10 +145,10 @@ def test_building_and_running_the_flow_leaves_the_global_rng_alone() -> None:
     where it was. A failure means constructing or running a flow changes every later torch random draw in the
     process (e.g. the LM's sampling)."""
     from cosyserve.bundle.construct import empty_modules
-    from cosyserve.models import flow2
+    from cosyserve.models import causal_flow
 
     weights = _small_flow().state_dict()
-    flow2._noise_table.cache_clear()  # so that the noise is drawn inside this test
+    causal_flow._noise_table.cache_clear()  # so that the noise is drawn inside this test
     torch.manual_seed(1234)
     before = torch.get_rng_state()
     with empty_modules():

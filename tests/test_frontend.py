@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from cosyserve.conformance import run_case
 from cosyserve.conformance.context import CaseContext
-from cosyserve.conformance.kinds_frontend import KINDS
 from cosyserve.errors import AudioError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.families.cosyvoice.conformance import KINDS
 from cosyserve.frontend.onnx_testmodels import SPEECH_TOKEN_VOCAB, write_test_onnx_models
 from cosyserve.frontend.text import normalize_and_split, split_paragraph, text_normalize
 from cosyserve.frontend.zeroshot import (
@@ -107,7 +107,7 @@ def test_importing_and_sft_do_not_load_onnxruntime_or_wetext(tmp_path: Path) -> 
     code = f"""
 import sys, torch
 from cosyserve.frontend import text, zeroshot
-from cosyserve.conformance import kinds_frontend
+from cosyserve.families.cosyvoice import conformance
 fe = zeroshot.Frontend({str(tmp_path)!r}, {{"a": {{"embedding": torch.zeros(1, 192)}}}})
 fe.frontend_sft("hello", "a")
 fe.frontend_instruct("hello", "a", "calm")

@@ -164,7 +164,7 @@ def test_conformance_kind_uses_recorded_draws(fixture_hift, cases):
     # The runner's kind function must pass the recorded draws through and name the outputs as cases.json does.
     from types import SimpleNamespace
 
-    from cosyserve.conformance.kinds_hift import KINDS
+    from cosyserve.families.cosyvoice.conformance import KINDS
 
     model = _loaded(*fixture_hift, fold=True)
     inputs, expected, atol, rtol = cases["hift_cache"]

@@ -325,7 +325,7 @@ def test_registered_voice_gives_the_same_audio_as_its_prompt(
 def test_model_without_onnx_serves_sft_and_names_missing_file(
     tmp_path: Path, audio: dict[str, Path], model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
     make_test_model(tmp_path / "bare-Instruct", size="tiny", seed=0, onnx=False)

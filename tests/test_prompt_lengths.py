@@ -60,11 +60,11 @@ class _NoText:
 
 @pytest.fixture(scope="module")
 def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.testmodel3 import write_model3
+    from cosyserve.families.cosyvoice3.testmodel import write_model
 
     out = tmp_path_factory.mktemp("models") / "tiny-cv3"
     out.mkdir()
-    write_model3(out, "tiny", seed=0, onnx=True)
+    write_model(out, "tiny", seed=0, onnx=True)
     return out
 
 

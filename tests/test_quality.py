@@ -55,7 +55,7 @@ def test_low_latency_chunks_stay_within_bounds(self_figures: dict[str, float]) -
 def test_one_call_stream_equals_one_shot(reference) -> None:  # type: ignore[no-untyped-def]
     # a policy whose first window holds every token streams in one finalizing call: the same audio as one-shot,
     # so what the chunk figures measure is the chunking alone (the draws are aligned)
-    from cosyserve.runtime.token2wav import StreamPolicy
+    from cosyserve.families.cosyvoice.token2wav import StreamPolicy
 
     c = quality.chunk_distances(reference, StreamPolicy(first_hop_len=200), n_tokens=150)
     assert c.seams == 0 and c.overall.mel_l1 == 0.0 and c.overall.lsd_db == 0.0
@@ -63,7 +63,7 @@ def test_one_call_stream_equals_one_shot(reference) -> None:  # type: ignore[no-
 
 def test_clicks_at_the_seams_fail_the_chunk_bounds(reference, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     # a broken seam (a click where every chunk starts) is what the chunk figures are for
-    from cosyserve.runtime import token2wav
+    from cosyserve.families.cosyvoice import token2wav
 
     call = token2wav.Token2Wav._call
 

@@ -303,7 +303,7 @@ def test_models_in_folders_of_the_same_name_keep_separate_voices(
     import cosyserve
     from cosyserve.bundle.convert import convert
     from cosyserve.bundle.loader import open_bundle
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     monkeypatch.delenv("COSYSERVE_REGISTRY_DIR", raising=False)
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,4 +1,5 @@
-"""CosyVoice2's streaming token2wav rules (cosyserve.runtime.token2wav2) with stand-in flow and vocoder models.
+"""CosyVoice2's streaming token2wav rules (cosyserve.families.cosyvoice2.token2wav) with stand-in flow and
+vocoder models.
 
 The stand-ins record every call, so the tests check the reference's chunk schedule itself: the first hop of
 25 + prompt pad tokens, 3 lookahead tokens, the flow re-run on all tokens from the start, doubling hops up to
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from cosyserve.runtime.token2wav2 import StreamPolicy2, Token2Wav2
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
 
 
 class FakeFlow:

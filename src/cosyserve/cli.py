@@ -284,7 +284,7 @@ def _cmd_quality(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _cmd_make_test_model(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     out = Path(args.out)
     info = make_test_model(out, size=args.size, seed=args.seed, force=args.force, family=args.family)

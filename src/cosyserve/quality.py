@@ -265,7 +265,7 @@ def _draws(runtime: Any, frames: int, seed: int) -> _Draws:
 
 
 def _one_shot(t2w: Any, tokens: torch.Tensor, embedding: torch.Tensor, d: _Draws) -> torch.Tensor:
-    from cosyserve.runtime.token2wav import CallDraws
+    from cosyserve.families.cosyvoice.token2wav import CallDraws
 
     m = t2w.policy.mel_frames(tokens.numel())
     draws = CallDraws(
@@ -381,7 +381,7 @@ def _pooled(parts: Sequence[AudioDistance]) -> AudioDistance:
 def _stream_draws(policy: Any, n_tokens: int, d: _Draws, upsample: int) -> tuple[list[Any], list[int]]:
     """The per-call draws of a streamed run of ``n_tokens`` (each call's slice of the one-shot draws) and the
     sample offsets of its seams."""
-    from cosyserve.runtime.token2wav import CallDraws
+    from cosyserve.families.cosyvoice.token2wav import CallDraws
 
     p = policy
     calls, seams = [], []
@@ -437,13 +437,13 @@ def chunk_distances(
 
     Args:
         runtime: a :class:`~cosyserve.runtime.pytorch.TorchRuntime`.
-        policy: a :class:`~cosyserve.runtime.token2wav.StreamPolicy`.
+        policy: a :class:`~cosyserve.families.cosyvoice.token2wav.StreamPolicy`.
         seed: seeds the tokens and the draws.
         n_tokens: length of the token sequence.
     Returns:
         A :class:`ChunkDistance`.
     """
-    from cosyserve.runtime.token2wav import Token2Wav
+    from cosyserve.families.cosyvoice.token2wav import Token2Wav
 
     base = runtime.pipeline.token2wav
     t2w = Token2Wav(base.flow, base.hift, policy)
@@ -542,7 +542,7 @@ def compare(reference: Any, variant: Any, *, seed: int = 0, parts: Sequence[str]
     Returns:
         figure name -> value (see :data:`BOUNDS` for the gated ones).
     """
-    from cosyserve.runtime.token2wav import StreamPolicy
+    from cosyserve.families.cosyvoice.token2wav import StreamPolicy
 
     family = reference.pipeline.family
     if family.reruns_flow and "chunks" in parts:

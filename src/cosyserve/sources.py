@@ -66,7 +66,7 @@ def cache_dir_of(cache_dir: Path | None) -> Path:
 def demo_model_dir(cache_dir: Path | None = None) -> Path:
     """The demo model's directory in ``cache_dir`` (default: the ``cache_dir`` setting), generated the first time
     (a tiny random-weight model)."""
-    from cosyserve.testmodel import make_test_model
+    from cosyserve.families.testmodel import make_test_model
 
     path = cache_dir_of(cache_dir) / "demo-model"
     if not (path / "cosyvoice.yaml").exists():

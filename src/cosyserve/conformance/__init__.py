@@ -1,9 +1,10 @@
 """``cosyserve conformance DIR``: replay the reference's recorded cases and compare within their tolerances.
 
 A fixture set is ``cases.json`` plus ``tensors.safetensors`` (format in ``shared/fixtures/README.md``). Each
-case's kind names a function in one of the ``kinds_*`` modules here; the function computes the outputs from
-the inputs, and this module compares them: floats elementwise ``|got - exp| <= atol + rtol*|exp|``, integer
-tensors, integers and strings exactly.
+case's kind names a function of the set's family (``Family.conformance_kinds``: the family's own ``conformance``
+module, or :mod:`.kinds_features` for the audio features every family shares; :mod:`.kinds_lite` on the lite
+runtime); the function computes the outputs from the inputs, and this module compares them: floats elementwise
+``|got - exp| <= atol + rtol*|exp|``, integer tensors, integers and strings exactly.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 caches it owns, repetition-aware sampling), :class:`LiteFlow` turns tokens into mel (encoder graph, the length
 regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
 (f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
-runtime's :class:`~cosyserve.runtime.token2wav.Token2Wav` does. Sessions are thread-safe: requests share them and
-own only their caches and random generators. Nothing here imports torch.
+runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
+share them and own only their caches and random generators. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -517,8 +517,8 @@ class _State:
 
 class LiteToken2Wav:
     """Speech tokens -> audio chunks, one-shot or streaming, with the torch runtime's chunking, overlap and fade
-    rules (:class:`cosyserve.runtime.token2wav.Token2Wav`). Random draws (flow noise, then the source's phase
-    and noise) come from the request's generator, or from ``draws`` (one (flow_noise, phase, noise) per call)."""
+    rules (:class:`cosyserve.families.cosyvoice.token2wav.Token2Wav`). Random draws (flow noise, then the
+    source's phase and noise) come from the request's generator, or from ``draws`` (one (flow_noise, phase, noise) per call)."""
 
     def __init__(
         self, flow: LiteFlow, hift: LiteVocoder, policy: StreamPolicy, flow_steps: int | None = None

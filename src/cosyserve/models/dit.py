@@ -2,8 +2,8 @@
 
 ``CausalMaskedDiffWithDiT`` has no encoder: the tokens' 80-wide embeddings pass a :class:`PreLookaheadLayer`
 (conv1 sees the next 3 tokens, conv2 is causal, residual), are repeated x2 to the mel rate and are the DiT's
-``mu`` directly. The ODE is CosyVoice2's (:class:`~cosyserve.models.flow2.CausalConditionalCFM`: the fixed noise,
-10 Euler steps on the cosine schedule, classifier-free guidance 0.7) with the :class:`DiT` as its estimator.
+``mu`` directly. The ODE is CosyVoice2's (:class:`~cosyserve.models.causal_flow.CausalConditionalCFM`: the fixed
+noise, 10 Euler steps on the cosine schedule, classifier-free guidance 0.7) with the :class:`DiT` as its estimator.
 
 The DiT (F5-TTS's, as the reference builds it): a sinusoidal time embedding and MLP; the input
 ``proj(cat([x, cond, mu, spks]))`` plus a causal convolutional position embedding; ``depth`` blocks of adaptive
@@ -27,10 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.models.flow2 import NOISE_SHAPE, CausalConditionalCFM, CausalConditionalCFMConfig, fixed_noise
-from cosyserve.models.flow2_encoder import PreLookaheadLayer as _PreLookahead
+from cosyserve.models.causal_flow import (
+    NOISE_SHAPE,
+    CausalConditionalCFM,
+    CausalConditionalCFMConfig,
+    fixed_noise,
+)
 from cosyserve.models.flow_decoder import SinusoidalPosEmb
 from cosyserve.models.transformer import subsequent_chunk_mask
+from cosyserve.models.upsample_encoder import PreLookaheadLayer as _PreLookahead
 from cosyserve.stop import ShouldStop, check
 
 __all__ = [

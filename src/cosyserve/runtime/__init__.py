@@ -52,7 +52,7 @@ RUNTIMES: dict[str, str] = {
 # normal pace (160 tokens are about 120 English words: 48 s at 150 words a minute).
 PIECE_SECONDS_MAX = 60
 
-# the streaming chunk policies (cosyserve.runtime.token2wav.StreamPolicy.named) and the first hop's range in tokens:
+# the streaming chunk policies (cosyserve.runtime.streampolicy.StreamPolicy.named) and the first hop's range in tokens:
 # below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop
 CHUNK_POLICY_CHOICES = ("reference", "low-latency")
 FIRST_HOP_RANGE = (12, 200)

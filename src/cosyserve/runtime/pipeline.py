@@ -19,8 +19,8 @@ Which parts each mode drops (the reference's rules):
 
 The zero-shot tier (the :class:`~cosyserve.frontend.zeroshot.Frontend` and its ONNX sessions) is created on the
 first request that needs it; SFT and instruct never touch it. The LLM yields speech tokens one at a time;
-:class:`~cosyserve.runtime.token2wav.Token2Wav` consumes them as they come and yields audio chunks. Nothing is
-shared between requests but the read-only modules, so concurrent requests only need their own generators.
+:class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` consumes them as they come and yields audio chunks.
+Nothing is shared between requests but the read-only modules, so concurrent requests only need their own generators.
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def _rows(outputs: tuple[Tensor, Tensor], n: int) -> list[tuple[Tensor, Tensor]]
 class FlowBatcher(_Stacker):
     """A :class:`~cosyserve.models.flow.MaskedDiffWithXvec` whose concurrent same-shape calls run stacked.
 
-    Other attributes are the flow's (``input_frame_rate``, ...), so :class:`~cosyserve.runtime.token2wav.Token2Wav`
-    uses it unchanged. Calls stack when their token count, prompt tokens and frames, cache frames, timesteps
+    Other attributes are the flow's (``input_frame_rate``, ...), so
+    :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` uses it unchanged. Calls stack when their token count, prompt tokens and frames, cache frames, timesteps
     and dtypes match (and every length tensor equals its tensor's width: no padding).
 
     Args:

@@ -1,7 +1,8 @@
 """The streaming chunk rules of CosyVoice-300M (torch-free: both runtimes use them).
 
 Streaming works on windows of tokens: while at least ``hop + overlap`` tokens are buffered, the first
-``hop + overlap`` go through the flow and the window slides by ``hop`` (see :mod:`cosyserve.runtime.token2wav`).
+``hop + overlap`` go through the flow and the window slides by ``hop`` (see
+:mod:`cosyserve.families.cosyvoice.token2wav`).
 """
 
 from __future__ import annotations

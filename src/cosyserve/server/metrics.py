@@ -239,8 +239,9 @@ class _Shown(Collector):
         self.registry = registry
         self.names = names
 
-    def _named(self, family: str, model: str) -> bool:
-        return model in self.names or (family == "cosyserve_startup_point_seconds" and model == "server")
+    def _named(self, metric: str, model: str) -> bool:
+        # metric: a Prometheus metric family's name
+        return model in self.names or (metric == "cosyserve_startup_point_seconds" and model == "server")
 
     def collect(self) -> Any:
         for fam in self.registry.collect():

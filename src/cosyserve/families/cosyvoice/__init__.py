@@ -3,7 +3,7 @@
 The modules are :mod:`cosyserve.models.llm` (the transformer LM), :mod:`cosyserve.models.flow` (the conformer +
 U-Net flow) and :mod:`cosyserve.models.hift` (HiFT at 22.05 kHz); the whisper tokenizer; 50 Hz speech tokens
 from ``speech_tokenizer_v1.onnx``; token2wav in windows with a flow cache, mel and audio cross-fades
-(:mod:`cosyserve.runtime.token2wav`). The only family the lite runtime serves.
+(:mod:`cosyserve.families.cosyvoice.token2wav`). The only family the lite runtime serves.
 """
 
 from __future__ import annotations
@@ -36,23 +36,15 @@ class CosyVoice(Family):
     lite = True
     reruns_flow = False
     stacks_flow = True
-    test_model = "cosyserve.testmodel:write_model"
+    test_model = "cosyserve.families.cosyvoice.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = {
-        "tokenize": "cosyserve.conformance.kinds_text",
-        "llm_logprobs": "cosyserve.conformance.kinds_llm",
-        "flow_inference": "cosyserve.conformance.kinds_flow",
-        "hift_inference": "cosyserve.conformance.kinds_hift",
-        "token2wav_stream": "cosyserve.conformance.kinds_token2wav",
-        "token2wav_full": "cosyserve.conformance.kinds_token2wav",
-        "mel": "cosyserve.conformance.kinds_features",
-        "fbank": "cosyserve.conformance.kinds_features",
-        "whisper_logmel": "cosyserve.conformance.kinds_features",
-        "resample": "cosyserve.conformance.kinds_features",
-        "text_frontend": "cosyserve.conformance.kinds_frontend",
-        "zero_shot_frontend": "cosyserve.conformance.kinds_frontend",
-        "cross_lingual_frontend": "cosyserve.conformance.kinds_frontend",
-        "instruct_frontend": "cosyserve.conformance.kinds_frontend",
-    }
+        **dict.fromkeys(
+            ("tokenize", "llm_logprobs", "flow_inference", "hift_inference", "token2wav_stream", "token2wav_full",
+             "text_frontend", "zero_shot_frontend", "cross_lingual_frontend", "instruct_frontend"),
+            "cosyserve.families.cosyvoice.conformance",
+        ),
+        **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.conformance.kinds_features"),
+    }  # fmt: skip
     hub_ids = (
         "iic/CosyVoice-300M",
         "iic/CosyVoice-300M-SFT",
@@ -80,7 +72,7 @@ class CosyVoice(Family):
         )
 
     def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
-        from cosyserve.runtime.token2wav import Token2Wav
+        from cosyserve.families.cosyvoice.token2wav import Token2Wav
 
         return Token2Wav(flow, hift, policy, flow_steps=flow_steps)
 

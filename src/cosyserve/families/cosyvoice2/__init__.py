@@ -1,9 +1,9 @@
 """CosyVoice2-0.5B (``cosyvoice2.yaml``).
 
-The modules are :mod:`cosyserve.models.qwen2lm` (a Qwen2 LM over 6561 speech tokens), :mod:`cosyserve.models.flow2`
-(the causal conformer flow with chunked attention) and :mod:`cosyserve.models.hift` (HiFT at 24 kHz, SineGen2);
+The modules are :mod:`cosyserve.models.qwen2lm` (a Qwen2 LM over 6561 speech tokens),
+:mod:`cosyserve.models.causal_flow` (the causal conformer flow with chunked attention) and :mod:`cosyserve.models.hift` (HiFT at 24 kHz, SineGen2);
 the model's own Qwen tokenizer (``CosyVoice-BlankEN/``); 25 Hz speech tokens from ``speech_tokenizer_v2.onnx``;
-token2wav re-running the flow on every token so far (:mod:`cosyserve.runtime.token2wav2`).
+token2wav re-running the flow on every token so far (:mod:`cosyserve.families.cosyvoice2.token2wav`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ class CosyVoice2(Family):
     title = "CosyVoice2"
     config_classes = (
         "cosyserve.models.qwen2lm:Qwen2LMConfig",
-        "cosyserve.models.flow2:CausalFlowConfig",
+        "cosyserve.models.causal_flow:CausalFlowConfig",
         "cosyserve.models.hift:HiFTConfig",
     )
     module_classes: ClassVar[dict[str, str]] = {
         "llm": "cosyserve.models.qwen2lm:Qwen2LM",
-        "flow": "cosyserve.models.flow2:CausalMaskedDiffWithXvec",
+        "flow": "cosyserve.models.causal_flow:CausalMaskedDiffWithXvec",
         "hift": "cosyserve.models.hift:HiFTGenerator",
     }
     speech_tokenizer_file = "speech_tokenizer_v2.onnx"  # 25 Hz, 6561 ids
@@ -43,21 +43,15 @@ class CosyVoice2(Family):
     required_files = QWEN_FILES[:3]
     registry_folder = "cosyvoice2"
     instruct_mode = "instruct2"
-    test_model = "cosyserve.testmodel2:write_model2"
-    conformance_kinds: ClassVar[dict[str, str]] = {
-        "tokenize": "cosyserve.conformance.cv2_lm",
-        "llm_logprobs": "cosyserve.conformance.cv2_lm",
-        "flow_inference": "cosyserve.conformance.cv2_flow",
-        "hift_inference": "cosyserve.conformance.cv2_audio",
-        "mel": "cosyserve.conformance.cv2_audio",
-        "whisper_logmel": "cosyserve.conformance.cv2_audio",
-        "resample": "cosyserve.conformance.cv2_audio",
-        "zero_shot_frontend": "cosyserve.conformance.cv2_frontend",
-        "cross_lingual_frontend": "cosyserve.conformance.cv2_frontend",
-        "instruct2_frontend": "cosyserve.conformance.cv2_frontend",
-        "token2wav_stream": "cosyserve.conformance.cv2_token2wav",
-        "token2wav_full": "cosyserve.conformance.cv2_token2wav",
-    }
+    test_model = "cosyserve.families.cosyvoice2.testmodel:write_model"
+    conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
+        (
+            "tokenize", "llm_logprobs", "flow_inference", "hift_inference", "mel", "whisper_logmel", "resample",
+            "zero_shot_frontend", "cross_lingual_frontend", "instruct2_frontend", "token2wav_stream",
+            "token2wav_full",
+        ),
+        "cosyserve.families.cosyvoice2.conformance",
+    )  # fmt: skip
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
     # the tokenizer's added tokens (cosyserve.frontend.qwen_tokenizer)
     specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
@@ -106,7 +100,7 @@ class CosyVoice2(Family):
         return mel_spectrogram_24k  # a bundle written before the yaml's extractor was kept
 
     def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
-        from cosyserve.runtime.token2wav2 import StreamPolicy2
+        from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
 
         # the first hop is set in 50 Hz tokens (the 300M family's); these tokens are 25 Hz
         hop = max(4, round(first_hop * config.flow.input_frame_rate / 50)) if first_hop else None
@@ -119,7 +113,7 @@ class CosyVoice2(Family):
         )
 
     def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
-        from cosyserve.runtime.token2wav2 import Token2Wav2
+        from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
         return Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
 

@@ -42,7 +42,7 @@ class CosyVoice3(CosyVoice2):
     bundle_files = ("campplus.onnx", "speech_tokenizer_v3.onnx", *QWEN_FILES)
     registry_folder = "cosyvoice3"
     random_vocoder = False
-    test_model = "cosyserve.testmodel3:write_model3"
+    test_model = "cosyserve.families.cosyvoice3.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
         (
             "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference",

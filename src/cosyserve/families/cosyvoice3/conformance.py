@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from cosyserve.conformance import cv2_flow, cv2_frontend, cv2_lm, cv2_token2wav, kinds_features
+from cosyserve.conformance import kinds_features
+from cosyserve.families.cosyvoice2 import conformance as cosyvoice2
 from cosyserve.families.cosyvoice3.frontend import build_tokenizer
 from cosyserve.families.cosyvoice3.token2wav import Token2Wav3, filter_silent_tokens
 from cosyserve.frontend.audio import load_wav
@@ -51,7 +52,7 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
 def run_token2wav(ctx: Any, inputs: dict) -> dict:
     t2w = Token2Wav3(ctx.flow(), ctx.hift())  # the reference policy: hops 25 (+ prompt pad), 50, 100
     # the same fixed buffers for every call
-    return cv2_token2wav.vc_chunks(t2w, inputs, itertools.repeat(_noise(inputs)))
+    return cosyvoice2.vc_chunks(t2w, inputs, itertools.repeat(_noise(inputs)))
 
 
 def run_mel(ctx: Any, inputs: dict) -> dict:
@@ -80,9 +81,9 @@ def _on_cv3_frontend(kind: Any) -> Any:
 
 KINDS = {
     "tokenize": run_tokenize,
-    "llm_logprobs": cv2_lm.run_llm_logprobs,
+    "llm_logprobs": cosyvoice2.run_llm_logprobs,
     "llm_bistream_logprobs": run_llm_bistream_logprobs,
-    "flow_inference": cv2_flow.run_flow_inference,
+    "flow_inference": cosyvoice2.run_flow_inference,
     "hift_inference": run_hift_inference,
     "token2wav_stream": run_token2wav,
     "token2wav_full": run_token2wav,
@@ -90,9 +91,9 @@ KINDS = {
     "whisper_logmel": kinds_features.run_whisper_logmel,
     "resample": kinds_features.run_resample,
     "speech_token": run_speech_token,
-    "zero_shot_frontend": _on_cv3_frontend(cv2_frontend.run_zero_shot_frontend),
-    "cross_lingual_frontend": _on_cv3_frontend(cv2_frontend.run_cross_lingual_frontend),
-    "instruct2_frontend": _on_cv3_frontend(cv2_frontend.run_instruct2_frontend),
+    "zero_shot_frontend": _on_cv3_frontend(cosyvoice2.run_zero_shot_frontend),
+    "cross_lingual_frontend": _on_cv3_frontend(cosyvoice2.run_cross_lingual_frontend),
+    "instruct2_frontend": _on_cv3_frontend(cosyvoice2.run_instruct2_frontend),
     "vc_frontend": run_vc_frontend,
     "silent_token_filter": run_silent_token_filter,
 }

@@ -3,9 +3,9 @@
 CosyVoice3 draws no random numbers at inference: its causal vocoder's sine source reads two buffers that the
 reference draws once, when the model is built, from torch's global CPU generator (``SineGen2.rand_ini`` [1, 9],
 column 0 zeroed, and ``SineGen2.sine_waves`` [1, 7200000, 9], both uniform in [0, 1)). The generator was seeded 0
-by the flow's CFM constructor, which drew its own noise (``randn(1, 80, 15000)``, :func:`cosyserve.models.flow2.
-fixed_noise`); then it served the initialisation of the flow's token embedding and speaker projection and of the
-vocoder's f0 predictor, in that order (KINDS-cosyvoice3.md). Replaying those draws with the same shapes gives the
+by the flow's CFM constructor, which drew its own noise (``randn(1, 80, 15000)``,
+:func:`cosyserve.models.causal_flow.fixed_noise`); then it served the initialisation of the flow's token embedding
+and speaker projection and of the vocoder's f0 predictor, in that order (KINDS-cosyvoice3.md). Replaying those draws with the same shapes gives the
 same buffers, bit for bit (checked against the fixtures' recorded buffers), so a served model speaks as the
 reference's does. Only a prefix of ``sine_waves`` is ever read (one sample row per output sample of a vocoder
 call): it is made as long as calls need, and no longer.

@@ -1,7 +1,7 @@
 """CosyVoice3 speech tokens -> audio, one-shot or streaming, with the reference's CosyVoice3 rules.
 
-The chunk schedule and the flow calls are CosyVoice2's (:class:`~cosyserve.runtime.token2wav2.Token2Wav2`: the
-first hop tops the prompt up to a whole 25-token chunk, hops double up to 100, 3 lookahead tokens, the last call
+The chunk schedule and the flow calls are CosyVoice2's
+(:class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`: the first hop tops the prompt up to a whole 25-token chunk, hops double up to 100, 3 lookahead tokens, the last call
 with full attention). The vocoder side differs (``CosyVoice3Model.token2wav``): each call appends its new mel
 frames to the request's mel, the causal vocoder re-runs on **all** of it, and the chunk is the audio from the
 request's ``speech_offset`` on. No source cache, no cross-fade, no mel fade: the vocoder is causal, so what a
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cosyserve.runtime.token2wav2 import StreamPolicy2, Token2Wav2
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
 from cosyserve.stop import ShouldStop
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]

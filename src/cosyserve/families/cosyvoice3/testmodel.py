@@ -3,7 +3,8 @@
 The layout of the Fun-CosyVoice3-0.5B release: ``cosyvoice3.yaml`` (our own template, the official tags and keys),
 ``llm.pt`` / ``flow.pt`` / ``hift.pt`` under the official key names, ``spk2info.pt``, optionally ``campplus.onnx``
 and ``speech_tokenizer_v3.onnx``, and ``CosyVoice-BlankEN/`` with the Qwen config and tokenizer files (the same as
-CosyVoice2's: :func:`cosyserve.testmodel2.write_qwen_files`). ``full`` has the release's dimensions (Qwen2 0.5B;
+CosyVoice2's: :func:`cosyserve.families.cosyvoice2.testmodel.write_qwen_files`). ``full`` has the release's
+dimensions (Qwen2 0.5B;
 DiT 1024 wide, 22 blocks, 16 heads of 64; HiFT 512 channels); ``tiny`` is for tests. The speech tokenizer written
 is the CosyVoice2 stand-in (the same interface: 128-bin log-mel in, 25 Hz ids below 6561 out) under the v3 name.
 Random weights make noise, not speech.
@@ -14,14 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cosyserve.testmodel2 import SIZES2, write_qwen_files
+from cosyserve.families.cosyvoice2 import testmodel as cosyvoice2
 
-__all__ = ["SIZES3", "render_yaml3", "write_model3"]
+__all__ = ["SIZES", "render_yaml", "write_model"]
 
-SIZES3: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=SIZES2["tiny"]["hidden"], lookahead=64, dim=64, depth=2, heads=4, dim_head=16,
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden=cosyvoice2.SIZES["tiny"]["hidden"], lookahead=64, dim=64, depth=2, heads=4, dim_head=16,
                  hift_channels=32, f0_channels=32),
-    "full": dict(hidden=SIZES2["full"]["hidden"], lookahead=1024, dim=1024, depth=22, heads=16, dim_head=64,
+    "full": dict(hidden=cosyvoice2.SIZES["full"]["hidden"], lookahead=1024, dim=1024, depth=22, heads=16, dim_head=64,
                  hift_channels=512, f0_channels=512),
 }  # fmt: skip
 
@@ -136,14 +137,14 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
 """
 
 
-def render_yaml3(size: str) -> str:
+def render_yaml(size: str) -> str:
     """The ``cosyvoice3.yaml`` text for a CosyVoice3 test model of ``size`` (tiny or full)."""
-    if size not in SIZES3:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES3)}")
-    return _TEMPLATE.format(size=size, **SIZES3[size])
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    return _TEMPLATE.format(size=size, **SIZES[size])
 
 
-def write_model3(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
+def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
     """Write a CosyVoice3 test model's files into the (staging) directory ``tmp``.
 
     Returns:
@@ -152,11 +153,11 @@ def write_model3(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple
     import torch
 
     from cosyserve.bundle.official import module_class
+    from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
     from cosyserve.modelconfig import load_model_config
-    from cosyserve.testmodel import SPEAKERS, voice_f0_head
 
-    (tmp / "cosyvoice3.yaml").write_text(render_yaml3(size), encoding="utf-8")
-    write_qwen_files(tmp / "CosyVoice-BlankEN", size)
+    (tmp / "cosyvoice3.yaml").write_text(render_yaml(size), encoding="utf-8")
+    cosyvoice2.write_qwen_files(tmp / "CosyVoice-BlankEN", size)
     cfg = load_model_config(tmp)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):

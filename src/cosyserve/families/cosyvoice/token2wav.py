@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from cosyserve.runtime.streampolicy import StreamPolicy
 from cosyserve.stop import ShouldStop
 
-__all__ = ["CallDraws", "StreamPolicy", "Token2Wav"]
+__all__ = ["CallDraws", "StreamPolicy", "Token2Wav", "fade_in_out", "hamming"]
 
 
 @dataclass
@@ -47,11 +47,14 @@ class _StreamState:
 
 
 @lru_cache(maxsize=8)
-def _hamming(n: int) -> torch.Tensor:
+def hamming(n: int) -> torch.Tensor:
+    """The reference's cross-fade window (``np.hamming``, float64), ``n`` samples or frames."""
     return torch.from_numpy(np.hamming(n))  # float64, as the reference multiplies
 
 
-def _fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The reference's ``fade_in_out``: the first half of ``window`` fades ``fade_in``'s start in over the second
+    half fading ``fade_out``'s end out (CosyVoice2's token2wav uses it too)."""
     # The reference multiplies float32 audio by a float64 numpy window: products and sum in float64, stored
     # back into the float32 tensor.
     n = window.shape[0] // 2
@@ -109,7 +112,7 @@ class Token2Wav:
             should_stop=should_stop,
         )
         if state.mel_overlap is not None:
-            mel = _fade_in_out(mel, state.mel_overlap, _hamming(2 * p.mel_overlap_len))
+            mel = fade_in_out(mel, state.mel_overlap, hamming(2 * p.mel_overlap_len))
         if not finalize:
             state.mel_overlap = mel[:, :, -p.mel_overlap_len :]
             mel = mel[:, :, : -p.mel_overlap_len]
@@ -132,7 +135,7 @@ class Token2Wav:
             should_stop=should_stop,
         )
         if state.cache_speech is not None:
-            speech = _fade_in_out(speech, state.cache_speech, _hamming(2 * p.source_cache_len))
+            speech = fade_in_out(speech, state.cache_speech, hamming(2 * p.source_cache_len))
         if not finalize:
             state.cache_mel = mel[:, :, -p.mel_cache_len :]
             state.cache_source = source[:, :, -p.source_cache_len :]

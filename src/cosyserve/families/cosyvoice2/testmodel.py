@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIZES2", "render_yaml2", "write_qwen_files"]
+__all__ = ["SIZES", "render_yaml", "write_qwen_files"]
 
-SIZES2: dict[str, dict[str, Any]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
         enc_heads=2, enc_units=64, enc_blocks=1,
@@ -34,7 +34,6 @@ SIZES2: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-HEADER_MARK2 = "written by cosyserve make-test-model"
 QWEN_VOCAB = 151936  # the embedding rows of the release (the BPE has 151643 tokens + specials)
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -161,11 +160,11 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
 """
 
 
-def render_yaml2(size: str) -> str:
+def render_yaml(size: str) -> str:
     """The ``cosyvoice2.yaml`` text for a CosyVoice2 test model of ``size`` (tiny or full)."""
-    if size not in SIZES2:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES2)}")
-    return _TEMPLATE.format(size=size, **SIZES2[size])
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    return _TEMPLATE.format(size=size, **SIZES[size])
 
 
 @functools.cache
@@ -183,7 +182,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _qwen_ranks() -> dict[bytes, int]:
-    path = Path(__file__).parent / "assets" / "qwen.tiktoken"
+    path = Path(__file__).parents[2] / "assets" / "qwen.tiktoken"
     ranks = {}
     for line in path.read_bytes().splitlines():
         token, rank = line.split()
@@ -211,7 +210,7 @@ def _merge_of(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes, 
 def write_qwen_files(qwen_dir: Path, size: str) -> None:
     """Write ``config.json``, ``generation_config.json``, ``tokenizer_config.json``, ``vocab.json`` and
     ``merges.txt`` (Qwen2 format, the real Qwen vocabulary) into ``qwen_dir``."""
-    s = SIZES2[size]
+    s = SIZES[size]
     qwen_dir.mkdir(parents=True, exist_ok=True)
     ranks = _qwen_ranks()
     u = _bytes_to_unicode()
@@ -280,7 +279,7 @@ def write_qwen_files(qwen_dir: Path, size: str) -> None:
         (qwen_dir / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
-def write_model2(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
+def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
     """Write a CosyVoice2 test model's files into the (staging) directory ``tmp``.
 
     Returns:
@@ -288,10 +287,10 @@ def write_model2(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple
     """
     import torch
 
+    from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
     from cosyserve.modelconfig import load_model_config
-    from cosyserve.testmodel import SPEAKERS, voice_f0_head
 
-    (tmp / "cosyvoice2.yaml").write_text(render_yaml2(size), encoding="utf-8")
+    (tmp / "cosyvoice2.yaml").write_text(render_yaml(size), encoding="utf-8")
     write_qwen_files(tmp / "CosyVoice-BlankEN", size)
     cfg = load_model_config(tmp)
     gen = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 """CosyVoice2 speech tokens -> audio, one-shot or streaming, with the reference's CosyVoice2 rules.
 
-CosyVoice2 streams differently from CosyVoice-300M (:mod:`cosyserve.runtime.token2wav`): the causal flow is
-re-run on **all** tokens so far at every chunk (there is no flow cache and no mel cross-fade), with static chunk
+CosyVoice2 streams differently from CosyVoice-300M (:mod:`cosyserve.families.cosyvoice.token2wav`): the causal
+flow is re-run on **all** tokens so far at every chunk (there is no flow cache and no mel cross-fade), with static chunk
 attention masks and ``pre_lookahead_len`` (3) tokens of lookahead, and the frames of tokens already spoken are
 dropped. The vocoder keeps the last 8 mel frames, their source excitation and their audio between calls; the
 audio is cross-faded over 3840 samples (a Hamming window of 7680).
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cosyserve.runtime.token2wav import _fade_in_out, _hamming
+from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.stop import ShouldStop
 
 __all__ = ["StreamPolicy2", "Token2Wav2"]
@@ -149,7 +149,7 @@ class Token2Wav2:
             mel, cache_source, generator=generator, should_stop=should_stop, **draws
         )
         if cache is not None:
-            speech = _fade_in_out(speech, cache.speech, _hamming(2 * p.source_cache_len))
+            speech = fade_in_out(speech, cache.speech, hamming(2 * p.source_cache_len))
         if finalize:
             return speech, None
         n = p.source_cache_len

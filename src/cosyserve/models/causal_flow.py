@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
 from cosyserve.models.flow import CFMParams, _euler_schedule
-from cosyserve.models.flow2_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
-from cosyserve.models.flow2_encoder import (
+from cosyserve.models.upsample_encoder import (
     PRE_LOOKAHEAD_LEN,
     UPSAMPLE_STRIDE,
     UpsampleConformerEncoder,

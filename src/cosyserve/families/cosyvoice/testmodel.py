@@ -1,4 +1,4 @@
-"""``cosyserve make-test-model``: random-weight model directories in the official CosyVoice-300M layout.
+"""Random-weight CosyVoice-300M directories in the official layout (``cosyvoice.yaml``), for ``make-test-model``.
 
 ``tiny`` is small enough for unit tests (a few MB); ``full`` has the release's dimensions, so its files have the
 release's sizes and its compute the release's cost. The yaml is written in the official hyperpyyaml form (our
@@ -9,14 +9,11 @@ speech; the vocoder's f0 head is rescaled (as in the conformance fixtures) so th
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SIZES", "SPEAKERS", "make_test_model", "model_config", "render_yaml"]
-
-SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
+__all__ = ["SIZES", "model_config", "render_yaml", "write_model"]
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -35,7 +32,6 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-_HEADER_MARK = "written by cosyserve make-test-model"
 _TEMPLATE = """\
 # CosyVoice-300M layout, written by cosyserve make-test-model ({size}): RANDOM WEIGHTS, it makes noise.
 __set_seed1: !apply:random.seed [1986]
@@ -202,94 +198,11 @@ def model_config(size: str) -> Any:
         return load_model_config(d)
 
 
-def voice_f0_head(hift: Any, generator: Any) -> None:
-    # Random init leaves f0 ~0.02 Hz (always unvoiced). Rescale the f0 head's last Linear so f0 spans roughly
-    # 0-300 Hz on random input, as the conformance fixtures do.
-    import torch
-
-    head = hift.f0_predictor.classifier
-    seen: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda m, inp, out: seen.append(inp[0].detach()))
-    try:
-        with torch.no_grad():
-            hift.f0_predictor(torch.randn(1, 80, 200, generator=generator))
-    finally:
-        hook.remove()
-    z = seen[0] @ head.weight.detach().T  # (..., 1) without bias
-    scale = 80.0 / float(z.std().clamp_min(1e-6))
-    with torch.no_grad():
-        head.weight.mul_(scale)
-        head.bias.fill_(150.0 - scale * float(z.mean()))
-
-
-def _is_test_model(path: Path) -> bool:
-    # what --force may replace: an empty folder, or a folder whose yaml carries our header (never a real model)
-    if path.is_symlink() or not path.is_dir():
-        return False
-    if not any(path.iterdir()):
-        return True
-    from cosyserve.families import family_yamls
-
-    for name in family_yamls().values():
-        try:
-            with open(path / name, encoding="utf-8") as f:
-                if _HEADER_MARK in f.readline():
-                    return True
-        except (OSError, UnicodeDecodeError):
-            continue
-    return False
-
-
-def make_test_model(
-    out: str | Path,
-    *,
-    size: str = "tiny",
-    seed: int = 0,
-    force: bool = False,
-    onnx: bool = True,
-    family: str = "cosyvoice",
-) -> dict[str, tuple[int, int]]:
-    """Write a random-weight model directory in the official layout.
-
-    Args:
-        out: directory to create (written to a temporary sibling, then renamed: never left half-written).
-        size: ``tiny`` (tests) or ``full`` (the release's dimensions: CosyVoice-300M ~1.7 GB, CosyVoice2-0.5B
-            ~2 GB, CosyVoice3-0.5B ~3.5 GB).
-        family: a name of :data:`cosyserve.families.FAMILIES` (its ``test_model`` writes the files).
-        seed: seed for every random weight.
-        force: replace ``out`` if it exists.
-        onnx: also write small random campplus.onnx and the family's speech tokenizer (the zero-shot tier).
-    Returns:
-        component -> (parameter count, file size in bytes).
-    """
-    from cosyserve.families import family_named
-    from cosyserve.staging import Staging
-
-    spec = family_named(family)
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    out = Path(out)
-    if os.path.lexists(out):
-        if not force:
-            raise FileExistsError(f"{out} already exists (use --force to replace it)")
-        if not _is_test_model(out):
-            raise FileExistsError(
-                f"{out} exists and is not a model that make-test-model wrote: --force replaces only those "
-                "(or an empty folder); choose another path"
-            )
-    staging = Staging(out, "making").start()
-    try:
-        info = spec.write_test_model(staging.path, size, seed, onnx)
-        staging.commit(replace=force)
-    finally:
-        staging.discard()
-    return info
-
-
 def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[int, int]]:
     """Write a random-weight CosyVoice-300M model of ``size`` into the empty directory ``tmp``."""
     import torch
 
+    from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
     from cosyserve.modelconfig import load_model_config
     from cosyserve.models.flow import MaskedDiffWithXvec
     from cosyserve.models.hift import HiFTGenerator
