@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.errors import ConvertError, ModelDirError
+from cosyserve.frontend.onnx_compat import copy_onnx
 
 __all__ = [
     "BUNDLE_FORMAT",
@@ -377,8 +378,20 @@ def convert(
             if src.is_file():
                 step(f"copying {fname}")
                 (tmp / fname).parent.mkdir(exist_ok=True)
-                shutil.copyfile(src, tmp / fname)
-                manifest["extras"][fname] = {"bytes": src.stat().st_size, "sha256": sha256_file(tmp / fname)}
+                if src.suffix == ".onnx":
+                    # campplus's AveragePool(ceil_mode) nodes rewritten to the reference's (ONNX Runtime 1.18's)
+                    # arithmetic, which later versions change; any other graph copied as it is
+                    try:
+                        if count := copy_onnx(src, tmp / fname):
+                            step(f"{fname}: {count} AveragePool nodes set to ONNX Runtime 1.18's arithmetic")
+                    except ValueError as e:
+                        raise ModelDirError(f"{e}: replace it with the model's original file") from e
+                else:
+                    shutil.copyfile(src, tmp / fname)
+                manifest["extras"][fname] = {
+                    "bytes": (tmp / fname).stat().st_size,
+                    "sha256": sha256_file(tmp / fname),
+                }
         step("hashing source files")
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx")):

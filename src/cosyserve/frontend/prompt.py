@@ -21,6 +21,7 @@ import numpy as np
 
 from cosyserve.errors import AudioError, BundleError, ModeUnavailableError
 from cosyserve.frontend.audio import decode_failure
+from cosyserve.frontend.onnx_compat import session_source
 
 __all__ = [
     "check_token_seconds",
@@ -192,7 +193,10 @@ def _check_finite(wave: Any, name: str) -> None:
 class OnnxModel:
     """An onnxruntime CPU session for one model file, created on the first :meth:`run` (thread-safe).
 
-    Session options as the reference: graph optimisation ORT_ENABLE_ALL, one intra-op thread.
+    Session options as the reference: graph optimisation ORT_ENABLE_ALL, one intra-op thread. A graph whose
+    numbers depend on the ONNX Runtime version (``campplus.onnx``'s ``AveragePool(ceil_mode=1)``) is rewritten in
+    memory to the reference's arithmetic when the file is not rewritten yet
+    (:func:`cosyserve.frontend.onnx_compat.session_source`).
 
     Args:
         path: the ``.onnx`` file.
@@ -234,8 +238,11 @@ class OnnxModel:
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = 1
         try:
+            # the path, or the graph's bytes with its AveragePool(ceil_mode) nodes computing the reference's
+            # numbers (ONNX Runtime 1.18's) where the file is not rewritten yet (a model dir's)
+            source = session_source(self.path)
             session = onnxruntime.InferenceSession(
-                str(self.path), sess_options=options, providers=["CPUExecutionProvider"]
+                source, sess_options=options, providers=["CPUExecutionProvider"]
             )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own unrelated exception types
             raise BundleError(
