@@ -512,3 +512,24 @@ def test_a_cancelled_waiter_does_not_cancel_the_shared_load() -> None:
     asyncio.run(main())
     assert e.state is EngineState.READY
     e.release_sync()
+
+
+def test_a_consumer_that_stops_reading_holds_its_worker_at_a_bounded_buffer() -> None:
+    """A client that stops reading (a full socket, a paused player) must not let its worker run ahead and buffer
+    the whole utterance in memory: the worker waits once BUFFER_SECONDS of audio are untaken, and goes on when the
+    consumer reads."""
+    from cosyserve.engine.engine import BUFFER_SECONDS
+
+    per_chunk = 50  # samples at the fake's 100 Hz: half a second each
+    bound = int(BUFFER_SECONDS * FakeRuntime.sample_rate)
+    e, m = loaded(FakeRuntime(chunks=10 * bound // per_chunk, chunk_len=per_chunk))
+    stream = e.synthesize_sync(SynthesisRequest(text="hi", speaker="alice"))
+    deadline = time.monotonic() + 30
+    while m.yielded * per_chunk <= bound and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # time for a worker that did not wait to run far ahead (the check below is not timed)
+    ahead = m.yielded * per_chunk
+    assert bound < ahead <= bound + 2 * per_chunk, f"{ahead} samples made with none read (bound {bound})"
+    total = sum(int(c.shape[0]) for c in stream)  # reading on lets it finish
+    assert total == 10 * bound
+    assert e.in_flight == 0

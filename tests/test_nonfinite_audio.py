@@ -199,6 +199,19 @@ def test_the_engine_fails_a_request_whose_audio_is_not_finite() -> None:
     engine.release_sync()
 
 
+def test_the_python_api_fails_audio_that_is_not_finite() -> None:
+    """The Python API runs the runtime in the caller's thread, without the engine: it must refuse a NaN chunk
+    the same way, or `cosyserve.load(...).synthesize(...)` (and the CLI's synth) would write it as audio."""
+    from cosyserve.api import CosyVoiceModel
+
+    model = CosyVoiceModel(NaNRuntime())
+    got: list[np.ndarray] = []
+    with pytest.raises(InternalError, match="NaN or infinite samples"):
+        for chunk in model.synthesize("Hi.", "alice"):
+            got.append(chunk)
+    assert len(got) == 1 and np.isfinite(got[0]).all()
+
+
 def test_http_answers_500_for_audio_that_is_not_finite() -> None:
     """Over HTTP the non-streamed answer is a 500 with the engine's reason, never a 200 WAV."""
     from cosyserve.engine.pool import ModelPool, ModelSpec

@@ -144,8 +144,10 @@ class CosyVoiceModel:
 
     def synthesize_request(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
         """Run a :class:`~cosyserve.request.SynthesisRequest` to its end in this thread (no deadline is enforced:
-        that is the engine's job); checks and prompt extraction happen before this returns."""
-        return self.runtime.start(request, _never)
+        that is the engine's job); checks and prompt extraction happen before this returns. A chunk with NaN or
+        infinite samples raises :class:`~cosyserve.errors.InternalError` instead of being returned, as the
+        server's engine does."""
+        return _finite(self.runtime.start(request, _never))
 
     # -- the voice registry ---------------------------------------------------------------------------------------
 
@@ -195,6 +197,17 @@ class CosyVoiceModel:
     def close(self) -> None:
         """Stop the runtime's threads and drop its weights."""
         self.runtime.close()
+
+
+def _finite(chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    from cosyserve.engine.engine import check_finite
+
+    try:
+        for chunk in chunks:
+            check_finite(chunk)
+            yield chunk
+    finally:
+        getattr(chunks, "close", lambda: None)()  # a generator stopped early frees its state now
 
 
 def _never() -> bool:

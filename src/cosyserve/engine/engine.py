@@ -48,7 +48,12 @@ from cosyserve.request import SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RETRY_AFTER_BOUNDS_S", "Engine", "Job"]
+__all__ = ["BUFFER_SECONDS", "RETRY_AFTER_BOUNDS_S", "Engine", "Job", "check_finite"]
+
+# The most audio a request's worker gets ahead of its consumer, in seconds: a client that stops reading (a full
+# socket, a paused player) holds its worker there, its memory bounded, until it reads on, its deadline passes or
+# it is cut off (the WebSocket's idle timeout, a disconnect)
+BUFFER_SECONDS = 20.0
 
 # Retry-After's range. At least 1 s: the header counts whole seconds, and retrying at once only hits the full
 # queue again. At most 60 s: the median of a few recent requests says little about the next minute (one long
@@ -58,6 +63,12 @@ RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
 
 
 _NONFINITE_AUDIO = "synthesis made audio with NaN or infinite samples (not encoded)"
+
+
+def check_finite(chunk: np.ndarray) -> None:
+    """Raise :class:`InternalError` when ``chunk`` holds NaN or infinite samples (audio never to be encoded)."""
+    if not np.isfinite(chunk).all():
+        raise InternalError(_NONFINITE_AUDIO, public=_NONFINITE_AUDIO)
 
 
 def _bounded(seconds: float) -> float:
@@ -82,11 +93,33 @@ class Job:
         self.future: concurrent.futures.Future[None] | None = None
         self.finished = False
         self.on_done: list[Callable[[], None]] = []
+        self.pending = 0  # samples given to the sink and not yet taken by the consumer
+        self.buffer_limit: int | None = None  # the most pending samples before the worker waits (None: no bound)
+        self._room = threading.Condition()
 
     def cancel(self, reason: BaseException) -> None:
         # first reason wins; the worker reads it at the next token/chunk
         if self.cancel_reason is None:
             self.cancel_reason = reason
+        with self._room:
+            self._room.notify_all()  # a worker waiting for its consumer to read stops waiting
+
+    def taken(self, samples: int) -> None:
+        """The consumer took a chunk of ``samples``: room for the worker to go on."""
+        with self._room:
+            self.pending -= samples
+            self._room.notify_all()
+
+    def wait_for_room(self) -> None:
+        """Block the worker while more than :attr:`buffer_limit` samples wait for the consumer (until it reads,
+        or the request is stopped: cancelled or past its deadline)."""
+        limit = self.buffer_limit
+        if limit is None:
+            return
+        with self._room:
+            while self.pending > limit and not self.should_stop():
+                d = self.request.deadline
+                self._room.wait(1.0 if d is None else max(0.0, min(1.0, d - self.clock())))
 
     def should_stop(self) -> bool:
         """Whether the request was cancelled or its deadline passed (asked by the runtime after every token)."""
@@ -336,11 +369,15 @@ class Engine:
         request: SynthesisRequest,
         sink: Callable[[Any], None],
         on_done: Callable[[], None] | None = None,
+        *,
+        bounded: bool = False,
     ) -> Job:
         """Admit ``request`` (READY only, queue bound checked atomically) and schedule it on a worker.
 
         ``sink`` receives each float32 chunk, then one ``_End``. Prefer :meth:`synthesize` /
-        :meth:`synthesize_sync`, which build the sink. ``on_done`` runs once when the request ends.
+        :meth:`synthesize_sync`, which build the sink. ``on_done`` runs once when the request ends. ``bounded``:
+        the consumer reports each chunk it takes (:meth:`Job.taken`) and the worker waits while it is more than
+        :data:`BUFFER_SECONDS` of audio ahead.
         The runtime resolves the request first (its mode and speaker; an unknown voice or a mode the model cannot
         run is refused here, before it takes a place in the queue).
         Raises:
@@ -354,6 +391,8 @@ class Engine:
                 self.stats.record_reject("client_error")
                 raise
         job = Job(request, sink, self.clock)
+        if bounded:  # the consumer reports what it takes (Job.taken): at most BUFFER_SECONDS of audio ahead
+            job.buffer_limit = int(BUFFER_SECONDS * (self.sample_rate or 48000))
         if on_done is not None:
             job.on_done.append(on_done)
         with self._lock:
@@ -395,7 +434,7 @@ class Engine:
         def sink(item: Any) -> None:
             loop.call_soon_threadsafe(q.put_nowait, item)  # RuntimeError once the loop is closed
 
-        job = self.submit(request, sink, on_done)
+        job = self.submit(request, sink, on_done, bounded=True)
         return AudioStream(self, job, q)
 
     def synthesize_sync(
@@ -404,23 +443,25 @@ class Engine:
         """Blocking twin of :meth:`synthesize`: admission errors raise here, chunks come from the iterator;
         ``close()`` (or dropping it) cancels the generation."""
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        job = self.submit(request, q.put, on_done)
+        job = self.submit(request, q.put, on_done, bounded=True)
         return SyncAudioStream(self, job, q)
 
     def _emit(self, job: Job, chunk: np.ndarray) -> None:
         # Audio with NaN or infinite samples (a damaged checkpoint, an overflow in a half-precision cast) would be
         # encoded as silence or noise and answered as a success: it fails the request instead, before the chunk
         # leaves. One pass over a chunk costs microseconds next to the milliseconds that made it.
-        if not np.isfinite(chunk).all():
-            raise InternalError(_NONFINITE_AUDIO, public=_NONFINITE_AUDIO)
+        check_finite(chunk)
         if job.first_audio is None:
             job.first_audio = self.clock()
             self.stats.record_first_audio(job.first_audio - job.submitted)
         job.samples += int(chunk.shape[-1])
+        with job._room:
+            job.pending += int(chunk.shape[-1])
         try:
             job.sink(chunk)
         except RuntimeError:  # the consumer's event loop is closed: nobody listens any more
             job.cancel(RequestCancelledError("the consumer's event loop is closed"))
+        job.wait_for_room()
 
     def _run(self, job: Job) -> None:
         # worker thread: runs one request to its end on one runtime

@@ -1,7 +1,9 @@
 """How a request's audio reaches its caller: an async stream for the server, a blocking one for threads.
 
 The engine's worker puts each chunk, then one :class:`End`, into the request's own queue (``asyncio.Queue``
-through ``loop.call_soon_threadsafe``, or a ``queue.SimpleQueue``); nothing is polled. Leaving a stream early
+through ``loop.call_soon_threadsafe``, or a ``queue.SimpleQueue``); nothing is polled. Taking a chunk tells the
+job (:meth:`~cosyserve.engine.engine.Job.taken`): a worker more than ``BUFFER_SECONDS`` of audio ahead of its
+consumer waits for it. Leaving a stream early
 (``aclose``/``close``, the consuming task cancelled, the stream dropped) cancels the request in the engine.
 """
 
@@ -94,6 +96,7 @@ class AudioStream(_StreamBase):
             if item.error is not None:
                 raise item.error
             raise StopAsyncIteration
+        job.taken(int(item.shape[-1]))
         return item
 
     async def aclose(self) -> None:
@@ -145,6 +148,7 @@ class SyncAudioStream(_StreamBase):
             if item.error is not None:
                 raise item.error
             raise StopIteration
+        job.taken(int(item.shape[-1]))
         return item
 
     def close(self) -> None:
