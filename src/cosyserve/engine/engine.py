@@ -94,7 +94,8 @@ class Job:
         self.finished = False
         self.on_done: list[Callable[[], None]] = []
         self.pending = 0  # samples given to the sink and not yet taken by the consumer
-        self.buffer_limit: int | None = None  # the most pending samples before the worker waits (None: no bound)
+        # the most pending samples before the worker waits (None: no bound)
+        self.buffer_limit: int | None = None
         self._room = threading.Condition()
 
     def cancel(self, reason: BaseException) -> None:
