@@ -650,3 +650,36 @@ def test_serve_help_lists_the_exit_codes_and_stays_light() -> None:
     flat = " ".join(table.split())
     for c, meaning in EXIT_CODES:
         assert f"{c} {' '.join(meaning.split())}" in flat, f"exit code {c} is not explained: {table}"
+
+
+def test_stdin_text_is_read_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--text -` hands the runtime each piece of standard input as it is written (the runtime speaks text given
+    as pieces as it arrives: tests/test_text_stream.py): if it read to the end first, an LLM's output piped in
+    would be spoken only once the LLM finished. A multi-byte character split across writes comes out whole."""
+    from cosyserve.cli import _stdin_pieces
+
+    r, w = os.pipe()
+    stdin = os.fdopen(r, "rb", buffering=0)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    pieces = _stdin_pieces()
+    os.write(w, b"Hello there. ")
+    assert next(pieces) == "Hello there. "  # while the writer is still open: read as it came
+    data = "你好".encode()
+    os.write(w, data[:2])
+    os.write(w, data[2:])
+    os.close(w)
+    assert "".join(pieces) == "你好"
+    stdin.close()
+
+
+def test_synth_speaks_text_piped_in(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "piped.wav"
+    r = subprocess.run(
+        [sys.executable, "-m", "cosyserve", "synth", "--model", str(tiny_model_dir), "--text", "-",
+         "--out", str(out), "--seed", "1", "--flow-steps", "1"],
+        input="Hello there, this is piped in. And a second sentence.", capture_output=True, text=True,
+        env=cli_env(), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with wave.open(str(out)) as f:
+        assert f.getnframes() > 0

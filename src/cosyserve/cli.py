@@ -117,7 +117,7 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
 
     try:
         chunks = model.synthesize(
-            args.text or "",
+            _stdin_pieces() if args.text == "-" else args.text or "",
             args.speaker,
             stream=args.stream,
             speed=args.speed,
@@ -133,6 +133,19 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
         raise CLIError(f"--mode {args.mode}: {e}") from e
     seconds = write_audio_atomic(out, chunks, model.sample_rate, fmt)
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
+
+
+def _stdin_pieces() -> Any:
+    # `--text -`: standard input as it arrives (an LLM's output piped in), synthesized while it is still written
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = sys.stdin.fileno()
+    while data := os.read(fd, 4096):
+        if text := decoder.decode(data):
+            yield text
+    if tail := decoder.decode(b"", final=True):
+        yield tail
 
 
 def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
@@ -347,7 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speaker id (see `cosyserve speakers`): pre-defined (sft, instruct) or registered (zero_shot, "
         "cross_lingual)",
     )
-    p.add_argument("--text", default=None, help="text to speak (all modes but vc)")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="text to speak (all modes but vc); `-` reads it from standard input as it arrives (an LLM's output "
+        "piped in is spoken while it is still being written)",
+    )
     p.add_argument(
         "--prompt-wav", default=None, help="voice to clone (zero_shot, cross_lingual, vc; at most 30 s)"
     )
