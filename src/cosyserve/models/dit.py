@@ -210,11 +210,13 @@ class _RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (ROTARY_THETA ** (torch.arange(0, dim_head, 2).float() / dim_head))
         self.register_buffer("inv_freq", inv_freq)  # persistent: the official flow.pt holds it
 
-    def forward(self, n: int) -> tuple[Tensor, Tensor]:
-        # (1, N, dim_head) cos and sin, frequencies repeated in interleaved pairs (f0, f0, f1, f1, ...)
-        t = torch.arange(n, device=self.inv_freq.device).type_as(self.inv_freq)
-        freqs = (t.unsqueeze(1) * self.inv_freq).repeat_interleave(2, dim=-1).unsqueeze(0)
-        return freqs.cos(), freqs.sin()
+    def forward(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # (1, N, dim_head) cos and sin in ``dtype``, frequencies repeated in interleaved pairs (f0, f0, f1, f1, ...).
+        # Computed in float32 whatever the flow's dtype: in bfloat16 the positions past 256 and the angles (up to
+        # a few thousand radians) are off by whole radians, so the table would be noise for most frames.
+        t = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=-1).unsqueeze(0)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def _rotate_pairs(x: Tensor) -> Tensor:
@@ -338,7 +340,7 @@ class DiT(nn.Module):
         inp = torch.cat([x, cond, mu_spks], dim=1).transpose(1, 2)  # (B, N, in_channels)
         temb = self.time_embed(t)  # (B, dim)
         y = self.input_embed(inp)
-        rope = self.rotary_embed(n)
+        rope = self.rotary_embed(n, y.dtype)
         mask = None
         if streaming and self.static_chunk_size > 0:
             mask = subsequent_chunk_mask(n, self.static_chunk_size, h.device).view(1, 1, n, n)
@@ -367,6 +369,8 @@ class DiTCFM(CausalConditionalCFM):
 class CausalMaskedDiffWithDiT(nn.Module):
     # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
     N_TIMESTEPS = 10
+    # in a lower-precision flow the rotary frequencies stay float32 (see _RotaryEmbedding.forward)
+    FLOAT32_PARTS = ("decoder.estimator.rotary_embed",)
     REPEATED_STACKS = ("decoder.estimator.transformer_blocks",)
     ROW_TABLES = ("input_embedding.weight",)
 
