@@ -147,6 +147,27 @@ def resolve_device(name: str, where: str | None = None) -> torch.device:
     return torch.device("cuda", index)
 
 
+def module_device(module: Any) -> torch.device:
+    """Where ``module`` computes: its first parameter's device (the CPU for one without parameters)."""
+    import torch
+
+    params = getattr(module, "parameters", None)
+    first = next(params(), None) if params is not None else None
+    return first.device if first is not None else torch.device("cpu")
+
+
+def factory_device(device: torch.device | str) -> Any:
+    """A context in which tensors made without a device (a module's dummy warm-up inputs) are made on ``device``
+    (``torch.device`` as a context); on the CPU, where they already are, an empty context (the device context
+    routes every torch call through a Python mode, a cost for nothing there)."""
+    import contextlib
+
+    import torch
+
+    device = torch.device(device)
+    return contextlib.nullcontext() if device.type == "cpu" else device
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait for the work queued on ``device`` (a no-op on the CPU, whose work is done when it returns)."""
     import torch

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.device import module_device
 from cosyserve.models.hift import (
     ConvRNNF0Predictor,
     F0PredictorConfig,
@@ -200,7 +201,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         """Vocode ``n_frames`` silent mel frames once, finalizing (every kernel the vocoder runs). Returns the
         audio."""
         mel = torch.zeros(1, self.cfg.in_channels, max(n_frames, 1), dtype=self.conv_pre.weight.dtype)
-        rand_ini, sine_waves = source_noise(mel.shape[2] * self.cfg.upsample_factor, torch.Generator())
+        rand_ini, sine_waves = source_noise(
+            mel.shape[2] * self.cfg.upsample_factor, torch.Generator(device=module_device(self))
+        )
         audio, _ = self.inference(mel, True, rand_ini=rand_ini, sine_waves=sine_waves)
         return audio
 

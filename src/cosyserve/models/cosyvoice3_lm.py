@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from cosyserve.device import module_device
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.qwen2lm import Qwen2LM, Qwen2LMConfig, _Encoder, _mix_ratio
 
@@ -103,7 +104,7 @@ class CosyVoice3LM(Qwen2LM):
                 trimmed.inference(
                     text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
                     max_token_text_ratio=ratio, min_token_text_ratio=ratio,
-                    generator=torch.Generator().manual_seed(0),
+                    generator=torch.Generator(device=module_device(self)).manual_seed(0),
                 )
             )  # fmt: skip
         finally:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.device import module_device
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig
 from cosyserve.models.transformer import ConformerEncoder, ConformerEncoderConfig
 from cosyserve.stop import ShouldStop, check
@@ -306,7 +307,7 @@ class MaskedDiffWithXvec(nn.Module):
             zero,
             torch.zeros(1, self.cfg.spk_embed_dim),
             torch.zeros(1, self.cfg.output_size, 0, 2),
-            generator=torch.Generator().manual_seed(0),
+            generator=torch.Generator(device=module_device(self)).manual_seed(0),
             n_timesteps=1,  # the other steps only repeat the same kernels
         )
         return mel

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from cosyserve.device import module_device
 from cosyserve.stop import ShouldStop, check
 
 __all__ = ["F0PredictorConfig", "HiFTConfig", "HiFTGenerator"]
@@ -266,7 +267,9 @@ class HiFTGenerator(nn.Module):
         """Vocode ``n_frames`` silent mel frames once (every kernel the vocoder runs; its stages differ in shape,
         so all of them run). Returns the audio."""
         mel = torch.zeros(1, self.cfg.in_channels, max(n_frames, 1), dtype=self.conv_pre.weight.dtype)
-        audio, _ = self.inference(mel, None, generator=torch.Generator().manual_seed(0))
+        audio, _ = self.inference(
+            mel, None, generator=torch.Generator(device=module_device(self)).manual_seed(0)
+        )
         return audio
 
     @torch.inference_mode()

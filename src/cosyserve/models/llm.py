@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.device import module_device
 from cosyserve.models.transformer import (
     ConformerEncoder,
     ConformerEncoderConfig,
@@ -530,7 +531,7 @@ class TransformerLM(SpeechLM):
                     embedding,
                     max_token_text_ratio=ratio,
                     min_token_text_ratio=ratio,
-                    generator=torch.Generator().manual_seed(0),
+                    generator=torch.Generator(device=module_device(self)).manual_seed(0),
                 )
             )
         finally:

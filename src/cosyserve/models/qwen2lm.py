@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.device import module_device
 from cosyserve.models.llm import SamplingConfig, SpeechLM, ras_sample
 from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
 
@@ -367,7 +368,7 @@ class Qwen2LM(SpeechLM):
                 trimmed.inference(
                     text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
                     max_token_text_ratio=ratio, min_token_text_ratio=ratio,
-                    generator=torch.Generator().manual_seed(0),
+                    generator=torch.Generator(device=module_device(self)).manual_seed(0),
                 )
             )  # fmt: skip
         finally:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cosyserve.device import module_device
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
@@ -118,6 +119,7 @@ class Pipeline(ModelModes):
         self.max_piece_tokens = PIECE_SECONDS_MAX * int(flow.cfg.input_frame_rate)
         family = family_named(family) if isinstance(family, str) else family
         self.config = config  # the model's ModelConfig (what the family builds its parts from)
+        self.device = module_device(flow)  # where the modules compute: every request tensor goes there
         self.token2wav: Any = family.token2wav(config, flow, hift, policy, flow_steps)
         ModelModes.__init__(
             self,
@@ -262,7 +264,9 @@ class Pipeline(ModelModes):
         self, prepared: PreparedRequest, should_stop: Callable[[], bool] | None
     ) -> Iterator[np.ndarray]:
         r = prepared.request
-        generator = torch.Generator().manual_seed(r.seed if r.seed is not None else secrets.randbits(63))
+        # on the modules' device: every draw (sampling, noise) is made where it is used, without a copy
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(r.seed if r.seed is not None else secrets.randbits(63))
         try:
             for model_input in prepared.inputs:
                 yield from self._tts(
@@ -280,9 +284,13 @@ class Pipeline(ModelModes):
         generator: torch.Generator,
         should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[np.ndarray]:
-        # the reference's CosyVoiceModel.tts: absent keys are its defaults; lengths come from the shapes
-        empty_ids = torch.zeros(1, 0, dtype=torch.int32)
-        empty_embedding = torch.zeros(0, 192)
+        # the reference's CosyVoiceModel.tts: absent keys are its defaults; lengths come from the shapes. The
+        # frontend and the registry make their tensors on the CPU: they move to the modules' device here, once
+        d = self.device
+        if d.type != "cpu":
+            model_input = {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in model_input.items()}
+        empty_ids = torch.zeros(1, 0, dtype=torch.int32, device=d)
+        empty_embedding = torch.zeros(0, 192, device=d)
         source = model_input.get("source_speech_token", empty_ids)
         if source.shape[1] == 0:
             text = model_input["text"]
@@ -313,11 +321,11 @@ class Pipeline(ModelModes):
             tokens,
             embedding=model_input.get("flow_embedding", empty_embedding),
             prompt_token=model_input.get("flow_prompt_speech_token", empty_ids),
-            prompt_feat=model_input.get("prompt_speech_feat", torch.zeros(1, 0, 80)),
+            prompt_feat=model_input.get("prompt_speech_feat", torch.zeros(1, 0, 80, device=d)),
             stream=stream,
             speed=speed,
             generator=generator,
             should_stop=should_stop,
         ):
-            yield chunk[0].numpy().astype(np.float32, copy=False)
+            yield chunk[0].cpu().numpy().astype(np.float32, copy=False)  # one device-to-host copy per chunk
             check(should_stop)

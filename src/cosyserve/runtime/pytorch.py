@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cosyserve.device import factory_device
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions
 from cosyserve.runtime.cores import CoreShare
@@ -100,14 +101,16 @@ class TorchRuntime(RuntimeVoices):
         layer of each stack of identical layers runs (the costs are per kernel and shape), and the modules are
         left as they were, so it may run while requests do."""
         with self.clock.phase("warmup"):
-            self._lm.warm_up(self.options.warmup_tokens)
+            with factory_device(self.pipeline.device):
+                self._lm.warm_up(self.options.warmup_tokens)
             self.warm_up_token2wav()
 
     def warm_up_token2wav(self) -> None:
         """The flow and vocoder part of :meth:`warm_up` (what ``load`` runs right after READY)."""
         t2w = self.pipeline.token2wav
-        mel = t2w.flow.warm_up(self.options.warmup_tokens)
-        t2w.hift.warm_up(mel.shape[2])
+        with factory_device(self.pipeline.device):  # the warm-ups' dummy inputs made on the device
+            mel = t2w.flow.warm_up(self.options.warmup_tokens)
+            t2w.hift.warm_up(mel.shape[2])
 
     # -- memory ---------------------------------------------------------------------------------------------------
 
@@ -256,6 +259,14 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         with clock.phase("precision"):
             _set_precision(parts.modules, casts, quantize)
     _warn_slow_bf16(parts.modules)
+    from cosyserve.device import resolve_device, to_device
+
+    device = resolve_device(o.device)
+    if device.type != "cpu":
+        # from the mapped files to the device tensor by tensor through pinned staging (no host copy of the model)
+        with clock.phase("to_device"):
+            for module in parts.modules.values():
+                to_device(module, device)
     with clock.phase("construct"):
         cfg = bundle.config
         family = cfg.family_spec
@@ -296,7 +307,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     if o.warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
         # seconds later, so they warm up after READY, below
-        with clock.phase("warmup"):
+        with clock.phase("warmup"), factory_device(device):  # the warm-ups' dummy inputs made on the device
             runtime._lm.warm_up(o.warmup_tokens)
     clock.mark("ready")
     after: list[tuple[str, Callable[[], None]]] = []

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cosyserve.device import module_device
 from cosyserve.runtime.streampolicy import StreamPolicy
 from cosyserve.stop import ShouldStop
 
@@ -58,6 +59,7 @@ def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Ten
     # The reference multiplies float32 audio by a float64 numpy window: products and sum in float64, stored
     # back into the float32 tensor.
     n = window.shape[0] // 2
+    window = window.to(fade_in.device)
     out = fade_in.clone()
     mixed = fade_in[..., :n].double() * window[:n] + fade_out[..., -n:].double() * window[n:]
     out[..., :n] = mixed.to(out.dtype)
@@ -81,6 +83,8 @@ class Token2Wav:
         self.hift = hift
         self.policy = policy or StreamPolicy(input_frame_rate=int(flow.input_frame_rate))
         self.flow_steps = flow_steps
+        # where the modules compute: the request's tensors are made there
+        self.device = module_device(flow)
 
     def _call(
         self,
@@ -96,7 +100,7 @@ class Token2Wav:
         should_stop: ShouldStop | None,
     ) -> torch.Tensor:
         p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
         mel, state.flow_cache = self.flow.inference(
             token,
             torch.tensor([token.shape[1]], dtype=torch.int32),
@@ -125,7 +129,7 @@ class Token2Wav:
             mel = torch.cat([state.cache_mel, mel], dim=2)
             cache_source = state.cache_source
         else:
-            cache_source = torch.zeros(1, 1, 0)
+            cache_source = torch.zeros(1, 1, 0, device=self.device)
         speech, source = self.hift.inference(
             mel,
             cache_source,
@@ -176,8 +180,11 @@ class Token2Wav:
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
         p = self.policy
-        prompt_token = torch.zeros(1, 0, dtype=torch.int32) if prompt_token is None else prompt_token
-        prompt_feat = torch.zeros(1, 0, 80) if prompt_feat is None else prompt_feat
+        d = self.device
+        prompt_token = (
+            torch.zeros(1, 0, dtype=torch.int32, device=d) if prompt_token is None else prompt_token
+        )
+        prompt_feat = torch.zeros(1, 0, 80, device=d) if prompt_feat is None else prompt_feat
         state = _StreamState()
         draws = draws if draws is not None else iter(())
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cosyserve.device import module_device
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.stop import ShouldStop
 
@@ -112,6 +113,8 @@ class Token2Wav2:
         self.hift = hift
         self.policy = policy or StreamPolicy2()
         self.flow_steps = flow_steps
+        # where the modules compute: the request's tensors are made there
+        self.device = module_device(flow)
 
     def _call(
         self,
@@ -130,7 +133,7 @@ class Token2Wav2:
         should_stop: ShouldStop | None = None,
     ) -> tuple[torch.Tensor, _Cache | None]:
         p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
         mel = self.flow.inference(
             token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
             n_timesteps=self.flow_steps, should_stop=should_stop,
@@ -140,7 +143,7 @@ class Token2Wav2:
             mel = torch.cat([cache.mel, mel], dim=2)
             cache_source = cache.source
         else:
-            cache_source = torch.zeros(1, 1, 0)
+            cache_source = torch.zeros(1, 1, 0, device=self.device)
         if finalize and speed != 1.0:
             if cache is not None:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
@@ -192,8 +195,11 @@ class Token2Wav2:
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
         p = self.policy
-        prompt_token = torch.zeros(1, 0, dtype=torch.int32) if prompt_token is None else prompt_token
-        prompt_feat = torch.zeros(1, 0, 80) if prompt_feat is None else prompt_feat
+        d = self.device
+        prompt_token = (
+            torch.zeros(1, 0, dtype=torch.int32, device=d) if prompt_token is None else prompt_token
+        )
+        prompt_feat = torch.zeros(1, 0, 80, device=d) if prompt_feat is None else prompt_feat
         draws = draws if draws is not None else iter(())
         if not stream:
             all_tokens = list(tokens)

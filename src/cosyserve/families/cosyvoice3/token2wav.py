@@ -104,7 +104,7 @@ class Token2Wav3(Token2Wav2):
     ) -> tuple[torch.Tensor, _MelCache | None]:
         # generator: unused, CosyVoice3's vocoder draws nothing
         p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32).unsqueeze(0)
+        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
         mel = self.flow.inference(
             token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
             n_timesteps=self.flow_steps, should_stop=should_stop,
