@@ -10,6 +10,11 @@ The LM needs ``<|endofprompt|>`` in its prompt text or text (the reference asser
 ``You are a helpful assistant.<|endofprompt|>`` there). A request without one is completed here with that default,
 the prefix of every example of the official README, rather than refused: an OpenAI-style client knows nothing of
 the marker, and the default is what the model was shown.
+
+Tags in the text: the tokenizer's special tokens (CosyVoice2's ``[breath]``, ``[laughter]``, ``<strong>`` ...,
+CosyVoice3's ``<|endofsystem|>``, ARPAbet phone tags such as ``[AA1]`` and pinyin tags) are one token each; any other
+bracketed word (``[foo]``) is plain text, tokenized as its characters, as in the reference, which refuses nothing:
+the model reads it, and may speak it.
 """
 
 from __future__ import annotations
