@@ -1,6 +1,7 @@
 """The public API end to end on a tiny random-weight model."""
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,3 +65,30 @@ def test_speed_changes_duration(model) -> None:  # type: ignore[no-untyped-def]
 def test_bad_requests(model, kwargs, needle) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ClientError, match=needle):
         list(model.synthesize(**kwargs))
+
+
+def test_concurrent_calls_of_one_loaded_model_take_turns(tiny_model_dir: Path) -> None:
+    """A model loaded with one slot keeps its LM's caches on the module: two threads calling it at once shared
+    them and both got wrong audio, silently. They must take turns and each get the audio it gets alone."""
+    import threading
+
+    import numpy as np
+
+    import cosyserve
+
+    model = cosyserve.load(tiny_model_dir, warmup=False)
+    texts = ["Hello there, the first voice speaks.", "And this one is the second request."]
+    alone = [model.synthesize_all(t, seed=i) for i, t in enumerate(texts)]
+    together: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        together[i] = model.synthesize_all(texts[i], seed=i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for a, b in zip(alone, together, strict=True):
+        assert b is not None and a.shape == b.shape and np.array_equal(a, b)
+    model.close()

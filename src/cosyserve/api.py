@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,9 @@ class CosyVoiceModel:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        # a runtime serves `slots` requests at once (its LM keeps one request's caches on the module when it has
+        # one slot): calls from more threads than that wait their turn instead of sharing the caches
+        self._slots = threading.Semaphore(max(1, int(runtime.slots)))
 
     @property
     def clock(self) -> Any:
@@ -146,8 +150,9 @@ class CosyVoiceModel:
         """Run a :class:`~cosyserve.request.SynthesisRequest` to its end in this thread (no deadline is enforced:
         that is the engine's job); checks and prompt extraction happen before this returns. A chunk with NaN or
         infinite samples raises :class:`~cosyserve.errors.InternalError` instead of being returned, as the
-        server's engine does."""
-        return _finite(self.runtime.start(request, _never))
+        server's engine does. Thread-safe: iterations from more threads than the runtime's ``slots`` (1 unless
+        loaded with ``batch_size``) take turns, each holding a slot from its first chunk to its end (or close)."""
+        return _finite(self.runtime.start(request, _never), self._slots)
 
     # -- the voice registry ---------------------------------------------------------------------------------------
 
@@ -199,15 +204,16 @@ class CosyVoiceModel:
         self.runtime.close()
 
 
-def _finite(chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+def _finite(chunks: Iterator[np.ndarray], slots: threading.Semaphore) -> Iterator[np.ndarray]:
     from cosyserve.engine.engine import check_finite
 
-    try:
-        for chunk in chunks:
-            check_finite(chunk)
-            yield chunk
-    finally:
-        getattr(chunks, "close", lambda: None)()  # a generator stopped early frees its state now
+    with slots:  # taken when the first chunk is asked for: a generator never iterated holds nothing
+        try:
+            for chunk in chunks:
+                check_finite(chunk)
+                yield chunk
+        finally:
+            getattr(chunks, "close", lambda: None)()  # a generator stopped early frees its state now
 
 
 def _never() -> bool:
