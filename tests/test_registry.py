@@ -492,3 +492,14 @@ def test_cli_speakers_and_zero_shot_synth(
     with pytest.raises(SystemExit):
         main(["speakers", "remove", "clara", *model])
     assert "not registered" in capsys.readouterr().err
+
+
+def test_a_voice_reports_its_prompt_length_at_its_family_token_rate(tmp_path: Path) -> None:
+    """CosyVoice2/3 tokens are 25 Hz: a 2 s prompt of 50 tokens was reported as a 1 s one (read at 50 Hz)."""
+    import numpy as np
+
+    from cosyserve.registry import Speaker
+
+    features = {"flow_prompt_speech_token": np.zeros((1, 50), np.int32)}
+    assert Speaker("v", "t", "zero_shot", features, token_rate=25).seconds == 2.0
+    assert Speaker("v", "t", "zero_shot", features, token_rate=50).seconds == 1.0

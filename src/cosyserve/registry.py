@@ -112,6 +112,7 @@ class Speaker:
             registry with ``arrays="numpy"``; treat as read-only.
         prompt_text: the transcript it was registered with ("" when imported from a spk2info.pt).
         created: registration time, seconds since the epoch.
+        token_rate: speech tokens per second of the model's family (50 for CosyVoice-300M, 25 for CosyVoice2/3).
     """
 
     name: str
@@ -120,13 +121,14 @@ class Speaker:
     features: dict[str, Any]
     prompt_text: str = ""
     created: float = 0.0
+    token_rate: int = 50
 
     @property
     def seconds(self) -> float:
-        """Prompt duration implied by the speech tokens (50 Hz); 0 for sft entries."""
+        """Prompt duration implied by the speech tokens; 0 for sft entries."""
         if self.kind != "zero_shot":
             return 0.0
-        return self.features["flow_prompt_speech_token"].shape[1] / 50
+        return self.features["flow_prompt_speech_token"].shape[1] / self.token_rate
 
 
 @dataclass(frozen=True)
@@ -397,9 +399,10 @@ class SpeakerRegistry:
         arrays: what entries hold: ``torch`` tensors (the torch runtime) or ``numpy`` arrays (no torch import).
     """
 
-    def __init__(self, root: str | os.PathLike[str], arrays: Arrays = "torch") -> None:
+    def __init__(self, root: str | os.PathLike[str], arrays: Arrays = "torch", token_rate: int = 50) -> None:
         self.root = Path(root)
         self.arrays: Arrays = arrays
+        self.token_rate = token_rate  # speech tokens per second of the models whose voices it holds
         self._lock = threading.Lock()
         self._cache: dict[Path, tuple[tuple[int, int, int], Speaker]] = {}
         self._cleaned: set[Path] = set()  # folders whose leftover temporaries this registry removed
@@ -455,6 +458,7 @@ class SpeakerRegistry:
             features=features,
             prompt_text=meta.get("prompt_text", ""),
             created=created,
+            token_rate=self.token_rate,
         )
         with self._lock:
             self._cache[path] = (key, speaker)
@@ -520,7 +524,13 @@ class SpeakerRegistry:
                 f"speaker {name!r} is already registered for tenant {tenant!r}: remove it first or overwrite"
             )
         speaker = Speaker(
-            name, tenant, kind, _as(self.arrays, clean), prompt_text=prompt_text, created=time.time()
+            name,
+            tenant,
+            kind,
+            _as(self.arrays, clean),
+            prompt_text=prompt_text,
+            created=time.time(),
+            token_rate=self.token_rate,
         )
         from safetensors.numpy import save as save_safetensors
 

@@ -433,8 +433,10 @@ class RuntimeVoices:
         """Keep registered voices under ``root`` instead of the default location."""
         from cosyserve.registry import SpeakerRegistry
 
-        arrays = self.pipeline.registry.arrays if self.pipeline.registry is not None else "torch"
-        self.pipeline.registry = SpeakerRegistry(root, arrays=arrays)
+        old = self.pipeline.registry
+        arrays = old.arrays if old is not None else "torch"
+        rate = old.token_rate if old is not None else 50
+        self.pipeline.registry = SpeakerRegistry(root, arrays=arrays, token_rate=rate)
 
     @property
     def registry_root(self) -> Path | None:

@@ -290,7 +290,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             parts.speakers,
             cfg.sample_rate,
             policy,
-            registry=SpeakerRegistry(registry_root),
+            registry=SpeakerRegistry(registry_root, token_rate=int(cfg.flow.input_frame_rate)),
             model_dir=path if Path(str(path)).exists() else bundle_dir,
             instruct=bundle.instruct,
             default_voice=o.default_voice,
