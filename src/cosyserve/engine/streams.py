@@ -53,7 +53,14 @@ class _StreamBase:
         self.request = job.request  # as the runtime resolved it (mode, speaker)
         self.request_id = job.request.request_id
         self.sample_rate = engine.sample_rate
-        weakref.finalize(self, _cancel_if_running, engine, job)
+        # cancels the request if the stream is dropped unfinished; detached once it is done (see _finish)
+        self._finalizer = weakref.finalize(self, _cancel_if_running, engine, job)
+
+    def _finish(self) -> None:
+        # the stream is done: its request ended or was cancelled. Detach the finaliser, whose registry would
+        # otherwise keep the job (and whatever it reaches: a client's session, its text feed) alive for good
+        self._done = True
+        self._finalizer.detach()
 
 
 class AudioStream(_StreamBase):
@@ -83,16 +90,16 @@ class AudioStream(_StreamBase):
             else:
                 item = await self._q.get()
         except TimeoutError:
-            self._done = True
+            self._finish()
             err = DeadlineExceededError(f"request {job.request.request_id}: deadline passed")
             self._engine.cancel(job, err)
             raise err from None
         except (asyncio.CancelledError, GeneratorExit):
-            self._done = True
+            self._finish()
             self._engine.cancel(job, RequestCancelledError("client went away"))
             raise
         if isinstance(item, End):
-            self._done = True
+            self._finish()
             if item.error is not None:
                 raise item.error
             raise StopAsyncIteration
@@ -101,7 +108,7 @@ class AudioStream(_StreamBase):
 
     async def aclose(self) -> None:
         if not self._done:
-            self._done = True
+            self._finish()
             self._engine.cancel(self._job, RequestCancelledError("stream closed by the client"))
 
     async def __aenter__(self) -> AudioStream:
@@ -136,7 +143,7 @@ class SyncAudioStream(_StreamBase):
         try:
             item = self._q.get(timeout=timeout)
         except queue.Empty:
-            self._done = True
+            self._finish()
             err = DeadlineExceededError(f"request {job.request.request_id}: deadline passed")
             self._engine.cancel(job, err)
             raise err from None
@@ -144,7 +151,7 @@ class SyncAudioStream(_StreamBase):
             self.close()
             raise
         if isinstance(item, End):
-            self._done = True
+            self._finish()
             if item.error is not None:
                 raise item.error
             raise StopIteration
@@ -153,7 +160,7 @@ class SyncAudioStream(_StreamBase):
 
     def close(self) -> None:
         if not self._done:
-            self._done = True
+            self._finish()
             self._engine.cancel(self._job, RequestCancelledError("the caller stopped reading"))
 
     def __enter__(self) -> SyncAudioStream:
