@@ -4,7 +4,8 @@
 #   scripts/gpu_wheels.sh [DEST]     # default bench/gpu-wheels: carry that folder beside bench/gpu.py
 #   scripts/gpu_wheels.sh --check    # only resolve them (pip install --dry-run): a few KB of metadata, no wheels
 #
-# What: every requirement of pyproject.toml's [project] dependencies and their own dependencies, as wheels for the
+# What: every requirement of pyproject.toml's [project] dependencies and of its torch extra but torch (onnx), and
+# their own dependencies, as wheels for the
 # GPU machine's interpreter, whatever this machine runs: CPython $GPU_PYTHON (default 3.12) on manylinux x86_64
 # (GPU_PLATFORMS to change). Not torch: the GPU machine's own CUDA build stays, and bench/gpu.py installs only what
 # its interpreter lacks, into a virtual environment over the system's packages, with pip --no-index.
@@ -21,7 +22,10 @@ abi="cp${GPU_PYTHON/./}"
 mapfile -t reqs < <("$PYTHON" -c '
 import tomllib
 with open("pyproject.toml", "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+    doc = tomllib.load(f)["project"]
+# the base dependencies, and those of the torch extra but torch (onnx: the converter rewrites campplus.onnx)
+extra = [r for r in doc["optional-dependencies"]["torch"] if not r.startswith("torch")]
+print("\n".join(doc["dependencies"] + extra))
 ')
 target=(--only-binary=:all: --implementation cp --python-version "$GPU_PYTHON" --abi "$abi" --abi abi3 --abi none)
 for p in $GPU_PLATFORMS; do

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +82,7 @@ class CosyVoiceModel:
 
     def synthesize(
         self,
-        text: str = "",
+        text: str | Iterable[str] = "",
         speaker: str | None = None,
         *,
         stream: bool = False,
@@ -100,14 +100,15 @@ class CosyVoiceModel:
         The request is checked and its prompt features extracted before this returns; errors raise here.
 
         Args:
-            text: text to speak (split into sentences internally); not for vc.
+            text: text to speak (split into sentences internally); or an iterable of its pieces as they arrive (an
+                LLM's output: spoken while it is still being written, see :mod:`cosyserve.textfeed`); not for vc.
             speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
                 (zero_shot, cross_lingual); None: the model's default voice (sft, instruct).
             stream: yield chunks as soon as they exist (True; the `chunk_policy` setting: by default a short
                 first chunk, then longer ones) or one chunk per sentence (False).
             speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
-            mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct`` or ``vc`` (see
+            mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``instruct2`` or ``vc`` (see
                 :mod:`cosyserve.request` for the fields each takes). ``None``: ``zero_shot`` when
                 ``speaker`` is a registered zero-shot voice, else ``sft``.
             prompt_text: transcript of ``prompt_wav`` (zero_shot).

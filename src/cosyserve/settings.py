@@ -335,8 +335,8 @@ class Settings:
         flag="--registry-dir",
         cast=Folder(),
         blank_unsets=False,
-        doc="registered (zero-shot) voices, shared by every model of a family (CosyVoice2 models use its "
-        "`cosyvoice2/` folder); set it in deployments: caches get wiped",
+        doc="registered (zero-shot) voices, shared by every model of a family (CosyVoice2 and CosyVoice3 models "
+        "use its `cosyvoice2/` and `cosyvoice3/` folders); set it in deployments: caches get wiped",
         shown="cache dir/speakers/MODEL",
     )
     # -- precision and flow steps (cosyserve.models.precision) ------------------------------------------------

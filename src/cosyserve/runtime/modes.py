@@ -28,7 +28,7 @@ _MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, n
 
 def _nothing_to_speak(what: str) -> ClientError:
     return ClientError(
-        f"text {what} has nothing to speak: no letter or digit, only punctuation, symbols, blanks or invisible "
+        f"{what} has nothing to speak: no letter or digit, only punctuation, symbols, blanks or invisible "
         "characters",
         param="text",
     )
@@ -163,7 +163,7 @@ class ModelModes:
             assert isinstance(r.text, str)
             pieces = self._pieces_of(r.text, r.normalize)
             if not pieces:
-                raise _nothing_to_speak(repr(shown(r.text)))
+                raise _nothing_to_speak(f"text {shown(r.text)!r}")
             return pieces
         return self._streamed_pieces(r)
 

@@ -2,7 +2,7 @@
 
 The modules are :mod:`cosyserve.models.cosyvoice3_lm` (the LM over 6561 speech tokens + 200 special ids),
 :mod:`cosyserve.models.dit` (the DiT flow) and :mod:`cosyserve.models.causal_hift` (the causal vocoder, its noise
-fixed: :mod:`.noise`); CosyVoice2's Qwen tokenizer with 280 more special tokens; ``speech_tokenizer_v3.onnx``;
+fixed: :mod:`.noise`); CosyVoice2's Qwen tokenizer with 278 more special tokens (280 in its special block, 151644-151923); ``speech_tokenizer_v3.onnx``;
 the yaml's prompt mel (up to 12 kHz); token2wav with CosyVoice2's chunks and a vocoder re-run on the whole mel so
 far, silent-token runs cut to 5 (:mod:`.token2wav`); conformance kinds in :mod:`.conformance`.
 
