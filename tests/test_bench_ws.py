@@ -1,0 +1,127 @@
+"""bench/ws_load.py and bench/ws_first_audio.py cannot rot: their dry runs (the real runs' code against a real
+``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
+send traffic off the machine.
+
+Both dry runs share one work folder, so the tiny CosyVoice-300M model is made once (~25 s for the two)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+pytest.importorskip("websockets.asyncio.client")
+
+
+def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def rows_after(header: str, text: str) -> list[list[str]]:
+    """The table whose header line starts with ``header`` (the last one printed): its rows, split on blanks."""
+    lines = text.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.split()[:1] == [header])
+    out: list[list[str]] = []
+    for line in lines[start + 1 :]:
+        cells = line.split()
+        if not cells or (out and len(cells) != len(out[0])):  # a row has as many cells as the first
+            break
+        out.append(cells)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ws-bench")
+
+
+def test_load_dry_run_reports_every_level_and_what_the_loop_left(work: Path, tmp_path: Path) -> None:
+    """If this fails, bench/ws_load.py no longer runs end to end (make, serve, sessions at LLM pace, the loop of
+    sessions, the server's /proc counts), or a level lost a figure, or it counts an error on a healthy server."""
+    out = tmp_path / "load.json"
+    r = run("ws_load.py", "--dry-run", "--work", str(work), "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = rows_after("sessions", r.stdout)
+    assert [row[0] for row in rows] == ["1", "2"], r.stdout  # one line per --sessions level, in one table
+    result = json.loads(out.read_text())
+    for level, row in zip(result["levels"], rows, strict=True):
+        n = level["sessions"]
+        assert level["utterances"] == 2 * n and level["errors"] == 0, level  # 2 utterances per session
+        assert level["cut"] == 0, "a 300M utterance makes the one-shot request's audio: none is cut"
+        # the last word is sent 100 ms after the first text
+        assert 0 < level["last_word_p50_ms"] < level["first_text_p50_ms"], level
+        assert level["first_text_p50_ms"] <= level["first_text_p99_ms"]
+        assert level["xrt"] > 0 and level["wall_s"] > 0 and level["audio_s"] > 0
+        assert row[1] == str(2 * n) and row[3] == "0", row  # the table shows the same figures
+    loop = result["churn"]
+    assert loop["sessions"] == 15 and loop["errors"] == 0, loop
+    before, after = loop["before"], loop["after"]
+    # nothing left behind in the server process: its threads and descriptors (its memory is reported: 15 sessions
+    # move RSS by less than its noise; tests/test_server_ws.py counts the Python heap and the sessions exactly)
+    assert after["threads"] <= before["threads"] and after["fds"] <= before["fds"], loop
+    assert before["rss_kib"] > 0 and after["rss_kib"] > 0
+    assert re.search(
+        r"^15 sessions opened and closed .* server threads \d+ -> \d+, file descriptors", r.stdout, re.M
+    )
+
+
+def test_first_audio_dry_run_gives_the_target_ratio_of_each_family(work: Path, tmp_path: Path) -> None:
+    """If this fails, bench/ws_first_audio.py no longer measures both sides of issue 27's target, or counts the
+    WebSocket's first audio from the wrong moment for a family (the last word for the 300M family, the first text
+    for CosyVoice2/3)."""
+    out = tmp_path / "first.json"
+    r = run(
+        "ws_first_audio.py", "--dry-run", "--families", "cosyvoice,cosyvoice2", "--work", str(work), "--json",
+        str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [row[0] for row in rows_after("family", r.stdout)] == ["cosyvoice", "cosyvoice2"], r.stdout
+    got: dict[str, dict[str, Any]] = {f["family"]: f for f in json.loads(out.read_text())["families"]}
+    for family, counted_from, ws_key in (
+        ("cosyvoice", "last word", "ws_last_word_ms"),
+        ("cosyvoice2", "first text", "ws_first_text_ms"),
+    ):
+        f = got[family]
+        assert f["counted_from"] == counted_from, f
+        assert f["ratio"] == pytest.approx(f[ws_key] / f["http_ms"]), f
+        assert f["met"] == (f["ratio"] <= 1.2)
+        samples = f["samples_ms"]
+        assert [len(samples[k]) for k in ("ws_first_text", "ws_last_word", "http")] == [2, 2, 2], samples
+        assert all(x > 0 for x in samples["http"] + samples["ws_first_text"]), samples
+        # the words take (6 - 1) x 20 ms to send: the first text comes at least that long before the last word
+        gaps = [a - b for a, b in zip(samples["ws_first_text"], samples["ws_last_word"], strict=True)]
+        assert all(g >= 100 - 1 for g in gaps), gaps
+
+
+def test_traffic_stays_on_the_machine(tmp_path: Path) -> None:
+    """If this fails, the load scripts would send sessions to another host than the loopback interface."""
+    for script, extra in (("ws_load.py", ()), ("ws_first_audio.py", ("--family", "cosyvoice"))):
+        r = run(script, "--url", "http://192.0.2.1:8000", *extra, cwd=tmp_path)
+        assert r.returncode == 2 and "loopback" in r.stderr, (script, r.stderr[-500:])
+    sys.path.insert(0, str(BENCH))
+    try:
+        from ws_load import loopback_target, words
+    finally:
+        sys.path.remove(str(BENCH))
+    assert loopback_target("http://localhost:8000").ws_url == "ws://localhost:8000/v1/audio/speech/stream"
+    assert loopback_target("ws://[::1]:9").ws_url == "ws://[::1]:9/v1/audio/speech/stream"
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        loopback_target("http://127.0.0.1")
+    # an LLM's pieces: each word with the blank after it, and nothing lost
+    assert words(" Hello  there, you. ") == ["Hello ", "there, ", "you."]
