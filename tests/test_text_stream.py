@@ -159,3 +159,22 @@ def test_a_stopped_request_stops_reading_its_text(tiny_model_dir: Path) -> None:
     finally:
         rt.close()
     assert sum(c.size for c in rest) < 30 * rt.sample_rate
+
+
+def test_a_streamed_lm_run_is_bounded_by_the_text_it_received(cv3_model_dir: Path) -> None:
+    """The reference's bistream decodes until EOS: an LM that never picks it (random weights, text it cannot
+    read) ran to the piece cap of a minute of speech for three words. At most 20 speech tokens per text token
+    received, as one-shot synthesis allows."""
+    import torch
+
+    rt = load_runtime(cv3_model_dir, RuntimeOptions(warmup=False))
+    try:
+        llm = rt.pipeline.llm
+        prompt = torch.tensor([[151646]], dtype=torch.int32)  # <|endofprompt|> alone
+        pieces = [torch.tensor([[10, 11]], dtype=torch.int32), torch.tensor([[12]], dtype=torch.int32)]
+        gen = torch.Generator().manual_seed(0)
+        tokens = list(llm.inference_bistream(iter(pieces), prompt, torch.zeros(1, 0, dtype=torch.int32),
+                                             generator=gen))  # fmt: skip
+    finally:
+        rt.close()
+    assert 0 < len(tokens) <= 20 * 3

@@ -385,6 +385,7 @@ class Qwen2LM(SpeechLM):
         *,
         on_step: Callable[[Tensor, int], None] | None = None,
         max_tokens: int | None = None,
+        max_token_text_ratio: float | None = None,
     ) -> Iterator[int]:
         """Speech tokens for text that arrives in pieces: the reference's ``inference_bistream`` (batch 1).
 
@@ -403,6 +404,8 @@ class Qwen2LM(SpeechLM):
                 True while the utterance may not end (the reference then masks id ``speech_token_size`` only).
             on_step: called with every step's log-probabilities (1, V) and its id, forced fills included.
             max_tokens: stop after this many ids (fills included); None for no limit.
+            max_token_text_ratio: stop after this many ids per text token received (None: no limit, as the
+                reference): bounds a run whose LM never picks EOS, as one-shot synthesis's max_len does.
         Yields:
             Speech token ids (< ``speech_token_size``), as they are decoded.
         Raises:
@@ -449,6 +452,8 @@ class Qwen2LM(SpeechLM):
                     on_step(logp, token)
                 if max_tokens is not None and len(out) >= max_tokens:
                     raise _Limit
+                if max_token_text_ratio is not None and len(out) >= max_token_text_ratio * max(n_words, 1):
+                    raise _Limit
                 if token >= self.eos_token:
                     if token == (self.fill_token if arriving else self.eos):
                         return x
@@ -457,9 +462,13 @@ class Qwen2LM(SpeechLM):
                 yield token
                 x = self.speech_embedding.weight[token].reshape(1, 1, -1)
 
+        n_words = (
+            prompt_text.shape[1] - end
+        )  # text tokens received (the prompt text's, after its head, with them)
         self.stack.setup_caches(1, 256)
         try:
             for piece in text:
+                n_words += piece.reshape(1, -1).shape[1]
                 text_cache = torch.cat([text_cache, words(piece)], dim=1)
                 while pst.shape[1] and text_cache.shape[1] >= n_text:
                     lm_input = torch.cat([lm_input, text_cache[:, :n_text], pst[:, :n_speech]], dim=1)
@@ -489,11 +498,14 @@ class Qwen2LM(SpeechLM):
         sampling: SamplingConfig | None = None,
         generator: torch.Generator | None = None,
         max_tokens: int | None = None,
+        max_token_text_ratio: float | None = 20.0,
     ) -> Iterator[int]:
         """:meth:`bistream` with the reference's sampling (repetition-aware). ``generator``: source of every draw
         (default a freshly seeded one, never the global RNG).
 
-        One departure: the reference masks only id ``speech_token_size`` while the text still arrives, and raises
+        Two departures. The reference decodes until EOS however long that takes; here at most
+        ``max_token_text_ratio`` speech tokens per text token received (the reference's own one-shot limit, 20).
+        And the reference masks only id ``speech_token_size`` while the text still arrives, and raises
         when its sampling then picks another special id (or, once the text ended, a special id other than EOS):
         a request that fails half-way through its audio. Here the special ids a step may not pick are masked
         (every one but fill while text arrives, every one but EOS after), so the same draw picks among the ids
@@ -516,7 +528,14 @@ class Qwen2LM(SpeechLM):
                 history[0, : len(recent)] = torch.tensor(recent, device=logp.device)
             return int(ras_sample(logp, history, cfg, generator))
 
-        yield from self.bistream(text, prompt_text, prompt_speech_token, sample, max_tokens=max_tokens)
+        yield from self.bistream(
+            text,
+            prompt_text,
+            prompt_speech_token,
+            sample,
+            max_tokens=max_tokens,
+            max_token_text_ratio=max_token_text_ratio,
+        )
 
     @torch.inference_mode()
     def teacher_forced_bistream(
