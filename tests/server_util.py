@@ -1,42 +1,95 @@
-"""Start a real ``python -m cosyserve serve`` process on 127.0.0.1 for tests, and always stop it.
+"""Servers for the tests, one module for every way a test starts one, and the one poll they all wait with.
 
-Usage (one server per test module keeps runs short)::
+- :func:`running_server` / :func:`start_server`: a real ``python -m cosyserve serve`` process on 127.0.0.1, always
+  stopped. One per test module keeps runs short::
 
-    @pytest.fixture(scope="module")
-    def server(tiny_model_dir, tmp_path_factory):
-        with running_server(tiny_model_dir, tmp_path_factory.mktemp("srv"), args=["--max-text-chars", "50"]) as s:
-            yield s
+      @pytest.fixture(scope="module")
+      def server(tiny_model_dir, tmp_path_factory):
+          with running_server(tiny_model_dir, tmp_path_factory.mktemp("srv"), args=["--max-text-chars", "50"]) as s:
+              yield s
 
-The child gets a clean environment: the caller's, minus every ``COSYSERVE_*`` variable and the deployment names
-(``MODEL_POOL_SIZE``, ``USE_MMAP_LOADING``, ``PREWARM_MODELS``) except the cache dir, plus ``src`` on
-``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, ``COSYSERVE_DRAIN_DELAY=0`` (a
-stop closes the port at once; the tests of the drain window pass ``--drain-delay``), then ``env``. While it waits
-for ``/health/ready`` it keeps the first 503 answers of the health routes (:attr:`ServerProcess.before_ready`),
-so a test can check what a probe sees before the model is loaded.
+  The child gets a clean environment: the caller's, minus every ``COSYSERVE_*`` variable and the deployment names
+  (``MODEL_POOL_SIZE``, ``USE_MMAP_LOADING``, ``PREWARM_MODELS``) except the cache dir, plus ``src`` on
+  ``PYTHONPATH``, ``COSYSERVE_REGISTRY_DIR`` in the server's own folder unless given, ``COSYSERVE_DRAIN_DELAY=0``
+  (a stop closes the port at once; the tests of the drain window pass ``--drain-delay``), then ``env``. While it
+  waits for ``/health/ready`` it keeps the first 503 answers of the health routes
+  (:attr:`ServerProcess.before_ready`), so a test can check what a probe sees before the model is loaded.
+- :func:`serve`: the app under a real uvicorn in a thread of the test's process, over :class:`FakeRuntime` (real
+  sockets, a real WebSocket handshake, a browser, and a look at the engine and the runtime behind it)::
+
+      with serve(FakeRuntime(chunk_len=50), ws_idle_timeout_s=0.5) as s:
+          with s.connect() as ws: ...  # a `websockets` client on /v1/audio/speech/stream
+          s.wait_until(lambda: s.engine.in_flight == 0, "the request ended")
+- :func:`in_process`: the app in-process under starlette's ``TestClient`` (its lifespan runs the preload), ready
+  when it yields.
+- :func:`wait_until`: poll a condition with a generous bound. Tests wait for states this way, never by sleeping a
+  fixed time: a loaded machine makes every step slower, and only the bound (reached on failure alone) is timed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-__all__ = ["ServerProcess", "free_port", "post_and_hold", "running_server", "start_server"]
+if TYPE_CHECKING:
+    from starlette.testclient import TestClient
+
+    from cosyserve.engine.quotas import Tenant
+    from cosyserve.settings import Settings
+    from fake_runtime import FakeRuntime
+
+__all__ = [
+    "LOAD_S",
+    "WAIT_S",
+    "WS_PATH",
+    "ServerProcess",
+    "Served",
+    "in_process",
+    "free_port",
+    "post_and_hold",
+    "running_server",
+    "serve",
+    "start_server",
+    "wait_ready",
+    "wait_until",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 30.0  # bound on a wait for a state reached in milliseconds (it is reached only when a test fails)
+LOAD_S = 120.0  # bound on a wait that includes a model load (a second or two on the tiny models)
+WS_PATH = "/v1/audio/speech/stream"
 _DROP = ("MODEL_POOL_SIZE", "USE_MMAP_LOADING", "PREWARM_MODELS")
 _KEEP = ("COSYSERVE_CACHE_DIR",)
+
+
+def wait_until(
+    cond: Callable[[], object],
+    what: str | Callable[[], str] = "the condition held",
+    timeout_s: float = WAIT_S,
+    poll_s: float = 0.01,
+) -> None:
+    """Poll ``cond`` until it is true; fail naming ``what`` (a string, or a function giving one, called then) once
+    ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what() if callable(what) else what}")
+        time.sleep(poll_s)
 
 
 def free_port() -> int:
@@ -210,3 +263,137 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+# --- the app in this process --------------------------------------------------------------------------------------
+
+
+class Served:
+    """The app under uvicorn on 127.0.0.1 (model ``m``), its state, its event loop and its fake runtime."""
+
+    def __init__(self, app: Any, fake: FakeRuntime, port: int) -> None:
+        self.app = app
+        self.state = app.state.cosy
+        self.fake = fake
+        self.port = port
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # the app, seen by uvicorn through this: the loop is the one its first call (the lifespan) runs on
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        await self.app(scope, receive, send)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the server's loop (as a signal handler would)."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def tasks(self) -> int:
+        """asyncio tasks alive on the server's loop."""
+        assert self.loop is not None
+
+        async def count() -> int:
+            return len(asyncio.all_tasks())
+
+        return asyncio.run_coroutine_threadsafe(count(), self.loop).result(WAIT_S)
+
+    def url(self, path: str = WS_PATH, scheme: str = "ws") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}{path}"
+
+    @property
+    def engine(self) -> Any:
+        return self.state.pool.engine("m")
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """An httpx client of the server's HTTP routes."""
+        kwargs.setdefault("timeout", WAIT_S)
+        return httpx.Client(base_url=self.url("", "http"), **kwargs)
+
+    def connect(self, **kwargs: Any) -> Any:
+        """A `websockets` client connection to the WebSocket route (no proxy, no compression)."""
+        from websockets.sync.client import connect
+
+        kwargs.setdefault("open_timeout", WAIT_S)
+        return connect(self.url(), proxy=None, compression=None, **kwargs)
+
+    def wait_until(self, cond: Callable[[], bool], what: str) -> None:
+        """Poll ``cond`` until it holds, for at most WAIT_S."""
+        wait_until(cond, what, poll_s=0.01)
+
+
+@contextlib.contextmanager
+def serve(
+    fake: FakeRuntime | None = None,
+    *,
+    tenants: tuple[Tenant, ...] = (),
+    **settings: Any,
+) -> Iterator[Served]:
+    """Serve model ``m`` (``fake``, default a plain :class:`FakeRuntime`) with ``settings`` over the defaults
+    (no environment), ready when this yields; stopped on exit."""
+    import uvicorn
+
+    from cosyserve.engine.pool import ModelPool, ModelSpec
+    from cosyserve.server.app import create_app
+    from cosyserve.server.run import _QuietStreamCuts, uvicorn_options
+    from cosyserve.settings import Settings
+    from fake_runtime import FakeRuntime
+
+    # as `serve` sets its logging up (less the root handler and level, which are pytest's): a stream cut short
+    # is one WARNING, without uvicorn's traceback
+    uv = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietStreamCuts) for f in uv.filters):
+        uv.addFilter(_QuietStreamCuts())
+    runtime = fake or FakeRuntime()
+    pool = ModelPool(
+        [ModelSpec("m", policy="preload")],
+        tenants=tenants,
+        load_model=lambda spec, reload: runtime,
+        memory_probe=None,
+    )
+    cfg = Settings.load(env={}).replace(**settings) if settings else Settings.load(env={})
+    app = create_app(cfg, pool=pool)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    served = Served(app, runtime, sock.getsockname()[1])
+    opts = uvicorn_options(cfg) | {"log_level": "warning"}
+    opts.pop("host"), opts.pop("port")
+    server = uvicorn.Server(uvicorn.Config(served, **opts))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        served.wait_until(lambda: server.started and served.state.ready(), "the server was ready")
+        yield served
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@contextlib.contextmanager
+def in_process(
+    settings: Settings | None = None, *, pool: Any = None, ready: bool = True, timeout_s: float = LOAD_S
+) -> Iterator[TestClient]:
+    """The app of ``settings`` (default: from the environment) in this process under starlette's ``TestClient``,
+    whose lifespan starts the preload; with ``ready`` it yields once ``/health/ready`` answers 200 (failing with
+    what ``/health/startup`` says after ``timeout_s``), else at once."""
+    from starlette.testclient import TestClient
+
+    from cosyserve.server.app import create_app
+    from cosyserve.settings import Settings
+
+    with TestClient(create_app(settings or Settings.load(), pool=pool)) as client:
+        if ready:
+            wait_ready(client, timeout_s)
+        yield client
+
+
+def wait_ready(client: TestClient | httpx.Client, timeout_s: float = LOAD_S) -> None:
+    """Poll ``/health/ready`` until it answers 200; fail with what ``/health/startup`` says after ``timeout_s``."""
+    wait_until(
+        lambda: client.get("/health/ready").status_code == 200,
+        lambda: f"ready: /health/startup says {client.get('/health/startup').json()}",
+        timeout_s,
+    )

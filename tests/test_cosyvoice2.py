@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+
+from server_util import in_process
 
 SPK = "英文女"
 
@@ -121,17 +122,9 @@ def test_instruct_means_instruct2_on_cosyvoice2(model: Any, tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def client(cv2_model_dir: Path) -> Iterator[Any]:
-    from starlette.testclient import TestClient
-
-    from cosyserve.server.app import create_app
     from cosyserve.settings import Settings
 
-    cfg = Settings.load(flags={"models": [f"cv2={cv2_model_dir}"]})
-    with TestClient(create_app(cfg)) as c:
-        end = time.monotonic() + 60
-        while c.get("/health/ready").status_code != 200:
-            assert time.monotonic() < end, c.get("/health/startup").json()
-            time.sleep(0.05)
+    with in_process(Settings.load(flags={"models": [f"cv2={cv2_model_dir}"]})) as c:
         yield c
 
 

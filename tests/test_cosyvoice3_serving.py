@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from tests.server_util import running_server
 from tests.test_cosyvoice2 import wav_bytes  # a voiced 2 s tone
+
+from server_util import LOAD_S, in_process, running_server, wait_until
 
 SPK = "英文女"
 PREFIX = "You are a helpful assistant.<|endofprompt|>"  # the documented default (families/cosyvoice3)
@@ -329,9 +329,6 @@ def test_a_bfloat16_flow_keeps_its_rotary_table_float32(cv3_model_dir: Path, tmp
 
 @pytest.fixture(scope="module")
 def client(cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from starlette.testclient import TestClient
-
-    from cosyserve.server.app import create_app
     from cosyserve.settings import Settings
 
     flags = {
@@ -339,11 +336,7 @@ def client(cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "flow_steps": 1,
         "registry_dir": str(tmp_path_factory.mktemp("cv3-server-registry")),
     }
-    with TestClient(create_app(Settings.load(flags=flags))) as c:
-        end = time.monotonic() + 120
-        while c.get("/health/ready").status_code != 200:
-            assert time.monotonic() < end, c.get("/health/startup").json()
-            time.sleep(0.05)
+    with in_process(Settings.load(flags=flags)) as c:
         yield c
 
 
@@ -445,10 +438,11 @@ def test_prefork_workers_serve_a_cosyvoice3_model(cv3_model_dir: Path, tmp_path:
     args = ["--workers", "2", "--flow-steps", "1"]
     with running_server(cv3_model_dir, tmp_path, args=args, ready_timeout_s=180) as server:
         with server.client(timeout=120.0) as c:
-            end = time.monotonic() + 60  # /health/ready is per worker: wait for both
-            while c.get("/health/ready").json().get("workers", {}).get("ready", 0) < 2:
-                assert time.monotonic() < end, server.log()[-3000:]
-                time.sleep(0.05)
+            wait_until(  # /health/ready is per worker: wait for both
+                lambda: c.get("/health/ready").json().get("workers", {}).get("ready", 0) >= 2,
+                lambda: f"both workers ready:\n{server.log()[-3000:]}",
+                LOAD_S,
+            )
             body = {"input": "Hello there.", "voice": SPK, "response_format": "wav", "seed": 1}
             answers = {c.post("/v1/audio/speech", json=body).content for _ in range(4)}
             assert len(answers) == 1 and len(next(iter(answers))) > 44

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 from cosyserve.registry import SpeakerRegistry
 from cosyserve.staging import LOCK_NAME, LockedDir, clean_stale_dirs
 from proc_util import SRC, run_python
-from server_util import start_server
+from server_util import start_server, wait_until
 
 PREFIX = "cosyserve-metrics-"
 
@@ -35,13 +34,6 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-def _wait(condition, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, f"not {what} within {timeout_s:.0f} s"
-        time.sleep(0.05)
 
 
 # -- the prefork master's metrics directory -----------------------------------------------------------------------
@@ -101,8 +93,10 @@ def test_only_dead_holders_directories_of_our_naming_are_removed(tmp_path: Path)
             assert p.exists(), f"{p} was removed but is not a dead holder's directory of ours"
 
         holder.stdin.close()  # type: ignore[union-attr] - the forked child ends: its directory is stale now
-        _wait(
-            lambda: clean_stale_dirs(tmp_path, PREFIX) == [live_in_child], "removed once its last holder died"
+        wait_until(
+            lambda: clean_stale_dirs(tmp_path, PREFIX) == [live_in_child],
+            "removed once its last holder died",
+            timeout_s=60,
         )
         live_here.remove()
         assert not live_here.path.exists()
@@ -138,7 +132,7 @@ def test_a_prefork_master_killed_with_sigkill_leaves_a_directory_the_next_start_
 
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(30)
-        _wait(lambda: all(_gone(p) for p in pids), "every worker gone after its master's death")
+        wait_until(lambda: all(_gone(p) for p in pids), "every worker gone after its master's death", 60)
         assert run_dir.is_dir()  # what the kill leaves
 
         again = start_server(bad, tmp_path / "c", env=env, args=["--workers", "2"], wait_ready=False)

@@ -13,7 +13,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.testclient import TestClient
 from cosyserve.errors import AudioError, InternalError
 from cosyserve.request import SynthesisRequest
 from fake_runtime import FakeRuntime
+from server_util import in_process
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 NOT_FINITE = "is not finite: it has NaN or infinite samples"
@@ -125,23 +125,14 @@ def test_the_cli_refuses_a_nan_prompt_in_one_line(model_path: tuple[str, Path], 
 # --- HTTP ---------------------------------------------------------------------------------------------------------
 
 
-def wait_ready(client: TestClient, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while client.get("/health/ready").status_code != 200:
-        assert time.monotonic() < end, client.get("/health/startup").json()
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def http(model_path: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    from cosyserve.server.app import create_app
     from cosyserve.settings import Settings
 
     runtime, path = model_path
     registry = tmp_path_factory.mktemp("reg")
     cfg = Settings.load(flags={"models": [f"m={path}"], "runtime": runtime, "registry_dir": str(registry)})
-    with TestClient(create_app(cfg)) as client:
-        wait_ready(client)
+    with in_process(cfg) as client:
         yield client
 
 
@@ -215,14 +206,11 @@ def test_the_python_api_fails_audio_that_is_not_finite() -> None:
 def test_http_answers_500_for_audio_that_is_not_finite() -> None:
     """Over HTTP the non-streamed answer is a 500 with the engine's reason, never a 200 WAV."""
     from cosyserve.engine.pool import ModelPool, ModelSpec
-    from cosyserve.server.app import create_app
-    from cosyserve.settings import Settings
 
     pool = ModelPool(
         [ModelSpec("nan", policy="preload")], load_model=lambda spec, reload: NaNRuntime(), memory_probe=None
     )
-    with TestClient(create_app(Settings.load(), pool=pool)) as client:
-        wait_ready(client)
+    with in_process(pool=pool) as client:
         r = client.post("/v1/audio/speech", json={"model": "nan", "input": "Hi.", "voice": "alice"})
     assert r.status_code == 500, (r.status_code, r.headers.get("content-type"), r.text[:300])
     assert "NaN or infinite samples" in r.json()["error"]["message"], r.text[:300]

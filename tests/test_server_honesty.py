@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from cosyserve.server.metrics import OTHER_MODELS
 from cosyserve.server.run import EXIT_CODES
 from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
-from server_util import ROOT, free_port
+from server_util import ROOT, free_port, wait_until
 
 SECRET_DIR = "/srv/secret-models/tenant-b"
 
@@ -42,13 +41,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, f"not {what} after {timeout} s"
-        time.sleep(0.02)
 
 
 def keyed_settings() -> Settings:
@@ -85,7 +77,7 @@ def auth(key: str) -> dict[str, str]:
 def keyed() -> Iterator[TestClient]:
     """API keys for tenants a (model-a, preloaded) and b (model-b, lazy, whose bundle is damaged), and ops."""
     with TestClient(create_app(keyed_settings(), pool=two_tenants(fails_b))) as client:
-        wait_for(lambda: client.get("/health/ready").status_code == 200, "ready")
+        wait_until(lambda: client.get("/health/ready").status_code == 200, "ready")
         r = client.post(
             "/v1/audio/speech",
             json={"input": "Hi.", "voice": "alice", "model": "model-b"},
@@ -149,7 +141,7 @@ def test_a_failed_preload_shows_its_cause_without_the_server_path() -> None:
     names a tenant's model to a caller without a key, while the same failure on the API is cut."""
     pool = two_tenants(fails_b, policy="preload")
     with TestClient(create_app(keyed_settings(), pool=pool)) as client:
-        wait_for(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
+        wait_until(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
         anonymous = client.get("/health/startup")
         assert anonymous.status_code == 503 and "model-b" not in anonymous.text, anonymous.text
         assert "failed to load" in anonymous.json()["error"] and SECRET_DIR not in anonymous.text
@@ -158,7 +150,7 @@ def test_a_failed_preload_shows_its_cause_without_the_server_path() -> None:
         assert SECRET_DIR not in json.dumps(as_b), as_b
     no_keys = two_tenants(fails_b, policy="preload")
     with TestClient(create_app(Settings.load(), pool=no_keys)) as client:
-        wait_for(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
+        wait_until(lambda: client.get("/health/startup").json()["status"] == "failed", "failed")
         body = client.get("/health/startup").json()
         assert "model-b" in body["error"] and SECRET_DIR not in json.dumps(body), body
 
@@ -266,7 +258,7 @@ def fake() -> Iterator[TestClient]:
         memory_probe=None,
     )
     with TestClient(create_app(Settings.load(), pool=pool)) as client:
-        wait_for(lambda: client.get("/health/ready").status_code == 200, "ready")
+        wait_until(lambda: client.get("/health/ready").status_code == 200, "ready")
         yield client
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,31 +14,20 @@ from starlette.testclient import TestClient
 
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.quotas import Tenant
-from cosyserve.server.app import create_app
 from cosyserve.settings import Settings
 from cosyserve.sources import resolve_source
 from fake_runtime import FakeRuntime
-
-
-def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        r = client.get("/health/ready")
-        if r.status_code == 200:
-            return
-        assert r.status_code == 503 and r.json()["status"] in ("not_ready", "draining")
-        time.sleep(0.05)
-    raise AssertionError(f"not ready after {timeout} s: {client.get('/health/startup').json()}")
+from server_util import in_process, wait_ready
 
 
 def test_cors_is_off_by_default_and_allows_only_configured_origins(tiny_model_dir: Path) -> None:
     origin = "http://app.example:3000"
     cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"]})
-    with TestClient(create_app(cfg)) as client:
+    with in_process(cfg, ready=False) as client:
         r = client.get("/v1/models", headers={"Origin": origin})
         assert "access-control-allow-origin" not in r.headers, "CORS must be off unless configured"
     cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"], "cors_origins": origin})
-    with TestClient(create_app(cfg)) as client:
+    with in_process(cfg, ready=False) as client:
         pre = client.options(
             "/v1/audio/speech",
             headers={
@@ -82,8 +70,7 @@ def test_hub_ids_without_the_hub_extra_say_what_to_install(
 
 def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path))
-    with TestClient(create_app(Settings.load())) as client:
-        wait_ready(client)
+    with in_process() as client:
         models = client.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["demo"] and models[0]["demo"] is True
         assert "noise" in models[0]["note"]
@@ -103,7 +90,7 @@ def test_demo_model_is_made_once_and_announced(tmp_path: Path, monkeypatch: pyte
 @pytest.fixture(scope="module")
 def app_client(tiny_model_dir: Path) -> Iterator[TestClient]:
     """The app with the tiny model; server errors are not re-raised into the test, they must become responses."""
-    with TestClient(create_app(Settings.load(flags={"models": [f"m={tiny_model_dir}"]}))) as client:
+    with in_process(Settings.load(flags={"models": [f"m={tiny_model_dir}"]}), ready=False) as client:
         yield client
 
 
@@ -198,8 +185,7 @@ def test_startup_report_names_only_the_callers_models() -> None:
         memory_probe=None,
     )
     cfg = Settings.load().replace(api_keys={"key-a": "a", "key-b": "b"})
-    with TestClient(create_app(cfg, pool=pool)) as client:
-        wait_ready(client)
+    with in_process(cfg, pool=pool) as client:
         as_a = client.get("/v1/startup", headers={"Authorization": "Bearer key-a"})
         assert as_a.status_code == 200 and list(as_a.json()["models"]) == ["model-a"], as_a.json()
         assert "model-b" not in as_a.text, "tenant a must not learn tenant b's model names"
@@ -223,8 +209,7 @@ BAD_WAV = b"RIFF" + (100).to_bytes(4, "little") + b"WAVEfmt " + bytes(40)  # a '
 def client(tiny_model_dir: Path, plain_model_dir: Path) -> Iterator[TestClient]:
     """An instruct model ``m`` (the default) and ``plain``: the same weights, not an instruct model."""
     cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}", f"plain={plain_model_dir}"]})
-    with TestClient(create_app(cfg)) as c:
-        wait_ready(c)
+    with in_process(cfg) as c:
         yield c
 
 
@@ -317,8 +302,7 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
         format="WAV",
     )
     caplog.set_level(logging.ERROR)
-    with TestClient(create_app(Settings.load(flags={"models": [f"m={bundle}"]}))) as client:
-        wait_ready(client)
+    with in_process(Settings.load(flags={"models": [f"m={bundle}"]})) as client:
         r = client.post(
             "/inference_zero_shot",
             data={"tts_text": "Hi.", "prompt_text": "A short prompt."},
@@ -362,7 +346,7 @@ def body(**fields: object) -> bytes:
 def limited_client(tiny_model_dir: Path) -> Iterator[TestClient]:
     """The app with a 100-character text limit (the model never loads: bad bodies are refused before it)."""
     cfg = Settings.load(flags={"models": [f"m={tiny_model_dir}"], "max_text_chars": 100})
-    with TestClient(create_app(cfg)) as client:
+    with in_process(cfg, ready=False) as client:
         yield client
 
 

@@ -31,8 +31,7 @@ from cosyserve.server.run import uvicorn_options
 from cosyserve.server.ws import Session
 from cosyserve.textfeed import TextFeed
 from fake_runtime import FakeRuntime
-from inprocess_server import WAIT_S, Served, serve
-from server_util import ServerProcess, running_server
+from server_util import WAIT_S, Served, ServerProcess, running_server, serve
 
 ws_client = pytest.importorskip("websockets.sync.client")
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
@@ -115,7 +114,7 @@ def test_a_request_takes_text_as_pieces_and_still_checks_a_string() -> None:
         SynthesisRequest(text=feed, mode="vc", prompt_wav=b"x", source_wav=b"y")
 
 
-# --- a real uvicorn in this process (inprocess_server), over the fake runtime -------------------------------
+# --- a real uvicorn in this process (server_util.serve), over the fake runtime - -------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from cosyserve.request import SynthesisRequest
 from cosyserve.server.errors import status_of
 from cosyserve.settings import ModelArg, Settings
 from fake_runtime import FakeRuntime
+from server_util import wait_until
 
 
 class Clock:
@@ -68,10 +68,7 @@ def use(view: Any, model: str, clock: Clock, at: float) -> None:
 
 
 def settle(pool: ModelPool) -> None:
-    end = time.monotonic() + 5
-    while any(e.retiring is not None for e in pool._entries.values()):
-        assert time.monotonic() < end
-        time.sleep(0.002)
+    wait_until(lambda: all(e.retiring is None for e in pool._entries.values()), "the evictions finished")
 
 
 def resident(pool: ModelPool) -> list[str]:
@@ -100,13 +97,6 @@ def test_a_flooding_tenant_fills_its_own_slots_not_the_others() -> None:
     assert a.in_flight == 0 and b.in_flight == 0
     assert len(list(a.submit_sync("shared", req()))) == 1  # a's slots are back
     pool.close_sync()
-
-
-def wait_until(cond: Any, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.002)
 
 
 def test_requests_of_one_tenant_share_its_concurrency_count() -> None:

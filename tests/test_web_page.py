@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 
 from fake_runtime import FakeRuntime
-from inprocess_server import serve
-from server_util import ServerProcess, running_server
+from server_util import ServerProcess, running_server, serve
 
 CHROMIUM = os.environ.get("COSYSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):
