@@ -8,7 +8,8 @@ kept in ``pieces`` (one list per request), and an utterance that ended with noth
 runtimes refuse it. Knobs: ``hold`` (an Event each chunk waits for), ``delay`` (seconds per chunk), ``size`` (its
 mapped bytes, for the pool's budget). Texts with a meaning: ``boom`` fails inside the model (a bug), ``tokens``
 runs a 10k-token LM loop before its one chunk (cancellation must stop it at the next token: ``made`` counts the
-tokens).
+tokens), ``endless`` streams a chunk at once and then one every ``token_s`` until its request is stopped (a
+deadline, a disconnect, a drain: only the stop ends it, whatever the machine's speed).
 """
 
 from __future__ import annotations
@@ -112,9 +113,17 @@ class FakeRuntime:
                         return
                 yield np.zeros(n, np.float32)
                 return
+            if r.text == "endless":
+                i = 0
+                while not should_stop():
+                    self.yielded += 1
+                    yield np.full(self.chunk_len, float(r.seed or 0) + i, np.float32)
+                    i += 1
+                    time.sleep(self.token_s)
+                return
             for i in range(self.chunks):
                 if self.hold is not None:
-                    self.hold.wait(5)
+                    assert self.hold.wait(60), "the test never let the fake's chunk go"
                 time.sleep(self.delay)
                 self.yielded += 1
                 yield np.full(self.chunk_len, float(r.seed or 0) + i, np.float32)

@@ -19,6 +19,7 @@ from cosyserve.errors import MemoryBudgetError, UnknownModelError
 from cosyserve.request import SynthesisRequest
 from fake_runtime import FakeRuntime
 from proc_util import run_python
+from server_util import WAIT_S, wait_until
 
 
 class Clock:
@@ -67,10 +68,7 @@ def use(pool: ModelPool, name: str, clock: Clock | None = None, at: float | None
 
 def settle(pool: ModelPool) -> None:
     """Wait for evictions in progress to finish releasing."""
-    end = time.monotonic() + 5
-    while any(e.retiring is not None for e in pool._entries.values()):
-        assert time.monotonic() < end, "an eviction did not finish"
-        time.sleep(0.002)
+    wait_until(lambda: all(e.retiring is None for e in pool._entries.values()), "the evictions finished")
 
 
 def resident(pool: ModelPool) -> list[str]:
@@ -154,22 +152,27 @@ def test_lazy_concurrent_first_requests_share_one_load() -> None:
     pool.close_sync()
 
 
+class MeetingLoader(FakeLoader):
+    """Each load waits for the other one to be under way: loads that ran one after the other never meet, and
+    the first one's wait ends in BrokenBarrierError (a failed load) instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.both = threading.Barrier(2)
+
+    def __call__(self, spec: ModelSpec, reload: bool) -> FakeRuntime:
+        self.both.wait(WAIT_S)
+        return super().__call__(spec, reload)
+
+
 def test_preload_in_parallel_and_unknown_model() -> None:
-    loader = FakeLoader(delay=0.2)
     pool, _, _ = make_pool(
-        [spec("a", policy="preload"), spec("b", policy="preload"), spec("c")], loader=loader
+        [spec("a", policy="preload"), spec("b", policy="preload"), spec("c")], loader=MeetingLoader()
     )
     events: list[PoolEvent] = []
     pool.add_listener(events.append)
-
-    async def main() -> float:
-        t = time.perf_counter()
-        await pool.start(housekeeping_interval_s=None)
-        return time.perf_counter() - t
-
-    took = asyncio.run(main())
-    assert took < 0.38, f"preloads must run in parallel (took {took:.2f} s for two 0.2 s loads)"
-    assert resident(pool) == ["a", "b"]
+    asyncio.run(pool.start(housekeeping_interval_s=None))
+    assert resident(pool) == ["a", "b"], f"the preloads did not run in parallel: {events}"
     assert sorted(e.model for e in events if e.kind == "loaded") == ["a", "b"]
     with pytest.raises(UnknownModelError, match="unknown model 'zz'"):
         pool.submit_sync("zz", SynthesisRequest("hi", "alice"))
