@@ -117,7 +117,8 @@ def test_health_before_and_after_load(server: ServerProcess, http: httpx.Client)
     status, body = seen["ready"]
     assert status == 503 and body["status"] == "not_ready", f"readiness before load: {seen['ready']}"
     (model,) = body["models"]
-    assert body["models"][model]["state"] in ("new", "loading", "unloaded"), body
+    # "ready": the probe came between the model's load and the end of the server's start-up (a busy machine)
+    assert body["models"][model]["state"] in ("new", "loading", "unloaded", "ready"), body
     assert seen["live"][0] == 200 and seen["live"][1]["status"] == "alive", "liveness must not wait for load"
     st, sb = seen["startup"]
     assert (st, sb["status"]) in ((503, "starting"), (200, "started")), f"startup probe before load: {sb}"

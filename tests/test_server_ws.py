@@ -519,29 +519,40 @@ def _rss_kib() -> int:
     return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
 
 
+def _idle(srv: Served) -> bool:
+    return srv.state.ws_sessions == set() and srv.engine.in_flight == 0
+
+
+def _heap_grown_by(srv: Served, session: Callable[[int], None], n: int) -> int:
+    """``session(i)`` for i < n; fails if a thread, task, file descriptor or Session stays behind, else returns
+    the bytes the Python heap grew by."""
+    before = _counts(srv)
+    for i in range(n):
+        session(i)
+    after: dict[str, int] = {}
+
+    def settled() -> bool:
+        after.update(_counts(srv))
+        return _idle(srv) and all(after[k] <= before[k] for k in ("threads", "tasks", "fds", "sessions"))
+
+    srv.wait_until(settled, f"no thread, task, fd or Session left behind: before {before}, after {after}")
+    return after["heap"] - before["heap"]
+
+
 def assert_nothing_left_behind(srv: Served, session: Callable[[int], None], n: int = 100) -> None:
     """``session(i)`` for i < n, twice: the first loop warms up (lazy imports, pools, freelists, caches), the
-    second must leave no thread, task, file descriptor, Session or Python heap behind."""
-
-    def idle() -> bool:
-        return srv.state.ws_sessions == set() and srv.engine.in_flight == 0
-
+    second must leave no thread, task, file descriptor, Session or Python heap behind. When the heap grew, a
+    third loop is counted instead: growth that happens once (a dict resized for a moment when more streams were
+    alive at once, as on a busy machine) does not come back, a leak does."""
     tracemalloc.start()
     try:
         for i in range(n):
             session(i)
-        srv.wait_until(idle, "the warm-up's sessions closed")
-        before, rss = _counts(srv), _rss_kib()
-        for i in range(n):
-            session(i)
-        after: dict[str, int] = {}
-
-        def settled() -> bool:
-            after.update(_counts(srv))
-            return idle() and all(after[k] <= before[k] for k in ("threads", "tasks", "fds", "sessions"))
-
-        srv.wait_until(settled, f"no thread, task, fd or Session left behind: before {before}, after {after}")
-        grown = after["heap"] - before["heap"]
+        srv.wait_until(lambda: _idle(srv), "the warm-up's sessions closed")
+        rss = _rss_kib()
+        grown = _heap_grown_by(srv, session, n)
+        if grown >= HEAP_SLACK:
+            grown = _heap_grown_by(srv, session, n)
         # RSS is shown, not asserted: this process also runs the clients and pytest; the heap is counted exactly
         top = tracemalloc.take_snapshot().filter_traces(_NOT_LEFT_BEHIND).statistics("lineno")[:8]
         assert grown < HEAP_SLACK, (
