@@ -7,6 +7,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # ONNX Runtime's telemetry off in the tests and their subprocesses, as cosyserve's entry points turn it off
 # (cosyserve.api.quiet_onnxruntime): else every process that imports it leaves a mat-debug-<pid>.log in /tmp
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _fixtures_root() -> Path:

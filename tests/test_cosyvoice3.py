@@ -21,23 +21,15 @@ from cosyserve.modelconfig import load_model_config
 
 
 @pytest.fixture(scope="module")
-def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.families.cosyvoice3.testmodel import write_model
-
-    out = tmp_path_factory.mktemp("models") / "tiny-cv3"
-    out.mkdir()
-    write_model(out, "tiny", seed=0, onnx=False)
-    return out
+def cfg(cv3_model_dir: Path) -> Any:
+    return load_model_config(cv3_model_dir)
 
 
 @pytest.fixture(scope="module")
-def cfg(cv3_dir: Path) -> Any:
-    return load_model_config(cv3_dir)
-
-
-@pytest.fixture(scope="module")
-def parts(cv3_dir: Path, cfg: Any) -> dict[str, Any]:
-    return {name: load_component(cv3_dir, name, getattr(cfg, name), cfg.family) for name in COMPONENT_FILES}
+def parts(cv3_model_dir: Path, cfg: Any) -> dict[str, Any]:
+    return {
+        name: load_component(cv3_model_dir, name, getattr(cfg, name), cfg.family) for name in COMPONENT_FILES
+    }
 
 
 def noise(samples: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,7 +42,7 @@ def noise(samples: int, seed: int = 0) -> dict[str, torch.Tensor]:
 # --- config and loading -------------------------------------------------------------------------------------------
 
 
-def test_a_cosyvoice3_dir_is_read_as_cosyvoice3(cv3_dir: Path, cfg: Any) -> None:
+def test_a_cosyvoice3_dir_is_read_as_cosyvoice3(cv3_model_dir: Path, cfg: Any) -> None:
     """The family comes from the yaml the directory holds: read as another family, the runtime would build the
     wrong modules and rules."""
     assert cfg.family == "cosyvoice3" and cfg.family_spec.name == "cosyvoice3" and cfg.chunk_size == 25
@@ -58,31 +50,33 @@ def test_a_cosyvoice3_dir_is_read_as_cosyvoice3(cv3_dir: Path, cfg: Any) -> None
     assert cfg.flow.decoder.estimator.static_chunk_size == 50  # <chunk_size> * <token_mel_ratio>
 
 
-def test_a_flow_wider_than_80_is_refused_by_name(cv3_dir: Path, tmp_path: Path) -> None:
+def test_a_flow_wider_than_80_is_refused_by_name(cv3_model_dir: Path, tmp_path: Path) -> None:
     """The reference's Euler loop is 80 channels wide: a yaml saying otherwise would build a different model."""
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(cv3_dir, bad)
+    shutil.copytree(cv3_model_dir, bad)
     path = bad / "cosyvoice3.yaml"
     path.write_text(path.read_text().replace("    input_size: 80\n", "    input_size: 96\n", 1))
     with pytest.raises(ModelConfigError, match="input_size=96"):
         load_model_config(bad)
 
 
-def test_checkpoints_load_strictly_under_the_official_names(cv3_dir: Path, cfg: Any, parts: dict) -> None:
+def test_checkpoints_load_strictly_under_the_official_names(
+    cv3_model_dir: Path, cfg: Any, parts: dict
+) -> None:
     """Every key of llm.pt / flow.pt / hift.pt is a parameter (or the rotary buffer) of our modules and the
     reverse; and the fast load (meta device, assign, weight norm folded) computes what a plain module with the
     parametrized weights computes. If not, official checkpoints would not load, or would load into other roles."""
     for name in COMPONENT_FILES:
-        stored = set(torch.load(cv3_dir / COMPONENT_FILES[name], weights_only=True))
+        stored = set(torch.load(cv3_model_dir / COMPONENT_FILES[name], weights_only=True))
         plain = module_class(name, cfg.family)(getattr(cfg, name))
         expected = set(plain.state_dict()) | ({"llm.model.lm_head.weight"} if name == "llm" else set())
         assert stored == expected, name
-    assert "decoder.estimator.rotary_embed.inv_freq" in stored_keys(cv3_dir, "flow")
+    assert "decoder.estimator.rotary_embed.inv_freq" in stored_keys(cv3_model_dir, "flow")
 
     plain_hift = module_class("hift", cfg.family)(cfg.hift)  # weight norm as parametrizations, loaded by copy
-    plain_hift.load_state_dict(torch.load(cv3_dir / "hift.pt", weights_only=True))
+    plain_hift.load_state_dict(torch.load(cv3_model_dir / "hift.pt", weights_only=True))
     mel = torch.randn(1, 80, 30, generator=torch.Generator().manual_seed(1))
     a, _ = parts["hift"].inference(mel, True, **noise(30 * 480))
     b, _ = plain_hift.inference(mel, True, **noise(30 * 480))
@@ -94,14 +88,16 @@ def stored_keys(model_dir: Path, name: str) -> set[str]:
     return set(torch.load(model_dir / COMPONENT_FILES[name], weights_only=True))
 
 
-def test_bfloat16_checkpoints_are_cast_to_the_model_dtype(cv3_dir: Path, cfg: Any, tmp_path: Path) -> None:
+def test_bfloat16_checkpoints_are_cast_to_the_model_dtype(
+    cv3_model_dir: Path, cfg: Any, tmp_path: Path
+) -> None:
     """Some releases store bfloat16: each tensor must become the module's dtype (float32, the f0 predictor
     float64) with the stored values, not stay bfloat16 (which would change every result)."""
     import shutil
 
-    shutil.copytree(cv3_dir, tmp_path / "bf16")
+    shutil.copytree(cv3_model_dir, tmp_path / "bf16")
     for file in COMPONENT_FILES.values():
-        sd = torch.load(cv3_dir / file, weights_only=True)
+        sd = torch.load(cv3_model_dir / file, weights_only=True)
         torch.save(
             {k: v.bfloat16() if v.is_floating_point() else v for k, v in sd.items()}, tmp_path / "bf16" / file
         )
@@ -201,13 +197,13 @@ def test_vc_flow_accepts_an_untrimmed_prompt(parts: dict) -> None:
 # --- tokenizer and LM -----------------------------------------------------------------------------------------------
 
 
-def test_tokenizer_special_tokens(cv3_dir: Path) -> None:
+def test_tokenizer_special_tokens(cv3_model_dir: Path) -> None:
     """CosyVoice3's 278 added tokens take ids 151646..151923 in the reference's order and match before NFC; the
     CosyVoice2 tokenizer of the same files keeps its 17 (a phone tag is plain text there)."""
     from cosyserve.families.cosyvoice3.frontend import build_tokenizer
     from cosyserve.frontend.qwen_tokenizer import COSYVOICE3_SPECIALS, QwenTokenizer
 
-    tok = build_tokenizer(cv3_dir)
+    tok = build_tokenizer(cv3_model_dir)
     ids = [tok.encode(t) for t in COSYVOICE3_SPECIALS]
     assert ids == [[151646 + i] for i in range(278)]
     assert tok.encode("<|endofsystem|>[AA][a][ǜ]") == [151663, 151664, 151748, 151923]
@@ -216,7 +212,7 @@ def test_tokenizer_special_tokens(cv3_dir: Path) -> None:
         "]"
     )
     assert len(tok.encode("[foo] [Breath] <|en|>")) > 3  # unknown tags are plain text
-    cv2 = QwenTokenizer.from_dir(cv3_dir / "CosyVoice-BlankEN")
+    cv2 = QwenTokenizer.from_dir(cv3_model_dir / "CosyVoice-BlankEN")
     assert cv2.encode("[breath]") == [151647] and len(cv2.encode("[AA0]")) > 1
 
 

@@ -196,17 +196,8 @@ def _ort_files(temp: Path) -> list[str]:
     return sorted(p.name for p in temp.iterdir() if p.name.startswith("mat-debug-") or p.name == ".ses")
 
 
-@pytest.fixture(scope="module")
-def lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.bundle.convert import convert
-
-    out = tmp_path_factory.mktemp("lite") / "bundle"
-    convert(tiny_model_dir, out, runtime="lite", progress=False)
-    return out
-
-
 def test_our_processes_that_import_onnxruntime_leave_no_telemetry_files(
-    lite_bundle: Path, tmp_path: Path
+    tiny_lite_bundle: Path, tmp_path: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
     env["PYTHONPATH"] = SRC
@@ -227,6 +218,6 @@ def test_our_processes_that_import_onnxruntime_leave_no_telemetry_files(
     if not any(n.startswith("mat-debug-") for n in run("-c", "import onnxruntime")):
         pytest.skip("this onnxruntime writes no mat-debug log: nothing to prevent")
     api = "import sys, cosyserve\ncosyserve.load(sys.argv[1], runtime='lite', warmup=False)\nimport onnxruntime\n"
-    assert run("-c", api, str(lite_bundle)) == [], "cosyserve.load left ONNX Runtime's telemetry files"
-    cli = ("-m", "cosyserve", "speakers", "--model", str(lite_bundle), "--runtime", "lite")
+    assert run("-c", api, str(tiny_lite_bundle)) == [], "cosyserve.load left ONNX Runtime's telemetry files"
+    cli = ("-m", "cosyserve", "speakers", "--model", str(tiny_lite_bundle), "--runtime", "lite")
     assert run(*cli) == [], "the CLI left ONNX Runtime's telemetry files"

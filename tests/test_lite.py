@@ -27,22 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.bundle.convert import convert
-
-    out = tmp_path_factory.mktemp("lite") / "bundle"
-    convert(tiny_model_dir, out, runtime="lite", progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def both(lite_bundle: Path) -> tuple[dict, dict]:
+def both(tiny_lite_bundle: Path) -> tuple[dict, dict]:
     """(torch modules, lite models) over the same bundle."""
     from cosyserve.bundle.loader import LoadOptions, open_bundle
     from cosyserve.lite.models import LiteBundle, LiteFlow, LiteLM, LiteVocoder
 
-    parts = open_bundle(lite_bundle).load(LoadOptions(strategy="lazy", verify="none"))
-    lb = LiteBundle(lite_bundle, verify="full", threads=1)
+    parts = open_bundle(tiny_lite_bundle).load(LoadOptions(strategy="lazy", verify="none"))
+    lb = LiteBundle(tiny_lite_bundle, verify="full", threads=1)
     tables = lb.tables()
     lite = {"llm": LiteLM(lb, tables), "flow": LiteFlow(lb, tables), "hift": LiteVocoder(lb, tables)}
     return parts.modules, lite
@@ -52,15 +43,16 @@ def _t(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([ids], dtype=torch.int32), torch.tensor([len(ids)], dtype=torch.int32)
 
 
-def test_manifest_lists_every_graph_and_its_check(lite_bundle: Path) -> None:
+def test_manifest_lists_every_graph_and_its_check(tiny_lite_bundle: Path) -> None:
     from cosyserve.lite import GRAPHS
 
-    m = json.loads((lite_bundle / "lite" / "manifest.json").read_text())
+    m = json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     assert set(m["checked"]) == set(GRAPHS)
     assert max(m["checked"].values()) < 1e-4
     for name in GRAPHS.values():
-        assert m["files"][name]["bytes"] == (lite_bundle / "lite" / name).stat().st_size
-        assert (lite_bundle / "lite" / (name + ".data")).is_file()  # weights outside the graph: mapped by ORT
+        assert m["files"][name]["bytes"] == (tiny_lite_bundle / "lite" / name).stat().st_size
+        # weights outside the graph: mapped by ORT
+        assert (tiny_lite_bundle / "lite" / (name + ".data")).is_file()
 
 
 def test_lm_logprobs_equal_torch(both: tuple[dict, dict]) -> None:
@@ -169,21 +161,21 @@ def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
     np.testing.assert_allclose(np.concatenate(got), torch.cat(want, dim=1)[0].numpy(), atol=5e-4)
 
 
-def test_export_check_refuses_a_graph_that_differs(lite_bundle: Path) -> None:
+def test_export_check_refuses_a_graph_that_differs(tiny_lite_bundle: Path) -> None:
     from cosyserve.lite.export import _check
 
-    graph = lite_bundle / "lite" / "hift_f0.onnx"
+    graph = tiny_lite_bundle / "lite" / "hift_f0.onnx"
     wrong = torch.nn.Conv1d(80, 1, 1)  # not the f0 predictor
 
     with pytest.raises(ConvertError, match="differs from the torch module"):
         _check("hift_f0", graph, lambda mel: wrong(mel)[:, 0], [(torch.randn(1, 80, 9),)], ["mel"], 1e-4)
 
 
-def test_damaged_lite_files_are_refused(lite_bundle: Path, tmp_path: Path) -> None:
+def test_damaged_lite_files_are_refused(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     from cosyserve.lite.models import LiteBundle
 
     copy = tmp_path / "b"
-    shutil.copytree(lite_bundle, copy)
+    shutil.copytree(tiny_lite_bundle, copy)
     data = copy / "lite" / "llm_step.onnx.data"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -273,11 +265,11 @@ def _prompt_wav(path: Path, sr: int = 22050, seconds: float = 1.5) -> Path:
     return path
 
 
-def test_lite_path_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
+def test_lite_path_without_torch(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COSYSERVE_REGISTRY_DIR": str(tmp_path / "voices")}
     wav = _prompt_wav(tmp_path / "prompt.wav")
     p = subprocess.run(
-        [sys.executable, "-c", LITE_SCRIPT, str(lite_bundle), str(wav)],
+        [sys.executable, "-c", LITE_SCRIPT, str(tiny_lite_bundle), str(wav)],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
@@ -286,7 +278,7 @@ def test_lite_path_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.wav"
     env["PYTHONPATH"] = os.pathsep.join([str(_blocker(tmp_path)), str(ROOT / "src")])
     p = subprocess.run(
-        [sys.executable, "-m", "cosyserve", "synth", "--model", str(lite_bundle), "--runtime", "lite",
+        [sys.executable, "-m", "cosyserve", "synth", "--model", str(tiny_lite_bundle), "--runtime", "lite",
          "--text", "Hello.", "--seed", "1", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -295,7 +287,7 @@ def test_lite_path_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
         assert w.getframerate() == 22050 and w.getnframes() > 0
 
 
-def test_server_on_lite_runtime_without_torch(lite_bundle: Path, tmp_path: Path) -> None:
+def test_server_on_lite_runtime_without_torch(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     from server_util import running_server
 
     env = {
@@ -303,7 +295,7 @@ def test_server_on_lite_runtime_without_torch(lite_bundle: Path, tmp_path: Path)
         "COSYSERVE_RUNTIME": "lite",
         "COSYSERVE_THREADS": "1",
     }
-    with running_server(lite_bundle, tmp_path / "srv", env=env) as s, s.client(timeout=120) as c:
+    with running_server(tiny_lite_bundle, tmp_path / "srv", env=env) as s, s.client(timeout=120) as c:
         r = c.post(
             "/v1/audio/speech", json={"input": "Hello there.", "voice": "英文女", "response_format": "wav"}
         )
@@ -377,14 +369,14 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
         LiteBundle(out, int8=True)
 
 
-def test_prefork_workers_on_lite_runtime(lite_bundle: Path, tmp_path: Path) -> None:
+def test_prefork_workers_on_lite_runtime(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     """The template imports ONNX Runtime and opens no session; each forked worker opens its own after the fork
     (an ORT thread pool does not survive fork: a session made before it would hang the workers)."""
     from server_util import running_server
 
     env = {"COSYSERVE_RUNTIME": "lite", "COSYSERVE_THREADS": "1"}
     with (
-        running_server(lite_bundle, tmp_path / "srv", env=env, args=["--workers", "2"]) as s,
+        running_server(tiny_lite_bundle, tmp_path / "srv", env=env, args=["--workers", "2"]) as s,
         s.client(timeout=120) as c,
     ):
         for _ in range(4):
@@ -396,7 +388,7 @@ def test_prefork_workers_on_lite_runtime(lite_bundle: Path, tmp_path: Path) -> N
         assert c.get("/health/ready").json()["workers"]["ready"] == 2
 
 
-def test_damaged_manifest_or_speakers_are_refused(lite_bundle: Path, tmp_path: Path) -> None:
+def test_damaged_manifest_or_speakers_are_refused(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     """A lite manifest that is not what conversion wrote, or a speakers file whose bytes changed, is a one-line
     BundleError naming the file, never a KeyError or wrong voices."""
     from cosyserve.lite.models import LiteBundle
@@ -404,7 +396,7 @@ def test_damaged_manifest_or_speakers_are_refused(lite_bundle: Path, tmp_path: P
     from cosyserve.runtime.lite import load
 
     copy = tmp_path / "b"
-    shutil.copytree(lite_bundle, copy)
+    shutil.copytree(tiny_lite_bundle, copy)
     manifest = copy / "lite" / "manifest.json"
     good = manifest.read_text()
     for bad in ("[]", json.dumps({**json.loads(good), "config": {}})):

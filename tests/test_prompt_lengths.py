@@ -58,16 +58,6 @@ class _NoText:
 # frontend and flow, every length at every rate
 
 
-@pytest.fixture(scope="module")
-def cv3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.families.cosyvoice3.testmodel import write_model
-
-    out = tmp_path_factory.mktemp("models") / "tiny-cv3"
-    out.mkdir()
-    write_model(out, "tiny", seed=0, onnx=True)
-    return out
-
-
 def _frontend_and_flow(family: str, model_dir: Path) -> tuple[Any, Any]:
     from cosyserve.conformance.context import CaseContext
 
@@ -87,7 +77,7 @@ def _frontend_and_flow(family: str, model_dir: Path) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
 def family_parts(request: pytest.FixtureRequest) -> tuple[str, Any, Any]:
-    model_dir = request.getfixturevalue("cv2_model_dir" if request.param == "cosyvoice2" else "cv3_dir")
+    model_dir = request.getfixturevalue("cv2_model_dir" if request.param == "cosyvoice2" else "cv3_model_dir")
     return (request.param, *_frontend_and_flow(request.param, model_dir))
 
 

@@ -10,8 +10,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(
@@ -111,15 +109,6 @@ def test_engine_pool_and_server_run_with_torch_unimportable() -> None:
 SRC = str(TESTS.parent / "src")
 
 
-@pytest.fixture(scope="module")
-def lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from cosyserve.bundle.convert import convert
-
-    out = tmp_path_factory.mktemp("lite") / "bundle"
-    convert(tiny_model_dir, out, runtime="lite", progress=False)
-    return out
-
-
 def _no_torch_env(tmp: Path) -> dict[str, str]:
     """An environment whose Python processes (``python -m cosyserve``, a server, its probes) find no torch, as on
     an install without it: a ``sitecustomize`` first on the path puts None for torch in ``sys.modules``."""
@@ -168,7 +157,7 @@ API_SCRIPT = textwrap.dedent(
 
 
 def test_every_entry_point_picks_the_lite_runtime_where_torch_is_not_installed(
-    lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
+    tiny_lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """If this fails, an install without torch cannot use a lite bundle through some entry point unless it says
     `--runtime lite` (or the choice is not said at INFO)."""
@@ -176,28 +165,30 @@ def test_every_entry_point_picks_the_lite_runtime_where_torch_is_not_installed(
 
     env = _no_torch_env(tmp_path)
     pool = tmp_path / "pool.toml"
-    pool.write_text(f'[models.m]\npath = "{lite_bundle}"\n', encoding="utf-8")
+    pool.write_text(f'[models.m]\npath = "{tiny_lite_bundle}"\n', encoding="utf-8")
     r = subprocess.run(
-        [sys.executable, "-c", API_SCRIPT, str(lite_bundle), str(tiny_model_dir), str(pool)],
+        [sys.executable, "-c", API_SCRIPT, str(tiny_lite_bundle), str(tiny_model_dir), str(pool)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert r.returncode == 0 and r.stdout.endswith("OK\n"), f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    assert f"INFO cosyserve.api: torch is not installed: {lite_bundle} runs on the lite runtime" in r.stdout
+    assert (
+        f"INFO cosyserve.api: torch is not installed: {tiny_lite_bundle} runs on the lite runtime" in r.stdout
+    )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "cosyserve", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
     out = tmp_path / "o.wav"
-    r = cli("synth", "--model", str(lite_bundle), "--text", "Hello.", "--seed", "1", "--out", str(out),
+    r = cli("synth", "--model", str(tiny_lite_bundle), "--text", "Hello.", "--seed", "1", "--out", str(out),
             "--threads", "1", "--log-level", "info")  # fmt: skip
     assert r.returncode == 0 and out.stat().st_size > 44, r.stderr[-3000:]
     assert "torch is not installed" in r.stderr, r.stderr[-3000:]
-    r = cli("speakers", "--model", str(lite_bundle))
+    r = cli("speakers", "--model", str(tiny_lite_bundle))
     assert r.returncode == 0 and "英文女" in r.stdout.splitlines(), r.stderr[-3000:]
-    r = cli("startup-report", "--model", str(lite_bundle), "--runs", "1", "--no-warmup", "--json")
+    r = cli("startup-report", "--model", str(tiny_lite_bundle), "--runs", "1", "--no-warmup", "--json")
     assert r.returncode == 0 and '"floor_module": "onnxruntime"' in r.stdout, r.stderr[-3000:]
-    with running_server(lite_bundle, tmp_path / "srv", env={**env, "COSYSERVE_THREADS": "1"}) as s:
+    with running_server(tiny_lite_bundle, tmp_path / "srv", env={**env, "COSYSERVE_THREADS": "1"}) as s:
         with s.client() as c:
             r2 = c.post(
                 "/v1/audio/speech", json={"input": "Hi.", "voice": "英文女", "response_format": "pcm"}
@@ -207,7 +198,7 @@ def test_every_entry_point_picks_the_lite_runtime_where_torch_is_not_installed(
 
 
 def test_without_torch_a_command_that_needs_it_says_what_to_install_in_one_line(
-    lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
+    tiny_lite_bundle: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """If this fails, a command that cannot run without torch prints a traceback, a log line or exit code 3
     instead of one line naming what to install (and, for conformance, that it needs torch with --runtime lite)."""
@@ -216,7 +207,7 @@ def test_without_torch_a_command_that_needs_it_says_what_to_install_in_one_line(
         (["synth", "--model", str(tiny_model_dir), "--text", "Hi.", "--out", str(tmp_path / "o.wav")],
          "pip install torch"),
         (["serve", "--model", str(tiny_model_dir), "--port", "0"], "pip install torch"),
-        (["serve", "--model", str(lite_bundle), "--runtime", "torch", "--port", "0"], "--runtime lite serves it"),
+        (["serve", "--model", str(tiny_lite_bundle), "--runtime", "torch", "--port", "0"], "--runtime lite serves it"),
         (["conformance", str(tmp_path), "--runtime", "lite"], "conformance reads the fixture tensors and converts"),
     ]  # fmt: skip
     for args, says in cases:
