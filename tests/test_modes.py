@@ -76,7 +76,17 @@ class Recorder:
         self.t2w_calls: list[dict[str, Any]] = []
 
     def inference(
-        self, text, text_len, prompt_text, prompt_text_len, tokens, tokens_len, embedding, *, generator, max_tokens=None
+        self,
+        text,
+        text_len,
+        prompt_text,
+        prompt_text_len,
+        tokens,
+        tokens_len,
+        embedding,
+        *,
+        generator,
+        max_tokens=None,
     ):  # type: ignore[no-untyped-def]
         self.llm_calls.append(
             dict(

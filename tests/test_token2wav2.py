@@ -24,7 +24,16 @@ class FakeFlow:
         self.calls: list[dict[str, Any]] = []
 
     def inference(
-        self, token, prompt_token, prompt_feat, embedding, *, streaming, finalize, n_timesteps=None, should_stop=None
+        self,
+        token,
+        prompt_token,
+        prompt_feat,
+        embedding,
+        *,
+        streaming,
+        finalize,
+        n_timesteps=None,
+        should_stop=None,
     ):  # type: ignore[no-untyped-def]
         n = token.shape[1] if finalize else token.shape[1] - 3
         self.calls.append({"tokens": token.shape[1], "streaming": streaming, "finalize": finalize})
