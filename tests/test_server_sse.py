@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,18 +150,21 @@ def test_access_log_counts_the_event_stream(server: ServerProcess) -> None:
 
 
 class _OneChunkThenWait(FakeRuntime):
-    """One chunk at once, the next when ``go`` is set: a stream that is under way when the test acts."""
+    """One chunk at once, the next once the request is told to stop: a stream that is under way when the test
+    acts (waiting for the stop itself, not for the test's signal: else, on a busy machine, the second chunk could
+    end the stream before the release's cancel reached it)."""
 
     def __init__(self) -> None:
         super().__init__(chunk_len=50)
-        self.go = threading.Event()
 
     def start(self, request: Any, should_stop: Any) -> Iterator[np.ndarray]:
         self.resolve(request)
 
         def chunks() -> Iterator[np.ndarray]:
             yield np.zeros(50, np.float32)
-            self.go.wait(WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while not should_stop() and time.monotonic() < deadline:
+                time.sleep(0.005)
             yield np.zeros(50, np.float32)
 
         return chunks()
@@ -185,7 +187,6 @@ def test_an_error_after_the_first_audio_is_the_last_event() -> None:
             first = sse_events(iter([next(lines), next(lines), next(lines)]))
             assert first[0]["type"] == "speech.audio.delta"
             pool.start_close(timeout=0)  # the model is released while the request runs (a shutdown's cut)
-            fake.go.set()
             events = sse_events(lines)
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "speech.audio.error" and "speech.audio.done" not in kinds, kinds
