@@ -683,3 +683,45 @@ def test_synth_speaks_text_piped_in(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert r.returncode == 0, r.stderr
     with wave.open(str(out)) as f:
         assert f.getnframes() > 0
+
+
+OMP_PROBE = (
+    "import os, sys\n"
+    "import cosyserve.api as api\n"
+    "real = api.apply_omp_wait_policy\n"
+    "def spy(policy):\n"
+    "    real(policy)\n"
+    "    print('torch-before', 'torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+    "api.apply_omp_wait_policy = spy\n"
+    "from cosyserve.cli import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "PASSIVE"),
+        ({"COSYSERVE_OMP_WAIT_POLICY": "active"}, "ACTIVE"),
+        ({"COSYSERVE_OMP_WAIT_POLICY": "unset"}, None),
+        ({"OMP_WAIT_POLICY": "active"}, "active"),
+    ],
+)
+def test_omp_wait_policy_is_set_before_torch_loads(
+    tiny_model_dir: Path, tmp_path: Path, env: dict[str, str], expected: str | None
+) -> None:
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads: set after it, the default would do nothing (the CLI
+    spinning beside a busy neighbour, bench/omp_wait.py); and a policy the user set must win."""
+    base = {k: v for k, v in cli_env().items() if k not in ("OMP_WAIT_POLICY", "COSYSERVE_OMP_WAIT_POLICY")}
+    r = subprocess.run(
+        [sys.executable, "-c", OMP_PROBE, "synth", "--model", str(tiny_model_dir), "--text", "Hi.",
+         "--out", str(tmp_path / "o.wav")],
+        capture_output=True, text=True, env={**base, **env}, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"torch-before False {expected}" in r.stdout.splitlines(), r.stdout
+
+
+def test_a_bad_omp_wait_policy_stops_the_command_naming_the_variable() -> None:
+    r = cli("speakers", "--model", "x", env=cli_env(COSYSERVE_OMP_WAIT_POLICY="lazy"))
+    assert r.returncode == 1 and "COSYSERVE_OMP_WAIT_POLICY" in r.stderr and "passive" in r.stderr, r.stderr

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CosyVoiceModel",
+    "apply_omp_wait_policy",
     "choose_runtime",
     "load",
     "quiet_onnxruntime",
@@ -251,6 +252,15 @@ def quiet_onnxruntime() -> None:
     leaves an empty ``mat-debug-<pid>.log`` in the temp dir of every process that imports it.
     """
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
+
+def apply_omp_wait_policy(policy: str) -> None:
+    """Set ``OMP_WAIT_POLICY`` for this process and its children from the ``omp_wait_policy`` setting, unless the
+    environment sets it already or the setting is ``unset``. libgomp reads it once, when torch is first imported:
+    call this before. Beside another busy process on the same cores, spinning threads take the time the other
+    needs and both slow down (bench/omp_wait.py measures it)."""
+    if policy != "unset" and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
 def choose_runtime(source: str | Path, settings: Settings, runtime: str | None = None) -> str:

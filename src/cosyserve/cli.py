@@ -587,6 +587,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:  # SettingsError: names the flag, variable or file and key
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    from cosyserve.api import apply_omp_wait_policy
+
+    apply_omp_wait_policy(settings.omp_wait_policy)  # before any command imports torch; inherited by workers
     if args.command in _NEEDS_MODEL and not settings.models:
         parser.error(f"{args.command} needs --model (or the COSYSERVE_MODEL variable)")
     if args.command in ("serve", "synth"):

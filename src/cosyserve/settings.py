@@ -229,6 +229,15 @@ class Settings:
         cast=LogLevel(),
         doc="logging level of the command",
     )
+    omp_wait_policy: str = _cli(
+        "passive",
+        env="COSYSERVE_OMP_WAIT_POLICY",
+        cast=Choice("passive", "active", "unset"),
+        doc="how torch's OpenMP threads wait between parallel regions in cosyserve's commands and servers (their "
+        "`OMP_WAIT_POLICY`, set before torch loads; an `OMP_WAIT_POLICY` in the environment wins): `passive` "
+        "sleeps (a CPU shared with other busy processes stays fast), `active` spins, `unset` leaves libgomp's "
+        "default (spin a while, then sleep); figures: bench/omp_wait.py",
+    )
     # -- loading a model (every command, the server and cosyserve.load) ----------------------------------------
     runtime: str = _loading(
         "torch",
