@@ -24,9 +24,11 @@ per text token); audio lengths are equal across configurations. ``--config`` add
 With ``--reference-python`` (the reference runtime's interpreter, see ../shared/reference/README.md) and
 ``--model-dir`` (the official-layout directory the bundle was converted from), and ``--ref-src`` (its source
 checkout, default $COSYSERVE_REF_SRC, unless that interpreter imports ``cosyvoice`` already), one more row times the reference's
-``CosyVoice(...).inference_sft`` (``CosyVoice2(...)`` for a CosyVoice2 dir) on the same weights: its one-shot RTF
-and first streamed chunk. A CosyVoice2 dir for the reference needs ``CosyVoice-BlankEN/model.safetensors`` (its
-constructor loads Qwen's weights before llm.pt replaces them all): ``bench/qwen_placeholder.py`` writes zeros.
+``CosyVoice(...).inference_sft`` (``CosyVoice2(...)`` / ``CosyVoice3(...)`` for a CosyVoice2 / CosyVoice3 dir, the
+latter with ``You are a helpful assistant.<|endofprompt|>`` before each text, as its LM needs) on the same weights:
+its one-shot RTF and first streamed chunk. A CosyVoice2/3 dir for the reference needs
+``CosyVoice-BlankEN/model.safetensors`` (its constructor loads Qwen's weights before llm.pt replaces them all):
+``bench/qwen_placeholder.py`` writes zeros.
 """
 
 from __future__ import annotations
@@ -124,15 +126,19 @@ import torch
 torch.set_num_threads(int(sys.argv[2]))
 args = json.loads(sys.argv[1])
 import os
-from cosyvoice.cli.cosyvoice import CosyVoice, CosyVoice2
+from cosyvoice.cli.cosyvoice import CosyVoice, CosyVoice2, CosyVoice3
 try:  # offline text normalisation (../shared/reference/wetext_local.py, when on the path)
     import wetext_local
     wetext_local.apply()
 except ImportError:
     pass
-family = CosyVoice2 if os.path.exists(os.path.join(args["model_dir"], "cosyvoice2.yaml")) else CosyVoice
+has = lambda name: os.path.exists(os.path.join(args["model_dir"], name))
+family = CosyVoice3 if has("cosyvoice3.yaml") else CosyVoice2 if has("cosyvoice2.yaml") else CosyVoice
 cv = family(args["model_dir"])
 speaker = cv.list_available_spks()[0]
+if family is CosyVoice3:  # its LM needs the marker in the text (cosyserve adds this default by itself)
+    for key in ("short", "short_zh", "text"):
+        args[key] = "You are a helpful assistant.<|endofprompt|>" + args[key]
 out = {}
 for key, text in (("ttfa", args["short"]), ("ttfa_zh", args["short_zh"])):
     t = time.perf_counter()
