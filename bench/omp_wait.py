@@ -36,7 +36,8 @@ NEIGHBOUR = (
     "torch.set_num_threads(os.cpu_count() or 2)\n"
     "a = torch.randn(384, 384)\n"
     "end = time.monotonic() + 3600\n"
-    "while time.monotonic() < end:\n"
+    "parent = os.getppid()\n"
+    "while time.monotonic() < end and os.getppid() == parent:\n"  # a killed bench leaves no neighbour busy
     "    for _ in range(20):\n"
     "        a @ a\n"
     "    time.sleep(0.002)\n"  # gaps between regions, as a serving process has (where spinning shows)
