@@ -705,6 +705,7 @@ OMP_PROBE = (
         ({"COSYSERVE_OMP_WAIT_POLICY": "active"}, "ACTIVE"),
         ({"COSYSERVE_OMP_WAIT_POLICY": "unset"}, None),
         ({"OMP_WAIT_POLICY": "active"}, "active"),
+        ({"OMP_WAIT_POLICY": " "}, "PASSIVE"),  # blank is unset to libgomp: ours applies
     ],
 )
 def test_omp_wait_policy_is_set_before_torch_loads(

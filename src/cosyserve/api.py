@@ -259,7 +259,7 @@ def apply_omp_wait_policy(policy: str) -> None:
     environment sets it already or the setting is ``unset``. libgomp reads it once, when torch is first imported:
     call this before. Beside another busy process on the same cores, spinning threads take the time the other
     needs and both slow down (bench/omp_wait.py measures it)."""
-    if policy != "unset" and "OMP_WAIT_POLICY" not in os.environ:
+    if policy != "unset" and not os.environ.get("OMP_WAIT_POLICY", "").strip():  # blank: libgomp ignores it
         os.environ["OMP_WAIT_POLICY"] = policy.upper()
 
 
