@@ -41,10 +41,24 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield s
 
 
+_openai_clients: list[
+    Any
+] = []  # closed after each test: an unclosed client leaves its pooled socket to the collector
+
+
+@pytest.fixture(autouse=True)
+def _close_openai_clients() -> Iterator[None]:
+    yield
+    while _openai_clients:
+        _openai_clients.pop().close()
+
+
 def openai_client(server: ServerProcess) -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=WAIT_S)
+    client = OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=WAIT_S)
+    _openai_clients.append(client)
+    return client
 
 
 def sse_events(lines: Iterator[str]) -> list[dict[str, Any]]:

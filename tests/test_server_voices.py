@@ -139,11 +139,14 @@ def test_consent_is_recorded_and_outlives_the_voice(server: ServerProcess) -> No
     ] == len(audio)
 
 
-def test_the_openai_client_creates_uses_and_deletes_a_voice(server: ServerProcess) -> None:
+def test_the_openai_client_creates_uses_and_deletes_a_voice(
+    server: ServerProcess, request: pytest.FixtureRequest
+) -> None:
     import openai
     from openai import OpenAI
 
     c = OpenAI(base_url=server.url("/v1"), api_key=KEY_A, max_retries=0, timeout=60)
+    request.addfinalizer(c.close)  # else its pooled socket is left to the collector
     v = c.audio.voices.create(
         audio_sample=("sample.wav", prompt_wav(), "audio/wav"),
         consent="consent-id-7",
