@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,14 @@ def tiny_lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return convert(
         tiny_model_dir, tmp_path_factory.mktemp("lite") / "tiny-Instruct", runtime="lite", progress=False
     )
+
+
+@pytest.fixture(autouse=True)
+def _close_openai_clients() -> Iterator[None]:
+    """Close the openai clients a test made (server_util.openai_client): left open, their pooled sockets are
+    reported by whichever later test's collection finds them."""
+    yield
+    from server_util import OPENAI_CLIENTS
+
+    while OPENAI_CLIENTS:
+        OPENAI_CLIENTS.pop().close()

@@ -77,6 +77,20 @@ _DROP = ("MODEL_POOL_SIZE", "USE_MMAP_LOADING", "PREWARM_MODELS")
 _KEEP = ("COSYSERVE_CACHE_DIR",)
 
 
+OPENAI_CLIENTS: list[
+    Any
+] = []  # closed after each test (conftest): an unclosed one leaves its socket to the collector
+
+
+def openai_client(server: ServerProcess, key: str, timeout: float = 60.0) -> Any:
+    """The ``openai`` client for ``server``'s ``/v1`` with ``key``, no retries; closed when the test ends."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url("/v1"), api_key=key, max_retries=0, timeout=timeout)
+    OPENAI_CLIENTS.append(client)
+    return client
+
+
 def wait_until(
     cond: Callable[[], object],
     what: str | Callable[[], str] = "the condition held",

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from server_util import ServerProcess, post_and_hold, running_server
+from server_util import ServerProcess, openai_client, post_and_hold, running_server
 
 MAX_CHARS = 50
 MAX_UPLOAD = 100_000  # a 2 s 16 kHz prompt (64 kB) fits, a 4 s one does not
@@ -469,26 +469,6 @@ def test_metrics_count_what_happened(http: httpx.Client, tiny_model_dir: Path) -
 
 
 # --- the openai client, API keys and tenants -------------------------------------------------------------------
-
-
-_openai_clients: list[
-    Any
-] = []  # closed after each test: an unclosed client leaves its pooled socket to the collector
-
-
-@pytest.fixture(autouse=True)
-def _close_openai_clients() -> Iterator[None]:
-    yield
-    while _openai_clients:
-        _openai_clients.pop().close()
-
-
-def openai_client(server: ServerProcess, key: str) -> Any:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.url("/v1"), api_key=key, max_retries=0, timeout=60)
-    _openai_clients.append(client)
-    return client
 
 
 def test_openai_client_speech(keyed: ServerProcess) -> None:

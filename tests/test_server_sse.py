@@ -27,7 +27,7 @@ from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.server.app import create_app
 from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
-from server_util import ServerProcess, running_server
+from server_util import ServerProcess, openai_client, running_server
 
 TEXT = "Hello there, this is a streamed test."
 KEY = "key-sse-0001"
@@ -39,26 +39,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     env = {"COSYSERVE_API_KEYS": f"{KEY}=acme"}
     with running_server(tiny_model_dir, tmp_path_factory.mktemp("sse"), env=env) as s:
         yield s
-
-
-_openai_clients: list[
-    Any
-] = []  # closed after each test: an unclosed client leaves its pooled socket to the collector
-
-
-@pytest.fixture(autouse=True)
-def _close_openai_clients() -> Iterator[None]:
-    yield
-    while _openai_clients:
-        _openai_clients.pop().close()
-
-
-def openai_client(server: ServerProcess) -> Any:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=WAIT_S)
-    _openai_clients.append(client)
-    return client
 
 
 def sse_events(lines: Iterator[str]) -> list[dict[str, Any]]:
@@ -79,7 +59,7 @@ def sse_events(lines: Iterator[str]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_openai_client_reads_sse_and_the_deltas_are_the_audio(server: ServerProcess, fmt: str) -> None:
-    client = openai_client(server)
+    client = openai_client(server, KEY, timeout=WAIT_S)
     with client.audio.speech.with_streaming_response.create(
         model="tts-1",
         voice="alloy",
@@ -127,7 +107,7 @@ def test_openai_client_reads_sse_and_the_deltas_are_the_audio(server: ServerProc
 def test_errors_before_the_audio_are_http_errors(server: ServerProcess) -> None:
     import openai
 
-    client = openai_client(server)
+    client = openai_client(server, KEY, timeout=WAIT_S)
     with pytest.raises(openai.BadRequestError) as e:
         with client.audio.speech.with_streaming_response.create(
             model="tts-1", voice="nobody-here", input=TEXT, stream_format="sse"
