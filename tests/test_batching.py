@@ -305,7 +305,7 @@ def test_flow_batcher_stacks_same_shapes_and_keeps_random_streams(model: Any) ->
         len(calls), initializer=torch.set_num_threads, initargs=(1,)
     ) as pool:
         # the lone call goes once the group is done: a stacked run lends its callers' torch threads, and torch's
-        # thread count is partly process-wide (MKL's), so a lone call running beside it may reduce in another order
+        # thread setting is not purely per thread, so a lone call running beside it may reduce in another order
         futures = [
             pool.submit(fb.inference, *c, generator=g) for c, g in zip(calls[:3], generators, strict=False)
         ]
