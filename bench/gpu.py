@@ -352,28 +352,48 @@ class Result:
     audio_s: float
 
 
-def stream(port: int, text: str, request_id: str, timeout_s: float) -> Result:
-    """One streamed ``POST /v1/audio/speech`` (16-bit PCM), read to its end."""
+def post_stream(
+    host: str,
+    port: int,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float,
+    first_only: bool = False,
+) -> tuple[int, float | None, int, int, float]:
+    """One streamed ``POST /v1/audio/speech``, read to its end or (``first_only``) to its first body bytes, the
+    connection then closed (which cancels the rest): (status, seconds to the first body byte, bytes read, the
+    X-Sample-Rate header or 0, seconds in all)."""
     import http.client
 
-    body = json.dumps({"input": text, "voice": "alloy", "response_format": "pcm", "stream": True, "seed": 1})
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(HOST, port, timeout=max(timeout_s, 1.0))
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("POST", "/v1/audio/speech", body.encode(), headers)
+        conn.request(
+            "POST",
+            "/v1/audio/speech",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", **headers},
+        )
         r = conn.getresponse()
         first, n = None, 0
         while chunk := r.read1(65536):
             first = first if first is not None else time.perf_counter() - t0
             n += len(chunk)
-        rate = int(r.getheader("X-Sample-Rate") or 0)
-        audio_s = n / 2 / rate if rate and r.status == 200 else 0.0
-        return Result(
-            request_id, r.status, first if r.status == 200 else None, time.perf_counter() - t0, audio_s
-        )
+            if first_only:
+                break
+        return r.status, first, n, int(r.getheader("X-Sample-Rate") or 0), time.perf_counter() - t0
     finally:
         conn.close()
+
+
+def stream(port: int, text: str, request_id: str, timeout_s: float) -> Result:
+    """One streamed ``POST /v1/audio/speech`` (16-bit PCM), read to its end."""
+    body = {"input": text, "voice": "alloy", "response_format": "pcm", "stream": True, "seed": 1}
+    status, first, n, rate, total = post_stream(
+        HOST, port, body, {"X-Request-Id": request_id}, max(timeout_s, 1.0)
+    )
+    audio_s = n / 2 / rate if rate and status == 200 else 0.0
+    return Result(request_id, status, first if status == 200 else None, total, audio_s)
 
 
 def run_level(

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import shutil
 import signal
@@ -70,7 +69,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpu import GPU, cosyserve, serve
+from gpu import GPU, cosyserve, post_stream, serve
 from load_test import get, quantile
 
 WS_PATH = "/v1/audio/speech/stream"
@@ -174,24 +173,12 @@ class OneShot:
 def one_shot(target: Target, text: str, voice: str, seed: int, first_only: bool, timeout_s: float) -> OneShot:
     """The whole ``text`` in one streamed request (16-bit PCM), read to its end, or to its first body bytes
     (``first_only``: the connection is then closed, which cancels the rest)."""
-    body = json.dumps({"input": text, "voice": voice, "response_format": "pcm", "stream": True, "seed": seed})
-    headers = {"Content-Type": "application/json", **target.headers()}
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout_s)
-    try:
-        conn.request("POST", "/v1/audio/speech", body.encode(), headers)
-        r = conn.getresponse()
-        first, n = None, 0
-        while chunk := r.read1(65536):
-            first = first if first is not None else time.perf_counter() - t0
-            n += len(chunk)
-            if first_only:
-                break
-        rate = int(r.getheader("X-Sample-Rate") or 0)
-        ok = r.status == 200
-        return OneShot(r.status, first if ok else None, n / 2 / rate if ok and rate else 0.0)
-    finally:
-        conn.close()
+    body = {"input": text, "voice": voice, "response_format": "pcm", "stream": True, "seed": seed}
+    status, first, n, rate, _ = post_stream(
+        target.host, target.port, body, target.headers(), timeout_s, first_only
+    )
+    ok = status == 200
+    return OneShot(status, first if ok else None, n / 2 / rate if ok and rate else 0.0)
 
 
 # -- one session -------------------------------------------------------------------------------------------------
