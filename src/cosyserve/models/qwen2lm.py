@@ -462,9 +462,8 @@ class Qwen2LM(SpeechLM):
                 yield token
                 x = self.speech_embedding.weight[token].reshape(1, 1, -1)
 
-        n_words = (
-            prompt_text.shape[1] - end
-        )  # text tokens received (the prompt text's, after its head, with them)
+        # text tokens received (the prompt text's, after its head, with them)
+        n_words = prompt_text.shape[1] - end
         self.stack.setup_caches(1, 256)
         try:
             for piece in text:
