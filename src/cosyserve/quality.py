@@ -165,7 +165,7 @@ def audio_distance(
 
 
 def _lm(runtime: Any) -> Any:
-    return runtime._lm  # the LLM itself, under any batching wrapper
+    return runtime._lm  # the LLM itself
 
 
 def _sft_inputs(runtime: Any) -> list[dict[str, torch.Tensor]]:
@@ -204,30 +204,24 @@ def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreemen
     Returns:
         An :class:`LLMAgreement` over all texts.
     """
+    from cosyserve.runtime.decode import generate, one_shot, teacher_forced
+    from cosyserve.sampling import row_key
+
     same = total = 0
     dlogp = 0.0
     for i, inp in enumerate(_sft_inputs(reference)):
-        text = inp["text"]
-        empty = torch.zeros(1, 0, dtype=torch.int32)
-        args = (
-            text,
-            torch.tensor([text.shape[1]], dtype=torch.int32),
-            empty,
-            torch.tensor([0], dtype=torch.int32),
-            empty,
-            torch.tensor([0], dtype=torch.int32),
-            inp["llm_embedding"],
-        )
+        model_input = {"text": inp["text"], "llm_embedding": inp["llm_embedding"]}
+        ref_lm, var_lm = _lm(reference), _lm(variant)
         teacher: list[int] = []
-        for token in _lm(reference).inference(*args, generator=torch.Generator().manual_seed(seed + i)):
+        for token in generate(ref_lm, one_shot(ref_lm, model_input), row_key(seed + i)):
             teacher.append(token)
             if len(teacher) == LLM_MAX_TOKENS:
                 break
         if not teacher:
             continue
         t = torch.tensor(teacher, dtype=torch.int64)
-        ref, _, _ = _lm(reference).teacher_forced_logprobs(*args, t)
-        var, _, _ = _lm(variant).teacher_forced_logprobs(*args, t)
+        ref = teacher_forced(ref_lm, one_shot(ref_lm, model_input), teacher).logprobs
+        var = teacher_forced(var_lm, one_shot(var_lm, model_input), teacher).logprobs
         same += int((ref.argmax(-1) == var.argmax(-1)).sum())
         rows = torch.arange(t.numel())
         dlogp += float((ref[rows, t] - var[rows, t]).abs().sum())

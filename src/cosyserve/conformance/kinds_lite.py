@@ -46,17 +46,17 @@ def _ids(t: Any) -> list[int]:
 
 
 def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
-    text = _ids(inputs["text"])
-    emb = _a(inputs["embedding"]).reshape(-1)
-    logprobs = _lite(ctx)["llm"].teacher_forced(
-        text,
-        _ids(inputs["prompt_text"]),
-        _ids(inputs["prompt_speech_token"]),
-        emb if emb.size else None,
-        _ids(inputs["teacher_tokens"]),
-    )
-    min_len, max_len = _lite(ctx)["llm"].length_limits(len(text))
-    return {"logprobs": logprobs, "min_len": min_len, "max_len": max_len}
+    from cosyserve.conformance.kinds_lm import llm_logprobs
+
+    emb = _a(inputs["embedding"]).reshape(1, -1)
+    model_input = {
+        "text": _ids(inputs["text"]),
+        "prompt_text": _ids(inputs["prompt_text"]),
+        "llm_prompt_speech_token": _ids(inputs["prompt_speech_token"]),
+    }
+    if emb.size:
+        model_input["llm_embedding"] = emb
+    return llm_logprobs(_lite(ctx)["llm"], model_input, _ids(inputs["teacher_tokens"]))
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:

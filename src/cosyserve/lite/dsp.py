@@ -20,7 +20,6 @@ __all__ = [
     "hamming",
     "interp_linear",
     "istft",
-    "ras_sample",
     "sine_source",
     "stft",
 ]
@@ -149,39 +148,3 @@ def sine_source(
     noise_amp = uv * np.float32(sigma) + (np.float32(1) - uv) * np.float32(alpha / 3)
     sine = sine * uv + noise_amp * noise.astype(np.float32)
     return np.tanh(weight.reshape(-1) @ sine + bias.reshape(-1)[0]).astype(np.float32)
-
-
-def ras_sample(
-    logp: np.ndarray,
-    history: list[int],
-    *,
-    top_p: float,
-    top_k: int,
-    win_size: int,
-    tau_r: float,
-    rng: np.random.Generator,
-) -> int:
-    """Repetition-aware sampling (the reference's ``ras_sampling``) of one token from log-probabilities (V,).
-
-    A nucleus draw (top_k, top_p); if the pick occurs in the last ``win_size`` tokens of ``history`` at least
-    ``ceil(win_size * tau_r)`` times, a draw from the whole distribution without it. Both draws race
-    ``p / Exp(1)``, as the torch sampler does (a different random stream: the same seed gives different tokens
-    than the torch runtime)."""
-    scores = logp.astype(np.float32)
-    probs = np.exp(scores - scores.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")[:top_k]
-    head = probs[order]
-    mass_before = np.concatenate([[0.0], np.cumsum(head, dtype=np.float32)[:-1]])
-    keep = mass_before < top_p
-    race = np.where(keep, head / rng.exponential(size=head.shape[0]), -1.0)
-    top = int(order[int(np.argmax(race))])
-    recent = history[-win_size:] if win_size > 0 else []
-    if sum(1 for t in recent if t == top) < math.ceil(win_size * tau_r):
-        return top
-    fallback = scores.copy()
-    fallback[top] = -np.inf
-    p = np.exp(fallback - fallback.max())
-    p /= p.sum()
-    race = np.where(p > 0, p / rng.exponential(size=p.shape[0]), -1.0)
-    return int(np.argmax(race))

@@ -1,7 +1,7 @@
 """The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
 
-:class:`LiteLM` generates speech tokens (prompt assembly from tables, prefill and one step per token against KV
-caches it owns, repetition-aware sampling), :class:`LiteFlow` turns tokens into mel (encoder graph, the length
+:class:`LiteLM` is the decode loop's LM (:class:`~cosyserve.runtime.decode.DecodeLM`: prompt assembly from
+tables, extends and one-token steps against KV caches it owns, a batch's rows one after another), :class:`LiteFlow` turns tokens into mel (encoder graph, the length
 regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
 (f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
 runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 from cosyserve.errors import BundleError
 from cosyserve.lite import GRAPHS, INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_VERSION, TABLES_FILE, dsp, terminate
 from cosyserve.runtime.streampolicy import StreamPolicy
+from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.stop import ShouldStop, check
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteLM", "LiteToken2Wav", "LiteVocoder", "session_options"]
@@ -203,7 +204,8 @@ def _normalize(v: np.ndarray) -> np.ndarray:
 
 
 class LiteLM:
-    """Speech-token generation over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs."""
+    """The decode loop's LM over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs (numpy arrays). The step
+    graph takes one row: a batch step runs its rows one after another."""
 
     def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray]) -> None:
         c = bundle.config["llm"]
@@ -211,7 +213,14 @@ class LiteLM:
         self.layers, self.heads, self.head_dim = int(c["layers"]), int(c["heads"]), int(c["head_dim"])
         self.size = int(c["input_size"])
         self.eos_token = int(c["eos_token"])
-        self.sampling = dict(c["sampling"])
+        s = c["sampling"]
+        self.sampling = SamplingConfig(
+            float(s["top_p"]), int(s["top_k"]), int(s["win_size"]), float(s["tau_r"])
+        )
+        self.rules = StopRules(self.eos_token + 1, self.eos_token, self.eos_token)
+        self.ops = ArrayOps(np)
+        self._k: list[list[np.ndarray]] = []  # per cache row, per layer (1, positions, H, D)
+        self._v: list[list[np.ndarray]] = []
         self.sos, self.task = tables["llm.sos"], tables["llm.task"]
         self.spk_w, self.spk_b = tables["llm.spk_affine.weight"], tables["llm.spk_affine.bias"]
         self.speech_embedding = tables["llm.speech_embedding"]
@@ -236,7 +245,7 @@ class LiteLM:
                 self._pos = pos = [np.concatenate([pos[i], proj[i]]) for i in range(self.layers)]
         return pos
 
-    def embed(
+    def _prompt(
         self, text: list[int], prompt_text: list[int], prompt_speech: list[int], embedding: np.ndarray | None
     ) -> np.ndarray:
         """The LM's prompt (1, T0, C): sos, [speaker], encoded prompt text + text, task id, prompt speech."""
@@ -279,90 +288,69 @@ class LiteLM:
         sess.run_with_iobinding(io)
         return logp[0]  # (V,)
 
-    def _caches(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        shape = (1, n, self.heads, self.head_dim)
-        # np.zeros maps untouched pages: a cache costs memory only for the positions a request reaches
-        return [np.zeros(shape, np.float32) for _ in range(self.layers)], [
-            np.zeros(shape, np.float32) for _ in range(self.layers)
-        ]
+    # --- the decode loop's LM (cosyserve.runtime.decode.DecodeLM) -------------------------------------------------
 
-    @staticmethod
-    def length_limits(text_len: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
-        """(min_len, max_len) of generated tokens for ``text_len`` text tokens (without prompt), truncated as the
-        torch LM's :meth:`~cosyserve.models.llm.SpeechLM.length_limits`."""
-        return int(text_len * min_ratio), int(text_len * max_ratio)
+    def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+        """The one-shot prompt (1, T0, C) of a reference model-input dict and its text's length."""
+        text = _flat(model_input["text"])
+        embedding = model_input.get("llm_embedding")
+        emb = None if embedding is None else np.asarray(embedding, dtype=np.float32).reshape(-1)
+        prompt = self._prompt(
+            text,
+            _flat(model_input.get("prompt_text", [])),
+            _flat(model_input.get("llm_prompt_speech_token", [])),
+            emb,
+        )
+        return prompt, len(text)
 
-    def generate(
-        self,
-        text: list[int],
-        prompt_text: list[int],
-        prompt_speech: list[int],
-        embedding: np.ndarray | None,
-        rng: np.random.Generator,
-        *,
-        max_token_text_ratio: float = 20.0,
-        min_token_text_ratio: float = 2.0,
-        max_tokens: int | None = None,
-    ) -> Iterator[int]:
-        """Speech token ids one at a time, as :meth:`cosyserve.models.llm.SpeechLM.inference` (EOS masked before
-        ``min_len``; at most ``max_len`` tokens, and at most ``max_tokens``)."""
-        lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
-        min_len, max_len = self.length_limits(len(text), min_token_text_ratio, max_token_text_ratio)
-        if max_tokens is not None:
-            max_len = min(max_len, max_tokens)
-            min_len = min(min_len, max_len)
-        if max_len <= 0:
-            return
-        t0 = lm_input.shape[1]
-        k, v = self._caches(t0 + max_len)
-        logp = self._run_step(lm_input, k, v, 0)
-        history: list[int] = []
-        s = self.sampling
-        for i in range(max_len):
-            if i < min_len:
-                logp = logp.copy()
-                logp[self.eos_token] = -np.inf
-            token = dsp.ras_sample(
-                logp,
-                history,
-                top_p=s["top_p"],
-                top_k=s["top_k"],
-                win_size=s["win_size"],
-                tau_r=s["tau_r"],
-                rng=rng,
-            )
-            if token >= self.eos_token:
-                return
-            yield token
-            history.append(token)
-            if i + 1 < max_len:
-                logp = self._run_step(self.speech_embedding[token].reshape(1, 1, -1), k, v, t0 + i)
+    def embed(self, parts: list[tuple[str, list[int]]]) -> np.ndarray:
+        for kind, _ in parts:
+            if kind != "speech":
+                raise ValueError(f"the lite LM takes no {kind!r} input after its prompt")
+        ids = [t for _, p in parts for t in p]
+        return self.speech_embedding[np.asarray(ids, dtype=np.int64)][None].astype(np.float32)
 
-    def teacher_forced(
-        self,
-        text: list[int],
-        prompt_text: list[int],
-        prompt_speech: list[int],
-        embedding: np.ndarray | None,
-        tokens: list[int],
-    ) -> np.ndarray:
-        """Log-probabilities (K, V) of each step when ``tokens`` are fed back (no EOS masking)."""
-        lm_input = self.embed(text, prompt_text, prompt_speech, embedding)
-        t0 = lm_input.shape[1]
-        k, v = self._caches(t0 + len(tokens))
-        out = [self._run_step(lm_input, k, v, 0)]
-        for i, tok in enumerate(tokens[:-1]):
-            out.append(self._run_step(self.speech_embedding[tok].reshape(1, 1, -1), k, v, t0 + i))
-        return np.stack(out)
+    def prompt_head(self, prompt_ids: list[int]) -> int:
+        return 0
 
-    def warm_up(self, n_tokens: int = 2) -> None:
-        """``n_tokens`` one-token steps of the step graph on dummy inputs: runs the session once (a graph that
-        cannot run fails here, before READY) and maps the weights' pages in. A prefill is not run: on M > 1 rows
-        ORT packs every weight matrix per call (no prepacking), ~100 ms at full size, and a first call costs no
-        more than a later one; the text encoder opens after READY."""
-        k, v = self._caches(max(n_tokens, 1))
-        for i in range(max(n_tokens, 1)):
-            self._run_step(self.speech_embedding[i].reshape(1, 1, -1), k, v, i)
+    def reserve(self, rows: int, positions: int) -> None:
+        shape = (1, positions, self.heads, self.head_dim)
+        for caches in (self._k, self._v):
+            for r in range(rows):
+                if r == len(caches):
+                    caches.append([])
+                old = caches[r]
+                if old and old[0].shape[1] >= positions:
+                    continue
+                # np.zeros maps untouched pages: a row costs memory only for the positions it reaches
+                new = [np.zeros(shape, np.float32) for _ in range(self.layers)]
+                for a, b in zip(new, old, strict=False):
+                    a[:, : b.shape[1]] = b
+                caches[r] = new
+
+    def release(self) -> None:
+        self._k, self._v = [], []
+
+    def extend(self, x: np.ndarray, row: int, start: int) -> np.ndarray:
+        return self._run_step(x, self._k[row], self._v[row], start)[None]
+
+    def decode(self, tokens: np.ndarray, pos: np.ndarray, kv_len: int, rows: np.ndarray | None) -> np.ndarray:
+        rows = np.arange(len(tokens)) if rows is None else rows
+        out = np.empty((len(tokens), self.eos_token + 1), np.float32)
+        for b, (token, p, r) in enumerate(zip(tokens.tolist(), pos.tolist(), rows.tolist(), strict=True)):
+            x = self.speech_embedding[token].reshape(1, 1, -1)
+            out[b] = self._run_step(x, self._k[r], self._v[r], p)
+        return out
+
+    def warmup_prompt(self) -> np.ndarray:
+        """A one-position prompt (sos): a warm-up's prefill runs the step graph on one row, as a decode step does
+        (a prefill of M > 1 rows packs every weight matrix per call without prepacking, ~100 ms at full size, and a
+        first call costs no more than a later one); the text encoder's graph opens after READY."""
+        return self.sos.reshape(1, 1, -1).astype(np.float32)
+
+
+def _flat(a: Any) -> list[int]:
+    return [int(x) for x in np.asarray(a).reshape(-1)]
 
 
 class LiteFlow:

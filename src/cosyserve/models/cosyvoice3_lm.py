@@ -10,8 +10,8 @@ Mirrors ``cosyvoice.llm.llm.CosyVoice3LM``. The differences from :class:`~cosyse
 - the reference's minimum-length rule masks id ``speech_token_size`` = 6561 before ``min_len`` tokens, which for
   CosyVoice3 is ``sos``, not the real EOS: the EOS stays drawable. Kept as is (:attr:`eos_token` here is the id the
   shared :class:`~cosyserve.models.llm.SpeechLM` masks and stops from, 6561; :attr:`eos` is the real one).
-- streaming text input (:meth:`bistream`): the reference's ``inference_bistream``, 5 text tokens interleaved with
-  15 speech tokens and fill tokens.
+- streaming text input (the reference's ``inference_bistream``, run by :mod:`cosyserve.runtime.decode`): the
+  prompt text splits after its first ``<|endofprompt|>`` (:meth:`CosyVoice3LM.prompt_head`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from cosyserve.device import module_device
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.qwen2lm import Qwen2LM, Qwen2LMConfig, _Encoder, _mix_ratio
 
@@ -89,28 +88,11 @@ class CosyVoice3LM(Qwen2LM):
             parts.append(self.speech_embedding(prompt_speech_token.to(torch.int64)))
         return torch.cat(parts, dim=1)
 
-    @torch.inference_mode()
-    def warm_up(self, n_tokens: int = 2) -> list[int]:
-        """Generate ``n_tokens`` tokens for a dummy text (``<|endofprompt|>`` and three ids) through one layer;
-        the caches are released after. Not while the LM serves requests."""
-        from cosyserve.models import one_layer_per_stack
+    def warmup_input(self) -> dict[str, Tensor]:
+        # <|endofprompt|> and three ids: the prompt rule holds
+        return {"text": torch.tensor([[ENDOFPROMPT, 1, 2, 3]], dtype=torch.int32)}
 
-        text = torch.tensor([[ENDOFPROMPT, 1, 2, 3]], dtype=torch.int32)
-        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        ratio = max(n_tokens, 1) / text.shape[1]
-        trimmed = one_layer_per_stack(self)
-        try:
-            return list(
-                trimmed.inference(
-                    text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
-                    max_token_text_ratio=ratio, min_token_text_ratio=ratio,
-                    generator=torch.Generator(device=module_device(self)).manual_seed(0),
-                )
-            )  # fmt: skip
-        finally:
-            trimmed.stack.release_caches()
-
-    def _prompt_head(self, prompt_ids: list[int]) -> int:
+    def prompt_head(self, prompt_ids: list[int]) -> int:
         # the bistream prompt splits after the first <|endofprompt|>: what comes before starts the LM's input
         if ENDOFPROMPT not in prompt_ids:
             raise PromptRuleError(

@@ -18,7 +18,6 @@ same interface as the CosyVoice-300M LM (:mod:`cosyserve.models.llm`), so the ru
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.device import module_device
-from cosyserve.models.llm import SamplingConfig, SpeechLM, ras_sample
+from cosyserve.models.llm import SpeechLM
 from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
+from cosyserve.sampling import SamplingConfig, StopRules
 
 __all__ = ["Qwen2Config", "Qwen2LM", "Qwen2LMConfig"]
 
@@ -270,16 +269,6 @@ class _Encoder(nn.Module):
         self.model = _CausalLM(cfg)
 
 
-# A sampling function for the bistream decode: (log-probabilities (1, V), tokens so far, whether the step may not
-# end the utterance) -> the next id (the reference's sampling_ids)
-Sampler = Callable[[Tensor, list[int], bool], int]
-
-
-class _Limit(Exception):
-    # max_tokens reached inside bistream: ends the generator quietly
-    pass
-
-
 def _mix_ratio(cfg: Qwen2LMConfig) -> tuple[int, int]:
     ratio = tuple(cfg.mix_ratio)
     if len(ratio) != 2 or min(ratio) < 1:
@@ -294,7 +283,6 @@ class Qwen2LM(SpeechLM):
     # the Qwen text vocabulary (151936 rows): a request reads a few rows of it, a preload leaves the rest unread
     ROW_TABLES = ("llm.model.model.embed_tokens.weight", "speech_embedding.weight")
     N_STOP = 3  # eos, and two more stop tokens (the "fill" tokens of training)
-    STREAMS_TEXT: bool = True  # takes text as it arrives (inference_bistream)
 
     def __init__(self, cfg: Qwen2LMConfig) -> None:
         super().__init__()
@@ -322,9 +310,20 @@ class Qwen2LM(SpeechLM):
         # sos / task_id's embedding row (CosyVoice2: llm_embedding's)
         return self.llm_embedding.weight[token].reshape(1, 1, -1)
 
-    def _prompt_head(self, prompt_ids: list[int]) -> int:
-        # how many prompt text ids start the bistream LM input with sos (CosyVoice2: none)
-        return 0
+    @property
+    def rules(self) -> StopRules:
+        # streaming text input (the reference's bistream): the real end of speech, the token that asks for text
+        return StopRules(
+            self.llm_decoder.out_features, self.eos_token, self.eos, self.fill_token, self.mix_ratio,
+            self.sos, self.task_id,
+        )  # fmt: skip
+
+    def _embed_part(self, kind: str, ids: Tensor) -> Tensor:
+        if kind == "text":
+            return self.stack.embed_tokens(ids).to(self.speech_embedding.weight.dtype).unsqueeze(0)
+        if kind == "special":
+            return torch.cat([self._row(int(t)) for t in ids.tolist()], dim=1)
+        return super()._embed_part(kind, ids)
 
     # --- input --------------------------------------------------------------------------------------------------
 
@@ -350,221 +349,3 @@ class Qwen2LM(SpeechLM):
 
     def _first_cache(self) -> Any:
         return self.stack.layers[0].self_attn.kv_cache
-
-    # --- entry points -------------------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def warm_up(self, n_tokens: int = 2) -> list[int]:
-        """Generate ``n_tokens`` tokens for four dummy text ids through one layer (every kernel the LM runs);
-        the caches are released after. Not while the LM serves requests."""
-        from cosyserve.models import one_layer_per_stack
-
-        text = torch.arange(1, 5, dtype=torch.int32).unsqueeze(0)
-        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        ratio = max(n_tokens, 1) / text.shape[1]  # min = max: n_tokens unless a non-eos stop token is drawn
-        trimmed = one_layer_per_stack(self)
-        try:
-            return list(
-                trimmed.inference(
-                    text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(0, 192),
-                    max_token_text_ratio=ratio, min_token_text_ratio=ratio,
-                    generator=torch.Generator(device=module_device(self)).manual_seed(0),
-                )
-            )  # fmt: skip
-        finally:
-            trimmed.stack.release_caches()
-
-    # --- streaming text input -------------------------------------------------------------------------------------
-
-    def bistream(
-        self,
-        text: Iterable[Tensor],
-        prompt_text: Tensor,
-        prompt_speech_token: Tensor,
-        sample: Sampler,
-        *,
-        on_step: Callable[[Tensor, int], None] | None = None,
-        max_tokens: int | None = None,
-        max_token_text_ratio: float | None = None,
-    ) -> Iterator[int]:
-        """Speech tokens for text that arrives in pieces: the reference's ``inference_bistream`` (batch 1).
-
-        The LM's input starts with sos (CosyVoice3: and the prompt text up to its first ``<|endofprompt|>``,
-        :meth:`_prompt_head`); the rest of the prompt text waits with the streamed text. While prompt speech tokens remain, each 5 waiting text tokens
-        go in with the next 15 prompt speech tokens. Then the LM decodes: a fill token (:attr:`fill_token`; forced
-        15 tokens after the last one, or whenever sampled) asks for 5 more text tokens, which replace the step's
-        input. When the text ends, the rest of it and ``task_id`` follow (after the input of the step that produced
-        the last fill, fed a second time, as in the reference), and decoding runs to the real EOS (:attr:`eos`).
-
-        Args:
-            text: (1, n) text id tensors (n >= 0), in arrival order; consumed as they come.
-            prompt_text: (1, P) ids (CosyVoice3: holding ``<|endofprompt|>``).
-            prompt_speech_token: (1, S) prompt speech tokens (S may be 0).
-            sample: picks each step's id from its log-probabilities (see :data:`Sampler`); the third argument is
-                True while the utterance may not end (the reference then masks id ``speech_token_size`` only).
-            on_step: called with every step's log-probabilities (1, V) and its id, forced fills included.
-            max_tokens: stop after this many ids (fills included); None for no limit.
-            max_token_text_ratio: stop after this many ids per text token received (None: no limit, as the
-                reference): bounds a run whose LM never picks EOS, as one-shot synthesis's max_len does.
-        Yields:
-            Speech token ids (< ``speech_token_size``), as they are decoded.
-        Raises:
-            PromptRuleError: CosyVoice3, no ``<|endofprompt|>`` in ``prompt_text``.
-            ValueError: a step picked a special id other than fill (interleaved phase) or EOS (final phase), as
-                the reference does.
-        """
-        n_text, n_speech = self.mix_ratio
-        end = self._prompt_head(prompt_text.reshape(-1).tolist())
-        embed = self.stack.embed_tokens
-        device, dtype = self.speech_embedding.weight.device, self.speech_embedding.weight.dtype
-
-        def words(t: Tensor) -> Tensor:
-            return embed(t.reshape(1, -1).to(device=device, dtype=torch.int64)).to(dtype)
-
-        lm_input = torch.cat([self._row(self.sos), words(prompt_text[:, :end])], dim=1)
-        text_cache = words(prompt_text[:, end:])
-        pst = self.speech_embedding(prompt_speech_token.reshape(1, -1).to(device=device, dtype=torch.int64))
-        s = prompt_speech_token.shape[1]
-        next_fill = (s // n_speech + 1) * n_speech - s
-        out: list[int] = []
-        pos = 0
-
-        def step(x: Tensor) -> Tensor:
-            nonlocal pos
-            need = pos + x.shape[1]
-            if need > self.stack.max_seq_len():
-                self.stack.grow_caches(1, max(need, 2 * self.stack.max_seq_len(), 256))
-            hidden = self.stack.forward_cached(x, torch.tensor([pos], device=device), need)
-            pos = need
-            return self._logprobs(hidden[:, -1])
-
-        def decode(x: Tensor, arriving: bool) -> Generator[int, None, Tensor]:
-            # LM steps from input x until a fill (text still arriving) or EOS; returns the last step's input
-            nonlocal next_fill
-            while True:
-                logp = step(x)
-                forced = arriving and len(out) == next_fill
-                token = self.fill_token if forced else sample(logp, out, arriving)
-                if token == self.fill_token:
-                    next_fill = len(out) + n_speech + 1
-                out.append(token)
-                if on_step is not None:
-                    on_step(logp, token)
-                if max_tokens is not None and len(out) >= max_tokens:
-                    raise _Limit
-                if max_token_text_ratio is not None and len(out) >= max_token_text_ratio * max(n_words, 1):
-                    raise _Limit
-                if token >= self.eos_token:
-                    if token == (self.fill_token if arriving else self.eos):
-                        return x
-                    when = "while text was still arriving" if arriving else "after the text ended"
-                    raise ValueError(f"the LM picked special id {token} {when}")
-                yield token
-                x = self.speech_embedding.weight[token].reshape(1, 1, -1)
-
-        # text tokens received (the prompt text's, after its head, with them)
-        n_words = prompt_text.shape[1] - end
-        self.stack.setup_caches(1, 256)
-        try:
-            for piece in text:
-                n_words += piece.reshape(1, -1).shape[1]
-                text_cache = torch.cat([text_cache, words(piece)], dim=1)
-                while pst.shape[1] and text_cache.shape[1] >= n_text:
-                    lm_input = torch.cat([lm_input, text_cache[:, :n_text], pst[:, :n_speech]], dim=1)
-                    text_cache, pst = text_cache[:, n_text:], pst[:, n_speech:]
-                if pst.shape[1]:
-                    continue
-                after_fill = bool(out) and out[-1] == self.fill_token
-                if after_fill or (not out and lm_input.shape[1] == 1):
-                    if text_cache.shape[1] < n_text:
-                        continue  # wait for more text
-                    chunk = text_cache[:, :n_text]
-                    lm_input = chunk if after_fill else torch.cat([lm_input, chunk], dim=1)
-                    text_cache = text_cache[:, n_text:]
-                lm_input = yield from decode(lm_input, True)
-            lm_input = torch.cat([lm_input, text_cache, self._row(self.task_id)], dim=1)
-            yield from decode(lm_input, False)
-        except _Limit:
-            return
-
-    @torch.inference_mode()
-    def inference_bistream(
-        self,
-        text: Iterable[Tensor],
-        prompt_text: Tensor,
-        prompt_speech_token: Tensor,
-        *,
-        sampling: SamplingConfig | None = None,
-        generator: torch.Generator | None = None,
-        max_tokens: int | None = None,
-        max_token_text_ratio: float | None = 20.0,
-    ) -> Iterator[int]:
-        """:meth:`bistream` with the reference's sampling (repetition-aware). ``generator``: source of every draw
-        (default a freshly seeded one, never the global RNG).
-
-        Two departures. The reference decodes until EOS however long that takes; here at most
-        ``max_token_text_ratio`` speech tokens per text token received (the reference's own one-shot limit, 20).
-        And the reference masks only id ``speech_token_size`` while the text still arrives, and raises
-        when its sampling then picks another special id (or, once the text ended, a special id other than EOS):
-        a request that fails half-way through its audio. Here the special ids a step may not pick are masked
-        (every one but fill while text arrives, every one but EOS after), so the same draw picks among the ids
-        the reference accepts; a trained model gives them almost no probability."""
-        cfg = sampling or self.cfg.sampling
-        if generator is None:
-            generator = torch.Generator(device=self.speech_embedding.weight.device)
-            generator.seed()
-        win = max(cfg.win_size, 0)
-
-        def sample(logp: Tensor, out: list[int], ignore_eos: bool) -> int:
-            keep = self.fill_token if ignore_eos else self.eos
-            allowed = logp[:, keep].clone()
-            logp = logp.clone()
-            logp[:, self.eos_token :] = -math.inf
-            logp[:, keep] = allowed
-            history = torch.full((1, win), -1, dtype=torch.int64, device=logp.device)
-            recent = out[-win:] if win else []
-            if recent:
-                history[0, : len(recent)] = torch.tensor(recent, device=logp.device)
-            return int(ras_sample(logp, history, cfg, generator))
-
-        yield from self.bistream(
-            text,
-            prompt_text,
-            prompt_speech_token,
-            sample,
-            max_tokens=max_tokens,
-            max_token_text_ratio=max_token_text_ratio,
-        )
-
-    @torch.inference_mode()
-    def teacher_forced_bistream(
-        self, text: Tensor, prompt_text: Tensor, prompt_speech_token: Tensor, teacher_tokens: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`bistream` with ``text`` streamed one id at a time and each sampled id taken from
-        ``teacher_tokens`` in order (forced fills take none).
-
-        Returns:
-            (steps, V) float32 log-probabilities of every step, (steps,) int32 each step's id, (K,) int32 the
-            yielded speech tokens.
-        """
-        teacher = iter(teacher_tokens.reshape(-1).tolist())
-        rows: list[Tensor] = []
-        ids: list[int] = []
-
-        def sample(logp: Tensor, out: list[int], ignore_eos: bool) -> int:
-            try:
-                return next(teacher)
-            except StopIteration:
-                raise ValueError("teacher_tokens ran out before the LM reached EOS") from None
-
-        def on_step(logp: Tensor, token: int) -> None:
-            rows.append(logp[0])
-            ids.append(token)
-
-        pieces = (text[:, i : i + 1] for i in range(text.shape[1]))
-        tokens = list(self.bistream(pieces, prompt_text, prompt_speech_token, sample, on_step=on_step))
-        return (
-            torch.stack(rows) if rows else torch.zeros(0, self.llm_decoder.out_features),
-            torch.tensor(ids, dtype=torch.int32),
-            torch.tensor(tokens, dtype=torch.int32),
-        )

@@ -7,9 +7,9 @@ binding holds the GIL while a session opens (~1.7 s for the flow and vocoder gra
 a request that arrives in that window waits for it, later ones do not. It serves every
 CosyVoice-300M mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot, cross_lingual, vc),
 with the same chunking and the same voice registry (numpy arrays; importing or exporting a reference
-``spk2info.pt`` needs torch). Its audio equals the torch runtime's up to float32 rounding when both get the same
-random draws; its random stream is numpy's, so a seed gives reproducible audio that differs from the torch
-runtime's.
+``spk2info.pt`` needs torch). Its speech tokens are the torch runtime's for a seed (one sampler, one decode loop:
+:mod:`cosyserve.runtime.decode`), and its audio equals the torch runtime's up to float32 rounding when both get the
+same random draws; the flow's and vocoder's noise is numpy's, so a seed's audio differs from the torch runtime's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from cosyserve.errors import BundleError
 from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
+from cosyserve.runtime.decode import DecodeLoop, OneShot, generate, one_shot
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
+from cosyserve.sampling import row_key
 from cosyserve.stop import Stopped, check
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class LitePipeline(ModelModes):
     def __init__(self, llm: Any, token2wav: Any, speakers: dict[str, dict[str, Any]], **kwargs: Any) -> None:
         super().__init__(speakers, family="cosyvoice", **kwargs)
         self.llm = llm
+        self.decoder = DecodeLoop(llm, 1, name="lite")  # the runtime gives it its batch_size rows
         self.token2wav = token2wav
         # one piece's speech tokens at most (as the torch pipeline's)
         self.max_piece_tokens = PIECE_SECONDS_MAX * int(token2wav.flow.input_frame_rate)
@@ -110,19 +113,21 @@ class LitePipeline(ModelModes):
     def run(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         """Prepare now (errors raise here), then a generator of float32 chunks."""
         r, inputs = self.prepare(request)
-        rng = np.random.default_rng(r.seed if r.seed is not None else secrets.randbits(63))
-        return self._generate(r, inputs, rng, should_stop)
+        # the seed keys the LM's sampler (each text piece its own key) and seeds the flow's and vocoder's noise
+        seed = r.seed if r.seed is not None else secrets.randbits(63)
+        return self._generate(r, inputs, seed, np.random.default_rng(seed), should_stop)
 
     def _generate(
         self,
         r: SynthesisRequest,
         inputs: list[dict[str, Any]],
+        seed: int,
         rng: np.random.Generator,
         should_stop: Callable[[], bool],
     ) -> Iterator[np.ndarray]:
         try:
-            for model_input in inputs:
-                yield from self._tts(r, model_input, rng, should_stop)
+            for n, model_input in enumerate(inputs):
+                yield from self._tts(r, model_input, row_key(seed, n), rng, should_stop)
         except Stopped:
             return  # the generators below are closed by the unwinding: the LM's caches go with them
 
@@ -130,6 +135,7 @@ class LitePipeline(ModelModes):
         self,
         r: SynthesisRequest,
         model_input: dict[str, Any],
+        key: int,
         rng: np.random.Generator,
         should_stop: Callable[[], bool],
     ) -> Iterator[np.ndarray]:
@@ -141,17 +147,8 @@ class LitePipeline(ModelModes):
         if "source_speech_token" in model_input:  # vc: the LM is bypassed
             tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
         else:
-            llm_embedding = model_input.get("llm_embedding")
-            tokens = until(
-                self.llm.generate(
-                    _flat(model_input["text"]),
-                    _flat(model_input.get("prompt_text", [])),
-                    _flat(model_input.get("llm_prompt_speech_token", [])),
-                    None if llm_embedding is None else np.asarray(llm_embedding).reshape(-1),
-                    rng,
-                    max_tokens=self.max_piece_tokens,
-                )
-            )
+            spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
+            tokens = until(self.decoder.generate(spec, key))
         feat = model_input.get("prompt_speech_feat")
         for chunk in self.token2wav(
             tokens,
@@ -213,6 +210,8 @@ class LiteRuntime(RuntimeVoices):
             {name: bundle.onnx_path(name) for name in self.pipeline.onnx_files},
             check=lambda p: bundle.check_onnx(p.name),
         )
+        # the LM's decode loop: batch_size rows (the step graph runs a step's rows one after another)
+        self.pipeline.decoder = DecodeLoop(self.llm, options.batch_size, name=self.path.name)
         self.background: threading.Thread | None = None
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
@@ -220,7 +219,7 @@ class LiteRuntime(RuntimeVoices):
 
     def warm_up(self) -> None:
         with self.clock.phase("warmup"):
-            self.llm.warm_up(1)
+            _warm_up_lm(self.llm)
 
     # -- memory ---------------------------------------------------------------------------------------------------
 
@@ -246,6 +245,7 @@ class LiteRuntime(RuntimeVoices):
         self.background = _after_ready(self)
 
     def close(self) -> None:
+        self.pipeline.decoder.close()
         self.lite.sessions.clear()
 
 
@@ -353,7 +353,17 @@ def _open_lm(runtime: LiteRuntime) -> None:
         runtime.lite.session("llm_step")  # the text encoder's and the rest open after READY
     if o.warmup:
         with clock.phase("warmup"):
-            runtime.llm.warm_up(1)  # one step: ORT's first call costs no more than later ones (see warm_up)
+            _warm_up_lm(runtime.llm)
+
+
+def _warm_up_lm(lm: Any) -> None:
+    # a one-position prefill, a decode step and sampling (ORT's first call costs no more than a later one), on a
+    # copy with caches of its own (requests may be running): nothing is left behind
+    import copy
+
+    lm = copy.copy(lm)
+    lm.release()
+    list(generate(lm, OneShot(lm.warmup_prompt(), 2, 2), 0))
 
 
 def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:

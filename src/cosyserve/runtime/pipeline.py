@@ -18,7 +18,8 @@ Which parts each mode drops (the reference's rules):
 - vc: the source recording's speech tokens to token2wav with the prompt's tokens, mel and embedding.
 
 The zero-shot tier (the :class:`~cosyserve.frontend.zeroshot.Frontend` and its ONNX sessions) is created on the
-first request that needs it; SFT and instruct never touch it. The LLM yields speech tokens one at a time;
+first request that needs it; SFT and instruct never touch it. The LLM's tokens come from the model's decode loop
+(:class:`~cosyserve.runtime.decode.DecodeLoop`, shared by the requests that run at once), one at a time;
 :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` consumes them as they come and yields audio chunks.
 Nothing is shared between requests but the read-only modules, so concurrent requests only need their own generators.
 """
@@ -42,8 +43,10 @@ from cosyserve.families.base import Family
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
 from cosyserve.request import Mode, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import PIECE_SECONDS_MAX
+from cosyserve.runtime.decode import DecodeLoop, Streamed, one_shot
 from cosyserve.runtime.modes import ModelModes
 from cosyserve.runtime.streampolicy import StreamPolicy
+from cosyserve.sampling import row_key
 from cosyserve.stop import Stopped, check
 
 logger = logging.getLogger(__name__)
@@ -115,6 +118,8 @@ class Pipeline(ModelModes):
         config: Any = None,
     ) -> None:
         self.llm = llm
+        # the LM's decode loop: one row unless the runtime gives it more (TorchRuntime, batch_size)
+        self.decoder = DecodeLoop(llm, 1, name="lm")
         # one piece's speech tokens at most (its LM run, and its flow and vocoder passes without streaming)
         self.max_piece_tokens = PIECE_SECONDS_MAX * int(flow.cfg.input_frame_rate)
         family = family_named(family) if isinstance(family, str) else family
@@ -209,7 +214,7 @@ class Pipeline(ModelModes):
                 r
             )  # at least one: nothing to speak raises here, before any audio
             prepared.inputs = [make(self._text_ids(piece)) for piece in prepared.pieces]
-        elif getattr(self.llm, "STREAMS_TEXT", False):  # the batching LM does not: its runs share one batch
+        elif self.llm.rules.fill is not None:
             # the LM takes text as it arrives (the reference's bistream), one run per bounded segment
             prepared.inputs = (make(self._id_stream(seg)) for seg in self.text_segments(r))
         else:
@@ -265,12 +270,20 @@ class Pipeline(ModelModes):
     ) -> Iterator[np.ndarray]:
         r = prepared.request
         # on the modules' device: every draw (sampling, noise) is made where it is used, without a copy
+        # the seed keys the LM's sampler (each text piece its own key) and seeds the generator of the flow's and
+        # vocoder's noise
+        seed = r.seed if r.seed is not None else secrets.randbits(63)
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(r.seed if r.seed is not None else secrets.randbits(63))
+        generator.manual_seed(seed)
         try:
-            for model_input in prepared.inputs:
+            for n, model_input in enumerate(prepared.inputs):
                 yield from self._tts(
-                    model_input, stream=r.stream, speed=r.speed, generator=generator, should_stop=should_stop
+                    model_input,
+                    stream=r.stream,
+                    speed=r.speed,
+                    key=row_key(seed, n),
+                    generator=generator,
+                    should_stop=should_stop,
                 )
         except Stopped:
             return  # the generators below are closed by the unwinding: the LM frees its cache (or batch row)
@@ -281,6 +294,7 @@ class Pipeline(ModelModes):
         *,
         stream: bool,
         speed: float,
+        key: int,
         generator: torch.Generator,
         should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[np.ndarray]:
@@ -294,24 +308,16 @@ class Pipeline(ModelModes):
         source = model_input.get("source_speech_token", empty_ids)
         if source.shape[1] == 0:
             text = model_input["text"]
-            prompt_text = model_input.get("prompt_text", empty_ids)
-            prompt_tokens = model_input.get("llm_prompt_speech_token", empty_ids)
             if not isinstance(text, torch.Tensor):  # text still arriving: the LM takes its ids as they come
-                tokens: Any = self.llm.inference_bistream(
-                    text, prompt_text, prompt_tokens, generator=generator, max_tokens=self.max_piece_tokens
+                spec: Any = Streamed(
+                    text,
+                    model_input.get("prompt_text", empty_ids).reshape(-1).tolist(),
+                    model_input.get("llm_prompt_speech_token", empty_ids).reshape(-1).tolist(),
+                    max_len=self.max_piece_tokens,
                 )
             else:
-                tokens = self.llm.inference(
-                    text,
-                    torch.tensor([text.shape[1]], dtype=torch.int32),
-                    prompt_text,
-                    torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
-                    prompt_tokens,
-                    torch.tensor([prompt_tokens.shape[1]], dtype=torch.int32),
-                    model_input.get("llm_embedding", empty_embedding),
-                    generator=generator,
-                    max_tokens=self.max_piece_tokens,
-                )
+                spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
+            tokens: Iterator[int] = self.decoder.generate(spec, key)
             if should_stop is not None:
                 tokens = _until(tokens, should_stop)
             tokens = self.family.speech_tokens(tokens)

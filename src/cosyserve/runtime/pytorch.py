@@ -2,7 +2,7 @@
 
 :func:`load` opens the bundle (converting an official model dir once into the cache), builds the modules on the
 meta device and assigns the mapped tensors, wires the :class:`~cosyserve.runtime.pipeline.Pipeline` with the
-batching LM and the flow/vocoder batchers its options ask for, warms the LM up and returns READY. The rest of the
+LM's decode loop (``batch_size`` rows) and the flow/vocoder batchers its options ask for, warms the LM up and returns READY. The rest of the
 start (text normalisers, flow and vocoder warm-up, optionally the zero-shot tier's ONNX sessions) runs in one
 background thread right after: a request needs them only later.
 """
@@ -23,6 +23,7 @@ from cosyserve.device import factory_device
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions
 from cosyserve.runtime.cores import CoreShare
+from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.modes import RuntimeVoices
 from cosyserve.runtime.pipeline import Pipeline
 
@@ -54,7 +55,7 @@ class TorchRuntime(RuntimeVoices):
         self.sample_rate = int(pipeline.sample_rate)
         self.slots = options.batch_size
         self._parts = parts
-        self._lm = pipeline.llm  # the model itself, under any batching wrapper (what warm-up runs)
+        self._lm = pipeline.llm  # the model itself (what warm-up runs)
         self._batchers: list[Any] = []
         # the threads its requests share (worker_threads: a fixed count per request instead)
         self.cores = CoreShare(threads or options.threads or torch.get_num_threads())
@@ -63,20 +64,33 @@ class TorchRuntime(RuntimeVoices):
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
+        name = self.bundle.path.name if self.bundle is not None else "model"
+        # the runtime's slots share one model: their LM steps run as one batch in the model's decode loop, whose
+        # thread takes the cores' share of a request (or worker_threads) before every step
+        pipeline.decoder = DecodeLoop(
+            pipeline.llm, options.batch_size, before_step=self._loop_threads(options), name=name
+        )
+        self._batchers.append(pipeline.decoder)
         if options.batch_size > 1:
-            self._install_batchers(options)
+            self._install_batchers(options, name)
 
-    def _install_batchers(self, options: RuntimeOptions) -> None:
-        # the runtime's slots share one model: their LM steps run as one batch; flow and vocoder run concurrently
-        # in the request threads (they keep no per-call state on the modules), or stacked where shapes match
-        from cosyserve.runtime.batching import BatchingLM
+    def _loop_threads(self, options: RuntimeOptions) -> Callable[[], Any]:
+        if not options.worker_threads:
+            return self.cores.apply
+        n = options.worker_threads
+
+        def fixed() -> None:
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+
+        return fixed
+
+    def _install_batchers(self, options: RuntimeOptions, name: str) -> None:
+        # flow and vocoder run concurrently in the request threads (they keep no per-call state on the modules),
+        # or stacked where shapes match
         from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
-        name = self.bundle.path.name if self.bundle is not None else "model"
         p = self.pipeline
-        threads = options.worker_threads or self.cores
-        p.llm = BatchingLM(p.llm, options.batch_size, torch_threads=threads, name=name)
-        self._batchers.append(p.llm)
         if options.batch_flow and not p.family.stacks_flow:
             logger.warning(
                 "%s: flow and vocoder stacking (batch_flow) is built for CosyVoice-300M only; off", name
@@ -102,7 +116,7 @@ class TorchRuntime(RuntimeVoices):
         left as they were, so it may run while requests do."""
         with self.clock.phase("warmup"):
             with factory_device(self.pipeline.device):
-                self._lm.warm_up(self.options.warmup_tokens)
+                _warm_up_lm(self._lm, self.options.warmup_tokens)
             self.warm_up_token2wav()
 
     def warm_up_token2wav(self) -> None:
@@ -141,6 +155,16 @@ class TorchRuntime(RuntimeVoices):
             batcher.close()
         self._batchers = []
         self._parts = None
+
+
+def _warm_up_lm(lm: Any, n_tokens: int) -> None:
+    # n_tokens through one layer of each stack (cosyserve.models.one_layer_per_stack): every kernel the LM runs
+    # (prefill, cached decode, sampling) pays its one-time costs; the copy's caches are released after. Not while
+    # the LM serves requests: the first layer is the model's own
+    from cosyserve.models import one_layer_per_stack
+    from cosyserve.runtime.decode import warm_up
+
+    warm_up(one_layer_per_stack(lm), lm.warmup_input(), n_tokens)
 
 
 def _load_text_tier(pipeline: Pipeline) -> None:
@@ -308,7 +332,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
         # seconds later, so they warm up after READY, below
         with clock.phase("warmup"), factory_device(device):  # the warm-ups' dummy inputs made on the device
-            runtime._lm.warm_up(o.warmup_tokens)
+            _warm_up_lm(runtime._lm, o.warmup_tokens)
     clock.mark("ready")
     after: list[tuple[str, Callable[[], None]]] = []
     if o.text_tier == "background":

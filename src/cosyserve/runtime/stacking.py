@@ -14,7 +14,7 @@ waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's 
 lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
 per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``).
 
-The LM's continuous batching is :mod:`cosyserve.runtime.batching`.
+The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 """
 
 from __future__ import annotations

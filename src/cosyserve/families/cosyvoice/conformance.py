@@ -1,6 +1,7 @@
 """Conformance kinds of CosyVoice-300M sets (``KINDS.md``).
 
-``tokenize`` (the whisper tokenizer), ``llm_logprobs`` (teacher-forced log-probabilities), ``flow_inference`` and
+``tokenize`` (the whisper tokenizer), ``llm_logprobs`` (teacher-forced log-probabilities through the decode loop,
+:mod:`cosyserve.conformance.kinds_lm`), ``flow_inference`` and
 ``hift_inference`` (with the reference's recorded draws), ``token2wav_stream`` / ``token2wav_full`` (the reference's
 vc branch of ``tts``), the text and prompt frontends (``text_frontend``, ``zero_shot_frontend``,
 ``cross_lingual_frontend``, ``instruct_frontend``). The audio features' kinds (``mel``, ``fbank``,
@@ -12,6 +13,8 @@ and loads no FST).
 from __future__ import annotations
 
 from typing import Any
+
+from cosyserve.conformance import kinds_lm
 
 __all__ = ["KINDS"]
 
@@ -29,22 +32,6 @@ def run_tokenize(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
     ids = get_tokenizer().encode(inputs["text"])
     return {"ids": torch.tensor(ids, dtype=torch.int32)}
-
-
-def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
-    text, prompt_text = inputs["text"], inputs["prompt_text"]
-    prompt_speech_token = inputs["prompt_speech_token"]
-    logprobs, min_len, max_len = ctx.llm().teacher_forced_logprobs(
-        text,
-        _len(text),
-        prompt_text,
-        _len(prompt_text),
-        prompt_speech_token,
-        _len(prompt_speech_token),
-        inputs["embedding"].float(),
-        inputs["teacher_tokens"],
-    )
-    return {"logprobs": logprobs, "min_len": min_len, "max_len": max_len}
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:
@@ -153,7 +140,7 @@ def run_instruct_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 KINDS = {
     "tokenize": run_tokenize,
-    "llm_logprobs": run_llm_logprobs,
+    "llm_logprobs": kinds_lm.run_llm_logprobs,
     "flow_inference": run_flow_inference,
     "hift_inference": run_hift_inference,
     "token2wav_stream": run_token2wav,

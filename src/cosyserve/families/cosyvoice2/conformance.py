@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from cosyserve.conformance import kinds_features
+from cosyserve.conformance import kinds_features, kinds_lm
 
 __all__ = ["KINDS", "vc_chunks"]
 
@@ -34,27 +34,6 @@ def run_tokenize(ctx: Any, inputs: dict) -> dict:
 
     tokenizer = QwenTokenizer.from_dir(ctx.model_dir / "CosyVoice-BlankEN")
     return {"ids": torch.tensor(tokenizer.encode(inputs["text"]), dtype=torch.int32)}
-
-
-def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
-    import torch
-
-    def ids(x: Any) -> Any:
-        return x.to(torch.int32)
-
-    def n(x: Any) -> Any:
-        return torch.tensor([x.shape[1]], dtype=torch.int32)
-
-    text, prompt_text, prompt_speech = (
-        ids(inputs["text"]),
-        ids(inputs["prompt_text"]),
-        ids(inputs["prompt_speech_token"]),
-    )
-    logprobs, min_len, max_len = ctx.llm().teacher_forced_logprobs(
-        text, n(text), prompt_text, n(prompt_text), prompt_speech, n(prompt_speech), inputs["embedding"].float(),
-        inputs["teacher_tokens"],
-    )  # fmt: skip
-    return {"logprobs": logprobs, "min_len": min_len, "max_len": max_len}
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:
@@ -152,7 +131,7 @@ def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = Non
 
 KINDS = {
     "tokenize": run_tokenize,
-    "llm_logprobs": run_llm_logprobs,
+    "llm_logprobs": kinds_lm.run_llm_logprobs,
     "flow_inference": run_flow_inference,
     "hift_inference": run_hift_inference,
     "mel": run_mel,

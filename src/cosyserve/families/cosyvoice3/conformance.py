@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cosyserve.conformance import kinds_features
+from cosyserve.conformance import kinds_features, kinds_lm
 from cosyserve.families.cosyvoice2 import conformance as cosyvoice2
 from cosyserve.families.cosyvoice3.frontend import build_tokenizer
 from cosyserve.families.cosyvoice3.token2wav import Token2Wav3, filter_silent_tokens
@@ -31,13 +31,6 @@ def frontend3(ctx: Any) -> Any:
 
 def run_tokenize(ctx: Any, inputs: dict) -> dict:
     return {"ids": torch.tensor(build_tokenizer(ctx.model_dir).encode(inputs["text"]), dtype=torch.int32)}
-
-
-def run_llm_bistream_logprobs(ctx: Any, inputs: dict) -> dict:
-    logprobs, step_tokens, tokens = ctx.llm().teacher_forced_bistream(
-        inputs["text"], inputs["prompt_text"], inputs["prompt_speech_token"], inputs["teacher_tokens"]
-    )
-    return {"logprobs": logprobs, "step_tokens": step_tokens, "tokens": tokens}
 
 
 def _noise(inputs: dict) -> dict[str, torch.Tensor]:
@@ -81,8 +74,8 @@ def _on_cv3_frontend(kind: Any) -> Any:
 
 KINDS = {
     "tokenize": run_tokenize,
-    "llm_logprobs": cosyvoice2.run_llm_logprobs,
-    "llm_bistream_logprobs": run_llm_bistream_logprobs,
+    "llm_logprobs": kinds_lm.run_llm_logprobs,
+    "llm_bistream_logprobs": kinds_lm.run_llm_bistream_logprobs,
     "flow_inference": cosyvoice2.run_flow_inference,
     "hift_inference": run_hift_inference,
     "token2wav_stream": run_token2wav,
