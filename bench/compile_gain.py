@@ -5,7 +5,7 @@ steady gain over eager, for the LLM's decode step and the flow estimator, full-s
 
 Two fresh processes share one empty inductor cache dir: the first compiles cold, the second finds the cache (what
 a persistent cache beside the bundle would give a restart). Each process times, side by side and interleaved,
-eager and compiled calls on the same inputs: the decode step (``TransformerLM.decode_one_token``, KV cache at
+eager and compiled calls on the same inputs: the decode step (``TransformerLM.decode``, KV cache at
 250 positions, the position moving each call, as in a request) and one flow estimator call at 80 and 300 frames
 (a first chunk and a 3 s one-shot). ``dynamic=True`` so the moving position and the frame counts do not
 recompile. Prints compile seconds (first call) and eager / compiled milliseconds per call (medians).
@@ -47,8 +47,8 @@ with torch.inference_mode():
     def dec_inputs(i):
         p = 250 + i
         return tok, torch.tensor([p]), p + 1
-    step = torch.compile(llm.decode_one_token, dynamic=True)
-    out["decode"] = bench(llm.decode_one_token, step, dec_inputs, args["steps"])
+    step = torch.compile(llm.decode, dynamic=True)
+    out["decode"] = bench(llm.decode, step, dec_inputs, args["steps"])
     fwd = torch.compile(est.forward_packed, dynamic=True)
     for frames in (80, 300):
         h = torch.randn(2, est.in_channels, frames)

@@ -75,18 +75,16 @@ def bench_llm(modules: dict[str, torch.nn.Module], opts: argparse.Namespace) -> 
     g = torch.Generator().manual_seed(0)
     text_len = 8
     text = torch.randint(0, 51866, (1, text_len), generator=g, dtype=torch.int32)
-    empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    args = (text, torch.tensor([text_len], dtype=torch.int32), empty, zero, empty, zero, torch.randn(1, 192))
+    model_input = {"text": text, "llm_embedding": torch.randn(1, 192)}
     models = _variants(modules["llm"], opts.llm_variants.split(","))
 
     def generate(model: torch.nn.Module, n: int) -> tuple[list[int], float]:
+        from cosyserve.runtime.decode import generate, one_shot
+
         ratio = n / text_len  # min == max: exactly n tokens
-        gen = model.inference(
-            *args,
-            generator=torch.Generator().manual_seed(1),
-            min_token_text_ratio=ratio,
-            max_token_text_ratio=ratio,
-        )
+        with torch.inference_mode():
+            row = one_shot(model, model_input, min_ratio=ratio, max_ratio=ratio)
+        gen = generate(model, row, 1)
         stamps, tokens = [], []
         for tok in gen:
             stamps.append(time.perf_counter())
@@ -112,14 +110,19 @@ def bench_llm(modules: dict[str, torch.nn.Module], opts: argparse.Namespace) -> 
         return
     if opts.drift_tokens > len(tokens):  # more positions than the timed runs made (untimed)
         tokens, _ = generate(models["fp32"], opts.drift_tokens)
+    from cosyserve.runtime.decode import one_shot, teacher_forced
+
+    def forced(model: torch.nn.Module) -> torch.Tensor:
+        return teacher_forced(model, one_shot(model, model_input), tokens).logprobs
+
     teacher = torch.tensor(tokens)
     with torch.inference_mode():
-        ref, _, _ = models["fp32"].teacher_forced_logprobs(*args, teacher)
+        ref = forced(models["fp32"])
         print(f"  drift vs fp32, teacher-forced on {teacher.numel()} positions:")
         for name, model in models.items():
             if name == "fp32":
                 continue
-            got, _, _ = model.teacher_forced_logprobs(*args, teacher)
+            got = forced(model)
             agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
             top = ref.topk(25, dim=-1).indices
             d = (got - ref).abs()

@@ -22,15 +22,32 @@ def full_config() -> LLMConfig:
     return model_config("full").llm
 
 
+def _input(args: tuple) -> dict:
+    text, _, prompt_text, _, speech, _, embedding = args
+    return {
+        "text": text,
+        "prompt_text": prompt_text,
+        "llm_prompt_speech_token": speech,
+        "llm_embedding": embedding,
+    }
+
+
+def _teacher_forced(model: TransformerLM, args: tuple, teacher: list[int]) -> torch.Tensor:
+    from cosyserve.runtime.decode import one_shot, teacher_forced
+
+    with torch.inference_mode():
+        return teacher_forced(model, one_shot(model, _input(args)), teacher).logprobs
+
+
 def timed_generation(model: TransformerLM, args: tuple, n_tokens: int, text_len: int, seed: int):
+    from cosyserve.runtime.decode import generate, one_shot
+    from cosyserve.sampling import row_key
+
     ratio = n_tokens / text_len  # min == max: EOS is masked for every step, exactly n_tokens come out
-    gen = model.inference(
-        *args,
-        generator=torch.Generator().manual_seed(seed),
-        min_token_text_ratio=ratio,
-        max_token_text_ratio=ratio,
-    )
     t0 = time.perf_counter()
+    with torch.inference_mode():
+        row = one_shot(model, _input(args), min_ratio=ratio, max_ratio=ratio)
+    gen = generate(model, row, row_key(seed))
     stamps, tokens = [], []
     for tok in gen:
         stamps.append(time.perf_counter())
@@ -69,15 +86,14 @@ def main() -> None:
 
     if opts.no_bf16:
         return
-    teacher = torch.tensor(tokens)
-    ref, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    ref = _teacher_forced(model, args, tokens)
     model = model.to(torch.bfloat16)
     timed_generation(model, args, 8, opts.text_len, seed=1)
     tokens_bf16, first, steady = timed_generation(model, args, opts.tokens, opts.text_len, seed=1)
     print(
         f"bf16: first token {first * 1e3:.0f} ms, {steady * 1e3:.1f} ms/token over {len(tokens_bf16)} tokens"
     )
-    got, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    got = _teacher_forced(model, args, tokens)
     diff = (got - ref).abs()
     top = ref.topk(25, dim=-1).indices
     kl = (ref.exp() * (ref - got)).sum(-1)

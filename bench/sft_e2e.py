@@ -54,17 +54,13 @@ def main() -> None:
     hift.inference = timed("hift", hift.inference)
     emb = pipe.speakers[args.speaker]["embedding"]
     ids = torch.tensor([pipe.tokenizer.encode(args.text)], dtype=torch.int32)
-    empty = torch.zeros(1, 0, dtype=torch.int32)
-    zero = torch.tensor([0], dtype=torch.int32)
+    from cosyserve.runtime.decode import generate, one_shot
+
     rows = []
     for run in range(args.runs):
         gen = torch.Generator().manual_seed(run)
         t = time.perf_counter()
-        tokens = list(
-            pipe.llm.inference(
-                ids, torch.tensor([ids.shape[1]]), empty, zero, empty, zero, emb, generator=gen
-            )
-        )
+        tokens = list(generate(pipe.llm, one_shot(pipe.llm, {"text": ids, "llm_embedding": emb}), run))
         llm_s = time.perf_counter() - t
         timers.update(flow=0.0, hift=0.0)
         audio = torch.cat(list(pipe.token2wav(tokens, embedding=emb, stream=False, generator=gen)), dim=1)

@@ -176,6 +176,9 @@ class FakeRuntime:
     def after_fork(self) -> None:
         pass
 
+    def on_lm_step(self, record: Any) -> None:
+        self.lm_step = record  # the engine's hook: a fake that decodes calls it
+
     def close(self) -> None:
         self.closed = True
 

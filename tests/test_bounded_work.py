@@ -100,12 +100,13 @@ def test_the_lm_stops_at_max_tokens_whatever_the_text(tiny_model_dir: Path) -> N
     per text token (and below min_len too, which would otherwise mask EOS past the cap)."""
     rt = load_runtime(tiny_model_dir, RuntimeOptions(warmup=False))
     try:
+        from cosyserve.runtime.decode import generate, one_shot
+
         llm = rt.pipeline.llm
         text = torch.arange(1, 41, dtype=torch.int32)[None]  # 40 tokens: min 80, max 800
-        empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-        args = (text, torch.tensor([40], dtype=torch.int32), empty, zero, empty, zero, torch.zeros(1, 192))
-        gen = torch.Generator().manual_seed(0)
-        assert len(list(llm.inference(*args, generator=gen, max_tokens=30))) == 30
+        row = one_shot(llm, {"text": text, "llm_embedding": torch.zeros(1, 192)}, max_tokens=30)
+        assert (row.min_len, row.max_len) == (30, 30)
+        assert len(list(generate(llm, row, 0))) == 30
         # the pipeline passes a cap of PIECE_SECONDS_MAX seconds of tokens
         assert rt.pipeline.max_piece_tokens == PIECE_SECONDS_MAX * 50
     finally:

@@ -18,6 +18,7 @@ import torch
 from cosyserve.bundle.official import COMPONENT_FILES, load_component, module_class
 from cosyserve.errors import ModelConfigError
 from cosyserve.modelconfig import load_model_config
+from lm_util import tf
 
 
 @pytest.fixture(scope="module")
@@ -219,19 +220,18 @@ def test_tokenizer_special_tokens(cv3_model_dir: Path) -> None:
 def test_the_lm_refuses_text_without_endofprompt(parts: dict) -> None:
     """The reference asserts <|endofprompt|> in prompt text + text; without it the model was never trained."""
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT, PromptRuleError
+    from cosyserve.runtime.decode import Streamed, generate
 
     lm = parts["llm"]
     text, empty = torch.tensor([[10, 11, 12]], dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32)
     n = torch.tensor([3], dtype=torch.int32)
     zero = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(PromptRuleError, match="<\\|endofprompt\\|>"):
-        lm.teacher_forced_logprobs(text, n, empty, zero, empty, zero, torch.zeros(1, 192), torch.tensor([1]))
+        tf(lm, (text, n, empty, zero, empty, zero, torch.zeros(1, 192)), [1])
     with pytest.raises(PromptRuleError):
-        list(lm.inference_bistream([text], text, empty))
+        list(generate(lm, Streamed([[10, 11, 12]], [10, 11, 12], []), 0))
     ok = torch.tensor([[ENDOFPROMPT, 10, 11]], dtype=torch.int32)
-    logp, min_len, max_len = lm.teacher_forced_logprobs(
-        ok, n, empty, zero, empty, zero, torch.zeros(1, 192), torch.tensor([5, 6])
-    )
+    logp, min_len, max_len = tf(lm, (ok, n, empty, zero, empty, zero, torch.zeros(1, 192)), [5, 6])
     assert logp.shape == (2, 6761) and (min_len, max_len) == (6, 60)
 
 
@@ -240,19 +240,16 @@ def test_bistream_forces_a_fill_every_15_speech_tokens_and_outgrows_its_cache(pa
     and then every 16 steps, and each later run starts from 5 more text tokens; after the text, decoding runs to
     EOS (6562). 200 text tokens make ~900 LM positions, more than the 256 the cache starts with."""
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT
+    from cosyserve.runtime.decode import Streamed, teacher_forced
 
     lm = parts["llm"]
-    prompt = torch.tensor([[5, 6, ENDOFPROMPT]], dtype=torch.int32)
-    text = torch.arange(100, 300, dtype=torch.int32).reshape(1, -1)
-    steps: list[int] = []
-
-    def sample(logp: torch.Tensor, out: list[int], arriving: bool) -> int:
-        return 42 if arriving or len(out) < 700 else 6562
-
-    pieces = (text[:, i : i + 1] for i in range(text.shape[1]))
-    tokens = list(
-        lm.bistream(pieces, prompt, torch.zeros(1, 0), sample, on_step=lambda lp, t: steps.append(t))
-    )
+    text = list(range(100, 300))
+    # 42 at every sampled step (forced fills take none: 1 + 200 // 5 of them), EOS once 700 ids were decoded
+    teacher = [42] * (700 - (1 + 200 // 5)) + [6562]
+    spec = Streamed(([t] for t in text), [5, 6, ENDOFPROMPT], [], ratio=None)
+    run = teacher_forced(lm, spec, teacher)
+    steps, tokens = run.step_tokens, run.tokens
+    assert len(steps) == 701 and run.logprobs.shape == (701, 6761)
     fills = [i for i, t in enumerate(steps) if t == 6564]
     assert fills[:3] == [15, 31, 47] and all(b - a == 16 for a, b in zip(fills, fills[1:], strict=False))
     assert len(fills) == 1 + 200 // 5 and steps[-1] == 6562
@@ -261,19 +258,15 @@ def test_bistream_forces_a_fill_every_15_speech_tokens_and_outgrows_its_cache(pa
 
 def test_bistream_sampling_repeats_with_a_seed(parts: dict) -> None:
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT
+    from cosyserve.runtime.decode import Streamed, generate
+    from cosyserve.sampling import row_key
 
     lm = parts["llm"]
-    prompt = torch.tensor([[5, ENDOFPROMPT, 7]], dtype=torch.int32)
     text = [torch.tensor([[100, 101, 102]], dtype=torch.int32)] * 4
 
-    def run() -> list[int]:
-        g = torch.Generator().manual_seed(11)
-        try:
-            return list(
-                lm.inference_bistream(iter(text), prompt, torch.zeros(1, 0), generator=g, max_tokens=12)
-            )
-        except ValueError as e:  # the reference's rule: a special id other than fill mid-text stops it
-            return [str(e)]  # type: ignore[list-item]
+    def run(seed: int) -> list[int]:
+        return list(generate(lm, Streamed(iter(text), [5, ENDOFPROMPT, 7], [], max_len=12), row_key(seed)))
 
-    first = run()
-    assert first and first == run()
+    first = run(11)
+    assert first and first == run(11) and len(first) <= 12
+    assert first != run(12), "another seed should draw other tokens"

@@ -1,8 +1,7 @@
 """The device setting and the device helpers, on the CPU (no GPU here or in CI): the setting's spelling and where
 it is read from, the start check's one-line errors (CUDA made absent or present by patching torch), moving a mapped
-module through the staging buffers (the CUDA path's code, run with the CPU as its target), and the LM's decode loop
-for a GPU (:func:`cosyserve.models.llm.decode_ahead`) drawing exactly the CPU loop's tokens without reading a
-tensor on the host per step."""
+module through the staging buffers (the CUDA path's code, run with the CPU as its target). The decode loop's device
+behaviour (ids read back late, no host read per step) is tested in tests/test_decode.py."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from torch import nn
 from cosyserve.api import choose_runtime, load
 from cosyserve.device import _move, check_device, resolve_device, synchronize, to_device
 from cosyserve.errors import SettingsError
-from cosyserve.models.llm import SamplingConfig, TransformerLM, decode_ahead
-from cosyserve.models.qwen2lm import Qwen2Config, Qwen2LM, Qwen2LMConfig
 from cosyserve.runtime import RuntimeOptions
 from cosyserve.settings import Settings
 
@@ -270,152 +267,3 @@ def test_moving_a_module_that_was_never_loaded_is_refused() -> None:
         module = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"Linear\.weight is on the meta device"):
         _move(module, torch.device("cpu"), None, 1 << 20)
-
-
-# -- the LM's decode loop for a GPU -------------------------------------------------------------------------------
-
-
-def _lms() -> list[Any]:
-    from test_llm import _tiny_config
-
-    torch.manual_seed(0)
-    lm300 = TransformerLM(_tiny_config(2)).eval()
-    qwen = Qwen2Config(
-        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2,
-        vocab_size=64,
-    )  # fmt: skip
-    lm2 = Qwen2LM(
-        Qwen2LMConfig(llm_input_size=32, llm_output_size=32, speech_token_size=40, qwen=qwen)
-    ).eval()
-    return [lm300, lm2]
-
-
-def _inputs(lm: Any, g: torch.Generator) -> tuple:
-    n_text = lm.stack.embed_tokens.num_embeddings if isinstance(lm, Qwen2LM) else lm.cfg.text_token_size
-    text = torch.randint(0, n_text, (1, 4), generator=g, dtype=torch.int32)
-    empty, zero = torch.zeros(1, 0, dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
-    emb = (
-        torch.randn(1, lm.cfg.spk_embed_dim, generator=g)
-        if isinstance(lm, TransformerLM)
-        else torch.zeros(0, 192)
-    )
-    return (text, torch.tensor([4], dtype=torch.int32), empty, zero, empty, zero, emb)
-
-
-def _ahead(
-    lm: Any, args: tuple, seed: int, ahead: int, stop_after: int | None = None
-) -> tuple[list[int], Any]:
-    g = torch.Generator().manual_seed(seed)
-    lm_input, lo, hi, sampling, g = lm.prepare_inference(*args, None, 20.0, 0.5, g)
-    out: list[int] = []
-    it = decode_ahead(lm, lm_input, lo, hi, sampling, g, ahead)
-    for t in it:
-        out.append(t)
-        if stop_after is not None and len(out) == stop_after:
-            it.close()  # as a request's stop (a disconnect, a deadline) closes it
-    return out, g.get_state()
-
-
-def _reference(lm: Any, args: tuple, seed: int, stop_after: int | None = None) -> tuple[list[int], Any]:
-    g = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    it = lm.inference(*args, generator=g, min_token_text_ratio=0.5)
-    for t in it:
-        out.append(t)
-        if stop_after is not None and len(out) == stop_after:
-            it.close()
-    return out, g.get_state()
-
-
-@torch.inference_mode()
-def test_device_loop_draws_the_cpu_loops_tokens_and_leaves_the_generator_as_it() -> None:
-    """If this fails, a GPU request's audio for a seed differs from the CPU's beyond numerics: the device loop draws
-    other tokens, stops at another step (a stop token read late, or fed to an embedding that has no row for it),
-    or leaves the generator elsewhere (the next piece's tokens and the flow's noise would differ)."""
-    stops = 0
-    for lm in _lms():
-        args = _inputs(lm, torch.Generator().manual_seed(3))
-        for bias in (0.0, 4.0):  # 4: stop tokens likely, so runs end early at different steps
-            lm.llm_decoder.bias[lm.eos_token :] = bias
-            for seed in range(3):
-                want, state = _reference(lm, args, seed)
-                stops += len(want) < 80
-                for ahead in (0, 1, 4, 1000):
-                    got, got_state = _ahead(lm, args, seed, ahead)
-                    assert got == want, (type(lm).__name__, bias, seed, ahead)
-                    assert torch.equal(got_state, state), (type(lm).__name__, bias, seed, ahead)
-                closed, closed_state = _reference(lm, args, seed, stop_after=2)
-                got, got_state = _ahead(lm, args, seed, 4, stop_after=2)
-                assert got == closed and torch.equal(got_state, closed_state)
-    assert stops >= 4, "the biased runs should end on stop tokens before max_len"
-
-
-@torch.inference_mode()
-def test_inference_on_the_cpu_keeps_its_own_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If this fails, CPU requests go through the device loop (a few wasted steps per stop) instead of today's."""
-    import cosyserve.models.llm as llm
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("decode_ahead ran on the CPU")
-
-    monkeypatch.setattr(llm, "decode_ahead", refuse)
-    lm = _lms()[0]
-    assert (
-        len(list(lm.inference(*_inputs(lm, torch.Generator().manual_seed(1)), max_token_text_ratio=2.0))) > 0
-    )
-
-
-_CONVERSIONS = (
-    "__int__",
-    "__index__",
-    "__bool__",
-    "__float__",
-    "item",
-    "tolist",
-    "numpy",
-    "cpu",
-    "__array__",
-)
-
-
-@torch.inference_mode()
-def test_device_loop_reads_no_tensor_on_the_host_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If this fails, the decode step (sampling, the stop check, the LM's own step) reads a tensor's value on the
-    host, which on a GPU waits for the device at every token. Only the host buffer of ids is viewed, once."""
-    calls: list[str] = []
-    for name in _CONVERSIONS:
-        original = getattr(torch.Tensor, name)
-
-        def spy(self: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any) -> Any:
-            calls.append(_name)
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    for lm in _lms():
-        lm.llm_decoder.bias[lm.eos_token :] = -1e4  # no stop token: every step runs
-        args = _inputs(lm, torch.Generator().manual_seed(3))
-        g = torch.Generator().manual_seed(0)
-        lm_input, lo, hi, sampling, g = lm.prepare_inference(*args, SamplingConfig(), 20.0, 20.0, g)
-        calls.clear()
-        out = list(decode_ahead(lm, lm_input, lo, hi, sampling, g))
-        assert len(out) == hi == 80
-        assert calls == ["numpy"], calls
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the same loop runs on the CPU above)"
-)
-@torch.inference_mode()
-def test_device_loop_on_cuda_never_synchronises() -> None:
-    lm = _lms()[0].cuda()
-    args = tuple(a.cuda() for a in _inputs(lm, torch.Generator().manual_seed(3)))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    lm_input, lo, hi, sampling, g = lm.prepare_inference(*args, None, 20.0, 20.0, g)
-    list(decode_ahead(lm, lm_input, lo, hi, sampling, g))  # warm: first-use allocations may sync
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        g.manual_seed(0)
-        out = list(decode_ahead(lm, lm_input, lo, hi, sampling, g))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(out) == hi

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,23 +56,60 @@ def test_manifest_lists_every_graph_and_its_check(tiny_lite_bundle: Path) -> Non
         assert (tiny_lite_bundle / "lite" / (name + ".data")).is_file()
 
 
+def _inputs(
+    text: list[int], prompt_text: list[int], prompt_speech: list[int], emb: np.ndarray | None
+) -> dict:
+    # the model input of each runtime: torch tensors, numpy arrays
+    t = {
+        "text": _t(text)[0],
+        "prompt_text": _t(prompt_text)[0],
+        "llm_prompt_speech_token": _t(prompt_speech)[0],
+    }
+    n = {k: v.numpy() for k, v in t.items()}
+    if emb is not None:
+        t["llm_embedding"], n["llm_embedding"] = torch.from_numpy(emb)[None], emb[None]
+    return {"torch": t, "lite": n}
+
+
+def _teacher_forced(lm: Any, model_input: dict, teach: list[int]) -> Any:
+    from cosyserve.runtime.decode import one_shot, teacher_forced
+
+    return teacher_forced(lm, one_shot(lm, model_input), teach).logprobs
+
+
 def test_lm_logprobs_equal_torch(both: tuple[dict, dict]) -> None:
     torch_m, lite = both
     text, prompt_text, prompt_speech, teach = [5, 6, 7, 8, 9], [11, 12], [3, 4, 5], [1, 2, 3, 4, 5, 6, 7]
     emb = np.random.default_rng(0).standard_normal(192).astype(np.float32)
-    want, _, _ = torch_m["llm"].teacher_forced_logprobs(
-        *_t(text), *_t(prompt_text), *_t(prompt_speech), torch.from_numpy(emb)[None], torch.tensor(teach)
-    )
-    got = lite["llm"].teacher_forced(text, prompt_text, prompt_speech, emb, teach)
+    inputs = _inputs(text, prompt_text, prompt_speech, emb)
+    want = _teacher_forced(torch_m["llm"], inputs["torch"], teach)
+    got = _teacher_forced(lite["llm"], inputs["lite"], teach)
     assert got.shape == tuple(want.shape)
     np.testing.assert_allclose(got, want.numpy(), atol=1e-4)
     # no speaker (instruct mode keeps it out of the LM)
-    want, _, _ = torch_m["llm"].teacher_forced_logprobs(
-        *_t(text), *_t([]), *_t([]), torch.zeros(0, 192), torch.tensor(teach[:3])
-    )
+    inputs = _inputs(text, [], [], None)
+    want = _teacher_forced(torch_m["llm"], inputs["torch"], teach[:3])
     np.testing.assert_allclose(
-        lite["llm"].teacher_forced(text, [], [], None, teach[:3]), want.numpy(), atol=1e-4
+        _teacher_forced(lite["llm"], inputs["lite"], teach[:3]), want.numpy(), atol=1e-4
     )
+
+
+def test_lite_and_torch_sample_the_same_tokens_for_a_seed(both: tuple[dict, dict]) -> None:
+    """One sampler for both runtimes: its draws are a function of the seed, the token index and the vocabulary
+    id, so the lite runtime's tokens are the torch runtime's for a seed (their log-probabilities differ by float
+    rounding only, ~1e-6 here). If this failed, the runtimes' samplers, masks or stop rules would differ."""
+    from cosyserve.runtime.decode import generate, one_shot
+    from cosyserve.sampling import row_key
+
+    torch_m, lite = both
+    emb = np.random.default_rng(1).standard_normal(192).astype(np.float32)
+    inputs = _inputs([5, 6, 7, 8, 9, 10], [11, 12], [3, 4, 5], emb)
+    for seed in (1, 2):
+        runs = {
+            name: list(generate(lm, one_shot(lm, inputs[name]), row_key(seed)))
+            for name, lm in (("torch", torch_m["llm"]), ("lite", lite["llm"]))
+        }
+        assert len(runs["torch"]) >= 12 and runs["lite"] == runs["torch"], seed
 
 
 @pytest.mark.parametrize(
@@ -356,10 +394,10 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
     m = json.loads((out / "lite" / "manifest.json").read_text())
     assert "llm_step.int8.onnx" in m["files"] and m["int8"]["top1_agree"] > 0
     lb = LiteBundle(out, int8=True, threads=1)
-    text = [5, 6, 7, 8]
-    q = LiteLM(lb, lb.tables()).teacher_forced(text, [], [], None, [1, 2, 3])
+    model_input = _inputs([5, 6, 7, 8], [], [], None)["lite"]
+    q = _teacher_forced(LiteLM(lb, lb.tables()), model_input, [1, 2, 3])
     f = LiteBundle(out, threads=1)
-    ref = LiteLM(f, f.tables()).teacher_forced(text, [], [], None, [1, 2, 3])
+    ref = _teacher_forced(LiteLM(f, f.tables()), model_input, [1, 2, 3])
     assert not np.array_equal(q, ref)  # another graph ran ...
     np.testing.assert_allclose(q, ref, atol=0.5)  # ... computing nearly the same thing
     assert (out / "lite" / "llm_step.int8.onnx.data") in lb.data_files()

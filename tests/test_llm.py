@@ -5,13 +5,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosyserve.models.llm import LLMConfig, SamplingConfig, TransformerLM, ras_sample
+from cosyserve.models.llm import LLMConfig, SamplingConfig, TransformerLM
 from cosyserve.models.transformer import (
     ConformerEncoder,
     ConformerEncoderConfig,
     TransformerEncoder,
     TransformerEncoderConfig,
 )
+from lm_util import sample, tf
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -160,7 +161,7 @@ def test_state_dict_keys_are_official(fixture_llm):
 def test_fixture_cases(fixture_llm, llm_cases):
     model, _ = fixture_llm
     for case, inputs, expected in llm_cases:
-        logprobs, min_len, max_len = model.teacher_forced_logprobs(*_args(inputs), inputs["teacher_tokens"])
+        logprobs, min_len, max_len = tf(model, _args(inputs), inputs["teacher_tokens"])
         assert logprobs.shape == expected.shape, case["name"]
         err = (logprobs - expected).abs()
         # Beyond tolerance: input assembly, encoder masking or cached attention differs from the reference.
@@ -181,7 +182,7 @@ def test_incremental_decode_matches_full_causal_forward(fixture_llm, llm_cases):
     model, _ = fixture_llm
     _, inputs, _ = llm_cases[1]  # zero_shot: prompt text, prompt speech and speaker embedding
     teacher = inputs["teacher_tokens"]
-    cached, _, _ = model.teacher_forced_logprobs(*_args(inputs), teacher)
+    cached, _, _ = tf(model, _args(inputs), teacher)
     full = _full_forward_logprobs(model, _args(inputs), teacher)
     # A difference means the KV cache, the per-distance position projection or the step masks are wrong.
     torch.testing.assert_close(cached, full, atol=2e-5, rtol=1e-5)
@@ -199,21 +200,19 @@ def test_batched_rows_match_unbatched():
     singles = []
     for b, prompt in enumerate(prompts):
         model.setup_caches(1, 64)
-        rows = [model.prefill(prompt)]
+        rows = [model.extend(prompt, 0, 0)]
         t0 = prompt.size(1)
         for i in range(steps):
-            rows.append(model.decode_one_token(tokens[b, i : i + 1], torch.tensor([t0 + i]), t0 + i + 1))
+            rows.append(model.decode(tokens[b, i : i + 1], torch.tensor([t0 + i]), t0 + i + 1))
         singles.append(torch.cat(rows))
 
-    lengths = torch.tensor([p.size(1) for p in prompts])
-    padded = torch.zeros(2, int(lengths.max()), prompts[0].size(2))
-    for b, prompt in enumerate(prompts):
-        padded[b, : prompt.size(1)] = prompt[0]
+    # each row's prompt into its own cache row, then steps of both rows at their own positions
     model.setup_caches(2, 64)
-    batched = [model.prefill(padded, lengths)]
-    pos = lengths.clone()
+    first = torch.cat([model.extend(prompt, b, 0) for b, prompt in enumerate(prompts)])
+    batched = [first]
+    pos = torch.tensor([p.size(1) for p in prompts])
     for i in range(steps):
-        batched.append(model.decode_one_token(tokens[:, i], pos, int(pos.max()) + 1))
+        batched.append(model.decode(tokens[:, i], pos, int(pos.max()) + 1))
         pos += 1
     batched = torch.stack(batched, dim=1)
     # Rows at different positions must not see each other's padding or positions.
@@ -225,10 +224,7 @@ def test_inference_is_seeded_and_respects_min_len(fixture_llm, llm_cases):
     model, _ = fixture_llm
     _, inputs, _ = llm_cases[0]
     args = _args(inputs)
-    runs = [
-        list(model.inference(*args, generator=torch.Generator().manual_seed(s), max_token_text_ratio=3.0))
-        for s in (7, 7, 8)
-    ]
+    runs = [list(sample(model, args, s, max_token_text_ratio=3.0)) for s in (7, 7, 8)]
     # Same seed must give the same tokens; a different seed (random weights, flat-ish distribution) must not.
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
@@ -244,9 +240,7 @@ def test_eos_never_before_min_len():
     g = torch.Generator().manual_seed(3)
     args = _random_args(model.cfg, g, t=4)
     for seed in range(3):
-        out = list(
-            model.inference(*args, generator=torch.Generator().manual_seed(seed), min_token_text_ratio=2.0)
-        )
+        out = list(sample(model, args, seed, min_token_text_ratio=2.0))
         # min_len = 8: EOS masked for steps 0..7, then drawn at step 8.
         assert len(out) == 8, out
 
@@ -259,10 +253,10 @@ def test_random_tiny_config_cached_equals_full():
         g = torch.Generator().manual_seed(seed)
         args = _random_args(model.cfg, g, spk=seed != 1, p=0 if seed == 2 else 3, s=0 if seed == 2 else 4)
         teacher = torch.randint(0, model.cfg.speech_token_size, (20,), generator=g)
-        cached, min_len, max_len = model.teacher_forced_logprobs(*args, teacher)
+        cached, min_len, max_len = tf(model, args, teacher)
         assert (min_len, max_len) == (10, 100)
         torch.testing.assert_close(cached, _full_forward_logprobs(model, args, teacher), atol=1e-5, rtol=1e-5)
-        tokens = list(model.inference(*args, generator=torch.Generator().manual_seed(0)))
+        tokens = list(sample(model, args, 0))
         assert min_len <= len(tokens) <= max_len  # EOS is masked before min_len
 
 
@@ -273,10 +267,10 @@ def test_reloading_weights_refreshes_position_projection():
     g = torch.Generator().manual_seed(0)
     args = _random_args(model.cfg, g)
     teacher = torch.randint(0, model.cfg.speech_token_size, (8,), generator=g)
-    model.teacher_forced_logprobs(*args, teacher)  # fills the projected-distance table
+    tf(model, args, teacher)  # fills the projected-distance table
     other = TransformerLM(_tiny_config(0))
     model.load_state_dict(other.state_dict())
-    cached, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    cached, _, _ = tf(model, args, teacher)
     # A stale linear_pos projection after load_state_dict would show up here.
     torch.testing.assert_close(cached, _full_forward_logprobs(model, args, teacher), atol=1e-5, rtol=1e-5)
 
@@ -371,21 +365,6 @@ def test_unsupported_options_are_rejected():
         )
 
 
-def test_ras_sample_nucleus_and_repetition_fallback():
-    cfg = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
-    logp = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
-    g = torch.Generator().manual_seed(0)
-    empty = torch.full((1, 10), -1)
-    picks = {int(ras_sample(logp, empty, cfg, g)) for _ in range(200)}
-    # Mass before id 2 is 0.75 < 0.8 so ids 0..2 are candidates; id 3 (mass before 0.9) never is.
-    assert picks == {0, 1, 2}
-    seen = torch.tensor([[0, 1, 2] + [-1] * 7])
-    # Every nucleus pick already occurred once (>= win_size * tau_r = 1): the fallback excludes the pick,
-    # so each draw differs from its nucleus pick; id 3 becomes reachable.
-    picks = {int(ras_sample(logp, seen, cfg, g)) for _ in range(300)}
-    assert 3 in picks
-
-
 @torch.inference_mode()
 def test_half_precision_weights_attend_in_float32_on_cpu():
     torch.manual_seed(4)
@@ -393,9 +372,9 @@ def test_half_precision_weights_attend_in_float32_on_cpu():
     g = torch.Generator().manual_seed(4)
     args = _random_args(model.cfg, g, p=3, s=4)
     teacher = torch.randint(0, model.cfg.speech_token_size, (12,), generator=g)
-    ref, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    ref, _, _ = tf(model, args, teacher)
     model.to(torch.bfloat16)
-    got, _, _ = model.teacher_forced_logprobs(*args, teacher)
+    got, _, _ = tf(model, args, teacher)
     cache = model.llm.encoders[0].self_attn.kv_cache
     # bf16 caches would send every decode step's attention through oneDNN, which keeps a kernel per key length
     # (~0.7 MB of memory per step at CosyVoice-300M's size); the caches and the attention stay float32 on CPU.
@@ -407,4 +386,4 @@ def test_half_precision_weights_attend_in_float32_on_cpu():
     # bf16 weights round the activations (~3 significant digits): close to float32, not equal
     assert (got - ref).abs().max() < 0.25, (got - ref).abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
-    assert list(model.inference(*args, generator=torch.Generator().manual_seed(0), max_token_text_ratio=2.0))
+    assert list(sample(model, args, 0, max_token_text_ratio=2.0))

@@ -112,22 +112,25 @@ def test_a_bistream_lm_takes_text_as_it_arrives(
     text would never be released."""
     model = cv2_model_dir if family == "cosyvoice2" else cv3_model_dir
     rt = load_runtime(model, RuntimeOptions(warmup=False, flow_steps=1))
+    from cosyserve.runtime.decode import Streamed
+
     calls: list[Any] = []
-    original = rt.pipeline.llm.inference_bistream
+    original = rt.pipeline.decoder.generate
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        return original(*args, **kwargs)
+    def spy(spec: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(spec)
+        return original(spec, *args, **kwargs)
 
-    rt.pipeline.llm.inference_bistream = spy
+    rt.pipeline.decoder.generate = spy
     try:
         _first_audio_before_the_end(rt)
         if family == "cosyvoice3":  # no <|endofprompt|> given: the default prefix opens the prompt
-            prompt = calls[0][1][0].tolist()
-            assert 151646 in prompt
+            assert 151646 in calls[0].prompt_text
     finally:
         rt.close()
-    assert calls, "the streamed text did not go through the LM's bistream"
+    assert calls and isinstance(calls[0], Streamed), (
+        "the streamed text did not go to the LM as a streamed row"
+    )
 
 
 def test_a_streamed_text_with_nothing_to_speak_is_refused(tiny_model_dir: Path) -> None:
@@ -165,16 +168,13 @@ def test_a_streamed_lm_run_is_bounded_by_the_text_it_received(cv3_model_dir: Pat
     """The reference's bistream decodes until EOS: an LM that never picks it (random weights, text it cannot
     read) ran to the piece cap of a minute of speech for three words. At most 20 speech tokens per text token
     received, as one-shot synthesis allows."""
-    import torch
+    from cosyserve.runtime.decode import Streamed, generate
 
     rt = load_runtime(cv3_model_dir, RuntimeOptions(warmup=False))
     try:
-        llm = rt.pipeline.llm
-        prompt = torch.tensor([[151646]], dtype=torch.int32)  # <|endofprompt|> alone
-        pieces = [torch.tensor([[10, 11]], dtype=torch.int32), torch.tensor([[12]], dtype=torch.int32)]
-        gen = torch.Generator().manual_seed(0)
-        tokens = list(llm.inference_bistream(iter(pieces), prompt, torch.zeros(1, 0, dtype=torch.int32),
-                                             generator=gen))  # fmt: skip
+        pieces = [[10, 11], [12]]
+        # <|endofprompt|> alone as the prompt text; the pipeline's default ratio
+        tokens = list(generate(rt.pipeline.llm, Streamed(iter(pieces), [151646], []), 0))
     finally:
         rt.close()
     assert 0 < len(tokens) <= 20 * 3

@@ -272,6 +272,8 @@ class Engine:
                 with concurrent.futures.ThreadPoolExecutor(self.instances) as ex:
                     models = list(ex.map(lambda _: self._loader(), range(self.instances)))
             slots = sum(int(m.slots) for m in models)
+            for m in models:
+                m.on_lm_step(self.stats.record_lm_step)  # the LM's steps, counted where the model's are
             executor = concurrent.futures.ThreadPoolExecutor(
                 slots, thread_name_prefix=f"cosyserve-{self.name}"
             )

@@ -42,6 +42,7 @@ class ModelStats:
         self.audio_s = 0.0
         self.compute_s = 0.0
         self.ttfa_s: deque[float] = deque(maxlen=self.WINDOW)
+        self.lm_rows: dict[int, int] = {}  # rows decoded together -> LM steps
         self.rtf: deque[float] = deque(maxlen=self.WINDOW)
 
     def record_load(self, seconds: float, ok: bool) -> None:
@@ -77,6 +78,10 @@ class ModelStats:
         with self._lock:
             self.ttfa_s.append(ttfa_s)
 
+    def record_lm_step(self, rows: int) -> None:
+        with self._lock:
+            self.lm_rows[rows] = self.lm_rows.get(rows, 0) + 1
+
     def record_finish(self, outcome: str, audio_s: float, compute_s: float) -> None:
         with self._lock:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -106,4 +111,5 @@ class ModelStats:
                 "ttfa_p99_s": _quantile(ttfa, 0.99),
                 "rtf_p50": _quantile(rtf, 0.5),
                 "rtf_mean": (sum(rtf) / len(rtf)) if rtf else None,
+                "lm_batch_rows": dict(self.lm_rows),
             }

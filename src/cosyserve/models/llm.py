@@ -23,6 +23,7 @@ from cosyserve.models.transformer import (
     ConformerEncoderConfig,
     TransformerEncoder,
     TransformerEncoderConfig,
+    cache_dtype,
 )
 from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
 
@@ -129,23 +130,24 @@ class SpeechLM(nn.Module):
 
     def embed(self, parts: list[tuple[str, list[int]]]) -> Tensor:
         """(1, T, C) the embeddings of ``parts`` (("text" | "speech" | "special", ids)) in order."""
-        d = self.speech_embedding.weight.device
-        xs = [
-            self._embed_part(kind, torch.tensor(ids, dtype=torch.int64, device=d))
-            for kind, ids in parts
-            if ids
-        ]
-        return torch.cat(xs, dim=1)
+        return torch.cat([self._embed_part(kind, ids) for kind, ids in parts if ids], dim=1)
 
-    def _embed_part(self, kind: str, ids: Tensor) -> Tensor:
+    def _embed_part(self, kind: str, ids: list[int]) -> Tensor:
         if kind == "speech":
-            return self.speech_embedding(ids).unsqueeze(0)
+            return self.speech_embedding(self._ids(ids)).unsqueeze(0)
         raise ValueError(f"{type(self).__name__} takes no {kind!r} input after its prompt")
+
+    def _ids(self, ids: list[int]) -> Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.speech_embedding.weight.device)
 
     def prompt_head(self, prompt_ids: list[int]) -> int:
         return 0
 
     def reserve(self, rows: int, positions: int) -> None:
+        cache = self._first_cache()
+        w = self.speech_embedding.weight
+        if cache is not None and cache.k_cache.dtype != cache_dtype(w.dtype, w.device):
+            self.release()  # made before a cast (Module.to casts the buffers too): set up again
         self.grow_caches(rows, positions)
 
     def release(self) -> None:

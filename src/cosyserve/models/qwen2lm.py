@@ -318,11 +318,11 @@ class Qwen2LM(SpeechLM):
             self.sos, self.task_id,
         )  # fmt: skip
 
-    def _embed_part(self, kind: str, ids: Tensor) -> Tensor:
+    def _embed_part(self, kind: str, ids: list[int]) -> Tensor:
         if kind == "text":
-            return self.stack.embed_tokens(ids).to(self.speech_embedding.weight.dtype).unsqueeze(0)
+            return self.stack.embed_tokens(self._ids(ids)).to(self.speech_embedding.weight.dtype).unsqueeze(0)
         if kind == "special":
-            return torch.cat([self._row(int(t)) for t in ids.tolist()], dim=1)
+            return torch.cat([self._row(t) for t in ids], dim=1)
         return super()._embed_part(kind, ids)
 
     # --- input --------------------------------------------------------------------------------------------------

@@ -298,6 +298,11 @@ class Runtime(Protocol):
         threads and start what waited for the fork (called once per child, before it serves)."""
         ...
 
+    def on_lm_step(self, record: Callable[[int], None]) -> None:
+        """Call ``record(rows)`` after every decode step of its LM, with the rows the step decoded together (the
+        engine counts them in its model's stats: ``cosyserve_lm_batch_rows``)."""
+        ...
+
     def close(self) -> None:
         """Stop its threads and drop its references to the weights (the runtime is unusable afterwards)."""
         ...

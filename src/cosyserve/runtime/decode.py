@@ -180,9 +180,10 @@ class DecodeStats:
 
     steps: int = 0
     rows: int = 0
-    prefills: int = 0
-    tokens: int = 0
+    prefills: int = 0  # rows admitted
+    tokens: int = 0  # speech tokens handed out
     peak_rows: int = 0
+    rollbacks: int = 0  # streamed-text rows put back after a fill read late
     rows_hist: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
 
     def step(self, n: int) -> None:
@@ -252,6 +253,7 @@ class _Row:
         self.finished = False
         self.pieces: deque[list[int] | None] = deque()  # text handed over (None: the end), not yet taken
         self.taken = 0  # tokens the consumer took
+        self.delivered = 0  # tokens put on its queue
         # loop thread only
         self.slot = -1
         self.epoch = 0  # bumped by a rollback: reads of older steps are dropped
@@ -328,6 +330,7 @@ class DecodeLoop:
         self.threaded = threaded
         self.name = name
         self.stats = DecodeStats()
+        self.on_step: Callable[[int], None] | None = None  # told the rows of every decode step
         cfg = lm.sampling
         v = self.rules.vocab
         self.sampler = Sampler(cfg, v, ops)
@@ -490,7 +493,10 @@ class DecodeLoop:
         return [
             r
             for r in self._active
-            if r.ready and not r.stalled and not r.finished and r.steps - r.taken < self.ahead
+            if r.ready
+            and not r.stalled
+            and not r.finished
+            and r.steps - r.read + r.delivered - r.taken < self.ahead
         ]
 
     def _finish_locked(self, row: _Row, item: Any = _DONE) -> None:
@@ -697,6 +703,8 @@ class DecodeLoop:
             r.pos += 1
             r.ready = True
         self.stats.step(len(rows))
+        if self.on_step is not None:
+            self.on_step(len(rows))
 
     # --- reading the ids back -----------------------------------------------------------------------------------
 
@@ -763,6 +771,7 @@ class DecodeLoop:
                     self._finish_locked(row)
             return
         self.stats.tokens += 1
+        row.delivered += 1
         row.out.put(token)
         if row.read >= row.limit():
             with self._cv:
@@ -776,6 +785,7 @@ class DecodeLoop:
         state.lm_input = row.extend_parts if step == row.extend_step else [("speech", [prev])]
         state.after_fill = True
         if row.steps > step + 1:  # it went on, speculating that the step was speech: put it back
+            self.stats.rollbacks += 1
             row.epoch += 1
             row.steps = step + 1
             row.pos = row.extend_end + (step - row.extend_step)

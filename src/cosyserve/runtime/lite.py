@@ -217,6 +217,9 @@ class LiteRuntime(RuntimeVoices):
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         return self.pipeline.run(request, should_stop)
 
+    def on_lm_step(self, record: Callable[[int], None]) -> None:
+        self.pipeline.decoder.on_step = record
+
     def warm_up(self) -> None:
         with self.clock.phase("warmup"):
             _warm_up_lm(self.llm)

@@ -100,6 +100,9 @@ class TorchRuntime(RuntimeVoices):
             t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
             t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
 
+    def on_lm_step(self, record: Callable[[int], None]) -> None:
+        self.pipeline.decoder.on_step = record
+
     # -- synthesis ------------------------------------------------------------------------------------------------
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:

@@ -32,7 +32,7 @@ import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -54,6 +54,16 @@ _NOT_ADDITIVE = frozenset(
 
 _STATES = ("unloaded", "new", "loading", "ready", "draining", "released", "failed", "evicting")
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_ROWS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _rows_histogram(counts: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    # (cumulative buckets, sum) of an LM's rows per decode step, from its counts by rows
+    buckets = [
+        (str(float(le)), float(sum(n for rows, n in counts.items() if rows <= le))) for le in _ROWS_BUCKETS
+    ]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    return buckets, float(sum(rows * n for rows, n in counts.items()))
 
 
 class _PoolCollector:
@@ -102,6 +112,9 @@ class _PoolCollector:
             "duration of the first and the last load",
             labels=["model", "which"],
         )
+        lm_rows = HistogramMetricFamily(
+            "cosyserve_lm_batch_rows", "rows decoded together in each LM decode step", labels=["model"]
+        )
         for name, d in stats["models"].items():
             for s in _STATES:
                 st.add_metric([name, s], 1.0 if d["state"] == s else 0.0)
@@ -125,6 +138,7 @@ class _PoolCollector:
                 v = d.get(f"{which}_load_s")
                 if v is not None:
                     load_s.add_metric([name, which], v)
+            lm_rows.add_metric([name], *_rows_histogram(d["lm_batch_rows"]))
         yield from (
             st,
             inflight,
@@ -139,6 +153,7 @@ class _PoolCollector:
             compute,
             rtf,
             load_s,
+            lm_rows,
         )
         mem = GaugeMetricFamily(
             "cosyserve_memory_bytes", "memory: used, limit, budget, resident models", labels=["kind"]
