@@ -67,7 +67,7 @@ class Plan:
     text: str  # its text tokens x 20 = the speech tokens of every request
     first_audio_requests: int  # streamed one after another at one client
     level_requests: dict[int, int]  # clients -> requests in all at that level
-    batch_size: int  # requests the server runs at once (LM steps batched)
+    batch_size: int | None  # requests the server runs at once (LM steps batched); None: the server's default
     budget_s: float
     families: tuple[str, ...] = DEFAULT_FAMILIES
 
@@ -285,17 +285,16 @@ def serve(python: str, bundle: Path, name: str, plan: Plan, work: Path, timeout_
     """``cosyserve serve`` of ``bundle`` as model ``name``, READY; stopped on exit."""
     port = free_port()
     log = work / f"server-{name}.log"
-    env = _env(
-        work,
-        {
-            "COSYSERVE_DEVICE": plan.device,
-            "COSYSERVE_BATCH_SIZE": str(plan.batch_size),
-            "COSYSERVE_QUEUE_LIMIT": str(2 * max(LEVELS)),
-            "COSYSERVE_CHUNK_POLICY": "low-latency",
-            "COSYSERVE_DRAIN_DELAY": "0",
-            "COSYSERVE_SERVE_LOG_LEVEL": "info",  # one access log line per request: its ttfa_ms
-        },
-    )
+    settings = {
+        "COSYSERVE_DEVICE": plan.device,
+        "COSYSERVE_QUEUE_LIMIT": str(2 * max(LEVELS)),
+        "COSYSERVE_CHUNK_POLICY": "low-latency",
+        "COSYSERVE_DRAIN_DELAY": "0",
+        "COSYSERVE_SERVE_LOG_LEVEL": "info",  # one access log line per request: its ttfa_ms
+    }
+    if plan.batch_size is not None:
+        settings["COSYSERVE_BATCH_SIZE"] = str(plan.batch_size)
+    env = _env(work, settings)
     cmd = [
         python,
         "-m",

@@ -46,8 +46,9 @@ audio for their text. The server's asyncio tasks cannot be seen from outside: te
 in-process (with its Python heap and its Session objects). With ``--url`` the counts need ``--server-pid``.
 
 Traffic goes to the loopback interface only; every level and the loop are bounded in count and time. The server
-runs on the device given (``--device``, default cpu), low-latency chunks, batch size 1 unless ``--batch-size``
-(with a batch above 1, CosyVoice2/3 take streamed text per finished sentence instead of as it arrives). The figures
+runs on the device given (``--device``, default cpu), low-latency chunks, the server's default batch size unless
+``--batch-size``; each level also shows the LM's mean rows per decode step (``cosyserve_lm_batch_rows`` from
+/metrics, over the level: four CosyVoice2 sessions streaming text word by word should average 2 or more). The figures
 share the machine's cores with the server and the clients: run it on a quiet machine.
 """
 
@@ -135,13 +136,26 @@ def made_bundle(python: str, family: str, size: str, work: Path) -> Path:
 
 @contextmanager
 def served(
-    model: str, name: str, device: str, batch_size: int, work: Path, timeout_s: float
+    model: str, name: str, device: str, batch_size: int | None, work: Path, timeout_s: float
 ) -> Iterator[Target]:
     """``cosyserve serve`` of ``model`` (a bundle or model dir) on 127.0.0.1 as model ``name``, READY; stopped on
     exit."""
     plan = replace(GPU, device=device, batch_size=batch_size)
     with serve(sys.executable, Path(model), name, plan, work, timeout_s) as srv:
         yield Target("127.0.0.1", srv.port, srv.proc.pid)
+
+
+def lm_rows(target: Target) -> tuple[float, float]:
+    """(sum, count) of ``cosyserve_lm_batch_rows`` (rows per LM decode step) over every model and worker."""
+    status, body = get(target.host, target.port, "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}: {body[:200]!r}")
+    total = {"sum": 0.0, "count": 0.0}
+    for line in body.decode().splitlines():
+        for kind in total:
+            if line.startswith(f"cosyserve_lm_batch_rows_{kind}{{"):
+                total[kind] += float(line.rsplit(" ", 1)[1])
+    return total["sum"], total["count"]
 
 
 def in_flight(target: Target) -> int:
@@ -425,6 +439,7 @@ async def run_level(target: Target, n: int, opt: Options, cap_s: float | None) -
         if s is not None:
             await s.close()
 
+    rows0 = await asyncio.to_thread(lm_rows, target)
     t0 = time.perf_counter()
     tasks = [asyncio.ensure_future(talk(s)) for s in opened]
     if tasks:
@@ -446,6 +461,8 @@ async def run_level(target: Target, n: int, opt: Options, cap_s: float | None) -
     errors["utterance_missing"] += max(0, n * opt.utterances - len(utts))
     ends = [u.done if u.done is not None else u.last_audio for u in ok]  # a cut one: when it was cut
     wall = (max(ends) - t0) if ends else None
+    rows1 = await asyncio.to_thread(lm_rows, target)
+    steps = rows1[1] - rows0[1]
     first = [x for u in ok if (x := u.after_first_text) is not None]
     last = [x for u in ok if (x := u.after_last_word) is not None]
     return {
@@ -460,6 +477,7 @@ async def run_level(target: Target, n: int, opt: Options, cap_s: float | None) -
         "last_word_p99_ms": ms(last, 0.99),
         "audio_s": sum(u.audio_s for u in ok),
         "xrt": sum(u.audio_s for u in ok) / wall if wall else None,
+        "lm_rows": (rows1[0] - rows0[0]) / steps if steps else None,
         "wall_s": wall,
     }
 
@@ -474,6 +492,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("last_word_p50_ms", "last word->audio p50 ms"),
     ("last_word_p99_ms", "p99 ms"),
     ("xrt", "audio s/wall s"),
+    ("lm_rows", "LM rows/step"),
     ("wall_s", "wall s"),
 ]
 
@@ -663,7 +682,12 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="serve this bundle or model dir (default: a test model made)"
     )
     ap.add_argument("--family", default="cosyvoice", help="the test model's family (default cosyvoice)")
-    ap.add_argument("--batch-size", type=int, default=1, help="requests the server runs at once (default 1)")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="requests the server runs at once (default: the server's)",
+    )
     ap.add_argument("--sessions", default=None, help="comma-separated levels (default 1,4,8; dry run 1,2)")
     ap.add_argument("--utterances", type=int, default=None, help="per session (default 4; dry run 2)")
     ap.add_argument(
@@ -710,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = args.model or str(made_bundle(sys.executable, args.family, size, work))
             what = args.model or f"{args.family} {size} random-weight model"
-            what += f", {args.device}, batch {args.batch_size}"
+            what += f", {args.device}, batch {args.batch_size or 'default'}"
             with served(model, "m", args.device, args.batch_size, work, timeout_s=600) as target:
                 results = asyncio.run(bench(target, levels, opt, churn_n))
     print()

@@ -538,7 +538,7 @@ class Settings:
         doc="prewarmed instances per model (the variable also wins over a model's own `instances`)",
     )
     batch_size: int = _pool(
-        1,
+        4,
         env="COSYSERVE_BATCH_SIZE",
         key="batch_size",
         cast=Int(1),

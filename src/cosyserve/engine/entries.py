@@ -50,7 +50,7 @@ class ModelSpec:
     pinned: bool = False
     idle_ttl_s: float | None = None
     instances: int = 1
-    batch_size: int = 1
+    batch_size: int = 4
     queue_limit: int = 16
     size_bytes: int | None = None
     warmup: bool = True

@@ -93,7 +93,8 @@ class RuntimeOptions:
         threads: intra-op threads of the process (None: the library's default).
         worker_threads: intra-op threads of each thread that runs requests (None: the process's threads shared
             among the requests running at once, see :mod:`cosyserve.runtime.cores`).
-        batch_size: requests served at once (their LM steps batched); 1 serves one at a time.
+        batch_size: requests served at once, their LM steps batched in the model's one decode loop (its rows); 1
+            serves one at a time.
         batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes.
         text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.
         zero_shot_tier: the prompt modes' ONNX sessions: ``lazy`` (first request) or ``background``.
@@ -126,7 +127,7 @@ class RuntimeOptions:
     warmup_tokens: int = 2
     threads: int | None = None
     worker_threads: int | None = None
-    batch_size: int = 1
+    batch_size: int = 4
     batch_flow: bool = False
     chunk_policy: Literal["reference", "low-latency"] = "low-latency"
     first_hop: int = FIRST_HOP_DEFAULT

@@ -1,0 +1,207 @@
+"""The LM's batching by default (issue 32): a lone request's first audio against the unbatched path of another
+source tree, and the audio of N concurrent one-shot requests against one.
+
+    # a lone request's first audio: this tree with default settings vs a baseline tree with batch_size 1
+    git -C REPO archive 30ab4df src | tar -x -C /tmp/base
+    python bench/lm_batching.py first-audio --model CV2_BUNDLE --baseline-src /tmp/base/src [--rounds 15]
+    # audio seconds per wall second, 8 concurrent one-shot requests vs 1 (default settings)
+    python bench/lm_batching.py throughput --model CV2_BUNDLE [--concurrency 8]
+    python bench/lm_batching.py --dry-run      # both, on a tiny CosyVoice2 model made here (CI: tests/test_bench_lm)
+
+first-audio: two worker processes, one per source tree (``PYTHONPATH``), each loads the model once (warm-up on)
+and then speaks one streamed request at a time when asked; the requests alternate between them (interleaved pairs,
+the order swapped every round) so both see the same machine. The baseline runs with ``batch_size=1`` (the
+unbatched path of a tree from before batching was the default), this tree with no batch setting (its default). A
+request's first audio: ``synthesize(stream=True)`` called until its first chunk, in the worker (the engine, HTTP
+and encoding are the same code in both trees and left out). Printed: the median of each and their ratio (target:
+this tree / baseline <= 1.05).
+
+throughput: one process of this tree, the model loaded with default settings; one request alone, then
+``--concurrency`` requests at once (threads, each its own seed, the same text): audio seconds over wall seconds
+for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
+
+Random weights never draw a stop id: every request runs its LM to its length limit, so all make the same amount of
+audio. The figures share the machine's cores with everything else on it: run on a quiet machine, name the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+TEXT = "Hello there, this is a test of the first audio of a lone request."
+DRY_TEXT = "Hello there."
+
+
+def _load(model: str, batch_size: int | None) -> Any:
+    import cosyserve
+
+    options: dict[str, Any] = {"warmup": True}
+    if batch_size is not None:
+        options["batch_size"] = batch_size
+    return cosyserve.load(model, **options)
+
+
+def worker(model: str, text: str, batch_size: int | None) -> None:
+    """Answer each seed read from stdin with one JSON line: the request's first audio and its audio seconds."""
+    m = _load(model, batch_size)
+    speaker = m.speakers[0] if m.speakers else None
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        seed = int(line)
+        t = time.perf_counter()
+        chunks = m.synthesize(text, speaker=speaker, stream=True, seed=seed)
+        first = next(chunks)
+        first_s = time.perf_counter() - t
+        samples = first.size + sum(c.size for c in chunks)
+        print(json.dumps({"first_audio_s": first_s, "audio_s": samples / m.sample_rate}), flush=True)
+
+
+class _Worker:
+    def __init__(self, src: Path, model: str, text: str, batch_size: int | None) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--model", model, "--text", text]
+        if batch_size is not None:
+            cmd += ["--batch-size", str(batch_size)]
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        env.pop("COSYSERVE_BATCH_SIZE", None)  # each tree's own default, or the batch given
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._line()  # ready
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.proc.args} ended (exit {self.proc.wait()})")
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    def ask(self, seed: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{seed}\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def first_audio(model: str, baseline_src: Path, rounds: int, text: str) -> dict[str, Any]:
+    workers = {
+        "baseline": _Worker(baseline_src, model, text, 1),
+        "this tree": _Worker(SRC, model, text, None),
+    }
+    times: dict[str, list[float]] = {name: [] for name in workers}
+    try:
+        for r in range(rounds):
+            order = list(workers) if r % 2 == 0 else list(reversed(workers))
+            for name in order:
+                times[name].append(workers[name].ask(seed=r)["first_audio_s"])
+    finally:
+        for w in workers.values():
+            w.close()
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    out = {"rounds": rounds, "median_s": med, "ratio": med["this tree"] / med["baseline"]}
+    print(f"first audio of a lone request, median of {rounds} interleaved pairs:")
+    for name, s in med.items():
+        print(f"  {name:10s} {s * 1e3:8.0f} ms")
+    print(f"  this tree / baseline: {out['ratio']:.3f} (target <= 1.05)")
+    return out
+
+
+def throughput(model: str, concurrency: int, text: str) -> dict[str, Any]:
+    m = _load(model, None)
+    speaker = m.speakers[0] if m.speakers else None
+    decoder = m.runtime.pipeline.decoder
+    m.synthesize_all(text, speaker=speaker, seed=0)  # the paths warm
+
+    def run(n: int) -> tuple[float, float]:
+        audio = [0.0] * n
+
+        def one(i: int) -> None:
+            audio[i] = m.synthesize_all(text, speaker=speaker, seed=100 + i).size / m.sample_rate
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t
+        return sum(audio), wall
+
+    a1, w1 = run(1)
+    steps0, rows0 = decoder.stats.steps, decoder.stats.rows
+    an, wn = run(concurrency)
+    steps, rows = decoder.stats.steps - steps0, decoder.stats.rows - rows0
+    out = {
+        "batch_size": decoder.max_rows,
+        "one": a1 / w1,
+        "concurrent": an / wn,
+        "ratio": (an / wn) / (a1 / w1),
+        "mean_rows": rows / steps if steps else 0.0,
+    }
+    print(f"audio s per wall s (batch_size {out['batch_size']}, the default):")
+    print(f"  1 request           {out['one']:.3f}")
+    print(f"  {concurrency} concurrent        {out['concurrent']:.3f}")
+    print(f"  ratio               {out['ratio']:.2f} (target >= 2 at 8)")
+    print(f"  LM rows per step    {out['mean_rows']:.2f}")
+    m.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "what", nargs="?", choices=["first-audio", "throughput", "_worker"], help="the measurement"
+    )
+    ap.add_argument("--model", help="a bundle or model dir (full-size CosyVoice2 for the issue's figures)")
+    ap.add_argument("--baseline-src", type=Path, help="first-audio: the baseline tree's src folder")
+    ap.add_argument("--rounds", type=int, default=15, help="first-audio: interleaved pairs (default 15)")
+    ap.add_argument("--concurrency", type=int, default=8, help="throughput: requests at once (default 8)")
+    ap.add_argument("--text", default=None, help="the text of every request")
+    ap.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--dry-run", action="store_true", help="both measurements on a tiny CosyVoice2 model (CI)"
+    )
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+    text = args.text or (DRY_TEXT if args.dry_run else TEXT)
+    if args.what == "_worker":
+        worker(args.model, text, args.batch_size)
+        return 0
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="cosyserve-lm-batching-") as tmp:
+        model = args.model
+        if args.dry_run:
+            from cosyserve.families.testmodel import make_test_model
+
+            model = str(Path(tmp) / "cv2")
+            make_test_model(Path(model), size="tiny", seed=0, family="cosyvoice2")
+        elif model is None:
+            ap.error("--model is needed (or --dry-run)")
+        if args.what in (None, "first-audio"):
+            base = args.baseline_src or (SRC if args.dry_run else None)
+            if base is None:
+                ap.error("first-audio needs --baseline-src (the src folder of the tree to compare with)")
+            results["first_audio"] = first_audio(model, base, 3 if args.dry_run else args.rounds, text)
+        if args.what in (None, "throughput"):
+            results["throughput"] = throughput(model, 2 if args.dry_run else args.concurrency, text)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
