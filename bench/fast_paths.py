@@ -79,7 +79,8 @@ def bench_llm(modules: dict[str, torch.nn.Module], opts: argparse.Namespace) -> 
     models = _variants(modules["llm"], opts.llm_variants.split(","))
 
     def generate(model: torch.nn.Module, n: int) -> tuple[list[int], float]:
-        from cosyserve.runtime.decode import generate, one_shot
+        from cosyserve.runtime.lm import one_shot
+        from cosyserve.runtime.oneoff import generate
 
         ratio = n / text_len  # min == max: exactly n tokens
         with torch.inference_mode():
@@ -110,7 +111,8 @@ def bench_llm(modules: dict[str, torch.nn.Module], opts: argparse.Namespace) -> 
         return
     if opts.drift_tokens > len(tokens):  # more positions than the timed runs made (untimed)
         tokens, _ = generate(models["fp32"], opts.drift_tokens)
-    from cosyserve.runtime.decode import one_shot, teacher_forced
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import teacher_forced
 
     def forced(model: torch.nn.Module) -> torch.Tensor:
         return teacher_forced(model, one_shot(model, model_input), tokens).logprobs

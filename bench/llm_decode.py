@@ -33,14 +33,16 @@ def _input(args: tuple) -> dict:
 
 
 def _teacher_forced(model: TransformerLM, args: tuple, teacher: list[int]) -> torch.Tensor:
-    from cosyserve.runtime.decode import one_shot, teacher_forced
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import teacher_forced
 
     with torch.inference_mode():
         return teacher_forced(model, one_shot(model, _input(args)), teacher).logprobs
 
 
 def timed_generation(model: TransformerLM, args: tuple, n_tokens: int, text_len: int, seed: int):
-    from cosyserve.runtime.decode import generate, one_shot
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import generate
     from cosyserve.sampling import row_key
 
     ratio = n_tokens / text_len  # min == max: EOS is masked for every step, exactly n_tokens come out

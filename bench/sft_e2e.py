@@ -54,7 +54,8 @@ def main() -> None:
     hift.inference = timed("hift", hift.inference)
     emb = pipe.speakers[args.speaker]["embedding"]
     ids = torch.tensor([pipe.tokenizer.encode(args.text)], dtype=torch.int32)
-    from cosyserve.runtime.decode import generate, one_shot
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import generate
 
     rows = []
     for run in range(args.runs):

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from cosyserve.runtime.decode import generate, one_shot, teacher_forced
+from cosyserve.runtime.lm import one_shot
+from cosyserve.runtime.oneoff import generate, teacher_forced
 from cosyserve.sampling import row_key
 
 

@@ -100,7 +100,8 @@ def test_the_lm_stops_at_max_tokens_whatever_the_text(tiny_model_dir: Path) -> N
     per text token (and below min_len too, which would otherwise mask EOS past the cap)."""
     rt = load_runtime(tiny_model_dir, RuntimeOptions(warmup=False))
     try:
-        from cosyserve.runtime.decode import generate, one_shot
+        from cosyserve.runtime.lm import one_shot
+        from cosyserve.runtime.oneoff import generate
 
         llm = rt.pipeline.llm
         text = torch.arange(1, 41, dtype=torch.int32)[None]  # 40 tokens: min 80, max 800

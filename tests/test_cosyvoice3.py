@@ -220,7 +220,8 @@ def test_tokenizer_special_tokens(cv3_model_dir: Path) -> None:
 def test_the_lm_refuses_text_without_endofprompt(parts: dict) -> None:
     """The reference asserts <|endofprompt|> in prompt text + text; without it the model was never trained."""
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT, PromptRuleError
-    from cosyserve.runtime.decode import Streamed, generate
+    from cosyserve.runtime.lm import Streamed
+    from cosyserve.runtime.oneoff import generate
 
     lm = parts["llm"]
     text, empty = torch.tensor([[10, 11, 12]], dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32)
@@ -240,7 +241,8 @@ def test_bistream_forces_a_fill_every_15_speech_tokens_and_outgrows_its_cache(pa
     and then every 16 steps, and each later run starts from 5 more text tokens; after the text, decoding runs to
     EOS (6562). 200 text tokens make ~900 LM positions, more than the 256 the cache starts with."""
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT
-    from cosyserve.runtime.decode import Streamed, teacher_forced
+    from cosyserve.runtime.lm import Streamed
+    from cosyserve.runtime.oneoff import teacher_forced
 
     lm = parts["llm"]
     text = list(range(100, 300))
@@ -258,7 +260,8 @@ def test_bistream_forces_a_fill_every_15_speech_tokens_and_outgrows_its_cache(pa
 
 def test_bistream_sampling_repeats_with_a_seed(parts: dict) -> None:
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT
-    from cosyserve.runtime.decode import Streamed, generate
+    from cosyserve.runtime.lm import Streamed
+    from cosyserve.runtime.oneoff import generate
     from cosyserve.sampling import row_key
 
     lm = parts["llm"]

@@ -16,8 +16,10 @@ import torch
 
 from cosyserve.models.llm import TransformerLM
 from cosyserve.models.qwen2lm import Qwen2Config, Qwen2LM, Qwen2LMConfig
-from cosyserve.runtime import decode
-from cosyserve.runtime.decode import DecodeLoop, OneShot, Streamed, generate, one_shot
+from cosyserve.runtime import decode, lm, readback, rows
+from cosyserve.runtime.decode import DecodeLoop
+from cosyserve.runtime.lm import OneShot, Streamed, one_shot
+from cosyserve.runtime.oneoff import generate
 from cosyserve.sampling import Sampler, SamplingConfig, array_ops, row_key
 
 
@@ -290,19 +292,18 @@ def test_no_step_reads_a_tensor_on_the_host(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == [], calls
 
 
-def test_the_loop_module_reads_ids_in_one_place() -> None:
-    """Code inspection of the one loop: host conversions (``item``, ``tolist``, ``numpy``, ``cpu``) appear only
-    where the ring of read-back ids is read (``_read_one``) and where a consumer turns its text into ids
-    (``_flat``). If this failed, someone added a per-step host read to the loop."""
-    tree = ast.parse(inspect.getsource(decode))
-    found = []
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Attribute) and node.attr in ("item", "tolist", "numpy", "cpu"):
-                    found.append(fn.name)
-    # __init__: the ring's one numpy view
-    assert set(found) == {"__init__", "_read_one", "_flat"}, found
+def test_the_loop_reads_ids_in_one_place() -> None:
+    """Code inspection of the one loop and its parts: host conversions (``item``, ``tolist``, ``numpy``, ``cpu``)
+    appear only where the ring of read-back ids is made (its one numpy view) and read, and where a consumer turns
+    its text into ids (``_flat``, in the consumer's thread). If this failed, someone added a per-step host read."""
+    found = set()
+    for module in (decode, readback, rows, lm):
+        for fn in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Attribute) and node.attr in ("item", "tolist", "numpy", "cpu"):
+                        found.add(f"{module.__name__.rsplit('.', 1)[1]}.{fn.name}")
+    assert found == {"readback.__init__", "readback._pop", "decode._flat"}, found
 
 
 @pytest.mark.skipif(

@@ -72,7 +72,8 @@ def _inputs(
 
 
 def _teacher_forced(lm: Any, model_input: dict, teach: list[int]) -> Any:
-    from cosyserve.runtime.decode import one_shot, teacher_forced
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import teacher_forced
 
     return teacher_forced(lm, one_shot(lm, model_input), teach).logprobs
 
@@ -98,7 +99,8 @@ def test_lite_and_torch_sample_the_same_tokens_for_a_seed(both: tuple[dict, dict
     """One sampler for both runtimes: its draws are a function of the seed, the token index and the vocabulary
     id, so the lite runtime's tokens are the torch runtime's for a seed (their log-probabilities differ by float
     rounding only, ~1e-6 here). If this failed, the runtimes' samplers, masks or stop rules would differ."""
-    from cosyserve.runtime.decode import generate, one_shot
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import generate
     from cosyserve.sampling import row_key
 
     torch_m, lite = both

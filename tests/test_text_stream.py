@@ -112,7 +112,7 @@ def test_a_bistream_lm_takes_text_as_it_arrives(
     text would never be released."""
     model = cv2_model_dir if family == "cosyvoice2" else cv3_model_dir
     rt = load_runtime(model, RuntimeOptions(warmup=False, flow_steps=1))
-    from cosyserve.runtime.decode import Streamed
+    from cosyserve.runtime.lm import Streamed
 
     calls: list[Any] = []
     original = rt.pipeline.decoder.generate
@@ -168,7 +168,8 @@ def test_a_streamed_lm_run_is_bounded_by_the_text_it_received(cv3_model_dir: Pat
     """The reference's bistream decodes until EOS: an LM that never picks it (random weights, text it cannot
     read) ran to the piece cap of a minute of speech for three words. At most 20 speech tokens per text token
     received, as one-shot synthesis allows."""
-    from cosyserve.runtime.decode import Streamed, generate
+    from cosyserve.runtime.lm import Streamed
+    from cosyserve.runtime.oneoff import generate
 
     rt = load_runtime(cv3_model_dir, RuntimeOptions(warmup=False))
     try:

@@ -204,7 +204,8 @@ def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreemen
     Returns:
         An :class:`LLMAgreement` over all texts.
     """
-    from cosyserve.runtime.decode import generate, one_shot, teacher_forced
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import generate, teacher_forced
     from cosyserve.sampling import row_key
 
     same = total = 0

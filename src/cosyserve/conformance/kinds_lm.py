@@ -11,7 +11,8 @@ __all__ = ["llm_bistream_logprobs", "llm_logprobs", "run_llm_bistream_logprobs",
 
 def llm_logprobs(lm: Any, model_input: dict[str, Any], teacher: list[int]) -> dict[str, Any]:
     """Each step's log-probabilities (before any mask) when ``teacher`` is fed back, and the length limits."""
-    from cosyserve.runtime.decode import one_shot, teacher_forced
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import teacher_forced
 
     row = one_shot(lm, model_input)
     return {
@@ -53,7 +54,8 @@ def llm_bistream_logprobs(
 ) -> dict[str, Any]:
     """The streamed-text run of ``text`` (one id at a time) with ``teacher``'s ids in place of samples (forced
     fills take none): every step's log-probabilities and id, and the speech tokens it yields."""
-    from cosyserve.runtime.decode import Streamed, teacher_forced
+    from cosyserve.runtime.lm import Streamed
+    from cosyserve.runtime.oneoff import teacher_forced
 
     spec = Streamed(([t] for t in text), prompt_text, prompt_speech, max_len=None, ratio=None)
     run = teacher_forced(lm, spec, teacher)

@@ -3,17 +3,10 @@
 An LM gives the loop what :class:`DecodeLM` declares (its stop rules and sampling options, prompts and
 embeddings, an extend of one row and a one-token step over a batch of rows, each at its own position, and its
 caches); the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and its subclasses) and the lite runtime's
-:class:`~cosyserve.lite.models.LiteLM` implement it. :class:`DecodeLoop` drives it for
-
-- a one-shot row (:class:`OneShot`, the reference's ``inference``): a prompt, ``min_len`` (before it id
-  ``eos_token`` is masked), ``max_len``;
-- a streamed-text row (:class:`Streamed`, the reference's ``inference_bistream``): the prompt split after its head
-  (CosyVoice3: ``<|endofprompt|>``), prompt speech interleaved 15 : 5 with the text, a fill token forced 15 steps
-  after the last one (or sampled), after which the row waits for 5 more text tokens; when the text ends, the rest
-  of it and ``task_id`` follow and the row runs to the real EOS; every special id but the one each phase accepts
-  is masked; at most ``ratio`` steps per text token received;
-- a teacher-forced row (either kind): the given tokens instead of samples, every step's log-probabilities kept
-  (conformance's ``llm_logprobs`` / ``llm_bistream_logprobs`` kinds, the quality gate).
+:class:`~cosyserve.lite.models.LiteLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
+one-shot rows (:class:`~cosyserve.runtime.lm.OneShot`), rows whose text still arrives
+(:class:`~cosyserve.runtime.lm.Streamed`, the reference's bistream) and teacher-forced rows of either kind (the
+given tokens instead of samples, every step's log-probabilities kept: conformance, the quality gate).
 
 Rows join (their prompt extends a free cache row) and leave (a stop id, their step limit, their consumer gone)
 between steps; every step samples every row that is ready (:class:`~cosyserve.sampling.Sampler`: its draws are a
@@ -27,7 +20,7 @@ fill is rolled back when the fill is read (its position, token index and history
 that the step was speech.
 
 The loop runs in one thread per model (it alone touches the LM's caches) or, for a one-off run
-(:func:`generate`, :func:`teacher_forced`, warm-ups), in the caller's thread. A consumer (a request's worker) gets
+(:mod:`cosyserve.runtime.oneoff`), in the caller's thread. A consumer (a request's worker) gets
 its row's tokens from its own queue; a streamed-text row asks its consumer for text, and the consumer reads its text
 iterator and hands the ids over (the loop never waits for a request's text). Closing the consumer's generator frees
 its row at the next step. On the CPU the loop steps on demand (when a consumer waits for a token), so a lone request
@@ -42,247 +35,28 @@ import math
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from cosyserve.sampling import ArrayOps, Sampler, SamplingConfig, StopRules
+from cosyserve.runtime.lm import (
+    DecodeLM,
+    OneShot,
+    Part,
+    Streamed,
+    StreamedText,
+)
+from cosyserve.runtime.readback import ReadBack
+from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row
+from cosyserve.sampling import Sampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "READ_AHEAD",
-    "DecodeLM",
-    "DecodeLoop",
-    "DecodeStats",
-    "OneShot",
-    "Streamed",
-    "TeacherForced",
-    "generate",
-    "length_limits",
-    "one_shot",
-    "teacher_forced",
-    "warm_up",
-]
+__all__ = ["READ_AHEAD", "DecodeLoop", "DecodeStats"]
 
 READ_AHEAD = 4  # steps a device may run past the ids read back (bounds the work queued past a stop)
 RUN_AHEAD = 32  # tokens a row may be decoded ahead of its consumer
 _SEQ_ALIGN = 256  # cache positions grow in multiples of this
 _ALWAYS = 1 << 40  # a min_len no row reaches: its specials stay masked
-
-# a piece of an LM input, embedded by the LM: ("text", ids), ("speech", ids) or ("special", [id])
-Part = tuple[str, list[int]]
-
-
-class DecodeLM(Protocol):
-    """What a backend LM provides to the decode loop."""
-
-    @property
-    def rules(self) -> StopRules: ...
-
-    @property
-    def sampling(self) -> SamplingConfig: ...
-
-    @property
-    def ops(self) -> ArrayOps:
-        """The array namespace and device its log-probabilities and ids live in."""
-        ...
-
-    def prompt(self, model_input: Mapping[str, Any]) -> tuple[Any, int]:
-        """A one-shot prompt (1, T0, C) from the reference frontend's model-input dict (``text``, ``prompt_text``,
-        ``llm_prompt_speech_token``, ``llm_embedding``; absent keys empty), and the text's length in tokens."""
-        ...
-
-    def embed(self, parts: list[Part]) -> Any:
-        """(1, T, C) the embeddings of ``parts`` in order."""
-        ...
-
-    def prompt_head(self, prompt_ids: list[int]) -> int:
-        """How many prompt text ids start a streamed-text row's input with sos (CosyVoice3: up to
-        ``<|endofprompt|>``, which it requires)."""
-        ...
-
-    def reserve(self, rows: int, positions: int) -> None:
-        """Caches for at least ``rows`` rows of ``positions`` each, keeping what every row holds."""
-        ...
-
-    def release(self) -> None:
-        """Drop the caches."""
-        ...
-
-    def extend(self, x: Any, row: int, start: int) -> Any:
-        """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``; (1, V) float32 log-probabilities
-        of the next token."""
-        ...
-
-    def decode(self, tokens: Any, pos: Any, kv_len: int, rows: Any | None) -> Any:
-        """One step of B rows: feed ``tokens`` (B,) int64 at positions ``pos`` (B,) of cache rows ``rows`` (B,),
-        or rows 0..B-1 when None; ``kv_len`` > every position. (B, V) float32 log-probabilities."""
-        ...
-
-
-@dataclass
-class OneShot:
-    """A row whose text is known: the reference's ``inference``."""
-
-    prompt: Any  # (1, T0, C)
-    min_len: int  # no eos_token before this many tokens
-    max_len: int  # at most this many tokens
-
-
-@dataclass
-class Streamed:
-    """A row whose text arrives in pieces: the reference's ``inference_bistream``."""
-
-    text: Iterable[Any]  # pieces of text ids (anything whose items int() reads), in arrival order
-    prompt_text: list[int]
-    prompt_speech: list[int]
-    max_len: int | None = None  # at most this many steps, fills included
-    ratio: float | None = 20.0  # at most this many steps per text token received (the reference: no limit)
-
-
-@dataclass
-class TeacherForced:
-    """A teacher-forced run: ``logprobs`` (steps, V) of every step (before any mask), ``step_tokens`` the id of
-    every step (fills included), ``tokens`` the speech tokens it yielded."""
-
-    logprobs: Any
-    step_tokens: list[int]
-    tokens: list[int]
-
-
-def length_limits(text_len: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
-    """(min_len, max_len) of a one-shot row for ``text_len`` text tokens (without prompt), truncated as the
-    reference computes them."""
-    return int(text_len * min_ratio), int(text_len * max_ratio)
-
-
-def one_shot(
-    lm: DecodeLM,
-    model_input: Mapping[str, Any],
-    *,
-    max_tokens: int | None = None,
-    min_ratio: float = 2.0,
-    max_ratio: float = 20.0,
-) -> OneShot:
-    """The one-shot row of a model-input dict; ``max_tokens`` caps ``max_len`` (and ``min_len`` with it)."""
-    prompt, text_len = lm.prompt(model_input)
-    min_len, max_len = length_limits(text_len, min_ratio, max_ratio)
-    if max_tokens is not None:
-        max_len = min(max_len, max_tokens)
-        min_len = min(min_len, max_len)
-    return OneShot(prompt, min_len, max_len)
-
-
-@dataclass
-class DecodeStats:
-    """The loop's per-step record: rows per decode step (a histogram by count), and totals."""
-
-    steps: int = 0
-    rows: int = 0
-    prefills: int = 0  # rows admitted
-    tokens: int = 0  # speech tokens handed out
-    peak_rows: int = 0
-    rollbacks: int = 0  # streamed-text rows put back after a fill read late
-    rows_hist: dict[int, int] = field(default_factory=dict)  # rows in a step -> steps
-
-    def step(self, n: int) -> None:
-        self.steps += 1
-        self.rows += n
-        self.peak_rows = max(self.peak_rows, n)
-        self.rows_hist[n] = self.rows_hist.get(n, 0) + 1
-
-    @property
-    def mean_rows(self) -> float:
-        return self.rows / self.steps if self.steps else 0.0
-
-
-_NEED_TEXT = object()  # a streamed-text row asks its consumer for the next piece
-_DONE = object()
-
-
-class _Text:
-    """A streamed-text row's text state: the reference's bistream loop, one piece at a time."""
-
-    def __init__(self, rules: StopRules, spec: Streamed, head: int) -> None:
-        n_speech = rules.mix_ratio[1]
-        self.rules = rules
-        self.lm_input: list[Part] = [("special", [rules.sos]), ("text", spec.prompt_text[:head])]
-        self.cache = list(spec.prompt_text[head:])  # text ids waiting (the prompt's, after its head, first)
-        self.pst = list(spec.prompt_speech)
-        s = len(self.pst)
-        self.next_fill = (s // n_speech + 1) * n_speech - s
-        self.words = len(spec.prompt_text) - head  # text tokens received
-        self.started = False  # the LM has decoded
-        self.after_fill = False
-
-    def piece(self, ids: list[int]) -> list[Part] | None:
-        """The input to decode from once ``ids`` arrived, or None: wait for more text."""
-        n_text, n_speech = self.rules.mix_ratio
-        self.words += len(ids)
-        self.cache += ids
-        while self.pst and len(self.cache) >= n_text:
-            self.lm_input += [("text", self.cache[:n_text]), ("speech", self.pst[:n_speech])]
-            self.cache, self.pst = self.cache[n_text:], self.pst[n_speech:]
-        if self.pst:
-            return None
-        if self.after_fill or (not self.started and sum(len(p[1]) for p in self.lm_input) == 1):
-            if len(self.cache) < n_text:
-                return None
-            chunk: Part = ("text", self.cache[:n_text])
-            self.lm_input = [chunk] if self.after_fill else self.lm_input + [chunk]
-            self.cache = self.cache[n_text:]
-        self.started, self.after_fill = True, False
-        return self.lm_input
-
-    def end(self) -> list[Part]:
-        # the input of the step that produced the last fill is fed a second time, as the reference does
-        return self.lm_input + [("text", self.cache), ("special", [self.rules.task_id])]
-
-
-class _Row:
-    def __init__(self, spec: OneShot | Streamed, key: int, teacher: Iterator[int] | None) -> None:
-        self.spec = spec
-        self.key = key
-        self.teacher = teacher
-        self.text = None if isinstance(spec, OneShot) else iter(spec.text)
-        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # under the loop's condition
-        self.wants = False  # the consumer waits for an item
-        self.cancelled = False
-        self.finished = False
-        self.pieces: deque[list[int] | None] = deque()  # text handed over (None: the end), not yet taken
-        self.taken = 0  # tokens the consumer took
-        self.delivered = 0  # tokens put on its queue
-        # loop thread only
-        self.slot = -1
-        self.epoch = 0  # bumped by a rollback: reads of older steps are dropped
-        self.steps = 0  # ids sampled (the row's token index)
-        self.read = 0  # ids read back
-        self.pos = 0  # next cache position
-        self.ready = False  # its log-probabilities for step ``steps`` are in the loop's buffer
-        self.stalled = False  # it waits for text, or for the read of a step it cannot go past
-        self.arriving = False  # streamed text: still arriving
-        self.state: _Text | None = None
-        self.extend_step = (
-            0  # the step whose input was the last extend, and that extend's parts and end position
-        )
-        self.extend_parts: list[Part] = []
-        self.extend_end = 0
-        self.recent: deque[int] = deque()  # the last read ids (a rollback rebuilds the history from them)
-        self.last = -1  # the last id read
-        self.record: list[Any] = []  # teacher-forced: each step's log-probabilities
-        self.step_ids: list[int] = []
-
-    def limit(self) -> float:
-        """Steps the row may take."""
-        spec = self.spec
-        if isinstance(spec, OneShot):
-            return spec.max_len
-        cap = math.inf if spec.max_len is None else spec.max_len
-        if spec.ratio is not None and self.state is not None:
-            cap = min(cap, spec.ratio * max(self.state.words, 1))
-        return cap
 
 
 class DecodeLoop:
@@ -344,18 +118,10 @@ class DecodeLoop:
         self._cols = ops.arange(v)[None]
         self._cap = (0, 0)  # (rows, positions) reserved
         # ids on their way to the host: a ring of buffers, (lag + 2, R) int64
-        self._events = ops.torch and not ops.host
-        self._ring_next = 0
-        self._ring_host: Any = None
-        if ops.torch:  # in host memory (pinned for a device's copies); read through one numpy view
-            self._ring = ops.xp.full((self.lag + 2, r), -1, dtype=ops.xp.int64, pin_memory=self._events)
-            self._ring_host = self._ring.numpy()
-        else:
-            self._ring = ops.full((self.lag + 2, r), -1)
-        self._pending: deque[tuple[int, Any, list[tuple[_Row, int, int]]]] = deque()
+        self._reads = ReadBack(ops, self.lag, r)
         self._cv = threading.Condition()
-        self._waiting: deque[_Row] = deque()
-        self._active: list[_Row] = []
+        self._waiting: deque[Row] = deque()
+        self._active: list[Row] = []
         self._free = list(range(max_rows))  # a heap: the lowest rows are reused first
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -364,7 +130,12 @@ class DecodeLoop:
     # --- consumer side ------------------------------------------------------------------------------------------
 
     def generate(
-        self, spec: OneShot | Streamed, key: int, *, teacher: Iterable[int] | None = None
+        self,
+        spec: OneShot | Streamed,
+        key: int,
+        *,
+        teacher: Iterable[int] | None = None,
+        record: list[tuple[Any, int]] | None = None,
     ) -> Iterator[int]:
         """The speech tokens (ids < ``eos_token``) of one row, as they are read back.
 
@@ -372,15 +143,18 @@ class DecodeLoop:
             spec: the row.
             key: the sampler key (:func:`cosyserve.sampling.row_key`).
             teacher: tokens to take instead of samples (a streamed-text row's forced fills take none).
+            record: where each step's (log-probabilities before any mask, id) go, fills and stops included.
         Raises:
             ValueError: a teacher token the row's phase does not accept, or too few of them.
         """
         if isinstance(spec, OneShot) and spec.max_len <= 0:
             return iter(())
-        return self._consume(self._join(spec, key, teacher))
+        return self._consume(self._join(spec, key, teacher, record))
 
-    def _join(self, spec: OneShot | Streamed, key: int, teacher: Iterable[int] | None) -> _Row:
-        row = _Row(spec, key, None if teacher is None else iter(teacher))
+    def _join(
+        self, spec: OneShot | Streamed, key: int, teacher: Iterable[int] | None, record: list | None
+    ) -> Row:
+        row = Row(spec, key, None if teacher is None else iter(teacher), record)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"decode loop ({self.name}) is closed")
@@ -393,7 +167,7 @@ class DecodeLoop:
             self._cv.notify()
         return row
 
-    def _next_item(self, row: _Row) -> Any:
+    def _next_item(self, row: Row) -> Any:
         if not self.threaded:
             while row.out.empty():
                 if not self._step():  # nothing could run: the reads left, or a stall that no step can end
@@ -411,21 +185,20 @@ class DecodeLoop:
         row.wants = False
         return item
 
-    def _consume(self, row: _Row) -> Iterator[int]:
+    def _consume(self, row: Row) -> Iterator[int]:
         try:
             while True:
                 item = self._next_item(row)
-                if item is _NEED_TEXT:
+                if item is NEED_TEXT:
                     assert row.text is not None
-                    piece = next(
-                        row.text, None
-                    )  # this (the consumer's) thread waits for the text, not the loop
+                    # this (the consumer's) thread waits for the text, not the loop
+                    piece = next(row.text, None)
                     ids = None if piece is None else [int(t) for t in _flat(piece)]
                     with self._cv:
                         row.pieces.append(ids)
                         self._cv.notify()
                     continue
-                if item is _DONE:
+                if item is DONE:
                     return
                 if isinstance(item, BaseException):
                     if isinstance(item, ValueError):
@@ -466,7 +239,7 @@ class DecodeLoop:
                 if not self._step():
                     with self._cv:
                         if not self._closed and not self._runnable_locked():
-                            self._cv.wait(0.05 if self._pending else None)
+                            self._cv.wait(0.05 if self._reads else None)
         except BaseException as e:  # noqa: BLE001 - handed to every row below
             logger.exception("decode loop %s failed", self.name)
             error = e
@@ -489,7 +262,7 @@ class DecodeLoop:
         rows = self._eligible()
         return bool(rows) and (not self.demand or not self.threaded or any(r.wants for r in self._active))
 
-    def _eligible(self) -> list[_Row]:
+    def _eligible(self) -> list[Row]:
         return [
             r
             for r in self._active
@@ -499,7 +272,7 @@ class DecodeLoop:
             and r.steps - r.read + r.delivered - r.taken < self.ahead
         ]
 
-    def _finish_locked(self, row: _Row, item: Any = _DONE) -> None:
+    def _finish_locked(self, row: Row, item: Any = DONE) -> None:
         if row.slot >= 0:
             heapq.heappush(self._free, row.slot)
             row.slot = -1
@@ -542,7 +315,7 @@ class DecodeLoop:
         self._guard(ready, self._sample_and_decode, ready)
         return True
 
-    def _guard(self, rows: list[_Row], fn: Callable[..., Any], *args: Any) -> None:
+    def _guard(self, rows: list[Row], fn: Callable[..., Any], *args: Any) -> None:
         # a failure of one row's work (or of a batch's step) ends those rows with it; the loop goes on
         try:
             fn(*args)
@@ -554,11 +327,11 @@ class DecodeLoop:
 
     # --- rows joining, text arriving ----------------------------------------------------------------------------
 
-    def _set(self, row: _Row, lo: int, hi: int, keep: int, min_len: int) -> None:
+    def _set(self, row: Row, lo: int, hi: int, keep: int, min_len: int) -> None:
         s = row.slot
         self._lo[s], self._hi[s], self._keep[s], self._min_len[s] = lo, hi, keep, min_len
 
-    def _admit(self, row: _Row) -> None:
+    def _admit(self, row: Row) -> None:
         rules, s = self.rules, row.slot
         self._keys[s], self._index[s] = row.key, 0
         if self.win:
@@ -571,16 +344,16 @@ class DecodeLoop:
             return
         if rules.fill is None:
             raise ValueError(f"decode loop ({self.name}): this LM takes no streamed text")
-        row.state = _Text(rules, spec, self.lm.prompt_head(list(spec.prompt_text)))
+        row.state = StreamedText(rules, spec, self.lm.prompt_head(list(spec.prompt_text)))
         row.arriving = True
         self._set(row, rules.eos_token, rules.vocab - 1, rules.fill, _ALWAYS)
         self._ask_text(row)
 
-    def _ask_text(self, row: _Row) -> None:
+    def _ask_text(self, row: Row) -> None:
         row.stalled, row.ready = True, False
-        row.out.put(_NEED_TEXT)
+        row.out.put(NEED_TEXT)
 
-    def _on_text(self, row: _Row, ids: list[int] | None) -> None:
+    def _on_text(self, row: Row, ids: list[int] | None) -> None:
         state = row.state
         assert state is not None
         if ids is None:  # the end of the text: the rest of it, task_id, and on to the real EOS
@@ -598,7 +371,7 @@ class DecodeLoop:
             return
         self._extend(row, None, parts, 0)
 
-    def _extend(self, row: _Row, x: Any, parts: list[Part], positions: int) -> None:
+    def _extend(self, row: Row, x: Any, parts: list[Part], positions: int) -> None:
         if x is None:
             x = self.lm.embed(parts)
         start = row.pos
@@ -629,7 +402,7 @@ class DecodeLoop:
         # rows 0..B-1 (the usual case: the lowest rows are reused first) are read and written as views
         return slice(0, len(slots)) if slots == list(range(len(slots))) else self.ops.ints(slots)
 
-    def _sample_and_decode(self, ready: list[_Row]) -> None:
+    def _sample_and_decode(self, ready: list[Row]) -> None:
         ops, xp, rules = self.ops, self.ops.xp, self.rules
         ready.sort(key=lambda r: r.slot)
         slots = [r.slot for r in ready]
@@ -646,8 +419,8 @@ class DecodeLoop:
             forced = self._forced(row)
             if forced is not None:
                 known[j] = forced
-            if row.teacher is not None:
-                row.record.append(ops.clone(logits[j]))
+            if row.record is not None:  # its id goes in when read
+                row.record.append([ops.clone(logits[j]), -1])
         if known:
             at = list(known)
             tokens[ops.ints(at)] = ops.ints([known[j] for j in at])
@@ -659,8 +432,6 @@ class DecodeLoop:
         for j, row in enumerate(ready):
             row.steps += 1
             row.ready = False
-            if row.teacher is not None:
-                row.step_ids.append(known[j])
             token = known.get(j)
             if token is not None and token >= rules.eos_token:
                 row.stalled = True  # a stop, or a fill: nothing to feed until it is read
@@ -668,7 +439,7 @@ class DecodeLoop:
                 going.append(j)
             else:
                 row.stalled = True
-        self._push_reads(ready, tokens)
+        self._reads.push(tokens, [(r, r.epoch, r.steps - 1) for r in ready])
         self._read()
         going = [j for j in going if not ready[j].finished and not ready[j].stalled]
         if going:
@@ -676,7 +447,7 @@ class DecodeLoop:
                 [ready[j] for j in going], tokens if len(going) == len(ready) else tokens[ops.ints(going)]
             )
 
-    def _forced(self, row: _Row) -> int | None:
+    def _forced(self, row: Row) -> int | None:
         # the id of this step when the host decides it: a forced fill, or the teacher's token
         if row.arriving and row.state is not None and row.steps == row.state.next_fill:
             return self.rules.fill
@@ -687,7 +458,7 @@ class DecodeLoop:
         except StopIteration:
             raise ValueError("teacher_tokens ran out before the LM reached EOS") from None
 
-    def _decode(self, rows: list[_Row], tokens: Any) -> None:
+    def _decode(self, rows: list[Row], tokens: Any) -> None:
         xp = self.ops.xp
         slots = [r.slot for r in rows]
         sl = self._index_of(slots)
@@ -708,48 +479,30 @@ class DecodeLoop:
 
     # --- reading the ids back -----------------------------------------------------------------------------------
 
-    def _push_reads(self, rows: list[_Row], tokens: Any) -> None:
-        k = self._ring_next
-        self._ring_next = (k + 1) % self._ring.shape[0]
-        event = None
-        if self.ops.torch:
-            self._ring[k, : len(rows)].copy_(tokens, non_blocking=self._events)
-            if self._events:
-                event = self.ops.xp.cuda.Event()
-                event.record()
-        else:
-            self._ring[k, : len(rows)] = tokens
-        self._pending.append((k, event, [(r, r.epoch, r.steps - 1) for r in rows]))
-
     def _read(self) -> None:
-        while self._pending:
-            event = self._pending[0][1]
-            if len(self._pending) <= self.lag and (event is None or not event.query()):
-                return
-            self._read_one()
+        for ids, rows in self._reads.due():
+            self._took(ids, rows)
 
     def _flush(self) -> bool:
         """Read every id still on its way (on a device, waiting for them); False: there was none."""
-        if not self._pending:
+        if not self._reads:
             return False
-        while self._pending:
-            self._read_one()
+        for ids, rows in self._reads.drain():
+            self._took(ids, rows)
         return True
 
-    def _read_one(self) -> None:
-        k, event, rows = self._pending.popleft()
-        if event is not None:
-            event.synchronize()
-        ids = (self._ring_host if self._ring_host is not None else self._ring)[k, : len(rows)].tolist()
+    def _took(self, ids: list[int], rows: list[tuple[Row, int, int]]) -> None:
         for (row, epoch, step), token in zip(rows, ids, strict=True):
             if row.finished or row.cancelled or epoch != row.epoch:
-                continue
-            self._take(row, step, int(token))
+                continue  # a row gone, or put back past this step
+            self._take(row, step, token)
 
-    def _take(self, row: _Row, step: int, token: int) -> None:
+    def _take(self, row: Row, step: int, token: int) -> None:
         rules = self.rules
         assert step == row.read, (step, row.read)
         row.read += 1
+        if row.record is not None:
+            row.record[step][1] = token
         prev, row.last = row.last, token
         if self.win:
             row.recent.append(token)
@@ -777,7 +530,7 @@ class DecodeLoop:
             with self._cv:
                 self._finish_locked(row)
 
-    def _on_fill(self, row: _Row, step: int, prev: int) -> None:
+    def _on_fill(self, row: Row, step: int, prev: int) -> None:
         state = row.state
         assert state is not None
         state.next_fill = step + self.rules.mix_ratio[1] + 1
@@ -787,6 +540,8 @@ class DecodeLoop:
         if row.steps > step + 1:  # it went on, speculating that the step was speech: put it back
             self.stats.rollbacks += 1
             row.epoch += 1
+            if row.record is not None:
+                del row.record[step + 1 :]
             row.steps = step + 1
             row.pos = row.extend_end + (step - row.extend_step)
             s = row.slot
@@ -806,38 +561,3 @@ class DecodeLoop:
 def _flat(piece: Any) -> list[Any]:
     # a piece of text ids: a list, or a (1, n) / (n,) array
     return piece.reshape(-1).tolist() if hasattr(piece, "reshape") else list(piece)
-
-
-def generate(lm: DecodeLM, spec: OneShot | Streamed, key: int, *, lag: int | None = None) -> Iterator[int]:
-    """One row's speech tokens, decoded in the caller's thread (a one-off loop over ``lm``)."""
-    return DecodeLoop(lm, 1, lag=lag, threaded=False, name="one-off").generate(spec, key)
-
-
-def teacher_forced(lm: DecodeLM, spec: OneShot | Streamed, tokens: Iterable[int]) -> TeacherForced:
-    """Run ``spec`` with ``tokens`` in place of samples (one-shot: one per step; streamed text: one per step that
-    is not a forced fill) and keep every step's log-probabilities.
-
-    Raises:
-        ValueError: streamed text: a token the phase does not accept (a special id other than fill while the text
-            arrives, other than EOS after), or too few tokens.
-    """
-    loop = DecodeLoop(lm, 1, lag=0, threaded=False, name="teacher-forced")
-    teacher = [int(t) for t in tokens]
-    if isinstance(spec, OneShot):
-        spec = OneShot(spec.prompt, 0, len(teacher))
-    row = loop._join(spec, 0, teacher)
-    out = list(loop._consume(row)) if teacher or not isinstance(spec, OneShot) else []
-    xp = lm.ops.xp
-    logprobs = xp.stack(row.record) if row.record else xp.zeros((0, lm.rules.vocab), dtype=xp.float32)
-    return TeacherForced(logprobs, row.step_ids, out)
-
-
-def warm_up(lm: DecodeLM, model_input: Mapping[str, Any], n_tokens: int) -> list[int]:
-    """Decode exactly ``n_tokens`` tokens (no early EOS) for ``model_input`` in the caller's thread: prefill,
-    decode steps and sampling run once; the caches are released after."""
-    text_len = max(lm.prompt(model_input)[1], 1)
-    ratio = max(n_tokens, 1) / text_len
-    try:
-        return list(generate(lm, one_shot(lm, model_input, min_ratio=ratio, max_ratio=ratio), 0))
-    finally:
-        lm.release()

@@ -30,8 +30,10 @@ from cosyserve.errors import BundleError
 from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
 from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
-from cosyserve.runtime.decode import DecodeLoop, OneShot, generate, one_shot
+from cosyserve.runtime.decode import DecodeLoop
+from cosyserve.runtime.lm import OneShot, one_shot
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
+from cosyserve.runtime.oneoff import generate
 from cosyserve.sampling import row_key
 from cosyserve.stop import Stopped, check
 

@@ -43,7 +43,8 @@ from cosyserve.families.base import Family
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
 from cosyserve.request import Mode, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import PIECE_SECONDS_MAX
-from cosyserve.runtime.decode import DecodeLoop, Streamed, one_shot
+from cosyserve.runtime.decode import DecodeLoop
+from cosyserve.runtime.lm import Streamed, one_shot
 from cosyserve.runtime.modes import ModelModes
 from cosyserve.runtime.streampolicy import StreamPolicy
 from cosyserve.sampling import row_key

@@ -165,7 +165,7 @@ def _warm_up_lm(lm: Any, n_tokens: int) -> None:
     # (prefill, cached decode, sampling) pays its one-time costs; the copy's caches are released after. Not while
     # the LM serves requests: the first layer is the model's own
     from cosyserve.models import one_layer_per_stack
-    from cosyserve.runtime.decode import warm_up
+    from cosyserve.runtime.oneoff import warm_up
 
     warm_up(one_layer_per_stack(lm), lm.warmup_input(), n_tokens)
 

@@ -1,0 +1,175 @@
+"""The decode loop's LM interface and its rows (:mod:`cosyserve.runtime.decode` drives them).
+
+:class:`DecodeLM` is what a backend LM gives the loop: the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and
+its subclasses) and the lite runtime's :class:`~cosyserve.lite.models.LiteLM` implement it. A row is
+:class:`OneShot` (text known: the reference's ``inference``) or :class:`Streamed` (text arriving: the reference's
+``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
+
+- one-shot: a prompt, ``min_len`` (before it id ``eos_token`` is masked), ``max_len``;
+- streamed text: the prompt split after its head (CosyVoice3: ``<|endofprompt|>``), prompt speech interleaved
+  15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled), after which the row waits
+  for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and the row runs to the real
+  EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps per text token
+  received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
+
+__all__ = [
+    "DecodeLM",
+    "OneShot",
+    "Part",
+    "Streamed",
+    "StreamedText",
+    "TeacherForced",
+    "length_limits",
+    "one_shot",
+]
+
+# a piece of an LM input, embedded by the LM: ("text", ids), ("speech", ids) or ("special", [id])
+Part = tuple[str, list[int]]
+
+
+class DecodeLM(Protocol):
+    """What a backend LM provides to the decode loop."""
+
+    @property
+    def rules(self) -> StopRules: ...
+
+    @property
+    def sampling(self) -> SamplingConfig: ...
+
+    @property
+    def ops(self) -> ArrayOps:
+        """The array namespace and device its log-probabilities and ids live in."""
+        ...
+
+    def prompt(self, model_input: Mapping[str, Any]) -> tuple[Any, int]:
+        """A one-shot prompt (1, T0, C) from the reference frontend's model-input dict (``text``, ``prompt_text``,
+        ``llm_prompt_speech_token``, ``llm_embedding``; absent keys empty), and the text's length in tokens."""
+        ...
+
+    def embed(self, parts: list[Part]) -> Any:
+        """(1, T, C) the embeddings of ``parts`` in order."""
+        ...
+
+    def prompt_head(self, prompt_ids: list[int]) -> int:
+        """How many prompt text ids start a streamed-text row's input with sos (CosyVoice3: up to
+        ``<|endofprompt|>``, which it requires)."""
+        ...
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Caches for at least ``rows`` rows of ``positions`` each, keeping what every row holds."""
+        ...
+
+    def release(self) -> None:
+        """Drop the caches."""
+        ...
+
+    def extend(self, x: Any, row: int, start: int) -> Any:
+        """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``; (1, V) float32 log-probabilities
+        of the next token."""
+        ...
+
+    def decode(self, tokens: Any, pos: Any, kv_len: int, rows: Any | None) -> Any:
+        """One step of B rows: feed ``tokens`` (B,) int64 at positions ``pos`` (B,) of cache rows ``rows`` (B,),
+        or rows 0..B-1 when None; ``kv_len`` > every position. (B, V) float32 log-probabilities."""
+        ...
+
+
+@dataclass
+class OneShot:
+    """A row whose text is known: the reference's ``inference``."""
+
+    prompt: Any  # (1, T0, C)
+    min_len: int  # no eos_token before this many tokens
+    max_len: int  # at most this many tokens
+
+
+@dataclass
+class Streamed:
+    """A row whose text arrives in pieces: the reference's ``inference_bistream``."""
+
+    text: Iterable[Any]  # pieces of text ids (anything whose items int() reads), in arrival order
+    prompt_text: list[int]
+    prompt_speech: list[int]
+    max_len: int | None = None  # at most this many steps, fills included
+    ratio: float | None = 20.0  # at most this many steps per text token received (the reference: no limit)
+
+
+@dataclass
+class TeacherForced:
+    """A teacher-forced run: ``logprobs`` (steps, V) of every step (before any mask), ``step_tokens`` the id of
+    every step (fills included), ``tokens`` the speech tokens it yielded."""
+
+    logprobs: Any
+    step_tokens: list[int]
+    tokens: list[int]
+
+
+def length_limits(text_len: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
+    """(min_len, max_len) of a one-shot row for ``text_len`` text tokens (without prompt), truncated as the
+    reference computes them."""
+    return int(text_len * min_ratio), int(text_len * max_ratio)
+
+
+def one_shot(
+    lm: DecodeLM,
+    model_input: Mapping[str, Any],
+    *,
+    max_tokens: int | None = None,
+    min_ratio: float = 2.0,
+    max_ratio: float = 20.0,
+) -> OneShot:
+    """The one-shot row of a model-input dict; ``max_tokens`` caps ``max_len`` (and ``min_len`` with it)."""
+    prompt, text_len = lm.prompt(model_input)
+    min_len, max_len = length_limits(text_len, min_ratio, max_ratio)
+    if max_tokens is not None:
+        max_len = min(max_len, max_tokens)
+        min_len = min(min_len, max_len)
+    return OneShot(prompt, min_len, max_len)
+
+
+class StreamedText:
+    """A streamed-text row's text state: the reference's bistream loop, one piece at a time."""
+
+    def __init__(self, rules: StopRules, spec: Streamed, head: int) -> None:
+        n_speech = rules.mix_ratio[1]
+        self.rules = rules
+        self.lm_input: list[Part] = [("special", [rules.sos]), ("text", spec.prompt_text[:head])]
+        self.cache = list(spec.prompt_text[head:])  # text ids waiting (the prompt's, after its head, first)
+        self.pst = list(spec.prompt_speech)
+        s = len(self.pst)
+        self.next_fill = (s // n_speech + 1) * n_speech - s
+        self.words = len(spec.prompt_text) - head  # text tokens received
+        self.started = False  # the LM has decoded
+        self.after_fill = False
+
+    def piece(self, ids: list[int]) -> list[Part] | None:
+        """The input to decode from once ``ids`` arrived, or None: wait for more text."""
+        n_text, n_speech = self.rules.mix_ratio
+        self.words += len(ids)
+        self.cache += ids
+        while self.pst and len(self.cache) >= n_text:
+            self.lm_input += [("text", self.cache[:n_text]), ("speech", self.pst[:n_speech])]
+            self.cache, self.pst = self.cache[n_text:], self.pst[n_speech:]
+        if self.pst:
+            return None
+        if self.after_fill or (not self.started and sum(len(p[1]) for p in self.lm_input) == 1):
+            if len(self.cache) < n_text:
+                return None
+            chunk: Part = ("text", self.cache[:n_text])
+            self.lm_input = [chunk] if self.after_fill else self.lm_input + [chunk]
+            self.cache = self.cache[n_text:]
+        self.started, self.after_fill = True, False
+        return self.lm_input
+
+    def end(self) -> list[Part]:
+        # the input of the step that produced the last fill is fed a second time, as the reference does
+        return self.lm_input + [("text", self.cache), ("special", [self.rules.task_id])]
