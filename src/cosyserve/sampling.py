@@ -121,9 +121,14 @@ class ArrayOps:
         return contextlib.nullcontext()
 
     def ints(self, values: Any) -> Any:
-        if self.torch:
-            return self.xp.as_tensor(values, dtype=self.xp.int64, device=self.device)
-        return self.xp.asarray(values, dtype=self.xp.int64)
+        """Host ints as an array where the rows live; to a device through pinned memory, without waiting for it
+        (a plain copy from pageable memory would synchronise the stream)."""
+        if not self.torch:
+            return self.xp.asarray(values, dtype=self.xp.int64)
+        host = self.xp.tensor(values, dtype=self.xp.int64)
+        if self.host:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def full(self, shape: tuple[int, ...], value: int) -> Any:
         if self.torch:

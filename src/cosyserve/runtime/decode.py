@@ -178,12 +178,11 @@ class DecodeLoop:
             return row.out.get_nowait()
         except queue.Empty:
             pass
-        with self._cv:
-            row.wants = True
-            self._cv.notify()
-        item = row.out.get()
-        row.wants = False
-        return item
+        with self._cv:  # items are put under this lock too: no demand is left standing once served
+            if row.out.empty():
+                row.wants = True
+                self._cv.notify()
+        return row.out.get()
 
     def _consume(self, row: Row) -> Iterator[int]:
         try:
@@ -272,6 +271,10 @@ class DecodeLoop:
             and r.steps - r.read + r.delivered - r.taken < self.ahead
         ]
 
+    def _put(self, row: Row, item: Any) -> None:
+        with self._cv:
+            row.put(item)
+
     def _finish_locked(self, row: Row, item: Any = DONE) -> None:
         if row.slot >= 0:
             heapq.heappush(self._free, row.slot)
@@ -281,7 +284,7 @@ class DecodeLoop:
         if not row.finished:
             row.finished = True
             if not row.cancelled:
-                row.out.put(item)
+                self._put(row, item)
 
     def _step(self) -> bool:
         """Admit rows, take text, sample every ready row once, decode those that go on. False: nothing ran."""
@@ -351,7 +354,7 @@ class DecodeLoop:
 
     def _ask_text(self, row: Row) -> None:
         row.stalled, row.ready = True, False
-        row.out.put(NEED_TEXT)
+        self._put(row, NEED_TEXT)
 
     def _on_text(self, row: Row, ids: list[int] | None) -> None:
         state = row.state
@@ -525,7 +528,7 @@ class DecodeLoop:
             return
         self.stats.tokens += 1
         row.delivered += 1
-        row.out.put(token)
+        self._put(row, token)
         if row.read >= row.limit():
             with self._cv:
                 self._finish_locked(row)

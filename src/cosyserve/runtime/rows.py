@@ -76,6 +76,11 @@ class Row:
         self.recent: deque[int] = deque()  # the last read ids (a rollback rebuilds the history from them)
         self.last = -1  # the last id read
 
+    def put(self, item: Any) -> None:
+        """Hand ``item`` to the consumer (under the loop's lock): its demand is served."""
+        self.wants = False
+        self.out.put(item)
+
     def limit(self) -> float:
         """Steps the row may take."""
         spec = self.spec
