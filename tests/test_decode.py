@@ -176,6 +176,8 @@ def test_rows_joining_and_leaving_mid_run_keep_each_rows_tokens() -> None:
 
     got = _in_threads([consume(i) for i in range(4)])
     loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(loop.generate(specs[0], keys[0]))
     assert got[1] == want[1][:7]
     assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
     assert loop.stats.peak_rows == 3 and loop.stats.prefills == 4 and loop.active == 0

@@ -68,26 +68,16 @@ def reference_frontend(tiny_model_dir: Path) -> Frontend:
 
 
 class Recorder:
-    """Stands in for the LLM (fixed tokens) and token2wav (one short chunk), recording their inputs."""
+    """Stands in for the decode loop (fixed tokens) and token2wav (one short chunk), recording what the LLM's prompt
+    is built from (the arguments of its ``embed_inputs``) and what token2wav gets."""
 
-    def __init__(self, n_tokens: int = 12) -> None:
+    def __init__(self, embed_inputs: Any, n_tokens: int = 12) -> None:
+        self.embed_inputs_of = embed_inputs
         self.n_tokens = n_tokens
         self.llm_calls: list[dict[str, torch.Tensor]] = []
         self.t2w_calls: list[dict[str, Any]] = []
 
-    def inference(
-        self,
-        text,
-        text_len,
-        prompt_text,
-        prompt_text_len,
-        tokens,
-        tokens_len,
-        embedding,
-        *,
-        generator,
-        max_tokens=None,
-    ):  # type: ignore[no-untyped-def]
+    def embed_inputs(self, text, text_len, prompt_text, prompt_text_len, tokens, tokens_len, embedding):  # type: ignore[no-untyped-def]
         self.llm_calls.append(
             dict(
                 text=text,
@@ -99,6 +89,11 @@ class Recorder:
                 embedding=embedding,
             )
         )
+        return self.embed_inputs_of(
+            text, text_len, prompt_text, prompt_text_len, tokens, tokens_len, embedding
+        )
+
+    def generate(self, spec: Any, key: int) -> Any:
         return iter(range(100, 100 + self.n_tokens))
 
     def token2wav(self, tokens, **kwargs):  # type: ignore[no-untyped-def]
@@ -108,9 +103,11 @@ class Recorder:
 
 @pytest.fixture
 def rec(model: Any, monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    r = Recorder()
-    monkeypatch.setattr(model.runtime.pipeline, "llm", r)
-    monkeypatch.setattr(model.runtime.pipeline, "token2wav", r.token2wav)
+    pipeline = model.runtime.pipeline
+    r = Recorder(pipeline.llm.embed_inputs)
+    monkeypatch.setattr(pipeline.llm, "embed_inputs", r.embed_inputs)
+    monkeypatch.setattr(pipeline, "decoder", r)
+    monkeypatch.setattr(pipeline, "token2wav", r.token2wav)
     return r
 
 

@@ -76,7 +76,7 @@ def test_concurrent_calls_of_one_loaded_model_take_turns(tiny_model_dir: Path) -
 
     import cosyserve
 
-    model = cosyserve.load(tiny_model_dir, warmup=False)
+    model = cosyserve.load(tiny_model_dir, warmup=False, batch_size=1)
     texts = ["Hello there, the first voice speaks.", "And this one is the second request."]
     alone = [model.synthesize_all(t, seed=i) for i, t in enumerate(texts)]
     together: list[Any] = [None, None]
