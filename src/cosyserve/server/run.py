@@ -41,14 +41,14 @@ _BACKSTOP_S = 5
 
 
 class _QuietStreamCuts(logging.Filter):
-    """Drops uvicorn's "Exception in ASGI application" traceback for a :class:`~cosyserve.server.synth.StreamCut`.
+    """Drops uvicorn's "Exception in ASGI application" traceback for a :class:`~cosyserve.server.responses.StreamCut`.
 
     A stream that ends short raises it on purpose, so that uvicorn closes the connection without the final chunk;
     the request has already logged one WARNING saying why. Any other exception keeps its traceback.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from cosyserve.server.synth import StreamCut
+        from cosyserve.server.responses import StreamCut
 
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, BaseExceptionGroup):  # through a task group that did not collapse it

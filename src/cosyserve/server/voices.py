@@ -196,10 +196,8 @@ def routes(state: Any) -> list[Route]:
             raise ClientError(
                 f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent"
             )
-        if len(ref_text) > cfg.max_text_chars:
-            raise ClientError(
-                f"ref_text is {len(ref_text)} characters; the limit is {cfg.max_text_chars}", param="ref_text"
-            )
+        # the transcript and the sample within the limits every request's are (cosyserve.limits)
+        state.limits.check(names=PARAMS, prompt_text=ref_text, prompt_wav=audio)
         model = state.resolve_model(model_name, tenant, param="model")
         runtime = await runtime_of(model)
         ledger = _ledger(runtime)
