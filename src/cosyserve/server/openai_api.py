@@ -25,7 +25,7 @@ from cosyserve.audiofile import FORMATS
 from cosyserve.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
 from cosyserve.server.responses import synthesize_response
 from cosyserve.server.schemas import OPENAI_VOICES, parse_speech_request, speech_body_limit
-from cosyserve.server.synth import order
+from cosyserve.server.synth import caller, order
 
 __all__ = ["OPENAI_VOICES", "PARAMS", "read_body", "routes", "voice_fields"]
 
@@ -112,7 +112,7 @@ def routes(state: Any) -> list[Route]:
         sse = sr.stream_format == "sse"
         asked = order(
             state,
-            request,
+            **caller(state, request),
             params=PARAMS,
             model=sr.model,
             fmt=sr.response_format,

@@ -29,7 +29,7 @@ from cosyserve.errors import (
 )
 from cosyserve.server.openai_api import read_body
 from cosyserve.server.responses import synthesize_response
-from cosyserve.server.synth import order
+from cosyserve.server.synth import caller, order
 
 __all__ = ["PARAMS", "form_file", "form_text", "read_form", "routes"]
 
@@ -161,7 +161,7 @@ def routes(state: Any) -> list[Route]:
             fields = {f: values[f] for f in ("prompt_text", "prompt_wav", "instruct_text") if f in values}
             asked = order(
                 state,
-                request,
+                **caller(state, request),
                 params=PARAMS,
                 model=request.headers.get("x-model"),
                 model_param="X-Model",

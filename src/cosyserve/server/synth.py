@@ -5,8 +5,8 @@ Every transport (the HTTP routes in :mod:`cosyserve.server.responses`, the WebSo
 :mod:`cosyserve.server.ws`) does the same three things here and keeps only its protocol:
 
 1. :func:`order`: what the caller asked for, through :meth:`cosyserve.limits.Limits.request` (every limit, the
-   caller's tenant from its API key, its ``X-Request-Id``, the server's deadline), the model it names (visible to
-   its tenant) and the format and rate of its audio (:meth:`cosyserve.limits.Limits.output`).
+   caller's tenant from its API key and its ``X-Request-Id``: :func:`caller`, the server's deadline), the model it
+   names (visible to its tenant) and the format and rate of its audio (:meth:`cosyserve.limits.Limits.output`).
 2. :class:`Synthesis`: the request admitted through the pool (the tenant's quota, the model's load, the engine's
    queue), its first audio awaited, then its audio as encoded bytes (:class:`cosyserve.audiofile.Encoder`), and
    one :class:`Record` of it (the access log line, the metrics), whatever ends it: done, refused, cut short
@@ -42,7 +42,7 @@ from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = ["Order", "Record", "Synthesis", "new_request_id", "order", "text_chars", "usage"]
+__all__ = ["Order", "Record", "Synthesis", "caller", "new_request_id", "order", "text_chars", "usage"]
 
 
 def new_request_id(conn: HTTPConnection) -> str:
@@ -65,10 +65,17 @@ class Order:
     tenant: str | None
 
 
+def caller(state: Any, conn: HTTPConnection) -> dict[str, Any]:
+    """What :func:`order` takes of an HTTP or WebSocket caller: the tenant of its API key (None without keys) and
+    its request id (``X-Request-Id``)."""
+    return {"tenant": state.tenant_of(conn), "request_id": new_request_id(conn)}
+
+
 def order(
     state: Any,
-    conn: HTTPConnection,
     *,
+    tenant: str | None,
+    request_id: str | None = None,
     params: Mapping[str, str],
     model: str | None = None,
     model_param: str = "model",
@@ -77,24 +84,27 @@ def order(
     sample_rate: int | None = None,
     **fields: Any,
 ) -> Order:
-    """What ``conn``'s caller asks for (``fields`` of :class:`~cosyserve.request.SynthesisRequest`), within the
-    server's limits, for its tenant, on ``model`` (a name it may use; None: the default model), with its audio in
-    ``fmt`` (one of ``formats``) at ``sample_rate`` (None: the model's).
+    """What a caller of ``tenant`` asks for (``fields`` of :class:`~cosyserve.request.SynthesisRequest`), within the
+    server's limits, on ``model`` (a name the tenant may use; None: the default model), with its audio in ``fmt``
+    (one of ``formats``) at ``sample_rate`` (None: the model's); the server's deadline from now. A transport that is
+    not HTTP (a later Wyoming server) names its caller's tenant and request id itself; HTTP's and the WebSocket's
+    come from :func:`caller`.
 
     Args:
+        tenant: the caller's tenant (its API key's; None: the server has no keys).
+        request_id: the id of the request in logs and headers (None: a new one).
         params: request field -> the transport's name for it (errors name it so).
         model_param: the transport's name of the model field (``model``, the reference routes' ``X-Model``).
     Raises:
         ClientError: a field over a limit or a request that cannot be served as given (UnknownModelError for a
             model the tenant may not use), ``param`` naming the field.
     """
-    tenant: str | None = state.tenant_of(conn)
     name = state.resolve_model(model, tenant, param=model_param)
     limits = state.limits
     req = limits.request(
         names=params,
         tenant=tenant or "default",
-        request_id=new_request_id(conn),
+        request_id=request_id or uuid.uuid4().hex[:16],
         deadline=time.monotonic() + state.config.request_timeout_s,
         **fields,
     )

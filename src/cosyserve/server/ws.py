@@ -60,7 +60,7 @@ from cosyserve.request import ResolvedRequest
 from cosyserve.server.errors import error_object, error_response, retry_after, status_of
 from cosyserve.server.openai_api import voice_fields
 from cosyserve.server.schemas import SESSION_FORMATS, SessionConfig, json_object, parse_session_config
-from cosyserve.server.synth import Order, Synthesis, order, usage
+from cosyserve.server.synth import Order, Synthesis, caller, order, usage
 from cosyserve.textfeed import TextFeed
 
 logger = logging.getLogger("cosyserve.server")
@@ -325,7 +325,7 @@ class Session:
         cfg = parse_session_config(data, self.state.config.max_upload_bytes)
         asked = order(
             self.state,
-            self.ws,
+            **caller(self.state, self.ws),
             params=PARAMS,
             model=cfg.model,
             fmt=cfg.response_format,
