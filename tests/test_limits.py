@@ -308,6 +308,7 @@ CELLS: dict[tuple[str, str], tuple[Cell, str]] = {
         "spk_id",
     ),
     ("voice", "websocket"): (lambda s, f, t, m, c: ws_config(s, voice=OVER["voice"]), "voice"),
+    ("voice", "voices"): (lambda s, f, t, m, c: voices(s, name=OVER["voice"]), "name"),
     ("voice", "python"): (lambda s, f, t, m, c: python(f, speaker=OVER["voice"]), "speaker"),
     ("voice", "cli"): (
         lambda s, f, t, m, c: cli(t, m, c, "--text", "Hi.", "--speaker", OVER["voice"]),
@@ -376,7 +377,7 @@ def test_the_table_covers_every_transport_of_every_field() -> None:
         "text": {"post", "sse", "reference", "websocket", "python", "python-streamed", "cli"},
         "prompt_text": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
         "instructions": {"post", "sse", "reference", "websocket", "python", "cli"},
-        "voice": {"post", "sse", "reference", "websocket", "python", "cli"},
+        "voice": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
         "audio_bytes": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
         "audio_seconds": {
             "post",

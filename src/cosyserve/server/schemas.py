@@ -430,11 +430,12 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     name = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS, "pattern": r"\S"}
     voice = {**name, "maxLength": limits.voice_chars}  # a speaker or registered voice a request names
 
-    # a voice name the registry takes: no path separator, no control character, no blank at either end
+    # a voice name the registry takes (cosyserve.registry: at most 64 characters) and a request may give: no path
+    # separator, no control character, no blank at either end
     voice_name = {
         "type": "string",
         "minLength": 1,
-        "maxLength": 64,
+        "maxLength": min(64, limits.voice_chars),
         "pattern": r"^[^\s/\\\x00-\x1f\x7f-\x9f](?:[^/\\\x00-\x1f\x7f-\x9f]*[^\s/\\\x00-\x1f\x7f-\x9f])?$",
     }
 

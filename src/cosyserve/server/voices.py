@@ -181,6 +181,9 @@ def routes(state: Any) -> list[Route]:
             raise ClientError(
                 f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
             )
+        # the name, transcript and sample within the limits every request's are (cosyserve.limits): a voice whose
+        # name no request may give could never speak
+        state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
         from cosyserve.registry import validate_name
 
         try:
@@ -196,8 +199,6 @@ def routes(state: Any) -> list[Route]:
             raise ClientError(
                 f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent"
             )
-        # the transcript and the sample within the limits every request's are (cosyserve.limits)
-        state.limits.check(names=PARAMS, prompt_text=ref_text, prompt_wav=audio)
         model = state.resolve_model(model_name, tenant, param="model")
         runtime = await runtime_of(model)
         ledger = _ledger(runtime)
