@@ -253,7 +253,7 @@ class Synthesis:
             rec.sample_rate = int(self.stream.sample_rate or 0)
             self.encoder = Encoder(self.order.output.format, rec.sample_rate, self.order.output.sample_rate)
             async for chunk in self.stream:
-                self._take(chunk)
+                self._chunks.append(self._took(chunk))
                 if not whole:
                     break
             if rec.ttfa_s is None:  # no audio at all
@@ -263,12 +263,13 @@ class Synthesis:
             rec.failed(e)
             raise
 
-    def _take(self, chunk: Any) -> None:
+    def _took(self, chunk: Any) -> Any:
+        # a chunk taken from the engine: the first audio's time, the samples
         rec = self.rec
         if rec.ttfa_s is None:
             rec.ttfa_s = time.perf_counter() - rec.t0
         rec.samples += len(chunk)
-        self._chunks.append(chunk)
+        return chunk
 
     async def whole(self) -> bytes:
         """The audio of a request started with ``whole``, as one file (exact sizes in a WAV header), encoded off
@@ -296,8 +297,7 @@ class Synthesis:
                     yield data
             self._chunks = []
             async for chunk in self.stream:
-                self._take(chunk)
-                data = enc.encode(self._chunks.pop())
+                data = enc.encode(self._took(chunk))
                 if data:
                     yield data
             tail = enc.finish() if enc.streamed else await asyncio.to_thread(enc.finish)
