@@ -10,11 +10,14 @@ mapped bytes, for the pool's budget). Texts with a meaning: ``boom`` fails insid
 runs a 10k-token LM loop before its one chunk (cancellation must stop it at the next token: ``made`` counts the
 tokens), ``endless`` streams a chunk at once and then one every ``token_s`` until its request is stopped (a
 deadline, a disconnect, a drain: only the stop ends it, whatever the machine's speed).
+
+Voices: the pre-defined ``speakers``, and ``registered`` (tenant -> names): voices only that tenant can use, as a
+registry's are. ``resolves`` counts the requests it resolved: a request is resolved once on its way (the engine
+takes a :class:`~cosyserve.request.ResolvedRequest` as it is, and so does :meth:`FakeRuntime.start`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +28,7 @@ import numpy as np
 
 from cosyserve.clock import PhaseClock
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.request import MODES, SynthesisRequest, is_text_iterable
+from cosyserve.request import MODES, ResolvedRequest, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Runtime, Voice
 
 __all__ = ["FakeRuntime"]
@@ -45,7 +48,10 @@ class FakeRuntime:
         speakers: tuple[str, ...] = ("alice", "bob"),
         slots: int = 1,
         token_s: float = 0.001,
+        registered: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
+        self.registered = dict(registered or {})
+        self.resolves = 0
         self.chunks = chunks
         self.chunk_len = chunk_len
         self.hold = hold
@@ -69,29 +75,32 @@ class FakeRuntime:
         return sorted(self._speakers)
 
     def voices(self, tenant: str = "default") -> list[Voice]:
-        return [Voice(s, "pre-defined", "sft") for s in self.speakers()]
+        own = [Voice(s, "registered", "sft") for s in sorted(self.registered.get(tenant, ()))]
+        return [Voice(s, "pre-defined", "sft") for s in self.speakers()] + own
 
     def voice(self, name: str, tenant: str = "default") -> Voice | None:
-        return Voice(name, "pre-defined", "sft") if name in self._speakers else None
+        return next((v for v in self.voices(tenant) if v.name == name), None)
 
     def modes(self) -> dict[str, str | None]:
         return {m: None if m == "sft" else "the fake runtime speaks sft only" for m in MODES}
 
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        self.resolves += 1
         if request.mode not in (None, "sft"):
             raise ModeUnavailableError(  # the field that asked for the mode, as the runtimes name it
                 f"{request.mode} synthesis is unavailable: the fake speaks sft only",
                 param="instruct_text" if request.mode == "instruct" else None,
             )
-        if request.speaker is not None and request.speaker not in self._speakers:
+        if request.speaker is not None and self.voice(request.speaker, request.tenant) is None:
+            known = ", ".join(v.name for v in self.voices(request.tenant))
             raise UnknownVoiceError(
-                f"unknown speaker {request.speaker!r}; known speakers: {', '.join(self.speakers())}",
-                param="speaker",
+                f"unknown speaker {request.speaker!r}; known speakers: {known}", param="speaker"
             )
-        return dataclasses.replace(request, mode="sft", speaker=request.speaker or self.speakers()[0])
+        return request.resolved_as("sft", request.speaker or self.speakers()[0], request.instruct_text)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
-        return self._generate(self.resolve(request), should_stop)
+        resolved = request if isinstance(request, ResolvedRequest) else self.resolve(request)
+        return self._generate(resolved, should_stop)
 
     def _generate(self, r: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         with self._lock:

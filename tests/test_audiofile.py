@@ -46,7 +46,7 @@ def test_streamed_bytes_decode_like_the_whole_file(fmt: str) -> None:
     enc = Encoder(fmt, RATE)
     parts = [enc.header()] + [enc.encode(x[i : i + 4000]) for i in range(0, len(x), 4000)] + [enc.finish()]
     data = b"".join(parts)
-    if fmt == "pcm":
+    if fmt in ("pcm", "raw"):
         assert np.array_equal(np.frombuffer(data, "<i2"), np.frombuffer(to_int16(x), "<i2"))
         return
     audio, rate = sf.read(io.BytesIO(data))
@@ -61,8 +61,31 @@ def test_wav_header_sizes() -> None:
         len(h) == 44 and int.from_bytes(h[4:8], "little") == 136 and int.from_bytes(h[40:44], "little") == 100
     )
     assert wav_header(RATE, None)[40:44] == b"\xff\xff\xff\xff"
-    with pytest.raises(ValueError, match="cannot be streamed"):
-        Encoder("mp3", RATE)
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3"])
+def test_a_format_not_streamed_gives_its_whole_file_at_the_end(fmt: str) -> None:
+    """The one encoder serves whole formats too: nothing before finish(), then the file encode_all makes."""
+    x = tone(0.5)
+    enc = Encoder(fmt, RATE)
+    assert (
+        not enc.streamed
+        and enc.header() == b""
+        and enc.encode(x[:4000]) == b""
+        and enc.encode(x[4000:]) == b""
+    )
+    assert enc.finish() == encode_all([x[:4000], x[4000:]], fmt, RATE)
+
+
+def test_a_rate_other_than_the_models_is_refused_naming_sample_rate() -> None:
+    from cosyserve.errors import ClientError
+
+    with pytest.raises(ClientError, match="does not resample") as e:
+        Encoder("pcm", RATE, out_rate=RATE + 1)
+    assert e.value.param == "sample_rate"
+    assert Encoder("pcm", RATE, out_rate=RATE).encode(tone(0.01))  # the model's own rate is fine
+    with pytest.raises(ValueError, match="unknown audio format"):
+        Encoder("aiff", RATE)
 
 
 def test_cli_and_server_write_the_same_samples_and_full_scale_clips_to_the_stated_values(

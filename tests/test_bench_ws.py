@@ -1,4 +1,4 @@
-"""bench/ws_load.py and bench/ws_first_audio.py cannot rot: their dry runs (the real runs' code against a real
+"""bench/ws_load.py, bench/ws_first_audio.py and bench/hostile.py cannot rot: their dry runs (the real runs' code against a real
 ``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
 send traffic off the machine.
 
@@ -109,9 +109,41 @@ def test_first_audio_dry_run_gives_the_target_ratio_of_each_family(work: Path, t
         assert all(g >= 100 - 1 for g in gaps), gaps
 
 
+def test_hostile_dry_run_answers_every_case_and_keeps_the_server_responsive(
+    work: Path, tmp_path: Path
+) -> None:
+    """If this fails, bench/hostile.py no longer replays issue 32's hostile pass (a case lost its row or its
+    figures), or the server lets one of its cases through a limit, or stops answering /health/live for 2 s."""
+    out = tmp_path / "hostile.json"
+    r = run("hostile.py", "--dry-run", "--work", str(work), "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads(out.read_text())}
+    refused = {
+        "ws-ref_text-1MB": "naming ref_text",
+        "ws-ref_text-5000": "naming ref_text",
+        "ws-instructions-120k": "naming instructions",
+        "ws-instructions-1MB": "naming instructions",
+        "ws-text-piece-1MB": "naming text",
+        "post-input-1MB": "naming input",
+    }
+    for case, needle in refused.items():
+        assert needle in rows[case]["answer"], rows[case]
+    assert "audio bytes" in rows["ws-text-1MB-in-pieces"]["answer"], rows["ws-text-1MB-in-pieces"]
+    assert "in voice hostile-voice" in rows["ws-tenant-voice"]["answer"], rows["ws-tenant-voice"]
+    for row in rows.values():
+        assert row["live_worst_ms"] > 0 and row["rss_growth_mib"] is not None, (
+            row
+        )  # the figures, not their bound
+        assert row["case"] in r.stdout
+
+
 def test_traffic_stays_on_the_machine(tmp_path: Path) -> None:
     """If this fails, the load scripts would send sessions to another host than the loopback interface."""
-    for script, extra in (("ws_load.py", ()), ("ws_first_audio.py", ("--family", "cosyvoice"))):
+    for script, extra in (
+        ("ws_load.py", ()),
+        ("ws_first_audio.py", ("--family", "cosyvoice")),
+        ("hostile.py", ()),
+    ):
         r = run(script, "--url", "http://192.0.2.1:8000", *extra, cwd=tmp_path)
         assert r.returncode == 2 and "loopback" in r.stderr, (script, r.stderr[-500:])
     sys.path.insert(0, str(BENCH))

@@ -655,13 +655,14 @@ def test_serve_help_lists_the_exit_codes_and_stays_light() -> None:
 def test_stdin_text_is_read_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--text -` hands the runtime each piece of standard input as it is written (the runtime speaks text given
     as pieces as it arrives: tests/test_text_stream.py): if it read to the end first, an LLM's output piped in
-    would be spoken only once the LLM finished. A multi-byte character split across writes comes out whole."""
+    would be spoken only once the LLM finished. A multi-byte character split across writes comes out whole, and
+    no piece passes the limit of a streamed piece (max_text_chars: the synth would refuse it)."""
     from cosyserve.cli import _stdin_pieces
 
     r, w = os.pipe()
     stdin = os.fdopen(r, "rb", buffering=0)
     monkeypatch.setattr(sys, "stdin", stdin)
-    pieces = _stdin_pieces()
+    pieces = _stdin_pieces(4096)
     os.write(w, b"Hello there. ")
     assert next(pieces) == "Hello there. "  # while the writer is still open: read as it came
     data = "你好".encode()
@@ -669,6 +670,14 @@ def test_stdin_text_is_read_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> No
     os.write(w, data[2:])
     os.close(w)
     assert "".join(pieces) == "你好"
+    stdin.close()
+    r, w = os.pipe()
+    stdin = os.fdopen(r, "rb", buffering=0)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    os.write(w, "ab你好cd".encode() * 8)
+    os.close(w)
+    got = list(_stdin_pieces(8))
+    assert "".join(got) == "ab你好cd" * 8 and max(map(len, got)) <= 8, got
     stdin.close()
 
 

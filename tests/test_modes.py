@@ -533,14 +533,19 @@ def test_no_speaker_means_the_default_voice(model: Any) -> None:
 
 
 def test_a_huge_unknown_speaker_name_is_cut_in_messages(model: Any, reference_frontend: Frontend) -> None:
-    """A 100,000-character speaker name is shown cut (its first characters and its length) by the Python API and
-    the frontend, as the server shows it: if this fails, the CLI prints, and a caller logs, the whole name."""
+    """A 100,000-character speaker name is shown cut (its first characters and its length) by the Python API, the
+    runtime and the frontend, as the server shows it: if this fails, the CLI prints, and a caller logs, the whole
+    name."""
     from cosyserve.errors import UnknownVoiceError
 
     name = "v" * 100_000
+    for mode in (None, "zero_shot"):  # the Python API refuses it by the voice name's limit, unrepeated
+        with pytest.raises(ClientError, match="speaker is 100000 characters; the limit is 256") as e:
+            model.synthesize("Hi.", name, mode=mode)
+        assert e.value.param == "speaker" and len(str(e.value)) < 1000
     calls = (
-        lambda: model.synthesize("Hi.", name),
-        lambda: model.synthesize("Hi.", name, mode="zero_shot"),
+        lambda: model.runtime.resolve(SynthesisRequest(text="Hi.", speaker=name)),
+        lambda: model.runtime.resolve(SynthesisRequest(text="Hi.", speaker=name, mode="zero_shot")),
         lambda: reference_frontend.frontend_sft("Hi.", name),
         lambda: reference_frontend.frontend_zero_shot("Hi.", "", b"", zero_shot_spk_id=name),
         lambda: reference_frontend.frontend_cross_lingual("Hi.", b"", zero_shot_spk_id=name),
@@ -549,3 +554,33 @@ def test_a_huge_unknown_speaker_name_is_cut_in_messages(model: Any, reference_fr
         with pytest.raises(UnknownVoiceError) as e:
             call()
         assert len(str(e.value)) < 1000 and "(100000 characters)" in str(e.value), str(e.value)[:200]
+
+
+@pytest.mark.parametrize("runtime", ["torch", "lite"])
+def test_a_resolved_request_is_prepared_as_it_is(
+    model: Any, tiny_lite_bundle: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    """A request resolved once on its way (by the engine, or a WebSocket session for all its utterances) is
+    prepared as it is: the runtime resolved every request again (a WebSocket utterance was resolved three times).
+    One that is not resolved (a caller of ``Runtime.start`` itself) is resolved there, once."""
+    from cosyserve.request import ResolvedRequest
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+
+    rt = (
+        model.runtime
+        if runtime == "torch"
+        else load_runtime(tiny_lite_bundle, RuntimeOptions(warmup=False), runtime="lite")
+    )
+    try:
+        resolved = rt.resolve(SynthesisRequest(text="Hi.", seed=1))
+        assert isinstance(resolved, ResolvedRequest) and resolved.mode == "sft" and resolved.speaker, resolved
+        calls: list[Any] = []
+        real = rt.pipeline.resolve
+        monkeypatch.setattr(rt.pipeline, "resolve", lambda r: calls.append(r) or real(r))
+        rt.start(resolved, lambda: True).close()
+        assert calls == [], "the runtime resolved a resolved request again"
+        rt.start(SynthesisRequest(text="Hi.", seed=1), lambda: True).close()
+        assert len(calls) == 1
+    finally:
+        if runtime == "lite":
+            rt.close()

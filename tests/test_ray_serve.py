@@ -49,6 +49,24 @@ def test_settings_are_checked_on_the_driver(tiny_model_dir: Path) -> None:
         settings_flags({"batch_size": "none"})
 
 
+def test_a_replica_applies_the_limits_it_is_given_as_every_route_does(tiny_model_dir: Path) -> None:
+    """A replica is the whole server (create_app): its routes build their requests with the one constructor, within
+    the limits its arguments set. If this fails, `serve run ... max_text_chars=100` would not limit the replicas."""
+    from starlette.testclient import TestClient
+
+    from cosyserve.deploy.ray_serve import CosyServeReplica
+
+    flags = settings_flags(
+        {"model": str(tiny_model_dir), "max_text_chars": "10", "max_instructions_chars": "5"}
+    )
+    app = CosyServeReplica(flags).__serve_build_asgi_app__()
+    limits = app.state.cosy.limits
+    assert (limits.text_chars, limits.instructions_chars) == (10, 5)
+    client = TestClient(app)  # no lifespan: the model is never loaded, the request is refused before it
+    r = client.post("/v1/audio/speech", json={"input": "x" * 11, "voice": "alloy"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
 def _serve() -> Any:
     pytest.importorskip("ray", reason="Ray Serve not installed (pip install 'cosyserve[ray]')")
     return pytest.importorskip("ray.serve", reason="Ray Serve not installed (pip install 'cosyserve[ray]')")

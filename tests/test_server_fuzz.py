@@ -20,10 +20,16 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from cosyserve.limits import Limits
 from cosyserve.server.schemas import openapi_document
 from server_util import ServerProcess, running_server
 
-MAX_TEXT_CHARS = 24  # keeps each synthesis on the tiny model well under a second
+MAX_TEXT_CHARS = (
+    24  # keeps each synthesis on the tiny model well under a second (transcripts, instructions too)
+)
+LIMITS = Limits(
+    text_chars=MAX_TEXT_CHARS, prompt_text_chars=MAX_TEXT_CHARS, instructions_chars=MAX_TEXT_CHARS
+)
 
 
 @pytest.fixture(scope="module", params=["torch", "lite"])
@@ -33,6 +39,10 @@ def server(
     """The server on each runtime: the model dir on torch, its --runtime lite bundle on the lite runtime."""
     args = [
         "--max-text-chars",
+        str(MAX_TEXT_CHARS),
+        "--max-prompt-text-chars",
+        str(MAX_TEXT_CHARS),
+        "--max-instructions-chars",
         str(MAX_TEXT_CHARS),
         "--request-timeout",
         "60",
@@ -49,13 +59,13 @@ def server(
 
 # built at import: schemathesis's lazy loader (``from_fixture``) breaks under pytest 9 (``Function._nodeid``);
 # the test below checks that the server serves this very document
-schema = schemathesis.openapi.from_dict(openapi_document(MAX_TEXT_CHARS))
+schema = schemathesis.openapi.from_dict(openapi_document(LIMITS))
 
 
 def test_served_document_is_the_fuzzed_one(server: ServerProcess) -> None:
     with server.client() as c:
         doc = c.get("/openapi.json").json()
-    assert doc == openapi_document(MAX_TEXT_CHARS)
+    assert doc == openapi_document(LIMITS)
     assert doc["components"]["schemas"]["SpeechRequest"]["properties"]["input"]["maxLength"] == MAX_TEXT_CHARS
 
 

@@ -74,6 +74,20 @@ def access_log(server: ServerProcess, request_id: str) -> dict[str, Any]:
     raise AssertionError(f"no access log line for request {request_id}")
 
 
+def ws_session(server: ServerProcess, key: str, config: dict[str, Any], text: str) -> dict[str, Any]:
+    """The first event of a WebSocket session that sends ``config`` and one utterance of ``text``."""
+    from websockets.sync.client import connect
+
+    url = server.base_url.replace("http", "ws", 1) + "/v1/audio/speech/stream"
+    with connect(
+        url, additional_headers={"Authorization": f"Bearer {key}"}, proxy=None, open_timeout=30
+    ) as ws:
+        ws.send(json.dumps({"type": "session.config", **config}))
+        ws.send(json.dumps({"type": "input.text", "text": text}))
+        ws.send(json.dumps({"type": "input.done"}))
+        return dict(json.loads(ws.recv(timeout=60)))
+
+
 def voices(c: httpx.Client) -> dict[str, dict[str, Any]]:
     r = c.get("/v1/audio/voices")
     assert r.status_code == 200, r.text
@@ -107,6 +121,13 @@ def test_a_registered_voice_is_listed_used_and_deleted_by_its_tenant_only(server
         rec = access_log(server, r.headers["x-request-id"])
         assert rec["mode"] == "zero_shot" and rec["voice"] == "narrator", rec
         assert_error(b.post("/v1/audio/speech", json=body), 400, "voice")
+        # the WebSocket speaks it for its tenant too (it was voice_not_found there: its check had no tenant)
+        start = ws_session(server, KEY_A, {"voice": "narrator"}, TEXT)
+        assert (
+            start["type"] == "audio.start" and start["voice"] == "narrator" and start["mode"] == "zero_shot"
+        )
+        refused = ws_session(server, KEY_B, {"voice": "narrator"}, TEXT)
+        assert (refused["type"], refused["code"], refused["param"]) == ("error", "voice_not_found", "voice")
 
         assert_error(b.delete("/v1/audio/voices/narrator"), 404, "name")
         assert "narrator" in voices(a), "b's delete must not touch a's voice"

@@ -65,6 +65,50 @@ def test_segments_end_at_a_sentence_after_min_n_and_never_pass_max_n() -> None:
     assert max(len(_encode(s)) for s in segs) <= 60
 
 
+class _Counting:
+    """A tokenizer that counts the characters it is given: the work of cutting streamed text."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+
+    def __call__(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return _encode(text)
+
+
+@pytest.mark.parametrize("shape", ["one-piece", "char-by-char"])
+def test_streamed_text_is_cut_in_linear_work_and_bounded_chunks_whatever_its_pieces(shape: str) -> None:
+    """A huge piece (one WebSocket frame of a whole document) or text sent a character at a time is measured a
+    bounded number of times per character, and no chunk the normaliser gets passes PIECE_MAX_N units. Before, the
+    whole text held back was measured again per piece (quadratic) and a 1 MB piece reached the normaliser whole
+    (13.8 s and 1.1 GB for 64k characters, with the server unresponsive)."""
+    # half without a sentence end; 84k characters in one piece, 8.4k a character at a time (a tokenizer call each)
+    k = 10 if shape == "one-piece" else 1
+    text = "hello there " * 400 * k + "and one sentence. " * 200 * k
+    pieces = [text] if shape == "one-piece" else list(text)
+    for cut in (finished_sentences, lambda p, t: ("".join(seg) for seg in segments(p, t))):
+        tok = _Counting()
+        chunks = list(cut(iter(pieces), tok))
+        assert "".join(chunks) == text
+        assert max(len(_encode(c)) for c in chunks) <= PIECE_MAX_N
+        # the text held back (up to PIECE_MAX_N tokens, ~900 characters) measured per piece is ~400 a character
+        assert tok.chars <= 20 * len(text), f"{tok.chars / len(text):.1f} characters measured per character"
+
+
+def test_a_huge_piece_is_read_in_windows_cut_between_words_and_never_inside_a_tag() -> None:
+    from cosyserve.frontend.textstream import WINDOW_CHARS, windows
+
+    words = "word " * 1000
+    parts = list(windows([words]))
+    assert "".join(parts) == words and max(map(len, parts)) <= WINDOW_CHARS
+    assert all(p.endswith(" ") for p in parts[:-1]), "a window ends after a blank where it has one"
+    tagged = "x" * (WINDOW_CHARS - 5) + "<|endofprompt|>" + "y" * 2000
+    parts = list(windows(["", tagged]))
+    assert "".join(parts) == tagged and any(p.startswith("<|endofprompt|>") for p in parts), [
+        p[:20] for p in parts
+    ]
+
+
 # --- runtimes ---------------------------------------------------------------------------------------------------
 
 

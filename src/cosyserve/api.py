@@ -1,8 +1,9 @@
 """The public Python API: ``cosyserve.load(path)`` and the model it returns.
 
 The model is a thin face over a :class:`cosyserve.runtime.Runtime`: every call builds one
-:class:`~cosyserve.request.SynthesisRequest` (checked as it is built, as the server's are) and runs it on the
-runtime in the caller's thread.
+:class:`~cosyserve.request.SynthesisRequest` through the one constructor every entry point uses
+(:meth:`cosyserve.limits.Limits.request`: the limits of the settings it was loaded with, as the server's requests
+are checked) and runs it on the runtime in the caller's thread.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.request import MODES, SynthesisRequest
+from cosyserve.limits import Limits
+from cosyserve.request import SynthesisRequest
 from cosyserve.sources import resolve_bundle
 
 if TYPE_CHECKING:
@@ -43,11 +45,13 @@ TORCH_INSTALL = "pip install torch==2.13.0 (the CPU build; or 'cosyserve[torch]'
 class CosyVoiceModel:
     """A loaded model: ``speakers``, ``sample_rate``, ``synthesize`` and the voice registry.
 
-    Build it with :func:`load`; ``runtime`` is the :class:`cosyserve.runtime.Runtime` it runs on.
+    Build it with :func:`load`; ``runtime`` is the :class:`cosyserve.runtime.Runtime` it runs on, ``limits`` the
+    :class:`~cosyserve.limits.Limits` its requests are built within (the settings' it was loaded with).
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, limits: Limits | None = None) -> None:
         self.runtime = runtime
+        self.limits = limits if limits is not None else Limits()
         # a runtime serves `slots` requests at once (its LM keeps one request's caches on the module when it has
         # one slot): calls from more threads than that wait their turn instead of sharing the caches
         self._slots = threading.Semaphore(max(1, int(runtime.slots)))
@@ -98,7 +102,8 @@ class CosyVoiceModel:
     ) -> Iterator[np.ndarray]:
         """Yield float32 mono audio chunks (1-D numpy arrays at ``sample_rate``) of ``speaker`` saying ``text``.
 
-        The request is checked and its prompt features extracted before this returns; errors raise here.
+        The request is checked (:meth:`request`) and its prompt features extracted before this returns; errors
+        raise here.
 
         Args:
             text: text to speak (split into sentences internally); or an iterable of its pieces as they arrive (an
@@ -118,28 +123,38 @@ class CosyVoiceModel:
             instruct_text: the style instruction (instruct, with a -Instruct model).
             tenant: registry namespace in which ``speaker`` is looked up.
         Raises:
-            cosyserve.errors.ClientError: a bad request (unknown speaker: UnknownVoiceError; a mode the model
-                cannot run: ModeUnavailableError; unusable prompt or source audio: AudioError).
+            cosyserve.errors.ClientError: a bad request (a field over its limit; unknown speaker:
+                UnknownVoiceError; a mode the model cannot run: ModeUnavailableError; unusable prompt or source
+                audio: AudioError).
         """
-        if mode is not None and mode not in MODES:
-            from cosyserve.errors import ClientError
-
-            raise ClientError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}", param="mode")
         return self.synthesize_request(
-            SynthesisRequest(
-                mode=mode,  # type: ignore[arg-type]
-                text=text,
-                speaker=speaker,
+            self.request(
+                text,
+                speaker,
+                stream=stream,
+                speed=speed,
+                seed=seed,
+                mode=mode,
                 prompt_text=prompt_text,
                 prompt_wav=prompt_wav,
                 source_wav=source_wav,
                 instruct_text=instruct_text,
-                stream=stream,
-                speed=speed,
-                seed=seed,
                 tenant=tenant,
             )
         )
+
+    def request(
+        self, text: str | Iterable[str] = "", speaker: str | None = None, **fields: Any
+    ) -> SynthesisRequest:
+        """The :class:`~cosyserve.request.SynthesisRequest` :meth:`synthesize` runs (same arguments), built within
+        :attr:`limits` by the one constructor every entry point uses; text given as pieces is checked piece by
+        piece as it is read.
+
+        Raises:
+            cosyserve.errors.ClientError: a field over its limit, or a request that cannot be served as given
+                (``param`` names the field).
+        """
+        return self.limits.request(text=text, speaker=speaker, **fields)
 
     def synthesize_all(self, text: str = "", speaker: str | None = None, **kwargs: Any) -> np.ndarray:
         """The whole utterance as one float32 array (same arguments as :meth:`synthesize`)."""
@@ -150,7 +165,8 @@ class CosyVoiceModel:
 
     def synthesize_request(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
         """Run a :class:`~cosyserve.request.SynthesisRequest` to its end in this thread (no deadline is enforced:
-        that is the engine's job); checks and prompt extraction happen before this returns. A chunk with NaN or
+        that is the engine's job); checks and prompt extraction happen before this returns. The request runs as
+        given: build it with :meth:`request` for the limits. A chunk with NaN or
         infinite samples raises :class:`~cosyserve.errors.InternalError` instead of being returned, as the
         server's engine does. Thread-safe: iterations from more threads than the runtime's ``slots`` (1 unless
         loaded with ``batch_size``) take turns, each holding a slot from its first chunk to its end (or close)."""
@@ -326,7 +342,8 @@ def load(
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``
             setting: ``torch``, or ``lite`` where torch is not installed, unless COSYSERVE_RUNTIME says otherwise).
         options: settings by name (``device``, ``threads``, ``strategy``, ``verify``, ``warmup``,
-            ``warmup_tokens``, ``use_mmap``, ``text_tier``, ``registry_dir``, ...) or fields of
+            ``warmup_tokens``, ``use_mmap``, ``text_tier``, ``registry_dir``, the limits of a request such as
+            ``max_text_chars``, ...) or fields of
             :class:`cosyserve.runtime.RuntimeOptions` (``batch_size``, ``batch_flow``, ...); those not given (or
             None) come from ``settings``.
     Returns:
@@ -337,13 +354,16 @@ def load(
             names one this machine or the runtime does not have (``device='cuda'`` without CUDA).
     """
     from cosyserve.runtime import load_runtime
-    from cosyserve.settings import Settings
+    from cosyserve.settings import Settings, declared
 
     quiet_onnxruntime()
     settings = settings if settings is not None else Settings.load()
-    if options.get("device") is not None:  # checked with the runtime's choice, before anything loads
-        settings = settings.replace(where="cosyserve.load", device=options["device"])
+    names = {d.name for d in declared()}
+    given = {k: v for k, v in options.items() if v is not None and k in names}
+    if given:  # checked now (the device with the runtime's choice), before anything loads; the limits kept
+        settings = settings.replace(where="cosyserve.load", **given)
     runtime = choose_runtime(path, settings, runtime)
     return CosyVoiceModel(
-        load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock)
+        load_runtime(path, runtime_options(settings, **options), runtime=runtime, clock=clock),
+        Limits.from_settings(settings),
     )

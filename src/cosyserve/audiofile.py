@@ -1,5 +1,5 @@
-"""Audio files from float chunks: the encoders the server streams with and the CLI writes with, and the atomic
-write of a whole file.
+"""Audio files from float chunks: the one encoder every transport sends audio with (HTTP bodies, SSE deltas,
+WebSocket frames and their WAV header) and the CLI writes with, and the atomic write of a whole file.
 
 | format | media type | streamed | encoder |
 |---|---|---|---|
@@ -10,7 +10,16 @@ write of a whole file.
 | ``mp3`` | audio/mpeg | no: encoded when synthesis ends (LAME inside libsndfile >= 1.1) | libsndfile |
 
 FLAC and MP3 are not streamed because libsndfile patches their headers at close (STREAMINFO, the LAME tag):
-bytes sent before that stay wrong, and a streamed MP3 decodes to only part of its samples.
+bytes sent before that stay wrong, and a streamed MP3 decodes to only part of its samples. ``raw`` is the
+reference server's int16 PCM (``application/octet-stream``), as ``pcm``.
+
+A response's audio goes through one :class:`Encoder`: ``header()``, ``encode(chunk)`` per chunk, ``finish()``.
+A format in :data:`STREAMABLE` gives its bytes as the chunks come; another keeps the chunks and encodes them at
+``finish()`` (:attr:`Encoder.streamed` tells the caller which, e.g. to run ``finish()`` off its event loop). Where
+a later change extends it: a format is a row of :data:`MEDIA_TYPES` (and of :data:`STREAMABLE` when it is encoded
+chunk by chunk, with its codec in :class:`Encoder`: ``_SF``'s libsndfile formats today); a rate other than the
+model's is refused by :func:`check_rate`, naming ``sample_rate``, until a resampler in :class:`Encoder` gives it
+(it resamples for Opus already).
 
 Every 16-bit sample, whoever writes it (a response, ``cosyserve synth --out``, the samples handed to the FLAC
 encoder), comes from :func:`to_int16`: one rule, so the same audio gives the same bytes everywhere.
@@ -28,11 +37,15 @@ from typing import Any
 
 import numpy as np
 
+from cosyserve.errors import ClientError
+
 __all__ = [
     "FORMATS",
     "MEDIA_TYPES",
+    "RAW",
     "STREAMABLE",
     "Encoder",
+    "check_rate",
     "encode_all",
     "to_int16",
     "wav_header",
@@ -48,7 +61,8 @@ MEDIA_TYPES = {
     "opus": "audio/ogg",
 }
 FORMATS = tuple(MEDIA_TYPES)
-STREAMABLE = ("wav", "pcm", "opus")
+STREAMABLE = ("wav", "pcm", "opus", "raw")
+RAW = "raw"  # the reference endpoints' int16 PCM: pcm's bytes as application/octet-stream
 _SF = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 _OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
@@ -157,25 +171,48 @@ class _Sink(io.RawIOBase):
         return out
 
 
-class Encoder:
-    """Turns float32 chunks into the bytes of one response in ``fmt``.
+def check_rate(sample_rate: int, out_rate: int | None) -> None:
+    """Refuse audio at ``out_rate`` from a model that speaks at ``sample_rate`` where they differ (no resampling).
 
-    ``header()`` first (for a streamed response), ``encode(chunk)`` per chunk, ``finish()`` last; each returns
-    the bytes to send now (maybe empty).
+    Raises:
+        ClientError: naming ``sample_rate``.
+    """
+    if out_rate is not None and out_rate != sample_rate:
+        raise ClientError(
+            f"sample_rate {out_rate} is not the model's: it speaks at {sample_rate} Hz, and the server does not "
+            "resample (leave sample_rate out, or resample on the client)",
+            param="sample_rate",
+        )
+
+
+class Encoder:
+    """Turns float32 chunks into the bytes of one response in ``fmt`` (see the module docstring).
+
+    ``header()`` first, ``encode(chunk)`` per chunk, ``finish()`` last; each returns the bytes to send now (maybe
+    empty). A format that is not :attr:`streamed` gives all its bytes at ``finish()``.
+
+    Args:
+        fmt: one of :data:`FORMATS`, or :data:`RAW`.
+        sample_rate: the rate of the chunks (the model's).
+        out_rate: the rate the caller asked for (None: ``sample_rate``).
+    Raises:
+        ClientError: ``out_rate`` is not ``sample_rate`` (naming ``sample_rate``; no resampling here).
+        ValueError: an unknown format.
     """
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
-        if fmt not in STREAMABLE:
-            raise ValueError(
-                f"audio format {fmt!r} cannot be streamed; expected one of {', '.join(STREAMABLE)}"
-            )
+    def __init__(self, fmt: str, sample_rate: int, out_rate: int | None = None) -> None:
+        if fmt not in MEDIA_TYPES and fmt != RAW:
+            raise ValueError(f"unknown audio format {fmt!r}; expected one of {', '.join(FORMATS)} or {RAW}")
+        check_rate(sample_rate, out_rate)
         self.fmt = fmt
         self.sample_rate = sample_rate
-        self.media_type = MEDIA_TYPES[fmt]
+        self.media_type = MEDIA_TYPES.get(fmt, "application/octet-stream")
+        self.streamed = fmt in STREAMABLE
+        self._chunks: list[np.ndarray] = []  # a whole format's audio, until finish()
         self._sf: Any = None
         self._sink: _Sink | None = None
         self._out_rate = sample_rate
-        if fmt in _SF:
+        if self.streamed and fmt in _SF:
             import soundfile as sf
 
             self._out_rate = _codec_rate(fmt, sample_rate)
@@ -192,6 +229,9 @@ class Encoder:
         return _resample(chunk, self.sample_rate, self._out_rate)
 
     def encode(self, chunk: np.ndarray) -> bytes:
+        if not self.streamed:
+            self._chunks.append(chunk)
+            return b""
         if self._sf is None:
             return to_int16(chunk)
         assert self._sink is not None
@@ -199,6 +239,10 @@ class Encoder:
         return self._sink.take()
 
     def finish(self) -> bytes:
+        """The last bytes: a codec's tail, or a whole format's file (CPU work: off an event loop)."""
+        if not self.streamed:
+            chunks, self._chunks = self._chunks, []
+            return encode_all(chunks, self.fmt, self.sample_rate)
         if self._sf is None:
             return b""
         assert self._sink is not None
@@ -211,7 +255,7 @@ def encode_all(chunks: list[np.ndarray], fmt: str, sample_rate: int) -> bytes:
     if fmt == "wav":
         pcm = b"".join(to_int16(c) for c in chunks)
         return wav_header(sample_rate, len(pcm)) + pcm
-    if fmt == "pcm":
+    if fmt in ("pcm", RAW):
         return b"".join(to_int16(c) for c in chunks)
     import soundfile as sf
 

@@ -111,14 +111,15 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
     for flag, value in (("--prompt-wav", args.prompt_wav), ("--source-wav", args.source_wav)):
         if value is not None and not Path(value).is_file():
             raise CLIError(f"{flag} {value}: no such file")
-    model = _load(settings)
-    release_gc()
-    from cosyserve.errors import ModeUnavailableError
+    from cosyserve.errors import ClientError, ModeUnavailableError
+    from cosyserve.limits import Limits
 
-    try:
-        chunks = model.synthesize(
-            _stdin_pieces() if args.text == "-" else args.text or "",
-            args.speaker,
+    limits = Limits.from_settings(settings)
+    try:  # within the limits every request is (the one constructor), before the model loads
+        request = limits.request(
+            names=_SYNTH_FIELDS | {"speed": "--speed"},
+            text=_stdin_pieces(limits.text_chars) if args.text == "-" else args.text or "",
+            speaker=args.speaker,
             stream=args.stream,
             speed=args.speed,
             seed=args.seed,
@@ -129,19 +130,27 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
             instruct_text=args.instruct_text or "",
             tenant=args.tenant,
         )
+    except ClientError as e:
+        raise CLIError(str(e)) from e  # naming the flag (names=_SYNTH_FIELDS)
+    model = _load(settings)
+    release_gc()
+    try:
+        chunks = model.synthesize_request(request)
     except ModeUnavailableError as e:  # the model cannot run the mode the flag asks for
         raise CLIError(f"--mode {args.mode}: {e}") from e
     seconds = write_audio_atomic(out, chunks, model.sample_rate, fmt)
     print(f"wrote {out} ({seconds:.2f} s of audio at {model.sample_rate} Hz)")
 
 
-def _stdin_pieces() -> Any:
-    # `--text -`: standard input as it arrives (an LLM's output piped in), synthesized while it is still written
+def _stdin_pieces(most: int) -> Any:
+    # `--text -`: standard input as it arrives (an LLM's output piped in), synthesized while it is still written,
+    # in pieces within `most` characters, the limit of a streamed piece (a read's characters are at most its bytes
+    # and the 3 a cut character may have left undecoded)
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     fd = sys.stdin.fileno()
-    while data := os.read(fd, 4096):
+    while data := os.read(fd, max(1, min(4096, most - 3))):
         if text := decoder.decode(data):
             yield text
     if tail := decoder.decode(b"", final=True):
@@ -506,7 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
         "api_keys_file",
         "cors_origins",
         "max_text_chars",
+        "max_buffered_text_chars",
+        "max_prompt_text_chars",
+        "max_instructions_chars",
+        "max_voice_name_chars",
         "max_upload_bytes",
+        "max_prompt_seconds",
         "request_timeout_s",
         "drain_delay_s",
         "shutdown_grace_s",

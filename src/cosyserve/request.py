@@ -22,6 +22,11 @@ runtime, which knows the voices). ``instruct`` is CosyVoice-300M-Instruct's (a s
 such as a :class:`cosyserve.textfeed.TextFeed`): the runtime iterates it in its worker thread and speaks the text as
 it arrives. An iterable cannot be checked for emptiness up front: the runtime refuses an utterance that ended with
 nothing to speak.
+
+Every entry point builds its requests with :meth:`cosyserve.limits.Limits.request`, which applies the server's
+limits before it builds one. A request is resolved once, by the model that serves it (``Runtime.resolve``: its
+mode decided, its voice found for its tenant): the result is a :class:`ResolvedRequest`, which the engine and the
+runtime take as it is.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +44,7 @@ __all__ = [
     "MODES",
     "PROMPT_MODES",
     "VOICE_MODES",
+    "ResolvedRequest",
     "SPEED_MAX",
     "SPEED_MIN",
     "AudioSource",
@@ -164,11 +170,31 @@ class SynthesisRequest:
         if not isinstance(self.stream, bool):
             raise ClientError("stream must be true or false", param="stream")
         if self.stream and self.speed != 1.0:
-            raise ClientError("speed other than 1.0 needs stream=false (as in the reference)", param="speed")
+            raise ClientError(
+                f"speed {self.speed:g} needs the whole audio of a sentence at once (as in the reference): a streamed "
+                "request (stream: true, stream_format: sse, the WebSocket, --stream) keeps speed 1.0",
+                param="speed",
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ClientError(f"seed must be an integer, got {self.seed!r}", param="seed")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ClientError(f"seed must be an integer in [0, 2**63), got {self.seed}", param="seed")
+
+    def resolved_as(self, mode: Mode, speaker: str | None, instruct_text: str) -> ResolvedRequest:
+        """This request as a model resolved it (``Runtime.resolve``): the mode it runs in, its speaker and its
+        instruction as that model takes them."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ResolvedRequest(
+            **(values | {"mode": mode, "speaker": speaker, "instruct_text": instruct_text})
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedRequest(SynthesisRequest):
+    """A request its model resolved (:meth:`SynthesisRequest.resolved_as`): its ``mode`` decided and its
+    ``speaker`` found for its tenant, so the engine and the runtime take it as it is (they resolve only what is not
+    one). Derive variants with :func:`dataclasses.replace` only in fields the resolution does not decide (text,
+    request id, deadline, seed): a WebSocket session resolves its voice once and speaks each utterance with it."""
 
 
 def speed_error(speed: object) -> str | None:

@@ -442,20 +442,60 @@ class Settings:
         doc="comma-separated origins allowed by CORS (`*` for any)",
         shown="CORS off",
     )
+    # -- the limits of a request (cosyserve.limits applies them all, on every route, the Python API and the CLI) --
     max_text_chars: int = _serve(
         4096,
         env="COSYSERVE_MAX_TEXT_CHARS",
         flag="--max-text-chars",
         cast=Int(1, 1_000_000),
-        doc="longest `input` / `tts_text` accepted",
+        doc="longest text to speak (`input`, `tts_text`, `--text`), and longest piece of streamed text "
+        "(a WebSocket `input.text`)",
+    )
+    max_buffered_text_chars: int = _serve(
+        4096,
+        env="COSYSERVE_MAX_BUFFERED_TEXT_CHARS",
+        flag="--max-buffered-text-chars",
+        cast=Int(1, 1_000_000),
+        doc="streamed text an utterance holds received and not yet read by the model: past it the server reads "
+        "no more from the client (TCP holds it back) until the model catches up",
+    )
+    max_prompt_text_chars: int = _serve(
+        1024,
+        env="COSYSERVE_MAX_PROMPT_TEXT_CHARS",
+        flag="--max-prompt-text-chars",
+        cast=Int(1, 1_000_000),
+        doc="longest transcript of a voice sample (`ref_text`, `prompt_text`)",
+    )
+    max_instructions_chars: int = _serve(
+        1024,
+        env="COSYSERVE_MAX_INSTRUCTIONS_CHARS",
+        flag="--max-instructions-chars",
+        cast=Int(1, 1_000_000),
+        doc="longest style instruction (`instructions`, `instruct_text`)",
+    )
+    max_voice_name_chars: int = _serve(
+        256,
+        env="COSYSERVE_MAX_VOICE_NAME_CHARS",
+        flag="--max-voice-name-chars",
+        cast=Int(1, 4096),
+        doc="longest voice name a request gives (`voice`, `spk_id`, `--speaker`)",
     )
     max_upload_bytes: int = _serve(
         16 << 20,
         env="COSYSERVE_MAX_UPLOAD_BYTES",
         flag="--max-upload-bytes",
         cast=Int(1024, 1 << 30),
-        doc="largest uploaded prompt/source audio",
+        doc="largest voice sample or recording to convert (`ref_audio`, `prompt_wav`, `audio_sample`, "
+        "`source_wav`)",
         shown="16777216 (16 MiB)",
+    )
+    max_prompt_seconds: float = _serve(
+        30.0,
+        env="COSYSERVE_MAX_PROMPT_SECONDS",
+        flag="--max-prompt-seconds",
+        cast=Float(0.5, 30),
+        doc="longest voice sample or recording to convert, in seconds (the reference's speech tokenizer takes "
+        "at most 30)",
     )
     max_body_bytes: int = _internal(
         1 << 20,

@@ -10,6 +10,11 @@ starts, one way or the other; it cancels a request before it aborts its feed, so
 finds ``should_stop()`` true and does not take the cut text for a finished utterance. Pure Python (no numpy, no
 torch): runtimes import it too.
 
+A feed built by :meth:`cosyserve.limits.Limits.feed` holds the limits of streamed text: a piece longer than
+``max_piece_chars`` is refused as it is put (a :class:`~cosyserve.errors.ClientError` naming ``text``), and a
+producer asks :meth:`TextFeed.has_room` before it puts more, so that the text put and not yet taken stays within
+``max_pending_chars`` (a producer that waits is woken by ``on_take``).
+
 Example::
 
     feed = TextFeed()
@@ -27,6 +32,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from cosyserve.errors import ClientError
+
 __all__ = ["TextFeed"]
 
 
@@ -39,6 +46,8 @@ class TextFeed:
         on_take: called in the reading thread after each piece it takes (a producer that waits for room, see
             :attr:`pending_chars`, is woken by it); it must not block.
         clock: monotonic seconds, the clock of ``deadline``.
+        max_piece_chars: the longest piece :meth:`put` takes (None: any).
+        max_pending_chars: what :meth:`has_room` keeps the text put and not yet taken within (None: no bound).
     """
 
     def __init__(
@@ -47,7 +56,11 @@ class TextFeed:
         deadline: float | None = None,
         on_take: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_piece_chars: int | None = None,
+        max_pending_chars: int | None = None,
     ) -> None:
+        self.max_piece_chars = max_piece_chars
+        self.max_pending_chars = max_pending_chars
         self._cond = threading.Condition()
         self._pieces: deque[str] = deque()
         self._finished = False
@@ -63,10 +76,16 @@ class TextFeed:
 
         Raises:
             TypeError: ``text`` is not a str.
+            ClientError: ``text`` is longer than ``max_piece_chars`` (nothing is added).
             RuntimeError: the feed was finished or aborted.
         """
         if not isinstance(text, str):
             raise TypeError(f"a text piece must be a str, got {type(text).__name__}")
+        most = self.max_piece_chars
+        if most is not None and len(text) > most:
+            raise ClientError(
+                f"a piece of text is {len(text)} characters; the limit is {most} a piece", param="text"
+            )
         with self._cond:
             if self._finished or self._aborted:
                 raise RuntimeError("the text feed is closed: no piece can be added after finish() or abort()")
@@ -90,6 +109,12 @@ class TextFeed:
             self._pieces.clear()
             self.pending_chars = 0
             self._cond.notify_all()
+
+    def has_room(self, chars: int) -> bool:
+        """Whether a piece of ``chars`` characters may be put now within ``max_pending_chars``: always when
+        nothing is pending (a piece longer than the bound goes alone)."""
+        most = self.max_pending_chars
+        return most is None or self.pending_chars == 0 or self.pending_chars + chars <= most
 
     @property
     def closed(self) -> bool:

@@ -44,7 +44,7 @@ from cosyserve.errors import (
     RequestCancelledError,
 )
 from cosyserve.gchold import collect_frozen
-from cosyserve.request import SynthesisRequest
+from cosyserve.request import ResolvedRequest, SynthesisRequest
 
 logger = logging.getLogger(__name__)
 
@@ -381,18 +381,14 @@ class Engine:
         :meth:`synthesize_sync`, which build the sink. ``on_done`` runs once when the request ends. ``bounded``:
         the consumer reports each chunk it takes (:meth:`Job.taken`) and the worker waits while it is more than
         :data:`BUFFER_SECONDS` of audio ahead.
-        The runtime resolves the request first (its mode and speaker; an unknown voice or a mode the model cannot
-        run is refused here, before it takes a place in the queue).
+        A request not yet resolved is resolved here (:meth:`resolve`: an unknown voice or a mode the model cannot
+        run is refused before it takes a place in the queue); a :class:`~cosyserve.request.ResolvedRequest` is
+        taken as it is, by the engine and by the runtime.
         Raises:
             ClientError, NotReadyError, EngineDeadError, OverloadedError: at once, nothing was queued.
         """
-        runtime = self.runtime
-        if runtime is not None:
-            try:
-                request = runtime.resolve(request)
-            except ClientError:
-                self.stats.record_reject("client_error")
-                raise
+        if not isinstance(request, ResolvedRequest):
+            request = self.resolve(request)
         job = Job(request, sink, self.clock)
         if bounded:  # the consumer reports what it takes (Job.taken): at most BUFFER_SECONDS of audio ahead
             job.buffer_limit = int(BUFFER_SECONDS * (self.sample_rate or 48000))
@@ -416,6 +412,24 @@ class Engine:
             job.future = self._executor.submit(self._run, job)
         self.stats.record_admit()
         return job
+
+    def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
+        """``request`` as the model runs it (``Runtime.resolve``: its mode decided, its voice found for its tenant),
+        once: the result is taken as it is by :meth:`submit` and the runtime. A request is returned as it is while
+        the engine has no runtime (not loaded).
+
+        Raises:
+            ClientError: what the model cannot serve (UnknownVoiceError, ModeUnavailableError), counted as a
+                client error.
+        """
+        runtime = self.runtime
+        if runtime is None:
+            return request
+        try:
+            return runtime.resolve(request)  # type: ignore[no-any-return]
+        except ClientError:
+            self.stats.record_reject("client_error")
+            raise
 
     def cancel(self, job: Job, reason: BaseException | None = None) -> None:
         """Stop ``job``: a queued one ends now, a running one at its next token or chunk."""

@@ -84,7 +84,7 @@ class LitePipeline(ModelModes):
     ) -> tuple[SynthesisRequest, list[dict[str, Any]] | Iterator[dict[str, Any]]]:
         """The request as this model runs it and one reference model-input dict per text piece (vc: one); for text
         given as pieces, an iterator that builds each dict as its sentence arrives."""
-        r = self.resolve(request)
+        r = self.resolved(request)
         mode = r.mode
         if mode == "vc":
             return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]

@@ -9,7 +9,6 @@ lite runtime build on it.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
-from cosyserve.request import MODES, PROMPT_MODES, Mode, SynthesisRequest, is_text_iterable
+from cosyserve.request import MODES, PROMPT_MODES, Mode, ResolvedRequest, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Voice
 
 __all__ = ["ModelModes", "RuntimeVoices"]
@@ -262,9 +261,10 @@ class ModelModes:
         return entry
 
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` as this model runs it: its mode decided (None: zero_shot for a registered zero-shot voice,
-        else sft) and its speaker (None in sft/instruct: the default voice); what the model cannot serve raises.
-        Reads no audio: cheap enough to run when a request is admitted.
+        """``request`` as this model runs it, a :class:`~cosyserve.request.ResolvedRequest`: its mode decided (None:
+        zero_shot for a registered zero-shot voice, else sft) and its speaker (None in sft/instruct: the default
+        voice); what the model cannot serve raises. Reads no audio: cheap enough to run when a request is
+        admitted.
 
         Raises:
             UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
@@ -301,9 +301,12 @@ class ModelModes:
             or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
         ):
             self.require(mode)  # before any audio is read: a missing model is the clearer error
-        if mode == r.mode and speaker == r.speaker:
-            return r
-        return dataclasses.replace(r, mode=mode, speaker=speaker, instruct_text=instruct_text)
+        return r.resolved_as(mode, speaker, instruct_text)
+
+    def resolved(self, request: SynthesisRequest) -> SynthesisRequest:
+        """``request`` resolved: a :class:`~cosyserve.request.ResolvedRequest` as it is (the engine, or a WebSocket
+        session for all its utterances, resolved it once), any other by :meth:`resolve` now."""
+        return request if isinstance(request, ResolvedRequest) else self.resolve(request)
 
     def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
         """The zero-shot prompt features of a recording and its transcript (each runtime's own frontend)."""

@@ -201,7 +201,7 @@ class Pipeline(ModelModes):
         return prepared
 
     def _prepare(self, request: SynthesisRequest) -> PreparedRequest:
-        r = self.resolve(request)
+        r = self.resolved(request)
         mode = r.mode
         assert mode is not None
         prepared = PreparedRequest(r, mode)

@@ -31,7 +31,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
@@ -57,14 +57,17 @@ _STATIC = os.path.join(os.path.dirname(__file__), "static")
 
 
 class ServerState:
-    """What the routes share: the settings (``config``), pool, API keys, metrics and the start-up/drain flags."""
+    """What the routes share: the settings (``config``) and the limits of a request (``limits``), pool, API keys,
+    metrics and the start-up/drain flags."""
 
     def __init__(self, config: Settings, pool: Any = None, worker: Any = None) -> None:
         from cosyserve.engine.poolfile import build_pool, load_pool_config
+        from cosyserve.limits import Limits
         from cosyserve.runtime import RuntimeOptions
         from cosyserve.server.metrics import Metrics
 
         self.config = config
+        self.limits = Limits.from_settings(config)
         self.clock = PhaseClock()
         self.started_wall = time.time()
         self.draining = False
@@ -108,8 +111,9 @@ class ServerState:
         names = self.model_names
         return self.preload[0] if self.preload else names[0]
 
-    def tenant_of(self, request: Request) -> str | None:
-        return getattr(request.state, "tenant", None)
+    def tenant_of(self, conn: HTTPConnection) -> str | None:
+        """The tenant of the caller's API key (None: the server has no keys); a WebSocket's too."""
+        return getattr(conn.state, "tenant", None)
 
     def shown_models(self, request: Request) -> set[str] | None:
         """The models an open route may name to this caller; None: every model (the server has no API keys).
@@ -428,7 +432,7 @@ def create_app(
     async def openapi(request: Request) -> Response:
         from cosyserve.server.schemas import openapi_document
 
-        return JSONResponse(openapi_document(config.max_text_chars, config.max_upload_bytes))
+        return JSONResponse(openapi_document(state.limits))
 
     openai_routes, reference_routes = openai_api.routes(state), reference_api.routes(state)
     voice_routes = voices.routes(state)

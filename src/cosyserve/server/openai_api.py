@@ -21,9 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.audiofile import FORMATS
 from cosyserve.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
+from cosyserve.server.responses import synthesize_response
 from cosyserve.server.schemas import OPENAI_VOICES, parse_speech_request, speech_body_limit
-from cosyserve.server.synth import synthesis_request, synthesize_response
+from cosyserve.server.synth import caller, order
 
 __all__ = ["OPENAI_VOICES", "PARAMS", "read_body", "routes", "voice_fields"]
 
@@ -107,18 +109,14 @@ def routes(state: Any) -> list[Route]:
             )
         cfg = state.config
         sr = parse_speech_request(await read_body(request, speech_body_limit(cfg)), cfg.max_upload_bytes)
-        tenant = state.tenant_of(request)
-        model = state.resolve_model(sr.model, tenant)
         sse = sr.stream_format == "sse"
-        if sse and sr.speed != 1.0:
-            raise ClientError(
-                f"speed {sr.speed:g} needs the whole audio of a sentence at once: use stream_format 'audio' (without "
-                "stream), or speed 1.0",
-                param="speed",
-            )
-        req = synthesis_request(
+        asked = order(
             state,
-            request,
+            **caller(state, request),
+            params=PARAMS,
+            model=sr.model,
+            fmt=sr.response_format,
+            formats=FORMATS,
             text=sr.input,
             stream=sr.stream or sse,  # an event stream is streamed
             speed=sr.speed,
@@ -126,14 +124,7 @@ def routes(state: Any) -> list[Route]:
             **voice_fields(state, sr.voice, sr.instructions, sr.ref_audio, sr.ref_text),
         )
         return await synthesize_response(
-            state,
-            request,
-            route="/v1/audio/speech",
-            model=model,
-            req=req,
-            fmt=sr.response_format,
-            sse=sse,
-            params=PARAMS,
+            state, request, route="/v1/audio/speech", order=asked, sse=sse, params=PARAMS
         )
 
     async def models(request: Request) -> Response:

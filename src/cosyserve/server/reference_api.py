@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from cosyserve.audiofile import RAW
 from cosyserve.errors import (
     ClientError,
     CosyserveError,
@@ -27,7 +28,8 @@ from cosyserve.errors import (
     shown,
 )
 from cosyserve.server.openai_api import read_body
-from cosyserve.server.synth import synthesis_request, synthesize_response
+from cosyserve.server.responses import synthesize_response
+from cosyserve.server.synth import caller, order
 
 __all__ = ["PARAMS", "form_file", "form_text", "read_form", "routes"]
 
@@ -156,21 +158,22 @@ def routes(state: Any) -> list[Route]:
                     values[name] = await form_file(form, name, cfg.max_upload_bytes)
             finally:
                 await form.close()
-            tenant = state.tenant_of(request)
-            model = state.resolve_model(request.headers.get("x-model"), tenant, param="X-Model")
             fields = {f: values[f] for f in ("prompt_text", "prompt_wav", "instruct_text") if f in values}
-            req = synthesis_request(
+            asked = order(
                 state,
-                request,
+                **caller(state, request),
+                params=PARAMS,
+                model=request.headers.get("x-model"),
+                model_param="X-Model",
+                fmt=RAW,
+                formats=(RAW,),
                 mode=mode,
                 text=values["tts_text"],
                 speaker=values.get("spk_id"),
                 stream=False,
                 **fields,
             )
-            return await synthesize_response(
-                state, request, route=f"/inference_{endpoint}", model=model, req=req, fmt="raw"
-            )
+            return await synthesize_response(state, request, route=f"/inference_{endpoint}", order=asked)
 
         return handler
 

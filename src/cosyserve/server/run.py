@@ -41,14 +41,14 @@ _BACKSTOP_S = 5
 
 
 class _QuietStreamCuts(logging.Filter):
-    """Drops uvicorn's "Exception in ASGI application" traceback for a :class:`~cosyserve.server.synth.StreamCut`.
+    """Drops uvicorn's "Exception in ASGI application" traceback for a :class:`~cosyserve.server.responses.StreamCut`.
 
     A stream that ends short raises it on purpose, so that uvicorn closes the connection without the final chunk;
     the request has already logged one WARNING saying why. Any other exception keeps its traceback.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from cosyserve.server.synth import StreamCut
+        from cosyserve.server.responses import StreamCut
 
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, BaseExceptionGroup):  # through a task group that did not collapse it
@@ -64,12 +64,18 @@ def setup_logging(settings: Settings) -> None:
         uv.addFilter(_QuietStreamCuts())
 
 
+# frames a WebSocket connection holds that its session has not read yet
+WS_MAX_QUEUE = 4
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn ``Config`` arguments of a worker (the server's own logging, no access log).
 
     A WebSocket frame may be as large as the largest speech request (a ``session.config`` carries ``ref_audio`` as
     that body does); a larger one closes the connection (1009). Frames are not compressed: PCM hardly compresses,
-    and deflate would take a core's time per stream.
+    and deflate would take a core's time per stream. The protocol holds at most :data:`WS_MAX_QUEUE` frames the
+    session has not read (the websockets library's default, 32, is 32 frames of the largest size per connection):
+    a session that stops reading its client's text while the model catches up keeps the rest in TCP's buffers.
     """
     from cosyserve.server.schemas import speech_body_limit
 
@@ -81,6 +87,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
         log_config=None,
         ws_max_size=speech_body_limit(settings),
+        ws_max_queue=WS_MAX_QUEUE,
         ws_per_message_deflate=False,
     )
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from cosyserve.audiofile import FORMATS, MEDIA_TYPES
 from cosyserve.errors import ClientError, PayloadTooLargeError, cut, shown
+from cosyserve.limits import Limits
 from cosyserve.request import SPEED_MAX, SPEED_MIN
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "speech_body_limit",
 ]
 
-# the longest voice name (``voice``, ``spk_id``) a request may give: a speaker of a model or a registered voice
+# the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.limits)
 MAX_NAME_CHARS = 256
 # OpenAI's voice names: each means the server's default voice
 OPENAI_VOICES = (
@@ -239,9 +240,9 @@ class _Fields:
 
 
 def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> SpeechRequest:
-    """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the server's own
-    choices (format) only; the values are checked with every other request's, by
-    :meth:`cosyserve.request.SynthesisRequest.verify`. ``ref_audio`` is decoded here (at most
+    """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the protocol's own
+    choice (``stream_format``) only; the values are checked with every other request's, by the one constructor
+    (:meth:`cosyserve.limits.Limits.request`). ``ref_audio`` is decoded here (its base64 at most that of
     ``max_upload_bytes``).
 
     Raises:
@@ -253,7 +254,8 @@ def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> Speec
     voice = f.voice()
     if voice is None and "ref_audio" not in f.data:
         raise _bad("voice is required (or ref_audio, a voice to clone)", "voice")
-    fmt = f.choice("response_format", "mp3", FORMATS)
+    fmt = f.string("response_format", "mp3")
+    assert fmt is not None
     sf = f.choice("stream_format", "audio", ("audio", "sse"))
     return SpeechRequest(
         model=f.string("model"),
@@ -271,23 +273,20 @@ def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> Speec
 
 
 def parse_session_config(data: dict[str, Any], max_upload_bytes: int) -> SessionConfig:
-    """A WebSocket ``session.config`` message (its ``type`` removed) -> :class:`SessionConfig`, checked as
-    :func:`parse_speech_request` checks its fields.
+    """A WebSocket ``session.config`` message (its ``type`` removed) -> :class:`SessionConfig`: JSON types only,
+    as :func:`parse_speech_request`; the values are checked by the one constructor.
 
     Raises:
         ClientError: an unknown field, or a field of the wrong type or value (``param`` names it).
     """
     f = _Fields(data, _SESSION_FIELDS)
-    rate = f.integer("sample_rate")
-    if rate is not None and rate <= 0:
-        raise _bad(f"sample_rate must be a positive integer, got {rate}", "sample_rate")
     if not f.boolean("stream_audio", True):
         raise _bad("stream_audio must be true: audio is always sent as it is made", "stream_audio")
     return SessionConfig(
         model=f.string("model"),
         voice=f.voice(),
-        response_format=f.choice("response_format", "pcm", SESSION_FORMATS),
-        sample_rate=rate,
+        response_format=f.string("response_format", "pcm") or "pcm",
+        sample_rate=f.integer("sample_rate"),
         speed=f.speed(),
         seed=f.integer("seed"),
         instructions=f.string("instructions", "") or "",
@@ -343,7 +342,7 @@ def _health_schema() -> dict[str, Any]:
     }
 
 
-def _websocket_doc(max_text_chars: int) -> dict[str, Any]:
+def _websocket_doc(limits: Limits) -> dict[str, Any]:
     # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.ws has the whole protocol)
     def event(kind: str, **props: Any) -> dict[str, Any]:
         return {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}, **props}}
@@ -353,22 +352,26 @@ def _websocket_doc(max_text_chars: int) -> dict[str, Any]:
             "description": "text in as it is written, audio out as it is spoken (vLLM-Omni's protocol): JSON text "
             "frames in; JSON events and binary frames of 16-bit little-endian mono PCM out. API keys as on every "
             "route: 'Authorization: Bearer KEY', or from a browser the subprotocol 'bearer.<the key in "
-            "base64url>' beside 'cosyserve'.",
+            "base64url>' beside 'cosyserve'. The limits are the HTTP routes': an input.text piece of at most "
+            f"{limits.text_chars} characters; ref_audio of at most {limits.upload_bytes} bytes and "
+            f"{limits.prompt_seconds:g} s. Text an utterance holds received and not yet read by the model stays "
+            f"within {limits.buffered_text_chars} characters (or one piece): past it the server reads no more "
+            "frames until the model catches up (TCP holds the client back).",
             "client": [
                 event(
                     "session.config",
                     model={"type": "string"},
-                    voice={"type": "string"},
+                    voice={"type": "string", "maxLength": limits.voice_chars},
                     ref_audio={"type": "string"},
-                    ref_text={"type": "string", "maxLength": max_text_chars},
-                    instructions={"type": "string", "maxLength": max_text_chars},
+                    ref_text={"type": "string", "maxLength": limits.prompt_text_chars},
+                    instructions={"type": "string", "maxLength": limits.instructions_chars},
                     response_format={"enum": list(SESSION_FORMATS)},
                     sample_rate={"type": "integer"},
                     seed={"type": "integer"},
                     speed={"const": 1.0},
                     stream_audio={"const": True},
                 ),
-                event("input.text", text={"type": "string"}),
+                event("input.text", text={"type": "string", "maxLength": limits.text_chars}),
                 event("input.done"),
                 event("session.close"),
             ],
@@ -397,15 +400,17 @@ def _websocket_doc(max_text_chars: int) -> dict[str, Any]:
     }
 
 
-def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 20) -> dict[str, Any]:
+def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     """OpenAPI 3.1 description of the API (used by clients and by the schema fuzz test).
 
-    ``max_text_chars`` and ``max_upload_bytes`` are the server's limits, so the document promises exactly what the
-    server accepts. Which voices exist is known only at run time (speakers of the model, voices registered per API
-    key): a well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid
+    ``limits`` are the server's (default: the settings' defaults), so the document promises exactly what the
+    server accepts; a voice sample's length in seconds is said in words (a schema cannot). Which voices exist is
+    known only at run time (speakers of the model, voices registered per API key): a well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid
     voice; whether uploaded bytes are audio cannot be said in a schema either. The WebSocket route, which
     OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.ws`).
     """
+    limits = limits if limits is not None else Limits()
+    max_upload_bytes = limits.upload_bytes
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     binary = {"type": "string", "format": "binary"}
     audio = {t: {"schema": binary} for t in dict.fromkeys(MEDIA_TYPES.values())}
@@ -418,19 +423,19 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
 
     # a non-blank string, as the server checks it (blank text or names are refused with a 400)
     # something to speak: a letter or a digit (Python's [^\W_] is \p{L} and \p{N}, what the server requires)
-    text = {"type": "string", "minLength": 1, "maxLength": max_text_chars, "pattern": r"[^\W_]"}
-    name = {
-        "type": "string",
-        "minLength": 1,
-        "maxLength": min(MAX_NAME_CHARS, max_text_chars),
-        "pattern": r"\S",
-    }
+    speakable = {"type": "string", "minLength": 1, "pattern": r"[^\W_]"}
+    text = {**speakable, "maxLength": limits.text_chars}
+    prompt_text = {**speakable, "maxLength": limits.prompt_text_chars}
+    instruct_text = {**speakable, "maxLength": limits.instructions_chars}
+    name = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS, "pattern": r"\S"}
+    voice = {**name, "maxLength": limits.voice_chars}  # a speaker or registered voice a request names
 
-    # a voice name the registry takes: no path separator, no control character, no blank at either end
+    # a voice name the registry takes (cosyserve.registry: at most 64 characters) and a request may give: no path
+    # separator, no control character, no blank at either end
     voice_name = {
         "type": "string",
         "minLength": 1,
-        "maxLength": 64,
+        "maxLength": min(64, limits.voice_chars),
         "pattern": r"^[^\s/\\\x00-\x1f\x7f-\x9f](?:[^/\\\x00-\x1f\x7f-\x9f]*[^\s/\\\x00-\x1f\x7f-\x9f])?$",
     }
 
@@ -444,13 +449,14 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
         "minLength": 4,
         "maxLength": base64_size(max_upload_bytes),
         "pattern": r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$",
-        "description": "an audio file in base64 (or a data: URL with base64 data); never a URL to fetch",
+        "description": "an audio file in base64 (or a data: URL with base64 data), at most "
+        f"{limits.prompt_seconds:g} s long; never a URL to fetch",
     }
     voice_ref = {  # OpenAI's custom voice reference
         "type": "object",
         "required": ["id"],
         "additionalProperties": False,
-        "properties": {"id": name},
+        "properties": {"id": voice},
     }
     voice_object = {
         "type": "object",
@@ -493,7 +499,13 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
     }
 
     def reference(op_id: str, fields: dict[str, Any], files: tuple[str, ...] = ()) -> dict[str, Any]:
-        props = {**fields, **{f: {**binary, "minLength": 1} for f in files}}
+        sample = {
+            **binary,
+            "minLength": 1,
+            "maxLength": max_upload_bytes,
+            "description": f"at most {limits.prompt_seconds:g} s long",
+        }
+        props = {**fields, **dict.fromkeys(files, sample)}
         schema = {"type": "object", "required": list(props), "properties": props}
         content: dict[str, Any] = {"multipart/form-data": {"schema": schema}}
         if not files:
@@ -574,10 +586,11 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
                                             **binary,
                                             "minLength": 1,
                                             "maxLength": max_upload_bytes,
+                                            "description": f"at most {limits.prompt_seconds:g} s long",
                                         },
                                         "name": voice_name,
                                         "consent": name,
-                                        "ref_text": {**name, "maxLength": max_text_chars},
+                                        "ref_text": {**name, "maxLength": limits.prompt_text_chars},
                                         "model": name,
                                         "type": {"const": "audio_sample"},
                                     },
@@ -615,18 +628,18 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
                     },
                 }
             },
-            "/inference_sft": reference("inferenceSft", {"tts_text": text, "spk_id": name}),
+            "/inference_sft": reference("inferenceSft", {"tts_text": text, "spk_id": voice}),
             "/inference_zero_shot": reference(
-                "inferenceZeroShot", {"tts_text": text, "prompt_text": text}, ("prompt_wav",)
+                "inferenceZeroShot", {"tts_text": text, "prompt_text": prompt_text}, ("prompt_wav",)
             ),
             "/inference_cross_lingual": reference(
                 "inferenceCrossLingual", {"tts_text": text}, ("prompt_wav",)
             ),
             "/inference_instruct": reference(
-                "inferenceInstruct", {"tts_text": text, "spk_id": name, "instruct_text": text}
+                "inferenceInstruct", {"tts_text": text, "spk_id": voice, "instruct_text": instruct_text}
             ),
             "/inference_instruct2": reference(
-                "inferenceInstruct2", {"tts_text": text, "instruct_text": text}, ("prompt_wav",)
+                "inferenceInstruct2", {"tts_text": text, "instruct_text": instruct_text}, ("prompt_wav",)
             ),
             "/health/live": {
                 "get": {
@@ -663,7 +676,7 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
                 }
             },
         },
-        "x-websocket": _websocket_doc(max_text_chars),
+        "x-websocket": _websocket_doc(limits),
         "components": {
             "schemas": {
                 "Error": _error_schema(),
@@ -675,11 +688,11 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
                     "properties": {
                         "model": {"type": ["string", "null"]},
                         "input": text,
-                        "voice": {"anyOf": [name, voice_ref]},
+                        "voice": {"anyOf": [voice, voice_ref]},
                         "ref_audio": {"anyOf": [base64_audio, {"type": "null"}]},
                         "ref_text": {
                             "type": ["string", "null"],
-                            "maxLength": max_text_chars,
+                            "maxLength": limits.prompt_text_chars,
                             "pattern": r"\S",
                         },
                         "response_format": {"enum": [*FORMATS, None], "default": "mp3"},
@@ -691,7 +704,7 @@ def openapi_document(max_text_chars: int = 4096, max_upload_bytes: int = 16 << 2
                         },
                         "stream": {"type": ["boolean", "null"], "default": False},
                         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-                        "instructions": {"type": ["string", "null"], "maxLength": max_text_chars},
+                        "instructions": {"type": ["string", "null"], "maxLength": limits.instructions_chars},
                         "stream_format": {"enum": ["audio", "sse", None]},
                     },
                     # a voice to speak with, or one to clone

@@ -1,32 +1,34 @@
-"""One synthesis request from HTTP to audio bytes, shared by the OpenAI and the reference routes.
+"""One synthesis through the server, whatever its transport: the request built by the one constructor, run through
+the pool, recorded, its audio encoded by the one encoder.
 
-The response starts only once the first audio chunk exists (or the request failed): a request that cannot be
-served gets a proper JSON error with its status code instead of a 200 with a truncated body. After that,
-chunks are encoded and sent as they come. A client that disconnects cancels the generation in the engine:
-before the response starts (a non-streamed request, or a streamed one waiting for its first chunk) through a
-watch on the connection's ``http.disconnect``, after it through starlette cancelling the streaming task; the
-engine stream's ``aclose`` stops the model at its next token. A started stream that ends short (deadline,
-engine error, model released at shutdown) raises :class:`StreamCut`: the connection closes without the final
-chunk, so the client sees a truncated body instead of audio that merely looks complete.
+Every transport (the HTTP routes in :mod:`cosyserve.server.responses`, the WebSocket in
+:mod:`cosyserve.server.ws`) does the same three things here and keeps only its protocol:
+
+1. :func:`order`: what the caller asked for, through :meth:`cosyserve.limits.Limits.request` (every limit, the
+   caller's tenant from its API key and its ``X-Request-Id``: :func:`caller`, the server's deadline), the model it
+   names (visible to its tenant) and the format and rate of its audio (:meth:`cosyserve.limits.Limits.output`).
+2. :class:`Synthesis`: the request admitted through the pool (the tenant's quota, the model's load, the engine's
+   queue), its first audio awaited, then its audio as encoded bytes (:class:`cosyserve.audiofile.Encoder`), and
+   one :class:`Record` of it (the access log line, the metrics), whatever ends it: done, refused, cut short
+   (deadline, engine error, model released at shutdown), or the client gone.
+3. The transport frames the bytes (a body, SSE deltas, WebSocket frames) and says how it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import HTTPConnection
 
-from cosyserve.audiofile import MEDIA_TYPES, STREAMABLE, Encoder, encode_all, to_int16
+from cosyserve.audiofile import Encoder, encode_all
 from cosyserve.errors import (
-    ClientError,
     CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
@@ -34,70 +36,83 @@ from cosyserve.errors import (
     RequestCancelledError,
     cut,
 )
+from cosyserve.limits import Output
 from cosyserve.request import SynthesisRequest
-from cosyserve.server.errors import error_object, status_of
-from cosyserve.server.schemas import MAX_NAME_CHARS
+from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
 
-__all__ = [
-    "Record",
-    "StreamCut",
-    "new_request_id",
-    "submit",
-    "synthesis_request",
-    "synthesize_response",
-    "usage",
-]
+__all__ = ["Order", "Record", "Synthesis", "caller", "new_request_id", "order", "text_chars", "usage"]
 
 
-class StreamCut(BaseException):
-    """A started response that must end without its terminating chunk, so the client sees it was cut.
-
-    A BaseException, as :class:`asyncio.CancelledError` is: no ``except Exception`` on the way out (starlette's
-    error middleware, an app's catch-all 500 handler) may turn it into an error response or log it again; it
-    reaches uvicorn, which closes the connection (:mod:`cosyserve.server.run` keeps uvicorn from logging it as
-    a crash: the request's own WARNING line already said why).
-    """
-
-
-def _cut_outcome(e: CosyserveError) -> str:
-    """The access log's and the metrics' outcome of a stream that ended short (the engine's outcome names)."""
-    if isinstance(e, DeadlineExceededError):
-        return "deadline"
-    if isinstance(e, EngineDeadError):
-        return "released"  # the model was released while serving: shutdown grace over, or the pool let it go
-    if isinstance(e, RequestCancelledError):
-        return "cancelled"
-    return "error"
-
-
-_T = TypeVar("_T")
-
-# an event stream must reach the client as it is written: no proxy buffering, no cache
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _sse(event: dict[str, Any]) -> bytes:
-    """One Server-Sent Event: its ``type`` as the event name, the object as JSON data."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
-
-
-def _sse_delta(data: bytes, fmt: str) -> bytes:
-    return _sse(
-        {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii"), "format": fmt}
-    )
-
-
-def new_request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
+def new_request_id(conn: HTTPConnection) -> str:
+    """The caller's ``X-Request-Id`` when it is a sane id (at most 64 letters, digits, ``-`` and ``_``), else a new
+    one."""
+    given = conn.headers.get("x-request-id", "")
     if given and len(given) <= 64 and given.replace("-", "").replace("_", "").isalnum():
         return given
     return uuid.uuid4().hex[:16]
 
 
+@dataclass(frozen=True)
+class Order:
+    """A transport's request, checked: the model that speaks it, the request, how its audio is delivered, and the
+    caller's tenant (its API key's; None without keys)."""
+
+    model: str
+    request: SynthesisRequest
+    output: Output
+    tenant: str | None
+
+
+def caller(state: Any, conn: HTTPConnection) -> dict[str, Any]:
+    """What :func:`order` takes of an HTTP or WebSocket caller: the tenant of its API key (None without keys) and
+    its request id (``X-Request-Id``)."""
+    return {"tenant": state.tenant_of(conn), "request_id": new_request_id(conn)}
+
+
+def order(
+    state: Any,
+    *,
+    tenant: str | None,
+    request_id: str | None = None,
+    params: Mapping[str, str],
+    model: str | None = None,
+    model_param: str = "model",
+    fmt: str,
+    formats: Iterable[str],
+    sample_rate: int | None = None,
+    **fields: Any,
+) -> Order:
+    """What a caller of ``tenant`` asks for (``fields`` of :class:`~cosyserve.request.SynthesisRequest`), within the
+    server's limits, on ``model`` (a name the tenant may use; None: the default model), with its audio in ``fmt``
+    (one of ``formats``) at ``sample_rate`` (None: the model's); the server's deadline from now. A transport that is
+    not HTTP (a later Wyoming server) names its caller's tenant and request id itself; HTTP's and the WebSocket's
+    come from :func:`caller`.
+
+    Args:
+        tenant: the caller's tenant (its API key's; None: the server has no keys).
+        request_id: the id of the request in logs and headers (None: a new one).
+        params: request field -> the transport's name for it (errors name it so).
+        model_param: the transport's name of the model field (``model``, the reference routes' ``X-Model``).
+    Raises:
+        ClientError: a field over a limit or a request that cannot be served as given (UnknownModelError for a
+            model the tenant may not use), ``param`` naming the field.
+    """
+    name = state.resolve_model(model, tenant, param=model_param)
+    limits = state.limits
+    req = limits.request(
+        names=params,
+        tenant=tenant or "default",
+        request_id=request_id or uuid.uuid4().hex[:16],
+        deadline=time.monotonic() + state.config.request_timeout_s,
+        **fields,
+    )
+    return Order(name, req, limits.output(fmt, formats, sample_rate, names=params), tenant)
+
+
 class Record:
-    """What one request did, for the access log line and the metrics (filled as it goes)."""
+    """What one request did, for the access log line and the metrics (filled as it goes; :meth:`done` once)."""
 
     def __init__(self, state: Any, route: str, model: str, req: SynthesisRequest, fmt: str) -> None:
         self.state = state
@@ -112,16 +127,34 @@ class Record:
         self.status = 200
         self.outcome = "ok"
         self.sample_rate = 0
+        self._done = False
 
     def failed(self, e: BaseException) -> None:
-        """The request ended before its response started: an engine error (its status) or a cancel (499)."""
+        """The request ended before its audio started: an engine error (its status), or the client gone (499)."""
         if isinstance(e, CosyserveError):
             self.status, self.outcome = status_of(e), e.code
         else:
-            self.status, self.outcome = 499, "cancelled"
+            self.status, self.outcome = 499, "client_gone"
         self.done()
 
+    def cut(self, e: BaseException) -> None:
+        """The request ended after its audio started: how, as the access log and the metrics name it (the status
+        stays the one the response started with)."""
+        if isinstance(e, DeadlineExceededError):
+            self.outcome = "deadline"
+        elif isinstance(e, EngineDeadError):
+            self.outcome = "released"  # the model was released while serving: shutdown grace over, or evicted
+        elif isinstance(e, RequestCancelledError):
+            self.outcome = "cancelled"
+        elif isinstance(e, asyncio.CancelledError | GeneratorExit):
+            self.outcome = "client_gone"
+        else:
+            self.outcome = "error"
+
     def done(self) -> None:
+        if self._done:
+            return
+        self._done = True
         total = time.perf_counter() - self.t0
         audio_s = self.samples / self.sample_rate if self.sample_rate else 0.0
         self.state.metrics.observe_request(
@@ -152,7 +185,7 @@ class Record:
 
 
 def text_chars(text: Any) -> int | None:
-    """Characters of a request's text: a string's length, a text feed's count so far (None: not known)."""
+    """Characters of a request's text: a string's length, a streamed text's count so far (None: not known)."""
     return len(text) if isinstance(text, str) else getattr(text, "chars", None)
 
 
@@ -167,224 +200,114 @@ def usage(rec: Record) -> dict[str, Any]:
     }
 
 
-async def submit(state: Any, model: str, req: SynthesisRequest, tenant: str | None) -> Any:
-    """Admit ``req`` on ``model`` through the pool: the tenant's quota, the model's load, the engine's queue.
+class Synthesis:
+    """One request on its way from the pool to a transport (see the module docstring).
 
-    Returns:
-        The request's :class:`~cosyserve.engine.streams.AudioStream`.
-    Raises:
-        NotReadyError: the server is draining. Otherwise what the pool and engine refuse with.
+    :meth:`start` admits it and waits for its first audio; :meth:`audio` (or :meth:`whole`) gives its encoded
+    bytes; :meth:`aclose` ends it (always call it). ``rec`` is its :class:`Record`: a transport adds the bytes it
+    sends (its framing included), and says how a started request ended (:meth:`Record.cut`).
+
+    Args:
+        state: the server's state (its pool, metrics, drain flag).
+        route: the route that serves it (logs, metrics).
+        order: what was asked (:func:`order`).
     """
-    if state.draining:
-        raise NotReadyError("the server is shutting down")
-    # the pool counts a tenant's requests against its quota; an API key's tenant that the pool config does not
-    # list has no quota
-    known = tenant if tenant is not None and tenant in state.pool.tenants else None
-    return await state.pool.submit(model, req, tenant=known)
 
+    def __init__(self, state: Any, route: str, order: Order) -> None:
+        self.state = state
+        self.order = order
+        self.rec = Record(state, route, order.model, order.request, order.output.format)
+        self.stream: Any = None
+        self.encoder: Encoder | None = None
+        self._chunks: list[Any] = []  # taken by start(), not yet encoded
 
-async def _until_disconnect(request: Request) -> None:
-    # the body has been read: the next ASGI message is http.disconnect, sent when the client goes away
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    @property
+    def request(self) -> SynthesisRequest:
+        """The request as its model resolved it (the voice and mode that speak) once it started."""
+        return self.rec.req
 
+    @property
+    def sample_rate(self) -> int:
+        return self.rec.sample_rate
 
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, _T]) -> _T | None:
-    """``work``'s result, or None once the client disconnects first (``work`` is cancelled then).
+    async def start(self, whole: bool = False) -> None:
+        """Admit the request and wait for its first chunk (with ``whole``, for all of them); its encoder is made
+        then, so a rate the model cannot give is refused here, before any audio.
 
-    Starlette stops a streaming response whose client goes away, but not a handler still working out its
-    response: without this, a non-streamed request ran to its end for nobody, holding a worker.
-    """
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # its own clean-up stops the generation
-    return None if task.cancelled() else task.result()
-
-
-async def _start(
-    state: Any, model: str, req: SynthesisRequest, tenant: str | None, rec: Record, whole: bool
-) -> tuple[Any, list[Any]]:
-    """Submit ``req``; wait for its first chunk, or with ``whole`` for all of them (closed on failure)."""
-    stream = await submit(state, model, req, tenant)
-    rec.req = stream.request  # as the model resolved it: the voice and mode that speak
-    chunks: list[Any] = []
-    try:
-        async for c in stream:
-            if rec.ttfa_s is None:
-                rec.ttfa_s = time.perf_counter() - rec.t0
-            chunks.append(c)
-            rec.samples += len(c)
-            if not whole:
-                break
-    except BaseException:
-        await stream.aclose()
-        raise
-    return stream, chunks
-
-
-async def synthesize_response(
-    state: Any,
-    request: Request,
-    *,
-    route: str,
-    model: str,
-    req: SynthesisRequest,
-    fmt: str,
-    sse: bool = False,
-    params: Mapping[str, str] | None = None,
-) -> Response:
-    """Run ``req`` on ``model`` and answer with its audio in ``fmt`` (``raw`` = the reference's int16 PCM).
-
-    ``req.stream`` decides both how the engine cuts the audio and whether the response is streamed
-    (formats that cannot be streamed are sent whole). Engine errors before the first chunk raise (the app maps
-    them to JSON errors); after it, they end the stream early and are logged. A client that disconnects
-    before the response starts stops the generation (logged as ``client_gone``, status 499).
-
-    With ``sse``, the response is OpenAI's Server-Sent Events (``stream_format: "sse"``): one
-    ``speech.audio.delta`` event per piece of encoded audio (``audio``: its bytes in base64; a format that cannot
-    be streamed comes whole in one), then ``speech.audio.done`` with the ``usage``, or ``speech.audio.error``
-    (``error``: the OpenAI error object, ``params`` naming the route's fields) when it ended early.
-    """
-    rec = Record(state, route, model, req, fmt)
-    if state.draining:
-        rec.status, rec.outcome = 503, "draining"
-        rec.done()
-        raise NotReadyError("the server is shutting down")
-    whole = fmt != "raw" and (not req.stream or fmt not in STREAMABLE)
-    tenant = state.tenant_of(request)
-    try:
-        started = await _unless_disconnected(request, _start(state, model, req, tenant, rec, whole))
-    except BaseException as e:
-        rec.failed(e)
-        raise
-    if started is None:  # nobody to answer
-        rec.status, rec.outcome = 499, "client_gone"
-        rec.done()
-        return Response(status_code=499)
-    stream, chunks = started
-    if rec.ttfa_s is None:  # no audio at all
-        rec.ttfa_s = time.perf_counter() - rec.t0
-    rec.sample_rate = int(stream.sample_rate or 0)
-    rate = rec.sample_rate
-    headers = {"X-Request-Id": req.request_id, "X-Sample-Rate": str(rate), "X-Model": model}
-    if state.demo:
-        headers["X-Cosyserve-Demo"] = "random weights: noise, not speech"
-
-    if whole:
-        data = await asyncio.to_thread(encode_all, chunks, fmt, rate)
-        if not sse:
-            rec.bytes = len(data)
+        Raises:
+            NotReadyError: the server is draining. Otherwise what the pool, the engine or the encoder refuse with
+            (all recorded: the request is over).
+        """
+        rec = self.rec
+        if self.state.draining:
+            rec.status, rec.outcome = 503, "draining"
             rec.done()
-            return Response(data, media_type=MEDIA_TYPES[fmt], headers=headers)
-        # a format that cannot be streamed goes whole, in one delta
-        events = _sse_delta(data, fmt) + _sse({"type": "speech.audio.done", "usage": usage(rec)})
-        rec.bytes = len(events)
-        rec.done()
-        return Response(events, media_type="text/event-stream", headers=headers | _SSE_HEADERS)
+            raise NotReadyError("the server is shutting down")
+        try:
+            pool, tenant = self.state.pool, self.order.tenant
+            # an API key's tenant that the pool config does not list has no quota
+            self.stream = await pool.submit(
+                self.order.model, self.order.request, tenant=tenant if tenant in pool.tenants else None
+            )
+            rec.req = self.stream.request  # as the model resolved it
+            rec.sample_rate = int(self.stream.sample_rate or 0)
+            self.encoder = Encoder(self.order.output.format, rec.sample_rate, self.order.output.sample_rate)
+            async for chunk in self.stream:
+                self._chunks.append(self._took(chunk))
+                if not whole:
+                    break
+            if rec.ttfa_s is None:  # no audio at all
+                rec.ttfa_s = time.perf_counter() - rec.t0
+        except BaseException as e:
+            await self.aclose()
+            rec.failed(e)
+            raise
 
-    first = chunks[0] if chunks else None
-    enc = Encoder(fmt, rate) if fmt != "raw" else None
+    def _took(self, chunk: Any) -> Any:
+        # a chunk taken from the engine: the first audio's time, the samples
+        rec = self.rec
+        if rec.ttfa_s is None:
+            rec.ttfa_s = time.perf_counter() - rec.t0
+        rec.samples += len(chunk)
+        return chunk
 
-    def encode(chunk: Any) -> bytes:
-        return enc.encode(chunk) if enc is not None else to_int16(chunk)
+    async def whole(self) -> bytes:
+        """The audio of a request started with ``whole``, as one file (exact sizes in a WAV header), encoded off
+        the event loop."""
+        chunks, self._chunks = self._chunks, []
+        return await asyncio.to_thread(encode_all, chunks, self.order.output.format, self.rec.sample_rate)
 
-    async def audio() -> AsyncIterator[bytes]:
-        head = enc.header() if enc is not None else b""
-        data = head + (encode(first) if first is not None else b"")
-        if data:
-            yield data
-        async for c in stream:
-            rec.samples += len(c)
-            data = encode(c)
-            if data:
-                yield data
-        if enc is not None:
-            tail = enc.finish()
+    async def audio(self) -> AsyncIterator[bytes]:
+        """The encoded bytes as they come: the header (on its own), each chunk's bytes, the encoder's last bytes
+        (a format that is not streamed: the whole file, encoded off the event loop).
+
+        Raises:
+            CosyserveError: the request ended short (deadline, engine error, model released); recorded with
+                :meth:`Record.cut`, as is a client gone (``CancelledError``, ``GeneratorExit``).
+        """
+        enc = self.encoder
+        assert enc is not None and self.stream is not None, "start() first"
+        try:
+            head = enc.header()
+            if head:
+                yield head
+            for chunk in self._chunks:  # what start() took
+                data = enc.encode(chunk)
+                if data:
+                    yield data
+            self._chunks = []
+            async for chunk in self.stream:
+                data = enc.encode(self._took(chunk))
+                if data:
+                    yield data
+            tail = enc.finish() if enc.streamed else await asyncio.to_thread(enc.finish)
             if tail:
                 yield tail
-
-    async def body() -> AsyncIterator[bytes]:
-        cut: CosyserveError | None = None
-        try:
-            async for data in audio():
-                out = _sse_delta(data, fmt) if sse else data
-                rec.bytes += len(out)
-                yield out
-            if sse:
-                done = _sse({"type": "speech.audio.done", "usage": usage(rec)})
-                rec.bytes += len(done)
-                yield done
-        except CosyserveError as e:  # headers are out: an SSE event says so, an audio stream can only be cut
-            rec.outcome = _cut_outcome(e)
-            cut = e
-        except (asyncio.CancelledError, GeneratorExit):
-            rec.outcome = "client_gone"
-            await stream.aclose()
+        except BaseException as e:
+            self.rec.cut(e)
             raise
-        except Exception:
-            rec.outcome = "error"  # a bug: uvicorn logs its traceback and closes the connection
-            raise
-        finally:
-            await stream.aclose()
-            if not sse or cut is None:
-                rec.done()
-        if cut is not None and sse:
-            logger.warning(
-                "request %s: stream ended early after %d bytes (%s: %s); the last event says so",
-                req.request_id,
-                rec.bytes,
-                rec.outcome,
-                cut,
-            )
-            failed = _sse({"type": "speech.audio.error", "error": error_object(cut, params)})
-            rec.bytes += len(failed)
-            rec.done()
-            yield failed
-        elif cut is not None:
-            logger.warning(
-                "request %s: stream cut after %d bytes (%s: %s); closing the connection without the final chunk",
-                req.request_id,
-                rec.bytes,
-                rec.outcome,
-                cut,
-            )
-            raise StreamCut(req.request_id)
 
-    if sse:
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers | _SSE_HEADERS)
-    media = MEDIA_TYPES.get(fmt, "application/octet-stream")
-    return StreamingResponse(body(), media_type=media, headers=headers)
-
-
-def synthesis_request(state: Any, request: Request, **fields: Any) -> SynthesisRequest:
-    """The request an HTTP route asks for: ``fields`` of :class:`SynthesisRequest`, with the server's deadline,
-    the caller's request id (``X-Request-Id``) and tenant, and the server's limits on text and name length (those
-    the OpenAPI document states).
-
-    Raises:
-        ClientError: a text or a voice name over its limit, or a request :meth:`SynthesisRequest.verify` refuses.
-    """
-    limit = state.config.max_text_chars
-    for name in ("text", "prompt_text", "instruct_text"):
-        value = fields.get(name)
-        if isinstance(value, str) and len(value) > limit:
-            raise ClientError(f"{name} is {len(value)} characters; the limit is {limit}", param=name)
-    speaker = fields.get("speaker")
-    most = min(MAX_NAME_CHARS, limit)
-    if isinstance(speaker, str) and len(speaker) > most:
-        raise ClientError(
-            f"the voice name is {len(speaker)} characters; a speaker or registered voice has at most {most}",
-            param="speaker",
-        )
-    return SynthesisRequest(
-        deadline=time.monotonic() + state.config.request_timeout_s,
-        request_id=new_request_id(request),
-        tenant=state.tenant_of(request) or "default",
-        **fields,
-    )
+    async def aclose(self) -> None:
+        """Stop the request's generation if it still runs (idempotent)."""
+        if self.stream is not None:
+            await self.stream.aclose()

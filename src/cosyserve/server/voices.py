@@ -181,6 +181,9 @@ def routes(state: Any) -> list[Route]:
             raise ClientError(
                 f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
             )
+        # the name, transcript and sample within the limits every request's are (cosyserve.limits): a voice whose
+        # name no request may give could never speak
+        state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
         from cosyserve.registry import validate_name
 
         try:
@@ -195,10 +198,6 @@ def routes(state: Any) -> list[Route]:
         if len(consent) > MAX_NAME_CHARS:
             raise ClientError(
                 f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent"
-            )
-        if len(ref_text) > cfg.max_text_chars:
-            raise ClientError(
-                f"ref_text is {len(ref_text)} characters; the limit is {cfg.max_text_chars}", param="ref_text"
             )
         model = state.resolve_model(model_name, tenant, param="model")
         runtime = await runtime_of(model)

@@ -5,8 +5,10 @@ The protocol is vLLM-Omni's. The client sends JSON text frames, each an object w
 - ``session.config``: once, first: ``model``, ``voice`` (a speaker, a registered voice or an OpenAI voice name),
   or ``ref_audio`` (base64 or a ``data:`` URL) with ``ref_text`` to clone one, ``instructions``,
   ``response_format`` (``pcm``, default, or ``wav``), ``sample_rate`` (the model's; no resampling), ``seed``,
-  ``speed`` (1.0 only: the audio is streamed), ``stream_audio`` (true only);
-- ``input.text`` ``{"text": ...}``: a piece of the current utterance (the first opens it);
+  ``speed`` (1.0 only: the audio is streamed), ``stream_audio`` (true only); checked as the HTTP routes' fields
+  are, by the one constructor (:mod:`cosyserve.limits`), and its voice resolved once for the session;
+- ``input.text`` ``{"text": ...}``: a piece of the current utterance (the first opens it), at most
+  ``max_text_chars`` characters;
 - ``input.done``: the utterance is complete; the session stays open for the next one, with the same config;
 - ``session.close``: the current utterance (if any) is completed, its audio sent, then the server closes (1000).
 
@@ -21,10 +23,12 @@ Bad messages (not JSON, no or an unknown ``type``, unknown fields, text after ``
 ``session.config``, binary frames) get an ``error`` and change nothing; frames over the size limit close the
 connection (1009).
 
-Each utterance is one engine request (one slot, in the pool's admission and the tenant's quota like any request):
-its text reaches the runtime as a :class:`~cosyserve.textfeed.TextFeed`, read as it arrives; utterances of a
-session are spoken one after another. Text is read from the socket only while the utterance's unread text stays
-under ``max_text_chars`` (TCP pushes back on a client that writes faster than the model reads).
+Each utterance is one engine request (one slot, in the pool's admission and the tenant's quota like any request),
+built from the session's config with its own text feed and run as every transport's request is
+(:class:`~cosyserve.server.synth.Synthesis`): its text reaches the runtime as a
+:class:`~cosyserve.textfeed.TextFeed`, read as it arrives; utterances of a session are spoken one after another.
+Text is read from the socket only while the utterance's unread text stays within ``max_buffered_text_chars`` (or
+one piece): TCP pushes back on a client that writes faster than the model reads.
 
 Ends: a client that disconnects frees its work at once (the engine request is cancelled and its feed ended); a
 client that sends nothing for ``ws_idle_timeout_s`` while it holds an utterance open, or between utterances, gets
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -49,13 +54,13 @@ from urllib.parse import urlsplit
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from cosyserve.audiofile import to_int16, wav_header
+from cosyserve.audiofile import check_rate
 from cosyserve.errors import ClientError, CosyserveError, NotReadyError, shown
-from cosyserve.request import SynthesisRequest
+from cosyserve.request import ResolvedRequest
 from cosyserve.server.errors import error_object, error_response, retry_after, status_of
 from cosyserve.server.openai_api import voice_fields
-from cosyserve.server.schemas import SessionConfig, json_object, parse_session_config
-from cosyserve.server.synth import Record, submit, usage
+from cosyserve.server.schemas import SESSION_FORMATS, SessionConfig, json_object, parse_session_config
+from cosyserve.server.synth import Order, Synthesis, caller, order, usage
 from cosyserve.textfeed import TextFeed
 
 logger = logging.getLogger("cosyserve.server")
@@ -107,13 +112,9 @@ class Session:
     def __init__(self, state: Any, ws: WebSocket) -> None:
         self.state = state
         self.ws = ws
-        cfg = state.config
-        self.idle_s = float(cfg.ws_idle_timeout_s)
-        self.high_water = int(cfg.max_text_chars)
-        self.tenant: str | None = state.tenant_of(ws)
+        self.idle_s = float(state.config.ws_idle_timeout_s)
         self.config: SessionConfig | None = None
-        self.model = ""
-        self.fields: dict[str, Any] = {}
+        self.order: Order | None = None  # what each utterance asks for (its text aside), from session.config
         self.current: _Utterance | None = None  # the open utterance (text still coming)
         self.last: _Utterance | None = None  # the latest utterance (open or flushed)
         self.next_index = 0
@@ -322,31 +323,26 @@ class Session:
                 code="session_already_configured",
             )
         cfg = parse_session_config(data, self.state.config.max_upload_bytes)
-        model = self.state.resolve_model(cfg.model, self.tenant)
-        if cfg.speed != 1.0:
-            raise ClientError(
-                f"speed must be 1.0 on the WebSocket, got {cfg.speed:g}: the audio is streamed as it is made, and "
-                "speed applies to whole sentences",
-                param="speed",
-            )
-        fields = voice_fields(self.state, cfg.voice, cfg.instructions, cfg.ref_audio, cfg.ref_text)
-        probe = SynthesisRequest(
-            text=(), stream=True, seed=cfg.seed, **fields
-        )  # verify() checks the fields now
-        eng = self.state.pool.engine(model)
-        if eng is not None and eng.runtime is not None:  # loaded: what only the model knows, checked now too
-            probe = eng.runtime.resolve(probe)
-            self._check_rate(cfg, int(eng.sample_rate or 0))
-        self.config, self.model, self.fields = cfg, model, fields
-
-    @staticmethod
-    def _check_rate(cfg: SessionConfig, rate: int) -> None:
-        if cfg.sample_rate is not None and cfg.sample_rate != rate:
-            raise ClientError(
-                f"sample_rate {cfg.sample_rate} is not the model's: it speaks at {rate} Hz, and the server does not "
-                "resample (leave sample_rate out, or resample on the client)",
-                param="sample_rate",
-            )
+        asked = order(
+            self.state,
+            **caller(self.state, self.ws),
+            params=PARAMS,
+            model=cfg.model,
+            fmt=cfg.response_format,
+            formats=SESSION_FORMATS,
+            sample_rate=cfg.sample_rate,
+            text=(),  # each utterance's own feed
+            stream=True,
+            seed=cfg.seed,
+            speed=cfg.speed,
+            **voice_fields(self.state, cfg.voice, cfg.instructions, cfg.ref_audio, cfg.ref_text),
+        )
+        eng = self.state.pool.engine(asked.model)
+        if eng is not None and eng.runtime is not None:
+            # loaded: the voice resolved now, once for every utterance (else by the first one's admission)
+            asked = dataclasses.replace(asked, request=eng.resolve(asked.request))
+            check_rate(int(eng.sample_rate or 0), asked.output.sample_rate)
+        self.config, self.order = cfg, asked
 
     async def _text(self, data: dict[str, Any]) -> None:
         self._no_fields("input.text", data, ("text",))
@@ -357,6 +353,7 @@ class Session:
             raise ClientError(
                 "send session.config before input.text", param="type", code="session_not_configured"
             )
+        self.state.limits.check(names=PARAMS, text=text)  # a piece within max_text_chars, before anything
         utt = self.current
         if utt is None:
             if not text:
@@ -364,34 +361,31 @@ class Session:
             utt = self._open()
         if utt.failed:
             return  # its error was sent: the rest of its text is dropped until its input.done
-        utt.feed.put(text)
-        while utt.feed.pending_chars > self.high_water and not utt.feed.closed:
+        while not utt.feed.has_room(len(text)) and not utt.feed.closed:
             # the model reads slower than the client writes: stop reading the socket until it catches up
             self._room.clear()
-            if utt.feed.pending_chars <= self.high_water:
+            if utt.feed.has_room(len(text)):
                 break
             room = asyncio.ensure_future(self._room.wait())
             assert utt.task is not None
             await asyncio.wait({room, utt.task}, return_when=asyncio.FIRST_COMPLETED)
             room.cancel()
+        if not utt.feed.closed:
+            utt.feed.put(text)
 
     def _open(self) -> _Utterance:
-        cfg = self.state.config
-        deadline = time.monotonic() + cfg.request_timeout_s
-        feed = TextFeed(deadline=deadline, on_take=self._on_take)
+        assert self.order is not None
+        deadline = time.monotonic() + self.state.config.request_timeout_s
+        feed = self.state.limits.feed(deadline=deadline, on_take=self._on_take)
         utt = _Utterance(self.next_index, feed)
         self.next_index += 1
-        req = SynthesisRequest(
-            text=feed,
-            stream=True,
-            seed=self.config.seed if self.config is not None else None,
-            deadline=deadline,
-            request_id=uuid.uuid4().hex[:16],
-            tenant=self.tenant or "default",
-            **self.fields,
+        request = dataclasses.replace(
+            self.order.request, text=feed, request_id=uuid.uuid4().hex[:16], deadline=deadline
         )
         previous = self.last.task if self.last is not None else None
-        utt.task = asyncio.ensure_future(self._speak(utt, req, previous))
+        utt.task = asyncio.ensure_future(
+            self._speak(utt, dataclasses.replace(self.order, request=request), previous)
+        )
         self.current = self.last = utt
         self._utterances.append(utt)
         return utt
@@ -416,13 +410,11 @@ class Session:
 
     # -- an utterance's request ---------------------------------------------------------------------------------
 
-    async def _speak(
-        self, utt: _Utterance, req: SynthesisRequest, previous: asyncio.Task[None] | None
-    ) -> None:
+    async def _speak(self, utt: _Utterance, asked: Order, previous: asyncio.Task[None] | None) -> None:
         try:
             if previous is not None:  # one utterance at a time, in order
                 await asyncio.wait({previous})
-            await self._speak_now(utt, req)
+            await self._speak_now(utt, asked)
         except _Gone:
             pass
         except Exception:
@@ -433,41 +425,27 @@ class Session:
             with contextlib.suppress(ValueError):
                 self._utterances.remove(utt)
 
-    async def _speak_now(self, utt: _Utterance, req: SynthesisRequest) -> None:
-        rec = Record(
-            self.state, ROUTE, self.model, req, self.config.response_format if self.config else "pcm"
-        )
+    async def _speak_now(self, utt: _Utterance, asked: Order) -> None:
+        run = Synthesis(self.state, ROUTE, asked)
         try:
-            stream = await submit(self.state, self.model, req, self.tenant)
-        except CosyserveError as e:
-            rec.failed(e)
+            await run.start()
+        except CosyserveError as e:  # refused, or failed before any audio (recorded)
             await self._fail(utt, e)
             return
-        except BaseException as e:
-            rec.failed(e)
-            raise
-        rec.req = stream.request
-        rec.sample_rate = rate = int(stream.sample_rate or 0)
+        rec = run.rec
+        if self.order is not None and not isinstance(self.order.request, ResolvedRequest):
+            # resolved by this first utterance's admission: the next ones take the voice as it is
+            self.order = dataclasses.replace(self.order, request=dataclasses.replace(run.request, text=()))
         error: CosyserveError | None = None
-        started = False
         try:
-            assert self.config is not None
-            self._check_rate(self.config, rate)
-            async for chunk in stream:
-                if not started:  # audio.start says that audio follows: an utterance refused before has none
-                    started = True
-                    await self._start_audio(utt, rec)
-                if rec.ttfa_s is None:
-                    rec.ttfa_s = time.perf_counter() - rec.t0
-                rec.samples += len(chunk)
-                data = to_int16(chunk)
-                rec.bytes += len(data)
-                await self._send(self.ws.send_bytes(data))
-            if not started:
-                await self._start_audio(utt, rec)
-        except CosyserveError as e:
+            await self._start_audio(utt, run)
+            async with contextlib.aclosing(run.audio()) as audio:  # header frame (wav), then the audio
+                async for data in audio:
+                    rec.bytes += len(data)
+                    await self._send(self.ws.send_bytes(data))
+        except CosyserveError as e:  # cut short (recorded by run.audio)
             error = e
-            rec.status, rec.outcome = status_of(e), e.code
+            rec.status = status_of(e)
         except (asyncio.CancelledError, _Gone):
             rec.status, rec.outcome = 499, "client_gone"
             raise
@@ -475,7 +453,7 @@ class Session:
             rec.status, rec.outcome = 500, "error"
             raise
         finally:
-            await stream.aclose()
+            await run.aclose()
             utt.feed.abort()
             rec.done()
         if error is not None:
@@ -485,34 +463,28 @@ class Session:
             {
                 "type": "audio.done",
                 "utterance_index": utt.index,
-                "request_id": req.request_id,
+                "request_id": asked.request.request_id,
                 "total_bytes": rec.bytes,
                 "usage": usage(rec),
             }
         )
         await self.send_event({"type": "session.done", "utterance_index": utt.index, "error": False})
 
-    async def _start_audio(self, utt: _Utterance, rec: Record) -> None:
-        assert self.config is not None
-        fmt = self.config.response_format
+    async def _start_audio(self, utt: _Utterance, run: Synthesis) -> None:
         await self.send_event(
             {
                 "type": "audio.start",
                 "utterance_index": utt.index,
-                "request_id": rec.req.request_id,
-                "model": self.model,
-                "voice": rec.req.speaker,
-                "mode": rec.req.mode,
-                "format": fmt,
-                "sample_rate": rec.sample_rate,
+                "request_id": run.request.request_id,
+                "model": run.order.model,
+                "voice": run.request.speaker,
+                "mode": run.request.mode,
+                "format": run.order.output.format,
+                "sample_rate": run.sample_rate,
                 "channels": 1,
                 "sample_format": "s16le",
             }
         )
-        if fmt == "wav":  # a header of unknown length, as a streamed wav response has
-            head = wav_header(rec.sample_rate, None)
-            rec.bytes += len(head)
-            await self._send(self.ws.send_bytes(head))
 
     async def _fail(self, utt: _Utterance, e: CosyserveError) -> None:
         # the utterance is over: its error now, its session.done once its input.done came
