@@ -84,14 +84,14 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
         assert runs[1] == runs[0], seed
         lengths.append(len(runs[0]))
 
-        def spec() -> Streamed:
-            text = ([t] for t in [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
-            return Streamed(text, marker + [11, 12], list(range(30, 50)), max_len=400)
+    def spec() -> Streamed:
+        text = ([t] for t in [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+        return Streamed(text, marker + [11, 12], list(range(30, 50)), max_len=120)
 
-        runs = [list(generate(lm, spec(), row_key(seed))) for lm in (torch_lm, lite_lm)]
-        assert runs[1] == runs[0], seed
-        lengths.append(len(runs[0]))
-    assert max(lengths) >= 10, lengths  # the runs decoded something to compare
+    runs = [list(generate(lm, spec(), row_key(3))) for lm in (torch_lm, lite_lm)]
+    assert runs[1] == runs[0]
+    lengths.append(len(runs[0]))
+    assert min(lengths) >= 3 and max(lengths) >= 20, lengths  # the runs decoded something to compare
 
 
 def test_cosyvoice3_prompt_rule_holds_on_lite(qwen_bundles: dict) -> None:
@@ -223,7 +223,7 @@ def test_a_cosyvoice3_bundle_with_the_lm_alone_is_not_served(
     from cosyserve.lite.export import export_lite
     from cosyserve.runtime import RuntimeOptions, load_runtime
 
-    with pytest.raises(ConvertError, match="CosyVoice-300M"):
+    with pytest.raises(ConvertError, match="CosyVoice-300M family; this is a CosyVoice3 .* cover the llm so far"):
         convert(cv3_model_dir, tmp_path / "b", runtime="lite", progress=False)
     assert not (tmp_path / "b").exists()
     with pytest.raises(BundleError, match=r"CosyVoice3 one \(its lite graphs cover the llm so far\)"):

@@ -34,7 +34,7 @@ from cosyserve.lite import INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_PARTS, LITE_VE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exporter", "export_lite"]
+__all__ = ["Exporter", "export_lite", "require_lite"]
 
 OPSET = 17
 CHECK_ATOL = 1e-4  # a graph's largest difference from its module, relative to 1 + |x|
@@ -276,6 +276,15 @@ class Exporter:
         self.int8 = _quantize_step(self.out, cases, names)
 
 
+def require_lite(family: Any) -> None:
+    """Refuse (ConvertError) ``convert --runtime lite`` of a family the lite runtime cannot serve yet."""
+    if not family.lite:
+        raise ConvertError(
+            f"--runtime lite serves the CosyVoice-300M family; this is a {family.title} model (use the torch "
+            f"runtime; its lite graphs cover the {', '.join(family.lite_parts) or 'nothing'} so far)"
+        )
+
+
 @torch.no_grad()
 def export_lite(
     bundle_dir: Path,
@@ -312,11 +321,7 @@ def export_lite(
     cfg = bundle.config
     family = cfg.family_spec
     if parts is None:
-        if not family.lite:
-            raise ConvertError(
-                f"--runtime lite serves the CosyVoice-300M family; this is a {family.title} model (use the "
-                "torch runtime)"
-            )
+        require_lite(family)
         parts = LITE_PARTS
     missing = [p for p in parts if p not in family.lite_parts]
     if missing or not parts:
