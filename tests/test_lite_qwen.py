@@ -223,7 +223,9 @@ def test_a_cosyvoice3_bundle_with_the_lm_alone_is_not_served(
     from cosyserve.lite.export import export_lite
     from cosyserve.runtime import RuntimeOptions, load_runtime
 
-    with pytest.raises(ConvertError, match="CosyVoice-300M family; this is a CosyVoice3 .* cover the llm so far"):
+    with pytest.raises(
+        ConvertError, match="CosyVoice-300M family; this is a CosyVoice3 .* cover the llm so far"
+    ):
         convert(cv3_model_dir, tmp_path / "b", runtime="lite", progress=False)
     assert not (tmp_path / "b").exists()
     with pytest.raises(BundleError, match=r"CosyVoice3 one \(its lite graphs cover the llm so far\)"):

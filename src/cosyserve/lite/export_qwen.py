@@ -30,14 +30,19 @@ from torch import Tensor, nn
 from cosyserve.errors import ConvertError
 from cosyserve.lite import qwen_cache_names
 from cosyserve.lite.export import Exporter
-from cosyserve.models.qwen2lm import Qwen2LM, _rotate_half
+from cosyserve.models.qwen2lm import Qwen2LM
 
 __all__ = ["QwenStepGraph", "QwenStepReference", "export"]
 
 
 class QwenStepGraph(nn.Module):
     """x (1, T, C) and every cache's past (P, D), in :func:`~cosyserve.lite.qwen_cache_names` order -> logp
-    (1, V) and every cache's new rows (T, D) in the same order."""
+    (1, V) and every cache's new rows (T, D) in the same order.
+
+    The model's computation op for op where rounding could differ, written for few graph nodes (a session's open
+    time and a step's overhead grow with them): reshapes by -1 (no traced shape arithmetic), the half rotation as
+    a product with a signed permutation matrix (exact: one nonzero term per output), the RMSNorm without its
+    float32 casts (the graph is float32), the KV heads' new-key scores as one batched product."""
 
     def __init__(self, lm: Qwen2LM) -> None:
         super().__init__()
@@ -45,48 +50,58 @@ class QwenStepGraph(nn.Module):
         self.decoder = lm.llm_decoder
         a = self.stack.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = a.n_heads, a.n_kv, a.head_dim
+        d, half = self.head_dim, self.head_dim // 2
+        rot = torch.zeros(d, d)  # x @ rot == cat(-x[half:], x[:half]), transformers' rotate_half
+        rot[torch.arange(half) + half, torch.arange(half)] = -1.0
+        rot[torch.arange(half), torch.arange(half) + half] = 1.0
+        self.register_buffer("rot", rot, persistent=False)
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: Tensor) -> Tensor:
+        # Qwen2RMSNorm in float32: the statistics, then the weight
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
     def forward(self, x: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        stack, n_kv, d = self.stack, self.kv_heads, self.head_dim
-        groups = self.heads // n_kv
+        stack, n_kv, d, heads = self.stack, self.kv_heads, self.head_dim, self.heads
+        groups = heads // n_kv
         t, p = x.shape[1], past[0].shape[0]
-        pos = torch.arange(t) + p  # (T,)
-        cos, sin = stack._rotary(pos)  # (T, D)
+        cos, sin = stack._rotary(torch.arange(t) + p)  # (T, D)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # a new position attends to the new positions up to itself; rows are (group, position)
         ahead = (torch.arange(t).unsqueeze(0) > torch.arange(t).unsqueeze(1)).repeat(groups, 1)  # (G*T, T)
         no_bias = torch.zeros(
             p
         )  # linear() with a bias exports as one Gemm(transB): the cache is not transposed
+        # q is scaled before its products, not the (G*T, P + T) scores after: the same bits where sqrt(D) is a
+        # power of two (Qwen2's 64)
         scale = 1.0 / math.sqrt(d)
         h = x  # (1, T, C): the projections stay 3-D (MatMul, which int8 quantizes; a 2-D one would be Gemm)
         new: list[Tensor] = []
         for i, layer in enumerate(stack.layers):
             a = layer.self_attn
-            hn = layer.input_layernorm(h)
-            q = a.q_proj(hn).view(t, self.heads, d)
-            k = a.k_proj(hn).view(t, n_kv, d)
-            v = a.v_proj(hn).view(t, n_kv, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            heads = []
-            for g in range(n_kv):
-                past_k, past_v = past[2 * (i * n_kv + g)], past[2 * (i * n_kv + g) + 1]
-                k_g, v_g = k[:, g], v[:, g]  # (T, D)
-                q_g = q[:, g * groups : (g + 1) * groups].transpose(0, 1).reshape(groups * t, d)  # (G*T, D)
-                # scaled before the products, not the (G*T, P + T) scores after: the same bits where sqrt(D) is a
-                # power of two (Qwen2's 64)
-                q_g = q_g * scale
-                scores = torch.cat(
-                    [F.linear(q_g, past_k, no_bias), (q_g @ k_g.t()).masked_fill(ahead, -math.inf)], dim=1
-                )  # (G*T, P + T)
-                attn = scores.softmax(dim=-1)
-                heads.append((attn[:, :p] @ past_v + attn[:, p:] @ v_g).view(groups, t, d))
-                new += [k_g, v_g]
-            out = torch.stack(heads).permute(2, 0, 1, 3).reshape(1, t, self.heads * d)  # head g*G + j
+            hn = self._norm(layer.input_layernorm, h)
+            q = a.q_proj(hn).view(-1, heads, d)  # (T, H, D)
+            k = a.k_proj(hn).view(-1, n_kv, d)
+            v = a.v_proj(hn).view(-1, n_kv, d)
+            q = (q * cos + (q @ self.rot) * sin) * scale
+            k = k * cos + (k @ self.rot) * sin
+            # each KV head's group of query heads as rows (group, position): (n_kv, G*T, D)
+            qg = q.view(-1, n_kv, groups, d).permute(1, 2, 0, 3).reshape(n_kv, -1, d)
+            s_new = (qg @ k.permute(1, 2, 0)).masked_fill(ahead, -math.inf)  # (n_kv, G*T, T)
+            k_new, v_new = [k[:, g] for g in range(n_kv)], [v[:, g] for g in range(n_kv)]  # (T, D) each
+            caches = [(past[2 * (i * n_kv + g)], past[2 * (i * n_kv + g) + 1]) for g in range(n_kv)]
+            s_past = torch.stack([F.linear(qg[g], pk, no_bias) for g, (pk, _) in enumerate(caches)])
+            attn = torch.cat([s_past, s_new], dim=-1).softmax(dim=-1)  # (n_kv, G*T, P + T)
+            a_past, a_new = attn.split([p, t], dim=-1)
+            out = torch.stack([a_past[g] @ pv for g, (_, pv) in enumerate(caches)]) + a_new @ v.transpose(
+                0, 1
+            )
+            out = out.view(n_kv, groups, -1, d).permute(2, 0, 1, 3).reshape(1, -1, heads * d)  # head g*G + j
             h = h + a.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = stack.norm(h)
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+            for g in range(n_kv):
+                new += [k_new[g], v_new[g]]
+        h = self._norm(stack.norm, h)
         logp = self.decoder(h[:, -1:]).float().log_softmax(dim=-1).reshape(1, -1)  # (1, V)
         return (logp, *new)
 
@@ -180,5 +195,9 @@ def export(ex: Exporter, modules: dict[str, nn.Module], parts: tuple[str, ...], 
     if int8:
         ex.step("lite: LM step, int8")
         ex.quantize_step([case(0, 9), case(30, 1)], inputs)
+    ex.step("lite: LM step, rewritten by ONNX Runtime")
+    ex.optimize(
+        "llm_step"
+    )  # after the quantizer read the traced graph; the int8 one is optimized when opened
     ex.tables.update(_tables(lm))
     ex.config.update(_config(lm))

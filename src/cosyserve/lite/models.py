@@ -42,15 +42,21 @@ def mel_length(num_tokens: int, input_frame_rate: int) -> int:
     return int(num_tokens / input_frame_rate * 22050 / 256)
 
 
-def session_options(threads: int | None, *, prepack: bool = False, optimize: bool = True) -> Any:
+def session_options(
+    threads: int | None, *, prepack: bool = False, optimize: bool = True, plan_reuse: bool = True
+) -> Any:
     """ORT session options for a fast start: no weight prepacking (a session then opens in milliseconds over
     mapped weights; prepacking copies and reorders every weight, ~0.8 s per GB), ``threads`` intra-op threads;
     ``optimize`` False turns ORT's graph rewrites off (the LM graphs: the full set costs ~90 ms more to open
-    the step graph and decodes no faster, measured on the full-size model)."""
+    the step graph and decodes no faster, measured on the full-size model); ``plan_reuse`` False skips the
+    allocation planner's buffer-reuse analysis, which grows faster than the graph (the full-size Qwen LM step's
+    1540 nodes: 340-370 ms of CPU to open with it, 43-55 ms without; its steps and peak RSS the same: the arena
+    reuses freed blocks anyway)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.enable_mem_reuse = plan_reuse
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
@@ -160,12 +166,15 @@ class LiteBundle:
                         )
                     path = self.dir / (INT8_STEP if int8 else self.graphs[name])
                     try:
-                        # the LM's graphs open before READY: no prepacking, no rewrites; flow and vocoder open
-                        # after it, prepacked and fully optimized (their convolutions run ~30% faster so); the
-                        # int8 step graph prepacked (0.4 s to open; its steps ~40% faster so)
-                        lm = name.startswith("llm_") and not int8
+                        # the LM's graphs open before READY: no prepacking, no rewrites, no buffer-reuse plan;
+                        # flow and vocoder open after it, prepacked and fully optimized (their convolutions run
+                        # ~30% faster so); the int8 step graph prepacked (0.4 s to open; its steps ~40% faster)
+                        lm = name.startswith("llm_")
                         options = session_options(
-                            self.threads, prepack=self.prepack or not lm, optimize=not lm
+                            self.threads,
+                            prepack=self.prepack or int8 or not lm,
+                            optimize=int8 or not lm,
+                            plan_reuse=not lm,
                         )
                         s = ort.InferenceSession(
                             str(path),
