@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def both(tiny_lite_bundle: Path) -> tuple[dict, dict]:
     """(torch modules, lite models) over the same bundle."""
     from cosyserve.bundle.loader import LoadOptions, open_bundle
-    from cosyserve.lite.models import LiteBundle, LiteFlow, LiteLM, LiteVocoder
+    from cosyserve.lite.lm import LiteLM
+    from cosyserve.lite.models import LiteBundle, LiteFlow, LiteVocoder
 
     parts = open_bundle(tiny_lite_bundle).load(LoadOptions(strategy="lazy", verify="none"))
     lb = LiteBundle(tiny_lite_bundle, verify="full", threads=1)
@@ -390,7 +391,8 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
     """convert --runtime lite --quantize llm=int8 writes the quantized step graph and records its distance from
     the float one; llm_quantize=int8 serves it, and a bundle without it is refused by name."""
     from cosyserve.bundle.convert import convert
-    from cosyserve.lite.models import LiteBundle, LiteLM
+    from cosyserve.lite.lm import LiteLM
+    from cosyserve.lite.models import LiteBundle
 
     out = convert(tiny_model_dir, tmp_path / "b8", runtime="lite", quantize="llm=int8", progress=False)
     m = json.loads((out / "lite" / "manifest.json").read_text())

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["ArrayOps", "Sampler", "SamplingConfig", "StopRules", "array_ops", "row_key"]
+__all__ = ["ArrayOps", "PromptRuleError", "Sampler", "SamplingConfig", "StopRules", "array_ops", "row_key"]
 
 _M = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -73,6 +73,8 @@ class StopRules:
         mix_ratio: (text, speech) tokens interleaved while text arrives.
         sos, task_id: the special ids (as the LM's ``embed`` reads them) that open a streamed-text row's input and
             follow its text.
+        marker: the text id every prompt must hold, after whose first occurrence a streamed-text row's prompt
+            text splits (CosyVoice3's ``<|endofprompt|>``); None: no such rule.
     """
 
     vocab: int
@@ -82,6 +84,32 @@ class StopRules:
     mix_ratio: tuple[int, int] = (5, 15)
     sos: int = 0
     task_id: int = 1
+    marker: int | None = None
+
+    def require_marker(self, ids: list[int]) -> None:
+        """Raise :class:`PromptRuleError` when a one-shot prompt's prompt text + text ``ids`` lack the marker (the
+        reference asserts it)."""
+        if self.marker is not None and self.marker not in ids:
+            raise PromptRuleError(
+                "CosyVoice3 needs <|endofprompt|> in the prompt text or the text, e.g. a prompt text (or text) "
+                "starting with 'You are a helpful assistant.<|endofprompt|>'"
+            )
+
+    def prompt_head(self, prompt_ids: list[int]) -> int:
+        """How many prompt text ids start a streamed-text row's input with sos: up to the marker, which is then
+        required (no marker rule: none)."""
+        if self.marker is None:
+            return 0
+        if self.marker not in prompt_ids:
+            raise PromptRuleError(
+                "CosyVoice3 streaming text input needs <|endofprompt|> in the prompt text, e.g. "
+                "'You are a helpful assistant.<|endofprompt|>' before the prompt's transcript"
+            )
+        return prompt_ids.index(self.marker) + 1
+
+
+class PromptRuleError(ValueError):
+    """A prompt lacks the marker its LM needs (CosyVoice3: ``<|endofprompt|>``)."""
 
 
 def _mix(x: Any) -> Any:

@@ -9,9 +9,10 @@ than one bounded piece, whatever the length of the text.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
-__all__ = ["ShouldStop", "Stopped", "check"]
+__all__ = ["ShouldStop", "Stopped", "check", "latched"]
 
 ShouldStop = Callable[[], bool]
 
@@ -25,3 +26,20 @@ def check(should_stop: ShouldStop | None) -> None:
     """Raise :class:`Stopped` when ``should_stop`` (None: never) says the request's work should end now."""
     if should_stop is not None and should_stop():
         raise Stopped
+
+
+def latched(should_stop: ShouldStop) -> ShouldStop:
+    """``should_stop`` asked until it first says True, then True without asking it again (thread-safe): the
+    signal of one request's work that several threads watch (its consumer, the decode loop, the ONNX Runtime
+    terminate watcher), asked once more by none of them after the stop."""
+    lock = threading.Lock()
+    stopped = False
+
+    def latch() -> bool:
+        nonlocal stopped
+        with lock:
+            if not stopped and should_stop():
+                stopped = True
+            return stopped
+
+    return latch

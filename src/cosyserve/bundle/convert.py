@@ -306,6 +306,10 @@ def convert(
     step = _progress(f"convert {model_dir.name}") if progress else (lambda msg: None)
     cfg = load_model_config(model_dir)
     family = cfg.family_spec
+    if runtime == "lite":
+        from cosyserve.lite.export import require_lite
+
+        require_lite(family)  # before any work
     with Staging(out, "converting") as staging:
         tmp = staging.path
         manifest: dict[str, Any] = {

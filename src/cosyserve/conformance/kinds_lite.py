@@ -1,7 +1,8 @@
 """Conformance kinds on the lite runtime (``cosyserve conformance DIR --runtime lite``).
 
 The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
-with ``--runtime lite`` driven by :mod:`cosyserve.lite.models`, and the numpy audio front end
+with ``--runtime lite`` driven by :mod:`cosyserve.lite.lm` and :mod:`cosyserve.lite.models` (the LM kinds of every
+family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
 (:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
 :class:`cosyserve.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
 computations under test import none. Text kinds (``tokenize``, ``text_frontend``) are torch-free code both
@@ -20,21 +21,32 @@ from cosyserve.frontend.audio import load_wav_np
 __all__ = ["KINDS"]
 
 
-def _lite(ctx: Any) -> dict[str, Any]:
-    lite = ctx.cache.get("lite")
-    if lite is None:
-        from cosyserve.lite.models import LiteBundle, LiteFlow, LiteLM, LiteVocoder
+class _Lite:
+    """The set's lite models, each made on first use (a CosyVoice2/3 bundle holds the LM's graphs alone)."""
+
+    def __init__(self, ctx: Any) -> None:
+        from cosyserve.lite.models import LiteBundle
 
         assert ctx.bundle_dir is not None, "the lite kinds need the set converted with --runtime lite"
-        bundle = LiteBundle(ctx.bundle_dir, verify="full", threads=1)
-        tables = bundle.tables()
-        lite = {
-            "llm": LiteLM(bundle, tables),
-            "flow": LiteFlow(bundle, tables),
-            "hift": LiteVocoder(bundle, tables),
-        }
-        ctx.cache["lite"] = lite
-    return lite
+        self.bundle = LiteBundle(ctx.bundle_dir, verify="full", threads=1)
+        self.tables = self.bundle.tables()
+        self._made: dict[str, Any] = {}
+
+    def __getitem__(self, part: str) -> Any:
+        if part not in self._made:
+            from cosyserve.lite.lm import lite_lm
+            from cosyserve.lite.models import LiteFlow, LiteVocoder
+
+            make = {"llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder}[part]
+            self._made[part] = make(self.bundle, self.tables)
+        return self._made[part]
+
+
+def _lite(ctx: Any) -> _Lite:
+    lite = ctx.cache.get("lite")
+    if lite is None:
+        lite = ctx.cache["lite"] = _Lite(ctx)
+    return lite  # type: ignore[no-any-return]
 
 
 def _a(t: Any) -> np.ndarray:
@@ -57,6 +69,15 @@ def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
     if emb.size:
         model_input["llm_embedding"] = emb
     return llm_logprobs(_lite(ctx)["llm"], model_input, _ids(inputs["teacher_tokens"]))
+
+
+def run_llm_bistream_logprobs(ctx: Any, inputs: dict) -> dict:
+    from cosyserve.conformance.kinds_lm import llm_bistream_logprobs
+
+    return llm_bistream_logprobs(
+        _lite(ctx)["llm"],
+        *(_ids(inputs[k]) for k in ("text", "prompt_text", "prompt_speech_token", "teacher_tokens")),
+    )
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:
@@ -186,6 +207,7 @@ def run_instruct_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 KINDS = {
     "llm_logprobs": run_llm_logprobs,
+    "llm_bistream_logprobs": run_llm_bistream_logprobs,
     "flow_inference": run_flow_inference,
     "hift_inference": run_hift_inference,
     "token2wav_stream": run_token2wav,

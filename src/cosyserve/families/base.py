@@ -41,6 +41,11 @@ class Family:
         instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
             ``instruct2``: a voice to clone and an instruction).
         lite: the lite runtime (ONNX Runtime + numpy) serves it.
+        lite_export: ``module:function`` exporting its lite graphs (:mod:`cosyserve.lite.export`), or None.
+        lite_parts: the parts (of llm, flow, hift) that export covers so far; the lite runtime serves a family
+            whose export covers all three (``lite``).
+        lite_kinds: the conformance kinds the lite runtime computes for its sets (the others are reported as not
+            yet served by it).
         reruns_flow: streaming re-runs the flow on every token so far (CosyVoice2/3), instead of windows that
             carry a flow cache (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
@@ -60,6 +65,9 @@ class Family:
     registry_folder: ClassVar[str]
     instruct_mode: ClassVar[str]
     lite: ClassVar[bool] = False
+    lite_export: ClassVar[str | None] = None
+    lite_parts: ClassVar[tuple[str, ...]] = ()
+    lite_kinds: ClassVar[tuple[str, ...]] = ()
     reruns_flow: ClassVar[bool] = True
     random_vocoder: ClassVar[bool] = True
     stacks_flow: ClassVar[bool] = False

@@ -12,11 +12,13 @@ from __future__ import annotations
 __all__ = [
     "GRAPHS",
     "LITE_DIR",
+    "LITE_PARTS",
     "LITE_FORMAT",
     "LITE_VERSION",
     "MAX_TEXT_POSITIONS",
     "POS_TABLE_ROWS",
     "TABLES_FILE",
+    "qwen_cache_names",
 ]
 
 LITE_DIR = "lite"
@@ -31,6 +33,10 @@ POS_TABLE_ROWS = 1024
 INT8_STEP = (
     "llm_step.int8.onnx"  # the step graph with ORT's dynamic int8 matmuls (convert --quantize llm=int8)
 )
+# the parts a bundle's lite graphs cover: a bundle serves on the lite runtime with all of them (its manifest lists
+# the ones it holds; CosyVoice2/3 export the LM alone so far)
+LITE_PARTS = ("llm", "flow", "hift")
+# CosyVoice-300M's graphs (a manifest lists its own)
 GRAPHS = {
     "llm_text": "llm_text.onnx",
     "llm_pos": "llm_pos.onnx",
@@ -41,3 +47,14 @@ GRAPHS = {
     "hift_f0": "hift_f0.onnx",
     "hift_decode": "hift_decode.onnx",
 }
+
+
+def qwen_cache_names(layers: int, kv_heads: int) -> list[tuple[str, str]]:
+    """The Qwen step graph's cache (input, output) names in their order: per layer, per KV head, keys then
+    values (each a (positions, head_dim) matrix)."""
+    return [
+        (f"past_{kv}{i}_{h}", f"new_{kv}{i}_{h}")
+        for i in range(layers)
+        for h in range(kv_heads)
+        for kv in "kv"
+    ]

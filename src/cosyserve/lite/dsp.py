@@ -20,6 +20,7 @@ __all__ = [
     "hamming",
     "interp_linear",
     "istft",
+    "normalize",
     "sine_source",
     "stft",
 ]
@@ -34,6 +35,13 @@ def distance_pe(d_model: int, start: int, stop: int) -> np.ndarray:
     out[:, 0::2] = np.sin(position * div_term)
     out[:, 1::2] = np.cos(position * div_term)
     return out
+
+
+def normalize(v: np.ndarray) -> np.ndarray:
+    """``v`` as one row (1, N) float32 scaled to unit L2 norm, as ``F.normalize(v, dim=1)`` (a speaker
+    embedding before its affine layer)."""
+    v = v.astype(np.float32).reshape(1, -1)
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), np.float32(1e-12))
 
 
 def interp_linear(x: np.ndarray, size: int) -> np.ndarray:

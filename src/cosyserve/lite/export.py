@@ -1,23 +1,25 @@
 """Export a bundle's torch modules as the lite runtime's ONNX graphs (``cosyserve convert --runtime lite``).
 
 Needs torch and onnx (a machine that converts); the lite runtime that reads the result needs neither. Every model
-computation becomes one graph (see :data:`cosyserve.lite.GRAPHS`); what is cheap, stateful or random stays in numpy
-in :mod:`cosyserve.lite.dsp` and :mod:`cosyserve.runtime.lite` (sampling, the Euler loop, the sine source, STFT and
-iSTFT, the length regulator's interpolation, prompt assembly from small tables). Each graph keeps its weights in
-one external data file beside it, which ONNX Runtime maps; each is checked against the torch module on random
-inputs of two lengths (a length baked in by tracing shows up as a mismatch at the other) and a bundle whose graph
-does not match is not written.
+computation becomes one graph; what is cheap, stateful or random stays in numpy (:mod:`cosyserve.lite.dsp`,
+:mod:`cosyserve.lite.lm`, :mod:`cosyserve.lite.models`: sampling, the Euler loop, the sine source, STFT and iSTFT,
+the length regulator's interpolation, prompt assembly from tables). Each graph keeps its weights in one external
+data file beside it, which ONNX Runtime maps; each is checked against the torch module on inputs of two lengths
+(a length baked in by tracing shows up as a mismatch at the other) and a bundle whose graph does not match is not
+written.
 
-The LM decode step takes the KV cache as inputs and returns only the new positions' keys and values: the caller
-keeps one buffer per layer, (1, max_len, H, D), whose prefix is a contiguous array it binds as the input, and
-binds the output to the next rows of the same buffer, so no cache is copied between steps.
+A family's graphs are its own (``Family.lite_export``: :mod:`cosyserve.lite.export_300m` for CosyVoice-300M,
+:mod:`cosyserve.lite.export_qwen` for the Qwen LM of CosyVoice2 and 3); this module drives them through an
+:class:`Exporter` (export, check, int8 variant of the step graph, tables, config) and writes the manifest. Every
+LM step graph takes its KV cache as inputs and returns only the new positions' keys and values: the runtime keeps
+one buffer per cache, binds its prefix as the input and the next positions of the same buffer as the output
+(:mod:`cosyserve.lite.lm`), so no cache is copied between steps.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -28,173 +30,17 @@ import torch
 from torch import Tensor, nn
 
 from cosyserve.errors import ConvertError
-from cosyserve.lite import (
-    GRAPHS,
-    INT8_STEP,
-    LITE_DIR,
-    LITE_FORMAT,
-    LITE_VERSION,
-    MAX_TEXT_POSITIONS,
-    POS_TABLE_ROWS,
-    TABLES_FILE,
-)
-from cosyserve.lite.dsp import distance_pe
+from cosyserve.lite import INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_PARTS, LITE_VERSION, TABLES_FILE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["export_lite"]
+__all__ = ["Exporter", "export_lite", "require_lite"]
 
 OPSET = 17
+CHECK_ATOL = 1e-4  # a graph's largest difference from its module, relative to 1 + |x|
 
 
-# --- graph wrappers (our modules' weights, one computation each) ---------------------------------------------
-
-
-class TextEncoderGraph(nn.Module):
-    """text ids (1, N) int64 -> the LM's encoded text (1, N, llm_input_size)."""
-
-    def __init__(self, llm: nn.Module) -> None:
-        super().__init__()
-        self.llm = llm
-
-    def forward(self, text: Tensor) -> Tensor:
-        lm = self.llm
-        lens = (text >= 0).sum(dim=1)  # (1,): the traced length, not a constant
-        encoded, _ = lm.text_encoder(lm.text_embedding(text), lens, 1, -1)
-        return lm.text_encoder_affine_layer(encoded)
-
-
-class PosProjGraph(nn.Module):
-    """positional rows pe (n, C) for distances -> every LM layer's ``linear_pos(pe)`` (L, n, H, D)."""
-
-    def __init__(self, llm: nn.Module) -> None:
-        super().__init__()
-        self.layers = llm.llm.encoders
-
-    def forward(self, pe: Tensor) -> Tensor:
-        n = pe.shape[0]
-        out = []
-        for layer in self.layers:
-            a = layer.self_attn
-            out.append(a.linear_pos(pe).view(n, a.h, a.d_k))
-        return torch.stack(out)
-
-
-class StepGraph(nn.Module):
-    """T new LM inputs against P cached positions -> the next token's log-probabilities and the new keys/values.
-
-    Inputs: x (1, T, C); per layer past_k, past_v (1, P, H, D); per layer pos (P + T, H, D) = linear_pos of the
-    distances 0 .. P+T-1. Outputs: logp (1, V); per layer new_k, new_v (1, T, H, D). The attention reads the
-    cache and the new keys separately (no concatenation: the cache is only read).
-    """
-
-    def __init__(self, llm: nn.Module) -> None:
-        super().__init__()
-        self.stack = llm.llm
-        self.decoder = llm.llm_decoder
-
-    def forward(self, x: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
-        stack = self.stack
-        n_layers = len(stack.encoders)
-        past_k, past_v, pos = caches[:n_layers], caches[n_layers : 2 * n_layers], caches[2 * n_layers :]
-        p, t = past_k[0].shape[1], x.shape[1]
-        x, _ = stack.embed(x)
-        positions = torch.arange(t) + p  # (T,)
-        dist = positions.unsqueeze(1) - torch.arange(p + t).unsqueeze(0)  # (T, K)
-        rel, masked = dist.clamp(min=0), dist < 0
-        new: list[Tensor] = []
-        for i, layer in enumerate(stack.encoders):
-            a = layer.self_attn
-            residual = x
-            h = layer.norm_attn(x) if layer.normalize_before else x
-            q, k, v = a._qkv(h)  # (1, T, H, D)
-            q_u = (q + a.pos_bias_u).transpose(1, 2)  # (1, H, T, D)
-            q_v = (q + a.pos_bias_v).transpose(1, 2)
-            ac = torch.cat(
-                [q_u @ past_k[i].permute(0, 2, 3, 1), q_u @ k.permute(0, 2, 3, 1)], dim=-1
-            )  # (1, H, T, K)
-            by_dist = q_v @ pos[i].permute(1, 2, 0)  # (1, H, T, K)
-            bd = by_dist.gather(-1, rel.expand(1, a.h, t, p + t))
-            scores = ((ac + bd) / math.sqrt(a.d_k)).masked_fill(masked, -float("inf"))
-            attn = torch.softmax(scores, dim=-1)
-            out = attn[..., :p] @ past_v[i].transpose(1, 2) + attn[..., p:] @ v.transpose(
-                1, 2
-            )  # (1, H, T, D)
-            out = a.linear_out(out.transpose(1, 2).reshape(1, t, a.h * a.d_k))
-            x = residual + out
-            if not layer.normalize_before:
-                x = layer.norm_attn(x)
-            residual = x
-            h = layer.norm_ffn(x) if layer.normalize_before else x
-            x = residual + layer.feed_forward(h)
-            if not layer.normalize_before:
-                x = layer.norm_ffn(x)
-            new += [k, v]
-        if stack.cfg.normalize_before:
-            x = stack.after_norm(x)
-        logp = self.decoder(x[:, -1]).float().log_softmax(dim=-1)
-        return (logp, *new[0::2], *new[1::2])
-
-
-class FlowEncoderGraph(nn.Module):
-    """speech tokens (1, N) int64 (prompt then target) -> the flow encoder's projected output (1, N, 80)."""
-
-    def __init__(self, flow: nn.Module) -> None:
-        super().__init__()
-        self.flow = flow
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        f = self.flow
-        lens = (tokens > -(2**31)).sum(dim=1)
-        h, _ = f.encoder(f.input_embedding(tokens.clamp(min=0)), lens)
-        return f.encoder_proj(h)
-
-
-class RegulatorGraph(nn.Module):
-    """the length regulator's convolutions over interpolated frames (1, 80, M) -> mu (1, 80, M)."""
-
-    def __init__(self, flow: nn.Module) -> None:
-        super().__init__()
-        self.model = flow.length_regulator.model
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model(x)
-
-
-class EstimatorGraph(nn.Module):
-    """the flow estimator: packed input cat([x, mu, spks, cond]) (2B, C_in, T) and times (2B,) -> (2B, 80, T)."""
-
-    def __init__(self, flow: nn.Module) -> None:
-        super().__init__()
-        self.estimator = flow.decoder.estimator
-
-    def forward(self, h: Tensor, t: Tensor) -> Tensor:
-        return self.estimator.forward_packed(h, None, t)
-
-
-class F0Graph(nn.Module):
-    """mel (1, 80, T) -> f0 in Hz (1, T)."""
-
-    def __init__(self, hift: nn.Module) -> None:
-        super().__init__()
-        self.f0_predictor = hift.f0_predictor
-
-    def forward(self, mel: Tensor) -> Tensor:
-        return self.f0_predictor(mel)
-
-
-class VocoderGraph(nn.Module):
-    """mel (1, 80, T) and the source's STFT (1, n_fft+2, N) -> the spectrum before the iSTFT (1, n_fft+2, N)."""
-
-    def __init__(self, hift: nn.Module) -> None:
-        super().__init__()
-        self.hift = hift
-
-    def forward(self, mel: Tensor, s_stft: Tensor) -> Tensor:
-        return self.hift.decode_spectrum(mel, s_stft)
-
-
-# --- export --------------------------------------------------------------------------------------------------
+# --- exporting and checking one graph --------------------------------------------------------------------------------------------------
 
 
 def _export(
@@ -243,9 +89,11 @@ def _export(
 def _optimize_offline(path: Path) -> None:
     """Replace the graph at ``path`` by ONNX Runtime's own rewrite of it (extended level: constant folding, shape
     arithmetic folded, CPU fusions), weights again in one data file beside it. Why: ORT's Python binding holds the
-    GIL while a session opens, and the flow estimator's 5900 traced nodes took 1.3-1.8 s to open (every thread of
-    the process stalled meanwhile, a first request included); the rewritten graph has half the nodes and opens in
-    about 1 s. The rewrite is checked against the torch module like the traced graph was."""
+    GIL while a session opens, and a session's open time grows with the graph's nodes: the flow estimator's 5900
+    traced nodes took 1.3-1.8 s to open (every thread of the process stalled meanwhile, a first request
+    included), the rewrite has half of them and opens in about 1 s; the Qwen LM step's 2605 nodes at full size
+    become 1540 (~0.4 s instead of ~0.8 s to open on a busy 2-core machine, its steps no slower). The rewrite is
+    checked against the torch module like the traced graph was."""
     import onnxruntime as ort
 
     tmp = path.with_name(path.stem + ".opt.onnx")
@@ -299,7 +147,12 @@ def _session(path: Path) -> Any:
 
 
 def _check(
-    name: str, path: Path, module: nn.Module, cases: list[tuple[Tensor, ...]], inputs: list[str], atol: float
+    name: str,
+    path: Path,
+    module: Callable[..., Any],
+    cases: list[tuple[Tensor, ...]],
+    inputs: list[str],
+    atol: float,
 ) -> float:
     """Run the graph and the module on each case; refuse (ConvertError) a graph whose outputs differ."""
     sess = _session(path)
@@ -333,7 +186,7 @@ def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str])
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    src, dst = out / GRAPHS["llm_step"], out / INT8_STEP
+    src, dst = out / "llm_step.onnx", out / INT8_STEP
     tmp = out / "int8.tmp.onnx"
     model = onnx.load(str(src), load_external_data=True)
     onnx.save_model(
@@ -372,70 +225,76 @@ def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str])
     return {"max_abs_logp": worst, "mean_kl": float(np.mean(kls)), "top1_agree": float(np.mean(agree))}
 
 
-def _tables(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, np.ndarray]:
-    def a(t: Tensor) -> np.ndarray:
-        return np.ascontiguousarray(t.detach().float().numpy())
+class Exporter:
+    """What a family's lite export writes into (``lite/``): its graphs, each exported and checked, the int8 step
+    graph's distance from the float one, its numpy tables and the config numbers the runtime reads.
 
-    return {
-        "llm.sos": a(llm.llm_embedding.weight[llm.sos]),
-        "llm.task": a(llm.llm_embedding.weight[llm.task_id]),
-        "llm.spk_affine.weight": a(llm.spk_embed_affine_layer.weight),
-        "llm.spk_affine.bias": a(llm.spk_embed_affine_layer.bias),
-        "llm.speech_embedding": a(llm.speech_embedding.weight),
-        "flow.spk_affine.weight": a(flow.spk_embed_affine_layer.weight),
-        "flow.spk_affine.bias": a(flow.spk_embed_affine_layer.bias),
-        "hift.source.weight": a(hift.m_source.l_linear.weight),
-        "hift.source.bias": a(hift.m_source.l_linear.bias),
-        # every LM layer's linear_pos(pe) for the first distances (L, rows, H, D): what the llm_pos graph gives
-        "llm.pos_proj": a(
-            PosProjGraph(llm)(torch.from_numpy(distance_pe(llm.cfg.llm_input_size, 0, POS_TABLE_ROWS)))
-        ),
-    }
+    Args:
+        out: the ``lite/`` folder.
+        step: reports progress.
+    """
+
+    def __init__(self, out: Path, step: Callable[[str], None]) -> None:
+        self.out = out
+        self.step = step
+        self.gen = torch.Generator().manual_seed(1234)  # the check inputs
+        self.graphs: dict[str, str] = {}  # graph name -> file
+        self.errors: dict[str, float] = {}  # graph name -> its check's largest difference
+        self.int8: dict[str, float] | None = None
+        self.tables: dict[str, np.ndarray] = {}
+        self.config: dict[str, Any] = {}
+        self._checks: dict[str, tuple[Callable[..., Any], list[tuple[Tensor, ...]], list[str]]] = {}
+
+    def randn(self, *shape: int) -> Tensor:
+        return torch.randn(*shape, generator=self.gen)
+
+    def ints(self, hi: int, n: int) -> Tensor:
+        return torch.randint(0, hi, (1, n), generator=self.gen, dtype=torch.int64)
+
+    def graph(
+        self,
+        name: str,
+        module: nn.Module,
+        example: tuple[Tensor, ...],
+        inputs: list[str],
+        outputs: list[str],
+        dynamic: dict[str, dict[int, str]],
+        cases: list[tuple[Tensor, ...]],
+        *,
+        optimize: bool = False,
+        reference: Callable[..., Any] | None = None,
+    ) -> None:
+        """Export ``module`` as graph ``name`` (traced on ``example``; ``optimize``: rewritten by ONNX Runtime,
+        :func:`_optimize_offline`) and check it on ``cases`` against ``reference`` (default: ``module`` itself; a
+        graph wrapper that re-states a computation is checked against the model's own code)."""
+        path = self.out / f"{name}.onnx"
+        _export(module, example, path, inputs, outputs, dynamic)
+        if optimize:
+            _optimize_offline(path)
+        self._checks[name] = (reference or module, cases, inputs)
+        self.errors[name] = _check(name, path, reference or module, cases, inputs, CHECK_ATOL)
+        self.graphs[name] = path.name
+
+    def optimize(self, name: str) -> None:
+        """Rewrite graph ``name`` by ONNX Runtime (:func:`_optimize_offline`) after what needed the traced graph
+        (the int8 quantizer reads it), and check the rewrite as the traced graph was checked."""
+        path = self.out / self.graphs[name]
+        _optimize_offline(path)
+        reference, cases, inputs = self._checks[name]
+        self.errors[name] = max(self.errors[name], _check(name, path, reference, cases, inputs, CHECK_ATOL))
+
+    def quantize_step(self, cases: list[tuple[Tensor, ...]], names: list[str]) -> None:
+        """Write ``llm_step.int8.onnx`` (see :func:`_quantize_step`) and record its distance from the float one."""
+        self.int8 = _quantize_step(self.out, cases, names)
 
 
-def _config(cfg: Any, llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, Any]:
-    a0 = llm.llm.encoders[0].self_attn
-    h = hift.cfg
-    cfm = flow.decoder
-    return {
-        "family": cfg.family,
-        "sample_rate": cfg.sample_rate,
-        "llm": {
-            "layers": len(llm.llm.encoders),
-            "heads": a0.h,
-            "head_dim": a0.d_k,
-            "input_size": llm.cfg.llm_input_size,
-            "eos_token": llm.eos_token,
-            "speech_token_size": llm.cfg.speech_token_size,
-            "spk_embed_dim": llm.cfg.spk_embed_dim,
-            "sampling": {
-                "top_p": llm.cfg.sampling.top_p,
-                "top_k": llm.cfg.sampling.top_k,
-                "win_size": llm.cfg.sampling.win_size,
-                "tau_r": llm.cfg.sampling.tau_r,
-            },
-        },
-        "flow": {
-            "input_frame_rate": flow.input_frame_rate,
-            "output_size": flow.output_size,
-            "in_channels": cfm.estimator.in_channels,
-            "n_timesteps": flow.N_TIMESTEPS,
-            "t_scheduler": cfm.t_scheduler,
-            "inference_cfg_rate": cfm.inference_cfg_rate,
-        },
-        "hift": {
-            "sampling_rate": h.sampling_rate,
-            "nb_harmonics": h.nb_harmonics,
-            "upsample_factor": h.upsample_factor,
-            "nsf_alpha": h.nsf_alpha,
-            "nsf_sigma": h.nsf_sigma,
-            "nsf_voiced_threshold": h.nsf_voiced_threshold,
-            "n_fft": h.istft_params["n_fft"],
-            "hop_len": h.istft_params["hop_len"],
-            "audio_limit": h.audio_limit,
-            "in_channels": h.in_channels,
-        },
-    }
+def require_lite(family: Any) -> None:
+    """Refuse (ConvertError) ``convert --runtime lite`` of a family the lite runtime cannot serve yet."""
+    if not family.lite:
+        raise ConvertError(
+            f"--runtime lite serves the CosyVoice-300M family; this is a {family.title} model (use the torch "
+            f"runtime; its lite graphs cover the {', '.join(family.lite_parts) or 'nothing'} so far)"
+        )
 
 
 @torch.no_grad()
@@ -445,6 +304,7 @@ def export_lite(
     *,
     model_dir: Path | None = None,
     int8: bool = False,
+    parts: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Write ``bundle_dir/lite/`` from the bundle's weights and check every graph; returns its manifest.
 
@@ -455,150 +315,47 @@ def export_lite(
             the LLM as int8 (torch's int8 is not ONNX's).
         int8: also write ``llm_step.int8.onnx``, the step graph with ONNX Runtime's dynamic int8 quantization of
             its matrix products (what ``llm_quantize=int8`` serves); its distance from the float graph is recorded.
+        parts: the parts to export (of ``llm``, ``flow``, ``hift``). None: all of them, which a bundle needs to
+            serve on the lite runtime (``convert --runtime lite``); a family whose export does not cover every
+            part yet is refused then. A subset (the LM of CosyVoice2/3: ``("llm",)``) writes a bundle the lite
+            runtime refuses to serve but whose LM the tools run (conformance, tests, benchmarks).
 
     Raises:
-        ConvertError: a family or storage the lite runtime does not serve, or a graph that differs from its module.
+        ConvertError: a family or part the lite export does not cover, or a graph that differs from its module.
     """
     from safetensors.numpy import save_file
 
     from cosyserve.bundle.convert import sha256_file
     from cosyserve.bundle.loader import LoadOptions, open_bundle
+    from cosyserve.families.base import import_string
 
     bundle = open_bundle(bundle_dir)
     cfg = bundle.config
-    if not cfg.family_spec.lite:
+    family = cfg.family_spec
+    if parts is None:
+        require_lite(family)
+        parts = LITE_PARTS
+    missing = [p for p in parts if p not in family.lite_parts]
+    if missing or not parts:
         raise ConvertError(
-            f"--runtime lite serves the CosyVoice-300M family; this is a {cfg.family_spec.title} model (use the "
-            "torch runtime)"
+            f"the lite export of {family.title} covers its {', '.join(family.lite_parts) or 'nothing'}, not "
+            f"{', '.join(missing) or 'an empty list of parts'}"
         )
-    parts = bundle.load(LoadOptions(strategy="lazy", verify="none"))
+    loaded = bundle.load(LoadOptions(strategy="lazy", verify="none"))
+    modules = dict(loaded.modules)
     if bundle.quantized("llm") != "none":
         if model_dir is None:
             raise ConvertError("--runtime lite exports float weights; this bundle stores the LLM as int8")
         from cosyserve.bundle.official import load_component
 
-        parts.modules["llm"] = load_component(model_dir, "llm", cfg.llm, cfg.family)
-    llm, flow, hift = (parts.modules[n].float().eval() for n in ("llm", "flow", "hift"))
-    # the relative-position tables are Python-side buffers: grown before tracing so the traced constant covers
-    # every length a request can have
-    for enc in (llm.text_encoder, flow.encoder, llm.llm):
-        enc.embed.pos_enc._table(MAX_TEXT_POSITIONS, torch.zeros(1))
+        modules["llm"] = load_component(model_dir, "llm", cfg.llm, cfg.family)
+    modules = {k: v.float().eval() for k, v in modules.items()}
     out = bundle_dir / LITE_DIR
     out.mkdir(exist_ok=True)
-    gen = torch.Generator().manual_seed(1234)
-    n_layers = len(llm.llm.encoders)
-    a0 = llm.llm.encoders[0].self_attn
-    heads, head_dim, c = a0.h, a0.d_k, llm.cfg.llm_input_size
-    errors: dict[str, float] = {}
-
-    def randn(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen)
-
-    def ints(hi: int, n: int) -> Tensor:
-        return torch.randint(0, hi, (1, n), generator=gen, dtype=torch.int64)
-
-    def pe_rows(n: int) -> Tensor:
-        return torch.from_numpy(distance_pe(c, 0, n))
-
-    def graph(
-        name: str,
-        module: nn.Module,
-        example: tuple[Tensor, ...],
-        inputs: list[str],
-        outputs: list[str],
-        dynamic: dict[str, dict[int, str]],
-        cases: list[tuple[Tensor, ...]],
-        optimize: bool = False,
-    ) -> None:
-        """Export ``module`` as graph ``name`` (traced on ``example``) and check it on ``cases``."""
-        path = out / GRAPHS[name]
-        _export(module, example, path, inputs, outputs, dynamic)
-        if optimize:
-            _optimize_offline(path)
-        errors[name] = _check(name, path, module, cases, inputs, 1e-4)
-
-    step("lite: LM text encoder")
-    graph(
-        "llm_text", TextEncoderGraph(llm), (ints(100, 7),), ["text"], ["encoded"],
-        {"text": {1: "n"}, "encoded": {1: "n"}}, [(ints(1000, 5),), (ints(1000, 23),)],
-    )  # fmt: skip
-
-    step("lite: LM positions")
-    pp = PosProjGraph(llm)
-    graph(
-        "llm_pos", pp, (pe_rows(9),), ["pe"], ["proj"], {"pe": {0: "n"}, "proj": {1: "n"}},
-        [(pe_rows(4),), (pe_rows(33),)],
-    )  # fmt: skip
-
-    step("lite: LM step")
-    names = ["x"] + [f"past_k{i}" for i in range(n_layers)] + [f"past_v{i}" for i in range(n_layers)]
-    names += [f"pos{i}" for i in range(n_layers)]
-    outs = ["logp"] + [f"new_k{i}" for i in range(n_layers)] + [f"new_v{i}" for i in range(n_layers)]
-    dyn: dict[str, dict[int, str]] = {"x": {1: "t"}}
-    dyn.update({n: {1: "p"} for n in names if n.startswith("past")})
-    dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
-    dyn.update({n: {1: "t"} for n in outs if n.startswith("new")})
-
-    def step_case(p: int, t: int) -> tuple[Tensor, ...]:
-        proj = pp(pe_rows(p + t))
-        return (
-            randn(1, t, c),
-            *[randn(1, p, heads, head_dim) for _ in range(2 * n_layers)],
-            *[proj[i] for i in range(n_layers)],
-        )
-
-    graph(
-        "llm_step", StepGraph(llm), step_case(5, 3), names, outs, dyn,
-        [step_case(0, 9), step_case(9, 1), step_case(30, 1)],
-    )  # fmt: skip
-
-    step("lite: flow encoder")
-    vocab = flow.input_embedding.num_embeddings
-    graph(
-        "flow_encoder", FlowEncoderGraph(flow), (ints(vocab, 11),), ["tokens"], ["h"],
-        {"tokens": {1: "n"}, "h": {1: "n"}}, [(ints(vocab, 6),), (ints(vocab, 47),)],
-    )  # fmt: skip
-
-    step("lite: length regulator")
-    ch = flow.output_size
-    graph(
-        "flow_regulator", RegulatorGraph(flow), (randn(1, ch, 13),), ["x"], ["mu"],
-        {"x": {2: "m"}, "mu": {2: "m"}}, [(randn(1, ch, 7),), (randn(1, ch, 60),)],
-    )  # fmt: skip
-
-    step("lite: flow estimator")
-    cin = flow.decoder.estimator.in_channels
-
-    def est_case(m: int) -> tuple[Tensor, Tensor]:
-        return randn(2, cin, m), torch.rand(2, generator=gen)
-
-    graph(
-        "flow_estimator", EstimatorGraph(flow), est_case(16), ["h", "t"], ["v"],
-        {"h": {0: "b", 2: "m"}, "t": {0: "b"}, "v": {0: "b", 2: "m"}}, [est_case(9), est_case(70)], optimize=True,
-    )  # fmt: skip
-
-    step("lite: vocoder")
-    mels = hift.cfg.in_channels
-    graph(
-        "hift_f0", F0Graph(hift), (randn(1, mels, 10),), ["mel"], ["f0"], {"mel": {2: "t"}, "f0": {1: "t"}},
-        [(randn(1, mels, 4),), (randn(1, mels, 37),)],
-    )  # fmt: skip
-    n_fft, hop = hift.cfg.istft_params["n_fft"], hift.cfg.istft_params["hop_len"]
-
-    def voc_case(t: int) -> tuple[Tensor, Tensor]:
-        return randn(1, mels, t), randn(1, n_fft + 2, t * hift.cfg.upsample_factor // hop + 1)
-
-    graph(
-        "hift_decode", VocoderGraph(hift), voc_case(6), ["mel", "s_stft"], ["spec"],
-        {"mel": {2: "t"}, "s_stft": {2: "n"}, "spec": {2: "n"}}, [voc_case(3), voc_case(25)],
-    )  # fmt: skip
-
-    int8_delta: dict[str, float] = {}
-    if int8:
-        step("lite: LM step, int8")
-        int8_delta = _quantize_step(out, [step_case(0, 9), step_case(30, 1)], names)
+    ex = Exporter(out, step)
+    import_string(family.lite_export)(ex, modules, tuple(parts), int8)
     step("lite: tables")
-    save_file(_tables(llm, flow, hift), str(out / TABLES_FILE), metadata={"format": LITE_FORMAT})
+    save_file(ex.tables, str(out / TABLES_FILE), metadata={"format": LITE_FORMAT})
     (out / TABLES_FILE).chmod(0o644)
     files = {}
     for f in sorted(out.iterdir()):
@@ -607,12 +364,13 @@ def export_lite(
         "format": LITE_FORMAT,
         "version": LITE_VERSION,
         "opset": OPSET,
-        "config": _config(cfg, llm, flow, hift),
-        "graphs": GRAPHS,
+        "parts": list(parts),
+        "config": {"family": cfg.family, "sample_rate": cfg.sample_rate, **ex.config},
+        "graphs": ex.graphs,
         "files": files,
-        "checked": {k: float(f"{v:.3g}") for k, v in errors.items()},
-        **({"int8": int8_delta} if int8 else {}),
+        "checked": {k: float(f"{v:.3g}") for k, v in ex.errors.items()},
+        **({"int8": ex.int8} if ex.int8 is not None else {}),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    logger.info("lite graphs checked against the modules: %s", errors)
+    logger.info("lite graphs checked against the modules: %s", ex.errors)
     return manifest

@@ -1,8 +1,7 @@
 """The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
 
-:class:`LiteLM` is the decode loop's LM (:class:`~cosyserve.runtime.decode.DecodeLM`: prompt assembly from
-tables, extends and one-token steps against KV caches it owns, a batch's rows one after another), :class:`LiteFlow` turns tokens into mel (encoder graph, the length
-regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
+:class:`LiteBundle` checks a bundle's ``lite/`` files and opens their sessions; the LMs are in
+:mod:`cosyserve.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
 (f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
 runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
 share them and own only their caches and random generators. Nothing here imports torch.
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,31 +19,44 @@ from typing import Any
 import numpy as np
 
 from cosyserve.errors import BundleError
-from cosyserve.lite import GRAPHS, INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_VERSION, TABLES_FILE, dsp, terminate
+from cosyserve.lite import (
+    INT8_STEP,
+    LITE_DIR,
+    LITE_FORMAT,
+    LITE_PARTS,
+    LITE_VERSION,
+    TABLES_FILE,
+    dsp,
+    terminate,
+)
 from cosyserve.runtime.streampolicy import StreamPolicy
-from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.stop import ShouldStop, check
 
-__all__ = ["LiteBundle", "LiteFlow", "LiteLM", "LiteToken2Wav", "LiteVocoder", "session_options"]
+__all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
 
 OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
 CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
-POS_BLOCK = 256  # positional projections are computed in blocks of this many distances
 
 
 def mel_length(num_tokens: int, input_frame_rate: int) -> int:
     return int(num_tokens / input_frame_rate * 22050 / 256)
 
 
-def session_options(threads: int | None, *, prepack: bool = False, optimize: bool = True) -> Any:
+def session_options(
+    threads: int | None, *, prepack: bool = False, optimize: bool = True, plan_reuse: bool = True
+) -> Any:
     """ORT session options for a fast start: no weight prepacking (a session then opens in milliseconds over
     mapped weights; prepacking copies and reorders every weight, ~0.8 s per GB), ``threads`` intra-op threads;
     ``optimize`` False turns ORT's graph rewrites off (the LM graphs: the full set costs ~90 ms more to open
-    the step graph and decodes no faster, measured on the full-size model)."""
+    the step graph and decodes no faster, measured on the full-size model); ``plan_reuse`` False skips the
+    allocation planner's buffer-reuse analysis, which grows faster than the graph (the full-size Qwen LM step's
+    1540 nodes: 340-370 ms of CPU to open with it, 43-55 ms without; its steps and peak RSS the same: the arena
+    reuses freed blocks anyway)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    so.enable_mem_reuse = plan_reuse
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads:
@@ -100,11 +112,20 @@ class LiteBundle:
                 f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
             )
         config = self.manifest.get("config")
-        if not isinstance(config, dict) or not {"llm", "flow", "hift", "sample_rate"} <= set(config):
+        # a bundle written before the parts were recorded holds all of them
+        self.parts: list[str] = list(self.manifest.get("parts", LITE_PARTS))
+        graphs = self.manifest.get("graphs")
+        if (
+            not isinstance(config, dict)
+            or not {"sample_rate", *self.parts} <= set(config)
+            or not isinstance(graphs, dict)
+            or not all(isinstance(v, str) and "/" not in v for v in graphs.values())
+        ):
             raise BundleError(
                 f"{where}: no complete config in it; convert the model again with --runtime lite"
             )
         self.config: dict[str, Any] = config
+        self.graphs: dict[str, str] = graphs
         self.int8 = int8
         if int8 and INT8_STEP not in self.manifest.get("files", {}):
             raise BundleError(
@@ -139,14 +160,21 @@ class LiteBundle:
                     import onnxruntime as ort
 
                     int8 = self.int8 and name == "llm_step"
-                    path = self.dir / (INT8_STEP if int8 else GRAPHS[name])
+                    if name not in self.graphs:
+                        raise BundleError(
+                            f"{self.path}: its lite graphs ({', '.join(self.parts)}) hold no {name!r} graph"
+                        )
+                    path = self.dir / (INT8_STEP if int8 else self.graphs[name])
                     try:
-                        # the LM's graphs open before READY: no prepacking, no rewrites; flow and vocoder open
-                        # after it, prepacked and fully optimized (their convolutions run ~30% faster so); the
-                        # int8 step graph prepacked (0.4 s to open; its steps ~40% faster so)
-                        lm = name.startswith("llm_") and not int8
+                        # the LM's graphs open before READY: no prepacking, no rewrites, no buffer-reuse plan;
+                        # flow and vocoder open after it, prepacked and fully optimized (their convolutions run
+                        # ~30% faster so); the int8 step graph prepacked (0.4 s to open; its steps ~40% faster)
+                        lm = name.startswith("llm_")
                         options = session_options(
-                            self.threads, prepack=self.prepack or not lm, optimize=not lm
+                            self.threads,
+                            prepack=self.prepack or int8 or not lm,
+                            optimize=int8 or not lm,
+                            plan_reuse=not lm,
                         )
                         s = ort.InferenceSession(
                             str(path),
@@ -164,7 +192,7 @@ class LiteBundle:
 
     def data_files(self) -> list[Path]:
         """The weight files this runtime maps (the int8 or the float step graph's, not both)."""
-        skip = (GRAPHS["llm_step"] if self.int8 else INT8_STEP) + ".data"
+        skip = (self.graphs["llm_step"] if self.int8 else INT8_STEP) + ".data"
         return [f for f in sorted(self.dir.glob("*.data")) if f.name != skip] + [self.dir / TABLES_FILE]
 
 
@@ -196,161 +224,6 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
             )
         out[name] = np.ndarray(shape, dtype=dtype, buffer=mm, offset=base + begin)
     return out
-
-
-def _normalize(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.float32).reshape(1, -1)
-    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), np.float32(1e-12))
-
-
-class LiteLM:
-    """The decode loop's LM over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs (numpy arrays). The step
-    graph takes one row: a batch step runs its rows one after another."""
-
-    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray]) -> None:
-        c = bundle.config["llm"]
-        self.bundle = bundle
-        self.layers, self.heads, self.head_dim = int(c["layers"]), int(c["heads"]), int(c["head_dim"])
-        self.size = int(c["input_size"])
-        self.eos_token = int(c["eos_token"])
-        s = c["sampling"]
-        self.sampling = SamplingConfig(
-            float(s["top_p"]), int(s["top_k"]), int(s["win_size"]), float(s["tau_r"])
-        )
-        self.rules = StopRules(self.eos_token + 1, self.eos_token, self.eos_token)
-        self.ops = ArrayOps(np)
-        self._k: list[list[np.ndarray]] = []  # per cache row, per layer (1, positions, H, D)
-        self._v: list[list[np.ndarray]] = []
-        self.sos, self.task = tables["llm.sos"], tables["llm.task"]
-        self.spk_w, self.spk_b = tables["llm.spk_affine.weight"], tables["llm.spk_affine.bias"]
-        self.speech_embedding = tables["llm.speech_embedding"]
-        table = tables.get("llm.pos_proj")  # (L, rows, H, D): the first distances, computed at conversion
-        empty = np.zeros((self.layers, 0, self.heads, self.head_dim), np.float32)
-        self._pos: list[np.ndarray] = list(table if table is not None else empty)
-        self._pos_lock = threading.Lock()
-
-    def _positions(self, n: int) -> list[np.ndarray]:
-        # every layer's linear_pos(pe) for distances [0, n): weight-only, computed in blocks and kept
-        pos = self._pos
-        if pos[0].shape[0] >= n:
-            return pos
-        with self._pos_lock:
-            pos = self._pos
-            have = pos[0].shape[0]
-            if have < n:
-                stop = -(-n // POS_BLOCK) * POS_BLOCK
-                pe = dsp.distance_pe(self.size, have, stop)
-                (proj,) = self.bundle.session("llm_pos").run(None, {"pe": pe})  # (L, rows, H, D)
-                # new arrays (a running request keeps the ones it bound)
-                self._pos = pos = [np.concatenate([pos[i], proj[i]]) for i in range(self.layers)]
-        return pos
-
-    def _prompt(
-        self, text: list[int], prompt_text: list[int], prompt_speech: list[int], embedding: np.ndarray | None
-    ) -> np.ndarray:
-        """The LM's prompt (1, T0, C): sos, [speaker], encoded prompt text + text, task id, prompt speech."""
-        ids = np.asarray([list(prompt_text) + list(text)], dtype=np.int64)
-        (encoded,) = self.bundle.session("llm_text").run(None, {"text": ids})
-        parts = [self.sos.reshape(1, -1)]
-        if embedding is not None and embedding.size:
-            parts.append(_normalize(embedding) @ self.spk_w.T + self.spk_b)
-        parts += [encoded[0], self.task.reshape(1, -1)]
-        if prompt_speech:
-            parts.append(self.speech_embedding[np.asarray(prompt_speech, dtype=np.int64)])
-        return np.concatenate(parts).astype(np.float32)[None]
-
-    def _run_step(self, x: np.ndarray, k: list[np.ndarray], v: list[np.ndarray], p: int) -> np.ndarray:
-        """Run ``x`` (1, T, C) at positions p.. against caches k/v (1, max, H, D); writes rows p..p+T in place."""
-        import onnxruntime as ort
-
-        t = x.shape[1]
-        sess = self.bundle.session("llm_step")
-        pos = self._positions(p + t)
-        io = sess.io_binding()
-        io.bind_cpu_input("x", np.ascontiguousarray(x, dtype=np.float32))
-        keep = []
-        for i in range(self.layers):
-            for name, arr in (
-                (f"past_k{i}", k[i][:, :p]),
-                (f"past_v{i}", v[i][:, :p]),
-                (f"pos{i}", pos[i][: p + t]),
-            ):
-                val = ort.OrtValue.ortvalue_from_numpy(arr)
-                keep.append(val)
-                io.bind_ortvalue_input(name, val)
-            for name, arr in ((f"new_k{i}", k[i][:, p : p + t]), (f"new_v{i}", v[i][:, p : p + t])):
-                val = ort.OrtValue.ortvalue_from_numpy(arr)
-                keep.append(val)
-                io.bind_ortvalue_output(name, val)
-        logp = np.empty((1, self.eos_token + 1), np.float32)
-        out = ort.OrtValue.ortvalue_from_numpy(logp)
-        io.bind_ortvalue_output("logp", out)
-        sess.run_with_iobinding(io)
-        return logp[0]  # (V,)
-
-    # --- the decode loop's LM (cosyserve.runtime.decode.DecodeLM) -------------------------------------------------
-
-    def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
-        """The one-shot prompt (1, T0, C) of a reference model-input dict and its text's length."""
-        text = _flat(model_input["text"])
-        embedding = model_input.get("llm_embedding")
-        emb = None if embedding is None else np.asarray(embedding, dtype=np.float32).reshape(-1)
-        prompt = self._prompt(
-            text,
-            _flat(model_input.get("prompt_text", [])),
-            _flat(model_input.get("llm_prompt_speech_token", [])),
-            emb,
-        )
-        return prompt, len(text)
-
-    def embed(self, parts: list[tuple[str, list[int]]]) -> np.ndarray:
-        for kind, _ in parts:
-            if kind != "speech":
-                raise ValueError(f"the lite LM takes no {kind!r} input after its prompt")
-        ids = [t for _, p in parts for t in p]
-        return self.speech_embedding[np.asarray(ids, dtype=np.int64)][None].astype(np.float32)
-
-    def prompt_head(self, prompt_ids: list[int]) -> int:
-        return 0
-
-    def reserve(self, rows: int, positions: int) -> None:
-        shape = (1, positions, self.heads, self.head_dim)
-        for caches in (self._k, self._v):
-            for r in range(rows):
-                if r == len(caches):
-                    caches.append([])
-                old = caches[r]
-                if old and old[0].shape[1] >= positions:
-                    continue
-                # np.zeros maps untouched pages: a row costs memory only for the positions it reaches
-                new = [np.zeros(shape, np.float32) for _ in range(self.layers)]
-                for a, b in zip(new, old, strict=False):
-                    a[:, : b.shape[1]] = b
-                caches[r] = new
-
-    def release(self) -> None:
-        self._k, self._v = [], []
-
-    def extend(self, x: np.ndarray, row: int, start: int) -> np.ndarray:
-        return self._run_step(x, self._k[row], self._v[row], start)[None]
-
-    def decode(self, tokens: np.ndarray, pos: np.ndarray, kv_len: int, rows: np.ndarray | None) -> np.ndarray:
-        rows = np.arange(len(tokens)) if rows is None else rows
-        out = np.empty((len(tokens), self.eos_token + 1), np.float32)
-        for b, (token, p, r) in enumerate(zip(tokens.tolist(), pos.tolist(), rows.tolist(), strict=True)):
-            x = self.speech_embedding[token].reshape(1, 1, -1)
-            out[b] = self._run_step(x, self._k[r], self._v[r], p)
-        return out
-
-    def warmup_prompt(self) -> np.ndarray:
-        """A one-position prompt (sos): a warm-up's prefill runs the step graph on one row, as a decode step does
-        (a prefill of M > 1 rows packs every weight matrix per call without prepacking, ~100 ms at full size, and a
-        first call costs no more than a later one); the text encoder's graph opens after READY."""
-        return self.sos.reshape(1, 1, -1).astype(np.float32)
-
-
-def _flat(a: Any) -> list[int]:
-    return [int(x) for x in np.asarray(a).reshape(-1)]
 
 
 class LiteFlow:
@@ -406,7 +279,7 @@ class LiteFlow:
         f, m = prompt_feat.shape[0], mel_length(t, self.input_frame_rate)
         mu = self.regulate(h[0], p, f, m)  # (80, f + m)
         total = f + m
-        spks = (_normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
+        spks = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
         z = noise.astype(np.float32).copy()
         if cache is not None and cache.shape[1] > 0:
             c = cache.shape[1]

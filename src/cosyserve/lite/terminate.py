@@ -11,13 +11,15 @@ again in a forked child), so a fork template starts none.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from cosyserve.stop import ShouldStop, Stopped
 
-__all__ = ["POLL_S", "run"]
+__all__ = ["POLL_S", "run", "run_bound"]
 
 POLL_S = 0.05
 
@@ -32,16 +34,38 @@ def run(session: Any, feeds: dict[str, Any], should_stop: ShouldStop | None) -> 
     so (within about :data:`POLL_S` seconds and the time ORT takes to reach its next kernel)."""
     if should_stop is None:
         return session.run(None, feeds)  # type: ignore[no-any-return]
+    with _watched(should_stop) as options:
+        return session.run(None, feeds, options)  # type: ignore[no-any-return]
+
+
+def run_bound(session: Any, binding: Any, should_stop: ShouldStop | None) -> None:
+    """``session.run_with_iobinding(binding)`` (its outputs in the buffers bound to it), ended early as
+    :func:`run` ends a run."""
+    if should_stop is None:
+        session.run_with_iobinding(binding)
+        return
+    with _watched(should_stop) as options:
+        session.run_with_iobinding(binding, options)
+
+
+@contextlib.contextmanager
+def _watched(should_stop: ShouldStop) -> Iterator[Any]:
+    # RunOptions for one run, registered with the watcher meanwhile; ORT's error for a terminated run becomes
+    # Stopped. A signal already set terminates at once: ORT then returns before its first kernel.
     import onnxruntime as ort
 
     options = ort.RunOptions()
+    if should_stop():
+        options.terminate = True
     key = id(options)
     with _lock:
+        idle = not _runs
         _runs[key] = (options, should_stop)
         _ensure_watcher()
-        _wake.notify()
+        if idle:  # else it polls within POLL_S anyway: no wake-up per run (an LM step is one)
+            _wake.notify()
     try:
-        return session.run(None, feeds, options)  # type: ignore[no-any-return]
+        yield options
     except Exception:
         if options.terminate:  # ORT's error for a terminated run: the request stopped
             raise Stopped from None

@@ -11,7 +11,7 @@ Mirrors ``cosyvoice.llm.llm.CosyVoice3LM``. The differences from :class:`~cosyse
   CosyVoice3 is ``sos``, not the real EOS: the EOS stays drawable. Kept as is (:attr:`eos_token` here is the id the
   shared :class:`~cosyserve.models.llm.SpeechLM` masks and stops from, 6561; :attr:`eos` is the real one).
 - streaming text input (the reference's ``inference_bistream``, run by :mod:`cosyserve.runtime.decode`): the
-  prompt text splits after its first ``<|endofprompt|>`` (:meth:`CosyVoice3LM.prompt_head`).
+  prompt text splits after its first ``<|endofprompt|>`` (:attr:`CosyVoice3LM.prompt_marker`, in its stop rules).
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ from torch import Tensor, nn
 
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.qwen2lm import Qwen2LM, Qwen2LMConfig, _Encoder, _mix_ratio
+from cosyserve.sampling import PromptRuleError
 
 __all__ = ["ENDOFPROMPT", "CosyVoice3LM", "CosyVoice3LMConfig", "PromptRuleError"]
 
 ENDOFPROMPT = 151646  # <|endofprompt|>'s text id, as the reference hard-codes it
 N_SPECIAL = 200  # special ids after the speech tokens
-
-
-class PromptRuleError(ValueError):
-    """Prompt text + text hold no ``<|endofprompt|>`` (CosyVoice3 needs one)."""
 
 
 @dataclass
@@ -44,6 +41,7 @@ class CosyVoice3LM(Qwen2LM):
     """CosyVoice3's LM; attribute names match the official ``llm.pt`` keys."""
 
     ROW_TABLES = ("llm.model.model.embed_tokens.weight", "speech_embedding.weight")
+    prompt_marker = ENDOFPROMPT
 
     def __init__(self, cfg: CosyVoice3LMConfig) -> None:
         SpeechLM.__init__(self)
@@ -77,11 +75,7 @@ class CosyVoice3LM(Qwen2LM):
             PromptRuleError: ``<|endofprompt|>`` is in neither text nor prompt text.
         """
         ids = torch.cat([prompt_text, text], dim=1).to(torch.int64)
-        if not bool((ids == ENDOFPROMPT).any()):
-            raise PromptRuleError(
-                "CosyVoice3 needs <|endofprompt|> in the prompt text or the text, e.g. a prompt text (or text) "
-                "starting with 'You are a helpful assistant.<|endofprompt|>'"
-            )
+        self.rules.require_marker(ids.reshape(-1).tolist())
         dtype = self.speech_embedding.weight.dtype
         parts = [self._row(self.sos), self.stack.embed_tokens(ids).to(dtype), self._row(self.task_id)]
         if int(prompt_speech_token_len.reshape(-1)[0]) != 0:
@@ -91,12 +85,3 @@ class CosyVoice3LM(Qwen2LM):
     def warmup_input(self) -> dict[str, Tensor]:
         # <|endofprompt|> and three ids: the prompt rule holds
         return {"text": torch.tensor([[ENDOFPROMPT, 1, 2, 3]], dtype=torch.int32)}
-
-    def prompt_head(self, prompt_ids: list[int]) -> int:
-        # the bistream prompt splits after the first <|endofprompt|>: what comes before starts the LM's input
-        if ENDOFPROMPT not in prompt_ids:
-            raise PromptRuleError(
-                "CosyVoice3 streaming text input needs <|endofprompt|> in the prompt text, e.g. "
-                "'You are a helpful assistant.<|endofprompt|>' before the prompt's transcript"
-            )
-        return prompt_ids.index(ENDOFPROMPT) + 1

@@ -140,9 +140,6 @@ class SpeechLM(nn.Module):
     def _ids(self, ids: list[int]) -> Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self.speech_embedding.weight.device)
 
-    def prompt_head(self, prompt_ids: list[int]) -> int:
-        return 0
-
     def reserve(self, rows: int, positions: int) -> None:
         cache = self._first_cache()
         w = self.speech_embedding.weight
@@ -153,14 +150,16 @@ class SpeechLM(nn.Module):
     def release(self) -> None:
         self.stack.release_caches()
 
-    def extend(self, x: Tensor, row: int, start: int) -> Tensor:
+    def extend(self, x: Tensor, row: int, start: int, stop: Any = None) -> Tensor:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``: (1, V) float32 log-probabilities of
-        the token after it."""
+        the token after it (``stop`` is not asked: the decode loop asks between steps)."""
         rows = None if row == 0 else torch.tensor([row], device=x.device)
         pos = torch.full((1,), start, dtype=torch.int64, device=x.device)
         return self._logprobs(self.stack.forward_cached(x, pos, start + x.shape[1], rows)[:, -1])
 
-    def decode(self, tokens: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None = None) -> Tensor:
+    def decode(
+        self, tokens: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None = None, stops: Any = None
+    ) -> Tensor:
         """Feed one speech token per row.
 
         Args:
@@ -168,6 +167,7 @@ class SpeechLM(nn.Module):
             pos: (B,) int64 position each token is written at.
             kv_len: host int >= max(pos) + 1.
             rows: (B,) cache rows (default 0..B-1).
+            stops: each row's stop signal (not asked here: the decode loop asks between steps).
         Returns:
             (B, V) float32 log-probabilities of the next token.
         """

@@ -283,6 +283,9 @@ class Qwen2LM(SpeechLM):
     # the Qwen text vocabulary (151936 rows): a request reads a few rows of it, a preload leaves the rest unread
     ROW_TABLES = ("llm.model.model.embed_tokens.weight", "speech_embedding.weight")
     N_STOP = 3  # eos, and two more stop tokens (the "fill" tokens of training)
+    # the text id a prompt must hold, after whose first occurrence a streamed-text prompt splits (CosyVoice3's
+    # <|endofprompt|>); None: no such rule
+    prompt_marker: ClassVar[int | None] = None
 
     def __init__(self, cfg: Qwen2LMConfig) -> None:
         super().__init__()
@@ -315,7 +318,7 @@ class Qwen2LM(SpeechLM):
         # streaming text input (the reference's bistream): the real end of speech, the token that asks for text
         return StopRules(
             self.llm_decoder.out_features, self.eos_token, self.eos, self.fill_token, self.mix_ratio,
-            self.sos, self.task_id,
+            self.sos, self.task_id, self.prompt_marker,
         )  # fmt: skip
 
     def _embed_part(self, kind: str, ids: list[int]) -> Tensor:

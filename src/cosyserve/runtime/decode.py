@@ -3,7 +3,7 @@
 An LM gives the loop what :class:`DecodeLM` declares (its stop rules and sampling options, prompts and
 embeddings, an extend of one row and a one-token step over a batch of rows, each at its own position, and its
 caches); the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and its subclasses) and the lite runtime's
-:class:`~cosyserve.lite.models.LiteLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
+:class:`~cosyserve.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
 one-shot rows (:class:`~cosyserve.runtime.lm.OneShot`), rows whose text still arrives
 (:class:`~cosyserve.runtime.lm.Streamed`, the reference's bistream) and teacher-forced rows of either kind (the
 given tokens instead of samples, every step's log-probabilities kept: conformance, the quality gate).
@@ -48,6 +48,7 @@ from cosyserve.runtime.lm import (
 from cosyserve.runtime.readback import ReadBack
 from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row
 from cosyserve.sampling import Sampler
+from cosyserve.stop import ShouldStop, Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class DecodeLoop:
         *,
         teacher: Iterable[int] | None = None,
         record: list[tuple[Any, int]] | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> Iterator[int]:
         """The speech tokens (ids < ``eos_token``) of one row, as they are read back.
 
@@ -144,17 +146,25 @@ class DecodeLoop:
             key: the sampler key (:func:`cosyserve.sampling.row_key`).
             teacher: tokens to take instead of samples (a streamed-text row's forced fills take none).
             record: where each step's (log-probabilities before any mask, id) go, fills and stops included.
+            should_stop: the request's stop signal: the LM may end the row's running work with it (the lite
+                runtime terminates its ONNX Runtime run), and the row then ends with :class:`Stopped`.
         Raises:
             ValueError: a teacher token the row's phase does not accept, or too few of them.
+            Stopped: ``should_stop`` ended the row's work.
         """
         if isinstance(spec, OneShot) and spec.max_len <= 0:
             return iter(())
-        return self._consume(self._join(spec, key, teacher, record))
+        return self._consume(self._join(spec, key, teacher, record, should_stop))
 
     def _join(
-        self, spec: OneShot | Streamed, key: int, teacher: Iterable[int] | None, record: list | None
+        self,
+        spec: OneShot | Streamed,
+        key: int,
+        teacher: Iterable[int] | None,
+        record: list | None,
+        should_stop: ShouldStop | None,
     ) -> Row:
-        row = Row(spec, key, None if teacher is None else iter(teacher), record)
+        row = Row(spec, key, None if teacher is None else iter(teacher), record, should_stop)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"decode loop ({self.name}) is closed")
@@ -200,7 +210,7 @@ class DecodeLoop:
                 if item is DONE:
                     return
                 if isinstance(item, BaseException):
-                    if isinstance(item, ValueError):
+                    if isinstance(item, ValueError | Stopped):
                         raise item
                     raise RuntimeError(f"decode loop ({self.name}) failed: {item!r}") from item
                 row.taken += 1
@@ -347,7 +357,7 @@ class DecodeLoop:
             return
         if rules.fill is None:
             raise ValueError(f"decode loop ({self.name}): this LM takes no streamed text")
-        row.state = StreamedText(rules, spec, self.lm.prompt_head(list(spec.prompt_text)))
+        row.state = StreamedText(rules, spec, rules.prompt_head(list(spec.prompt_text)))
         row.arriving = True
         self._set(row, rules.eos_token, rules.vocab - 1, rules.fill, _ALWAYS)
         self._ask_text(row)
@@ -380,7 +390,7 @@ class DecodeLoop:
         start = row.pos
         end = start + x.shape[1]
         self._reserve(row.slot + 1, max(positions, end + 1))
-        logits = self.lm.extend(x, row.slot, start)  # (1, V)
+        logits = self.lm.extend(x, row.slot, start, row.should_stop)  # (1, V)
         if self._logits is None:
             self._logits = self.ops.xp.zeros((self.max_rows, logits.shape[1]), dtype=logits.dtype)
             if self.ops.torch:
@@ -471,11 +481,21 @@ class DecodeLoop:
             tokens < self.rules.eos_token, tokens, 0
         )  # a stop id (read later) has no embedding row
         pos = self._pos[sl]
-        self._logits[sl] = self.lm.decode(fed, pos, kv_len, None if isinstance(sl, slice) else sl)
+        stops = [r.should_stop for r in rows]
+        watched = any(s is not None for s in stops)
+        self._logits[sl] = self.lm.decode(
+            fed, pos, kv_len, None if isinstance(sl, slice) else sl, stops if watched else None
+        )
         self._pos[sl] = pos + 1
         for r in rows:
             r.pos += 1
             r.ready = True
+        if watched:  # a row whose run its stop ended holds no log-probabilities: it ends here
+            stopped = [r for r in rows if r.should_stop is not None and r.should_stop()]
+            if stopped:
+                with self._cv:
+                    for r in stopped:
+                        self._finish_locked(r, Stopped())
         self.stats.step(len(rows))
         if self.on_step is not None:
             self.on_step(len(rows))

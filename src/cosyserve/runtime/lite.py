@@ -35,7 +35,7 @@ from cosyserve.runtime.lm import OneShot, one_shot
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
 from cosyserve.runtime.oneoff import generate
 from cosyserve.sampling import row_key
-from cosyserve.stop import Stopped, check
+from cosyserve.stop import Stopped, check, latched
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class LitePipeline(ModelModes):
         r, inputs = self.prepare(request)
         # the seed keys the LM's sampler (each text piece its own key) and seeds the flow's and vocoder's noise
         seed = r.seed if r.seed is not None else secrets.randbits(63)
+        # the decode loop's thread and ORT's terminate watcher ask it too: once stopped, nobody asks again
+        should_stop = latched(should_stop)
         return self._generate(r, inputs, seed, np.random.default_rng(seed), should_stop)
 
     def _generate(
@@ -150,7 +152,7 @@ class LitePipeline(ModelModes):
             tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
         else:
             spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
-            tokens = until(self.decoder.generate(spec, key))
+            tokens = until(self.decoder.generate(spec, key, should_stop=should_stop))
         feat = model_input.get("prompt_speech_feat")
         for chunk in self.token2wav(
             tokens,
@@ -178,7 +180,8 @@ class LiteRuntime(RuntimeVoices):
         clock: Any,
         registry_root: Path,
     ) -> None:
-        from cosyserve.lite.models import LiteFlow, LiteLM, LiteToken2Wav, LiteVocoder
+        from cosyserve.lite.lm import lite_lm
+        from cosyserve.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
         from cosyserve.registry import SpeakerRegistry
         from cosyserve.runtime.streampolicy import StreamPolicy
 
@@ -190,7 +193,7 @@ class LiteRuntime(RuntimeVoices):
         self.sample_rate = int(lite.config["sample_rate"])
         self.slots = options.batch_size
         tables = lite.tables()
-        self.llm = LiteLM(lite, tables)
+        self.llm = lite_lm(lite, tables)
         flow = LiteFlow(lite, tables)
         policy = StreamPolicy.named(
             options.chunk_policy,
@@ -244,7 +247,7 @@ class LiteRuntime(RuntimeVoices):
         # ORT sessions own thread pools, which do not survive fork(): a fork template opens none, and each child
         # opens the LM's and warms it here, the flow's and vocoder's in the background
         self.lite.sessions.clear()
-        self.llm._pos_lock = threading.Lock()
+        self.llm.after_fork()
         self.lite._lock = threading.Lock()
         _open_lm(self)
         self.background = _after_ready(self)
@@ -312,9 +315,14 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         bundle = open_bundle(path)
         family = bundle.family
         if not family.lite:
+            has = (
+                f" (its lite graphs cover the {', '.join(family.lite_parts)} so far)"
+                if family.lite_parts
+                else ""
+            )
             raise BundleError(
-                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one): serve it "
-                "on the torch runtime"
+                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one{has}): serve "
+                "it on the torch runtime"
             )
         bundle.verify = o.verify
         threads = o.threads or os.cpu_count() or 1

@@ -1,12 +1,12 @@
 """The decode loop's LM interface and its rows (:mod:`cosyserve.runtime.decode` drives them).
 
 :class:`DecodeLM` is what a backend LM gives the loop: the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and
-its subclasses) and the lite runtime's :class:`~cosyserve.lite.models.LiteLM` implement it. A row is
+its subclasses) and the lite runtime's :class:`~cosyserve.lite.lm.StepLM` implement it. A row is
 :class:`OneShot` (text known: the reference's ``inference``) or :class:`Streamed` (text arriving: the reference's
 ``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
 
 - one-shot: a prompt, ``min_len`` (before it id ``eos_token`` is masked), ``max_len``;
-- streamed text: the prompt split after its head (CosyVoice3: ``<|endofprompt|>``), prompt speech interleaved
+- streamed text: the prompt split after its head (:meth:`~cosyserve.sampling.StopRules.prompt_head`), prompt speech interleaved
   15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled), after which the row waits
   for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and the row runs to the real
   EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps per text token
@@ -15,11 +15,12 @@ its subclasses) and the lite runtime's :class:`~cosyserve.lite.models.LiteLM` im
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
+from cosyserve.stop import ShouldStop
 
 __all__ = [
     "DecodeLM",
@@ -59,11 +60,6 @@ class DecodeLM(Protocol):
         """(1, T, C) the embeddings of ``parts`` in order."""
         ...
 
-    def prompt_head(self, prompt_ids: list[int]) -> int:
-        """How many prompt text ids start a streamed-text row's input with sos (CosyVoice3: up to
-        ``<|endofprompt|>``, which it requires)."""
-        ...
-
     def reserve(self, rows: int, positions: int) -> None:
         """Caches for at least ``rows`` rows of ``positions`` each, keeping what every row holds."""
         ...
@@ -72,14 +68,24 @@ class DecodeLM(Protocol):
         """Drop the caches."""
         ...
 
-    def extend(self, x: Any, row: int, start: int) -> Any:
+    def extend(self, x: Any, row: int, start: int, stop: ShouldStop | None = None) -> Any:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``; (1, V) float32 log-probabilities
-        of the next token."""
+        of the next token. ``stop`` (the row's request's stop signal) may end the run early by raising
+        :class:`~cosyserve.stop.Stopped`."""
         ...
 
-    def decode(self, tokens: Any, pos: Any, kv_len: int, rows: Any | None) -> Any:
+    def decode(
+        self,
+        tokens: Any,
+        pos: Any,
+        kv_len: int,
+        rows: Any | None,
+        stops: Sequence[ShouldStop | None] | None = None,
+    ) -> Any:
         """One step of B rows: feed ``tokens`` (B,) int64 at positions ``pos`` (B,) of cache rows ``rows`` (B,),
-        or rows 0..B-1 when None; ``kv_len`` > every position. (B, V) float32 log-probabilities."""
+        or rows 0..B-1 when None; ``kv_len`` > every position. (B, V) float32 log-probabilities. ``stops`` (each
+        row's stop signal) may end a row's part of the step early: that row's log-probabilities are then
+        meaningless, and the loop ends the row (it asks the signal after the step)."""
         ...
 
 

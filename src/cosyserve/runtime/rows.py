@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cosyserve.runtime.lm import OneShot, Part, Streamed, StreamedText
+from cosyserve.stop import ShouldStop
 
 __all__ = ["NEED_TEXT", "DONE", "DecodeStats", "Row"]
 
@@ -44,12 +45,18 @@ DONE = object()
 
 class Row:
     def __init__(
-        self, spec: OneShot | Streamed, key: int, teacher: Iterator[int] | None, record: list | None = None
+        self,
+        spec: OneShot | Streamed,
+        key: int,
+        teacher: Iterator[int] | None,
+        record: list | None = None,
+        should_stop: ShouldStop | None = None,
     ) -> None:
         self.spec = spec
         self.key = key
         self.teacher = teacher
         self.record = record  # (log-probabilities, id) of each step, when asked
+        self.should_stop = should_stop  # the request's stop signal, handed to the LM's runs
         self.text = None if isinstance(spec, OneShot) else iter(spec.text)
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # under the loop's condition

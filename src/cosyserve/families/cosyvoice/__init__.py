@@ -34,6 +34,8 @@ class CosyVoice(Family):
     registry_folder = ""  # the registry dir itself (where the voices of earlier versions are)
     instruct_mode = "instruct"
     lite = True
+    lite_export = "cosyserve.lite.export_300m:export"
+    lite_parts = ("llm", "flow", "hift")
     reruns_flow = False
     stacks_flow = True
     test_model = "cosyserve.families.cosyvoice.testmodel:write_model"
@@ -45,6 +47,7 @@ class CosyVoice(Family):
         ),
         **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.conformance.kinds_features"),
     }  # fmt: skip
+    lite_kinds = tuple(conformance_kinds)
     hub_ids = (
         "iic/CosyVoice-300M",
         "iic/CosyVoice-300M-SFT",

@@ -57,6 +57,7 @@ class CosyVoice3(CosyVoice2):
         ),
         "cosyserve.families.cosyvoice3.conformance",
     )  # fmt: skip
+    lite_kinds = ("tokenize", "llm_logprobs", "llm_bistream_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
     specials = "COSYVOICE3_SPECIALS"
 

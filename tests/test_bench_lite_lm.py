@@ -1,0 +1,34 @@
+"""bench/lite_lm.py cannot rot: its dry run (a tiny CosyVoice3 bundle, its lite LM graphs exported, one fresh
+process per runtime) prints and writes every figure the lead's full-size run reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lite_lm_bench_dry_run_gives_every_figure(tmp_path: Path) -> None:
+    """If this fails, the side-by-side bench of the lite Qwen LM (READY, prefill, ms/token, peak RSS) no longer
+    runs end to end, lost a figure, or the lite process imported torch."""
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "lite_lm.py"), "--dry-run", "--threads", "1", "--quantize", "int8",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["floor_onnxruntime_ms"] > 0 and figures["floor_torch_ms"] > 0
+    f = figures["quantize"]["int8"]
+    for key in ("lite_lm_ready_ms", "torch_ready_ms", "lite_prefill_ms", "torch_prefill_ms", "lite_ms_per_token",
+                "torch_ms_per_token", "lite_peak_rss_mb", "torch_peak_rss_mb", "ready_vs_torch",
+                "ready_vs_onnxruntime_floor", "ms_per_token_vs_torch"):  # fmt: skip
+        assert f[key] > 0, key
+    assert f["torch_in_lite_process"] is False
+    assert "LM ms/token" in r.stdout and "`import onnxruntime`" in r.stdout

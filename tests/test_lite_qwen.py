@@ -1,0 +1,234 @@
+"""The lite runtime's Qwen LM (CosyVoice2 and CosyVoice3): its step graph exported and checked against the torch
+module, driven by the one decode loop on numpy.
+
+If these fail: the lite LM's tokens are not the torch runtime's for a seed (one-shot or streamed text), the export
+check lets a wrong graph through, the int8 graph's distance is not recorded, a stop does not reach a running
+ONNX Runtime step, or a CosyVoice2/3 bundle with the LM's graphs alone is served as if it were complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.errors import BundleError, ConvertError
+from cosyserve.stop import Stopped
+
+ENDOFPROMPT = 151646
+
+
+def _lm_bundle(model_dir: Path, out: Path, int8: bool) -> Path:
+    from cosyserve.bundle.convert import convert
+    from cosyserve.lite.export import export_lite
+
+    bundle = convert(model_dir, out, progress=False)
+    export_lite(bundle, model_dir=model_dir, int8=int8, parts=("llm",))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def qwen_bundles(cv2_model_dir: Path, cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """family -> a bundle of the tiny model with the lite LM graphs (CosyVoice3's with the int8 one too)."""
+    root = tmp_path_factory.mktemp("lite-qwen")
+    return {
+        "cosyvoice2": _lm_bundle(cv2_model_dir, root / "cv2", int8=False),
+        "cosyvoice3": _lm_bundle(cv3_model_dir, root / "cv3", int8=True),
+    }
+
+
+def _lms(bundle: Path, int8: bool = False) -> tuple[Any, Any]:
+    """(torch LM, lite LM) over the same bundle."""
+    from cosyserve.bundle.loader import LoadOptions, open_bundle
+    from cosyserve.lite.lm import lite_lm
+    from cosyserve.lite.models import LiteBundle
+
+    torch_lm = open_bundle(bundle).load(LoadOptions(strategy="lazy", verify="none")).modules["llm"]
+    lb = LiteBundle(bundle, verify="full", threads=1, int8=int8)
+    return torch_lm, lite_lm(lb, lb.tables())
+
+
+def _inputs(text: list[int], prompt_text: list[int], prompt_speech: list[int]) -> dict[str, dict]:
+    t = {
+        "text": torch.tensor([text], dtype=torch.int32),
+        "prompt_text": torch.tensor([prompt_text], dtype=torch.int32),
+        "llm_prompt_speech_token": torch.tensor([prompt_speech], dtype=torch.int32),
+    }
+    return {"torch": t, "lite": {k: v.numpy() for k, v in t.items()}}
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family: str) -> None:
+    """One sampler and one decode loop over two LMs whose log-probabilities differ by float rounding: the same
+    seed gives the same speech tokens, one-shot and with the text streamed in one id at a time (fills forced and
+    sampled, the prompt speech interleaved 5:15). A difference means the lite LM's prompt, embeddings, positions,
+    caches or stop rules are not the torch LM's."""
+    from cosyserve.runtime.lm import Streamed, one_shot
+    from cosyserve.runtime.oneoff import generate
+    from cosyserve.sampling import row_key
+
+    torch_lm, lite_lm = _lms(qwen_bundles[family])
+    assert lite_lm.rules == torch_lm.rules and lite_lm.sampling == torch_lm.sampling
+    marker = [ENDOFPROMPT] if family == "cosyvoice3" else []
+    inputs = _inputs(marker + [5, 6, 7, 8, 9, 10], [11, 12], [3, 4, 5, 6])
+    lengths = []
+    for seed in (1, 2):
+        runs = [list(generate(lm, one_shot(lm, inputs[name]), row_key(seed))) for name, lm in
+                (("torch", torch_lm), ("lite", lite_lm))]  # fmt: skip
+        assert runs[1] == runs[0], seed
+        lengths.append(len(runs[0]))
+
+    def spec() -> Streamed:
+        text = ([t] for t in [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+        return Streamed(text, marker + [11, 12], list(range(30, 50)), max_len=120)
+
+    runs = [list(generate(lm, spec(), row_key(3))) for lm in (torch_lm, lite_lm)]
+    assert runs[1] == runs[0]
+    lengths.append(len(runs[0]))
+    assert min(lengths) >= 3 and max(lengths) >= 20, lengths  # the runs decoded something to compare
+
+
+def test_cosyvoice3_prompt_rule_holds_on_lite(qwen_bundles: dict) -> None:
+    """CosyVoice3's <|endofprompt|> rule is the lite LM's too (from the manifest's stop rules): a prompt without
+    it is refused with the torch LM's error, and a streamed-text prompt splits after it."""
+    from cosyserve.sampling import PromptRuleError
+
+    _, lite_lm = _lms(qwen_bundles["cosyvoice3"])
+    with pytest.raises(PromptRuleError, match="endofprompt"):
+        lite_lm.prompt(_inputs([5, 6, 7], [11], [])["lite"])
+    assert lite_lm.rules.prompt_head([9, ENDOFPROMPT, 11]) == 2
+    _, cv2_lm = _lms(qwen_bundles["cosyvoice2"])
+    assert cv2_lm.rules.marker is None and cv2_lm.rules.prompt_head([9, 11]) == 0
+
+
+def test_manifest_records_the_check_and_the_int8_delta(qwen_bundles: dict) -> None:
+    """The LM's graph is listed with its measured distance from the torch module; the int8 graph's quality delta
+    (max |dlogp|, KL, top-1 agreement on the check inputs) is recorded at conversion, and llm_quantize=int8
+    serves that graph: close to the float one, not equal to it."""
+    from cosyserve.runtime.lm import one_shot
+    from cosyserve.runtime.oneoff import teacher_forced
+
+    bundle = qwen_bundles["cosyvoice3"]
+    m = json.loads((bundle / "lite" / "manifest.json").read_text())
+    assert m["parts"] == ["llm"] and set(m["graphs"]) == {"llm_step"}
+    assert 0 <= m["checked"]["llm_step"] < 1e-5
+    assert set(m["int8"]) == {"max_abs_logp", "mean_kl", "top1_agree"} and m["int8"]["top1_agree"] > 0.5
+    assert m["config"]["llm"]["rules"]["marker"] == ENDOFPROMPT
+    for name in ("llm_step.onnx", "llm_step.onnx.data", "llm_step.int8.onnx.data", "tables.safetensors"):
+        assert m["files"][name]["bytes"] == (bundle / "lite" / name).stat().st_size
+    inputs = _inputs([ENDOFPROMPT, 5, 6, 7, 8], [], [])["lite"]
+    (_, f32), (_, q8) = _lms(bundle), _lms(bundle, int8=True)
+    teach = [1, 2, 3, 4]
+    a = teacher_forced(f32, one_shot(f32, inputs), teach).logprobs
+    b = teacher_forced(q8, one_shot(q8, inputs), teach).logprobs
+    assert not np.array_equal(a, b)  # another graph ran ...
+    np.testing.assert_allclose(a, b, atol=0.5)  # ... computing nearly the same thing
+
+
+def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bundles: dict) -> None:
+    """The check runs the model's own cached attention on the graph's inputs: a graph exported from other weights
+    (here the module with one weight changed after export) is refused, the unchanged module is accepted."""
+    from cosyserve.lite import qwen_cache_names
+    from cosyserve.lite.export import _check
+    from cosyserve.lite.export_qwen import QwenStepReference
+
+    bundle = qwen_bundles["cosyvoice2"]
+    torch_lm, _ = _lms(bundle)
+    torch_lm = torch_lm.float()
+    a = torch_lm.stack.layers[0].self_attn
+    names = qwen_cache_names(len(torch_lm.stack.layers), a.n_kv)
+    inputs = ["x"] + [p for p, _ in names]
+    c = torch_lm.cfg.llm_input_size
+    cases = [(torch.randn(1, 3, c), *[torch.randn(7, a.head_dim) for _ in names])]
+    graph = bundle / "lite" / "llm_step.onnx"
+    assert _check("llm_step", graph, QwenStepReference(torch_lm), cases, inputs, 1e-4) < 1e-4
+    wrong = copy.deepcopy(torch_lm)
+    with torch.no_grad():
+        wrong.stack.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with pytest.raises(ConvertError, match="differs from the torch module"):
+        _check("llm_step", graph, QwenStepReference(wrong), cases, inputs, 1e-4)
+
+
+def test_a_stop_ends_a_running_onnx_runtime_step(qwen_bundles: dict) -> None:
+    """One ORT run of the step graph holds no Python code: the row's stop signal must reach it through ORT's
+    terminate (the watcher thread asks it while the run goes on), not wait for the run's end. The prefill here
+    runs for hundreds of milliseconds; the signal says stop only when the watcher asks."""
+    _, lm = _lms(qwen_bundles["cosyvoice3"])
+    n = 1000
+    lm.reserve(1, n + 1)
+    x = np.random.default_rng(0).standard_normal((1, n, lm.text_embedding.shape[1])).astype(np.float32)
+    lm.extend(x[:, :8], 0, 0)  # the session is open: what follows is one run
+    askers: list[str] = []
+
+    def stop() -> bool:
+        askers.append(threading.current_thread().name)
+        return threading.current_thread().name == "cosyserve-ort-terminate"
+
+    with pytest.raises(Stopped):
+        lm.extend(x, 0, 0, stop)
+    assert "cosyserve-ort-terminate" in askers, askers
+
+
+def test_a_stopped_row_ends_and_its_neighbour_goes_on(qwen_bundles: dict) -> None:
+    """Two rows share the decode loop's steps; one request stops mid-run: its consumer gets Stopped (its next
+    ONNX Runtime run terminated), the other row's tokens are the ones it gets alone."""
+    from cosyserve.runtime.decode import DecodeLoop
+    from cosyserve.runtime.lm import OneShot, one_shot
+    from cosyserve.runtime.oneoff import generate
+
+    _, lm = _lms(qwen_bundles["cosyvoice3"])
+    inputs = _inputs([ENDOFPROMPT, 5, 6, 7, 8, 9], [], [])["lite"]
+    row = one_shot(lm, inputs)
+    row = OneShot(row.prompt, 60, 60)  # up to 60 tokens each (CosyVoice3's real EOS may come earlier)
+    alone = list(generate(lm, row, 7))
+    loop = DecodeLoop(lm, 2, name="test")
+    try:
+        stopped = threading.Event()
+        got: dict[str, Any] = {}
+
+        def first() -> None:
+            tokens = []
+            try:
+                for t in loop.generate(row, 3, should_stop=stopped.is_set):
+                    tokens.append(t)
+                    if len(tokens) == 5:
+                        stopped.set()
+                got["first"] = tokens
+            except Stopped:
+                got["first"] = Stopped
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        got["second"] = list(loop.generate(row, 7, should_stop=lambda: False))
+        thread.join(30)
+    finally:
+        loop.close()
+    assert got["first"] is Stopped, got["first"]
+    assert got["second"] == alone and len(alone) >= 10
+
+
+def test_a_cosyvoice3_bundle_with_the_lm_alone_is_not_served(
+    qwen_bundles: dict, cv3_model_dir: Path, tmp_path: Path
+) -> None:
+    """`convert --runtime lite` still refuses CosyVoice2/3 (their flow and vocoder graphs are not exported yet);
+    the LM-only bundle the tools use is refused by the lite runtime with what its graphs cover, and an export of a
+    part the family's lite export lacks is refused by name."""
+    from cosyserve.bundle.convert import convert
+    from cosyserve.lite.export import export_lite
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+
+    with pytest.raises(
+        ConvertError, match="CosyVoice-300M family; this is a CosyVoice3 .* cover the llm so far"
+    ):
+        convert(cv3_model_dir, tmp_path / "b", runtime="lite", progress=False)
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(BundleError, match=r"CosyVoice3 one \(its lite graphs cover the llm so far\)"):
+        load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(warmup=False), runtime="lite")
+    with pytest.raises(ConvertError, match="covers its llm, not flow"):
+        export_lite(qwen_bundles["cosyvoice2"], parts=("llm", "flow"))
