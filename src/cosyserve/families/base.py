@@ -150,11 +150,14 @@ class Family:
         ``first_hop`` tokens at 50 Hz) for a model with ``config`` and ``flow``."""
         raise NotImplementedError
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
-        yielding ``[1, samples]`` chunks."""
+        yielding ``[1, samples]`` chunks. ``voices``: precomputed voice states
+        (:class:`~cosyserve.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``)."""
         raise NotImplementedError
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:

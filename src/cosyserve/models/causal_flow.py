@@ -314,10 +314,10 @@ class ChunkFlow(nn.Module):
         cond = torch.zeros(
             spks.shape[0], self.output_size, frames - start, device=weight.device, dtype=weight.dtype
         )
-        f = prompt_feat.shape[1]
+        f = min(prompt_feat.shape[1], frames)  # a prompt's prefill stops before its last frames
         if f > start:
             cond[:, :, : f - start] = (
-                prompt_feat[:, start:].to(device=weight.device, dtype=weight.dtype).transpose(1, 2)
+                prompt_feat[:, start:f].to(device=weight.device, dtype=weight.dtype).transpose(1, 2)
             )
         return spks, cond
 

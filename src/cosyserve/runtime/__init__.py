@@ -110,6 +110,9 @@ class RuntimeOptions:
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
+        voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
+            :mod:`cosyserve.voicestates`); 0 keeps none.
+        voice_cache_disk: also store registered voices' flow states beside the registry.
         fork_template: load in a prefork template that will be forked without exec: start no thread (native
             ones included) and leave none running when the load returns; the work a runtime would do in the
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
@@ -141,6 +144,8 @@ class RuntimeOptions:
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
     flow_steps: int | None = None
+    voice_cache_mb: int = 4096
+    voice_cache_disk: bool = False
     fork_template: bool = False
     device: str = "cpu"
 
@@ -167,6 +172,8 @@ class RuntimeOptions:
             hift_dtype=s.hift_dtype,
             llm_quantize=s.llm_quantize,
             flow_steps=s.flow_steps,
+            voice_cache_mb=s.voice_cache_mb,
+            voice_cache_disk=s.voice_cache_disk,
             device=s.device,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
@@ -197,6 +204,12 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
+        if (
+            isinstance(self.voice_cache_mb, bool)
+            or not isinstance(self.voice_cache_mb, int)
+            or self.voice_cache_mb < 0
+        ):
+            raise ValueError(f"voice_cache_mb must be an integer >= 0, got {self.voice_cache_mb!r}")
         if not _is_device_name(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N (N >= 0), got {self.device!r}")
 

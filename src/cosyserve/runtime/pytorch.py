@@ -201,6 +201,27 @@ def _warn_slow_bf16(modules: dict[str, Any]) -> None:
         )
 
 
+def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, registry: Any) -> Any:
+    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bound, and with ``voice_cache_disk`` the
+    registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
+    the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
+    import hashlib
+
+    from cosyserve.voicestates import VoiceStates
+
+    def folder() -> Path | None:
+        r = registry()
+        return Path(r.root) if r is not None else None
+
+    dtype = next(flow.parameters()).dtype
+    tag = f"{bundle.model_key}|{dtype}|{device.type}|{options.flow_steps}"
+    return VoiceStates(
+        options.voice_cache_mb << 20,
+        folder if options.voice_cache_disk else None,
+        hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
+    )
+
+
 def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchRuntime:
     """Load ``path`` (a bundle, an official model dir, a hub id or ``demo``) on torch; see
     :func:`cosyserve.runtime.load_runtime`.
@@ -283,6 +304,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             registry_dir=None,
             cache_dir=cache_dir,
         )
+        voice_states = _voice_states(o, bundle, flow, device, lambda: pipeline.registry)
         pipeline = Pipeline(
             parts.modules["llm"],
             flow,
@@ -298,6 +320,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             family=family,
             tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
             config=cfg,
+            voice_states=voice_states,
         )
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in pipeline.onnx_files},

@@ -112,10 +112,12 @@ class CosyVoice2(Family):
             token_mel_ratio=flow.token_mel_ratio,
         )
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
-        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
+        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
         return {

@@ -21,7 +21,7 @@ starts afresh (the hop is the generator's own state).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +175,21 @@ class Token2Wav2:
         else:
             state.flow = self.flow.new_stream(self.flow_steps)
         return state
+
+    @torch.inference_mode()
+    def keep_voice(self, features: Mapping[str, Any]) -> int:
+        """Compute a registered voice's flow state now and keep it in ``voices`` (``features``: its registry
+        entry); returns its bytes."""
+        d = self.device
+        return int(
+            self.voices.keep(
+                self.flow,
+                torch.as_tensor(features["flow_prompt_speech_token"]).to(d),
+                torch.as_tensor(features["prompt_speech_feat"]).to(d),
+                torch.as_tensor(features["flow_embedding"]).to(d),
+                self.flow_steps,
+            )
+        )
 
     def _call(
         self,
