@@ -220,6 +220,59 @@ def test_defaults_leave_a_float32_load_as_it_was(fp32_bundle: Path) -> None:
     assert m.runtime.pipeline.token2wav.flow_steps is None
 
 
+def test_a_cpu_without_native_bf16_computes_a_bf16_bundle_in_float32(
+    fast_bundle: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a fake AVX2 CPU (no AVX512-BF16/AMX flags) the bundle's bfloat16 flow and vocoder are cast to float32
+    at load, said in one INFO line and in the runtime's precision (the startup report's line); a dtype asked for
+    still wins, with a warning. If this fails, a bf16 bundle runs emulated bf16 (3x slower first audio, measured)
+    or the choice is silent."""
+    import logging
+
+    import cosyserve
+    from cosyserve.models import precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
+    with caplog.at_level(logging.INFO, logger="cosyserve.runtime.pytorch"):
+        m = cosyserve.load(fast_bundle, warmup=False)
+    t2w = m.runtime.pipeline.token2wav
+    assert (
+        t2w.flow.encoder_proj.weight.dtype == torch.float32
+        and t2w.hift.conv_pre.weight.dtype == torch.float32
+    )
+    why = "float32 (stored bfloat16: this CPU has no native bfloat16)"
+    assert m.runtime.precision == {"llm": "float32", "flow": why, "hift": why}
+    assert [r.message for r in caplog.records if r.message.startswith("precision:")] == [
+        f"precision: llm float32, flow {why}, hift {why}"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cosyserve.runtime.pytorch"):
+        m = cosyserve.load(fast_bundle, warmup=False, flow_dtype="bfloat16")
+    assert m.runtime.pipeline.token2wav.flow.encoder_proj.weight.dtype == torch.bfloat16
+    assert m.runtime.precision["flow"] == "bfloat16"
+    assert any("flow asked to compute in a half dtype" in r.message for r in caplog.records)
+
+
+def test_precision_choice_per_cpu() -> None:
+    """Half dtypes stay where the CPU (or a GPU) computes them natively; float32 always stays; a request wins."""
+    from cosyserve.models.precision import choose_precision, cpu_native
+
+    stored = {"llm": "float32", "flow": "bfloat16", "hift": "float16"}
+    none = dict.fromkeys(stored)
+    bf16_only = choose_precision(stored, none, "cpu", native=lambda d: d in ("float32", "bfloat16"))
+    assert {n: p.dtype for n, p in bf16_only.items()} == {
+        "llm": "float32",
+        "flow": "bfloat16",
+        "hift": "float32",
+    }
+    gpu = choose_precision(stored, none, "cuda", native=lambda d: False)
+    assert {n: p.dtype for n, p in gpu.items()} == stored
+    asked = choose_precision(stored, {**none, "llm": "bfloat16"}, "cpu", native=lambda d: False)
+    assert str(asked["llm"]) == "bfloat16 (asked for; stored float32)"
+    flags = frozenset({"avx2", "avx512_bf16"})
+    assert cpu_native("bfloat16", flags) and not cpu_native("float16", flags) and cpu_native("float32", flags)
+
+
 # -- flow steps ----------------------------------------------------------------------------------------------------
 
 

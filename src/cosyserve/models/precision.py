@@ -4,6 +4,12 @@ Float dtype: a module computes in its weights' dtype. What must stay float32 wha
 named by the module class's ``FLOAT32_PARTS`` (the vocoder's f0 predictor and source module: pitch and phase) and
 by :func:`keeps_float32`; converter and load-time cast follow the same rule.
 
+Which dtype a component computes in is chosen at load (:func:`choose_precision`): the one it is stored in, except
+that a bfloat16 or float16 component computes in float32 on a CPU without native instructions for that dtype
+(AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16, read from the CPU's flags), where oneDNN emulates it: measured
+on a 2-core AVX2 EPYC, a bfloat16 bundle's first audio took 13.6 s against 4.2 s for float32, its flow 8x and its
+vocoder up to 50x slower (issue 34, ``bench/fast_paths.py``). A dtype asked for (``--flow-dtype`` ...) wins.
+
 Int8: weight-only, per-output-channel symmetric scales, for the bandwidth-bound LLM decode.
 
 A decode step of the LLM reads every weight once for one row of activations: it is bound by memory bandwidth, and
@@ -21,7 +27,8 @@ way, before the state dict is loaded).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DECODE_ROWS",
+    "Precision",
+    "choose_precision",
+    "cpu_flags",
+    "cpu_native",
     "cast_floating",
     "keeps_float32",
     "Int8Linear",
@@ -48,6 +59,76 @@ DECODE_ROWS = 16
 # position and read by dtype) and the speech head; the text encoder runs once per request and stays as stored
 LLM_QUANTIZED = ("llm.", "llm_decoder")
 _SKIP = ("linear_pos",)
+# CPU flags (as /proc/cpuinfo names them) under which oneDNN runs a half dtype's kernels natively
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``), or an empty set where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native(dtype: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU computes ``dtype`` (``float32``, ``bfloat16``, ``float16``) natively: from its flags, or
+    where they cannot be read, oneDNN's own probe."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    flags = cpu_flags() if flags is None else flags
+    if flags:
+        return any(f in flags for f in NATIVE_FLAGS[dtype])
+    probe = getattr(
+        torch.ops.mkldnn,
+        "_is_mkldnn_bf16_supported" if dtype == "bfloat16" else "_is_mkldnn_fp16_supported",
+        None,
+    )
+    return bool(probe()) if probe is not None else False
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A component's compute dtype as chosen at load, the dtype it is stored in, and why."""
+
+    dtype: str
+    stored: str
+    why: str
+
+    def __str__(self) -> str:
+        return self.dtype if self.why == "as stored" else f"{self.dtype} ({self.why})"
+
+
+def choose_precision(
+    stored: dict[str, str],
+    requested: dict[str, str | None],
+    device_type: str = "cpu",
+    native: Callable[[str], bool] = cpu_native,
+) -> dict[str, Precision]:
+    """Each component's compute dtype (see the module docstring).
+
+    Args:
+        stored: component -> the dtype its weights are stored in.
+        requested: component -> the dtype asked for (settings, flags), or None to choose.
+        device_type: where it computes (``cpu``: the CPU's native dtypes decide; else as stored).
+        native: whether the CPU computes a dtype natively (:func:`cpu_native`; tests pass a fake CPU).
+    Returns:
+        component -> :class:`Precision`.
+    """
+    out = {}
+    for name, have in stored.items():
+        want = requested.get(name)
+        if want is not None:
+            out[name] = Precision(want, have, "as stored" if want == have else f"asked for; stored {have}")
+        elif device_type == "cpu" and not native(have):
+            out[name] = Precision("float32", have, f"stored {have}: this CPU has no native {have}")
+        else:
+            out[name] = Precision(have, have, "as stored")
+    return out
 
 
 def keeps_float32(module_cls: type, key: str) -> bool:

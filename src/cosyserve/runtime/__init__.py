@@ -231,11 +231,14 @@ class Runtime(Protocol):
         sample_rate: Hz of the audio it yields.
         slots: requests it serves at once (each from its own thread).
         clock: its start clock: the phases of its load, and its points (``ready``) since process start.
+        precision: component (``llm``, ``flow``, ``hift``) -> the dtype it computes in, and why when not as
+            stored (chosen at load for the CPU or GPU; the startup report shows it).
     """
 
     sample_rate: int
     slots: int
     clock: PhaseClock
+    precision: dict[str, str]
 
     def speakers(self) -> list[str]:
         """The model's pre-defined speaker ids, sorted."""
