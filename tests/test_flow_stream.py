@@ -184,6 +184,22 @@ def test_a_registered_voice_speaks_as_the_same_voice_inline(cv3: dict, tmp_path:
     assert [p.name.split(".")[1] for p in (tmp_path / ".flow-states").glob("*.safetensors")] == ["b"]
 
 
+def test_a_stream_past_its_state_bound_continues_on_the_cumulative_path(cv3: dict) -> None:
+    """Past ``stream_max_bytes`` a request drops its flow state (its memory bound) and its later calls run on
+    every token, with the same chunks."""
+    x = {**_inputs(120, 0), "prompt_token": torch.zeros(1, 0, dtype=torch.int32)}
+    x["prompt_feat"] = torch.zeros(1, 0, 80)
+    bounded = VoiceStates(1 << 30, stream_max_bytes=1)
+    with _Widths(cv3["flow"]) as widths:
+        got = _speak(_t2w(cv3, voices=bounded), x)
+    want = _speak(_t2w(cv3), x)
+    # hops 25, 50 and the final call: the first call computes its 50 frames, the second all 150 again
+    assert widths[::10] == [50, 150, 240]
+    assert all(
+        torch.allclose(a, b, atol=cv3["atol"]["token2wav_stream"]) for a, b in zip(got, want, strict=True)
+    )
+
+
 class _State:
     def __init__(self, n: int) -> None:
         self.n = n

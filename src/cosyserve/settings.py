@@ -390,6 +390,16 @@ class Settings:
         "depends on the voice sample alone, computed once), least recently used out; about 230 MB per second of "
         "sample for a CosyVoice2 flow in float32, 180 MB for CosyVoice3; 0 keeps none",
     )
+    stream_state_mb: int = _loading(
+        8192,
+        env="COSYSERVE_STREAM_STATE_MB",
+        flag="--stream-state-mb",
+        cast=Int(0, 1 << 24),
+        doc="the most memory one streamed CosyVoice2/3 request's flow state may hold (it grows with the "
+        "utterance: about 230 MB per second of speech for CosyVoice2 in float32, 180 MB for CosyVoice3, so that "
+        "each chunk costs its own frames); past it the request's next chunks re-run the flow on everything so far, "
+        "as the reference does; 0: no bound",
+    )
     voice_cache_disk: bool = _loading(
         False,
         env="COSYSERVE_VOICE_CACHE_DISK",

@@ -86,12 +86,20 @@ class VoiceStates:
         max_bytes: the most bytes kept in memory; a state larger than that is computed for its request only.
         folder: where registered voices' states are stored (called at each use: the registry may move), or None.
         model_tag: names the loaded model's weights and precision in stored file names.
+        stream_max_bytes: the most a request's own flow state may hold (its stated bound): past it, the request
+            continues on the cumulative path (every call re-runs the flow on all its tokens, as the reference
+            does), whose memory does not grow with what it kept; None: no bound.
     """
 
     def __init__(
-        self, max_bytes: int, folder: Callable[[], Path | None] | None = None, model_tag: str = ""
+        self,
+        max_bytes: int,
+        folder: Callable[[], Path | None] | None = None,
+        model_tag: str = "",
+        stream_max_bytes: int | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        self.stream_max_bytes = stream_max_bytes
         self._folder = folder
         self.model_tag = model_tag
         self._lock = threading.Lock()

@@ -113,6 +113,8 @@ class RuntimeOptions:
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
             :mod:`cosyserve.voicestates`); 0 keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
+        stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
+            re-run the flow on everything so far (0: no bound).
         fork_template: load in a prefork template that will be forked without exec: start no thread (native
             ones included) and leave none running when the load returns; the work a runtime would do in the
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
@@ -146,6 +148,7 @@ class RuntimeOptions:
     flow_steps: int | None = None
     voice_cache_mb: int = 4096
     voice_cache_disk: bool = False
+    stream_state_mb: int = 8192
     fork_template: bool = False
     device: str = "cpu"
 
@@ -174,6 +177,7 @@ class RuntimeOptions:
             flow_steps=s.flow_steps,
             voice_cache_mb=s.voice_cache_mb,
             voice_cache_disk=s.voice_cache_disk,
+            stream_state_mb=s.stream_state_mb,
             device=s.device,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
@@ -204,12 +208,10 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
-        if (
-            isinstance(self.voice_cache_mb, bool)
-            or not isinstance(self.voice_cache_mb, int)
-            or self.voice_cache_mb < 0
-        ):
-            raise ValueError(f"voice_cache_mb must be an integer >= 0, got {self.voice_cache_mb!r}")
+        for name in ("voice_cache_mb", "stream_state_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not _is_device_name(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N (N >= 0), got {self.device!r}")
 

@@ -210,7 +210,7 @@ def _precision(bundle: Any, o: RuntimeOptions, device_type: str) -> dict[str, An
 
 
 def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, registry: Any) -> Any:
-    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bound, and with ``voice_cache_disk`` the
+    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
     registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
     the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
     import hashlib
@@ -227,6 +227,7 @@ def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, 
         options.voice_cache_mb << 20,
         folder if options.voice_cache_disk else None,
         hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
+        (options.stream_state_mb << 20) or None,
     )
 
 

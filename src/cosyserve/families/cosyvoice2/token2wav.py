@@ -20,6 +20,7 @@ starts afresh (the hop is the generator's own state).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from cosyserve.device import module_device
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.models.flow_stream import FlowStream
 from cosyserve.stop import ShouldStop
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["StreamPolicy2", "StreamState", "Token2Wav2"]
 
@@ -245,6 +248,16 @@ class Token2Wav2:
         )  # fmt: skip
         if finalize:
             state.flow = None  # the last call's full attention changes every frame: nothing kept serves again
+        elif state.flow is not None and self.voices is not None:
+            limit = self.voices.stream_max_bytes
+            if limit is not None and state.flow.nbytes() > limit:
+                logger.info(
+                    "a stream's flow state passed %.0f MB (stream_state_mb) after %d tokens: its next chunks re-run "
+                    "the flow on every token",
+                    limit / 2**20,
+                    len(tokens),
+                )
+                state.flow = None
         return mel[:, :, state.offset * self.policy.token_mel_ratio :]
 
     @torch.inference_mode()
