@@ -1,19 +1,27 @@
-"""What each chunk of a long streamed utterance costs: token2wav (flow + vocoder) wall time per audio second, chunk
-by chunk, through the incremental path (each chunk computes its own frames) and, with ``--compare``, the cumulative
-one (the reference's, and cosyserve's before issue 34: the flow, and CosyVoice3's vocoder, re-run on everything
-so far at every chunk), interleaved in the same run.
+"""What each chunk of a long streamed utterance costs: wall time per audio second, chunk by chunk, through the
+incremental path (each chunk computes its own frames) and, with ``--compare``, the cumulative one (the
+reference's, and cosyserve's before issue 34: the flow, and CosyVoice3's vocoder, re-run on everything so far at
+every chunk), interleaved in the same run.
 
-    python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference        # issue 34, target 1
-    python bench/stream_chunks.py --family cosyvoice3 --seconds 60 --compare                  # issue 34, target 5
-    python bench/stream_chunks.py --dry-run                                                   # tiny models (CI)
+    python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference --pipeline   # target 1
+    python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference              # its token2wav
+    python bench/stream_chunks.py --family cosyvoice3 --seconds 60 --compare                        # target 5
+    python bench/stream_chunks.py --dry-run                                                         # tiny (CI)
 
 Random-weight models of the release's dimensions (``make-test-model --size full``, made once under ``--work``), or
-``--model DIR`` (an official-layout dir); random speech tokens after a ``--prompt-seconds`` prompt, fed as the vc
-branch feeds them (all tokens known: the LM is not timed), float32 unless ``--dtype``. The table has one row per
-chunk; below it, the figures the targets name: the cost per audio second of the two chunks before the final
-(full-attention) one over that of chunks 2-3 (target <= 1.3 on CosyVoice2, reference chunks), and each path's
-total (``--compare``). The flow's state bytes per audio second are printed too. The machine's load is printed:
-figures from a busy machine are not figures.
+``--model DIR`` (an official-layout dir), float32 unless ``--dtype``. Two modes:
+
+- token2wav alone (the default): random speech tokens after a ``--prompt-seconds`` prompt, fed as the vc branch
+  feeds them (all known at once), through the family's token2wav over the dir's flow and vocoder;
+- ``--pipeline``: the served path, LM included: ``cosyserve.load`` of the dir and one streamed sft request whose
+  text (words given one by one, as an LLM writes them: the LM's bistream) makes ``--seconds`` of speech (a random
+  LM runs to its limit of 20 speech tokens per text token); a chunk's time is then from the previous chunk's
+  arrival to its own, the LM's decoding of its tokens included, as a client sees it.
+
+The table has one row per chunk; below it, the figures the targets name: the cost per audio second of the two
+chunks before the final (full-attention) one over that of chunks 2-3 (target <= 1.3 on CosyVoice2, reference
+chunks), and each path's total (``--compare``). The flow's state bytes per audio second are printed too. The
+machine's load is printed: figures from a busy machine are not figures.
 """
 
 from __future__ import annotations
@@ -92,6 +100,22 @@ def stream(t2w: Any, seconds: float, prompt_seconds: float, seed: int) -> list[d
         rows.append({"wall_s": time.perf_counter() - t, "audio_s": chunk.shape[1] / 24000})
 
 
+def pipeline_stream(model: Any, seconds: float, incremental: bool) -> list[dict[str, float]]:
+    """One streamed sft request through the loaded model: per chunk, the wall seconds since the previous chunk
+    (since the request for the first) and its audio seconds."""
+    pipe = model.runtime.pipeline  # a bench may reach in: the path under test is switched here
+    pipe.token2wav.incremental = incremental
+    rate = int(pipe.token2wav.flow.cfg.input_frame_rate)
+    # one text token per word: a random LM speaks 20 speech tokens for each (its limit), so words = tokens / 20
+    words = ["hello"] * max(1, round(seconds * rate / 20))
+    rows, last = [], time.perf_counter()
+    for chunk in model.synthesize(iter(" " + w for w in words), model.speakers[0], stream=True, seed=0):
+        now = time.perf_counter()
+        rows.append({"wall_s": now - last, "audio_s": chunk.size / model.sample_rate})
+        last = now
+    return rows
+
+
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     per = [r["wall_s"] / r["audio_s"] for r in rows]
     out = {"total_s": sum(r["wall_s"] for r in rows), "audio_s": sum(r["audio_s"] for r in rows)}
@@ -115,6 +139,7 @@ def main() -> None:
     ap.add_argument("--policy", default="reference", choices=("reference", "low-latency"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--compare", action="store_true", help="also the cumulative path, interleaved")
+    ap.add_argument("--pipeline", action="store_true", help="the served path, LM included (see above)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
@@ -125,19 +150,33 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     size = "tiny" if args.dry_run else "full"
-    seconds = 12.0 if args.dry_run else args.seconds
+    seconds = min(args.seconds, 12.0) if args.dry_run else args.seconds
     path = args.model or model_dir(args.family, size, args.work)
     paths = {"incremental": True, **({"cumulative": False} if args.compare else {})}
     runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in paths}
-    stream(token2wav(path, args.policy, args.dtype, True), 2.0, args.prompt_seconds, 0)  # warm-up
+    if args.pipeline:
+        import cosyserve
+
+        dtypes = {f"{c}_dtype": args.dtype for c in ("llm", "flow", "hift")}
+        model = cosyserve.load(str(path), chunk_policy=args.policy, threads=args.threads, **dtypes)
+        model.runtime.join_background()
+        pipeline_stream(model, 2.0, True)  # warm-up
+    else:
+        stream(token2wav(path, args.policy, args.dtype, True), 2.0, args.prompt_seconds, 0)  # warm-up
     for _ in range(args.rounds):
         for name, incremental in paths.items():
-            t2w = token2wav(path, args.policy, args.dtype, incremental)
-            runs[name].append(stream(t2w, seconds, args.prompt_seconds, 1))
+            if args.pipeline:
+                runs[name].append(pipeline_stream(model, seconds, incremental))
+            else:
+                t2w = token2wav(path, args.policy, args.dtype, incremental)
+                runs[name].append(stream(t2w, seconds, args.prompt_seconds, 1))
     load = os.getloadavg()
+    what = (
+        "sft, words streamed, LM included" if args.pipeline else f"after a {args.prompt_seconds:.0f} s prompt"
+    )
     print(
-        f"{path} ({size}), {args.policy} chunks, {args.dtype}, {seconds:.0f} s after a {args.prompt_seconds:.0f} s "
-        f"prompt, {torch.get_num_threads()} threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
+        f"{path} ({size}), {args.policy} chunks, {args.dtype}, {seconds:.0f} s {what}, {torch.get_num_threads()} "
+        f"threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
     )
     best = {name: min(rs, key=lambda r: sum(x["wall_s"] for x in r)) for name, rs in runs.items()}
     print(f"{'chunk':>5} {'audio s':>8}" + "".join(f" {name + ' s/s':>16}" for name in best))

@@ -17,7 +17,6 @@ requests' states can later be stepped as one batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -140,19 +139,15 @@ class FlowStream:
 def attend(q: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor | None) -> Tensor:
     """Scaled dot-product attention of ``q`` (B, H, n, D) over keys/values given as segments along dim 2, the
     last one the queries' own frames, which ``mask`` (n, n_last) bool (True = attend) restricts; the earlier
-    segments are seen whole. Equals SDPA over the concatenated keys with the mask padded by True on the left."""
+    segments are seen whole.
+
+    The segments are concatenated for one fused attention: copying the keys and values (2 x T x D per head) moves
+    less memory than the scores a segment-wise attention makes (n x T per head) once a call adds more than 2 x D
+    frames, and the fused kernel is faster besides (measured at CosyVoice2's 8 x 64 heads, 200 new of 1500 frames:
+    15 ms against 25 ms; equal at 50 new frames)."""
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=mask)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.cat([torch.matmul(q, k.transpose(-2, -1)) for k in keys], dim=-1).mul_(scale)
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     if mask is not None:
-        last = scores[..., scores.shape[-1] - mask.shape[-1] :]
-        last.masked_fill_(~mask, -math.inf)
-    probs = torch.softmax(scores, dim=-1)
-    out, at = None, 0
-    for v in values:
-        part = torch.matmul(probs[..., at : at + v.shape[-2]], v)
-        out = part if out is None else out.add_(part)
-        at += v.shape[-2]
-    assert out is not None
-    return out
+        mask = torch.cat([mask.new_ones(mask.shape[0], k.shape[2] - mask.shape[1]), mask], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
