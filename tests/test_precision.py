@@ -205,7 +205,7 @@ def test_load_time_cast_and_quantize(fp32_bundle: Path, fast_bundle: Path) -> No
     assert "precision" in m.clock.durations
     # the same weights quantized at load and at conversion give the same audio
     loaded = torch.from_numpy(m.synthesize_all("Hello there.", m.speakers[0], seed=3))
-    assert torch.equal(loaded, _synth(fast_bundle))
+    assert torch.equal(loaded, _synth(fast_bundle, flow_dtype="bfloat16", hift_dtype="bfloat16"))
     # an int8 bundle with llm_quantize=none stays as stored (the float weights are not in it)
     m = cosyserve.load(fast_bundle, warmup=False, llm_quantize="none")
     assert isinstance(m.runtime.pipeline.llm.llm_decoder, Int8Linear)
@@ -253,24 +253,37 @@ def test_a_cpu_without_native_bf16_computes_a_bf16_bundle_in_float32(
     assert any("flow asked to compute in a half dtype" in r.message for r in caplog.records)
 
 
-def test_precision_choice_per_cpu() -> None:
-    """Half dtypes stay where the CPU (or a GPU) computes them natively; float32 always stays; a request wins."""
-    from cosyserve.models.precision import choose_precision, cpu_native
+def test_precision_choice_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half dtypes stay where they compute faster (a GPU: as stored); float32 always stays; a request wins; on a
+    CPU with the dtype's instructions the choice is timed (a component slower in bf16 there gets float32)."""
+    from cosyserve.models import precision
+    from cosyserve.models.precision import choose_precision, cpu_native, half_is_fast
 
     stored = {"llm": "float32", "flow": "bfloat16", "hift": "float16"}
     none = dict.fromkeys(stored)
-    bf16_only = choose_precision(stored, none, "cpu", native=lambda d: d in ("float32", "bfloat16"))
+    bf16_only = choose_precision(stored, none, "cpu", fast=lambda d, c: d == "bfloat16")
     assert {n: p.dtype for n, p in bf16_only.items()} == {
         "llm": "float32",
         "flow": "bfloat16",
         "hift": "float32",
     }
-    gpu = choose_precision(stored, none, "cuda", native=lambda d: False)
+    gpu = choose_precision(stored, none, "cuda", fast=lambda d, c: False)
     assert {n: p.dtype for n, p in gpu.items()} == stored
-    asked = choose_precision(stored, {**none, "llm": "bfloat16"}, "cpu", native=lambda d: False)
+    asked = choose_precision(stored, {**none, "llm": "bfloat16"}, "cpu", fast=lambda d, c: False)
     assert str(asked["llm"]) == "bfloat16 (asked for; stored float32)"
     flags = frozenset({"avx2", "avx512_bf16"})
     assert cpu_native("bfloat16", flags) and not cpu_native("float16", flags) and cpu_native("float32", flags)
+    # a CPU with AVX512-BF16 on which bf16 convolutions are slower and matrix products faster
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    slower = {("conv", torch.bfloat16), ("linear", torch.float32)}
+    monkeypatch.setattr(precision, "_probe", lambda op, dtype: (op, dtype))
+    monkeypatch.setattr(precision, "_timed", lambda runs: [2.0 if run in slower else 1.0 for run in runs])
+    precision._timed_faster.cache_clear()
+    try:
+        assert half_is_fast("bfloat16", "llm") and not half_is_fast("bfloat16", "flow")
+        assert not half_is_fast("bfloat16", "hift") and not half_is_fast("float16", "llm")
+    finally:
+        precision._timed_faster.cache_clear()
 
 
 # -- flow steps ----------------------------------------------------------------------------------------------------
