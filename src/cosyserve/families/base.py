@@ -41,8 +41,8 @@ class Family:
         instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
             ``instruct2``: a voice to clone and an instruction).
         lite: the lite runtime (ONNX Runtime + numpy) serves it.
-        reruns_flow: streaming re-runs the flow on every token so far (CosyVoice2/3), instead of windows that
-            carry a flow cache (CosyVoice-300M).
+        reruns_flow: streaming calls the flow on every token so far (CosyVoice2/3: the reference's rule, which
+            cosyserve computes keeping the final frames), instead of windows that carry a flow cache (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
         stacks_flow: concurrent requests' flow and vocoder calls may run stacked (``batch_flow``).
         test_model: ``module:function`` writing a random-weight model dir: ``(dir, size, seed, onnx) -> info``.
