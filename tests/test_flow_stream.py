@@ -157,7 +157,7 @@ def test_a_registered_voice_speaks_as_the_same_voice_inline(cv3: dict, tmp_path:
     flow = cv3["flow"]
     inline = _speak(_t2w(cv3), x)
     voices = VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="a")
-    size = voices.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], None)
+    size = voices.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], None).result().nbytes()
     assert size == voices.nbytes > 0 and len(voices) == 1
     with _Widths(flow) as widths:
         first = _speak(_t2w(cv3, voices=voices), x)
@@ -222,7 +222,7 @@ def test_voice_states_are_bounded_unregistered_prompts_first() -> None:
     def prompt(n: int, v: float = 0.0) -> tuple[torch.Tensor, ...]:
         return torch.zeros(1, n, dtype=torch.int32), torch.full((1, 2 * n, 80), v), torch.zeros(1, 192)
 
-    voices.keep(flow, *prompt(40), None)  # registered
+    voices.keep(flow, *prompt(40), None).result()  # registered, in the background
     voices.stream(flow, *prompt(30))  # inline
     voices.stream(flow, *prompt(50))  # inline: evicts the other inline prompt, not the voice
     assert voices.nbytes == 90 and len(voices) == 2
@@ -230,3 +230,30 @@ def test_voice_states_are_bounded_unregistered_prompts_first() -> None:
     assert voices.nbytes == 90
     a, f, e = prompt(3, 0.5)
     assert prompt_key(a, f, e, 10) == prompt_key(a.long(), f.double(), e, 10) != prompt_key(a, f, e, 9)
+    voices.close()
+
+
+def test_a_request_waits_for_its_voice_being_registered() -> None:
+    """A request whose voice's state is still being computed (its registration, in the background) takes that
+    state when it is ready instead of computing its own; it can be stopped while it waits."""
+    import threading
+
+    from cosyserve.stop import Stopped
+
+    release, computed = threading.Event(), []
+
+    class Slow(_Flow):
+        def prefill(self, state: _State, prompt: torch.Tensor, *args: Any) -> _State:
+            release.wait(10)
+            computed.append(prompt.shape[1])
+            return _State(int(prompt.shape[1]))
+
+    voices, flow = VoiceStates(100), Slow()
+    p = (torch.zeros(1, 7, dtype=torch.int32), torch.zeros(1, 14, 80), torch.zeros(1, 192))
+    future = voices.keep(flow, *p, None)
+    with pytest.raises(Stopped):
+        voices.stream(flow, *p, should_stop=lambda: True)
+    release.set()
+    assert voices.stream(flow, *p).n == 7 and future.result().n == 7
+    assert computed == [7]  # once, by the registration
+    voices.close()

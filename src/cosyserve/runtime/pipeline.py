@@ -182,8 +182,8 @@ class Pipeline(ModelModes):
         return self.frontend().prompt_features(prompt_text, prompt_wav, self.sample_rate)
 
     def add_speaker(self, name: str, prompt_wav: Any, prompt_text: str, **kwargs: Any) -> Any:
-        """:meth:`ModelModes.add_speaker`, and the voice's flow state computed now when the model keeps voice
-        states (registration pays for it, not the voice's first request)."""
+        """:meth:`ModelModes.add_speaker`, and the voice's flow state computed when the model keeps voice states
+        (registration pays for it, not the voice's first request: in the background, one voice at a time)."""
         speaker = super().add_speaker(name, prompt_wav, prompt_text, **kwargs)
         if self.voice_states is not None and speaker.kind == "zero_shot":
             self.token2wav.keep_voice(speaker.features)

@@ -141,6 +141,8 @@ class TorchRuntime(RuntimeVoices):
         for batcher in self._batchers:
             batcher.close()
         self._batchers = []
+        if self.pipeline.voice_states is not None:
+            self.pipeline.voice_states.close()
         self._parts = None
 
 

@@ -179,19 +179,16 @@ class Token2Wav2:
             state.flow = self.flow.new_stream(self.flow_steps)
         return state
 
-    @torch.inference_mode()
-    def keep_voice(self, features: Mapping[str, Any]) -> int:
-        """Compute a registered voice's flow state now and keep it in ``voices`` (``features``: its registry
-        entry); returns its bytes."""
+    def keep_voice(self, features: Mapping[str, Any]) -> Any:
+        """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
+        returns the future state (see :meth:`cosyserve.voicestates.VoiceStates.keep`)."""
         d = self.device
-        return int(
-            self.voices.keep(
-                self.flow,
-                torch.as_tensor(features["flow_prompt_speech_token"]).to(d),
-                torch.as_tensor(features["prompt_speech_feat"]).to(d),
-                torch.as_tensor(features["flow_embedding"]).to(d),
-                self.flow_steps,
-            )
+        return self.voices.keep(
+            self.flow,
+            torch.as_tensor(features["flow_prompt_speech_token"]).to(d),
+            torch.as_tensor(features["prompt_speech_feat"]).to(d),
+            torch.as_tensor(features["flow_embedding"]).to(d),
+            self.flow_steps,
         )
 
     def _call(
