@@ -122,7 +122,7 @@ def test_stream_mel_equals_the_whole_sequence_flow(cv2: dict) -> None:
     x = _inputs(160, 21)
     tokens = torch.tensor([x["tokens"]], dtype=torch.int32)
     stream = flow.new_stream()
-    for n in (32, 57, 107, 160):
+    for n in (32, 57, 107):
         args = (tokens[:, :n], x["prompt_token"], x["prompt_feat"], x["embedding"], True, False)
         got = flow.inference(*args, stream=stream)
         want = flow.inference(*args)
