@@ -115,6 +115,33 @@ def test_streamed_chunks_equal_the_cumulative_path_computing_only_their_frames(f
     assert widths == want
 
 
+@pytest.mark.parametrize("set_name", ["cosyvoice2-tiny", "cosyvoice3-tiny"])
+def test_the_fixtures_token2wav_stream_cases_pass_through_the_incremental_path(
+    set_name: str, request, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference's recorded streams (token2wav_stream cases) pass with chunks that compute their own frames:
+    after the first call, no estimator pass of a streamed call runs on every frame so far."""
+    from cosyserve.conformance import run_conformance
+    from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder
+    from cosyserve.models.dit import DiT
+
+    set_dir = request.getfixturevalue("cv2_set_dir" if set_name.startswith("cosyvoice2") else "cv3_set_dir")
+    calls: list[tuple[int, bool]] = []
+    for cls in (CausalConditionalDecoder, DiT):
+        inner = cls.forward_packed
+
+        def record(self, h, t, streaming=False, should_stop=None, cache=None, inner=inner):  # type: ignore[no-untyped-def]
+            calls.append((h.shape[2], cache is not None))
+            return inner(self, h, t, streaming, should_stop, cache)
+
+        monkeypatch.setattr(cls, "forward_packed", record)
+    results = run_conformance(set_dir, kinds=["token2wav_stream"], report=None)
+    assert results and all(r.passed for r in results), results
+    # every streamed pass keeps its frames (a cache); the passes without one are the final full-attention calls
+    assert any(cached for _, cached in calls)
+    assert sum(1 for _, cached in calls if not cached) == 10 * len(results)
+
+
 def test_stream_mel_equals_the_whole_sequence_flow(cv2: dict) -> None:
     """The CosyVoice2 flow's streamed calls (encoder caches at token and mel rate, the decoder's) give the mel of
     the whole-sequence streaming flow call within the fixture's flow tolerance, and keep whole chunks only."""
