@@ -9,10 +9,14 @@ complete chunk (the frames of a chunk still incomplete are computed again: the s
 
 Layout, per Euler step (a :class:`StepCache`): for each causal convolution in the order the estimator runs them,
 its input's last ``kernel - 1`` frames before the kept boundary; for each attention layer, its keys and values
-of every kept frame, as a list of segments (one per call that added frames), never copied into one tensor: a
-request forked from a registered voice (:meth:`FlowStream.fork`) shares the voice's segments and appends its own.
-Both CFG rows (conditioned and not) are kept, batch first. The object is separate from the modules, so several
-requests' states can later be stepped as one batch.
+of every kept frame, as a list of segments (one per call that added frames), never written to: a request forked
+from a registered voice (:meth:`FlowStream.fork`) shares the voice's segments and appends its own (a call's
+attention concatenates them for one fused kernel, :func:`attend`). Both CFG rows (conditioned and not) are kept,
+batch first. The object is separate from the modules, so several requests' states can later be stepped as one
+batch.
+
+Memory: per kept frame, 2 (CFG rows) x Euler steps x every attention layer's keys and values, in the flow's
+dtype: ~4.6 MB for a full-size CosyVoice2 flow in float32, ~3.6 MB for CosyVoice3 (50 frames a second).
 """
 
 from __future__ import annotations
