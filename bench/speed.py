@@ -14,7 +14,10 @@ brackets for time to first audio). Each process:
 2. after the background warm-up, streams ``--short`` and ``--short-zh`` again: ``ttfa`` is the request's start
    -> its first chunk through the Python API (the server adds its HTTP hop);
 3. synthesizes ``--text`` one-shot: ``rtf`` is wall / audio seconds; the LLM, flow and vocoder are timed inside
-   the same call (``llm ms/tok`` is the time spent producing speech tokens, prefill included, per token).
+   the same call (``llm ms/tok`` is the time spent producing speech tokens, prefill included, per token);
+4. streams ``--text`` whole: ``stream rtf`` is wall / audio seconds of the streamed utterance, every chunk's cost
+   (what the chunk policy changes: more, shorter chunks; issue 34's target compares the default's against the
+   reference policy's and the reference runtime's).
 
 Random weights: the LLM never samples its end token, so every text runs to the maximum length (20 speech tokens
 per text token); audio lengths are equal across configurations. ``--config`` adds a row, e.g.
@@ -117,6 +120,10 @@ out.update(
     hift_rtf=spent["hift"] / seconds,
     peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
 )
+t = time.perf_counter()
+n = sum(c.size for c in model.synthesize(args["text"], speaker, seed=0, stream=True))
+out["stream_rtf"] = (time.perf_counter() - t) / (n / model.sample_rate)
+out["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print("BENCH " + json.dumps(out))
 """
 
@@ -149,8 +156,11 @@ for key, text in (("ttfa", args["short"]), ("ttfa_zh", args["short_zh"])):
 t = time.perf_counter()
 n = sum(o["tts_speech"].shape[1] for o in cv.inference_sft(args["text"], speaker, stream=False))
 seconds = n / cv.sample_rate
-out.update(rtf=(time.perf_counter() - t) / seconds, audio_s=seconds,
-           peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+out.update(rtf=(time.perf_counter() - t) / seconds, audio_s=seconds)
+t = time.perf_counter()
+n = sum(o["tts_speech"].shape[1] for o in cv.inference_sft(args["text"], speaker, stream=True))
+out["stream_rtf"] = (time.perf_counter() - t) / (n / cv.sample_rate)
+out["peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print("BENCH " + json.dumps(out))
 """
 
@@ -159,6 +169,7 @@ COLUMNS = [
     ("flow_rtf", "flow RTF", "{:.3f}"),
     ("hift_rtf", "voc RTF", "{:.3f}"),
     ("rtf", "RTF", "{:.2f}"),
+    ("stream_rtf", "stream RTF", "{:.2f}"),
     ("ttfa", "TTFA en s", "{:.2f}"),
     ("ttfa_zh", "TTFA zh s", "{:.2f}"),
     ("cold", "cold s", "{:.2f}"),

@@ -59,6 +59,7 @@ class FakeRuntime:
         self.size = size
         self._speakers = list(speakers)
         self.slots = slots
+        self.precision = dict.fromkeys(("llm", "flow", "hift"), "float32")
         self.token_s = token_s
         self.clock = PhaseClock()
         self.clock.mark("ready")

@@ -135,7 +135,8 @@ def test_the_vocoder_is_causal(parts: dict) -> None:
 def test_streaming_token2wav_is_the_reference_per_call_computation(parts: dict) -> None:
     """Stream chunks equal the reference's calls restated here: hops 25 + prompt pad, 50, 100 (3 lookahead
     tokens), each call's new mel frames appended to the request's mel, the vocoder re-run on all of it and only the
-    samples after the last chunk emitted; the last call finalizes with full attention. One-shot is one call."""
+    samples after the last chunk emitted; the last call finalizes with full attention. One-shot is one call. (The
+    cumulative path, incremental=False: tests/test_flow_stream.py holds the incremental one to it.)"""
     from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
     flow, hift = parts["flow"], parts["hift"]
@@ -146,7 +147,7 @@ def test_streaming_token2wav_is_the_reference_per_call_computation(parts: dict) 
     emb = torch.randn(1, 192, generator=g)
     buffers = noise(400 * 480)
 
-    t2w = Token2Wav3(flow, hift)
+    t2w = Token2Wav3(flow, hift, incremental=False)
     kw = dict(embedding=emb, prompt_token=prompt, prompt_feat=feat, draws=itertools.repeat(buffers))
     chunks = list(t2w(iter(tokens), stream=True, **kw))
 

@@ -205,7 +205,7 @@ def test_load_time_cast_and_quantize(fp32_bundle: Path, fast_bundle: Path) -> No
     assert "precision" in m.clock.durations
     # the same weights quantized at load and at conversion give the same audio
     loaded = torch.from_numpy(m.synthesize_all("Hello there.", m.speakers[0], seed=3))
-    assert torch.equal(loaded, _synth(fast_bundle))
+    assert torch.equal(loaded, _synth(fast_bundle, flow_dtype="bfloat16", hift_dtype="bfloat16"))
     # an int8 bundle with llm_quantize=none stays as stored (the float weights are not in it)
     m = cosyserve.load(fast_bundle, warmup=False, llm_quantize="none")
     assert isinstance(m.runtime.pipeline.llm.llm_decoder, Int8Linear)
@@ -218,6 +218,72 @@ def test_defaults_leave_a_float32_load_as_it_was(fp32_bundle: Path) -> None:
     assert "precision" not in m.clock.durations
     assert isinstance(m.runtime.pipeline.llm.llm_decoder, nn.Linear)
     assert m.runtime.pipeline.token2wav.flow_steps is None
+
+
+def test_a_cpu_without_native_bf16_computes_a_bf16_bundle_in_float32(
+    fast_bundle: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a fake AVX2 CPU (no AVX512-BF16/AMX flags) the bundle's bfloat16 flow and vocoder are cast to float32
+    at load, said in one INFO line and in the runtime's precision (the startup report's line); a dtype asked for
+    still wins, with a warning. If this fails, a bf16 bundle runs emulated bf16 (3x slower first audio, measured)
+    or the choice is silent."""
+    import logging
+
+    import cosyserve
+    from cosyserve.models import precision
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"sse4_2", "avx2", "fma"}))
+    with caplog.at_level(logging.INFO, logger="cosyserve.runtime.pytorch"):
+        m = cosyserve.load(fast_bundle, warmup=False)
+    t2w = m.runtime.pipeline.token2wav
+    assert (
+        t2w.flow.encoder_proj.weight.dtype == torch.float32
+        and t2w.hift.conv_pre.weight.dtype == torch.float32
+    )
+    why = "float32 (stored bfloat16: this CPU has no native bfloat16)"
+    assert m.runtime.precision == {"llm": "float32", "flow": why, "hift": why}
+    assert [r.message for r in caplog.records if r.message.startswith("precision:")] == [
+        f"precision: llm float32, flow {why}, hift {why}"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cosyserve.runtime.pytorch"):
+        m = cosyserve.load(fast_bundle, warmup=False, flow_dtype="bfloat16")
+    assert m.runtime.pipeline.token2wav.flow.encoder_proj.weight.dtype == torch.bfloat16
+    assert m.runtime.precision["flow"] == "bfloat16"
+    assert any("flow asked to compute in a half dtype" in r.message for r in caplog.records)
+
+
+def test_precision_choice_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half dtypes stay where they compute faster (a GPU: as stored); float32 always stays; a request wins; on a
+    CPU with the dtype's instructions the choice is timed (a component slower in bf16 there gets float32)."""
+    from cosyserve.models import precision
+    from cosyserve.models.precision import choose_precision, cpu_native, half_is_fast
+
+    stored = {"llm": "float32", "flow": "bfloat16", "hift": "float16"}
+    none = dict.fromkeys(stored)
+    bf16_only = choose_precision(stored, none, "cpu", fast=lambda d, c: d == "bfloat16")
+    assert {n: p.dtype for n, p in bf16_only.items()} == {
+        "llm": "float32",
+        "flow": "bfloat16",
+        "hift": "float32",
+    }
+    gpu = choose_precision(stored, none, "cuda", fast=lambda d, c: False)
+    assert {n: p.dtype for n, p in gpu.items()} == stored
+    asked = choose_precision(stored, {**none, "llm": "bfloat16"}, "cpu", fast=lambda d, c: False)
+    assert str(asked["llm"]) == "bfloat16 (asked for; stored float32)"
+    flags = frozenset({"avx2", "avx512_bf16"})
+    assert cpu_native("bfloat16", flags) and not cpu_native("float16", flags) and cpu_native("float32", flags)
+    # a CPU with AVX512-BF16 on which bf16 convolutions are slower and matrix products faster
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+    slower = {("conv", torch.bfloat16), ("linear", torch.float32)}
+    monkeypatch.setattr(precision, "_probe", lambda op, dtype: (op, dtype))
+    monkeypatch.setattr(precision, "_timed", lambda runs: [2.0 if run in slower else 1.0 for run in runs])
+    precision._timed_faster.cache_clear()
+    try:
+        assert half_is_fast("bfloat16", "llm") and not half_is_fast("bfloat16", "flow")
+        assert not half_is_fast("bfloat16", "hift") and not half_is_fast("float16", "llm")
+    finally:
+        precision._timed_faster.cache_clear()
 
 
 # -- flow steps ----------------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
         zero_shot.join()
     out = clock.as_dict()
     out["first_audio_ms"] = first_audio
+    out["precision"] = model.runtime.precision
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("COSYSERVE_PROBE " + json.dumps(out), flush=True)
 

@@ -1,5 +1,7 @@
 """The quality gate: how far a fast path (another bundle of the model, other load options, a chunk policy) moves
-the output away from the fp32 reference path of the same model, on a fixed, seeded set of inputs.
+the output away from the fp32 reference path of the same model, on a fixed, seeded set of inputs. The variant
+runs the path a server would take with its options: each component in the dtype chosen at load for this CPU
+(:func:`cosyserve.models.precision.choose_precision`), shown in the report's variant line.
 
 Three measurements, each against the fp32 path (the same model loaded with default options and fp32 weights):
 
@@ -666,15 +668,17 @@ def run_quality(
         ValueError: bad options, or ``against`` is another model.
     """
     base = RuntimeOptions(warmup=False, threads=threads, text_tier="lazy")
+    fp32 = dict.fromkeys(("llm_dtype", "flow_dtype", "hift_dtype"), "float32")
     try:
         variant_options = dataclasses.replace(base, **(options or {}))
     except (TypeError, ValueError) as e:
         raise ValueError(f"--option: {e}") from None
-    reference = _load(model, base)
+    reference_options = dataclasses.replace(base, **fp32)
+    reference = _load(model, reference_options)
     variant_path = against or model
     variant = (
         reference
-        if variant_path == model and variant_options == base
+        if variant_path == model and variant_options == reference_options
         else _load(variant_path, variant_options)
     )
     if reference.bundle.model_key != variant.bundle.model_key:
@@ -683,5 +687,6 @@ def run_quality(
             f"({reference.bundle.model_key}); compare bundles of the same model"
         )
     shown = ", ".join(f"{k}={v}" for k, v in (options or {}).items())
-    label = f"{variant_path}" + (f" [{shown}]" if shown else "")
+    chosen = ", ".join(f"{name} {p}" for name, p in variant.precision.items())
+    label = f"{variant_path}" + (f" [{shown}]" if shown else "") + f" (computes in: {chosen})"
     return QualityReport(model, label, compare(reference, variant, seed=seed, parts=parts))

@@ -46,7 +46,7 @@ import struct
 import threading
 import time
 import unicodedata
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -303,14 +303,28 @@ def _fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp file in the same
     folder, fsync, rename over ``path``, fsync the folder."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for open()
-    try:
+
+    def write(tmp: Path) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for open()
         try:
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
+        finally:
+            os.close(fd)
+
+    atomic_replace(path, write)
+
+
+def atomic_replace(path: Path, write: Callable[[Path], None]) -> None:
+    """Make ``path`` with ``write(tmp)`` so that a crash leaves the old file or the new one: ``write`` makes a
+    temp file in the same folder, which is fsynced and renamed over ``path``, and the folder fsynced."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
             os.fsync(fd)
         finally:
             os.close(fd)

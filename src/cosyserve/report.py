@@ -346,6 +346,7 @@ def startup_report(
     probe_cmd = [sys.executable, "-m", "cosyserve._probe", json.dumps(opts)]
     floor_cmd = [sys.executable, "-c", _FLOOR_CODE.format(module=_FLOOR_MODULE[runtime])]
     ready, floor, first_audio, rss = [], [], [], []
+    precision: dict[str, str] = {}
     phases: dict[str, list[float]] = {}
     starts: dict[str, list[float]] = {}
     touched = []
@@ -362,6 +363,7 @@ def startup_report(
         if rec.get("first_audio_ms") is not None:
             first_audio.append(rec["first_audio_ms"])
         rss.append(rec["peak_rss_mb"])
+        precision = rec.get("precision", {})
         for name, ms in rec["phases_ms"].items():
             phases.setdefault(name, []).append(ms)
         for name, ms in rec.get("starts_ms", {}).items():
@@ -380,6 +382,7 @@ def startup_report(
         "phase_starts_ms": {p: _stats(starts[p]) for p in PHASES if p in starts},  # since process start
         "first_audio_ms": _stats(first_audio) if first_audio else None,
         "peak_rss_mb": _stats(rss),
+        "precision": precision,
     }
     if cold:
         rate = cold_read_rate(files)
@@ -421,6 +424,8 @@ def _print_table(s: dict[str, Any]) -> None:
         f"ready / floor (python -c 'import {s.get('floor_module', 'torch')}'): {s['ratio_ready_to_floor']:.2f}x; peak RSS "
         f"{s['peak_rss_mb']['median']:.0f} MB"
     )
+    if s.get("precision"):
+        print("precision: " + ", ".join(f"{name} {p}" for name, p in s["precision"].items()))
     if "cold_read" in s:
         c = s["cold_read"]
         print(

@@ -381,6 +381,32 @@ class Settings:
         doc="Euler steps of the flow (fewer: faster, further from the model's output)",
         shown="the model's (10)",
     )
+    voice_cache_mb: int = _loading(
+        4096,
+        env="COSYSERVE_VOICE_CACHE_MB",
+        flag="--voice-cache-mb",
+        cast=Int(0, 1 << 24),
+        doc="memory for the flow states of registered voices and recent prompts (CosyVoice2/3 streaming: what "
+        "depends on the voice sample alone, computed once), least recently used out; about 230 MB per second of "
+        "sample for a CosyVoice2 flow in float32, 180 MB for CosyVoice3; 0 keeps none",
+    )
+    stream_state_mb: int = _loading(
+        8192,
+        env="COSYSERVE_STREAM_STATE_MB",
+        flag="--stream-state-mb",
+        cast=Int(0, 1 << 24),
+        doc="the most memory one streamed CosyVoice2/3 request's flow state may hold (it grows with the "
+        "utterance: about 230 MB per second of speech for CosyVoice2 in float32, 180 MB for CosyVoice3, so that "
+        "each chunk costs its own frames); past it the request's next chunks re-run the flow on everything so far, "
+        "as the reference does; 0: no bound",
+    )
+    voice_cache_disk: bool = _loading(
+        False,
+        env="COSYSERVE_VOICE_CACHE_DISK",
+        cast=Bool(),
+        doc="also store registered voices' flow states beside the registry (its `.flow-states/`, as large as in "
+        "memory) for later starts to map, instead of computing them at first use",
+    )
     # -- the server ----------------------------------------------------------------------------------------------
     host: str = _serve(
         "127.0.0.1",

@@ -46,8 +46,8 @@ class Family:
             whose export covers all three (``lite``).
         lite_kinds: the conformance kinds the lite runtime computes for its sets (the others are reported as not
             yet served by it).
-        reruns_flow: streaming re-runs the flow on every token so far (CosyVoice2/3), instead of windows that
-            carry a flow cache (CosyVoice-300M).
+        reruns_flow: streaming calls the flow on every token so far (CosyVoice2/3: the reference's rule, which
+            cosyserve computes keeping the final frames), instead of windows that carry a flow cache (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
         stacks_flow: concurrent requests' flow and vocoder calls may run stacked (``batch_flow``).
         test_model: ``module:function`` writing a random-weight model dir: ``(dir, size, seed, onnx) -> info``.
@@ -158,11 +158,14 @@ class Family:
         ``first_hop`` tokens at 50 Hz) for a model with ``config`` and ``flow``."""
         raise NotImplementedError
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
-        yielding ``[1, samples]`` chunks."""
+        yielding ``[1, samples]`` chunks. ``voices``: precomputed voice states
+        (:class:`~cosyserve.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``)."""
         raise NotImplementedError
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:

@@ -3,14 +3,17 @@
 ``CausalMaskedDiffWithXvec`` = token embedding -> :class:`UpsampleConformerEncoder` (x2 to mel rate, 3-token
 lookahead) -> ``encoder_proj`` -> ``CausalConditionalCFM`` (10 Euler steps of the
 :class:`CausalConditionalDecoder` velocity with classifier-free guidance). Unlike CosyVoice-300M there is no length
-regulator and no flow cache: a streaming caller re-runs the flow on every token so far, and the starting noise is
-always the same fixed tensor (:func:`fixed_noise`), so the frames of earlier chunks come out the same again.
-Attribute names follow the official ``flow.pt`` keys.
+regulator and no flow cache in the reference: a streaming caller re-runs the flow on every token so far, and the
+starting noise is always the same fixed tensor (:func:`fixed_noise`), so the frames of earlier chunks come out the
+same again. Here a stream can instead keep its final frames' states (:class:`~cosyserve.models.flow_stream.FlowStream`)
+and compute only the frames after them: :class:`ChunkFlow`, the inference both CosyVoice2's flow and CosyVoice3's
+(:mod:`cosyserve.models.dit`) share. Attribute names follow the official ``flow.pt`` keys.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,6 +23,7 @@ from torch import Tensor, nn
 
 from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
 from cosyserve.models.flow import CFMParams, _euler_schedule
+from cosyserve.models.flow_stream import FlowStream, StepCache
 from cosyserve.models.upsample_encoder import (
     PRE_LOOKAHEAD_LEN,
     UPSAMPLE_STRIDE,
@@ -34,6 +38,7 @@ __all__ = [
     "CausalConditionalCFMConfig",
     "CausalFlowConfig",
     "CausalMaskedDiffWithXvec",
+    "ChunkFlow",
     "fixed_noise",
 ]
 
@@ -49,18 +54,19 @@ def _noise_table() -> Tensor:
 
 
 def fixed_noise(
-    frames: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+    frames: int, device: torch.device | None = None, dtype: torch.dtype = torch.float32, start: int = 0
 ) -> Tensor:
-    """The first ``frames`` columns of the reference's fixed flow noise, as a fresh (1, 80, frames) tensor.
+    """Columns ``start .. frames-1`` of the reference's fixed flow noise, as a fresh (1, 80, frames - start)
+    tensor.
 
-    Equals ``set_all_random_seed(0); torch.randn([1, 80, 15000])[:, :, :frames]`` but draws from a private
+    Equals ``set_all_random_seed(0); torch.randn([1, 80, 15000])[:, :, start:frames]`` but draws from a private
     generator (the global torch RNG is left alone) once per process.
     """
     if not 0 <= frames <= NOISE_SHAPE[2]:
         raise ValueError(
             f"the flow's fixed noise has {NOISE_SHAPE[2]} frames (10 minutes of mel); {frames} were asked for"
         )
-    return _noise_table()[:, :, :frames].to(device=device, dtype=dtype, copy=True)
+    return _noise_table()[:, :, start:frames].to(device=device, dtype=dtype, copy=True)
 
 
 @dataclass(kw_only=True)
@@ -139,6 +145,7 @@ class CausalConditionalCFM(nn.Module):
         n_timesteps: int,
         streaming: bool,
         should_stop: ShouldStop | None = None,
+        caches: list[StepCache] | None = None,
     ) -> Tensor:
         """Integrate from ``noise`` to a mel: fixed-step Euler, classifier-free guidance as one batch of 2B.
 
@@ -150,6 +157,7 @@ class CausalConditionalCFM(nn.Module):
             n_timesteps: Euler steps.
             streaming: chunk attention masks in the estimator.
             should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
+            caches: a stream's state per Euler step (see :class:`ChunkFlow`): the frames here follow its kept ones.
         Returns:
             (B, n, T) float32 mel.
         """
@@ -163,33 +171,60 @@ class CausalConditionalCFM(nn.Module):
         h[:B, 2 * n + s :] = cond
         t_in = torch.zeros(2 * B, device=mu.device, dtype=dtype)
         rate = self.inference_cfg_rate
-        for t, dt in _euler_schedule(n_timesteps, self.t_scheduler, dtype, mu.device):
+        for i, (t, dt) in enumerate(_euler_schedule(n_timesteps, self.t_scheduler, dtype, mu.device)):
             check(should_stop)
             h.unflatten(0, (2, B))[:, :, :n] = x
             t_in.copy_(t.expand(2 * B))
-            v = self.estimator.forward_packed(h, t_in, streaming, should_stop)  # (2B, n, T)
+            cache = None if caches is None else caches[i]
+            v = self.estimator.forward_packed(h, t_in, streaming, should_stop, cache)  # (2B, n, T)
             x = x + dt * ((1.0 + rate) * v[:B] - rate * v[B:])
         return x.float()
 
 
-class CausalMaskedDiffWithXvec(nn.Module):
-    # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
-    N_TIMESTEPS = 10
-    REPEATED_STACKS = ("encoder.encoders", "encoder.up_encoders", "decoder.estimator.mid_blocks")
-    ROW_TABLES = ("input_embedding.weight",)
+class ChunkFlow(nn.Module):
+    """What CosyVoice2's and CosyVoice3's flows share: tokens (after a prompt) -> ``mu`` at mel rate (the
+    subclass's :meth:`_mu`) -> the CFM from the fixed noise, with the prompt mel as condition; and streams that
+    keep their final frames (:class:`~cosyserve.models.flow_stream.FlowStream`).
 
-    def __init__(self, cfg: CausalFlowConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.input_size = cfg.input_size
-        self.output_size = cfg.output_size
-        self.pre_lookahead_len = cfg.pre_lookahead_len
-        self.token_mel_ratio = cfg.token_mel_ratio
-        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
-        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
-        self.encoder = UpsampleConformerEncoder(cfg.encoder)
-        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
-        self.decoder = CausalConditionalCFM(cfg.decoder)
+    A stream's call computes the frames after the ``stream.frames`` it keeps: ``mu`` of those frames from the tokens
+    from ``stream.frames // ratio - lead`` on (``lead`` tokens of left context for the lookahead layer's causal
+    conv, :attr:`LEAD`), then every Euler step over them against the kept states. Its output equals the whole
+    sequence's (:meth:`inference` without a stream) within float rounding, because streaming attention is
+    chunk-causal and every conv causal; the frames of a chunk still incomplete are computed again next time.
+    """
+
+    N_TIMESTEPS = 10  # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
+    LEAD = 2  # tokens before a stream's new ones that the lookahead layer's causal conv (kernel 3) reads
+    cfg: Any
+    decoder: CausalConditionalCFM
+
+    def _mu(self, x: Tensor, lookahead: int, streaming: bool, stream: FlowStream | None, lead: int) -> Tensor:
+        """(B, 80, frames) ``mu`` of token embeddings ``x`` (B, n, C), the last ``lookahead`` of them context only;
+        with a stream, the first ``lead`` are left context (no frames) and the rest follow its kept frames."""
+        raise NotImplementedError
+
+    def _encoder_caches(self) -> int:
+        return 0
+
+    def _begin_encoder(self, stream: FlowStream, start: int, keep: int) -> None:
+        """Set the encoder's caches for a call over frames ``start ..`` of which those before ``keep`` are kept."""
+
+    @property
+    def streams(self) -> bool:
+        """Whether streamed chunks can keep their final frames (static chunk attention, a causal estimator)."""
+        return bool(getattr(self.decoder.estimator, "streams", False))
+
+    @property
+    def granularity(self) -> int:
+        """Frames a stream keeps at a time: the estimator's attention chunk (and the encoder's, at mel rate)."""
+        return int(self.decoder.estimator.static_chunk_size)
+
+    def new_stream(self, n_timesteps: int | None = None) -> FlowStream | None:
+        """An empty :class:`FlowStream` for a request's chunks (None when this flow cannot keep frames)."""
+        if not self.streams:
+            return None
+        steps = self.N_TIMESTEPS if n_timesteps is None else n_timesteps
+        return FlowStream.empty(self.granularity, steps, self._encoder_caches())
 
     @torch.inference_mode()
     def warm_up(self, n_tokens: int = 2) -> Tensor:
@@ -217,6 +252,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
         *,
         n_timesteps: int | None = None,
         should_stop: ShouldStop | None = None,
+        stream: FlowStream | None = None,
     ) -> Tensor:
         """Speech tokens -> mel after a prompt, the whole utterance so far (the reference's flow inference).
 
@@ -229,11 +265,15 @@ class CausalMaskedDiffWithXvec(nn.Module):
                 conversion passes the prompt's whole mel, and the output then starts with the d = 2P - F frames of
                 the last prompt tokens, as in the reference.
             embedding: (B, spk_embed_dim) speaker x-vector (L2-normalised here).
-            streaming: static chunk attention in the encoder and estimator (what a streaming chunk uses).
+            streaming: static chunk attention (what a streaming chunk uses).
             finalize: the utterance ends here; otherwise the last 3 tokens are lookahead context only and get no
                 frames.
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
             should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
+            stream: the request's :class:`FlowStream` (:meth:`new_stream`), for a chunk that streams and does not
+                finalize: only the frames after the ones it keeps are computed, and it keeps the new final ones.
+                The same prompt, embedding and steps at every call. Ignored by other calls (the last call's full
+                attention changes every frame: it is computed whole, as the reference does).
         Returns:
             (B, n_mels, M) float32 mel with M = 2(P + T) - F (finalize) or 2(P + T - 3) - F.
         """
@@ -251,18 +291,132 @@ class CausalMaskedDiffWithXvec(nn.Module):
         frames = self.token_mel_ratio * (tokens.shape[1] - lookahead)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        dtype = self.spk_embed_affine_layer.weight.dtype
-        device = self.spk_embed_affine_layer.weight.device
-        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device=device, dtype=dtype), dim=1))
-
+        if stream is not None and streaming and not finalize:
+            return self._chunk(stream, tokens, prompt_feat, embedding, frames, n_timesteps, should_stop)[
+                :, :, f:
+            ]
+        spks, cond = self._conditions(embedding, prompt_feat, 0, frames)
+        device = spks.device
         x = self.input_embedding(tokens.to(device).clamp(min=0))  # (B, P+T, C)
-        if lookahead:
-            h = self.encoder(x[:, :-lookahead], x[:, -lookahead:], streaming=streaming)
-        else:
-            h = self.encoder(x, streaming=streaming)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, n_mels, N), N = frames
-        cond = torch.zeros_like(mu)
-        cond[:, :, :f] = prompt_feat.to(device=device, dtype=dtype).transpose(1, 2)
-        noise = fixed_noise(frames, device, dtype)
+        mu = self._mu(x, lookahead, streaming, None, 0)  # (B, n_mels, N), N = frames
+        noise = fixed_noise(frames, device, spks.dtype)
         mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
         return mel[:, :, f:]
+
+    def _conditions(
+        self, embedding: Tensor, prompt_feat: Tensor, start: int, frames: int
+    ) -> tuple[Tensor, Tensor]:
+        # the projected speaker embedding (B, 80) and the prompt-mel condition of frames start..frames-1
+        weight = self.spk_embed_affine_layer.weight
+        spks = self.spk_embed_affine_layer(
+            F.normalize(embedding.to(device=weight.device, dtype=weight.dtype), dim=1)
+        )
+        cond = torch.zeros(
+            spks.shape[0], self.output_size, frames - start, device=weight.device, dtype=weight.dtype
+        )
+        f = min(prompt_feat.shape[1], frames)  # a prompt's prefill stops before its last frames
+        if f > start:
+            cond[:, :, : f - start] = (
+                prompt_feat[:, start:f].to(device=weight.device, dtype=weight.dtype).transpose(1, 2)
+            )
+        return spks, cond
+
+    def _chunk(
+        self,
+        stream: FlowStream,
+        tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        frames: int,
+        n_timesteps: int,
+        should_stop: ShouldStop | None,
+    ) -> Tensor:
+        # a stream's call: frames stream.frames .. frames-1 computed, the whole chunks among them kept; returns the
+        # mel of every frame (the kept ones' as they were computed)
+        if n_timesteps != stream.n_timesteps:
+            raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {n_timesteps}")
+        start, ratio = stream.frames, self.token_mel_ratio
+        if frames <= start:
+            raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
+        keep = stream.kept_until(frames)
+        spks, cond = self._conditions(embedding, prompt_feat, start, frames)
+        device = spks.device
+        first = start // ratio
+        lead = min(first, self.LEAD)
+        x = self.input_embedding(tokens[:, first - lead :].to(device).clamp(min=0))
+        self._begin_encoder(stream, start, keep)
+        mu = self._mu(x, self.pre_lookahead_len, True, stream, lead)
+        noise = fixed_noise(frames, device, spks.dtype, start)
+        for cache in stream.steps:
+            cache.begin(start, keep - start)
+        mel = self.decoder(mu, spks, cond, noise, n_timesteps, True, should_stop, stream.steps)
+        kept = mel[:, :, : keep - start]
+        stream.mel = kept if stream.mel is None else torch.cat([stream.mel, kept], dim=2)
+        whole = mel if start == 0 else torch.cat([stream.mel[:, :, :start], mel], dim=2)
+        stream.frames = keep
+        return whole
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        stream: FlowStream,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        should_stop: ShouldStop | None = None,
+    ) -> FlowStream:
+        """Keep in the empty ``stream`` every frame that depends on the prompt alone (whole attention chunks of
+        the frames of prompt tokens whose lookahead is prompt too): what a registered voice computes once. A
+        request's stream forked from it (:meth:`FlowStream.fork`) continues with the same prompt, embedding and
+        steps. Returns ``stream``."""
+        if stream.frames:
+            raise ValueError("prefill needs an empty stream")
+        ratio, lookahead = self.token_mel_ratio, self.pre_lookahead_len
+        keep = stream.kept_until(ratio * (prompt_token.shape[1] - lookahead))
+        if keep > 0:
+            tokens = prompt_token[:, : keep // ratio + lookahead]
+            self._chunk(stream, tokens, prompt_feat, embedding, keep, stream.n_timesteps, should_stop)
+        return stream
+
+
+class CausalMaskedDiffWithXvec(ChunkFlow):
+    REPEATED_STACKS = ("encoder.encoders", "encoder.up_encoders", "decoder.estimator.mid_blocks")
+    ROW_TABLES = ("input_embedding.weight",)
+
+    def __init__(self, cfg: CausalFlowConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_size = cfg.input_size
+        self.output_size = cfg.output_size
+        self.pre_lookahead_len = cfg.pre_lookahead_len
+        self.token_mel_ratio = cfg.token_mel_ratio
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
+        self.decoder = CausalConditionalCFM(cfg.decoder)
+
+    @property
+    def streams(self) -> bool:
+        return super().streams and self.encoder.cfg.static_chunk_size > 0
+
+    @property
+    def granularity(self) -> int:
+        return math.lcm(super().granularity, self.encoder.cfg.static_chunk_size * self.token_mel_ratio)
+
+    def _encoder_caches(self) -> int:
+        return 2  # token rate (the conformer layers), mel rate (upsampling conv, up layers)
+
+    def _begin_encoder(self, stream: FlowStream, start: int, keep: int) -> None:
+        ratio = self.token_mel_ratio
+        tokens, frames = stream.encoder
+        tokens.begin(start // ratio, (keep - start) // ratio)
+        frames.begin(start, keep - start)
+
+    def _mu(self, x: Tensor, lookahead: int, streaming: bool, stream: FlowStream | None, lead: int) -> Tensor:
+        context = x[:, -lookahead:] if lookahead else None
+        caches = stream.encoder if stream is not None else None
+        h = self.encoder(
+            x[:, : x.shape[1] - lookahead], context, streaming=streaming, caches=caches, lead=lead
+        )
+        return self.encoder_proj(h).transpose(1, 2).contiguous()  # (B, n_mels, N)

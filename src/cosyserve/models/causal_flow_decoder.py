@@ -8,6 +8,11 @@ transformer stack attends through static chunk masks of ``static_chunk_size`` fr
 level); otherwise attention is full. Keys follow the official ``decoder.estimator.*`` names (``block.0`` conv,
 ``block.2`` LayerNorm).
 
+With one level (every CosyVoice2 release: ``channels: [256]``) every convolution is causal, so a flow stream's
+chunk runs its own frames against the kept frames' conv tails and attention keys
+(:class:`~cosyserve.models.flow_stream.StepCache`); more levels add the strided ``Downsample1D``, which looks one
+frame ahead, and such a decoder only runs whole sequences.
+
 Inference inputs never contain padding (one utterance, or a batch of equal lengths), so there is no frame mask.
 """
 
@@ -20,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig
+from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig, ResnetBlock1D
+from cosyserve.models.flow_stream import StepCache
 from cosyserve.models.transformer import subsequent_chunk_mask
 from cosyserve.stop import ShouldStop, check
 
@@ -43,8 +49,10 @@ class CausalConv1d(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size)
         self.causal_padding = kernel_size - 1
 
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(F.pad(x, (self.causal_padding, 0)))
+    def forward(self, x: Tensor, cache: StepCache | None = None) -> Tensor:
+        # a stream's kept frames before x are the left context (zeros at its start)
+        n = self.causal_padding
+        return super().forward(F.pad(x, (n, 0)) if cache is None else cache.left(x, n))
 
 
 class _Transpose(nn.Module):
@@ -60,32 +68,58 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, cache: StepCache | None = None) -> Tensor:
         # mask is always None here (no padding); the argument keeps ResnetBlock1D's call signature
-        return self.block(x)
+        conv, *rest = self.block
+        x = conv(x, cache)
+        for layer in rest:
+            x = layer(x)
+        return x
+
+
+class CausalResnetBlock1D(ResnetBlock1D):
+    """``ResnetBlock1D`` of two :class:`CausalBlock1D` (same keys), whose convs may take a stream's cache."""
+
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int):
+        super().__init__(dim, dim_out, time_emb_dim)
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+
+    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, cache: StepCache | None = None) -> Tensor:
+        h = self.block1(x, None, cache) + self.mlp(temb).unsqueeze(-1)
+        return self.block2(h, None, cache) + self.res_conv(x)
 
 
 class CausalConditionalDecoder(ConditionalDecoder):
     def __init__(self, cfg: CausalConditionalDecoderConfig):
         super().__init__(cfg)
         self.static_chunk_size = cfg.static_chunk_size
+        temb_dim = self.time_mlp.linear_2.out_features
         for level in (*self.down_blocks, *self.mid_blocks, *self.up_blocks):
             resnet = level[0]
-            dim, dim_out = resnet.res_conv.in_channels, resnet.res_conv.out_channels
-            resnet.block1 = CausalBlock1D(dim, dim_out)
-            resnet.block2 = CausalBlock1D(dim_out, dim_out)
+            level[0] = CausalResnetBlock1D(
+                resnet.res_conv.in_channels, resnet.res_conv.out_channels, temb_dim
+            )
         for blocks in (self.down_blocks, self.up_blocks):
             ch = blocks[-1][2].out_channels
             blocks[-1][2] = CausalConv1d(ch, ch, 3)
         ch = self.final_block.block[0].in_channels
         self.final_block = CausalBlock1D(ch, ch)
 
-    def _attend(self, blocks: nn.ModuleList, x: Tensor, streaming: bool) -> Tensor:
-        # x: (B, C, T) -> (B, T, C) for the blocks and back
+    @property
+    def streams(self) -> bool:
+        """Whether a stream's chunks can keep their frames: one level (no strided conv) and chunk attention."""
+        return len(self.down_blocks) == 1 and self.static_chunk_size > 0
+
+    def _attend(
+        self, blocks: nn.ModuleList, x: Tensor, streaming: bool, cache: StepCache | None = None
+    ) -> Tensor:
+        # x: (B, C, T) -> (B, T, C) for the blocks and back; a stream's call starts at a chunk boundary, so the
+        # mask of its own frames is the same
         mask = subsequent_chunk_mask(x.size(2), self.static_chunk_size, x.device) if streaming else None
         h = x.transpose(1, 2)
         for block in blocks:
-            h = block(h, mask)
+            h = block(h, mask, cache)
         return h.transpose(1, 2).contiguous()
 
     def forward(  # type: ignore[override]
@@ -96,7 +130,12 @@ class CausalConditionalDecoder(ConditionalDecoder):
         return self.forward_packed(torch.cat([x, mu, spks, cond], dim=1), t, streaming)
 
     def forward_packed(  # type: ignore[override]
-        self, h: Tensor, t: Tensor, streaming: bool = False, should_stop: ShouldStop | None = None
+        self,
+        h: Tensor,
+        t: Tensor,
+        streaming: bool = False,
+        should_stop: ShouldStop | None = None,
+        cache: StepCache | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -105,24 +144,29 @@ class CausalConditionalDecoder(ConditionalDecoder):
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
             should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
+            cache: a stream's state at this Euler step (streaming, :attr:`streams` only): h holds the frames
+                after the ones it keeps (a multiple of the attention chunk), which it adds as left context.
         Returns:
             (B, out_channels, T) velocity.
         """
         if streaming and self.static_chunk_size <= 0:
             streaming = False  # the reference's chunk mask of size 0 is full attention
+        if cache is not None and not (streaming and self.streams):
+            raise ValueError("a flow stream's chunk needs a one-level decoder with static chunk attention")
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []
         for resnet, blocks, downsample in self.down_blocks:
             check(should_stop)
-            h = self._attend(blocks, resnet(h, None, temb), streaming)
+            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
             hiddens.append(h)
-            h = downsample(h)
+            h = downsample(h, cache) if isinstance(downsample, CausalConv1d) else downsample(h)
         for resnet, blocks in self.mid_blocks:
             check(should_stop)
-            h = self._attend(blocks, resnet(h, None, temb), streaming)
+            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
         for resnet, blocks, upsample in self.up_blocks:
             check(should_stop)
             skip = hiddens.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)  # (B, 2C, T_level)
-            h = upsample(self._attend(blocks, resnet(h, None, temb), streaming))
-        return self.final_proj(self.final_block(h))
+            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
+            h = upsample(h, cache) if isinstance(upsample, CausalConv1d) else upsample(h)
+        return self.final_proj(self.final_block(h, None, cache))

@@ -15,6 +15,14 @@ What differs from the HiFT of :mod:`cosyserve.models.hift` (whose pieces it reus
   nothing: the initial phases (``rand_ini``, [1, 9], fundamental 0) and the additive noise (``sine_waves``, uniform
   [0, 1), [1, L, 9], the first L rows used) are fixed buffers in the reference, passed in here.
 
+Streaming (:meth:`CausalHiFTGenerator.stream`): the reference re-runs the vocoder on the whole mel so far at every
+chunk and emits the samples after those it emitted. Because every part is causal, a chunk needs only its new
+frames and a bounded left context: a :class:`VocoderStream` keeps the last mel frames (the decoder's receptive
+field, :attr:`CausalHiFTGenerator.context`, and the f0 predictor's), the excitation of those frames, the running
+sum of the source's phase (in float64, as torch's CPU cumsum accumulates) and the place in the fixed noise.
+The decoder re-runs over that context, whose first frames come out wrong (zero padding at its left edge) and are
+not emitted; the source is never recomputed, so its phase and noise are exactly the whole mel's.
+
 Attribute names are the official ``hift.pt`` keys (weight-norm ``parametrizations`` form, folded on load as in
 :class:`~cosyserve.models.hift.HiFTGenerator`).
 """
@@ -47,6 +55,7 @@ __all__ = [
     "CausalF0PredictorConfig",
     "CausalHiFTConfig",
     "CausalHiFTGenerator",
+    "VocoderStream",
     "source_noise",
 ]
 
@@ -97,6 +106,28 @@ def source_noise(
     rand_ini = torch.rand(1, harmonics, generator=generator)
     rand_ini[:, 0] = 0
     return rand_ini, torch.rand(1, samples, harmonics, generator=generator)
+
+
+@dataclass
+class VocoderStream:
+    """What a stream's causal vocoder keeps between calls (see the module docstring); ``whole`` keeps every
+    frame instead (the reference's re-run on the whole mel, for comparisons)."""
+
+    mel: Tensor | None = None  # (B, 80, n) the kept mel frames, from frame `start` on
+    source: Tensor | None = None  # (B, 1, (f0_frames - start) * 480) their excitation
+    phase: Tensor | None = None  # (B, 1, H) float64: the phase increments summed over frames < f0_frames
+    start: int = 0
+    f0_frames: int = 0  # frames whose excitation is known (a call holds back the f0 predictor's lookahead)
+    emitted: int = 0  # samples emitted
+    whole: bool = False
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.mel, self.source, self.phase) if t is not None)
+
+
+def _resblock_left(kernel: int, dilations: list[int]) -> int:
+    # the left context of a causal ResBlock: each dilation's conv pair, in series
+    return sum((kernel - 1) * d + kernel - 1 for d in dilations)
 
 
 class CausalResBlock(ResBlock):
@@ -184,6 +215,9 @@ class CausalHiFTGenerator(HiFTGenerator):
         )
         self.conv_post = _wn(nn.Conv1d(base // 2 ** len(self.ups), n_fft + 2, 7), wn)
         self.f0_predictor = CausalConvRNNF0Predictor(cfg.f0_predictor, wn).to(torch.float64)
+        self.context = self._decoder_context()
+        # the f0 predictor's causal convs (after the first, which looks ahead) read this many earlier frames
+        self.f0_context = sum(_causal_padding(c.kernel_size[0]) for c in self.f0_predictor.condnet[2::2])
         # f0 entries become float64 before the weight-norm fold, so the fold is float64 as in the reference
         self._register_load_state_dict_pre_hook(self._f0_float64)
         self._register_load_state_dict_pre_hook(self._load_hook)
@@ -193,6 +227,33 @@ class CausalHiFTGenerator(HiFTGenerator):
         for key in [k for k in state_dict if k.startswith(prefix + "f0_predictor.")]:
             if state_dict[key].is_floating_point():
                 state_dict[key] = state_dict[key].to(torch.float64)
+
+    def _decoder_context(self) -> int:
+        """Mel frames before a call's first new output frame that the decoder must re-read for it to come out as
+        the whole mel's: an upper bound of its left receptive field (zero padding at the left edge of a window of
+        mel spoils at most that many frames), from the config."""
+        cfg = self.cfg
+        n_fft, hop = cfg.istft_params["n_fft"], cfg.istft_params["hop_len"]
+        stft = math.prod(cfg.upsample_rates)  # source STFT frames per mel frame
+        spoiled = 0.0
+        source = (n_fft // 2) / hop / stft  # the STFT's centre padding at the window's start
+        last = len(cfg.upsample_rates) - 1
+        for i, k in enumerate(cfg.upsample_kernel_sizes):
+            res = math.prod(cfg.upsample_rates[: i + 1])  # positions per mel frame at this stage
+            main = spoiled + (k - 1 + (i == last)) / res
+            down = self.source_downs[i]
+            branch = source + (down.kernel_size[0] + down.stride[0]) / stft
+            branch += (
+                _resblock_left(cfg.source_resblock_kernel_sizes[i], cfg.source_resblock_dilation_sizes[i])
+                / res
+            )
+            blocks = max(
+                _resblock_left(k, d)
+                for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True)
+            )
+            spoiled = max(main, branch) + blocks / res
+        spoiled += (self.conv_post.kernel_size[0] - 1 + n_fft // hop) / stft
+        return math.ceil(spoiled) + 1
 
     # -- inference -------------------------------------------------------------------------------------------
 
@@ -239,9 +300,64 @@ class CausalHiFTGenerator(HiFTGenerator):
                 f"got {speech_feat.shape[2]}"
             )
         f0 = self._f0(speech_feat, finalize)  # (B, T')
-        source = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
+        source, _ = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
         mel = speech_feat if finalize else speech_feat[:, :, :-F0_LOOKAHEAD]
         return self._causal_decode(mel, source, finalize, should_stop), source
+
+    @torch.inference_mode()
+    def stream(
+        self,
+        state: VocoderStream,
+        mel: Tensor,
+        finalize: bool,
+        *,
+        rand_ini: Tensor,
+        sine_waves: Tensor,
+        should_stop: ShouldStop | None = None,
+    ) -> Tensor:
+        """Vocode a stream's next mel frames: the samples that :meth:`inference` on every frame so far would give
+        after those already emitted, from the frames ``state`` keeps and ``mel``; updates ``state``.
+
+        Args:
+            state: the stream's :class:`VocoderStream` (a fresh one for its first call).
+            mel: (B, 80, n) the frames after every frame given before.
+            finalize: the stream ends here (else the last 8 frames so far are held back, see :meth:`inference`).
+            rand_ini, sine_waves: the noise buffers, the same at every call of a stream (as :meth:`inference`).
+            should_stop: as :meth:`inference`.
+        Returns:
+            (B, samples) float32 audio after the samples emitted before.
+        """
+        if state.mel is not None:
+            mel = torch.cat([state.mel, mel], dim=2)
+        start, total = state.start, state.start + mel.shape[2]
+        if not finalize and total <= self.cfg.lookahead:
+            raise ValueError(
+                f"a vocoder call that does not finalize needs more than {self.cfg.lookahead} mel frames, got {total}"
+            )
+        known = state.f0_frames
+        until = total if finalize else total - F0_LOOKAHEAD  # frames whose excitation this call makes
+        if until > known:
+            # the f0 of frames known .. until-1, from their predictor context on
+            read = max(start, known - self.f0_context)
+            f0 = self._f0(mel[:, :, read - start :], finalize)[:, known - read :]
+            new, state.phase = self._causal_source(f0, rand_ini, sine_waves, known, state.phase)
+            state.source = new if state.source is None else torch.cat([state.source, new], dim=2)
+            state.f0_frames = until
+        assert state.source is not None
+        speech = self._causal_decode(mel[:, :, : until - start], state.source, finalize, should_stop)
+        speech = speech[:, state.emitted - start * self.cfg.upsample_factor :]
+        state.emitted += speech.shape[1]
+        # what the next call re-reads: the decoder's context before its first new frame, the f0 predictor's
+        if not state.whole:
+            keep = max(
+                start, min(state.emitted // self.cfg.upsample_factor - self.context, until - self.f0_context)
+            )
+            state.mel = mel[:, :, keep - start :]
+            state.source = state.source[:, :, (keep - start) * self.cfg.upsample_factor :]
+            state.start = keep
+        else:
+            state.mel = mel
+        return speech
 
     def _f0(self, speech_feat: Tensor, finalize: bool) -> Tensor:
         if next(self.f0_predictor.parameters()).dtype != torch.float64:
@@ -249,29 +365,39 @@ class CausalHiFTGenerator(HiFTGenerator):
             self.f0_predictor.to(torch.float64)
         return self.f0_predictor(speech_feat.to(torch.float64), finalize).to(torch.float32)
 
-    def _causal_source(self, f0: Tensor, rand_ini: Tensor, sine_waves: Tensor) -> Tensor:
-        # SineGen2 in the reference's (B, L, H) layout and op order; the frame-rate phase is upsampled by repetition
+    def _causal_source(
+        self, f0: Tensor, rand_ini: Tensor, sine_waves: Tensor, first: int = 0, carry: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        # SineGen2 in the reference's (B, L, H) layout and op order; the frame-rate phase is upsampled by
+        # repetition. f0 (B, T') of frames first .. first+T'-1: ``carry`` (B, 1, H) float64 is the sum of the
+        # earlier frames' phase increments, returned updated; the noise is read from sample first * 480 on
         cfg = self.cfg
         B, H, device = f0.shape[0], cfg.nb_harmonics + 1, f0.device
         scale = cfg.upsample_factor
         f0 = F.interpolate(f0[:, None], scale_factor=float(scale), mode="nearest")
         f0 = f0.transpose(1, 2)  # (B, L, 1)
-        L = f0.shape[1]
+        L, at = f0.shape[1], first * scale
         if rand_ini.dim() != 2 or rand_ini.shape[1] != H or rand_ini.shape[0] not in (1, B):
             raise ValueError(f"rand_ini must be (1, {H}) or ({B}, {H}), got {tuple(rand_ini.shape)}")
-        if sine_waves.dim() != 3 or sine_waves.shape[1] < L or sine_waves.shape[2] != H:
-            raise ValueError(f"sine_waves must be (1, >= {L}, {H}), got {tuple(sine_waves.shape)}")
+        if sine_waves.dim() != 3 or sine_waves.shape[1] < at + L or sine_waves.shape[2] != H:
+            raise ValueError(f"sine_waves must be (1, >= {at + L}, {H}), got {tuple(sine_waves.shape)}")
         harmonics = torch.arange(1, H + 1, device=device, dtype=torch.float32).view(1, 1, H)
         rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, H) cycles per sample
-        rad[:, 0, :] = rad[:, 0, :] + rand_ini.to(device=device, dtype=torch.float32)
+        if first == 0:
+            rad[:, 0, :] = rad[:, 0, :] + rand_ini.to(device=device, dtype=torch.float32)
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
-        phase = torch.cumsum(rad, dim=1) * 2 * math.pi  # (B, T', H)
+        # torch's CPU cumsum of float32 sums in float64 and rounds each element: carrying the float64 sum gives
+        # the whole sequence's values
+        if carry is None:
+            carry = torch.zeros(B, 1, H, device=device, dtype=torch.float64)
+        sums = torch.cumsum(torch.cat([carry, rad.double()], dim=1), dim=1)
+        phase = sums[:, 1:].float() * 2 * math.pi  # (B, T', H)
         phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="nearest")
         sine = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha  # (B, L, H)
         uv = (f0 > cfg.nsf_voiced_threshold).float()  # (B, L, 1)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        sine = sine * uv + noise_amp * sine_waves[:, :L].to(device=device, dtype=torch.float32)
-        return self.m_source(sine.transpose(1, 2))
+        sine = sine * uv + noise_amp * sine_waves[:, at : at + L].to(device=device, dtype=torch.float32)
+        return self.m_source(sine.transpose(1, 2)), sums[:, -1:]
 
     def _causal_decode(
         self, mel: Tensor, source: Tensor, finalize: bool, should_stop: ShouldStop | None = None

@@ -31,9 +31,10 @@ from cosyserve.models.causal_flow import (
     NOISE_SHAPE,
     CausalConditionalCFM,
     CausalConditionalCFMConfig,
-    fixed_noise,
+    ChunkFlow,
 )
 from cosyserve.models.flow_decoder import SinusoidalPosEmb
+from cosyserve.models.flow_stream import FlowStream, StepCache, attend
 from cosyserve.models.transformer import subsequent_chunk_mask
 from cosyserve.models.upsample_encoder import PreLookaheadLayer as _PreLookahead
 from cosyserve.stop import ShouldStop, check
@@ -184,11 +185,11 @@ class _CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, POS_KERNEL, groups=POS_GROUPS), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, POS_KERNEL, groups=POS_GROUPS), nn.Mish())
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: (B, N, C) -> (B, N, C); each conv sees the current and the 30 previous frames
+    def forward(self, x: Tensor, cache: StepCache | None = None) -> Tensor:
+        # x: (B, N, C) -> (B, N, C); each conv sees the current and the 30 previous frames (a stream's kept ones)
         h = x.transpose(1, 2)
-        h = self.conv1(F.pad(h, (POS_KERNEL - 1, 0)))
-        h = self.conv2(F.pad(h, (POS_KERNEL - 1, 0)))
+        for conv in (self.conv1, self.conv2):
+            h = conv(F.pad(h, (POS_KERNEL - 1, 0)) if cache is None else cache.left(h, POS_KERNEL - 1))
         return h.transpose(1, 2)
 
 
@@ -198,10 +199,10 @@ class _InputEmbedding(nn.Module):
         self.proj = nn.Linear(in_features, dim)
         self.conv_pos_embed = _CausalConvPositionEmbedding(dim)
 
-    def forward(self, h: Tensor) -> Tensor:
+    def forward(self, h: Tensor, cache: StepCache | None = None) -> Tensor:
         # h: (B, N, in_features) = cat([x, cond, mu, spks]) -> (B, N, dim)
         x = self.proj(h)
-        return self.conv_pos_embed(x) + x
+        return self.conv_pos_embed(x, cache) + x
 
 
 class _RotaryEmbedding(nn.Module):
@@ -213,11 +214,12 @@ class _RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (ROTARY_THETA ** (steps / dim_head))
         self.register_buffer("inv_freq", inv_freq)  # persistent: the official flow.pt holds it
 
-    def forward(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # (1, N, dim_head) cos and sin in ``dtype``, frequencies repeated in interleaved pairs (f0, f0, f1, f1, ...).
-        # Computed in float32 whatever the flow's dtype: in bfloat16 the positions past 256 and the angles (up to
-        # a few thousand radians) are off by whole radians, so the table would be noise for most frames.
-        t = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+    def forward(self, n: int, dtype: torch.dtype, offset: int = 0) -> tuple[Tensor, Tensor]:
+        # (1, N, dim_head) cos and sin of positions offset .. offset+N-1 in ``dtype``, frequencies repeated in
+        # interleaved pairs (f0, f0, f1, f1, ...). Computed in float32 whatever the flow's dtype: in bfloat16 the
+        # positions past 256 and the angles (up to a few thousand radians) are off by whole radians, so the table
+        # would be noise for most frames.
+        t = torch.arange(offset, offset + n, device=self.inv_freq.device, dtype=torch.float32)
         freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=-1).unsqueeze(0)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
@@ -246,14 +248,20 @@ class _Attention(nn.Module):
         # index 1: the reference's dropout
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
-        # x: (B, N, dim); mask: (1, 1, N, N) bool, True = attend, or None for full attention
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: StepCache | None = None
+    ) -> Tensor:
+        # x: (B, N, dim); mask: (N, N) bool, True = attend, or None for full attention; a stream's cache adds the
+        # kept frames' keys and values (seen whole)
         B, N, _ = x.shape
         q = _apply_rotary(self.to_q(x), *rope)
         k = _apply_rotary(self.to_k(x), *rope)
         v = self.to_v(x)
         q, k, v = (t.view(B, N, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, N, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = attend(q, *cache.segments(k, v, dim=2), mask)
         return self.to_out[0](y.transpose(1, 2).reshape(B, N, -1))
 
 
@@ -295,9 +303,16 @@ class _DiTBlock(nn.Module):
         self.attn = _Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = _FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x: Tensor, t: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        t: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        cache: StepCache | None = None,
+    ) -> Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
-        x = x + gate_msa * self.attn(_norm(x) * (1 + scale_msa) + shift_msa, rope, mask)
+        x = x + gate_msa * self.attn(_norm(x) * (1 + scale_msa) + shift_msa, rope, mask, cache)
         return x + gate_mlp * self.ff(_norm(x) * (1 + scale_mlp) + shift_mlp)
 
 
@@ -324,8 +339,18 @@ class DiT(nn.Module):
         spks = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         return self.forward_packed(torch.cat([x, mu, spks, cond], dim=1), t, streaming)
 
+    @property
+    def streams(self) -> bool:
+        """Whether a stream's chunks can keep their frames (static chunk attention when streaming)."""
+        return self.static_chunk_size > 0
+
     def forward_packed(
-        self, h: Tensor, t: Tensor, streaming: bool = False, should_stop: ShouldStop | None = None
+        self,
+        h: Tensor,
+        t: Tensor,
+        streaming: bool = False,
+        should_stop: ShouldStop | None = None,
+        cache: StepCache | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -334,6 +359,8 @@ class DiT(nn.Module):
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
             should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
+            cache: a stream's state at this Euler step (streaming only): h holds the frames after the
+                ``cache.start`` it keeps (a multiple of the attention chunk), which it adds as left context.
         Returns:
             (B, mel_dim, N) velocity.
         """
@@ -342,14 +369,17 @@ class DiT(nn.Module):
         x, mu_spks, cond = h[:, :n_mel], h[:, n_mel : c - n_mel], h[:, c - n_mel :]
         inp = torch.cat([x, cond, mu_spks], dim=1).transpose(1, 2)  # (B, N, in_channels)
         temb = self.time_embed(t)  # (B, dim)
-        y = self.input_embed(inp)
-        rope = self.rotary_embed(n, y.dtype)
+        y = self.input_embed(inp, cache)
+        rope = self.rotary_embed(n, y.dtype, 0 if cache is None else cache.start)
         mask = None
         if streaming and self.static_chunk_size > 0:
-            mask = subsequent_chunk_mask(n, self.static_chunk_size, h.device).view(1, 1, n, n)
+            # a stream's call starts at a chunk boundary: the mask of its own frames is the same
+            mask = subsequent_chunk_mask(n, self.static_chunk_size, h.device)
+        elif cache is not None:
+            raise ValueError("a flow stream's chunk needs static chunk attention (streaming with chunks > 0)")
         for block in self.transformer_blocks:
             check(should_stop)
-            y = block(y, temb, rope, mask)
+            y = block(y, temb, rope, mask, cache)
         scale, shift = self.norm_out(temb)
         y = _norm(y) * (1 + scale) + shift
         return self.proj_out(y).transpose(1, 2)
@@ -369,9 +399,7 @@ class DiTCFM(CausalConditionalCFM):
         self.estimator = DiT(cfg.estimator)
 
 
-class CausalMaskedDiffWithDiT(nn.Module):
-    # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
-    N_TIMESTEPS = 10
+class CausalMaskedDiffWithDiT(ChunkFlow):
     # in a lower-precision flow the rotary frequencies stay float32 (see _RotaryEmbedding.forward)
     FLOAT32_PARTS = ("decoder.estimator.rotary_embed",)
     REPEATED_STACKS = ("decoder.estimator.transformer_blocks",)
@@ -388,76 +416,10 @@ class CausalMaskedDiffWithDiT(nn.Module):
         self.pre_lookahead_layer = PreLookaheadLayer(cfg.pre_lookahead_layer)
         self.decoder = DiTCFM(cfg.decoder)
 
-    @torch.inference_mode()
-    def warm_up(self, n_tokens: int = 2) -> Tensor:
-        """One Euler step over dummy tokens through one DiT block, streaming and not (every kernel the flow runs,
-        once; :func:`cosyserve.models.one_layer_per_stack`); returns the mel. Leaves the module as it was."""
-        from cosyserve.models import one_layer_per_stack
-
-        trimmed = one_layer_per_stack(self)
-        tokens = torch.zeros(1, max(n_tokens, 1) + self.pre_lookahead_len, dtype=torch.int32)
-        empty = torch.zeros(1, 0, dtype=torch.int32)
-        feat, emb = torch.zeros(1, 0, self.output_size), torch.zeros(1, self.cfg.spk_embed_dim)
-        trimmed.inference(tokens, empty, feat, emb, streaming=True, finalize=False, n_timesteps=1)
-        return trimmed.inference(tokens, empty, feat, emb, streaming=False, finalize=True, n_timesteps=1)
-
-    @torch.inference_mode()
-    def inference(
-        self,
-        token: Tensor,
-        prompt_token: Tensor,
-        prompt_feat: Tensor,
-        embedding: Tensor,
-        streaming: bool,
-        finalize: bool,
-        *,
-        n_timesteps: int | None = None,
-        should_stop: ShouldStop | None = None,
-    ) -> Tensor:
-        """Speech tokens -> mel after a prompt, the whole utterance so far (the reference's flow inference).
-
-        A batch of B > 1 must have equal lengths (no padding); every row starts from the same fixed noise.
-
-        Args:
-            token: (B, T) speech token ids to synthesise.
-            prompt_token: (B, P) prompt speech tokens (P may be 0).
-            prompt_feat: (B, F, 80) prompt mel. Usually F = 2P; voice conversion passes the prompt's whole mel,
-                and the output then starts with the 2P - F frames of the last prompt tokens, as in the reference.
-            embedding: (B, spk_embed_dim) speaker x-vector (L2-normalised here).
-            streaming: static chunk attention in the DiT (what a streaming chunk uses).
-            finalize: the utterance ends here; otherwise the last 3 tokens are lookahead context only and get no
-                frames.
-            n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
-            should_stop: passed to the CFM, which asks it before each Euler step (None: never stops).
-        Returns:
-            (B, 80, M) float32 mel, M = 2(P + T) - F (finalize) or 2(P + T - 3) - F.
-        """
-        n_timesteps = self.N_TIMESTEPS if n_timesteps is None else n_timesteps
-        if n_timesteps < 1:
-            raise ValueError(f"n_timesteps must be >= 1, got {n_timesteps}")
-        lookahead = 0 if finalize else self.pre_lookahead_len
-        if token.shape[1] <= lookahead:
-            raise ValueError(
-                f"a chunk that does not finalize needs more than {lookahead} tokens (the last {lookahead} are "
-                f"lookahead), got {token.shape[1]}"
-            )
-        f = prompt_feat.shape[1]
-        frames = self.token_mel_ratio * (prompt_token.shape[1] + token.shape[1] - lookahead)
-        if f > frames:
-            raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        dtype = self.spk_embed_affine_layer.weight.dtype
-        device = self.spk_embed_affine_layer.weight.device
-        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(device=device, dtype=dtype), dim=1))
-
-        tokens = torch.cat([prompt_token, token], dim=1).to(device)
-        x = self.input_embedding(tokens.clamp(min=0))  # (B, P+T, 80)
+    def _mu(self, x: Tensor, lookahead: int, streaming: bool, stream: FlowStream | None, lead: int) -> Tensor:
+        # the lookahead layer's output is the DiT's mu, repeated to the mel rate
         if lookahead:
             h = self.pre_lookahead_layer(x[:, :-lookahead], x[:, -lookahead:])
         else:
             h = self.pre_lookahead_layer(x)
-        mu = h.repeat_interleave(self.token_mel_ratio, dim=1).transpose(1, 2).contiguous()  # (B, 80, N)
-        cond = torch.zeros_like(mu)
-        cond[:, :, :f] = prompt_feat.to(device=device, dtype=dtype).transpose(1, 2)
-        noise = fixed_noise(frames, device, dtype)
-        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
-        return mel[:, :, f:]
+        return h[:, lead:].repeat_interleave(self.token_mel_ratio, dim=1).transpose(1, 2).contiguous()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.models.flow_stream import StepCache, attend
 from cosyserve.stop import ShouldStop, check
 
 __all__ = ["ConditionalDecoder", "ConditionalDecoderConfig"]
@@ -134,13 +135,17 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
 
-    def forward(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        # x: [B, T, C]; bias: [B, 1, 1, T] additive key mask or None
+    def forward(self, x: Tensor, bias: Tensor | None, cache: StepCache | None = None) -> Tensor:
+        # x: [B, T, C]; bias: [B, 1, 1, T] additive key mask, a bool mask (True = attend), or None; a flow stream's
+        # cache adds the keys and values of the frames it keeps before x (seen whole; bias then a (T, T) bool mask)
         B, T, _ = x.shape
         q = self.to_q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.to_k(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         v = self.to_v(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            y = attend(q, *cache.segments(k, v, dim=2), bias)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # (B, T, nh*hs)
         return self.to_out[0](y)
 
@@ -174,8 +179,8 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, approximate)
 
-    def forward(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
+    def forward(self, x: Tensor, bias: Tensor | None, cache: StepCache | None = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), bias, cache)
         return x + self.ff(self.norm3(x))
 
 

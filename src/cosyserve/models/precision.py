@@ -4,6 +4,15 @@ Float dtype: a module computes in its weights' dtype. What must stay float32 wha
 named by the module class's ``FLOAT32_PARTS`` (the vocoder's f0 predictor and source module: pitch and phase) and
 by :func:`keeps_float32`; converter and load-time cast follow the same rule.
 
+Which dtype a component computes in is chosen at load (:func:`choose_precision`): the one it is stored in, except
+that a bfloat16 or float16 component computes in float32 where that is faster on this CPU (:func:`half_is_fast`):
+always on a CPU without instructions for the dtype (AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16, read from its
+flags), where oneDNN emulates it (measured on a 2-core AVX2 EPYC: a bfloat16 bundle's first audio 13.6 s against
+4.2 s in float32, its flow 8x and its vocoder up to 50x slower; issue 34); on a CPU with them, as timed at load on
+the component's kind of work (a matrix product, a 1-D convolution), since having them is not being faster: on a
+2-core Xeon with AVX512-BF16 but no AMX the full-size CosyVoice2 vocoder ran 1.9x slower in bfloat16, its flow
+1.1x. A dtype asked for (``--flow-dtype`` ...) wins.
+
 Int8: weight-only, per-output-channel symmetric scales, for the bandwidth-bound LLM decode.
 
 A decode step of the LLM reads every weight once for one row of activations: it is bound by memory bandwidth, and
@@ -20,8 +29,10 @@ way, before the state dict is loaded).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DECODE_ROWS",
+    "Precision",
+    "choose_precision",
+    "cpu_flags",
+    "cpu_native",
+    "half_is_fast",
     "cast_floating",
     "keeps_float32",
     "Int8Linear",
@@ -48,6 +64,125 @@ DECODE_ROWS = 16
 # position and read by dtype) and the speech head; the text encoder runs once per request and stays as stored
 LLM_QUANTIZED = ("llm.", "llm_decoder")
 _SKIP = ("linear_pos",)
+# CPU flags (as /proc/cpuinfo names them) under which oneDNN runs a half dtype's kernels natively
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``), or an empty set where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_native(dtype: str, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU computes ``dtype`` (``float32``, ``bfloat16``, ``float16``) natively: from its flags, or
+    where they cannot be read, oneDNN's own probe."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    flags = cpu_flags() if flags is None else flags
+    if flags:
+        return any(f in flags for f in NATIVE_FLAGS[dtype])
+    probe = getattr(
+        torch.ops.mkldnn,
+        "_is_mkldnn_bf16_supported" if dtype == "bfloat16" else "_is_mkldnn_fp16_supported",
+        None,
+    )
+    return bool(probe()) if probe is not None else False
+
+
+# the work whose speed decides a component's dtype: matrix products (the LM; the flow's attention and feed-forward
+# layers) and 1-D convolutions (the flow's U-Net and position convolutions; the vocoder)
+PROBES = {"llm": ("linear",), "flow": ("linear", "conv"), "hift": ("conv",)}
+
+
+def _probe(op: str, dtype: torch.dtype) -> Callable[[], object]:
+    # one op at a component's typical size, ready to time
+    g = torch.Generator().manual_seed(0)
+    if op == "linear":
+        x, w = torch.randn(64, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
+        return lambda: F.linear(x, w)
+    x, w = torch.randn(1, 128, 1200, generator=g).to(dtype), torch.randn(128, 128, 7, generator=g).to(dtype)
+    return lambda: F.conv1d(x, w, padding=3)
+
+
+def _timed(runs: list[Callable[[], object]], rounds: int = 5) -> list[float]:
+    # the best time of each of ``runs``, timed in turn round by round (a busy neighbour spreads over all), after an
+    # untimed call each (kernel set-up)
+    import time
+
+    best = [float("inf")] * len(runs)
+    for r in range(rounds + 1):
+        for i, run in enumerate(runs):
+            t = time.perf_counter()
+            run()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def half_is_fast(dtype: str, component: str) -> bool:
+    """Whether ``component`` (``llm``, ``flow``, ``hift``) computes at least 5% faster in ``dtype`` than in float32
+    on this CPU: never without the dtype's instructions (:func:`cpu_native`), else timed once per process on its
+    kind of work (:data:`PROBES`, ~50 ms; float32, the exact one, wins a tie)."""
+    if dtype not in NATIVE_FLAGS:
+        return True
+    return cpu_native(dtype) and all(_timed_faster(dtype, op) for op in PROBES[component])
+
+
+@functools.cache
+def _timed_faster(dtype: str, op: str) -> bool:
+    full, half = _timed([_probe(op, torch.float32), _probe(op, getattr(torch, dtype))])
+    return half <= 0.95 * full
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A component's compute dtype as chosen at load, the dtype it is stored in, and why."""
+
+    dtype: str
+    stored: str
+    why: str
+
+    def __str__(self) -> str:
+        return self.dtype if self.why == "as stored" else f"{self.dtype} ({self.why})"
+
+
+def choose_precision(
+    stored: dict[str, str],
+    requested: dict[str, str | None],
+    device_type: str = "cpu",
+    fast: Callable[[str, str], bool] | None = None,
+) -> dict[str, Precision]:
+    """Each component's compute dtype (see the module docstring).
+
+    Args:
+        stored: component -> the dtype its weights are stored in.
+        requested: component -> the dtype asked for (settings, flags), or None to choose.
+        device_type: where it computes (``cpu``: as :func:`half_is_fast` finds; else as stored).
+        fast: ``(dtype, component) -> bool``, default :func:`half_is_fast` (tests pass a fake CPU).
+    Returns:
+        component -> :class:`Precision`.
+    """
+    fast = fast or half_is_fast
+    out = {}
+    for name, have in stored.items():
+        want = requested.get(name)
+        if want is not None:
+            out[name] = Precision(want, have, "as stored" if want == have else f"asked for; stored {have}")
+        elif device_type == "cpu" and have != "float32" and not fast(have, name):
+            why = (
+                f"this CPU has no native {have}" if not cpu_native(have) else "timed slower here than float32"
+            )
+            out[name] = Precision("float32", have, f"stored {have}: {why}")
+        else:
+            out[name] = Precision(have, have, "as stored")
+    return out
 
 
 def keeps_float32(module_cls: type, key: str) -> bool:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from cosyserve.models.flow_stream import StepCache
 
 __all__ = [
     "ConformerEncoder",
@@ -312,9 +315,14 @@ class RelPositionMultiHeadedAttention(nn.Module):
         x = x.transpose(1, 2).reshape(b, t, self.h * self.d_k).to(self.pos_bias_u.dtype)
         return self.linear_out(x)
 
-    def forward(self, x: Tensor, mask: Tensor, pos_emb: Tensor) -> Tensor:
-        """x: (B, T, C); mask: (B, 1 or T, T) bool, True = attend; pos_emb: (1, 2T-1, C) -> (B, T, C)."""
+    def forward(self, x: Tensor, mask: Tensor, pos_emb: Tensor, cache: StepCache | None = None) -> Tensor:
+        """x: (B, T, C); mask: (B, 1 or T, T) bool, True = attend; pos_emb: (1, 2T-1, C) -> (B, T, C).
+
+        With a flow stream's ``cache`` (:class:`~cosyserve.models.flow_stream.StepCache`) x holds the frames after
+        the S it keeps, whose keys and values come first: mask (B, T, S + T), pos_emb (1, 2(S + T) - 1, C)."""
         q, k, v = self._qkv(x)
+        if cache is not None:
+            k, v = cache.extend(k, v, dim=1)
         p = (
             self.linear_pos(pos_emb).view(pos_emb.size(0), -1, self.h, self.d_k).transpose(1, 2)
         )  # (1, H, 2T-1, D)
@@ -376,14 +384,19 @@ class _EncoderLayer(nn.Module):
         self.normalize_before = normalize_before
 
     def forward(
-        self, x: Tensor, mask: Tensor | None, pos_emb: Tensor | None, step: DecodeStep | None = None
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        pos_emb: Tensor | None,
+        step: DecodeStep | None = None,
+        cache: StepCache | None = None,
     ) -> Tensor:
         residual = x
         if self.normalize_before:
             x = self.norm_attn(x)
         if step is None:
             assert mask is not None and pos_emb is not None
-            x = self.self_attn(x, mask, pos_emb)
+            x = self.self_attn(x, mask, pos_emb, cache)
         else:
             x = self.self_attn.forward_cached(x, step)
         x = residual + x

@@ -7,7 +7,9 @@ attribute names follow the official ``flow.pt`` keys (``encoder.pre_lookahead_la
 ``encoder.up_embed.out.0``, ``encoder.up_encoders.N``).
 
 When streaming, attention uses static chunk masks (a frame sees its own chunk and every earlier one): chunk
-``static_chunk_size`` before the upsampling and twice that after it.
+``static_chunk_size`` before the upsampling and twice that after it. A flow stream's call runs the tokens after
+the ones it keeps against their kept keys and values (:class:`~cosyserve.models.flow_stream.StepCache`, one at
+token rate, one at mel rate, which also keeps the upsampling conv's input tail).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.models.flow_stream import StepCache
 from cosyserve.models.transformer import (
     _ACTIVATIONS,
     ConformerEncoder,
@@ -102,10 +105,11 @@ class Upsample1D(nn.Module):
         self.stride = stride
         self.conv = nn.Conv1d(channels, channels, stride * 2 + 1)
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: (B, C, T) -> (B, C, T * stride)
+    def forward(self, x: Tensor, cache: StepCache | None = None) -> Tensor:
+        # x: (B, C, T) -> (B, C, T * stride); a stream's kept frames before x are the conv's left context
         h = F.interpolate(x, scale_factor=float(self.stride), mode="nearest")
-        return self.conv(F.pad(h, (self.stride * 2, 0)))
+        n = self.stride * 2
+        return self.conv(F.pad(h, (n, 0)) if cache is None else cache.left(h, n))
 
 
 def _conformer_layers(cfg: ConformerEncoderConfig, n: int) -> nn.ModuleList:
@@ -138,7 +142,12 @@ class UpsampleConformerEncoder(ConformerEncoder):
         self.up_encoders = _conformer_layers(cfg, UP_LAYERS)
 
     def forward(  # type: ignore[override]
-        self, xs: Tensor, context: Tensor | None = None, streaming: bool = False
+        self,
+        xs: Tensor,
+        context: Tensor | None = None,
+        streaming: bool = False,
+        caches: list[StepCache] | None = None,
+        lead: int = 0,
     ) -> Tensor:
         """Encode one unpadded sequence of token embeddings.
 
@@ -147,21 +156,34 @@ class UpsampleConformerEncoder(ConformerEncoder):
             context: (B, 3, input_size) embeddings of the 3 tokens after ``xs`` (lookahead only, no output
                 frames), or None at the end of the utterance (the lookahead sees zeros).
             streaming: static chunk attention masks instead of full attention.
+            caches: a flow stream's token-rate and mel-rate caches (streaming only): ``xs`` follows the tokens
+                they keep, after ``lead`` tokens of left context for the lookahead layer (no output frames).
+            lead: see ``caches``.
         Returns:
-            (B, T * 2, output_size) frames at mel rate, after ``after_norm``.
+            (B, (T - lead) * 2, output_size) frames at mel rate, after ``after_norm``.
         """
         chunk = self.cfg.static_chunk_size if streaming else 0
-        xs, pos_emb = self.embed(xs)
+        tokens, frames = caches if caches is not None else (None, None)
+        xs = self.embed(xs)[0]
         if context is not None:
             context = self.embed(context)[0]
-        xs = self.pre_lookahead_layer(xs, context)
-        mask = attention_mask(xs.size(1), chunk, xs.device)
-        for layer in self.encoders:
-            xs = layer(xs, mask, pos_emb)
-
-        xs = self.up_layer(xs.transpose(1, 2)).transpose(1, 2)  # (B, 2T, C)
-        xs, pos_emb = self.up_embed(xs)
-        mask = attention_mask(xs.size(1), chunk * self.up_layer.stride, xs.device)
-        for layer in self.up_encoders:
-            xs = layer(xs, mask, pos_emb)
+        xs = self.pre_lookahead_layer(xs, context)[:, lead:]
+        for layers, cache, c in ((self.encoders, tokens, chunk), (self.up_encoders, frames, chunk * 2)):
+            if layers is self.up_encoders:
+                xs = self.up_layer(xs.transpose(1, 2), frames).transpose(1, 2)  # (B, 2T, C)
+                xs = self.up_embed(xs)[0]
+            start = 0 if cache is None else cache.start
+            pos_emb = self.embed.pos_enc.position_encoding(start, xs.size(1), xs)
+            mask = _stream_mask(xs.size(1), c, start, xs.device)
+            for layer in layers:
+                xs = layer(xs, mask, pos_emb, cache=cache)
         return self.after_norm(xs) if self.cfg.normalize_before else xs
+
+
+def _stream_mask(length: int, chunk: int, kept: int, device: torch.device) -> Tensor:
+    # (1, 1 or T, kept + T): the attention mask of T frames after ``kept`` ones a stream keeps (a multiple of chunk,
+    # seen whole); full attention when chunk <= 0
+    mask = attention_mask(length, chunk, device)
+    if kept:
+        mask = torch.cat([mask.new_ones(1, mask.shape[1], kept), mask], dim=2)
+    return mask

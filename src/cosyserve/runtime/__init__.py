@@ -111,6 +111,11 @@ class RuntimeOptions:
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
+        voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
+            :mod:`cosyserve.voicestates`); 0 keeps none.
+        voice_cache_disk: also store registered voices' flow states beside the registry.
+        stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
+            re-run the flow on everything so far (0: no bound).
         fork_template: load in a prefork template that will be forked without exec: start no thread (native
             ones included) and leave none running when the load returns; the work a runtime would do in the
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
@@ -142,6 +147,9 @@ class RuntimeOptions:
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
     flow_steps: int | None = None
+    voice_cache_mb: int = 4096
+    voice_cache_disk: bool = False
+    stream_state_mb: int = 8192
     fork_template: bool = False
     device: str = "cpu"
 
@@ -168,6 +176,9 @@ class RuntimeOptions:
             hift_dtype=s.hift_dtype,
             llm_quantize=s.llm_quantize,
             flow_steps=s.flow_steps,
+            voice_cache_mb=s.voice_cache_mb,
+            voice_cache_disk=s.voice_cache_disk,
+            stream_state_mb=s.stream_state_mb,
             device=s.device,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
@@ -198,6 +209,10 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
+        for name in ("voice_cache_mb", "stream_state_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not _is_device_name(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N (N >= 0), got {self.device!r}")
 
@@ -219,11 +234,14 @@ class Runtime(Protocol):
         sample_rate: Hz of the audio it yields.
         slots: requests it serves at once (each from its own thread).
         clock: its start clock: the phases of its load, and its points (``ready``) since process start.
+        precision: component (``llm``, ``flow``, ``hift``) -> the dtype it computes in, and why when not as
+            stored (chosen at load for the CPU or GPU; the startup report shows it).
     """
 
     sample_rate: int
     slots: int
     clock: PhaseClock
+    precision: dict[str, str]
 
     def speakers(self) -> list[str]:
         """The model's pre-defined speaker ids, sorted."""

@@ -192,6 +192,9 @@ class LiteRuntime(RuntimeVoices):
         self.clock = clock
         self.sample_rate = int(lite.config["sample_rate"])
         self.slots = options.batch_size
+        self.precision = dict.fromkeys(
+            ("llm", "flow", "hift"), "float32"
+        )  # the exported graphs' (ONNX Runtime)
         tables = lite.tables()
         self.llm = lite_lm(lite, tables)
         flow = LiteFlow(lite, tables)

@@ -97,6 +97,8 @@ class Pipeline(ModelModes):
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
         flow_steps: the flow's Euler steps (default: the model's own count).
+        voice_states: a :class:`~cosyserve.voicestates.VoiceStates` for a flow that streams by keeping its
+            frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class Pipeline(ModelModes):
         family: Family | str = "cosyvoice",
         tokenizer: Any = None,
         config: Any = None,
+        voice_states: Any = None,
     ) -> None:
         self.llm = llm
         # the LM's decode loop: one row unless the runtime gives it more (TorchRuntime, batch_size)
@@ -126,7 +129,10 @@ class Pipeline(ModelModes):
         family = family_named(family) if isinstance(family, str) else family
         self.config = config  # the model's ModelConfig (what the family builds its parts from)
         self.device = module_device(flow)  # where the modules compute: every request tensor goes there
-        self.token2wav: Any = family.token2wav(config, flow, hift, policy, flow_steps)
+        self.voice_states = voice_states if getattr(flow, "streams", False) else None
+        self.token2wav: Any = family.token2wav(
+            config, flow, hift, policy, flow_steps, voices=self.voice_states
+        )
         ModelModes.__init__(
             self,
             speakers,
@@ -180,6 +186,14 @@ class Pipeline(ModelModes):
         """
         self.require(mode)
         return self.frontend().prompt_features(prompt_text, prompt_wav, self.sample_rate)
+
+    def add_speaker(self, name: str, prompt_wav: Any, prompt_text: str, **kwargs: Any) -> Any:
+        """:meth:`ModelModes.add_speaker`, and the voice's flow state computed when the model keeps voice states
+        (registration pays for it, not the voice's first request: in the background, one voice at a time)."""
+        speaker = super().add_speaker(name, prompt_wav, prompt_text, **kwargs)
+        if self.voice_states is not None and speaker.kind == "zero_shot":
+            self.token2wav.keep_voice(speaker.features)
+        return speaker
 
     # --- requests -------------------------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class TorchRuntime(RuntimeVoices):
         self.bundle = bundle
         self.sample_rate = int(pipeline.sample_rate)
         self.slots = options.batch_size
+        self.precision: dict[str, str] = {}  # component -> its compute dtype and why (set by load)
         self._parts = parts
         self._lm = pipeline.llm  # the model itself (what warm-up runs)
         self._batchers: list[Any] = []
@@ -157,6 +158,8 @@ class TorchRuntime(RuntimeVoices):
         for batcher in self._batchers:
             batcher.close()
         self._batchers = []
+        if self.pipeline.voice_states is not None:
+            self.pipeline.voice_states.close()
         self._parts = None
 
 
@@ -214,18 +217,47 @@ def _set_precision(modules: dict[str, Any], casts: dict[str, str], quantize: boo
         quantize_llm(modules["llm"])
 
 
-def _warn_slow_bf16(modules: dict[str, Any]) -> None:
-    # bfloat16 convolutions on a CPU without native bf16 (AVX512-BF16, AMX) take a slow path: measured 8x slower
-    # (flow) to 50x slower (vocoder) than float32 on a 2-core AVX2 machine (bench/fast_paths.py)
-    dtypes = {name: next(modules[name].parameters()).dtype for name in ("flow", "hift")}
-    slow = [name for name, dtype in dtypes.items() if dtype == torch.bfloat16]
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if slow and native is not None and not native():
+def _precision(bundle: Any, o: RuntimeOptions, device_type: str) -> dict[str, Any]:
+    """Each component's compute dtype (:func:`cosyserve.models.precision.choose_precision`), said in one INFO
+    line; a half dtype asked for on a CPU that emulates it is warned about."""
+    from cosyserve.models.precision import choose_precision, cpu_native
+
+    names = ("llm", "flow", "hift")
+    requested = {"llm": o.llm_dtype, "flow": o.flow_dtype, "hift": o.hift_dtype}
+    chosen = choose_precision({n: bundle.component_dtype(n) for n in names}, requested, device_type)
+    logger.info("precision: %s", ", ".join(f"{n} {p}" for n, p in chosen.items()))
+    # the measured cost of an emulated half dtype (see cosyserve.models.precision): 8x (flow) to 50x (vocoder)
+    slow = [n for n in names if requested[n] and device_type == "cpu" and not cpu_native(chosen[n].dtype)]
+    if slow:
         logger.warning(
-            "%s run in bfloat16 on a CPU without native bf16 (AVX512-BF16 or AMX): many times slower than "
-            "float32; set flow_dtype/hift_dtype=float32 (COSYSERVE_FLOW_DTYPE, COSYSERVE_HIFT_DTYPE)",
+            "%s asked to compute in a half dtype this CPU has no native instructions for (AVX512-BF16/FP16, AMX): "
+            "many times slower than float32; leave %s unset to have it chosen",
             " and ".join(slow),
+            ", ".join(f"{n}_dtype" for n in slow),
         )
+    return chosen
+
+
+def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, registry: Any) -> Any:
+    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
+    registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
+    the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
+    import hashlib
+
+    from cosyserve.voicestates import VoiceStates
+
+    def folder() -> Path | None:
+        r = registry()
+        return Path(r.root) if r is not None else None
+
+    dtype = next(flow.parameters()).dtype
+    tag = f"{bundle.model_key}|{dtype}|{device.type}|{options.flow_steps}"
+    return VoiceStates(
+        options.voice_cache_mb << 20,
+        folder if options.voice_cache_disk else None,
+        hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
+        (options.stream_state_mb << 20) or None,
+    )
 
 
 def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchRuntime:
@@ -276,19 +308,15 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             for module in parts.modules.values():
                 for p in module.parameters():
                     p.data = p.data.clone()
-    casts = {
-        name: want
-        for name, want in (("llm", o.llm_dtype), ("flow", o.flow_dtype), ("hift", o.hift_dtype))
-        if want is not None and want != bundle.component_dtype(name)
-    }
+    from cosyserve.device import resolve_device, to_device
+
+    device = resolve_device(o.device)
+    precision = _precision(bundle, o, device.type)
+    casts = {name: p.dtype for name, p in precision.items() if p.dtype != p.stored}
     quantize = o.llm_quantize == "int8" and bundle.quantized("llm") == "none"
     if casts or quantize:
         with clock.phase("precision"):
             _set_precision(parts.modules, casts, quantize)
-    _warn_slow_bf16(parts.modules)
-    from cosyserve.device import resolve_device, to_device
-
-    device = resolve_device(o.device)
     if device.type != "cpu":
         # from the mapped files to the device tensor by tensor through pinned staging (no host copy of the model)
         with clock.phase("to_device"):
@@ -310,6 +338,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             registry_dir=None,
             cache_dir=cache_dir,
         )
+        voice_states = _voice_states(o, bundle, flow, device, lambda: pipeline.registry)
         pipeline = Pipeline(
             parts.modules["llm"],
             flow,
@@ -325,12 +354,14 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             family=family,
             tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
             config=cfg,
+            voice_states=voice_states,
         )
         pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in pipeline.onnx_files},
             check=lambda p: bundle.check_onnx(p.name),
         )
     runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
+    runtime.precision = {name: str(p) for name, p in precision.items()}
     if o.warmup:
         # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
         # seconds later, so they warm up after READY, below

@@ -74,7 +74,9 @@ class CosyVoice(Family):
             chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate
         )
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         from cosyserve.families.cosyvoice.token2wav import Token2Wav
 
         return Token2Wav(flow, hift, policy, flow_steps=flow_steps)

@@ -3,7 +3,8 @@
 The modules are :mod:`cosyserve.models.qwen2lm` (a Qwen2 LM over 6561 speech tokens),
 :mod:`cosyserve.models.causal_flow` (the causal conformer flow with chunked attention) and :mod:`cosyserve.models.hift` (HiFT at 24 kHz, SineGen2);
 the model's own Qwen tokenizer (``CosyVoice-BlankEN/``); 25 Hz speech tokens from ``speech_tokenizer_v2.onnx``;
-token2wav re-running the flow on every token so far (:mod:`cosyserve.families.cosyvoice2.token2wav`).
+token2wav with the reference's chunks over the whole utterance so far, each streamed chunk computing only its own
+frames against the ones kept (:mod:`cosyserve.families.cosyvoice2.token2wav`).
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ class CosyVoice2(Family):
             token_mel_ratio=flow.token_mel_ratio,
         )
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
-        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps)
+        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
         return {

@@ -1,10 +1,14 @@
 """CosyVoice2 speech tokens -> audio, one-shot or streaming, with the reference's CosyVoice2 rules.
 
-CosyVoice2 streams differently from CosyVoice-300M (:mod:`cosyserve.families.cosyvoice.token2wav`): the causal
-flow is re-run on **all** tokens so far at every chunk (there is no flow cache and no mel cross-fade), with static chunk
-attention masks and ``pre_lookahead_len`` (3) tokens of lookahead, and the frames of tokens already spoken are
-dropped. The vocoder keeps the last 8 mel frames, their source excitation and their audio between calls; the
-audio is cross-faded over 3840 samples (a Hamming window of 7680).
+CosyVoice2 streams differently from CosyVoice-300M (:mod:`cosyserve.families.cosyvoice.token2wav`): the reference
+re-runs the causal flow on **all** tokens so far at every chunk (there is no flow cache and no mel cross-fade), with
+static chunk attention masks and ``pre_lookahead_len`` (3) tokens of lookahead, and drops the frames of tokens
+already spoken. Here a request's :class:`StreamState` keeps the flow's final frames instead
+(:class:`~cosyserve.models.flow_stream.FlowStream`: per Euler step, the attention keys and values and the causal
+convs' tails of every whole attention chunk), so a chunk computes its own frames only, with the same result; the
+prompt's part of it comes from a registered voice's precomputed state when ``voices`` holds one. The vocoder keeps
+the last 8 mel frames, their source excitation and their audio between calls; the audio is cross-faded over 3840
+samples (a Hamming window of 7680).
 
 Hops: the first chunk advances by ``hop + pad`` tokens, where ``pad`` tops the prompt's tokens up to a whole
 chunk (``ceil(P / 25) * 25 - P``), so that chunk boundaries line up with the flow's 25-token attention chunks;
@@ -16,8 +20,9 @@ starts afresh (the hop is the generator's own state).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +31,12 @@ import torch.nn.functional as F
 
 from cosyserve.device import module_device
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
+from cosyserve.models.flow_stream import FlowStream
 from cosyserve.stop import ShouldStop
 
-__all__ = ["StreamPolicy2", "Token2Wav2"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["StreamPolicy2", "StreamState", "Token2Wav2"]
 
 
 @dataclass(frozen=True)
@@ -96,34 +104,97 @@ class _Cache:
     speech: torch.Tensor
 
 
+@dataclass
+class StreamState:
+    """A request's token2wav state between chunks, apart from the modules: its prompt, the flow's kept frames
+    (None: the flow re-runs on every token, as the reference's), the vocoder's state (the family's: CosyVoice2's
+    cached frames, source and audio tail; CosyVoice3's :class:`~cosyserve.models.causal_hift.VocoderStream`), the
+    tokens already spoken and the next hop."""
+
+    prompt_token: torch.Tensor
+    prompt_feat: torch.Tensor
+    embedding: torch.Tensor
+    flow: FlowStream | None = None
+    vocoder: Any = None
+    offset: int = 0
+    hop: int = 0
+
+    def nbytes(self) -> int:
+        flow = self.flow.nbytes() if self.flow is not None else 0
+        vocoder = getattr(self.vocoder, "nbytes", None)
+        return flow + (vocoder() if vocoder is not None else 0)
+
+
 class Token2Wav2:
     """Turns speech tokens into audio with a CosyVoice2 causal flow and a 24 kHz HiFT vocoder.
 
     Args:
-        flow: the causal flow (``inference(token, prompt_token, prompt_feat, embedding, streaming, finalize)``).
+        flow: the causal flow (``inference(token, prompt_token, prompt_feat, embedding, streaming, finalize,
+            stream=...)``, :class:`~cosyserve.models.causal_flow.ChunkFlow`).
         hift: the vocoder (``inference(mel, cache_source, ...)`` -> ``(speech, source)``).
         policy: the streaming rules; default the reference's.
         flow_steps: the flow's Euler steps (None: the model's own count).
+        incremental: streamed chunks keep the flow's (and the vocoder's) state and compute their own frames; False
+            re-runs them on everything so far at every chunk, as the reference does (for comparisons).
+        voices: the registered voices' precomputed flow states
+            (:class:`~cosyserve.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
     """
 
     def __init__(
-        self, flow: Any, hift: Any, policy: StreamPolicy2 | None = None, flow_steps: int | None = None
+        self,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy2 | None = None,
+        flow_steps: int | None = None,
+        *,
+        incremental: bool = True,
+        voices: Any = None,
     ) -> None:
         self.flow = flow
         self.hift = hift
         self.policy = policy or StreamPolicy2()
         self.flow_steps = flow_steps
+        self.incremental = incremental
+        self.voices = voices
         # where the modules compute: the request's tensors are made there
         self.device = module_device(flow)
+
+    def new_stream(
+        self,
+        prompt_token: torch.Tensor,
+        prompt_feat: torch.Tensor,
+        embedding: torch.Tensor,
+        should_stop: ShouldStop | None = None,
+    ) -> StreamState:
+        """A streamed request's state: its flow state starts from its prompt's (a registered voice's, or computed
+        now by the same code), when the flow can keep frames."""
+        state = StreamState(prompt_token, prompt_feat, embedding, hop=self.policy.first_hop)
+        if not (self.incremental and getattr(self.flow, "streams", False)):
+            return state
+        if self.voices is not None and prompt_token.shape[1]:
+            state.flow = self.voices.stream(
+                self.flow, prompt_token, prompt_feat, embedding, self.flow_steps, should_stop
+            )
+        else:
+            state.flow = self.flow.new_stream(self.flow_steps)
+        return state
+
+    def keep_voice(self, features: Mapping[str, Any]) -> Any:
+        """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
+        returns the future state (see :meth:`cosyserve.voicestates.VoiceStates.keep`)."""
+        d = self.device
+        return self.voices.keep(
+            self.flow,
+            torch.as_tensor(features["flow_prompt_speech_token"]).to(d),
+            torch.as_tensor(features["prompt_speech_feat"]).to(d),
+            torch.as_tensor(features["flow_embedding"]).to(d),
+            self.flow_steps,
+        )
 
     def _call(
         self,
         tokens: list[int],
-        offset: int,
-        cache: _Cache | None,
-        prompt_token: torch.Tensor,
-        prompt_feat: torch.Tensor,
-        embedding: torch.Tensor,
+        state: StreamState,
         *,
         streaming: bool,
         finalize: bool,
@@ -131,14 +202,11 @@ class Token2Wav2:
         draws: dict[str, torch.Tensor],
         generator: torch.Generator | None,
         should_stop: ShouldStop | None = None,
-    ) -> tuple[torch.Tensor, _Cache | None]:
+    ) -> torch.Tensor:
+        # one flow and vocoder call on `tokens` (all of them so far), after the state's `offset` already spoken
         p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
-        mel = self.flow.inference(
-            token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
-            n_timesteps=self.flow_steps, should_stop=should_stop,
-        )  # fmt: skip
-        mel = mel[:, :, offset * p.token_mel_ratio :]
+        mel = self._flow(tokens, state, streaming, finalize, should_stop)
+        cache: _Cache | None = state.vocoder
         if cache is not None:
             mel = torch.cat([cache.mel, mel], dim=2)
             cache_source = cache.source
@@ -154,10 +222,40 @@ class Token2Wav2:
         if cache is not None:
             speech = fade_in_out(speech, cache.speech, hamming(2 * p.source_cache_len))
         if finalize:
-            return speech, None
+            state.vocoder = None
+            return speech
         n = p.source_cache_len
-        new_cache = _Cache(mel[:, :, -p.mel_cache_len :], source[:, :, -n:], speech[:, -n:])
-        return speech[:, :-n], new_cache
+        state.vocoder = _Cache(mel[:, :, -p.mel_cache_len :], source[:, :, -n:], speech[:, -n:])
+        return speech[:, :-n]
+
+    def _flow(
+        self,
+        tokens: list[int],
+        state: StreamState,
+        streaming: bool,
+        finalize: bool,
+        should_stop: ShouldStop | None,
+    ) -> torch.Tensor:
+        # the mel of the tokens after the `offset` already spoken
+        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
+        mel = self.flow.inference(
+            token, state.prompt_token, state.prompt_feat, state.embedding, streaming=streaming, finalize=finalize,
+            n_timesteps=self.flow_steps, should_stop=should_stop,
+            **({"stream": state.flow} if state.flow is not None else {}),
+        )  # fmt: skip
+        if finalize:
+            state.flow = None  # the last call's full attention changes every frame: nothing kept serves again
+        elif state.flow is not None and self.voices is not None:
+            limit = self.voices.stream_max_bytes
+            if limit is not None and state.flow.nbytes() > limit:
+                logger.info(
+                    "a stream's flow state passed %.0f MB (stream_state_mb) after %d tokens: its next chunks re-run "
+                    "the flow on every token",
+                    limit / 2**20,
+                    len(tokens),
+                )
+                state.flow = None
+        return mel[:, :, state.offset * self.policy.token_mel_ratio :]
 
     @torch.inference_mode()
     def __call__(
@@ -204,34 +302,33 @@ class Token2Wav2:
         if not stream:
             all_tokens = list(tokens)
             if all_tokens:
-                speech, _ = self._call(
-                    all_tokens, 0, None, prompt_token, prompt_feat, embedding,
+                yield self._call(
+                    all_tokens, StreamState(prompt_token, prompt_feat, embedding),
                     streaming=False, finalize=True, speed=speed, draws=next(draws, {}), generator=generator,
                     should_stop=should_stop,
                 )  # fmt: skip
-                yield speech
             return
         buffer: list[int] = []
-        offset, hop, cache = 0, p.first_hop, None
+        state: StreamState | None = None
         pad = p.prompt_pad(prompt_token.shape[1])
         for tok in tokens:
             buffer.append(tok)
+            if state is None:
+                # made when the first token arrives: a request that speaks nothing computes no prompt states
+                state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
             while True:
-                this_hop = hop + pad if offset == 0 else hop
-                if len(buffer) - offset < this_hop + p.pre_lookahead_len:
+                this_hop = state.hop + pad if state.offset == 0 else state.hop
+                if len(buffer) - state.offset < this_hop + p.pre_lookahead_len:
                     break
-                speech, cache = self._call(
-                    buffer[: offset + this_hop + p.pre_lookahead_len], offset, cache, prompt_token, prompt_feat,
-                    embedding, streaming=True, finalize=False, speed=1.0, draws=next(draws, {}),
-                    generator=generator, should_stop=should_stop,
+                speech = self._call(
+                    buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
+                    finalize=False, speed=1.0, draws=next(draws, {}), generator=generator, should_stop=should_stop,
                 )  # fmt: skip
-                offset += this_hop
-                hop = p.next_hop(hop)
+                state.offset += this_hop
+                state.hop = p.next_hop(state.hop)
                 yield speech
-        if buffer:
-            speech, _ = self._call(
-                buffer, offset, cache, prompt_token, prompt_feat, embedding,
-                streaming=False, finalize=True, speed=1.0, draws=next(draws, {}), generator=generator,
+        if state is not None:
+            yield self._call(
+                buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}), generator=generator,
                 should_stop=should_stop,
             )  # fmt: skip
-            yield speech

@@ -70,11 +70,15 @@ class CosyVoice3(CosyVoice2):
             )
         return config.feat_extractor  # type: ignore[no-any-return]
 
-    def token2wav(self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None) -> Any:
+    def token2wav(
+        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
+    ) -> Any:
         from cosyserve.families.cosyvoice3.noise import VocoderNoise
         from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
-        return Token2Wav3(flow, hift, policy, flow_steps=flow_steps, noise=VocoderNoise(config))
+        return Token2Wav3(
+            flow, hift, policy, flow_steps=flow_steps, noise=VocoderNoise(config), voices=voices
+        )
 
     def instruction(self, text: str) -> str:
         # the official examples: "You are a helpful assistant. <instruction><|endofprompt|>"

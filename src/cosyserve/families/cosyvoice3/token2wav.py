@@ -2,11 +2,13 @@
 
 The chunk schedule and the flow calls are CosyVoice2's
 (:class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`: the first hop tops the prompt up to a whole 25-token chunk, hops double up to 100, 3 lookahead tokens, the last call
-with full attention). The vocoder side differs (``CosyVoice3Model.token2wav``): each call appends its new mel
-frames to the request's mel, the causal vocoder re-runs on **all** of it, and the chunk is the audio from the
-request's ``speech_offset`` on. No source cache, no cross-fade, no mel fade: the vocoder is causal, so what a
-non-final call emitted (everything up to 8 frames before the end of its mel) does not change later; the next call
-recomputes it and emits only what is new.
+with full attention; the flow's kept frames likewise). The vocoder side differs (``CosyVoice3Model.token2wav``): in
+the reference each call appends its new mel frames to the request's mel, the causal vocoder re-runs on **all** of
+it, and the chunk is the audio from the request's ``speech_offset`` on. No source cache, no cross-fade, no mel fade:
+the vocoder is causal, so what a non-final call emitted (everything up to 8 frames before the end of its mel) does
+not change later. Here the vocoder keeps its state instead
+(:class:`~cosyserve.models.causal_hift.VocoderStream`: the mel of its receptive field, the source's phase and
+place in the fixed noise) and vocodes the new frames only, with the same samples.
 
 Before vocoding, runs of the "silent" tokens (FSQ silence and breath codes) that the LM emits are cut to 5
 (:func:`filter_silent_tokens`); the LM itself still consumes every token it sampled.
@@ -15,13 +17,12 @@ Before vocoding, runs of the "silent" tokens (FSQ silence and breath codes) that
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2
 from cosyserve.stop import ShouldStop
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
@@ -48,12 +49,6 @@ def filter_silent_tokens(
         yield token
 
 
-@dataclass
-class _MelCache:
-    mel: torch.Tensor  # (1, 80, frames) every frame of the request so far
-    speech_offset: int  # samples already emitted
-
-
 class Token2Wav3(Token2Wav2):
     """Turns speech tokens into audio with a CosyVoice3 flow and causal vocoder.
 
@@ -62,6 +57,9 @@ class Token2Wav3(Token2Wav2):
         hift: :class:`~cosyserve.models.causal_hift.CausalHiFTGenerator`.
         policy: the chunking (CosyVoice2's rules); default the reference's.
         flow_steps: the flow's Euler steps (None: the model's own count).
+        noise: the model's fixed vocoder noise, for calls given no ``draws`` (see below).
+        incremental, voices: as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` (incremental False
+            also re-runs the vocoder on the whole mel at each chunk, as the reference does).
 
     Calling it (see :meth:`Token2Wav2.__call__`) takes the vocoder's noise buffers as ``draws``: an iterator of
     ``{"rand_ini": ..., "sine_waves": ...}`` per call, which must be the same buffers for every call of a request
@@ -76,8 +74,11 @@ class Token2Wav3(Token2Wav2):
         policy: StreamPolicy2 | None = None,
         flow_steps: int | None = None,
         noise: Any = None,
+        *,
+        incremental: bool = True,
+        voices: Any = None,
     ) -> None:
-        super().__init__(flow, hift, policy, flow_steps)
+        super().__init__(flow, hift, policy, flow_steps, incremental=incremental, voices=voices)
         self.noise = noise  # the model's fixed vocoder noise (.noise.VocoderNoise), for calls given no draws
         p, need = self.policy, hift.cfg.lookahead
         if p.first_hop * p.token_mel_ratio <= need:
@@ -86,14 +87,10 @@ class Token2Wav3(Token2Wav2):
                 f"back {need} mel frames), got {p.first_hop}"
             )
 
-    def _call(  # type: ignore[override]
+    def _call(
         self,
         tokens: list[int],
-        offset: int,
-        cache: _MelCache | None,
-        prompt_token: torch.Tensor,
-        prompt_feat: torch.Tensor,
-        embedding: torch.Tensor,
+        state: StreamState,
         *,
         streaming: bool,
         finalize: bool,
@@ -101,33 +98,23 @@ class Token2Wav3(Token2Wav2):
         draws: dict[str, torch.Tensor],
         generator: torch.Generator | None,
         should_stop: ShouldStop | None = None,
-    ) -> tuple[torch.Tensor, _MelCache | None]:
+    ) -> torch.Tensor:
         # generator: unused, CosyVoice3's vocoder draws nothing
-        p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
-        mel = self.flow.inference(
-            token, prompt_token, prompt_feat, embedding, streaming=streaming, finalize=finalize,
-            n_timesteps=self.flow_steps, should_stop=should_stop,
-        )  # fmt: skip
-        mel = mel[:, :, offset * p.token_mel_ratio :]
-        state = (
-            _MelCache(mel, 0)
-            if cache is None
-            else _MelCache(torch.cat([cache.mel, mel], dim=2), cache.speech_offset)
-        )
-        mel = state.mel
+        from cosyserve.models.causal_hift import VocoderStream
+
+        mel = self._flow(tokens, state, streaming, finalize, should_stop)
         if speed != 1.0:
-            if offset != 0 or not finalize:
+            if state.offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
             mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+        if state.vocoder is None:
+            state.vocoder = VocoderStream(whole=not self.incremental)
+        vocoder: VocoderStream = state.vocoder
         if not draws:
             if self.noise is None:
                 raise ValueError(
                     "CosyVoice3's vocoder needs its noise buffers: pass draws, or build with noise="
                 )
-            samples = mel.shape[2] * self.hift.cfg.upsample_factor
-            draws = self.noise.draws(samples)
-        speech, _ = self.hift.inference(mel, finalize, should_stop=should_stop, **draws)
-        speech = speech[:, state.speech_offset :]
-        state.speech_offset += speech.shape[1]
-        return speech, None if finalize else state
+            frames = vocoder.start + (0 if vocoder.mel is None else vocoder.mel.shape[2]) + mel.shape[2]
+            draws = self.noise.draws(frames * self.hift.cfg.upsample_factor)
+        return self.hift.stream(vocoder, mel, finalize, should_stop=should_stop, **draws)

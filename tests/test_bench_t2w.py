@@ -1,0 +1,61 @@
+"""The incremental-token2wav benches cannot rot: bench/stream_chunks.py and bench/voice_states.py run their dry
+runs (the full-size runs' code on the tiny CosyVoice3 model, the cheaper tiny one) and report every figure their
+targets name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _script(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # voice_states imports stream_chunks from beside it
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stream_chunks_dry_run_reports_each_chunk_and_the_targets_ratios(
+    cv3_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "chunks.json"
+    argv = ["stream_chunks.py", "--dry-run", "--family", "cosyvoice3", "--model", str(cv3_model_dir)]
+    argv += ["--policy", "low-latency", "--seconds", "8", "--prompt-seconds", "1", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    _script("stream_chunks").main()
+    result = json.loads(out.read_text())
+    s = result["incremental"][
+        "summary"
+    ]  # (--compare adds the cumulative path's: the same code on other calls)
+    assert s["audio_s"] == pytest.approx(8.0) and s["total_s"] > 0 and s["late_over_early"] > 0, s
+    printed = capsys.readouterr().out
+    assert (
+        "the two before the final" in printed
+        and "incremental" in printed
+        and "MiB per audio second" in printed
+    )
+
+
+def test_voice_states_dry_run_reports_first_audio_ratios_and_bytes_per_voice(
+    cv3_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "voices.json"
+    argv = ["voice_states.py", "--dry-run", "--family", "cosyvoice3", "--model", str(cv3_model_dir)]
+    argv += ["--text", "Hi.", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    _script("voice_states").main()
+    result = json.loads(out.read_text())
+    assert set(result["first_audio_s"]) == {"v2/cached", "v2/uncached", "v12/cached", "v12/uncached"}
+    assert all(r > 0 for r in result["ratios"].values())
+    # the 12 s voice holds about six times the 2 s voice's frames (whole 2 s chunks of its frames)
+    held = result["state_bytes"]
+    assert 0 < held["2 s"] < held["12 s"] <= 12 * result["bytes_per_second"]

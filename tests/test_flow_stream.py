@@ -1,0 +1,286 @@
+"""Incremental token2wav (models/flow_stream.py, the flows' streams, causal_hift.VocoderStream, voicestates.py):
+a streamed chunk computes its own frames only and equals the reference's cumulative computation within the
+fixtures' tolerances; a registered voice's precomputed state speaks as the same voice given inline.
+
+The models are the fixture sets' (their tolerances are the fixtures'); the utterances are longer than any case's,
+with a prompt whose frames end inside an attention chunk and the low-latency policy's short first hop, so chunks
+end inside attention chunks too (the frames computed again)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
+from cosyserve.voicestates import VoiceStates, prompt_key
+
+
+def _load(set_dir: Path) -> dict[str, Any]:
+    from cosyserve.bundle.official import load_component
+    from cosyserve.modelconfig import load_model_config
+
+    model = set_dir / "model"
+    cfg = load_model_config(model)
+    parts = {n: load_component(model, n, getattr(cfg, n), cfg.family) for n in ("flow", "hift")}
+    cases = {c["name"]: c for c in json.loads((set_dir / "cases.json").read_text())["cases"]}
+    parts["atol"] = {k: cases[k]["atol"] for k in ("token2wav_stream", "flow_prompt_stream")}
+    parts["family"] = cfg.family
+    parts["cfg"] = cfg
+    return parts
+
+
+@pytest.fixture(scope="module")
+def cv2(cv2_set_dir: Path) -> dict[str, Any]:
+    return _load(cv2_set_dir)
+
+
+@pytest.fixture(scope="module")
+def cv3(cv3_set_dir: Path) -> dict[str, Any]:
+    return _load(cv3_set_dir)
+
+
+def _t2w(parts: dict, **kw: Any) -> Token2Wav2:
+    if parts["family"] == "cosyvoice3":
+        from cosyserve.families.cosyvoice3.noise import VocoderNoise
+        from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+
+        return Token2Wav3(parts["flow"], parts["hift"], noise=VocoderNoise(parts["cfg"]), **kw)
+    return Token2Wav2(parts["flow"], parts["hift"], **kw)
+
+
+def _inputs(n: int, p: int, seed: int = 3) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tokens": torch.randint(0, 6561, (n,), generator=g).tolist(),
+        "prompt_token": torch.randint(0, 6561, (1, p), generator=g).to(torch.int32),
+        "prompt_feat": torch.randn(1, 2 * p, 80, generator=g),
+        "embedding": torch.randn(1, 192, generator=g),
+    }
+
+
+def _speak(t2w: Token2Wav2, x: dict[str, Any]) -> list[torch.Tensor]:
+    kw = {k: v for k, v in x.items() if k != "tokens"}
+    # CosyVoice2's vocoder draws: the same seed for both paths; CosyVoice3's noise is fixed
+    return list(t2w(iter(x["tokens"]), stream=True, generator=torch.Generator().manual_seed(5), **kw))
+
+
+class _Widths:
+    """Records how many frames each estimator pass runs on."""
+
+    def __init__(self, flow: Any) -> None:
+        self.est, self.widths = flow.decoder.estimator, []
+        self.inner = self.est.forward_packed
+
+    def __enter__(self) -> list[int]:
+        def record(h: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            self.widths.append(h.shape[2])
+            return self.inner(h, *a, **k)
+
+        self.est.forward_packed = record
+        return self.widths
+
+    def __exit__(self, *exc: object) -> None:
+        del self.est.forward_packed
+
+
+@pytest.mark.parametrize("family", ["cv2", "cv3"])
+def test_streamed_chunks_equal_the_cumulative_path_computing_only_their_frames(family: str, request) -> None:
+    """A long streamed utterance (P=37 prompt tokens, 200 tokens, hops 5+13, 10, 20, 40, 80 and the final call)
+    through the incremental path equals the cumulative one (the reference's: the flow on every token so far, the
+    CosyVoice3 vocoder on every frame) chunk by chunk within the fixtures' token2wav tolerance, while each
+    estimator pass runs only on the frames after the last whole attention chunk kept. A wrong offset (rotary,
+    rel-pos, conv tail, noise column, source phase) breaks the equality; a silent fallback to the cumulative path
+    breaks the widths."""
+    parts = request.getfixturevalue(family)
+    x = _inputs(200, 37)
+    policy = StreamPolicy2.named("low-latency", 5)
+    with _Widths(parts["flow"]) as widths:
+        cached = _speak(_t2w(parts, policy=policy), x)
+    cumulative = _speak(_t2w(parts, policy=policy, incremental=False), x)
+    assert len(cached) == len(cumulative) == 6
+    atol = parts["atol"]["token2wav_stream"]
+    for i, (a, b) in enumerate(zip(cached, cumulative, strict=True)):
+        assert a.shape == b.shape, i
+        assert torch.allclose(a, b, atol=atol, rtol=1e-5), (i, (a - b).abs().max().item())
+    # per call, 10 Euler steps of one pass each: the streamed calls' passes run on their frames after the kept
+    # ones (whole 50-frame chunks), the final call on every frame (full attention)
+    ends = [2 * (37 + 13 + h) for h in (5, 15, 35, 75, 155)]
+    kept = [0] + [e // 50 * 50 for e in ends[:-1]]
+    want = [w for e, k in zip(ends, kept, strict=True) for w in [e - k] * 10] + [2 * (37 + 200)] * 10
+    assert widths == want
+
+
+@pytest.mark.parametrize("set_name", ["cosyvoice2-tiny", "cosyvoice3-tiny"])
+def test_the_fixtures_token2wav_stream_cases_pass_through_the_incremental_path(
+    set_name: str, request, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference's recorded streams (token2wav_stream cases) pass with chunks that compute their own frames:
+    after the first call, no estimator pass of a streamed call runs on every frame so far."""
+    from cosyserve.conformance import run_conformance
+    from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder
+    from cosyserve.models.dit import DiT
+
+    set_dir = request.getfixturevalue("cv2_set_dir" if set_name.startswith("cosyvoice2") else "cv3_set_dir")
+    calls: list[tuple[int, bool]] = []
+    for cls in (CausalConditionalDecoder, DiT):
+        inner = cls.forward_packed
+
+        def record(self, h, t, streaming=False, should_stop=None, cache=None, inner=inner):  # type: ignore[no-untyped-def]
+            calls.append((h.shape[2], cache is not None))
+            return inner(self, h, t, streaming, should_stop, cache)
+
+        monkeypatch.setattr(cls, "forward_packed", record)
+    results = run_conformance(set_dir, kinds=["token2wav_stream"], report=None)
+    assert results and all(r.passed for r in results), results
+    # every streamed pass keeps its frames (a cache); the passes without one are the final full-attention calls
+    assert any(cached for _, cached in calls)
+    assert sum(1 for _, cached in calls if not cached) == 10 * len(results)
+
+
+def test_stream_mel_equals_the_whole_sequence_flow(cv2: dict) -> None:
+    """The CosyVoice2 flow's streamed calls (encoder caches at token and mel rate, the decoder's) give the mel of
+    the whole-sequence streaming flow call within the fixture's flow tolerance, and keep whole chunks only."""
+    flow = cv2["flow"]
+    x = _inputs(160, 21)
+    tokens = torch.tensor([x["tokens"]], dtype=torch.int32)
+    stream = flow.new_stream()
+    for n in (32, 57, 107):
+        args = (tokens[:, :n], x["prompt_token"], x["prompt_feat"], x["embedding"], True, False)
+        got = flow.inference(*args, stream=stream)
+        want = flow.inference(*args)
+        assert got.shape == want.shape and torch.allclose(got, want, atol=cv2["atol"]["flow_prompt_stream"])
+        assert stream.frames == 2 * (21 + n - 3) // 50 * 50
+
+
+def test_vocoder_stream_equals_the_whole_mel(cv3: dict) -> None:
+    """CosyVoice3's vocoder fed a mel in uneven pieces (one shorter than its context) emits the samples of one
+    finalizing call on the whole mel: its kept context, source phase and noise position are exact."""
+    from cosyserve.models.causal_hift import VocoderStream, source_noise
+
+    hift = cv3["hift"]
+    g = torch.Generator().manual_seed(1)
+    mel = torch.randn(1, 80, 300, generator=g)
+    rand_ini, sine_waves = source_noise(300 * 480, g)
+    whole, _ = hift.inference(mel, True, rand_ini=rand_ini, sine_waves=sine_waves)
+    state, out, cuts = VocoderStream(), [], [0, 40, 52, 170, 300]
+    for a, b in itertools.pairwise(cuts):
+        out.append(hift.stream(state, mel[:, :, a:b], b == 300, rand_ini=rand_ini, sine_waves=sine_waves))
+        assert b == 300 or (state.mel is not None and state.mel.shape[2] <= hift.context + 8)  # bounded
+    assert [o.shape[1] for o in out] == [(40 - 8) * 480, 12 * 480, 118 * 480, (130 + 8) * 480]
+    assert torch.allclose(torch.cat(out, dim=1), whole, atol=1e-5)
+
+
+def test_a_registered_voice_speaks_as_the_same_voice_inline(cv3: dict, tmp_path: Path) -> None:
+    """A voice kept at registration (VoiceStates.keep) gives the same chunks as the same prompt given inline
+    (computed in the request), and the registered request's passes skip the prompt's whole chunks; a second
+    request forked from the same state is unchanged by the first; the state stored on disk is mapped back by a
+    new VoiceStates of the same model tag, and recomputed (old file removed) under another tag."""
+    x = _inputs(90, 60)
+    flow = cv3["flow"]
+    inline = _speak(_t2w(cv3), x)
+    voices = VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="a")
+    size = voices.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], None).result().nbytes()
+    assert size == voices.nbytes > 0 and len(voices) == 1
+    with _Widths(flow) as widths:
+        first = _speak(_t2w(cv3, voices=voices), x)
+    second = _speak(_t2w(cv3, voices=voices), x)
+    # the prompt's frames 0..99 are kept (its last 3 tokens' lookahead is speech): the first call starts there
+    assert widths[0] == 2 * (60 + 15 + 25) - 100
+    atol = cv3["atol"]["token2wav_stream"]
+    for a, b, c in zip(first, second, inline, strict=True):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, c, atol=atol, rtol=1e-5)
+    stored = list((tmp_path / ".flow-states").glob("*.safetensors"))
+    assert len(stored) == 1 and stored[0].name.endswith(".a.safetensors")
+    mapped = _speak(_t2w(cv3, voices=VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="a")), x)
+    assert all(torch.equal(a, b) for a, b in zip(first, mapped, strict=True))
+    other = VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="b")
+    _speak(_t2w(cv3, voices=other), x)
+    assert [p.name.split(".")[1] for p in (tmp_path / ".flow-states").glob("*.safetensors")] == ["b"]
+
+
+def test_a_stream_past_its_state_bound_continues_on_the_cumulative_path(cv3: dict) -> None:
+    """Past ``stream_max_bytes`` a request drops its flow state (its memory bound) and its later calls run on
+    every token, with the same chunks."""
+    x = {**_inputs(120, 0), "prompt_token": torch.zeros(1, 0, dtype=torch.int32)}
+    x["prompt_feat"] = torch.zeros(1, 0, 80)
+    bounded = VoiceStates(1 << 30, stream_max_bytes=1)
+    with _Widths(cv3["flow"]) as widths:
+        got = _speak(_t2w(cv3, voices=bounded), x)
+    want = _speak(_t2w(cv3), x)
+    # hops 25, 50 and the final call: the first call computes its 50 frames, the second all 150 again
+    assert widths[::10] == [50, 150, 240]
+    assert all(
+        torch.allclose(a, b, atol=cv3["atol"]["token2wav_stream"]) for a, b in zip(got, want, strict=True)
+    )
+
+
+class _State:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def nbytes(self) -> int:
+        return self.n
+
+    def fork(self) -> _State:
+        return self
+
+
+class _Flow:
+    N_TIMESTEPS = 10
+
+    def new_stream(self, steps: int) -> _State:
+        return _State(0)
+
+    def prefill(self, state: _State, prompt: torch.Tensor, *args: Any) -> _State:
+        return _State(int(prompt.shape[1]))
+
+
+def test_voice_states_are_bounded_unregistered_prompts_first() -> None:
+    """The bound holds; an inline prompt is evicted before a registered voice even when used more recently; a
+    state larger than the bound is never kept; the key follows the values, not the tensors' dtype."""
+    voices, flow = VoiceStates(100), _Flow()
+
+    def prompt(n: int, v: float = 0.0) -> tuple[torch.Tensor, ...]:
+        return torch.zeros(1, n, dtype=torch.int32), torch.full((1, 2 * n, 80), v), torch.zeros(1, 192)
+
+    voices.keep(flow, *prompt(40), None).result()  # registered, in the background
+    voices.stream(flow, *prompt(30))  # inline
+    voices.stream(flow, *prompt(50))  # inline: evicts the other inline prompt, not the voice
+    assert voices.nbytes == 90 and len(voices) == 2
+    voices.stream(flow, *prompt(200))  # too large: not kept
+    assert voices.nbytes == 90
+    a, f, e = prompt(3, 0.5)
+    assert prompt_key(a, f, e, 10) == prompt_key(a.long(), f.double(), e, 10) != prompt_key(a, f, e, 9)
+    voices.close()
+
+
+def test_a_request_waits_for_its_voice_being_registered() -> None:
+    """A request whose voice's state is still being computed (its registration, in the background) takes that
+    state when it is ready instead of computing its own; it can be stopped while it waits."""
+    import threading
+
+    from cosyserve.stop import Stopped
+
+    release, computed = threading.Event(), []
+
+    class Slow(_Flow):
+        def prefill(self, state: _State, prompt: torch.Tensor, *args: Any) -> _State:
+            release.wait(10)
+            computed.append(prompt.shape[1])
+            return _State(int(prompt.shape[1]))
+
+    voices, flow = VoiceStates(100), Slow()
+    p = (torch.zeros(1, 7, dtype=torch.int32), torch.zeros(1, 14, 80), torch.zeros(1, 192))
+    future = voices.keep(flow, *p, None)
+    with pytest.raises(Stopped):
+        voices.stream(flow, *p, should_stop=lambda: True)
+    release.set()
+    assert voices.stream(flow, *p).n == 7 and future.result().n == 7
+    assert computed == [7]  # once, by the registration
+    voices.close()
