@@ -53,6 +53,8 @@ class CosyVoice2(Family):
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
+    # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)
+    languages = ("zh", "en", "ja", "ko", "yue")
     # the tokenizer's added tokens (cosyserve.frontend.qwen_tokenizer)
     specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
 
