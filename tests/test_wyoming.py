@@ -264,6 +264,57 @@ def _host_port(uri: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def test_streamed_text_held_for_the_model_stays_within_its_limit() -> None:
+    """The server reads a streamed text off the connection only while what the model has not read yet stays within
+    max_buffered_text_chars: a client that writes faster than the model reads is held back by TCP."""
+    from cosyserve.textfeed import TextFeed
+
+    highest = [0]
+    put = TextFeed.put
+
+    def watched(self: TextFeed, text: str) -> None:
+        put(self, text)
+        highest[0] = max(highest[0], self.pending_chars)
+
+    slow = FakeRuntime(chunk_len=10, delay=0.02)  # reads a piece each 20 ms
+    with serve(slow, wyoming_uri="tcp://127.0.0.1:0", max_buffered_text_chars=64) as s:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(TextFeed, "put", watched)
+
+            async def scenario() -> None:
+                async with connect(s) as c:
+                    await c.write_event(SynthesizeStart().event())
+                    for i in range(40):  # 400 characters, sent at once
+                        await c.write_event(SynthesizeChunk(text=f"piece {i:03d}.").event())
+                    await c.write_event(SynthesizeStop().event())
+                    await until(c, "synthesize-stopped")
+
+            run(scenario)
+        assert len(slow.pieces[-1]) == 40, "every piece was spoken"
+    assert 0 < highest[0] <= 64, f"{highest[0]} characters waited for the model"
+
+
+def test_a_streamed_request_that_fails_while_its_text_waits_for_room_ends_the_connection() -> None:
+    """The request's deadline passes while the client's text waits for the model to take some: the error is sent
+    and the connection ends (the text waiting for room is dropped, not put for a model that is gone)."""
+    slow = FakeRuntime(chunk_len=10, delay=0.05)
+    with serve(slow, wyoming_uri="tcp://127.0.0.1:0", max_buffered_text_chars=20, request_timeout_s=0.5) as s:
+
+        async def scenario() -> Error:
+            async with connect(s) as c:
+                await c.write_event(SynthesizeStart().event())
+                writes = [c.write_event(SynthesizeChunk(text=f"piece {i:03d}. ").event()) for i in range(200)]
+                writer = asyncio.ensure_future(asyncio.gather(*writes))
+                try:
+                    events = await until(c, "error")
+                finally:
+                    writer.cancel()
+                return Error.from_event(events[-1])
+
+        assert run(scenario).code == "deadline_exceeded"
+        s.wait_until(lambda: s.engine.in_flight == 0 and not s.state.ws_sessions, "the connection ended")
+
+
 # --- ends: a client gone, idle, not reading; a drain ----------------------------------------------------------
 
 

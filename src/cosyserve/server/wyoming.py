@@ -57,7 +57,7 @@ import os
 import socket
 import stat
 import warnings
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -588,6 +588,8 @@ class Connection:
             room = asyncio.ensure_future(self._room.wait())
             await asyncio.wait({room, stream.task}, return_when=asyncio.FIRST_COMPLETED)
             room.cancel()
+            if stream.task.done():  # the request ended (its error is sent): nobody reads this text
+                return
         if not feed.closed:
             feed.put(text)
 
@@ -609,7 +611,7 @@ class Connection:
 
     # -- a request ---------------------------------------------------------------------------------------------
 
-    def _chain(self, work: Awaitable[None]) -> asyncio.Task[None]:
+    def _chain(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` once the connection's previous request is over (one at a time, in order)."""
         previous = self._task
 
@@ -623,6 +625,8 @@ class Connection:
             except Exception:
                 logger.exception("wyoming %s: a request failed unexpectedly", self.peer)
                 self._crashed = True
+            finally:
+                work.close()  # cancelled before it started: never awaited
 
         self._task = asyncio.ensure_future(after())
         return self._task
