@@ -441,6 +441,20 @@ def test_wyoming_settings_that_do_not_go_together_stop_the_start(values: dict[st
         bind_wyoming(Settings.load(env={}).replace(**values))
 
 
+def test_an_app_built_without_a_listener_says_it_serves_no_wyoming(caplog: pytest.LogCaptureFixture) -> None:
+    """A Ray Serve replica builds the app from the environment and binds no Wyoming listener: the variable set there
+    would do nothing, so the app says so (the listener is ``cosyserve serve``'s)."""
+    from cosyserve.engine.pool import ModelPool, ModelSpec
+    from cosyserve.server.app import create_app
+
+    pool = ModelPool(
+        [ModelSpec("m", policy="preload")], load_model=lambda *_: FakeRuntime(), memory_probe=None
+    )
+    with caplog.at_level("WARNING", logger="cosyserve.server"):
+        create_app(Settings.load(env={"COSYSERVE_WYOMING_URI": "tcp://127.0.0.1:10200"}), pool=pool)
+    assert "COSYSERVE_WYOMING_URI is set, but this host of the app serves HTTP only" in caplog.text
+
+
 def test_a_unix_uri_never_replaces_a_file_that_is_not_a_socket(tmp_path: Path) -> None:
     from cosyserve.server.run import bind_wyoming
 

@@ -374,6 +374,12 @@ def create_app(
     from cosyserve.server.auth import AuthMiddleware
 
     config = config if config is not None else Settings.load()
+    if wyoming is None and config.wyoming_uri is not None:
+        # a host of the app that binds no Wyoming listener (a Ray Serve replica): the setting would do nothing
+        logger.warning(
+            "%s is set, but this host of the app serves HTTP only: `cosyserve serve` serves Wyoming",
+            config.where("wyoming_uri"),
+        )
     state = ServerState(config, pool=pool, worker=worker)
 
     @contextlib.asynccontextmanager
