@@ -742,7 +742,6 @@ async def _announce(name: str, lst: Listener) -> Any:
         f"{name}.{_SERVICE}",
         addresses=[socket.inet_pton(family, host)],
         port=lst.port,
-        properties={"program": PROGRAM},
     )
     zc = AsyncZeroconf(interfaces=InterfaceChoice.All if wildcard else [host])
     try:
