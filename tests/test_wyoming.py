@@ -360,7 +360,8 @@ def test_an_idle_connection_gets_an_error_and_is_closed() -> None:
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_work_freed() -> None:
     """The audio of a client that reads nothing piles up in the socket buffers, then the server's write waits:
-    after the idle timeout the connection is cut and its request cancelled."""
+    after the idle timeout the connection is cut (reset: what it did not read is dropped) and its request
+    cancelled."""
     fake = FakeRuntime(chunk_len=256 * 1024)
     with serve(fake, wyoming_uri="tcp://127.0.0.1:0", ws_idle_timeout_s=0.5) as s:
         with socket.create_connection(_host_port(s.wyoming_uri)) as sock:
@@ -371,6 +372,11 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_work_freed() -> None:
                 lambda: fake.yielded > 0 and s.engine.in_flight == 0 and not s.state.ws_sessions,
                 "the unread connection's request ended and the connection is gone",
             )
+            # its socket was reset, not left to hold the audio unsent until the client reads it all
+            sock.settimeout(WAIT_S)
+            with pytest.raises(ConnectionResetError):
+                while sock.recv(1 << 16):
+                    pass
 
 
 def test_a_drain_finishes_the_synthesis_in_flight_then_closes() -> None:

@@ -56,6 +56,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import warnings
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -315,10 +316,10 @@ class Connection:
                     self.peer,
                     self.idle_s,
                 )
-                self._end()
+                self._end(abort=True)
                 raise _Gone("not reading") from None
             except (ConnectionError, OSError, RuntimeError) as e:  # closed under us
-                self._end()
+                self._end(abort=True)
                 raise _Gone(str(e)) from None
 
     async def _error(self, e: CosyserveError) -> None:
@@ -331,9 +332,18 @@ class Connection:
             await self._send(self.wy.error.Error(text=text, code=obj["code"]).event())
         self._end()
 
-    def _end(self) -> None:
+    def _end(self, abort: bool = False) -> None:
+        # close: what is written still goes out first; abort: a reset, what is unsent dropped at once (else the
+        # kernel holds it for a client that does not read it, for as long as that client likes)
         self._ended = True
-        self.writer.close()
+        if not abort:
+            self.writer.close()
+            return
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.transport.abort()
 
     # -- the connection ----------------------------------------------------------------------------------------
 
