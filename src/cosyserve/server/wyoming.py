@@ -439,9 +439,8 @@ class Connection:
             if wy.info.Describe.is_type(kind):
                 await self._describe()
             elif wy.tts.Synthesize.is_type(kind):
-                if (
-                    self._stream is None
-                ):  # inside a stream, the whole text again for servers that do not stream
+                # inside a stream it is the whole text again, for servers that do not stream: not spoken twice
+                if self._stream is None:
                     await self._synthesize(event.data)
             elif wy.tts.SynthesizeStart.is_type(kind):
                 await self._start(event.data)
