@@ -81,8 +81,8 @@ __all__ = ["PARAMS", "ROUTE", "SAMPLE_RATE", "Listener", "WyomingServer", "bind"
 ROUTE = "wyoming"  # the route of its requests in the access log and the metrics
 # request fields -> Wyoming's names (errors name the field so)
 PARAMS = {"text": "text", "speaker": "voice.name"}
-# the rate of the audio sent: None, the model's, as the one encoder gives it (once the encoder resamples, a rate it
-# gives, e.g. 24000: audio-start states whichever rate it is)
+# the rate asked of the one encoder for Wyoming's PCM: None, the model's (once the encoder resamples, a rate it gives,
+# e.g. 24000); audio-start states the encoder's rate, whichever it is
 SAMPLE_RATE: int | None = None
 _WIDTH = 2  # bytes per sample: 16-bit PCM
 PROGRAM = "cosyserve"
@@ -647,7 +647,8 @@ class Connection:
         except CosyserveError as e:  # refused, or failed before any audio (recorded)
             await self._error(e)
             return
-        rate = asked.output.sample_rate or run.sample_rate  # the encoder's: 16-bit PCM at the rate asked for
+        assert run.encoder is not None, "started"
+        rate = run.encoder.out_rate  # the rate of the PCM it gives: what audio-start states
         audio = self.wy.audio
         error = await run.deliver(
             lambda data: self._send(
