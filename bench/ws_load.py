@@ -640,11 +640,13 @@ async def bench(target: Target, levels: list[int], opt: Options, churn_n: int) -
 DRY_TEXT = "Hello there, this is a test."
 
 
-def shared_options(ap: argparse.ArgumentParser, dry_run_help: str) -> None:
-    """The options both WebSocket benches take (this one and bench/ws_first_audio.py)."""
+def shared_options(ap: argparse.ArgumentParser, dry_run_help: str, voice_and_seed: bool = True) -> None:
+    """The options the streamed-text benches take (this one, bench/ws_first_audio.py, bench/wyoming_first_audio.py:
+    no ``--api-key``, ``--voice``, ``--seed`` without ``voice_and_seed``, as Wyoming has none of them)."""
     ap.add_argument("--dry-run", action="store_true", help=dry_run_help)
     ap.add_argument("--url", default=None, help="a running server (http://127.0.0.1:PORT); loopback only")
-    ap.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
+    if voice_and_seed:
+        ap.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     ap.add_argument(
         "--size", default=None, help="test models' size, tiny or full (default full; dry run tiny)"
     )
@@ -654,8 +656,9 @@ def shared_options(ap: argparse.ArgumentParser, dry_run_help: str) -> None:
     ap.add_argument("--device", default="cpu", help="where the server computes (default cpu)")
     ap.add_argument("--word-ms", type=float, default=None, help="ms between words (default 50; dry run 20)")
     ap.add_argument("--text", default=None, help="the text of an utterance (default: a 17-word sentence)")
-    ap.add_argument("--voice", default="alloy", help="the voice (default alloy: the default voice)")
-    ap.add_argument("--seed", type=int, default=1, help="the seed (default 1)")
+    if voice_and_seed:
+        ap.add_argument("--voice", default="alloy", help="the voice (default alloy: the default voice)")
+        ap.add_argument("--seed", type=int, default=1, help="the seed (default 1)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
 
 

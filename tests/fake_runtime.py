@@ -82,6 +82,9 @@ class FakeRuntime:
     def voice(self, name: str, tenant: str = "default") -> Voice | None:
         return next((v for v in self.voices(tenant) if v.name == name), None)
 
+    def languages(self) -> list[str]:
+        return ["en", "zh"]
+
     def modes(self) -> dict[str, str | None]:
         return {m: None if m == "sft" else "the fake runtime speaks sft only" for m in MODES}
 

@@ -285,11 +285,12 @@ def running_server(
 class Served:
     """The app under uvicorn on 127.0.0.1 (model ``m``), its state, its event loop and its fake runtime."""
 
-    def __init__(self, app: Any, fake: FakeRuntime, port: int) -> None:
+    def __init__(self, app: Any, fake: FakeRuntime, port: int, wyoming: Any = None) -> None:
         self.app = app
         self.state = app.state.cosy
         self.fake = fake
         self.port = port
+        self.wyoming = wyoming  # the Wyoming listener (cosyserve.server.wyoming.Listener), when served
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -335,6 +336,12 @@ class Served:
         """Poll ``cond`` until it holds, for at most WAIT_S."""
         wait_until(cond, what, poll_s=0.01)
 
+    @property
+    def wyoming_uri(self) -> str:
+        """Where the Wyoming listener listens (``serve(..., wyoming_uri=...)``)."""
+        assert self.wyoming is not None, "serve(..., wyoming_uri=...) serves Wyoming"
+        return str(self.wyoming.address)
+
 
 @contextlib.contextmanager
 def serve(
@@ -344,7 +351,8 @@ def serve(
     **settings: Any,
 ) -> Iterator[Served]:
     """Serve model ``m`` (``fake``, default a plain :class:`FakeRuntime`) with ``settings`` over the defaults
-    (no environment), ready when this yields; stopped on exit."""
+    (no environment), ready when this yields; stopped on exit. ``wyoming_uri`` among the settings (e.g.
+    ``tcp://127.0.0.1:0``) serves Wyoming beside HTTP, bound as ``serve`` binds it (:attr:`Served.wyoming_uri`)."""
     import uvicorn
 
     from cosyserve.engine.pool import ModelPool, ModelSpec
@@ -366,11 +374,14 @@ def serve(
         memory_probe=None,
     )
     cfg = Settings.load(env={}).replace(**settings) if settings else Settings.load(env={})
-    app = create_app(cfg, pool=pool)
+    from cosyserve.server.run import bind_wyoming
+
+    wyoming = bind_wyoming(cfg)
+    app = create_app(cfg, pool=pool, wyoming=wyoming)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    served = Served(app, runtime, sock.getsockname()[1])
+    served = Served(app, runtime, sock.getsockname()[1], wyoming)
     opts = uvicorn_options(cfg) | {"log_level": "warning"}
     opts.pop("host"), opts.pop("port")
     server = uvicorn.Server(uvicorn.Config(served, **opts))
@@ -383,6 +394,8 @@ def serve(
         server.should_exit = True
         thread.join(WAIT_S)
         sock.close()
+        if wyoming is not None:
+            wyoming.close()
         assert not thread.is_alive(), "the server did not stop"
 
 

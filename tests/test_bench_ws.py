@@ -1,4 +1,4 @@
-"""bench/ws_load.py, bench/ws_first_audio.py and bench/hostile.py cannot rot: their dry runs (the real runs' code against a real
+"""bench/ws_load.py, bench/ws_first_audio.py, bench/wyoming_first_audio.py and bench/hostile.py cannot rot: their dry runs (the real runs' code against a real
 ``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
 send traffic off the machine.
 
@@ -109,6 +109,28 @@ def test_first_audio_dry_run_gives_the_target_ratio_of_each_family(work: Path, t
         assert all(g >= 100 - 1 for g in gaps), gaps
 
 
+def test_wyoming_first_audio_dry_run_gives_one_shot_and_streamed_figures(work: Path, tmp_path: Path) -> None:
+    """If this fails, bench/wyoming_first_audio.py no longer measures Wyoming's first audio both ways (a synthesize,
+    and text streamed word by word as Home Assistant sends it) against a server started with its variable, or
+    compares the streamed figure from the wrong moment."""
+    pytest.importorskip("wyoming")
+    out = tmp_path / "wyoming.json"
+    r = run(
+        "wyoming_first_audio.py", "--dry-run", "--families", "cosyvoice2", "--work", str(work), "--json",
+        str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (f,) = json.loads(out.read_text())["families"]
+    assert (f["family"], f["rate"], f["compare_from"]) == ("cosyvoice2", 24000, "first text"), f
+    assert f["ratio"] == pytest.approx(f["streamed_first_text_ms"] / f["one_shot_ms"]), f
+    samples = f["samples_ms"]
+    assert [len(v) for v in samples.values()] == [2, 2, 2], samples
+    assert all(x > 0 for x in samples["one_shot"] + samples["streamed_first_text"]), samples
+    # the words take (6 - 1) x 20 ms to send: the first text comes at least that long before the last word
+    gaps = [a - b for a, b in zip(samples["streamed_first_text"], samples["streamed_last_word"], strict=True)]
+    assert all(g >= 100 - 1 for g in gaps), gaps
+
+
 def test_hostile_dry_run_answers_every_case_and_keeps_the_server_responsive(
     work: Path, tmp_path: Path
 ) -> None:
@@ -143,9 +165,15 @@ def test_traffic_stays_on_the_machine(tmp_path: Path) -> None:
         ("ws_load.py", ()),
         ("ws_first_audio.py", ("--family", "cosyvoice")),
         ("hostile.py", ()),
+        ("wyoming_first_audio.py", ("--wyoming", "tcp://127.0.0.1:10200", "--family", "cosyvoice")),
     ):
         r = run(script, "--url", "http://192.0.2.1:8000", *extra, cwd=tmp_path)
         assert r.returncode == 2 and "loopback" in r.stderr, (script, r.stderr[-500:])
+    r = run(
+        "wyoming_first_audio.py", "--url", "http://127.0.0.1:8000", "--wyoming", "tcp://192.0.2.1:10200",
+        "--family", "cosyvoice", cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "loopback" in r.stderr, r.stderr[-500:]
     sys.path.insert(0, str(BENCH))
     try:
         from ws_load import loopback_target, words

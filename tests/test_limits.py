@@ -2,8 +2,8 @@
 
 The table below crosses the limits (text, a streamed piece, a voice sample's transcript, an instruction, a voice
 name, a sample's bytes and seconds, speed, format, sample rate) with the transports that take the field: POST
-``/v1/audio/speech`` (audio and SSE), the reference's ``/inference_*``, the WebSocket, the voices API, the Python
-API and the CLI's ``synth``. Each cell sends one value just over its limit and expects the error to name the field
+``/v1/audio/speech`` (audio and SSE), the reference's ``/inference_*``, the WebSocket, Wyoming (one-shot and
+streamed), the voices API, the Python API and the CLI's ``synth``. Each cell sends one value just over its limit and expects the error to name the field
 as that transport spells it; a cell missing from a transport that has the field is a check that lives in one route
 and not another. The server is the app under a real uvicorn in this process over :class:`FakeRuntime` (which
 speaks sft only: the over-limit fields are refused before any mode is asked of it). Also here: a tenant's
@@ -13,9 +13,12 @@ once, and the hostile pass's WebSocket cases.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,7 +79,8 @@ def fake() -> FakeRuntime:
 
 @pytest.fixture(scope="module")
 def srv(fake: FakeRuntime) -> Iterator[Served]:
-    with serve(fake, api_keys=KEYS, **LIMITS) as s:
+    # Wyoming has no keys: its callers act as tenant a
+    with serve(fake, api_keys=KEYS, wyoming_uri="tcp://127.0.0.1:0", wyoming_tenant="a", **LIMITS) as s:
         yield s
 
 
@@ -143,6 +147,31 @@ def ws_text(s: Served, text: str) -> tuple[str | None, str]:
         ev = _recv(ws)
     assert ev["type"] == "error", ev
     return ev["param"], ev["message"]
+
+
+def wyoming(s: Served, *events: dict[str, Any]) -> tuple[str | None, str]:
+    """The event a Wyoming client (the ``wyoming`` package's) gets back for ``events`` (type and data each): an
+    error, whose text starts with the field as Wyoming names it."""
+    with warnings.catch_warnings():  # wyoming.audio imports audioop, which warns of its removal
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from wyoming.client import AsyncClient
+        from wyoming.event import Event
+
+    async def scenario() -> Any:
+        async with AsyncClient.from_uri(s.wyoming_uri) as c:
+            for ev in events:
+                await c.write_event(Event(ev["type"], ev.get("data", {})))
+            return await asyncio.wait_for(c.read_event(), WAIT_S)
+
+    ev = asyncio.run(scenario())
+    assert ev is not None and ev.type == "error", ev
+    text = ev.data["text"]
+    field = re.match(r"[\w.]+", text)
+    return (field.group(0) if field else None), text
+
+
+def _synthesize(text: str = "Hi.", voice: str = "mine") -> dict[str, Any]:
+    return {"type": "synthesize", "data": {"text": text, "voice": {"name": voice}}}
 
 
 def python(fake: FakeRuntime, **fields: Any) -> tuple[str | None, str]:
@@ -218,6 +247,13 @@ CELLS: dict[tuple[str, str], tuple[Cell, str]] = {
         "tts_text",
     ),
     ("text", "websocket"): (lambda s, f, t, m, c: ws_text(s, OVER["text"]), "text"),
+    ("text", "wyoming"): (lambda s, f, t, m, c: wyoming(s, _synthesize(OVER["text"])), "text"),
+    ("text", "wyoming-streamed"): (
+        lambda s, f, t, m, c: wyoming(
+            s, {"type": "synthesize-start"}, {"type": "synthesize-chunk", "data": {"text": OVER["text"]}}
+        ),
+        "text",
+    ),
     ("text", "python"): (lambda s, f, t, m, c: python(f, text=OVER["text"]), "text"),
     ("text", "python-streamed"): (lambda s, f, t, m, c: python(f, text=iter(["Hi. ", OVER["text"]])), "text"),
     ("text", "cli"): (lambda s, f, t, m, c: cli(t, m, c, "--text", OVER["text"]), "--text"),
@@ -308,6 +344,7 @@ CELLS: dict[tuple[str, str], tuple[Cell, str]] = {
         "spk_id",
     ),
     ("voice", "websocket"): (lambda s, f, t, m, c: ws_config(s, voice=OVER["voice"]), "voice"),
+    ("voice", "wyoming"): (lambda s, f, t, m, c: wyoming(s, _synthesize(voice=OVER["voice"])), "voice.name"),
     ("voice", "voices"): (lambda s, f, t, m, c: voices(s, name=OVER["voice"]), "name"),
     ("voice", "python"): (lambda s, f, t, m, c: python(f, speaker=OVER["voice"]), "speaker"),
     ("voice", "cli"): (
@@ -366,6 +403,7 @@ def test_every_limit_is_applied_on_every_transport_naming_the_field(
 # streamed piece read as the request runs, a rate the model's own decides
 _REACH_THE_MODEL = {
     ("text", "websocket"),
+    ("text", "wyoming-streamed"),
     ("text", "python-streamed"),
     ("sample_rate", "websocket"),
 }
@@ -374,10 +412,20 @@ _REACH_THE_MODEL = {
 def test_the_table_covers_every_transport_of_every_field() -> None:
     """Each limit has its cell on each transport that takes its field (a new transport or limit adds cells)."""
     takes = {
-        "text": {"post", "sse", "reference", "websocket", "python", "python-streamed", "cli"},
+        "text": {
+            "post",
+            "sse",
+            "reference",
+            "websocket",
+            "wyoming",
+            "wyoming-streamed",
+            "python",
+            "python-streamed",
+            "cli",
+        },
         "prompt_text": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
         "instructions": {"post", "sse", "reference", "websocket", "python", "cli"},
-        "voice": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
+        "voice": {"post", "sse", "reference", "websocket", "wyoming", "voices", "python", "cli"},
         "audio_bytes": {"post", "sse", "reference", "websocket", "voices", "python", "cli"},
         "audio_seconds": {
             "post",
@@ -411,10 +459,28 @@ def ws_first(s: Served, key: str, voice: str) -> dict[str, Any]:
         return _recv(ws)
 
 
+def wyoming_first(s: Served, voice: str) -> str:
+    """The type of the first event a Wyoming synthesize with ``voice`` gets."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from wyoming.client import AsyncClient
+        from wyoming.tts import Synthesize, SynthesizeVoice
+
+    async def scenario() -> str:
+        async with AsyncClient.from_uri(s.wyoming_uri) as c:
+            await c.write_event(Synthesize(text="Hi.", voice=SynthesizeVoice(name=voice)).event())
+            ev = await asyncio.wait_for(c.read_event(), WAIT_S)
+            assert ev is not None
+            return str(ev.type)
+
+    return asyncio.run(scenario())
+
+
 def test_a_tenants_registered_voice_speaks_on_every_route_and_is_nobody_elses(
     srv: Served, fake: FakeRuntime
 ) -> None:
-    """Tenant a's voice speaks for a on POST, SSE, the reference routes, the WebSocket and the Python API, and is
+    """Tenant a's voice speaks for a on POST, SSE, the reference routes, the WebSocket, Wyoming (whose callers act
+    as a: --wyoming-tenant) and the Python API, and is
     voice_not_found for tenant b everywhere. Before, the WebSocket checked the voice without the caller's tenant:
     a's voice was voice_not_found there while it spoke over POST."""
     _speaks(post(srv, voice="mine"))
@@ -422,6 +488,7 @@ def test_a_tenants_registered_voice_speaks_on_every_route_and_is_nobody_elses(
     _speaks(reference(srv, "sft", tts_text="Hi.", spk_id="mine"))
     start = ws_first(srv, "key-a", "mine")
     assert start["type"] == "audio.start" and start["voice"] == "mine", start
+    assert wyoming_first(srv, "mine") == "audio-start", "Wyoming's tenant (a) did not speak its voice"
     model = CosyVoiceModel(fake)
     assert len(model.synthesize_all("Hi.", "mine", tenant="a")) > 0
 

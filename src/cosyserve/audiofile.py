@@ -222,6 +222,11 @@ class Encoder:
                 self._sink, mode="w", samplerate=self._out_rate, channels=1, format=kind, subtype=subtype
             )
 
+    @property
+    def out_rate(self) -> int:
+        """The rate of the audio in the bytes it gives: the codec's (Opus), else the chunks'."""
+        return self._out_rate
+
     def header(self) -> bytes:
         return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
 

@@ -26,14 +26,17 @@ __all__ = [
     "Folder",
     "Int",
     "LEVELS",
+    "ListenUri",
     "LogLevel",
     "Models",
     "NAME",
+    "Name",
     "Origins",
     "Size",
     "Text",
     "parse_api_keys",
     "parse_size",
+    "split_uri",
 ]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # model and tenant names
@@ -193,6 +196,54 @@ class Origins:
             if o != "*" and not re.match(r"^https?://[^/\s]+$", o):
                 raise ValueError(f"{o!r} is not an origin (scheme://host[:port], or *)")
         return origins
+
+
+class Name:
+    """A model or tenant name (:data:`NAME`: a letter or digit, then letters, digits, ``.``, ``_``, ``-``; at most
+    64)."""
+
+    def __call__(self, raw: Any) -> str:
+        v = str(raw).strip()
+        if not NAME.match(v):
+            raise ValueError(
+                "expected a name of letters, digits, '.', '_' and '-' (at most 64, a letter or digit first)"
+            )
+        return v
+
+
+def split_uri(uri: str) -> tuple[str, str, int]:
+    """A listening URI as the ``wyoming`` package's servers take it: ``tcp://HOST:PORT`` -> ``("tcp", HOST, PORT)``
+    (an IPv6 host in brackets), ``unix://PATH`` -> ``("unix", PATH, 0)``.
+
+    Raises:
+        ValueError: another scheme, a tcp URI without its host or port (0 to 65535), a unix URI without a path.
+    """
+    from urllib.parse import urlsplit
+
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme.lower() not in ("tcp", "unix"):
+        raise ValueError("expected tcp://HOST:PORT or unix://PATH")
+    if scheme.lower() == "unix":
+        if not rest.strip():
+            raise ValueError("expected unix://PATH (a socket file's path)")
+        return "unix", rest, 0
+    try:
+        parts = urlsplit(f"tcp://{rest}")
+        port = parts.port
+    except ValueError:
+        raise ValueError("expected tcp://HOST:PORT with a port from 0 to 65535") from None
+    if not parts.hostname or port is None or parts.path not in ("", "/") or parts.query or parts.username:
+        raise ValueError("expected tcp://HOST:PORT (e.g. tcp://0.0.0.0:10200)")
+    return "tcp", parts.hostname, port
+
+
+class ListenUri:
+    """A listening URI (:func:`split_uri`), kept as given."""
+
+    def __call__(self, raw: Any) -> str:
+        v = str(raw).strip()
+        split_uri(v)
+        return v
 
 
 class ApiKeys:

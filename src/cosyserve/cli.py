@@ -55,7 +55,7 @@ def _exit_codes() -> str:
 
 
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
-_EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub"}
+_EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub", "wyoming": "wyoming", "zeroconf": "wyoming"}
 
 # synth --out: the extension picks the encoding (the server's encoders, cosyserve.audiofile)
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="HTTP server: OpenAI /v1/audio/speech, the reference's /inference_*, health, metrics",
+        help="HTTP server: OpenAI /v1/audio/speech, the reference's /inference_*, health, metrics; Wyoming "
+        "(Home Assistant) beside it with --wyoming-uri",
         formatter_class=fmt,
         epilog=_exit_codes(),
     )
@@ -525,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
         "drain_delay_s",
         "shutdown_grace_s",
         "default_voice",
+        "wyoming_uri",
+        "wyoming_tenant",
+        "wyoming_zeroconf",
         "serve_log_level",
         "runtime",
         *_PRECISION,

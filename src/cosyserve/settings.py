@@ -35,8 +35,10 @@ from cosyserve.casts import (
     Float,
     Folder,
     Int,
+    ListenUri,
     LogLevel,
     Models,
+    Name,
     Origins,
     Size,
     Text,
@@ -539,8 +541,8 @@ class Settings:
         30.0,
         env="COSYSERVE_WS_IDLE_TIMEOUT",
         cast=Float(0.1, 86400),
-        doc="seconds a WebSocket session waits on its client (its next message, or taking the audio sent) "
-        "before it is closed and its work freed",
+        doc="seconds a WebSocket session or a Wyoming connection waits on its client (its next message, or taking "
+        "the audio sent) before it is closed and its work freed",
     )
     drain_delay_s: float = _serve(
         5.0,
@@ -564,6 +566,34 @@ class Settings:
         cast=Text(),
         doc="speaker that OpenAI voice names (alloy, echo, ...) stand for",
         shown="first speaker",
+    )
+    # -- Wyoming (Home Assistant): cosyserve.server.wyoming ----------------------------------------------------
+    wyoming_uri: str | None = _serve(
+        None,
+        env="COSYSERVE_WYOMING_URI",
+        flag="--wyoming-uri",
+        cast=ListenUri(),
+        doc="also serve the Wyoming protocol (Home Assistant) here, beside HTTP: `tcp://HOST:PORT` (Home "
+        "Assistant's convention: port 10200) or `unix://PATH`; needs `pip install 'cosyserve[wyoming]'`",
+        shown="off",
+    )
+    wyoming_tenant: str | None = _serve(
+        None,
+        env="COSYSERVE_WYOMING_TENANT",
+        flag="--wyoming-tenant",
+        cast=Name(),
+        doc="the tenant a Wyoming caller acts as (Wyoming has no API keys: anyone who reaches the port): its "
+        "models, registered voices and quota; required with API keys",
+        shown="no tenant (as HTTP without keys)",
+    )
+    wyoming_zeroconf: str | None = _serve(
+        None,
+        env="COSYSERVE_WYOMING_ZEROCONF",
+        flag="--wyoming-zeroconf",
+        cast=Text(),
+        doc="announce the Wyoming server on the local network (zeroconf/mDNS, `_wyoming._tcp`) under this name, "
+        "so Home Assistant discovers it (a `tcp://` URI only)",
+        shown="off",
     )
     serve_log_level: str = _serve(
         "info",

@@ -53,6 +53,8 @@ class Family:
         test_model: ``module:function`` writing a random-weight model dir: ``(dir, size, seed, onnx) -> info``.
         conformance_kinds: fixture kind -> the module holding its function (``KINDS``), by import string.
         hub_ids: official model ids on the hubs (Hugging Face ``owner/name``; ModelScope ``iic/name``).
+        languages: the languages its models speak, as BCP 47 primary tags (``yue``: Cantonese), the first the
+            model's main one: what its voices list (Wyoming's ``describe``).
     """
 
     name: ClassVar[str]
@@ -74,6 +76,7 @@ class Family:
     test_model: ClassVar[str]
     conformance_kinds: ClassVar[Mapping[str, str]]
     hub_ids: ClassVar[tuple[str, ...]] = ()
+    languages: ClassVar[tuple[str, ...]]
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

@@ -255,6 +255,10 @@ class Runtime(Protocol):
         """The voice ``name`` for ``tenant`` (None when it has none of that name)."""
         ...
 
+    def languages(self) -> list[str]:
+        """The languages its voices speak (its family's, BCP 47 primary tags), the model's main one first."""
+        ...
+
     def modes(self) -> dict[Mode, str | None]:
         """Every mode -> None where it is served, else why not (a missing file, not an -Instruct model)."""
         ...

@@ -381,6 +381,9 @@ class RuntimeVoices:
             return None
         return Voice(sp.name, "registered", "zero_shot" if sp.kind == "zero_shot" else "sft")
 
+    def languages(self) -> list[str]:
+        return list(self.pipeline.family.languages)
+
     def modes(self) -> dict[Mode, str | None]:
         why = self.pipeline.unavailable_modes()
         return {m: why.get(m) for m in MODES}

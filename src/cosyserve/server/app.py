@@ -80,7 +80,9 @@ class ServerState:
         self.startup_done = False
         self.started: asyncio.Event | None = None  # set once startup_done is (made in the lifespan's loop)
         self.drain_event: asyncio.Event | None = None  # set once draining is (made in the lifespan's loop)
-        self.ws_sessions: set[Any] = set()  # the open WebSocket sessions (cosyserve.server.ws.Session)
+        # the open WebSocket sessions and Wyoming connections (cosyserve.server.ws.Session,
+        # cosyserve.server.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
+        self.ws_sessions: set[Any] = set()
         self._ws_wait: asyncio.Task[None] | None = None
         self._sessions_gone: asyncio.Event | None = None  # set when the last session closes, while stopping
         self.preload: list[str] = []
@@ -235,7 +237,8 @@ class ServerState:
             # uvicorn fails every open WebSocket at once (1012) when it stops: the sessions finish the utterance in
             # flight and close (1001) first, within the grace
             logger.info(
-                "waiting for %d WebSocket session(s) to finish their utterance", len(self.ws_sessions)
+                "waiting for %d WebSocket session(s) and Wyoming connection(s) to finish their utterance",
+                len(self.ws_sessions),
             )
             self._ws_wait = asyncio.ensure_future(self._stop_after_sessions(signum, stop))
             return
@@ -350,6 +353,7 @@ def create_app(
     pool: Any = None,
     worker: Any = None,
     ready_before_serving: bool = False,
+    wyoming: Any = None,
 ) -> Starlette:
     """The cosyserve ASGI app (models load in the background once the lifespan starts).
 
@@ -361,6 +365,8 @@ def create_app(
         ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
             fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
             default it returns at once and the health endpoints say when the models are ready.
+        wyoming: a bound :class:`cosyserve.server.wyoming.Listener`: the lifespan also serves the Wyoming
+            protocol on it, from its start to its end (``cosyserve serve --wyoming-uri`` binds it).
     Returns:
         The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
     """
@@ -368,6 +374,12 @@ def create_app(
     from cosyserve.server.auth import AuthMiddleware
 
     config = config if config is not None else Settings.load()
+    if wyoming is None and config.wyoming_uri is not None:
+        # a host of the app that binds no Wyoming listener (a Ray Serve replica): the setting would do nothing
+        logger.warning(
+            "%s is set, but this host of the app serves HTTP only: `cosyserve serve` serves Wyoming",
+            config.where("wyoming_uri"),
+        )
     state = ServerState(config, pool=pool, worker=worker)
 
     @contextlib.asynccontextmanager
@@ -375,6 +387,18 @@ def create_app(
         state.clock.mark("lifespan")
         state.started = asyncio.Event()
         state.drain_event = asyncio.Event()
+        wyoming_server = None
+        if wyoming is not None:
+            from cosyserve.server.wyoming import WyomingServer
+
+            wyoming_server = WyomingServer(state, wyoming)
+            try:
+                await wyoming_server.start()
+            except Exception as e:  # the announce failed: the start did (exit code 3)
+                logger.error("start-up failed: the Wyoming server: %s", e)
+                state.startup_error = e
+                await wyoming_server.close()
+                raise
         task = asyncio.ensure_future(state.run_startup())
         if ready_before_serving:
             await state.started.wait()  # the task itself goes on with the pool's housekeeping
@@ -388,6 +412,8 @@ def create_app(
             yield
         finally:
             state.begin_drain()
+            if wyoming_server is not None:  # its connections ended already, unless the grace was cut short
+                await wyoming_server.close()
             for t in (task, publisher):
                 if t is not None:
                     t.cancel()

@@ -11,7 +11,8 @@ Before the fork, in the template (one thread from start to fork; a check refuses
     in for the ``preload`` strategy), the LM and the flow/vocoder warmed up and the text tier built, all in the
     calling thread and on ONE intra-op thread: a libgomp team made before fork() leaves its children waiting
     forever on threads they do not have;
-  - the listening socket, bound once: every worker accepts on it (the kernel spreads the connections);
+  - the listening socket, bound once: every worker accepts on it (the kernel spreads the connections); so is the
+    Wyoming listener's (``--wyoming-uri``), on which every worker's app serves Wyoming;
   - the garbage collector: held off since process start (``cosyserve.gchold``) and ``gc.freeze()`` right before
     each fork, so no collection in a worker writes the template's objects' headers (each write would make a
     page private: ~96 MB per worker without it).
@@ -120,6 +121,7 @@ class _Master:
     sock: socket.socket | None
     runtimes: dict[str, list[Any]]
     run_dir: str
+    wyoming: Any = None  # the Wyoming listener (cosyserve.server.wyoming.Listener), when asked for
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
     restarts: int = 0
     early_deaths: int = 0  # deaths before READY since the last READY
@@ -154,7 +156,10 @@ class _Master:
                     signal.signal(sig, signal.SIG_DFL)
                 _die_with_parent()
                 code = _worker_main(
-                    self.settings, self.sock, WorkerLink(slot, self.runtimes, w, self.status_path)
+                    self.settings,
+                    self.sock,
+                    WorkerLink(slot, self.runtimes, w, self.status_path),
+                    self.wyoming,
                 )
             except BaseException:  # noqa: BLE001 - the worker's last word, then its exit code
                 logger.exception("worker %d failed", os.getpid())
@@ -257,6 +262,8 @@ class _Master:
             if self.sock is not None:
                 self.sock.close()  # the port closes once the last worker closes its copy
                 self.sock = None
+            if self.wyoming is not None:
+                self.wyoming.sock.close()  # the same for the Wyoming listener
         for w in self.workers.values():
             # SIGTERM for either signal: each worker drains as a single server does (a worker that got Ctrl+C
             # from the terminal itself already stops at once; a SIGTERM after it changes nothing)
@@ -390,7 +397,7 @@ def _check_threads(baseline: int) -> None:
         )
 
 
-def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink) -> int:
+def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink, wyoming: Any = None) -> int:
     from cosyserve.server.app import create_app
     from cosyserve.server.run import run_app
 
@@ -399,7 +406,7 @@ def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink) -> i
             rt.after_fork()
     # the models this worker loads itself (lazy ones, reloads) get the same share of the cores
     settings = dataclasses.replace(settings, threads=worker_threads(settings))
-    return run_app(create_app(settings, worker=link), settings, sockets=[sock])
+    return run_app(create_app(settings, worker=link, wyoming=wyoming), settings, sockets=[sock])
 
 
 class _Stopped(BaseException):
@@ -479,6 +486,7 @@ def serve_prefork(settings: Settings) -> int:
     """
     from cosyserve.errors import SettingsError
     from cosyserve.server.app import STARTUP_FAILURE
+    from cosyserve.server.run import bind_wyoming, wyoming_unbound
 
     if not sys.platform.startswith("linux"):
         raise SettingsError(
@@ -512,6 +520,14 @@ def serve_prefork(settings: Settings) -> int:
         baseline = len(_threads()) - (threading.active_count() - 1)
         sock = _bind(settings)  # first: a taken port fails the start before the load, not after
         try:
+            wyoming = bind_wyoming(settings)
+        except OSError as e:
+            sock.close()
+            return wyoming_unbound(e, settings)
+        except BaseException:
+            sock.close()
+            raise
+        try:
             with _stop_on_signals():  # until the master's loop takes the signals over
                 try:
                     runtimes = _load_template(settings)
@@ -519,12 +535,17 @@ def serve_prefork(settings: Settings) -> int:
                     sock.close()
                     logger.error("start-up failed: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
                     return STARTUP_FAILURE
-                master = _Master(settings, sock, runtimes, run_dir, baseline_threads=baseline)
+                master = _Master(
+                    settings, sock, runtimes, run_dir, baseline_threads=baseline, wyoming=wyoming
+                )
                 return master.run()
         except _Stopped as e:
             sock.close()
             logger.info("%s during the start: stopped before any worker started", e)
             return 0
+        finally:
+            if wyoming is not None:
+                wyoming.close()
     except OSError as e:
         if e.errno == errno.EAGAIN:
             logger.error("fork failed: %s", e)

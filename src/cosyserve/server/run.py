@@ -4,6 +4,8 @@ One worker runs in this process. Its exit codes are :data:`EXIT_CODES` (0 after 
 fails: a preload model that cannot load, a port that cannot be bound).
 ``--workers N`` (N > 1, Linux) forks N workers from a template that loaded the models: see
 :mod:`cosyserve.server.prefork`; each worker runs :func:`run_app` on the socket the master bound.
+``--wyoming-uri`` binds the Wyoming listener here (the master, with workers), before anything loads: a taken
+address fails the start at once (exit code 3); the app serves it (:mod:`cosyserve.server.wyoming`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from typing import Any
 
 from cosyserve.settings import Settings
 
-__all__ = ["EXIT_CODES", "run_app", "serve", "setup_logging", "uvicorn_options"]
+__all__ = [
+    "EXIT_CODES",
+    "bind_wyoming",
+    "run_app",
+    "serve",
+    "setup_logging",
+    "uvicorn_options",
+    "wyoming_unbound",
+]
 
 # `cosyserve serve`'s exit codes, for its help and the README; 3 is uvicorn's own STARTUP_FAILURE (a port it
 # cannot bind), which cosyserve.server.app.STARTUP_FAILURE shares for a preload model that fails to load
@@ -29,8 +39,9 @@ EXIT_CODES = (
     (2, "a command-line usage error (an unknown flag, a flag without its value)"),
     (
         3,
-        "the start failed: a preload model could not be loaded, or the port could not be bound (in use, no "
-        "permission); with --workers, also a worker that failed its start, or ten in a row that died before READY",
+        "the start failed: a preload model could not be loaded, or the port (or the Wyoming address) could not be "
+        "bound (in use, no permission); with --workers, also a worker that failed its start, or ten in a row that "
+        "died before READY",
     ),
 )
 
@@ -136,4 +147,32 @@ def serve(settings: Settings) -> int:
         return serve_prefork(settings)
     from cosyserve.server.app import create_app
 
-    return run_app(create_app(settings), settings)
+    try:
+        wyoming = bind_wyoming(settings)
+    except OSError as e:
+        return wyoming_unbound(e, settings)
+    try:
+        return run_app(create_app(settings, wyoming=wyoming), settings)
+    finally:
+        if wyoming is not None:
+            wyoming.close()
+
+
+def bind_wyoming(settings: Settings) -> Any:
+    """The Wyoming listener ``--wyoming-uri`` asks for, bound (None: not asked for); see
+    :func:`cosyserve.server.wyoming.bind`."""
+    if settings.wyoming_uri is None and settings.wyoming_tenant is None and settings.wyoming_zeroconf is None:
+        return None  # the wyoming package is not imported at all
+    from cosyserve.server.wyoming import bind
+
+    return bind(settings)
+
+
+def wyoming_unbound(e: OSError, settings: Settings) -> int:
+    """A Wyoming address that cannot be bound: one line, and the start failed (exit code 3)."""
+    from cosyserve.server.app import STARTUP_FAILURE
+
+    logging.getLogger("cosyserve.server").error(
+        "start-up failed: %s %s cannot be bound: %s", settings.where("wyoming_uri"), settings.wyoming_uri, e
+    )
+    return STARTUP_FAILURE

@@ -17,11 +17,12 @@ Every transport (the HTTP routes in :mod:`cosyserve.server.responses`, the WebSo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,6 +307,46 @@ class Synthesis:
         except BaseException as e:
             self.rec.cut(e)
             raise
+
+    async def deliver(
+        self,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        start: Callable[[], Awaitable[None]] | None = None,
+        gone: tuple[type[BaseException], ...] = (),
+    ) -> CosyserveError | None:
+        """Hand a started request's audio to a transport that frames each piece itself (the WebSocket, Wyoming):
+        ``start()`` (its opening message), then each piece of :meth:`audio` through ``send`` (counted in
+        :attr:`rec`); the request is closed and its record done whatever ends it.
+
+        Returns:
+            None when all of it was sent, else the error that cut it short (recorded): the transport says so its
+            way.
+        Raises:
+            What ``start`` or ``send`` raise when the client is gone (``gone``, or the task cancelled), recorded as
+            ``client_gone`` (499), and anything unexpected (recorded as an error, 500).
+        """
+        rec = self.rec
+        try:
+            if start is not None:
+                await start()
+            async with contextlib.aclosing(self.audio()) as audio:
+                async for data in audio:
+                    rec.bytes += len(data)
+                    await send(data)
+        except CosyserveError as e:  # cut short (recorded by audio())
+            rec.status = status_of(e)
+            return e
+        except (asyncio.CancelledError, *gone):
+            rec.status, rec.outcome = 499, "client_gone"
+            raise
+        except BaseException:
+            rec.status, rec.outcome = 500, "error"
+            raise
+        finally:
+            await self.aclose()
+            rec.done()
+        return None
 
     async def aclose(self) -> None:
         """Stop the request's generation if it still runs (idempotent)."""

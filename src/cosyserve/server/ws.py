@@ -436,26 +436,14 @@ class Session:
         if self.order is not None and not isinstance(self.order.request, ResolvedRequest):
             # resolved by this first utterance's admission: the next ones take the voice as it is
             self.order = dataclasses.replace(self.order, request=dataclasses.replace(run.request, text=()))
-        error: CosyserveError | None = None
-        try:
-            await self._start_audio(utt, run)
-            async with contextlib.aclosing(run.audio()) as audio:  # header frame (wav), then the audio
-                async for data in audio:
-                    rec.bytes += len(data)
-                    await self._send(self.ws.send_bytes(data))
-        except CosyserveError as e:  # cut short (recorded by run.audio)
-            error = e
-            rec.status = status_of(e)
-        except (asyncio.CancelledError, _Gone):
-            rec.status, rec.outcome = 499, "client_gone"
-            raise
-        except BaseException:
-            rec.status, rec.outcome = 500, "error"
-            raise
+        try:  # audio.start, the header frame (wav), then the audio
+            error = await run.deliver(
+                lambda data: self._send(self.ws.send_bytes(data)),
+                start=lambda: self._start_audio(utt, run),
+                gone=(_Gone,),
+            )
         finally:
-            await run.aclose()
             utt.feed.abort()
-            rec.done()
         if error is not None:
             await self._fail(utt, error)
             return

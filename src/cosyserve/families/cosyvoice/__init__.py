@@ -56,6 +56,8 @@ class CosyVoice(Family):
         "FunAudioLLM/CosyVoice-300M-SFT",
         "FunAudioLLM/CosyVoice-300M-Instruct",
     )
+    # its tokenizer's language tags: <|zh|> <|en|> <|ja|> <|yue|> <|ko|>
+    languages = ("zh", "en", "ja", "yue", "ko")
 
     def read_config(self, model_dir: Path) -> Any:
         from cosyserve.modelconfig import load_yaml_config

@@ -58,6 +58,8 @@ class CosyVoice2(Family):
     lite_parts = ("llm",)
     lite_kinds = ("tokenize", "llm_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
+    # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)
+    languages = ("zh", "en", "ja", "ko", "yue")
     # the tokenizer's added tokens (cosyserve.frontend.qwen_tokenizer)
     specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
 

@@ -59,6 +59,8 @@ class CosyVoice3(CosyVoice2):
     )  # fmt: skip
     lite_kinds = ("tokenize", "llm_logprobs", "llm_bistream_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
+    # the model card's nine languages, and Chinese dialects (Cantonese among them)
+    languages = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue")
     specials = "COSYVOICE3_SPECIALS"
 
     def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
