@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import math
@@ -24,7 +25,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy as np
 from cosyserve.engine.state import ALLOWED, STATE_TRANSITION_ERROR, EngineState, Listener, Transition
 from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
+from cosyserve.engine.voicemap import is_openai_voice, openai_voice_map
 from cosyserve.errors import (
     ClientError,
     CosyserveError,
@@ -42,6 +44,7 @@ from cosyserve.errors import (
     NotReadyError,
     OverloadedError,
     RequestCancelledError,
+    UnknownVoiceError,
 )
 from cosyserve.gchold import collect_frozen
 from cosyserve.request import ResolvedRequest, SynthesisRequest
@@ -144,6 +147,9 @@ class Engine:
         stats: where request counters go (the pool shares one per model).
         clock: monotonic seconds (tests inject a fake one).
         default_service_s: service-time guess for ``retry_after`` before any request has finished.
+        voices: the pool config's map of OpenAI voice names to this model's voices, over the default rule
+            (:func:`cosyserve.engine.voicemap.openai_voice_map`).
+        default_voice: the voice a request that names none speaks with (None: the model's first speaker).
     """
 
     def __init__(
@@ -156,6 +162,8 @@ class Engine:
         stats: ModelStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         default_service_s: float = 1.0,
+        voices: Mapping[str, str] | None = None,
+        default_voice: str | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
@@ -185,6 +193,8 @@ class Engine:
         self._default_service_s = default_service_s
         # wall seconds (engine clock) each recent request held its slot, start to end: what retry_after predicts from
         self._service_s: deque[float] = deque(maxlen=32)
+        self._voices = dict(voices or {})
+        self._default_voice = default_voice
         self.sample_rate: int | None = None
         self.runtime: Any = (
             None  # the first runtime, READY: what it serves (voices, modes), its clock and memory
@@ -413,9 +423,16 @@ class Engine:
         self.stats.record_admit()
         return job
 
+    def openai_voices(self) -> dict[str, str | None]:
+        """Each OpenAI voice name -> the voice it speaks with on this model (empty while not loaded)."""
+        if self.runtime is None:
+            return {}
+        return openai_voice_map(self.runtime.speakers(), self._default_voice, self._voices)
+
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
         """``request`` as the model runs it (``Runtime.resolve``: its mode decided, its voice found for its tenant),
-        once: the result is taken as it is by :meth:`submit` and the runtime. A request is returned as it is while
+        once: the result is taken as it is by :meth:`submit` and the runtime. An OpenAI voice name that is not a
+        voice of the model's is the voice it maps to (:meth:`openai_voices`). A request is returned as it is while
         the engine has no runtime (not loaded).
 
         Raises:
@@ -425,10 +442,19 @@ class Engine:
         runtime = self.runtime
         if runtime is None:
             return request
+        name = request.speaker
+        alias = name is not None and is_openai_voice(name) and runtime.voice(name, request.tenant) is None
+        if alias:
+            request = dataclasses.replace(request, speaker=self.openai_voices()[name.lower()])
         try:
             return runtime.resolve(request)  # type: ignore[no-any-return]
-        except ClientError:
+        except ClientError as e:
             self.stats.record_reject("client_error")
+            if alias and isinstance(e, UnknownVoiceError):
+                raise UnknownVoiceError(
+                    f"OpenAI voice {name!r} stands for {request.speaker!r} on model {self.name!r}: {e}",
+                    param="speaker",
+                ) from None
             raise
 
     def cancel(self, job: Job, reason: BaseException | None = None) -> None:
