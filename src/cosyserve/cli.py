@@ -525,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         "drain_delay_s",
         "shutdown_grace_s",
         "default_voice",
+        "registry_dir",
         "serve_log_level",
         "runtime",
         *_PRECISION,
