@@ -235,6 +235,28 @@ def test_text_pieces_become_audio_as_they_arrive_and_the_session_serves_the_next
     srv.wait_until(lambda: srv.engine.in_flight == 0, "every request ended")
 
 
+def test_sample_rate_resamples_and_stream_audio_false_sends_the_utterance_in_one_frame(srv: Served) -> None:
+    """If this fails, a WebSocket client that asks for another rate is refused (it was: "the server does not
+    resample") or gets the model's, or ``stream_audio: false`` (vLLM-Omni's default) is refused or still framed
+    chunk by chunk."""
+    with srv.connect() as ws:
+        send(ws, "session.config", sample_rate=16000, response_format="pcm")
+        for piece in ("Hello ", "world, ", "how are you?"):
+            send(ws, "input.text", text=piece)
+        send(ws, "input.done")
+        start, frames, done, _ = utterance(ws)
+        assert start["sample_rate"] == done["usage"]["sample_rate"] == 16000, start
+        n = sum(map(len, frames)) // 2
+        assert n == done["usage"]["audio_samples"] and abs(n - 3 * CHUNK * 16000 / 24000) <= 1, n
+        send(ws, "session.config", stream_audio=False, response_format="wav")  # between utterances: taken
+        for piece in ("Hello ", "world, ", "how are you?"):
+            send(ws, "input.text", text=piece)
+        send(ws, "input.done")
+        start, frames, done, _ = utterance(ws)
+        assert len(frames) == 1 and frames[0][:4] == b"RIFF", [len(f) for f in frames]
+        assert len(frames[0]) == done["total_bytes"] == 44 + 2 * 3 * CHUNK and start["sample_rate"] == 24000
+
+
 def test_wav_sends_a_header_frame_first(srv: Served) -> None:
     with srv.connect() as ws:
         send(ws, "session.config", response_format="wav")

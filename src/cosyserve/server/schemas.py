@@ -782,13 +782,15 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                             },
                             "then": {"properties": {"stream": {"enum": [True, None]}}},
                         },
-                        # a codec takes its own rates
+                        # a codec takes its own rates (mp3's also where response_format is not given: the default)
                         *(
                             {
                                 "if": {
-                                    "required": ["response_format", "sample_rate"],
+                                    "required": ["sample_rate"]
+                                    if fmt == "mp3"
+                                    else ["response_format", "sample_rate"],
                                     "properties": {
-                                        "response_format": {"const": fmt},
+                                        "response_format": {"enum": [fmt, None] if fmt == "mp3" else [fmt]},
                                         "sample_rate": {"type": "integer"},
                                     },
                                 },
