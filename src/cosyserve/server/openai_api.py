@@ -29,13 +29,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cosyserve.audiofile import FORMATS, OPENAI_SAMPLE_RATE
-from cosyserve.engine.voicemap import OPENAI_VOICES, is_openai_voice
+from cosyserve.engine.voicemap import is_openai_voice
 from cosyserve.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
 from cosyserve.server.responses import synthesize_response
 from cosyserve.server.schemas import parse_speech_request, speech_body_limit
 from cosyserve.server.synth import caller, order
 
-__all__ = ["OPENAI_VOICES", "PARAMS", "read_body", "routes", "voice_fields"]
+__all__ = ["PARAMS", "read_body", "routes", "voice_fields"]
 
 # request fields -> this route's names (an error names its field in the response's `param`)
 PARAMS = {

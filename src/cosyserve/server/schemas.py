@@ -17,7 +17,6 @@ from cosyserve.request import SPEED_MAX, SPEED_MIN
 
 __all__ = [
     "MAX_NAME_CHARS",
-    "OPENAI_VOICES",
     "SESSION_FORMATS",
     "SessionConfig",
     "SpeechRequest",
