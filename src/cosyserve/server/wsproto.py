@@ -3,8 +3,9 @@
 - A frame over ``ws_max_size``: uvicorn sent the close frame (1009) and closed the TCP connection at once, while
   the client was still sending the frame's megabytes; unread bytes in the server's socket make the kernel answer
   with a reset, which can reach the client before the close frame and discard it: the client saw a dropped
-  connection, no code. Here the server keeps reading, and drops, what the client still sends, until the client
-  closes or :data:`LINGER_S` pass, so the close frame (1009, "message too big") is what the client reads.
+  connection, no code. Here the server sends the close frame (1009, "message too big") and its FIN, then keeps
+  reading, and drops, what the client still sends until the client closes (or :data:`LINGER_S` pass), so the
+  close frame is what the client reads.
 - A client cut off for not reading (:mod:`cosyserve.server.ws`: a send that waited ``ws_idle_timeout_s``):
   uvicorn's close queued a close frame behind the audio the client never took, and closed the transport, which
   waits for its buffer to drain first: the socket stayed open until the client read or went away. A close while
@@ -42,6 +43,8 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         code, reason = self.conn.close_sent.code, self.conn.close_sent.reason
         self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
         self.transport.write(b"".join(self.conn.data_to_send()))
+        if self.transport.can_write_eof():  # the close frame, then our FIN: the client closes its side at once
+            self.transport.write_eof()
         self.close_sent = True
         self._lingering = True
         if self.read_paused:
