@@ -14,9 +14,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch requirement resolves to a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-# torch: the torch runtime (already installed, pinned, above); dev: tests and linters; ray: Ray Serve, for
+# torch: the torch runtime (already installed, pinned, above); dev: tests and linters; aac: PyAV, for
+# response_format aac (and its tests); ray: Ray Serve, for
 # cosyserve.deploy.ray_serve and its test
-.venv/bin/python -m pip install -q -e '.[torch,dev,ray]'
+.venv/bin/python -m pip install -q -e '.[torch,dev,ray,aac]'
 [ "${1:-}" = "--no-demo" ] && exit 0
 .venv/bin/cosyserve make-test-model out/tiny-model --size tiny --force
 .venv/bin/cosyserve speakers --model out/tiny-model

@@ -35,7 +35,7 @@ __all__ = ["FakeRuntime"]
 
 
 class FakeRuntime:
-    sample_rate = 100
+    sample_rate = 24000  # OpenAI's rate: the OpenAI routes send its audio as it is, not resampled
 
     def __init__(
         self,

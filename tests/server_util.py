@@ -59,6 +59,7 @@ __all__ = [
     "WS_PATH",
     "ServerProcess",
     "Served",
+    "decoded",
     "in_process",
     "free_port",
     "post_and_hold",
@@ -104,6 +105,26 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:.0f} s: {what() if callable(what) else what}")
         time.sleep(poll_s)
+
+
+def decoded(data: bytes) -> tuple[Any, int]:
+    """(int16 samples, rate) of an encoded audio file: libsndfile where it reads the format, else FFmpeg through
+    PyAV (aac; the test skips where PyAV is not installed)."""
+    import io
+
+    import soundfile as sf
+
+    try:
+        return sf.read(io.BytesIO(data), dtype="int16")
+    except sf.LibsndfileError:
+        import numpy as np
+        import pytest
+
+        av = pytest.importorskip("av", reason="aac is decoded with PyAV (the aac extra)")
+        with av.open(io.BytesIO(data)) as f:
+            frames = list(f.decode(audio=0))
+        pcm = np.concatenate([fr.to_ndarray().reshape(-1) for fr in frames])
+        return (np.clip(pcm, -1, 1) * 32767).astype(np.int16), frames[0].sample_rate
 
 
 def free_port() -> int:

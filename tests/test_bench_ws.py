@@ -1,4 +1,4 @@
-"""bench/ws_load.py, bench/ws_first_audio.py, bench/wyoming_first_audio.py and bench/hostile.py cannot rot: their dry runs (the real runs' code against a real
+"""bench/ws_load.py, bench/ws_first_audio.py, bench/wyoming_first_audio.py, bench/hostile.py and bench/first_byte.py cannot rot: their dry runs (the real runs' code against a real
 ``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
 send traffic off the machine.
 
@@ -159,6 +159,32 @@ def test_hostile_dry_run_answers_every_case_and_keeps_the_server_responsive(
         assert row["case"] in r.stdout
 
 
+def test_first_byte_dry_run_times_every_shape_a_client_sends(work: Path, tmp_path: Path) -> None:
+    """If this fails, bench/first_byte.py (issue 33's figures: first byte, streamed and one-shot) no longer runs
+    end to end, loses a row, or the streamed rows stop meeting the target on the tiny model: their first byte came
+    at the end (the body not streamed)."""
+    out = tmp_path / "first-byte.json"
+    r = run("first_byte.py", "--dry-run", "--work", str(work), "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    got = {(row["format"], row["mode"]): row for row in rows}
+    modes = {
+        ("pcm", "streamed"),
+        ("pcm", "one-shot"),
+        ("mp3", "streamed"),
+        ("mp3", "one-shot"),
+        ("mp3", "sse"),
+    }
+    assert set(got) == modes, sorted(got)
+    for (_, mode), row in got.items():
+        assert 0 < row["first_ms"] <= row["total_ms"] and row["rate"] == "24000", row
+        if mode == "one-shot":
+            assert row["first_ms"] > 0.9 * row["total_ms"], f"a one-shot body comes whole: {row}"
+        else:  # the first of two sentences' audio, long before the end
+            assert row["met"] == "yes", row
+    assert "cosyvoice-tiny" in r.stdout
+
+
 def test_traffic_stays_on_the_machine(tmp_path: Path) -> None:
     """If this fails, the load scripts would send sessions to another host than the loopback interface."""
     for script, extra in (
@@ -166,6 +192,7 @@ def test_traffic_stays_on_the_machine(tmp_path: Path) -> None:
         ("ws_first_audio.py", ("--family", "cosyvoice")),
         ("hostile.py", ()),
         ("wyoming_first_audio.py", ("--wyoming", "tcp://127.0.0.1:10200", "--family", "cosyvoice")),
+        ("first_byte.py", ()),
     ):
         r = run(script, "--url", "http://192.0.2.1:8000", *extra, cwd=tmp_path)
         assert r.returncode == 2 and "loopback" in r.stderr, (script, r.stderr[-500:])

@@ -259,6 +259,7 @@ def test_the_longest_request_over_http_ends_at_its_deadline_and_frees_the_model(
                 "input": UNPUNCTUATED,
                 "voice": "英文女",
                 "response_format": "wav",
+                "stream": False,
             }
             r = c.post("/v1/audio/speech", json=body)
             assert r.status_code == 504, r.text[:300]

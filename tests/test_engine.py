@@ -55,7 +55,11 @@ def test_lifecycle_transitions_are_recorded_and_illegal_ones_raise() -> None:
     with pytest.raises(EngineStateError, match="illegal state transition NEW -> READY"):
         e.transition(S.READY)
     e.load_sync(5)
-    assert e.state is S.READY and e.sample_rate == 100 and e.runtime.speakers() == ["alice", "bob"]
+    assert (
+        e.state is S.READY
+        and e.sample_rate == FakeRuntime.sample_rate
+        and e.runtime.speakers() == ["alice", "bob"]
+    )
     with pytest.raises(EngineStateError):
         e.transition(S.LOADING)  # READY cannot go back to LOADING
     e.release_sync(5)
@@ -189,7 +193,7 @@ def test_async_stream_yields_chunks_and_records_stats() -> None:
     assert [float(c[0]) for c in chunks] == [7.0, 8.0, 9.0]
     s = e.stats.snapshot()
     assert s["requests"] == 1 and s["outcomes"] == {"ok": 1}
-    assert s["audio_s"] == pytest.approx(1.5) and s["ttfa_p50_s"] is not None
+    assert s["audio_s"] == pytest.approx(3 * 50 / FakeRuntime.sample_rate) and s["ttfa_p50_s"] is not None
     assert m.closed_in and m.closed_in[0].startswith("cosyserve-fake"), "model work must run on a worker"
     e.release_sync()
 
@@ -280,6 +284,34 @@ def test_retry_after_is_when_the_first_running_request_should_end() -> None:
     hold.set()
     for s in streams:
         assert len(list(s)) == 1
+    e.release_sync()
+
+
+def test_retry_after_of_short_requests_is_not_the_long_ones_time() -> None:
+    """If this fails, a burst of one-sentence requests after a few long texts is told to wait the long texts'
+    time (the hostile pass: Retry-After 47 s where each request took a second): a request's expected time is its
+    own text's length at the recent seconds per character, not the median of whatever ran before."""
+    clock, hold = FakeClock(), threading.Event()
+    e, _ = loaded(FakeRuntime(chunks=1, hold=hold), queue_limit=0, clock=clock)
+    long_text = "A long text of many sentences. " * 20  # 620 characters
+    for _ in range(3):
+        stream = e.synthesize_sync(req(text=long_text))
+        wait_until(lambda: e.active == 1)
+        clock.t += 62.0  # 0.1 s a character
+        hold.set()
+        assert len(list(stream)) == 1
+        hold.clear()
+        wait_until(lambda: e.in_flight == 0)
+    short = e.synthesize_sync(req(text="Hi there, how are you?", request_id="short"))  # 22 characters
+    wait_until(lambda: e.active == 1)
+    clock.t += 0.5
+    with pytest.raises(OverloadedError) as info:
+        e.synthesize_sync(req())
+    assert info.value.retry_after == pytest.approx(2.2 - 0.5), (
+        f"the short request's own expected time left (22 x 0.1 s - 0.5 s), not the long texts': {info.value.retry_after}"
+    )
+    hold.set()
+    assert len(list(short)) == 1
     e.release_sync()
 
 
@@ -505,7 +537,7 @@ def test_a_consumer_that_stops_reading_holds_its_worker_at_a_bounded_buffer() ->
     consumer reads."""
     from cosyserve.engine.engine import BUFFER_SECONDS
 
-    per_chunk = 50  # samples at the fake's 100 Hz: half a second each
+    per_chunk = FakeRuntime.sample_rate // 2  # half a second each
     bound = int(BUFFER_SECONDS * FakeRuntime.sample_rate)
     e, m = loaded(FakeRuntime(chunks=10 * bound // per_chunk, chunk_len=per_chunk))
     stream = e.synthesize_sync(SynthesisRequest(text="hi", speaker="alice"))

@@ -359,7 +359,7 @@ CELLS: dict[tuple[str, str], tuple[Cell, str]] = {
     ),
     # speed
     ("speed", "post"): (lambda s, f, t, m, c: post(s, speed=4.5), "speed"),
-    ("speed", "sse"): (lambda s, f, t, m, c: sse(s, speed=1.5), "speed"),
+    ("speed", "sse"): (lambda s, f, t, m, c: sse(s, speed=4.5), "speed"),
     ("speed", "websocket"): (lambda s, f, t, m, c: ws_config(s, speed=1.5), "speed"),
     ("speed", "python"): (lambda s, f, t, m, c: python(f, speed=0.1), "speed"),
     ("speed", "cli"): (lambda s, f, t, m, c: cli(t, m, c, "--text", "Hi.", "--speed", "9"), "--speed"),
@@ -367,7 +367,13 @@ CELLS: dict[tuple[str, str], tuple[Cell, str]] = {
     ("format", "post"): (lambda s, f, t, m, c: post(s, response_format="ogg"), "response_format"),
     ("format", "sse"): (lambda s, f, t, m, c: sse(s, response_format="aiff"), "response_format"),
     ("format", "websocket"): (lambda s, f, t, m, c: ws_config(s, response_format="mp3"), "response_format"),
-    ("sample_rate", "websocket"): (lambda s, f, t, m, c: ws_config(s, sample_rate=44100), "sample_rate"),
+    # a rate the codec does not take (mp3's are MPEG's), or none at all
+    ("sample_rate", "post"): (
+        lambda s, f, t, m, c: post(s, response_format="mp3", sample_rate=44000),
+        "sample_rate",
+    ),
+    ("sample_rate", "sse"): (lambda s, f, t, m, c: sse(s, sample_rate=10**7), "sample_rate"),
+    ("sample_rate", "websocket"): (lambda s, f, t, m, c: ws_config(s, sample_rate=10**7), "sample_rate"),
     ("sample_rate", "websocket-nonsense"): (
         lambda s, f, t, m, c: ws_config(s, sample_rate=-5),
         "sample_rate",
@@ -400,12 +406,11 @@ def test_every_limit_is_applied_on_every_transport_naming_the_field(
 
 
 # cells whose request is resolved before the value over its limit comes: a session's text after its config, a
-# streamed piece read as the request runs, a rate the model's own decides
+# streamed piece read as the request runs
 _REACH_THE_MODEL = {
     ("text", "websocket"),
     ("text", "wyoming-streamed"),
     ("text", "python-streamed"),
-    ("sample_rate", "websocket"),
 }
 
 
@@ -439,7 +444,7 @@ def test_the_table_covers_every_transport_of_every_field() -> None:
         },
         "speed": {"post", "sse", "websocket", "python", "cli"},
         "format": {"post", "sse", "websocket"},
-        "sample_rate": {"websocket", "websocket-nonsense"},
+        "sample_rate": {"post", "sse", "websocket", "websocket-nonsense"},
     }
     assert {(limit, t) for limit, ts in takes.items() for t in ts} == set(CELLS)
 

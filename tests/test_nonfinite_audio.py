@@ -211,6 +211,7 @@ def test_http_answers_500_for_audio_that_is_not_finite() -> None:
         [ModelSpec("nan", policy="preload")], load_model=lambda spec, reload: NaNRuntime(), memory_probe=None
     )
     with in_process(pool=pool) as client:
-        r = client.post("/v1/audio/speech", json={"model": "nan", "input": "Hi.", "voice": "alice"})
+        body = {"model": "nan", "input": "Hi.", "voice": "alice", "stream": False}
+        r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 500, (r.status_code, r.headers.get("content-type"), r.text[:300])
     assert "NaN or infinite samples" in r.json()["error"]["message"], r.text[:300]

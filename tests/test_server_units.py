@@ -14,8 +14,16 @@ def body(**fields: object) -> bytes:
 
 
 def test_speech_request_defaults_are_openais() -> None:
+    """mp3, speed 1.0, and stream and sample_rate not given (the route then streams, at 24 kHz, as OpenAI)."""
     r = parse_speech_request(body())
-    assert (r.response_format, r.speed, r.stream, r.seed, r.model) == ("mp3", 1.0, False, None, None)
+    assert (r.response_format, r.speed, r.stream, r.seed, r.model, r.sample_rate) == (
+        "mp3",
+        1.0,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:

@@ -181,7 +181,7 @@ def test_the_openai_client_creates_uses_and_deletes_a_voice(
         model="tts-1", voice={"id": "openai-made"}, input=TEXT, response_format="wav"
     )
     data, rate = sf.read(io.BytesIO(speech.content))
-    assert rate == 22050 and len(data) > 0
+    assert rate == 24000 and len(data) > 0
     gone = c.audio.voices.delete("openai-made")
     assert gone.deleted is True and gone.id == "openai-made" and gone.object == "audio.voice.deleted"
     with pytest.raises(openai.NotFoundError):

@@ -211,10 +211,16 @@ def test_text_pieces_become_audio_as_they_arrive_and_the_session_serves_the_next
             "Hello world, how are you?"
         ), u
         assert (
-            u["audio_seconds"] == pytest.approx(3 * CHUNK / FakeRuntime.sample_rate)
-            and u["sample_rate"] == 100
+            u["audio_seconds"] == pytest.approx(3 * CHUNK / FakeRuntime.sample_rate, abs=1e-3)
+            and u["sample_rate"] == FakeRuntime.sample_rate
         )
-        assert recv_json(ws) == {"type": "session.done", "utterance_index": 0, "error": False}
+        assert done["sentence_index"] == 0 and done["error"] is False, "vLLM-Omni's audio.done fields"
+        assert recv_json(ws) == {
+            "type": "session.done",
+            "utterance_index": 0,
+            "total_sentences": 1,
+            "error": False,
+        }
         assert srv.fake.pieces[-1] == ["Hello ", "world, ", "how are you?"], (
             "the runtime read every piece, in order"
         )
@@ -227,6 +233,28 @@ def test_text_pieces_become_audio_as_they_arrive_and_the_session_serves_the_next
         send(ws, "session.close")
         assert close_code(ws) == 1000
     srv.wait_until(lambda: srv.engine.in_flight == 0, "every request ended")
+
+
+def test_sample_rate_resamples_and_stream_audio_false_sends_the_utterance_in_one_frame(srv: Served) -> None:
+    """If this fails, a WebSocket client that asks for another rate is refused (it was: "the server does not
+    resample") or gets the model's, or ``stream_audio: false`` (vLLM-Omni's default) is refused or still framed
+    chunk by chunk."""
+    with srv.connect() as ws:
+        send(ws, "session.config", sample_rate=16000, response_format="pcm")
+        for piece in ("Hello ", "world, ", "how are you?"):
+            send(ws, "input.text", text=piece)
+        send(ws, "input.done")
+        start, frames, done, _ = utterance(ws)
+        assert start["sample_rate"] == done["usage"]["sample_rate"] == 16000, start
+        n = sum(map(len, frames)) // 2
+        assert n == done["usage"]["audio_samples"] and abs(n - 3 * CHUNK * 16000 / 24000) <= 1, n
+        send(ws, "session.config", stream_audio=False, response_format="wav")  # between utterances: taken
+        for piece in ("Hello ", "world, ", "how are you?"):
+            send(ws, "input.text", text=piece)
+        send(ws, "input.done")
+        start, frames, done, _ = utterance(ws)
+        assert len(frames) == 1 and frames[0][:4] == b"RIFF", [len(f) for f in frames]
+        assert len(frames[0]) == done["total_bytes"] == 44 + 2 * 3 * CHUNK and start["sample_rate"] == 24000
 
 
 def test_wav_sends_a_header_frame_first(srv: Served) -> None:
@@ -246,7 +274,12 @@ def test_openai_voice_names_mean_the_default_voice_and_an_empty_flush_asks_nothi
     with srv.connect() as ws:
         send(ws, "session.config", voice="alloy")
         send(ws, "input.done")  # nothing to speak: no request
-        assert recv_json(ws) == {"type": "session.done", "utterance_index": 0, "error": False}
+        assert recv_json(ws) == {
+            "type": "session.done",
+            "utterance_index": 0,
+            "total_sentences": 0,
+            "error": False,
+        }
         send(ws, "input.text", text="")  # nothing either
         send(ws, "input.text", text="Hi.")
         send(ws, "input.done")
@@ -269,7 +302,7 @@ def test_openai_voice_names_mean_the_default_voice_and_an_empty_flush_asks_nothi
         (json.dumps({"type": "session.config", "voice": "nobody"}), "voice_not_found", "voice"),
         (json.dumps({"type": "session.config", "model": "nope"}), "model_not_found", "model"),
         (json.dumps({"type": "session.config", "speed": 1.5}), "invalid_value", "speed"),
-        (json.dumps({"type": "session.config", "sample_rate": 44100}), "invalid_value", "sample_rate"),
+        (json.dumps({"type": "session.config", "sample_rate": 10**7}), "invalid_value", "sample_rate"),
         (
             json.dumps({"type": "session.config", "response_format": "mp3"}),
             "invalid_value",
@@ -325,13 +358,17 @@ def test_a_bad_message_gets_an_error_and_changes_nothing(
         assert start["voice"] == "bob" and len(frames) == 1
 
 
-def test_session_rules_first_config_only_text_needs_config_nothing_after_close(srv: Served) -> None:
+def test_session_rules_config_between_utterances_text_needs_config_nothing_after_close(srv: Served) -> None:
+    """As vLLM-Omni's: session.config again between utterances changes the next ones; while an utterance has text
+    open it is refused (its text was sent under the config before)."""
     with srv.connect() as ws:
         send(ws, "input.text", text="too early")
         error_event(ws, "session_not_configured", "type")
         send(ws, "session.config")
-        send(ws, "session.config", voice="bob")
-        error_event(ws, "session_already_configured", "type")
+        send(ws, "session.config", voice="bob")  # between utterances: taken
+        send(ws, "input.text", text="   ")  # opens an utterance (blanks: nothing spoken yet)
+        send(ws, "session.config", voice="alice")
+        error_event(ws, "utterance_open", "type")
         send(ws, "input.text", text="Last words ")
         send(ws, "session.close")  # completes the open utterance, then closes
         send(ws, "input.text", text="after close")
@@ -348,7 +385,9 @@ def test_session_rules_first_config_only_text_needs_config_nothing_after_close(s
         assert "audio.done" in kinds and kinds[-1] == "session.done", kinds
         (err,) = [e for e in events if e["type"] == "error"]
         assert err["code"] == "session_closed", err
-    assert srv.fake.pieces[-1] == ["Last words "], "text after session.close must not be spoken"
+        (start,) = [e for e in events if e["type"] == "audio.start"]
+        assert start["voice"] == "bob", "the second config's voice"
+    assert srv.fake.pieces[-1] == ["   ", "Last words "], "text after session.close must not be spoken"
 
 
 def test_an_oversized_frame_closes_the_connection() -> None:
@@ -374,11 +413,21 @@ def test_an_utterance_that_fails_says_so_and_the_session_goes_on(srv: Served) ->
         assert "kaboom" not in ev["message"], "a failure's own text may name server paths: never sent"
         send(ws, "input.text", text="dropped, the utterance failed")
         send(ws, "input.done")
-        assert recv_json(ws) == {"type": "session.done", "utterance_index": 0, "error": True}
+        assert recv_json(ws) == {
+            "type": "session.done",
+            "utterance_index": 0,
+            "total_sentences": 0,
+            "error": True,
+        }
         send(ws, "input.text", text="   ")  # nothing to speak: refused as the runtimes refuse it
         send(ws, "input.done")
         error_event(ws, "invalid_value", "text")
-        assert recv_json(ws) == {"type": "session.done", "utterance_index": 1, "error": True}
+        assert recv_json(ws) == {
+            "type": "session.done",
+            "utterance_index": 1,
+            "total_sentences": 0,
+            "error": True,
+        }
         send(ws, "input.text", text="Fine now.")
         send(ws, "input.done")
         start, _, _, _ = utterance(ws)
@@ -449,7 +498,12 @@ def test_a_tenant_quota_counts_utterances_like_any_request() -> None:
             ev = error_event(b, "quota_exceeded", None)
             assert ev["status"] == 429 and 1 <= ev["retry_after"] <= 60 and ev["utterance_index"] == 0, ev
             send(b, "input.done")
-            assert recv_json(b) == {"type": "session.done", "utterance_index": 0, "error": True}
+            assert recv_json(b) == {
+                "type": "session.done",
+                "utterance_index": 0,
+                "total_sentences": 0,
+                "error": True,
+            }
             send(a, "input.done")
             kinds = []
             while not kinds or kinds[-1] != "session.done":

@@ -71,11 +71,11 @@ SCRIPT = textwrap.dedent(
             import time; time.sleep(0.05)
         r = client.post(
             "/v1/audio/speech",
-            json={"model": "m", "input": "hello", "voice": "bob", "response_format": "wav"},
+            json={"model": "m", "input": "hello", "voice": "bob", "response_format": "wav", "stream": False},
         )
         assert r.status_code == 200, r.text
         with wave.open(io.BytesIO(r.content)) as w:
-            assert w.getframerate() == 100 and w.getnframes() == 150, (w.getframerate(), w.getnframes())
+            assert w.getframerate() == 24000 and w.getnframes() == 150, (w.getframerate(), w.getnframes())
         r = client.post(
             "/v1/audio/speech",
             json={"model": "m", "input": "hello", "voice": "nobody", "response_format": "pcm"},

@@ -1,25 +1,33 @@
 """Audio files from float chunks: the one encoder every transport sends audio with (HTTP bodies, SSE deltas,
 WebSocket frames and their WAV header) and the CLI writes with, and the atomic write of a whole file.
 
-| format | media type | streamed | encoder |
-|---|---|---|---|
-| ``wav`` | audio/wav | yes: 16-bit PCM after a header with unknown sizes (0xFFFFFFFF), which players accept | ours |
-| ``pcm`` | audio/pcm | yes: raw 16-bit signed little-endian mono at the model's rate (header ``X-Sample-Rate``) | ours |
-| ``opus`` | audio/ogg | yes: Ogg/Opus pages, resampled to 48 kHz (Opus takes 8/12/16/24/48 kHz) | libsndfile |
-| ``flac`` | audio/flac | no: encoded when synthesis ends | libsndfile |
-| ``mp3`` | audio/mpeg | no: encoded when synthesis ends (LAME inside libsndfile >= 1.1) | libsndfile |
+| format | media type | streamed (bytes as the audio is made) | rates | codec |
+|---|---|---|---|---|
+| ``pcm`` | audio/pcm | yes: raw 16-bit signed little-endian mono (header ``X-Sample-Rate``) | any | ours |
+| ``wav`` | audio/wav | yes: 16-bit PCM after a header with unknown sizes (0xFFFFFFFF), which players accept | any | ours |
+| ``mp3`` | audio/mpeg | yes: constant-bitrate frames as they fill (~64 kbit/s at 24 kHz, ~128 at 44.1/48) | MPEG's | LAME in libsndfile |
+| ``opus`` | audio/ogg | yes: Ogg/Opus pages as they fill (one per 100 ms of audio) | 8, 12, 16, 24, 48 kHz | libopus in libsndfile |
+| ``aac`` | audio/aac | yes: ADTS frames as they fill (64 kbit/s) | AAC's | FFmpeg's, through PyAV (the ``aac`` extra) |
+| ``flac`` | audio/flac | no: encoded when the audio ends | any | libsndfile |
 
-FLAC and MP3 are not streamed because libsndfile patches their headers at close (STREAMINFO, the LAME tag):
-bytes sent before that stay wrong, and a streamed MP3 decodes to only part of its samples. ``raw`` is the
-reference server's int16 PCM (``application/octet-stream``), as ``pcm``.
+Why each is so: a whole file gets its exact sizes written back at the end (the WAV sizes, MP3's LAME tag, FLAC's
+STREAMINFO); bytes already sent cannot change, so a streamed file keeps what it said first. For WAV that is the
+unknown-size header; MP3 is constant-bitrate so that a decoder that estimates its length from the bitrate (there
+is no LAME tag before the end) gets it right, and its first frame is the tag's place, a silent frame; a streamed
+FLAC without its STREAMINFO totals does not decode in libsndfile, so FLAC stays whole. ``raw`` is the reference
+server's int16 PCM (``application/octet-stream``), as ``pcm``.
 
-A response's audio goes through one :class:`Encoder`: ``header()``, ``encode(chunk)`` per chunk, ``finish()``.
-A format in :data:`STREAMABLE` gives its bytes as the chunks come; another keeps the chunks and encodes them at
-``finish()`` (:attr:`Encoder.streamed` tells the caller which, e.g. to run ``finish()`` off its event loop). Where
-a later change extends it: a format is a row of :data:`MEDIA_TYPES` (and of :data:`STREAMABLE` when it is encoded
-chunk by chunk, with its codec in :class:`Encoder`: ``_SF``'s libsndfile formats today); a rate other than the
-model's is refused by :func:`check_rate`, naming ``sample_rate``, until a resampler in :class:`Encoder` gives it
-(it resamples for Opus already).
+Rates: the chunks come at the model's rate; a caller may ask for another (``out_rate``, checked by
+:func:`rate_error`: any positive rate up to 384 kHz for pcm, wav and flac, the codec's own for mp3, opus and aac),
+and the encoder resamples chunk by chunk with soxr's streaming resampler (no seam between chunks). Without one,
+the model's rate, or for a codec that does not take it the next rate it does (:func:`codec_rate`). The OpenAI
+routes ask for :data:`OPENAI_SAMPLE_RATE` (24 kHz, OpenAI's own) unless the request names another.
+
+A response's audio goes through one :class:`Encoder`: ``header()``, ``encode(chunk)`` per chunk, ``finish()``. A
+streamed encoder gives its bytes as the chunks come; a whole one (``whole=True``, or a format not in
+:data:`STREAMABLE`) gives them all at ``finish()``. Where a later change extends it: a format is a row of
+:data:`MEDIA_TYPES`, of :data:`STREAMABLE` when it can be sent as it is made, of :data:`RATES` when its codec
+takes only some rates, and a codec class in :data:`_CODECS`.
 
 Every 16-bit sample, whoever writes it (a response, ``cosyserve synth --out``, the samples handed to the FLAC
 encoder), comes from :func:`to_int16`: one rule, so the same audio gives the same bytes everywhere.
@@ -27,6 +35,8 @@ encoder), comes from :func:`to_int16`: one rule, so the same audio gives the sam
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import io
 import os
 import struct
@@ -37,16 +47,21 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import ClientError
+from cosyserve.errors import ClientError, shown
 
 __all__ = [
     "FORMATS",
+    "MAX_SAMPLE_RATE",
     "MEDIA_TYPES",
+    "OPENAI_SAMPLE_RATE",
+    "RATES",
     "RAW",
     "STREAMABLE",
     "Encoder",
-    "check_rate",
+    "codec_rate",
     "encode_all",
+    "format_error",
+    "rate_error",
     "to_int16",
     "wav_header",
     "write_audio_atomic",
@@ -59,12 +74,30 @@ MEDIA_TYPES = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
 FORMATS = tuple(MEDIA_TYPES)
-STREAMABLE = ("wav", "pcm", "opus", "raw")
+STREAMABLE = ("wav", "pcm", "mp3", "opus", "aac", "raw")
 RAW = "raw"  # the reference endpoints' int16 PCM: pcm's bytes as application/octet-stream
-_SF = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
-_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+OPENAI_SAMPLE_RATE = 24000  # OpenAI's rate for every format; pcm clients (Pipecat, LiveKit) assume it
+MAX_SAMPLE_RATE = 384_000
+# the rates a codec takes (a format not listed: any positive rate up to MAX_SAMPLE_RATE)
+RATES = {
+    "mp3": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000),
+    "opus": (8000, 12000, 16000, 24000, 48000),
+    "aac": (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000),
+}
+# libsndfile's formats: (major format, subtype, SoundFile options)
+_SF = {
+    "flac": ("FLAC", "PCM_16", {}),
+    # constant bitrate: level 0.6 is 64 kbit/s at MPEG-2 rates (<= 24 kHz), 128 kbit/s at MPEG-1's
+    "mp3": ("MP3", "MPEG_LAYER_III", {"bitrate_mode": "CONSTANT", "compression_level": 0.6}),
+    "opus": ("OGG", "OPUS", {}),
+}
+_AAC_BITRATE = 64000
+# libsndfile >= 1.2 (sndfile.h): the longest an Ogg page holds audio back, 1 s by default
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302
+_OGG_PAGE_MS = 100.0
 
 
 def to_int16(chunk: np.ndarray) -> bytes:
@@ -100,25 +133,50 @@ def wav_header(sample_rate: int, data_bytes: int | None) -> bytes:
     )
 
 
-def _codec_rate(fmt: str, sample_rate: int) -> int:
-    return 48000 if fmt == "opus" and sample_rate not in _OPUS_RATES else sample_rate
+@functools.cache
+def _has_pyav() -> bool:
+    return importlib.util.find_spec("av") is not None
 
 
-def _resample(chunk: np.ndarray, rate: int, out_rate: int) -> np.ndarray:
-    if out_rate == rate:
-        return chunk
-    # linear interpolation is enough ahead of a lossy codec
-    n_out = int(round(len(chunk) * out_rate / rate))
-    if n_out == 0:
-        return chunk[:0]
-    pos = np.arange(n_out) * (rate / out_rate)
-    return np.interp(pos, np.arange(len(chunk)), chunk).astype(np.float32)
+def format_error(fmt: str) -> str | None:
+    """Why this server cannot encode ``fmt`` (one of :data:`FORMATS`), naming the install that fixes it; None if
+    it can."""
+    if fmt == "aac" and not _has_pyav():
+        return (
+            "aac needs PyAV, which this server does not have installed (about 100 MB, so it is an extra): its "
+            "operator can add it with pip install 'cosyserve[aac]'; mp3, opus, wav, flac and pcm need nothing more"
+        )
+    return None
+
+
+def rate_error(fmt: str, rate: object) -> str | None:
+    """Why audio in ``fmt`` cannot be given at ``rate`` samples per second (``rate`` as the caller gave it, any
+    JSON value); None if it can."""
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 0 < rate <= MAX_SAMPLE_RATE:
+        return (
+            f"must be a whole number of samples per second between 1 and {MAX_SAMPLE_RATE}, got {shown(rate)}"
+        )
+    rates = RATES.get(fmt)
+    if rates is not None and rate not in rates:
+        return f"{rate} Hz is not a rate {fmt} takes; choose one of {', '.join(map(str, rates))}"
+    return None
+
+
+def codec_rate(fmt: str, sample_rate: int) -> int:
+    """The rate ``fmt`` is encoded at when nobody asks for one: ``sample_rate`` (the model's), or where the codec
+    does not take it the next rate it does (the highest it takes, above those)."""
+    rates = RATES.get(fmt)
+    if rates is None or sample_rate in rates:
+        return sample_rate
+    return next((r for r in rates if r >= sample_rate), rates[-1])
 
 
 class _Sink(io.RawIOBase):
-    """A write-only file for libsndfile that hands out appended bytes as they come.
+    """A write-only file for an encoder that hands out appended bytes as they come (:meth:`take`).
 
-    Bytes already sent cannot change, so a seek back to patch them at close is dropped (Ogg does not need it).
+    Bytes already taken cannot change, so a seek back to patch them at close is dropped for those (a streamed
+    file keeps what it said first); bytes not taken yet are patched as any file's (a whole file, taken once at the
+    end, gets its sizes and tags written back).
     """
 
     def __init__(self) -> None:
@@ -171,110 +229,198 @@ class _Sink(io.RawIOBase):
         return out
 
 
-def check_rate(sample_rate: int, out_rate: int | None) -> None:
-    """Refuse audio at ``out_rate`` from a model that speaks at ``sample_rate`` where they differ (no resampling).
+class _Pcm:
+    """Raw 16-bit samples (``pcm``, ``raw``)."""
 
-    Raises:
-        ClientError: naming ``sample_rate``.
-    """
-    if out_rate is not None and out_rate != sample_rate:
-        raise ClientError(
-            f"sample_rate {out_rate} is not the model's: it speaks at {sample_rate} Hz, and the server does not "
-            "resample (leave sample_rate out, or resample on the client)",
-            param="sample_rate",
+    def __init__(self, sink: _Sink, rate: int, fmt: str) -> None:
+        self.sink = sink
+        self.rate = rate
+
+    def write(self, x: np.ndarray) -> None:
+        self.sink.write(to_int16(x))
+
+    def close(self) -> None:
+        pass
+
+
+class _Wav(_Pcm):
+    """A header with unknown sizes, then 16-bit samples; the sizes written back at close (kept where the header
+    was sent already: a streamed file)."""
+
+    def __init__(self, sink: _Sink, rate: int, fmt: str) -> None:
+        super().__init__(sink, rate, fmt)
+        self.bytes = 0
+        sink.write(wav_header(rate, None))
+
+    def write(self, x: np.ndarray) -> None:
+        data = to_int16(x)
+        self.bytes += len(data)
+        self.sink.write(data)
+
+    def close(self) -> None:
+        self.sink.seek(0)
+        self.sink.write(wav_header(self.rate, self.bytes))
+        self.sink.seek(0, 2)
+
+
+class _Sndfile:
+    """libsndfile's codecs (see :data:`_SF`)."""
+
+    def __init__(self, sink: _Sink, rate: int, fmt: str) -> None:
+        import soundfile as sf
+
+        kind, subtype, options = _SF[fmt]
+        self.lossless = fmt == "flac"
+        self.sf = sf.SoundFile(
+            sink, mode="w", samplerate=rate, channels=1, format=kind, subtype=subtype, **options
         )
+        if fmt == "opus":  # a page every 100 ms of audio, not every second (an older libsndfile keeps 1 s)
+            latency = sf._ffi.new("double*", _OGG_PAGE_MS)
+            sf._snd.sf_command(self.sf._file, _SFC_SET_OGG_PAGE_LATENCY_MS, latency, sf._ffi.sizeof("double"))
+
+    def write(self, x: np.ndarray) -> None:
+        if self.lossless:  # the very int16 samples wav/pcm carry (libsndfile would round, not truncate)
+            self.sf.write(np.frombuffer(to_int16(x), dtype="<i2"))
+        else:
+            self.sf.write(np.clip(x, -1.0, 1.0))
+
+    def close(self) -> None:
+        self.sf.close()
+
+
+class _Aac:
+    """FFmpeg's AAC encoder in ADTS frames, through PyAV (imported here: the ``aac`` extra)."""
+
+    def __init__(self, sink: _Sink, rate: int, fmt: str) -> None:
+        import av
+
+        # each packet written through at once, not held in FFmpeg's I/O buffer
+        self.out = av.open(sink, mode="w", format="adts", options={"flush_packets": "1"})
+        self.stream = self.out.add_stream("aac", rate=rate, layout="mono")
+        self.stream.codec_context.bit_rate = _AAC_BITRATE
+        self.rate = rate
+        self.pts = 0
+
+    def write(self, x: np.ndarray) -> None:
+        import av
+
+        frame = av.AudioFrame.from_ndarray(np.clip(x, -1.0, 1.0).reshape(1, -1), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = self.rate, self.pts
+        self.pts += x.size
+        self._mux(frame)
+
+    def _mux(self, frame: Any) -> None:
+        for packet in self.stream.encode(frame):
+            self.out.mux(packet)
+
+    def close(self) -> None:
+        self._mux(None)  # the encoder's last frames
+        self.out.close()
+
+
+_CODECS: dict[str, type[Any]] = {
+    "pcm": _Pcm,
+    RAW: _Pcm,
+    "wav": _Wav,
+    "flac": _Sndfile,
+    "mp3": _Sndfile,
+    "opus": _Sndfile,
+    "aac": _Aac,
+}
+
+
+class _Resampler:
+    """soxr's streaming resampler: chunk by chunk, the filter's state kept between chunks (no seam); it holds a
+    few milliseconds back until :meth:`flush`."""
+
+    def __init__(self, rate: int, out_rate: int) -> None:
+        import soxr
+
+        self.stream = soxr.ResampleStream(rate, out_rate, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(self.stream.resample_chunk(x), dtype=np.float32).reshape(-1)
+
+    def flush(self) -> np.ndarray:
+        return np.asarray(
+            self.stream.resample_chunk(np.zeros(0, np.float32), last=True), dtype=np.float32
+        ).reshape(-1)
 
 
 class Encoder:
-    """Turns float32 chunks into the bytes of one response in ``fmt`` (see the module docstring).
+    """Turns float32 chunks at the model's rate into the bytes of one response in ``fmt`` at ``out_rate`` (see the
+    module docstring).
 
     ``header()`` first, ``encode(chunk)`` per chunk, ``finish()`` last; each returns the bytes to send now (maybe
-    empty). A format that is not :attr:`streamed` gives all its bytes at ``finish()``.
+    empty). A whole encoder (:attr:`streamed` false) gives every byte at ``finish()``. :attr:`inline`: cheap enough
+    to run on an event loop (no codec but 16-bit PCM); a caller runs the others in a thread.
 
     Args:
         fmt: one of :data:`FORMATS`, or :data:`RAW`.
         sample_rate: the rate of the chunks (the model's).
-        out_rate: the rate the caller asked for (None: ``sample_rate``).
+        out_rate: the rate the caller asked for (None: :func:`codec_rate`, the model's where the codec takes it).
+        whole: give the whole file at ``finish()`` (exact sizes in its header) even where ``fmt`` can stream.
     Raises:
-        ClientError: ``out_rate`` is not ``sample_rate`` (naming ``sample_rate``; no resampling here).
+        ClientError: ``out_rate`` is not one ``fmt`` takes (naming ``sample_rate``), or ``fmt`` needs a library the
+            server lacks (naming ``response_format``).
         ValueError: an unknown format.
     """
 
-    def __init__(self, fmt: str, sample_rate: int, out_rate: int | None = None) -> None:
-        if fmt not in MEDIA_TYPES and fmt != RAW:
+    def __init__(
+        self, fmt: str, sample_rate: int, out_rate: int | None = None, *, whole: bool = False
+    ) -> None:
+        if fmt not in _CODECS:
             raise ValueError(f"unknown audio format {fmt!r}; expected one of {', '.join(FORMATS)} or {RAW}")
-        check_rate(sample_rate, out_rate)
+        rate = codec_rate(fmt, sample_rate) if out_rate is None else out_rate
+        bad = rate_error(fmt, rate)
+        if bad is not None:
+            raise ClientError(f"sample_rate {bad}", param="sample_rate")
+        missing = format_error(fmt)
+        if missing is not None:
+            raise ClientError(f"response_format {missing}", param="response_format")
         self.fmt = fmt
         self.sample_rate = sample_rate
+        self.out_rate = rate
         self.media_type = MEDIA_TYPES.get(fmt, "application/octet-stream")
-        self.streamed = fmt in STREAMABLE
-        self._chunks: list[np.ndarray] = []  # a whole format's audio, until finish()
-        self._sf: Any = None
-        self._sink: _Sink | None = None
-        self._out_rate = sample_rate
-        if self.streamed and fmt in _SF:
-            import soundfile as sf
-
-            self._out_rate = _codec_rate(fmt, sample_rate)
-            self._sink = _Sink()
-            kind, subtype = _SF[fmt]
-            self._sf = sf.SoundFile(
-                self._sink, mode="w", samplerate=self._out_rate, channels=1, format=kind, subtype=subtype
-            )
-
-    @property
-    def out_rate(self) -> int:
-        """The rate of the audio in the bytes it gives: the codec's (Opus), else the chunks'."""
-        return self._out_rate
+        self.streamed = not whole and fmt in STREAMABLE
+        self.inline = fmt in ("pcm", "wav", RAW)
+        self.samples = 0  # samples encoded, at out_rate
+        self._resample = _Resampler(sample_rate, rate) if rate != sample_rate else None
+        self._sink = _Sink()
+        self._codec = _CODECS[fmt](self._sink, rate, fmt)
 
     def header(self) -> bytes:
-        return wav_header(self.sample_rate, None) if self.fmt == "wav" else b""
-
-    def _resample(self, chunk: np.ndarray) -> np.ndarray:
-        return _resample(chunk, self.sample_rate, self._out_rate)
+        """What the format says before any audio (a WAV header, Ogg's first pages), on its own (a WebSocket frame)."""
+        return self._sink.take() if self.streamed else b""
 
     def encode(self, chunk: np.ndarray) -> bytes:
-        if not self.streamed:
-            self._chunks.append(chunk)
-            return b""
-        if self._sf is None:
-            return to_int16(chunk)
-        assert self._sink is not None
-        self._sf.write(np.clip(self._resample(np.asarray(chunk, dtype=np.float32)), -1.0, 1.0))
-        return self._sink.take()
+        x = np.asarray(chunk, dtype=np.float32).reshape(-1)
+        if self._resample is not None:
+            x = self._resample(x)
+        self._write(x)
+        return self._sink.take() if self.streamed else b""
 
     def finish(self) -> bytes:
-        """The last bytes: a codec's tail, or a whole format's file (CPU work: off an event loop)."""
-        if not self.streamed:
-            chunks, self._chunks = self._chunks, []
-            return encode_all(chunks, self.fmt, self.sample_rate)
-        if self._sf is None:
-            return b""
-        assert self._sink is not None
-        self._sf.close()
+        """The last bytes: the resampler's and the codec's tail, or a whole file."""
+        if self._resample is not None:
+            self._write(self._resample.flush())
+        self._codec.close()
         return self._sink.take()
 
+    def _write(self, x: np.ndarray) -> None:
+        if x.size:
+            self.samples += x.size
+            self._codec.write(x)
 
-def encode_all(chunks: list[np.ndarray], fmt: str, sample_rate: int) -> bytes:
-    """A whole (non-streamed) file: exact sizes in the WAV header."""
-    if fmt == "wav":
-        pcm = b"".join(to_int16(c) for c in chunks)
-        return wav_header(sample_rate, len(pcm)) + pcm
-    if fmt in ("pcm", RAW):
-        return b"".join(to_int16(c) for c in chunks)
-    import soundfile as sf
 
-    if fmt not in _SF:
-        raise ValueError(f"unknown audio format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    out_rate = _codec_rate(fmt, sample_rate)
-    buf = io.BytesIO()
-    kind, subtype = _SF[fmt]
-    samples: np.ndarray = np.clip(_resample(audio, sample_rate, out_rate), -1.0, 1.0)
-    if fmt == "flac":  # lossless: the very int16 samples wav/pcm carry (libsndfile would round, not truncate)
-        samples = np.frombuffer(to_int16(samples), dtype="<i2")
-    sf.write(buf, samples, out_rate, format=kind, subtype=subtype)
-    return buf.getvalue()
+def encode_all(
+    chunks: Iterable[np.ndarray], fmt: str, sample_rate: int, out_rate: int | None = None
+) -> bytes:
+    """A whole file of ``chunks`` (exact sizes in its header), as :class:`Encoder` with ``whole=True`` makes it."""
+    enc = Encoder(fmt, sample_rate, out_rate, whole=True)
+    for chunk in chunks:
+        enc.encode(chunk)
+    return enc.finish()
 
 
 def write_wav_atomic(path: str | Path, chunks: Iterable[np.ndarray], sample_rate: int) -> float:

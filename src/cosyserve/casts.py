@@ -144,12 +144,18 @@ class Device:
 
 
 class Text:
-    """A non-empty string (stripped)."""
+    """A non-empty string, stripped; with ``exact``, a name taken as given: blanks at either end are refused, not
+    trimmed (a voice named " x" is not "x")."""
+
+    def __init__(self, exact: bool = False) -> None:
+        self.exact = exact
 
     def __call__(self, raw: Any) -> str:
         v = str(raw).strip()
         if not v:
             raise ValueError("expected a non-empty value")
+        if self.exact and v != str(raw):
+            raise ValueError("has blanks at its start or end: names are taken exactly as given, remove them")
         return v
 
 

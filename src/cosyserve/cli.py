@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="output file; its extension picks the encoding: .wav (16-bit PCM), .flac, .mp3, .opus or .ogg "
-        "(Ogg Opus, 48 kHz), .pcm (raw 16-bit mono at the model's rate)",
+        "(Ogg Opus, at the model's rate where Opus takes it, else the next it takes: 24 kHz for 22.05 kHz), "
+        ".pcm (raw 16-bit mono at the model's rate)",
     )
     p.add_argument("--stream", action="store_true", help="synthesize in streaming chunks (as a server would)")
     p.add_argument(
@@ -529,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wyoming_uri",
         "wyoming_tenant",
         "wyoming_zeroconf",
+        "registry_dir",
         "serve_log_level",
         "runtime",
         *_PRECISION,

@@ -16,7 +16,7 @@ names; what a request may hold is decided here, once, from the settings (each li
 | a voice name | ``speaker`` | ``max_voice_name_chars`` |
 | a voice sample or recording: bytes, seconds | ``prompt_wav``, ``source_wav`` | ``max_upload_bytes``, ``max_prompt_seconds`` |
 | tempo | ``speed`` | :data:`~cosyserve.request.SPEED_MIN` .. :data:`~cosyserve.request.SPEED_MAX` (OpenAI's) |
-| audio format, sample rate | :class:`Output` | the transport's formats; the model's rate |
+| audio format, sample rate | :class:`Output` | the transport's formats, the server's encoders; each codec's rates |
 
 An error names its field as the caller spells it (``names`` maps the request's field names to the transport's:
 ``text`` -> ``input``), in its ``param`` and its message. Pure Python: the audio's length is read from its header
@@ -51,10 +51,13 @@ _AUDIO = {"prompt_wav": "prompt audio", "source_wav": "source audio"}
 @dataclass(frozen=True)
 class Output:
     """How a request's audio is delivered: ``format`` (a name of :data:`cosyserve.audiofile.FORMATS`, or ``raw``,
-    the reference's int16 PCM) and ``sample_rate`` (None: the model's own)."""
+    the reference's int16 PCM), ``sample_rate`` (None: the model's own, as :func:`cosyserve.audiofile.codec_rate`
+    says) and whether it is ``streamed`` as it is made (a format that cannot be streamed is sent whole anyway:
+    :data:`cosyserve.audiofile.STREAMABLE`)."""
 
     format: str
     sample_rate: int | None = None
+    streamed: bool = True
 
 
 @dataclass(frozen=True)
@@ -171,15 +174,18 @@ class Limits:
         formats: Iterable[str],
         sample_rate: int | None = None,
         *,
+        streamed: bool = True,
         names: Mapping[str, str] | None = None,
     ) -> Output:
-        """The delivery a caller asks for: ``fmt`` one of the transport's ``formats``, ``sample_rate`` a positive
-        rate or None (the model's; whether the model's audio can be given at that rate is the encoder's to say,
-        once the model is known: :class:`cosyserve.audiofile.Encoder`).
+        """The delivery a caller asks for: ``fmt`` one of the transport's ``formats`` that this server can encode,
+        ``sample_rate`` a rate that format takes (the encoder resamples the model's audio to it) or None (the
+        model's), ``streamed`` as it is made or whole.
 
         Raises:
             ClientError: naming ``response_format`` or ``sample_rate``.
         """
+        from cosyserve.audiofile import format_error, rate_error
+
         n = _names(names)
         choices = tuple(formats)
         if fmt not in choices:
@@ -187,16 +193,14 @@ class Limits:
                 f"{n['response_format']} {shown(fmt)} is not supported; choose one of {', '.join(choices)}",
                 param="response_format",
             )
-        if sample_rate is not None and (
-            isinstance(sample_rate, bool)
-            or not isinstance(sample_rate, int)
-            or not 0 < sample_rate <= 384_000
-        ):
-            raise ClientError(
-                f"{n['sample_rate']} must be a positive number of samples per second, got {shown(sample_rate)}",
-                param="sample_rate",
-            )
-        return Output(fmt, sample_rate)
+        missing = format_error(fmt)
+        if missing is not None:
+            raise ClientError(f"{n['response_format']} {missing}", param="response_format")
+        if sample_rate is not None:
+            bad = rate_error(fmt, sample_rate)
+            if bad is not None:
+                raise ClientError(f"{n['sample_rate']} {bad}", param="sample_rate")
+        return Output(fmt, sample_rate, streamed)
 
     # -- helpers --------------------------------------------------------------------------------------------------
 

@@ -537,6 +537,20 @@ class Settings:
         cast=Float(0.1, 86400),
         doc="seconds a request may take before it is stopped",
     )
+    body_timeout_s: float = _serve(
+        10.0,
+        env="COSYSERVE_BODY_TIMEOUT",
+        cast=Float(0.1, 3600),
+        doc="seconds a request body may pause (nothing of it arriving) before the request gets 408 and its "
+        "connection is closed; a whole body has --request-timeout",
+    )
+    max_pending_bodies: int = _serve(
+        64,
+        env="COSYSERVE_MAX_PENDING_BODIES",
+        cast=Int(1, 1 << 20),
+        doc="requests that may be part way through sending their body at once (per worker); one more gets 503 "
+        "at once",
+    )
     ws_idle_timeout_s: float = _serve(
         30.0,
         env="COSYSERVE_WS_IDLE_TIMEOUT",
@@ -563,8 +577,9 @@ class Settings:
         None,
         env="COSYSERVE_DEFAULT_VOICE",
         flag="--default-voice",
-        cast=Text(),
-        doc="speaker that OpenAI voice names (alloy, echo, ...) stand for",
+        cast=Text(exact=True),
+        doc="the voice of requests that name none, and of OpenAI's alloy (the other OpenAI voice names go round the "
+        "model's other speakers)",
         shown="first speaker",
     )
     # -- Wyoming (Home Assistant): cosyserve.server.wyoming ----------------------------------------------------

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
-import math
 import queue
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import numpy as np
 from cosyserve.engine.state import ALLOWED, STATE_TRANSITION_ERROR, EngineState, Listener, Transition
 from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
+from cosyserve.engine.voicemap import is_openai_voice, openai_voice_map
 from cosyserve.errors import (
     ClientError,
     CosyserveError,
@@ -42,6 +43,7 @@ from cosyserve.errors import (
     NotReadyError,
     OverloadedError,
     RequestCancelledError,
+    UnknownVoiceError,
 )
 from cosyserve.gchold import collect_frozen
 from cosyserve.request import ResolvedRequest, SynthesisRequest
@@ -144,6 +146,9 @@ class Engine:
         stats: where request counters go (the pool shares one per model).
         clock: monotonic seconds (tests inject a fake one).
         default_service_s: service-time guess for ``retry_after`` before any request has finished.
+        voices: the pool config's map of OpenAI voice names to this model's voices, over the default rule
+            (:func:`cosyserve.engine.voicemap.openai_voice_map`).
+        default_voice: the voice a request that names none speaks with (None: the model's first speaker).
     """
 
     def __init__(
@@ -156,6 +161,8 @@ class Engine:
         stats: ModelStats | None = None,
         clock: Callable[[], float] = time.monotonic,
         default_service_s: float = 1.0,
+        voices: Mapping[str, str] | None = None,
+        default_voice: str | None = None,
     ) -> None:
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
@@ -183,8 +190,12 @@ class Engine:
         self._in_flight = 0
         self._active = 0
         self._default_service_s = default_service_s
-        # wall seconds (engine clock) each recent request held its slot, start to end: what retry_after predicts from
+        # wall seconds (engine clock) each recent request held its slot, start to end, and per character of its
+        # text (where it had a length): what retry_after predicts from
         self._service_s: deque[float] = deque(maxlen=32)
+        self._char_s: deque[float] = deque(maxlen=32)
+        self._voices = dict(voices or {})
+        self._default_voice = default_voice
         self.sample_rate: int | None = None
         self.runtime: Any = (
             None  # the first runtime, READY: what it serves (voices, modes), its clock and memory
@@ -322,10 +333,15 @@ class Engine:
         """Seconds until a slot is likely free: the earliest expected end of a running request.
 
         A refused client needs one slot, and one ends when the first running request does: that is the time
-        left of the running request closest to its end, each expected to take the median of recent service
-        times. With ``request_ids``, the earliest expected end of those requests (a tenant's own, for its
+        left of the running request closest to its end, each expected to take as long as its text's length says
+        at the recent requests' seconds per character (a text of unknown length, streamed: the median of recent
+        requests). With ``request_ids``, the earliest expected end of those requests (a tenant's own, for its
         quota); one still queued is expected to start when the first slot frees. Bounded to
         :data:`RETRY_AFTER_BOUNDS_S`.
+
+        Why per character: requests are not alike. Expected from the median of recent requests whatever their
+        length, a burst of one-sentence requests after a few long texts was told the long texts' time (Retry-After
+        47 s where each took a second).
         """
         with self._lock:
             return self._retry_after_locked(request_ids)
@@ -333,29 +349,41 @@ class Engine:
     def idle_after(self) -> float:
         """Seconds until every request in flight is likely done (when the pool could evict this model)."""
         with self._lock:
-            typical, running, queued = self._expected_locked()
+            running, queued = self._expected_locked()
             last = max((left for _, left in running), default=0.0)
-            return _bounded(last + math.ceil(queued / self.slots) * typical)
+            return _bounded(last + sum(d for _, d in queued) / self.slots)
 
-    def _expected_locked(self) -> tuple[float, list[tuple[str, float]], int]:
-        # (typical service seconds, (request id, expected seconds left) of each running request, queued count)
-        typical = statistics.median(self._service_s) if self._service_s else self._default_service_s
+    def _duration_locked(self, request: SynthesisRequest) -> float:
+        # how long a request is expected to hold its slot: its text's length at the recent seconds per character,
+        # else (streamed text; no request of known length finished yet) the median of recent requests
+        chars = len(request.text) if isinstance(request.text, str) else 0
+        if chars and self._char_s:
+            return statistics.median(self._char_s) * chars
+        return statistics.median(self._service_s) if self._service_s else self._default_service_s
+
+    def _expected_locked(self) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+        # (request id, expected seconds left) of each running request, (request id, expected seconds) of each
+        # queued one
         now = self.clock()
-        running = [
-            # a cancelled request ends at its next token
-            (job.request.request_id, 0.0 if job.cancel_reason else max(0.0, typical - (now - job.started)))
-            for job in self._jobs
-            if job.started is not None
-        ]
-        return typical, running, max(0, self._in_flight - len(running))
+        running, queued = [], []
+        for job in self._jobs:
+            rid, duration = job.request.request_id, self._duration_locked(job.request)
+            if job.started is None:
+                queued.append((rid, duration))
+            else:  # a cancelled request ends at its next token
+                running.append((rid, 0.0 if job.cancel_reason else max(0.0, duration - (now - job.started))))
+        return running, queued
 
     def _retry_after_locked(self, request_ids: Collection[str] = ()) -> float:
-        typical, running, _ = self._expected_locked()
+        running, queued = self._expected_locked()
         first_free = min((left for _, left in running), default=0.0)  # none running: a slot is free now
         if not request_ids:
             return _bounded(first_free)
         mine = [left for rid, left in running if rid in request_ids]
-        return _bounded(min(mine) if mine else first_free + typical)
+        if mine:
+            return _bounded(min(mine))
+        waiting = [d for rid, d in queued if rid in request_ids]
+        return _bounded(first_free + min(waiting, default=self._default_service_s))
 
     def _refuse_locked(self) -> CosyserveError:
         st = self._state
@@ -413,9 +441,16 @@ class Engine:
         self.stats.record_admit()
         return job
 
+    def openai_voices(self) -> dict[str, str | None]:
+        """Each OpenAI voice name -> the voice it speaks with on this model (empty while not loaded)."""
+        if self.runtime is None:
+            return {}
+        return openai_voice_map(self.runtime.speakers(), self._default_voice, self._voices)
+
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
         """``request`` as the model runs it (``Runtime.resolve``: its mode decided, its voice found for its tenant),
-        once: the result is taken as it is by :meth:`submit` and the runtime. A request is returned as it is while
+        once: the result is taken as it is by :meth:`submit` and the runtime. An OpenAI voice name that is not a
+        voice of the model's is the voice it maps to (:meth:`openai_voices`). A request is returned as it is while
         the engine has no runtime (not loaded).
 
         Raises:
@@ -425,10 +460,19 @@ class Engine:
         runtime = self.runtime
         if runtime is None:
             return request
+        name = request.speaker
+        alias = name is not None and is_openai_voice(name) and runtime.voice(name, request.tenant) is None
+        if alias:
+            request = dataclasses.replace(request, speaker=self.openai_voices()[name.lower()])
         try:
             return runtime.resolve(request)  # type: ignore[no-any-return]
-        except ClientError:
+        except ClientError as e:
             self.stats.record_reject("client_error")
+            if alias and isinstance(e, UnknownVoiceError):
+                raise UnknownVoiceError(
+                    f"OpenAI voice {name!r} stands for {request.speaker!r} on model {self.name!r}: {e}",
+                    param="speaker",
+                ) from None
             raise
 
     def cancel(self, job: Job, reason: BaseException | None = None) -> None:
@@ -523,7 +567,10 @@ class Engine:
             self._jobs.discard(job)
             self._in_flight -= 1
             if job.started is not None and error is None and job.cancel_reason is None:
-                self._service_s.append(max(0.0, self.clock() - job.started))
+                held = max(0.0, self.clock() - job.started)
+                self._service_s.append(held)
+                if isinstance(job.request.text, str) and job.request.text:
+                    self._char_s.append(held / len(job.request.text))
             self._idle_cond.notify_all()
         reason = job.cancel_reason
         if error is not None:

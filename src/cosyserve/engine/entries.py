@@ -42,6 +42,8 @@ class ModelSpec:
         reload_warmup: warm-up on reloads after eviction (off: kernels are warm, pages are cached).
         load_options: fields of :class:`cosyserve.runtime.RuntimeOptions` for this model (strategy, verify,
             use_mmap, ...), over the pool's ``runtime_options``.
+        voices: OpenAI voice name -> this model's voice, over the default rule
+            (:func:`cosyserve.engine.voicemap.openai_voice_map`).
     """
 
     name: str
@@ -57,6 +59,7 @@ class ModelSpec:
     reload_warmup: bool = False
     runtime: str = "torch"
     load_options: Mapping[str, Any] = field(default_factory=dict)
+    voices: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in ("preload", "lazy"):

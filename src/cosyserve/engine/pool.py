@@ -54,6 +54,7 @@ __all__ = [
     "ModelPool",
     "ModelSpec",
     "PoolEvent",
+    "VoiceList",
     "lru_k_order",
     "memory_limit_bytes",
     "memory_usage",
@@ -65,6 +66,23 @@ __all__ = [
 # failed (a damaged or missing file) fails again the same way; loading it per request would spend a core (and, for
 # a large bundle, its checksum reads) on every request.
 LOAD_BACKOFF_S = (1.0, 60.0)
+
+
+@dataclass(frozen=True)
+class VoiceList:
+    """A loaded model's voices for a tenant (:meth:`ModelPool.voices`).
+
+    Attributes:
+        model: the model's name.
+        voices: its pre-defined speakers, then the tenant's registered voices (:class:`cosyserve.runtime.Voice`);
+            :func:`cosyserve.engine.voicemap.language_of` tells what a name states of its language.
+        openai: each OpenAI voice name -> the voice it speaks with on this model (None: the model has no voice
+            of its own, and the request needs a registered one).
+    """
+
+    model: str
+    voices: list[Any]
+    openai: dict[str, str | None]
 
 
 @dataclass
@@ -211,6 +229,15 @@ class ModelPool:
 
     def spec(self, name: str) -> ModelSpec:
         return self._entry(name).spec
+
+    def voices(self, name: str, tenant: str | None = None) -> VoiceList | None:
+        """What model ``name`` speaks with for ``tenant`` (None: the default tenant's registry), as every transport
+        lists it (the HTTP voices list, Wyoming's ``info``); None while the model is not loaded."""
+        eng = self._entry(name).engine
+        runtime = eng.runtime if eng is not None else None
+        if eng is None or runtime is None:
+            return None
+        return VoiceList(name, runtime.voices(tenant or "default"), eng.openai_voices())
 
     def engine(self, name: str) -> Engine | None:
         """The model's current engine (None when not loaded)."""
@@ -474,6 +501,8 @@ class ModelPool:
             queue_limit=spec.queue_limit,
             stats=entry.stats,
             clock=self.clock,
+            voices=spec.voices,
+            default_voice=getattr(self.runtime_options, "default_voice", None),
         )
         entry.engine = engine
         entry.bytes = None

@@ -24,6 +24,8 @@ Example::
     pinned = true
     instances = 2
     load = { verify = "stamp" }            # this model's own loading settings (cosyserve.load options)
+    voices = { alloy = "英文女", onyx = "中文男" }   # OpenAI voice names -> this model's voices (default rule:
+                                           # cosyserve.engine.voicemap; the others keep it)
 
     [tenants.acme]
     models = ["sft"]
@@ -46,6 +48,7 @@ from cosyserve.casts import Int, parse_size
 from cosyserve.engine.entries import ModelSpec
 from cosyserve.engine.pool import ModelPool
 from cosyserve.engine.quotas import Tenant, TenantQuota
+from cosyserve.engine.voicemap import OPENAI_VOICES, is_openai_voice
 from cosyserve.errors import SettingsError
 from cosyserve.pagecache import memory_limit_bytes
 from cosyserve.settings import ModelArg, Settings, parse_setting
@@ -75,6 +78,7 @@ MODEL_KEYS = frozenset(
         "reload_warmup",
         "load",
         "runtime",
+        "voices",
     }
 )
 TENANT_KEYS = frozenset({"models", "max_models", "max_memory", "max_concurrent"})
@@ -158,6 +162,20 @@ class _Tables:
             raise SettingsError(f"{self.source}: {where} {key} = {value!r}: expected true or false")
         return value
 
+    def voices(self, value: Any, where: str) -> dict[str, str]:
+        """A model's ``voices`` table: OpenAI voice names (any case) -> a voice name of the model's."""
+        table = self.table(value, where, frozenset(value) if isinstance(value, dict) else frozenset())
+        out = {}
+        for key, voice in table.items():
+            if not is_openai_voice(key):
+                raise self.fail(
+                    where, f"{key!r} is not an OpenAI voice name; expected one of {', '.join(OPENAI_VOICES)}"
+                )
+            if not isinstance(voice, str) or not voice or voice != voice.strip():
+                raise self.fail(where, f"{key} = {voice!r}: expected the name of one of the model's voices")
+            out[key.lower()] = voice
+        return out
+
     def bytes_(self, table: dict[str, Any], key: str, where: str) -> int:
         return parse_bytes(table[key], f"{self.source}: {where} {key}", self.limit)
 
@@ -211,6 +229,7 @@ def load_pool_config(
             reload_warmup=r.bool_(m, "reload_warmup", w, False),
             load_options={_LOAD_FIELD.get(k, k): r.setting(load, k, f"{w} load.") for k in load},
             runtime=own("runtime"),
+            voices=r.voices(m.get("voices", {}), f"{w} voices"),
         )
 
     models: dict[str, ModelSpec] = {}

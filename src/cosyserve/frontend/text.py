@@ -62,6 +62,7 @@ _ZH_PUNCT = ("。", "？", "！", "；", "：", "、", ".", "?", "!", ";")
 _EN_PUNCT = (".", "?", "!", ";", ":")
 _CLOSING_QUOTES = ('"', "”")
 _TRAILING_COMMAS = re.compile(r"[，,、]+$")
+_SPECIAL_TOKEN = re.compile(r"<\|[^|<>\s]*\|>")  # <|endofprompt|>, <|en|>: markup the LM reads, never spoken
 
 
 def contains_chinese(text: str) -> bool:
@@ -69,12 +70,14 @@ def contains_chinese(text: str) -> bool:
 
 
 def nothing_to_speak(text: str) -> bool:
-    """True when ``text`` has no letter (L*) and no digit (N*): only punctuation, symbols, blanks, or invisible
-    characters such as zero-width spaces and joiners. The reference drops pieces of only punctuation (P*) and
-    symbols (S*); a piece of zero-width characters has nothing to speak either (the LLM would get only noise)."""
+    """True when ``text`` has no letter (L*) and no digit (N*) outside the models' special tokens
+    (``<|endofprompt|>``, ``<|en|>``, ...): only punctuation, symbols, blanks, invisible characters such as
+    zero-width spaces and joiners, or markup. The reference drops pieces of only punctuation (P*) and symbols
+    (S*); a piece of zero-width characters or of markup alone has nothing to speak either (the LLM would get only
+    noise)."""
     import regex  # a tiktoken dependency; understands \p{...} classes
 
-    return regex.search(r"[\p{L}\p{N}]", text) is None
+    return regex.search(r"[\p{L}\p{N}]", _SPECIAL_TOKEN.sub("", text)) is None
 
 
 def replace_blank(text: str) -> str:
@@ -302,7 +305,7 @@ def text_normalize(
 
     Args:
         text: user text. With both ``<|`` and ``|>`` in it, it is returned unchanged (``text``, or ``[text]`` cut
-            by :func:`bound_pieces` when it is longer than a piece may be).
+            by :func:`bound_pieces` when it is longer than a piece may be; none when it is markup alone).
         split: return the list of pieces (True) or the whole normalised string (False).
         tokenize: text -> token ids for measuring English pieces; default the whisper tokenizer.
     Returns:
@@ -311,7 +314,9 @@ def text_normalize(
     """
     tokenize = tokenize or _default_tokenize
     if "<|" in text and "|>" in text:
-        return bound_pieces([text], tokenize) if split else text
+        if not split:
+            return text
+        return [p for p in bound_pieces([text], tokenize) if not nothing_to_speak(p)]
     text = text.strip()
     if not text:
         return [] if split else ""

@@ -83,6 +83,7 @@ class ServerState:
         # the open WebSocket sessions and Wyoming connections (cosyserve.server.ws.Session,
         # cosyserve.server.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
         self.ws_sessions: set[Any] = set()
+        self.pending_bodies = 0  # requests part way through their body (cosyserve.server.bodies)
         self._ws_wait: asyncio.Task[None] | None = None
         self._sessions_gone: asyncio.Event | None = None  # set when the last session closes, while stopping
         self.preload: list[str] = []
@@ -372,6 +373,7 @@ def create_app(
     """
     from cosyserve.server import openai_api, reference_api, voices, ws
     from cosyserve.server.auth import AuthMiddleware
+    from cosyserve.server.bodies import BodyTimeout
 
     config = config if config is not None else Settings.load()
     if wyoming is None and config.wyoming_uri is not None:
@@ -501,6 +503,8 @@ def create_app(
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
     middleware = [
+        # outermost: a stalled body is timed out and counted whatever the route (cosyserve.server.bodies)
+        Middleware(BodyTimeout, state=state),
         Middleware(AuthMiddleware, state=state, paths=frozenset(getattr(r, "path", "") for r in routes)),
         Middleware(LastResortMiddleware, metrics=state.metrics),
     ]
@@ -508,7 +512,7 @@ def create_app(
         from starlette.middleware.cors import CORSMiddleware
 
         middleware.insert(
-            0,
+            1,
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyserve.errors import (
+    SHOWN_CHARS,
     ClientError,
     CosyserveError,
     DeadlineExceededError,
@@ -31,6 +32,7 @@ from cosyserve.errors import (
 
 __all__ = [
     "STATUS",
+    "BodyTimeoutError",
     "LastResortMiddleware",
     "VoiceNotFoundError",
     "client_message",
@@ -51,6 +53,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -59,6 +62,12 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+class BodyTimeoutError(ClientError):
+    """A request body that stalled: nothing of it arrived for the body timeout (408; the connection is closed)."""
+
+    code = "body_timeout"
 
 
 class VoiceNotFoundError(UnknownVoiceError):
@@ -70,6 +79,7 @@ class VoiceNotFoundError(UnknownVoiceError):
 STATUS: dict[type[CosyserveError], int] = {
     CosyserveError: 500,
     ClientError: 400,
+    BodyTimeoutError: 408,
     UnknownModelError: 404,
     VoiceNotFoundError: 404,
     PayloadTooLargeError: 413,
@@ -133,7 +143,9 @@ def _client_value(m: re.Match[str]) -> str:
         value = ast.literal_eval(quoted)  # a string literal only (the pattern admits nothing else)
     except (ValueError, SyntaxError):
         return quoted
-    return shown(value) if isinstance(value, str) else quoted
+    if not isinstance(value, str) or (len(value) == SHOWN_CHARS + 1 and value.endswith("…")):
+        return quoted  # cut by shown() already, its length said after it: once is enough
+    return shown(value)
 
 
 def client_message(e: CosyserveError) -> str:

@@ -1,13 +1,20 @@
-"""OpenAI-compatible routes: ``POST /v1/audio/speech``, ``GET /v1/models`` (the voices are :mod:`cosyserve.server.voices`).
+"""OpenAI-compatible routes: ``POST /v1/audio/speech``, ``GET /v1/models`` and ``GET /v1/audio/models`` (the voices
+are :mod:`cosyserve.server.voices`).
 
 ``model`` is a pool model name, or one of OpenAI's (``tts-1``, ``tts-1-hd``, ``gpt-4o-mini-tts``) for the default
 model. ``voice`` is a speaker of the model, a voice registered for the caller's tenant (spoken in zero-shot
-mode), or one of OpenAI's voice names (alloy, echo, ...), which always mean the default voice
-(``--default-voice``; else the model's first speaker). ``instructions`` switches to instruct mode.
-``stream`` (an extension; the openai client sends it through ``extra_body``) makes the engine emit audio
-every ~2 s of speech tokens and the response stream it; without it, audio is cut per sentence and, for
-wav/pcm/opus, still sent as it comes. ``stream_format: "sse"`` answers OpenAI's Server-Sent Events instead of the
-audio bytes (``speech.audio.delta`` events, then ``speech.audio.done``), streamed as with ``stream``.
+mode), or one of OpenAI's voice names (alloy, nova, echo, ...), each of which stands for one of the model's voices
+(:mod:`cosyserve.engine.voicemap`; listed as ``aliases`` by ``GET /v1/audio/voices``). ``instructions``
+switches to instruct mode.
+
+The body streams as the audio is made, as OpenAI's does (chunked transfer encoding; every format but flac, which
+is encoded when the audio ends): the engine emits audio every ~2 s of speech tokens, or per sentence where
+``speed`` is not 1.0 (a tempo change needs a sentence's whole audio, as in the reference). ``stream: false`` (an
+extension; the openai client sends it through ``extra_body``) answers one body with its Content-Length instead,
+its audio cut per sentence (the reference's one-shot quality). ``stream_format: "sse"`` answers OpenAI's
+Server-Sent Events instead of the audio bytes (``speech.audio.delta`` events as the audio is made, then
+``speech.audio.done``). The audio is 24 kHz (OpenAI's rate, resampled where the model's differs: CosyVoice-300M's
+22.05 kHz) unless ``sample_rate`` (an extension) names another; ``X-Sample-Rate`` states it.
 ``ref_audio`` (the audio itself, base64 or a ``data:`` URL; never a URL the server would fetch) with ``ref_text``
 (its transcript) clones a voice for one request (zero_shot mode); without ``ref_text``, cross_lingual mode, and
 with ``instructions``, instruct2 (CosyVoice2).
@@ -21,13 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cosyserve.audiofile import FORMATS
+from cosyserve.audiofile import FORMATS, OPENAI_SAMPLE_RATE
+from cosyserve.engine.voicemap import is_openai_voice
 from cosyserve.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
 from cosyserve.server.responses import synthesize_response
-from cosyserve.server.schemas import OPENAI_VOICES, parse_speech_request, speech_body_limit
+from cosyserve.server.schemas import parse_speech_request, speech_body_limit
 from cosyserve.server.synth import caller, order
 
-__all__ = ["OPENAI_VOICES", "PARAMS", "read_body", "routes", "voice_fields"]
+__all__ = ["PARAMS", "read_body", "routes", "voice_fields"]
 
 # request fields -> this route's names (an error names its field in the response's `param`)
 PARAMS = {
@@ -60,15 +68,16 @@ def voice_fields(
     clone (``ref_audio`` and its transcript ``ref_text``, None when not given) and ``instructions``, as the speech
     route and the WebSocket take them.
 
-    An OpenAI voice name means the default voice (configured, else the model's first speaker); any other name is a
-    speaker or a registered voice, whose kind decides the mode (the runtime knows the voices). ``ref_audio``
-    clones: zero_shot with ``ref_text``, cross_lingual without, instruct2 with ``instructions``.
+    A voice name is a speaker, a registered voice or an OpenAI voice name (the model maps it to one of its voices
+    when the request is admitted: :meth:`cosyserve.engine.engine.Engine.resolve`); its kind decides the mode (the
+    runtime knows the voices). ``ref_audio`` clones: zero_shot with ``ref_text``, cross_lingual without, instruct2
+    with ``instructions``; ``voice`` may then only be an OpenAI name, which means nothing there.
 
     Raises:
         ClientError: ``voice`` with ``ref_audio``, ``ref_text`` without it, with ``instructions`` or blank
             (``param`` names the field).
     """
-    alias = voice is not None and voice.lower() in OPENAI_VOICES
+    alias = voice is not None and is_openai_voice(voice)
     if ref_text is not None and not ref_text.strip():
         raise ClientError(
             "ref_text is blank: give the transcript of ref_audio, or leave ref_text out (cross-lingual cloning)",
@@ -79,10 +88,9 @@ def voice_fields(
             raise ClientError(
                 "ref_text is the transcript of ref_audio: send ref_audio with it", param="ref_text"
             )
-        speaker = state.config.default_voice if alias else voice
         if instructions.strip():
-            return {"mode": "instruct", "speaker": speaker, "instruct_text": instructions}
-        return {"mode": None, "speaker": speaker}
+            return {"mode": "instruct", "speaker": voice, "instruct_text": instructions}
+        return {"mode": None, "speaker": voice}
     if voice is not None and not alias:
         raise ClientError(
             f"voice {shown(voice)} names a voice, and ref_audio gives one to clone: send one of them",
@@ -110,6 +118,13 @@ def routes(state: Any) -> list[Route]:
         cfg = state.config
         sr = parse_speech_request(await read_body(request, speech_body_limit(cfg)), cfg.max_upload_bytes)
         sse = sr.stream_format == "sse"
+        if sse and sr.stream is False:
+            raise ClientError(
+                "stream is false, which asks for one whole body, and stream_format is sse, an event stream: leave "
+                "stream out (or true) for events as the audio is made, or leave stream_format out for one body",
+                param="stream",
+            )
+        streamed = sr.stream is not False  # as OpenAI's, the body streams unless asked otherwise
         asked = order(
             state,
             **caller(state, request),
@@ -117,8 +132,12 @@ def routes(state: Any) -> list[Route]:
             model=sr.model,
             fmt=sr.response_format,
             formats=FORMATS,
+            sample_rate=OPENAI_SAMPLE_RATE if sr.sample_rate is None else sr.sample_rate,
+            streamed=streamed,
             text=sr.input,
-            stream=sr.stream or sse,  # an event stream is streamed
+            # the engine cuts audio every ~2 s of speech tokens when it streams; per sentence for a whole body,
+            # and for a tempo change, which needs a sentence's whole audio (as in the reference)
+            stream=streamed and sr.speed == 1.0,
             speed=sr.speed,
             seed=sr.seed,
             **voice_fields(state, sr.voice, sr.instructions, sr.ref_audio, sr.ref_text),
@@ -142,7 +161,13 @@ def routes(state: Any) -> list[Route]:
         ]
         return JSONResponse({"object": "list", "data": data})
 
+    async def audio_models(request: Request) -> Response:
+        # Open WebUI's list (GET {base}/audio/models -> {"models": [{"id", "name"}]}): what `model` takes
+        names = state.pool.visible(state.tenant_of(request))
+        return JSONResponse({"models": [{"id": name, "name": name} for name in names]})
+
     return [
         Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/audio/models", audio_models, methods=["GET"]),
     ]

@@ -2,7 +2,9 @@
 
 The response starts only once the first audio chunk exists (or the request failed): a request that cannot be
 served gets a proper JSON error with its status code instead of a 200 with a truncated body. After that,
-chunks are encoded and sent as they come. A client that disconnects cancels the generation in the engine:
+chunks are encoded and sent as they come (chunked transfer encoding), unless the audio goes whole: asked so
+(``Output.streamed`` false: ``stream: false``), a format that cannot be streamed (flac), or an HTTP/1.0 client,
+which has no chunked encoding (the whole body then, with its Content-Length, as HTTP/1.0 allows). A client that disconnects cancels the generation in the engine:
 before the response starts (a non-streamed request, or a streamed one waiting for its first chunk) through a
 watch on the connection's ``http.disconnect``, after it through starlette cancelling the streaming task; the
 engine stream's ``aclose`` stops the model at its next token. A started stream that ends short (deadline,
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from cosyserve.audiofile import RAW, STREAMABLE
+from cosyserve.audiofile import STREAMABLE
 from cosyserve.errors import CosyserveError
 from cosyserve.server.errors import error_object
 from cosyserve.server.synth import Order, Synthesis, usage
@@ -99,19 +101,19 @@ async def synthesize_response(
 ) -> Response:
     """Run ``order`` and answer with its audio (``raw``: the reference's int16 PCM).
 
-    ``order.request.stream`` decides both how the engine cuts the audio and whether the response is streamed
-    (formats that cannot be streamed are sent whole; ``raw`` is sent as it comes). Engine errors before the first
-    chunk raise (the app maps them to JSON errors); after it, they end the stream early and are logged. A client
+    ``order.output.streamed`` decides whether the response is streamed (formats that cannot be streamed, and every
+    answer to an HTTP/1.0 client, are sent whole, with a Content-Length); ``order.request.stream`` how the engine
+    cuts the audio. Engine errors before the first chunk raise (the app maps them to JSON errors); after it, they end the stream early and are logged. A client
     that disconnects before the response starts stops the generation (logged as ``client_gone``, status 499).
 
     With ``sse``, the response is OpenAI's Server-Sent Events (``stream_format: "sse"``): one
     ``speech.audio.delta`` event per piece of encoded audio (``audio``: its bytes in base64; a format that cannot
-    be streamed comes whole in one), then ``speech.audio.done`` with the ``usage``, or ``speech.audio.error``
+    be streamed comes whole in one, as does every event for an HTTP/1.0 client), then ``speech.audio.done`` with the ``usage``, or ``speech.audio.error``
     (``error``: the OpenAI error object, ``params`` naming the route's fields) when it ended early.
     """
     fmt = order.output.format
     run = Synthesis(state, route, order)
-    whole = fmt != RAW and (not order.request.stream or fmt not in STREAMABLE)
+    whole = not order.output.streamed or fmt not in STREAMABLE or request.scope.get("http_version") == "1.0"
     started, _ = await _unless_disconnected(request, run.start(whole))
     rec = run.rec
     if not started:  # nobody to answer (recorded as client_gone, 499)
@@ -119,7 +121,7 @@ async def synthesize_response(
     assert run.encoder is not None
     headers = {
         "X-Request-Id": order.request.request_id,
-        "X-Sample-Rate": str(rec.sample_rate),
+        "X-Sample-Rate": str(run.encoder.out_rate),
         "X-Model": order.model,
     }
     if state.demo:

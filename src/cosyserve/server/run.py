@@ -87,8 +87,11 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     and deflate would take a core's time per stream. The protocol holds at most :data:`WS_MAX_QUEUE` frames the
     session has not read (the websockets library's default, 32, is 32 frames of the largest size per connection):
     a session that stops reading its client's text while the model catches up keeps the rest in TCP's buffers.
+    The protocol is uvicorn's own with a close code for a frame over the size and an abort for a client that
+    stopped reading (:mod:`cosyserve.server.wsproto`).
     """
     from cosyserve.server.schemas import speech_body_limit
+    from cosyserve.server.wsproto import WebSocketProtocol
 
     return dict(
         host=settings.host,
@@ -97,6 +100,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + _BACKSTOP_S,
         access_log=False,  # one structured line per synthesis request instead (cosyserve.access)
         log_config=None,
+        ws=WebSocketProtocol,
         ws_max_size=speech_body_limit(settings),
         ws_max_queue=WS_MAX_QUEUE,
         ws_per_message_deflate=False,

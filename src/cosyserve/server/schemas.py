@@ -9,14 +9,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.audiofile import FORMATS, MEDIA_TYPES
+from cosyserve.audiofile import FORMATS, MAX_SAMPLE_RATE, MEDIA_TYPES, OPENAI_SAMPLE_RATE, RATES, format_error
+from cosyserve.engine.voicemap import OPENAI_VOICES
 from cosyserve.errors import ClientError, PayloadTooLargeError, cut, shown
 from cosyserve.limits import Limits
 from cosyserve.request import SPEED_MAX, SPEED_MIN
 
 __all__ = [
     "MAX_NAME_CHARS",
-    "OPENAI_VOICES",
     "SESSION_FORMATS",
     "SessionConfig",
     "SpeechRequest",
@@ -31,10 +31,6 @@ __all__ = [
 
 # the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.limits)
 MAX_NAME_CHARS = 256
-# OpenAI's voice names: each means the server's default voice
-OPENAI_VOICES = (
-    "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse", "marin", "cedar",
-)  # fmt: skip
 
 _SPEECH_FIELDS = {
     "model",
@@ -48,6 +44,7 @@ _SPEECH_FIELDS = {
     "stream_format",
     "ref_audio",
     "ref_text",
+    "sample_rate",
 }
 # what a WebSocket session's session.config may carry (its "type" aside)
 _SESSION_FIELDS = {
@@ -74,12 +71,13 @@ class SpeechRequest:
     voice: str | None
     response_format: str
     speed: float
-    stream: bool
+    stream: bool | None  # None: not given (streamed, as OpenAI's)
     seed: int | None
     instructions: str
     stream_format: str = "audio"
     ref_audio: bytes | None = None
     ref_text: str | None = None
+    sample_rate: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +93,7 @@ class SessionConfig:
     instructions: str
     ref_audio: bytes | None
     ref_text: str | None
+    stream_audio: bool = True
 
 
 def _bad(msg: str, param: str) -> ClientError:
@@ -221,8 +220,12 @@ class _Fields:
         return float(speed)
 
     def boolean(self, name: str, default: bool) -> bool:
-        v = self.data.get(name, default)
-        if not isinstance(v, bool):
+        v = self.optional_boolean(name)
+        return default if v is None else v
+
+    def optional_boolean(self, name: str) -> bool | None:
+        v = self.data.get(name)
+        if v is not None and not isinstance(v, bool):
             raise _bad(f"{name} must be true or false", name)
         return v
 
@@ -263,12 +266,13 @@ def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> Speec
         voice=voice,
         response_format=fmt,
         speed=f.speed(),
-        stream=f.boolean("stream", False),
+        stream=f.optional_boolean("stream"),
         seed=f.integer("seed"),
         instructions=f.string("instructions", "") or "",
         stream_format=sf,
         ref_audio=f.ref_audio(max_upload_bytes),
         ref_text=f.string("ref_text"),
+        sample_rate=f.integer("sample_rate"),
     )
 
 
@@ -280,8 +284,6 @@ def parse_session_config(data: dict[str, Any], max_upload_bytes: int) -> Session
         ClientError: an unknown field, or a field of the wrong type or value (``param`` names it).
     """
     f = _Fields(data, _SESSION_FIELDS)
-    if not f.boolean("stream_audio", True):
-        raise _bad("stream_audio must be true: audio is always sent as it is made", "stream_audio")
     return SessionConfig(
         model=f.string("model"),
         voice=f.voice(),
@@ -292,6 +294,7 @@ def parse_session_config(data: dict[str, Any], max_upload_bytes: int) -> Session
         instructions=f.string("instructions", "") or "",
         ref_audio=f.ref_audio(max_upload_bytes),
         ref_text=f.string("ref_text"),
+        stream_audio=f.boolean("stream_audio", True),
     )
 
 
@@ -356,7 +359,10 @@ def _websocket_doc(limits: Limits) -> dict[str, Any]:
             f"{limits.text_chars} characters; ref_audio of at most {limits.upload_bytes} bytes and "
             f"{limits.prompt_seconds:g} s. Text an utterance holds received and not yet read by the model stays "
             f"within {limits.buffered_text_chars} characters (or one piece): past it the server reads no more "
-            "frames until the model catches up (TCP holds the client back).",
+            "frames until the model catches up (TCP holds the client back). session.config may be sent again "
+            "between utterances (not while one has text open) to change what the next ones are spoken with. "
+            "sample_rate resamples (the model's rate by default; audio.start states it). stream_audio false: each "
+            "utterance's audio in one binary frame at its end.",
             "client": [
                 event(
                     "session.config",
@@ -366,10 +372,10 @@ def _websocket_doc(limits: Limits) -> dict[str, Any]:
                     ref_text={"type": "string", "maxLength": limits.prompt_text_chars},
                     instructions={"type": "string", "maxLength": limits.instructions_chars},
                     response_format={"enum": list(SESSION_FORMATS)},
-                    sample_rate={"type": "integer"},
+                    sample_rate={"type": "integer", "minimum": 1, "maximum": MAX_SAMPLE_RATE},
                     seed={"type": "integer"},
                     speed={"const": 1.0},
-                    stream_audio={"const": True},
+                    stream_audio={"type": "boolean", "default": True},
                 ),
                 event("input.text", text={"type": "string", "maxLength": limits.text_chars}),
                 event("input.done"),
@@ -379,14 +385,27 @@ def _websocket_doc(limits: Limits) -> dict[str, Any]:
                 event(
                     "audio.start",
                     utterance_index={"type": "integer"},
+                    sentence_index={"const": 0},
                     request_id={"type": "string"},
                     format={"enum": list(SESSION_FORMATS)},
                     sample_rate={"type": "integer"},
                     channels={"const": 1},
                     sample_format={"const": "s16le"},
                 ),
-                event("audio.done", utterance_index={"type": "integer"}, usage={"type": "object"}),
-                event("session.done", utterance_index={"type": "integer"}, error={"type": "boolean"}),
+                event(
+                    "audio.done",
+                    utterance_index={"type": "integer"},
+                    sentence_index={"const": 0},
+                    total_bytes={"type": "integer"},
+                    error={"const": False},
+                    usage={"type": "object"},
+                ),
+                event(
+                    "session.done",
+                    utterance_index={"type": "integer"},
+                    total_sentences={"enum": [0, 1]},
+                    error={"type": "boolean"},
+                ),
                 event(
                     "error",
                     code={"type": "string"},
@@ -410,6 +429,7 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.ws`).
     """
     limits = limits if limits is not None else Limits()
+    formats = [f for f in FORMATS if format_error(f) is None]  # aac where PyAV is installed
     max_upload_bytes = limits.upload_bytes
     err = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     binary = {"type": "string", "format": "binary"}
@@ -560,6 +580,34 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/audio/models": {
+                "get": {
+                    "operationId": "listAudioModels",
+                    "responses": {
+                        "200": json_body(
+                            "the models `model` takes (Open WebUI's shape)",
+                            {
+                                "type": "object",
+                                "required": ["models"],
+                                "properties": {
+                                    "models": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "required": ["id", "name"],
+                                            "properties": {
+                                                "id": {"type": "string"},
+                                                "name": {"type": "string"},
+                                            },
+                                        },
+                                    }
+                                },
+                            },
+                        ),
+                        **errors(401),
+                    },
+                }
+            },
             "/v1/audio/voices": {
                 "get": {
                     "operationId": "listVoices",
@@ -695,14 +743,26 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                             "maxLength": limits.prompt_text_chars,
                             "pattern": r"\S",
                         },
-                        "response_format": {"enum": [*FORMATS, None], "default": "mp3"},
+                        "response_format": {"enum": [*formats, None], "default": "mp3"},
+                        "sample_rate": {
+                            "type": ["integer", "null"],
+                            "minimum": 1,
+                            "maximum": MAX_SAMPLE_RATE,
+                            "default": OPENAI_SAMPLE_RATE,
+                            "description": "samples per second of the audio (resampled from the model's); mp3, "
+                            "opus and aac take their codec's rates only",
+                        },
                         "speed": {
                             "type": ["number", "null"],
                             "minimum": SPEED_MIN,
                             "maximum": SPEED_MAX,
                             "default": 1.0,
                         },
-                        "stream": {"type": ["boolean", "null"], "default": False},
+                        "stream": {
+                            "type": ["boolean", "null"],
+                            "default": True,
+                            "description": "false: the whole audio in one body with a Content-Length",
+                        },
                         "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
                         "instructions": {"type": ["string", "null"], "maxLength": limits.instructions_chars},
                         "stream_format": {"enum": ["audio", "sse", None]},
@@ -713,18 +773,31 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                         # ref_text is the transcript of ref_audio; instruct2 (instructions with ref_audio) takes none
                         {"if": given("ref_text"), "then": given("ref_audio")},
                         {"if": given("ref_text"), "then": {"not": given("instructions", r"\S")}},
-                        # speed is applied to whole sentences: a streamed request keeps the natural speed
-                        {
-                            "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-                            "then": {"properties": {"speed": {"const": 1.0}}},
-                        },
+                        # an event stream is streamed
                         {
                             "if": {
                                 "required": ["stream_format"],
                                 "properties": {"stream_format": {"const": "sse"}},
                             },
-                            "then": {"properties": {"speed": {"const": 1.0}}},
+                            "then": {"properties": {"stream": {"enum": [True, None]}}},
                         },
+                        # a codec takes its own rates (mp3's also where response_format is not given: the default)
+                        *(
+                            {
+                                "if": {
+                                    "required": ["sample_rate"]
+                                    if fmt == "mp3"
+                                    else ["response_format", "sample_rate"],
+                                    "properties": {
+                                        "response_format": {"enum": [fmt, None] if fmt == "mp3" else [fmt]},
+                                        "sample_rate": {"type": "integer"},
+                                    },
+                                },
+                                "then": {"properties": {"sample_rate": {"enum": list(rates)}}},
+                            }
+                            for fmt, rates in RATES.items()
+                            if fmt in formats
+                        ),
                         # with a voice to clone, voice may only be an OpenAI name (it then means nothing)
                         {
                             "if": given("ref_audio"),
@@ -764,11 +837,15 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                             "type": "array",
                             "items": {
                                 "type": "object",
-                                "required": ["voice_id", "name", "kind"],
+                                "required": ["id", "name", "voice_id", "kind", "language"],
                                 "properties": {
-                                    "voice_id": {"type": "string"},
+                                    # what `voice` takes (Open WebUI reads id and name)
+                                    "id": {"type": "string"},
                                     "name": {"type": "string"},
+                                    "voice_id": {"type": "string"},
                                     "kind": {"enum": ["pre-defined", "registered"]},
+                                    # the language the voice's name states (BCP 47), else null
+                                    "language": {"type": ["string", "null"]},
                                     # a voice registered through POST /v1/audio/voices
                                     "consent": {"type": "string"},
                                     "ref_text": {"type": "string"},
@@ -776,7 +853,8 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
                                 },
                             },
                         },
-                        "aliases": {"type": "object", "additionalProperties": {"type": "string"}},
+                        # each OpenAI voice name -> the voice it stands for on this model
+                        "aliases": {"type": "object", "additionalProperties": {"type": ["string", "null"]}},
                     },
                 },
             }

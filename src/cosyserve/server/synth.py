@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from cosyserve.audiofile import Encoder, encode_all
+from cosyserve.audiofile import Encoder
 from cosyserve.errors import (
     CosyserveError,
     DeadlineExceededError,
@@ -83,11 +83,13 @@ def order(
     fmt: str,
     formats: Iterable[str],
     sample_rate: int | None = None,
+    streamed: bool = True,
     **fields: Any,
 ) -> Order:
     """What a caller of ``tenant`` asks for (``fields`` of :class:`~cosyserve.request.SynthesisRequest`), within the
     server's limits, on ``model`` (a name the tenant may use; None: the default model), with its audio in ``fmt``
-    (one of ``formats``) at ``sample_rate`` (None: the model's); the server's deadline from now. A transport that is
+    (one of ``formats``) at ``sample_rate`` (None: the model's), ``streamed`` as it is made or sent whole; the
+    server's deadline from now. A transport that is
     not HTTP (a later Wyoming server) names its caller's tenant and request id itself; HTTP's and the WebSocket's
     come from :func:`caller`.
 
@@ -109,7 +111,7 @@ def order(
         deadline=time.monotonic() + state.config.request_timeout_s,
         **fields,
     )
-    return Order(name, req, limits.output(fmt, formats, sample_rate, names=params), tenant)
+    return Order(name, req, limits.output(fmt, formats, sample_rate, streamed=streamed, names=params), tenant)
 
 
 class Record:
@@ -127,7 +129,9 @@ class Record:
         self.bytes = 0
         self.status = 200
         self.outcome = "ok"
-        self.sample_rate = 0
+        self.sample_rate = 0  # the model's
+        self.out_rate = 0  # the audio's as delivered (the encoder's)
+        self.out_samples = 0  # samples delivered, at out_rate
         self._done = False
 
     def failed(self, e: BaseException) -> None:
@@ -191,12 +195,13 @@ def text_chars(text: Any) -> int | None:
 
 
 def usage(rec: Record) -> dict[str, Any]:
-    """What a request spoke, as the SSE and WebSocket ``usage`` objects state it."""
-    rate = rec.sample_rate
+    """What a request spoke, as the SSE and WebSocket ``usage`` objects state it: its audio as delivered (at the
+    rate the caller got)."""
+    rate = rec.out_rate
     return {
         "input_characters": text_chars(rec.req.text),
-        "audio_samples": rec.samples,
-        "audio_seconds": round(rec.samples / rate, 3) if rate else 0.0,
+        "audio_samples": rec.out_samples,
+        "audio_seconds": round(rec.out_samples / rate, 3) if rate else 0.0,
         "sample_rate": rate,
     }
 
@@ -233,7 +238,7 @@ class Synthesis:
 
     async def start(self, whole: bool = False) -> None:
         """Admit the request and wait for its first chunk (with ``whole``, for all of them); its encoder is made
-        then, so a rate the model cannot give is refused here, before any audio.
+        then (a whole one with ``whole``).
 
         Raises:
             NotReadyError: the server is draining. Otherwise what the pool, the engine or the encoder refuse with
@@ -252,7 +257,9 @@ class Synthesis:
             )
             rec.req = self.stream.request  # as the model resolved it
             rec.sample_rate = int(self.stream.sample_rate or 0)
-            self.encoder = Encoder(self.order.output.format, rec.sample_rate, self.order.output.sample_rate)
+            out = self.order.output
+            self.encoder = Encoder(out.format, rec.sample_rate, out.sample_rate, whole=whole)
+            rec.out_rate = self.encoder.out_rate
             async for chunk in self.stream:
                 self._chunks.append(self._took(chunk))
                 if not whole:
@@ -273,14 +280,24 @@ class Synthesis:
         return chunk
 
     async def whole(self) -> bytes:
-        """The audio of a request started with ``whole``, as one file (exact sizes in a WAV header), encoded off
-        the event loop."""
+        """The audio of a request started with ``whole``, as one file (exact sizes in its header), encoded off the
+        event loop."""
+        enc = self.encoder
+        assert enc is not None and not enc.streamed, "start(whole=True) first"
         chunks, self._chunks = self._chunks, []
-        return await asyncio.to_thread(encode_all, chunks, self.order.output.format, self.rec.sample_rate)
+
+        def encode() -> bytes:
+            for chunk in chunks:
+                enc.encode(chunk)
+            return enc.finish()
+
+        data = await asyncio.to_thread(encode)
+        self.rec.out_samples = enc.samples
+        return data
 
     async def audio(self) -> AsyncIterator[bytes]:
-        """The encoded bytes as they come: the header (on its own), each chunk's bytes, the encoder's last bytes
-        (a format that is not streamed: the whole file, encoded off the event loop).
+        """The encoded bytes as they come: the header (on its own), each chunk's bytes, the encoder's last bytes.
+        A codec's work (mp3, opus, aac; a whole format's file) runs off the event loop, 16-bit PCM on it.
 
         Raises:
             CosyserveError: the request ended short (deadline, engine error, model released); recorded with
@@ -288,20 +305,26 @@ class Synthesis:
         """
         enc = self.encoder
         assert enc is not None and self.stream is not None, "start() first"
+
+        async def run(work: Any, *args: Any) -> bytes:
+            data: bytes = work(*args) if enc.inline else await asyncio.to_thread(work, *args)
+            self.rec.out_samples = enc.samples
+            return data
+
         try:
             head = enc.header()
             if head:
                 yield head
             for chunk in self._chunks:  # what start() took
-                data = enc.encode(chunk)
+                data = await run(enc.encode, chunk)
                 if data:
                     yield data
             self._chunks = []
             async for chunk in self.stream:
-                data = enc.encode(self._took(chunk))
+                data = await run(enc.encode, self._took(chunk))
                 if data:
                     yield data
-            tail = enc.finish() if enc.streamed else await asyncio.to_thread(enc.finish)
+            tail = await run(enc.finish)
             if tail:
                 yield tail
         except BaseException as e:

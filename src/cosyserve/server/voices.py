@@ -1,8 +1,11 @@
 """Voices over the model's persistent registry, per tenant (the API key's): list, register from an upload, delete.
 
 - ``GET /v1/audio/voices?model=``: the model's pre-defined speakers, then the voices registered for the caller's
-  tenant (with their ``consent``, ``ref_text`` and ``created_at`` when they were registered here); OpenAI's voice
-  names as ``aliases`` of the default voice.
+  tenant (the pool's list, :meth:`cosyserve.engine.pool.ModelPool.voices`), each with ``id`` and ``name`` (what
+  ``voice`` takes; Open WebUI's shape), ``voice_id`` (the same, as before), ``kind``, ``language`` (what the name
+  states, else null), and ``consent``, ``ref_text``, ``created_at`` when it was registered here; ``aliases``: each
+  OpenAI voice name -> the voice it stands for on this model (:mod:`cosyserve.engine.voicemap`). A model not
+  loaded yet lists nothing (``state`` says so).
 - ``POST /v1/audio/voices`` (multipart, as OpenAI's and vLLM-Omni's): ``audio_sample`` (the recording, within the
   upload limit), ``name``, ``consent`` (the speaker's consent, as the client records it: an id or a statement),
   ``ref_text`` (the recording's transcript: CosyVoice clones in zero-shot mode from the two), and optionally
@@ -30,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from cosyserve.engine.voicemap import is_openai_voice, language_of
 from cosyserve.errors import (
     ClientError,
     InternalError,
@@ -39,7 +43,6 @@ from cosyserve.errors import (
     shown,
 )
 from cosyserve.server.errors import VoiceNotFoundError
-from cosyserve.server.openai_api import OPENAI_VOICES
 from cosyserve.server.reference_api import form_file, form_text, read_form
 from cosyserve.server.schemas import MAX_NAME_CHARS
 
@@ -134,15 +137,22 @@ def routes(state: Any) -> list[Route]:
     async def list_voices(request: Request) -> Response:
         tenant = state.tenant_of(request)
         model = state.resolve_model(request.query_params.get("model"), tenant)
-        eng = state.pool.engine(model)
-        runtime = eng.runtime if eng is not None else None
+        listed = state.pool.voices(model, tenant)
         voices: list[dict[str, Any]] = []
-        if runtime is not None:  # none while the model is not loaded
+        if listed is not None:  # none while the model is not loaded
             kept = {}
+            eng = state.pool.engine(model)
+            runtime = eng.runtime if eng is not None else None
             if getattr(runtime, "registry_root", None) is not None:
                 kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
-            for v in runtime.voices(tenant or "default"):
-                item: dict[str, Any] = {"voice_id": v.name, "name": v.name, "kind": v.kind}
+            for v in listed.voices:
+                item: dict[str, Any] = {
+                    "id": v.name,
+                    "name": v.name,
+                    "voice_id": v.name,
+                    "kind": v.kind,
+                    "language": language_of(v.name),
+                }
                 entry = kept.get(v.name) if v.kind == "registered" else None
                 if entry is not None:
                     item |= {k: entry[k] for k in ("consent", "ref_text", "created_at")}
@@ -152,7 +162,7 @@ def routes(state: Any) -> list[Route]:
                 "model": model,
                 "state": state.describe_models()[model]["state"],
                 "voices": voices,
-                "aliases": {v: "default voice" for v in OPENAI_VOICES},
+                "aliases": listed.openai if listed is not None else {},
             }
         )
 
@@ -190,9 +200,10 @@ def routes(state: Any) -> list[Route]:
             validate_name(name)
         except RegistryError as e:
             raise RegistryError(str(e), param="name") from None
-        if name.lower() in OPENAI_VOICES:
+        if is_openai_voice(name):
             raise ClientError(
-                f"{shown(name)} is an OpenAI voice name, which always means the default voice: choose another name",
+                f"{shown(name)} is an OpenAI voice name, which stands for one of the model's voices: choose another "
+                "name",
                 param="name",
             )
         if len(consent) > MAX_NAME_CHARS:

@@ -2,11 +2,14 @@
 
 The protocol is vLLM-Omni's. The client sends JSON text frames, each an object with a ``type``:
 
-- ``session.config``: once, first: ``model``, ``voice`` (a speaker, a registered voice or an OpenAI voice name),
-  or ``ref_audio`` (base64 or a ``data:`` URL) with ``ref_text`` to clone one, ``instructions``,
-  ``response_format`` (``pcm``, default, or ``wav``), ``sample_rate`` (the model's; no resampling), ``seed``,
-  ``speed`` (1.0 only: the audio is streamed), ``stream_audio`` (true only); checked as the HTTP routes' fields
-  are, by the one constructor (:mod:`cosyserve.limits`), and its voice resolved once for the session;
+- ``session.config``: first, and again between utterances to change what the next ones are spoken with (refused
+  while an utterance has text open, so that no text is spoken with a config it was not sent under): ``model``,
+  ``voice`` (a speaker, a registered voice or an OpenAI voice name), or ``ref_audio`` (base64 or a ``data:`` URL)
+  with ``ref_text`` to clone one, ``instructions``, ``response_format`` (``pcm``, default, or ``wav``),
+  ``sample_rate`` (default the model's; another is resampled to, by the one encoder), ``seed``, ``speed`` (1.0
+  only: the audio is streamed), ``stream_audio`` (default true: binary frames as the audio is made; false: an
+  utterance's audio in one binary frame at its end); checked as the HTTP routes' fields are, by the one
+  constructor (:mod:`cosyserve.limits`), and its voice resolved once per config;
 - ``input.text`` ``{"text": ...}``: a piece of the current utterance (the first opens it), at most
   ``max_text_chars`` characters;
 - ``input.done``: the utterance is complete; the session stays open for the next one, with the same config;
@@ -14,14 +17,18 @@ The protocol is vLLM-Omni's. The client sends JSON text frames, each an object w
 
 For each utterance the server sends ``audio.start`` (JSON: ``format``, ``sample_rate``, ``channels``,
 ``sample_format``, ``request_id``, ...), binary frames of 16-bit little-endian mono PCM (after a 44-byte WAV
-header frame for ``wav``), ``audio.done`` (``usage``: characters, samples, seconds) and ``session.done``; every
-message about an utterance carries its ``utterance_index`` (counted from 0, one per ``input.done``). An utterance
-that fails gets an ``error`` instead of ``audio.done``, and ``session.done`` with ``"error": true`` once its
-``input.done`` arrives (the text sent for it until then is dropped). ``error`` events carry the HTTP routes'
+header frame for ``wav``), ``audio.done`` (``total_bytes``, ``error: false``, ``usage``: characters, samples,
+seconds) and ``session.done`` (the utterance is over: ``total_sentences`` 1, or 0 for one with no text); every
+message about an utterance carries its ``utterance_index`` (counted from 0, one per ``input.done``: vLLM-Omni's
+flush count) and ``sentence_index`` 0 (an utterance is one request here, spoken as its text arrives, so it is one
+"sentence" in vLLM-Omni's terms). An utterance that fails gets an ``error`` instead of ``audio.done``, and
+``session.done`` with ``"error": true`` and ``total_sentences`` 0 once its ``input.done`` arrives (the text sent
+for it until then is dropped). ``error`` events carry the HTTP routes'
 ``code``, ``message``, ``param`` and ``status`` (the status table's), and ``fatal`` (the server then closes).
-Bad messages (not JSON, no or an unknown ``type``, unknown fields, text after ``session.close``, a second
-``session.config``, binary frames) get an ``error`` and change nothing; frames over the size limit close the
-connection (1009).
+Bad messages (not JSON, no or an unknown ``type``, unknown fields, text after ``session.close``, a
+``session.config`` while an utterance is open, binary frames) get an ``error`` and change nothing; a frame over
+the size limit closes the connection with 1009 (the server reads and drops the rest of the frame first, so the
+close frame reaches a client that is still sending: :mod:`cosyserve.server.run`).
 
 Each utterance is one engine request (one slot, in the pool's admission and the tenant's quota like any request),
 built from the session's config with its own text feed and run as every transport's request is
@@ -32,8 +39,9 @@ one piece): TCP pushes back on a client that writes faster than the model reads.
 
 Ends: a client that disconnects frees its work at once (the engine request is cancelled and its feed ended); a
 client that sends nothing for ``ws_idle_timeout_s`` while it holds an utterance open, or between utterances, gets
-an ``error`` (``idle_timeout``) and a close (1008); one that stops reading the audio is cut off (1008) once a send
-has waited ``ws_idle_timeout_s`` (the kernel's socket buffers being full); a server drain (SIGTERM) lets the
+an ``error`` (``idle_timeout``) and a close (1008); one that stops reading the audio is cut off once a send
+has waited ``ws_idle_timeout_s`` (the kernel's socket buffers being full): its TCP connection is aborted, as no
+close frame can reach it; a server drain (SIGTERM) lets the
 utterance in flight finish, then closes (1001), and a handshake while it drains gets 503; a bug closes with 1011.
 API keys are checked at the handshake (:mod:`cosyserve.server.auth`); so is a browser page's ``Origin``: the
 server's own page and the CORS origins only (403), as browsers apply no CORS to WebSockets.
@@ -54,7 +62,6 @@ from urllib.parse import urlsplit
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from cosyserve.audiofile import check_rate
 from cosyserve.errors import ClientError, CosyserveError, NotReadyError, shown
 from cosyserve.request import ResolvedRequest
 from cosyserve.server.errors import error_object, error_response, retry_after, status_of
@@ -115,6 +122,8 @@ class Session:
         self.idle_s = float(state.config.ws_idle_timeout_s)
         self.config: SessionConfig | None = None
         self.order: Order | None = None  # what each utterance asks for (its text aside), from session.config
+        # session.config messages taken: an utterance's order is that of the config it was opened under
+        self.configs = 0
         self.current: _Utterance | None = None  # the open utterance (text still coming)
         self.last: _Utterance | None = None  # the latest utterance (open or flushed)
         self.next_index = 0
@@ -315,12 +324,12 @@ class Session:
             )
 
     async def _configure(self, data: dict[str, Any]) -> None:
-        if self.config is not None:
+        if self.current is not None:
             raise ClientError(
-                "the session is configured already: a session keeps its first session.config (open another "
-                "session to change it)",
+                f"utterance {self.current.index} has text open: send input.done first, then session.config to "
+                "change what the next utterances are spoken with",
                 param="type",
-                code="session_already_configured",
+                code="utterance_open",
             )
         cfg = parse_session_config(data, self.state.config.max_upload_bytes)
         asked = order(
@@ -331,6 +340,7 @@ class Session:
             fmt=cfg.response_format,
             formats=SESSION_FORMATS,
             sample_rate=cfg.sample_rate,
+            streamed=cfg.stream_audio,
             text=(),  # each utterance's own feed
             stream=True,
             seed=cfg.seed,
@@ -341,8 +351,8 @@ class Session:
         if eng is not None and eng.runtime is not None:
             # loaded: the voice resolved now, once for every utterance (else by the first one's admission)
             asked = dataclasses.replace(asked, request=eng.resolve(asked.request))
-            check_rate(int(eng.sample_rate or 0), asked.output.sample_rate)
         self.config, self.order = cfg, asked
+        self.configs += 1
 
     async def _text(self, data: dict[str, Any]) -> None:
         self._no_fields("input.text", data, ("text",))
@@ -384,7 +394,7 @@ class Session:
         )
         previous = self.last.task if self.last is not None else None
         utt.task = asyncio.ensure_future(
-            self._speak(utt, dataclasses.replace(self.order, request=request), previous)
+            self._speak(utt, dataclasses.replace(self.order, request=request), previous, self.configs)
         )
         self.current = self.last = utt
         self._utterances.append(utt)
@@ -402,7 +412,9 @@ class Session:
             if not closing:  # an empty utterance: nothing to speak, nothing asked of the engine
                 index = self.next_index
                 self.next_index += 1
-                await self.send_event({"type": "session.done", "utterance_index": index, "error": False})
+                await self.send_event(
+                    {"type": "session.done", "utterance_index": index, "total_sentences": 0, "error": False}
+                )
             return
         self.current = None
         utt.feed.finish()
@@ -410,11 +422,13 @@ class Session:
 
     # -- an utterance's request ---------------------------------------------------------------------------------
 
-    async def _speak(self, utt: _Utterance, asked: Order, previous: asyncio.Task[None] | None) -> None:
+    async def _speak(
+        self, utt: _Utterance, asked: Order, previous: asyncio.Task[None] | None, config: int
+    ) -> None:
         try:
             if previous is not None:  # one utterance at a time, in order
                 await asyncio.wait({previous})
-            await self._speak_now(utt, asked)
+            await self._speak_now(utt, asked, config)
         except _Gone:
             pass
         except Exception:
@@ -425,7 +439,7 @@ class Session:
             with contextlib.suppress(ValueError):
                 self._utterances.remove(utt)
 
-    async def _speak_now(self, utt: _Utterance, asked: Order) -> None:
+    async def _speak_now(self, utt: _Utterance, asked: Order, config: int) -> None:
         run = Synthesis(self.state, ROUTE, asked)
         try:
             await run.start()
@@ -433,15 +447,25 @@ class Session:
             await self._fail(utt, e)
             return
         rec = run.rec
-        if self.order is not None and not isinstance(self.order.request, ResolvedRequest):
-            # resolved by this first utterance's admission: the next ones take the voice as it is
+        if (
+            config == self.configs
+            and self.order is not None
+            and not isinstance(self.order.request, ResolvedRequest)
+        ):
+            # resolved by the first utterance of its config's admission: the next ones take the voice as it is
             self.order = dataclasses.replace(self.order, request=dataclasses.replace(run.request, text=()))
+        whole: list[bytes] = []  # stream_audio false: the utterance's audio, sent in one frame at its end
+
+        async def send(data: bytes) -> None:
+            if asked.output.streamed:
+                await self._send(self.ws.send_bytes(data))
+            else:
+                whole.append(data)
+
         try:  # audio.start, the header frame (wav), then the audio
-            error = await run.deliver(
-                lambda data: self._send(self.ws.send_bytes(data)),
-                start=lambda: self._start_audio(utt, run),
-                gone=(_Gone,),
-            )
+            error = await run.deliver(send, start=lambda: self._start_audio(utt, run), gone=(_Gone,))
+            if error is None and whole:
+                await self._send(self.ws.send_bytes(b"".join(whole)))
         finally:
             utt.feed.abort()
         if error is not None:
@@ -451,24 +475,38 @@ class Session:
             {
                 "type": "audio.done",
                 "utterance_index": utt.index,
+                "sentence_index": 0,
                 "request_id": asked.request.request_id,
                 "total_bytes": rec.bytes,
+                "error": False,
                 "usage": usage(rec),
             }
         )
-        await self.send_event({"type": "session.done", "utterance_index": utt.index, "error": False})
+        await self._done(utt.index, spoken=True)
+
+    async def _done(self, index: int, spoken: bool) -> None:
+        # vLLM-Omni's end of a flushed utterance: total_sentences counts what was spoken (an utterance is one)
+        await self.send_event(
+            {
+                "type": "session.done",
+                "utterance_index": index,
+                "total_sentences": int(spoken),
+                "error": not spoken,
+            }
+        )
 
     async def _start_audio(self, utt: _Utterance, run: Synthesis) -> None:
         await self.send_event(
             {
                 "type": "audio.start",
                 "utterance_index": utt.index,
+                "sentence_index": 0,
                 "request_id": run.request.request_id,
                 "model": run.order.model,
                 "voice": run.request.speaker,
                 "mode": run.request.mode,
                 "format": run.order.output.format,
-                "sample_rate": run.sample_rate,
+                "sample_rate": run.rec.out_rate,
                 "channels": 1,
                 "sample_format": "s16le",
             }
@@ -480,7 +518,7 @@ class Session:
         utt.feed.abort()
         await self.send_error(e, utt)
         await utt.flushed.wait()
-        await self.send_event({"type": "session.done", "utterance_index": utt.index, "error": True})
+        await self._done(utt.index, spoken=False)
 
 
 def routes(state: Any) -> list[WebSocketRoute]:
