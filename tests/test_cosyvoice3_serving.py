@@ -366,18 +366,24 @@ def test_reference_routes_serve_a_cosyvoice3_model(client: Any) -> None:
     speaker-instruct mode) is refused with a one-line message naming instruct2. If this failed, clients of the
     reference's FastAPI server could not switch to a CosyVoice3 model."""
     files = {"prompt_wav": ("p.wav", wav_bytes(), "audio/wav")}
-    answers = {
-        "sft": client.post("/inference_sft", data={"tts_text": "Hello.", "spk_id": SPK}),
-        "zero_shot": client.post(
-            "/inference_zero_shot", data={"tts_text": "Hello.", "prompt_text": "Hi there."}, files=files
-        ),
-        "cross_lingual": client.post("/inference_cross_lingual", data={"tts_text": "Hello."}, files=files),
-        "instruct2": client.post(
-            "/inference_instruct2", data={"tts_text": "Hello.", "instruct_text": "Speak slowly."}, files=files
-        ),
+    requests = {
+        "sft": ("/inference_sft", {"tts_text": "Hello.", "spk_id": SPK}, None),
+        "zero_shot": ("/inference_zero_shot", {"tts_text": "Hello.", "prompt_text": "Hi there."}, files),
+        "cross_lingual": ("/inference_cross_lingual", {"tts_text": "Hello."}, files),
+        "instruct2": ("/inference_instruct2", {"tts_text": "Hello.", "instruct_text": "Speak slowly."}, files),
     }
-    for route, r in answers.items():
-        assert r.status_code == 200 and len(r.content) > 0 and len(r.content) % 2 == 0, (route, r.text)
+    for route, (path, data, upload) in requests.items():
+        # the reference's routes take no seed, and CosyVoice3's minimum-length rule masks id 6561 (sos), not the
+        # real end of speech (models/cosyvoice3_lm.py): a random-weight LM ends at its first step in about 3% of
+        # draws, an empty 200 as the reference gives. Five draws all empty (~1e-8) is a wiring fault.
+        bodies = []
+        for _ in range(5):
+            r = client.post(path, data=data, files=upload)
+            assert r.status_code == 200 and len(r.content) % 2 == 0, (route, r.text)
+            bodies.append(r.content)
+            if r.content:
+                break
+        assert any(bodies), (route, "five empty answers")
     r = client.post(
         "/inference_instruct", data={"tts_text": "Hi.", "spk_id": SPK, "instruct_text": "Calmly."}
     )
