@@ -40,7 +40,7 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np
 import cosyserve
-from cosyserve.clock import process_start_time
+from cosyserve.core.clock import process_start_time
 
 which, bundle, threads, quantize, n_text, n_tokens = sys.argv[1:3] + [int(sys.argv[3]), sys.argv[4]] + [
     int(a) for a in sys.argv[5:7]

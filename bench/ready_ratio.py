@@ -20,9 +20,9 @@ from pathlib import Path
 
 LOAD = """
 import time
-from cosyserve.gchold import hold_gc
+from cosyserve.system.gchold import hold_gc
 hold_gc()
-from cosyserve.pagecache import prefetch_bundles
+from cosyserve.system.pagecache import prefetch_bundles
 prefetch_bundles([{bundle!r}])
 import cosyserve
 m = cosyserve.load({bundle!r})

@@ -78,7 +78,7 @@ def test_a_format_not_streamed_gives_its_whole_file_at_the_end(fmt: str) -> None
 
 
 def test_a_rate_other_than_the_models_is_refused_naming_sample_rate() -> None:
-    from cosyserve.errors import ClientError
+    from cosyserve.core.errors import ClientError
 
     with pytest.raises(ClientError, match="does not resample") as e:
         Encoder("pcm", RATE, out_rate=RATE + 1)

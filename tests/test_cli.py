@@ -576,7 +576,7 @@ def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path
     """If this fails, `--log-level` works only before the command (`cosyserve --log-level debug synth ...`), though
     every command takes it, or given after the command it undoes the one given before."""
     from cosyserve.cli import _flags, build_parser
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     parser = build_parser()
     for argv, level in (

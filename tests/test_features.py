@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from cosyserve.conformance.kinds_features import KINDS
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 from cosyserve.frontend.audio import load_wav, resample
 from cosyserve.frontend.features import (
     kaldi_fbank,

@@ -265,7 +265,7 @@ def test_a_request_waits_for_its_voice_being_registered() -> None:
     state when it is ready instead of computing its own; it can be stopped while it waits."""
     import threading
 
-    from cosyserve.stop import Stopped
+    from cosyserve.core.stop import Stopped
 
     release, computed = threading.Event(), []
 

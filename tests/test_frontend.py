@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from cosyserve.conformance import run_case
 from cosyserve.conformance.context import CaseContext
-from cosyserve.errors import AudioError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.core.errors import AudioError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.families.cosyvoice.conformance import KINDS
 from cosyserve.frontend.onnx_testmodels import SPEECH_TOKEN_VOCAB, write_test_onnx_models
 from cosyserve.frontend.text import normalize_and_split, split_paragraph, text_normalize

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cosyserve.registry import SpeakerRegistry
-from cosyserve.staging import LOCK_NAME, LockedDir, clean_stale_dirs
+from cosyserve.system.staging import LOCK_NAME, LockedDir, clean_stale_dirs
 from proc_util import SRC, run_python
 from server_util import start_server, wait_until
 
@@ -43,7 +43,7 @@ def _killed_holder(parent: Path) -> Path:
     """The directory a :class:`LockedDir` holder leaves when it is killed with SIGKILL."""
     code = (
         "import os, signal, sys\n"
-        "from cosyserve.staging import LockedDir\n"
+        "from cosyserve.system.staging import LockedDir\n"
         "d = LockedDir(sys.argv[1], sys.argv[2])\n"
         "(d.path / 'counter_1.db').write_bytes(b'x' * 100)\n"
         "print(d.path, flush=True)\n"
@@ -61,7 +61,7 @@ def test_only_dead_holders_directories_of_our_naming_are_removed(tmp_path: Path)
         [
             sys.executable,
             "-c",
-            "import os, sys\nfrom cosyserve.staging import LockedDir\n"
+            "import os, sys\nfrom cosyserve.system.staging import LockedDir\n"
             "d = LockedDir(sys.argv[1], sys.argv[2])\nprint(d.path, flush=True)\n"
             "if os.fork() == 0:\n    sys.stdin.read()\n    os._exit(0)\n"
             "os._exit(0)\n",

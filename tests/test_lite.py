@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.errors import BundleError, ConvertError
+from cosyserve.core.errors import BundleError, ConvertError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,9 +100,9 @@ def test_lite_and_torch_sample_the_same_tokens_for_a_seed(both: tuple[dict, dict
     """One sampler for both runtimes: its draws are a function of the seed, the token index and the vocabulary
     id, so the lite runtime's tokens are the torch runtime's for a seed (their log-probabilities differ by float
     rounding only, ~1e-6 here). If this failed, the runtimes' samplers, masks or stop rules would differ."""
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import one_shot
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     torch_m, lite = both
     emb = np.random.default_rng(1).standard_normal(192).astype(np.float32)
@@ -255,7 +255,7 @@ LITE_SCRIPT = textwrap.dedent(
     sys.modules["torch"] = None  # any `import torch` in the process now raises
     import numpy as np
     import cosyserve
-    from cosyserve.errors import AudioError, RegistryError
+    from cosyserve.core.errors import AudioError, RegistryError
 
     model = cosyserve.load(sys.argv[1], runtime="lite", threads=1)
     assert model.sample_rate == 22050

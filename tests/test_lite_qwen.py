@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.errors import BundleError, ConvertError
-from cosyserve.stop import Stopped
+from cosyserve.core.errors import BundleError, ConvertError
+from cosyserve.core.stop import Stopped
 
 ENDOFPROMPT = 151646
 
@@ -69,9 +69,9 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
     seed gives the same speech tokens, one-shot and with the text streamed in one id at a time (fills forced and
     sampled, the prompt speech interleaved 5:15). A difference means the lite LM's prompt, embeddings, positions,
     caches or stop rules are not the torch LM's."""
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import Streamed, one_shot
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     torch_lm, lite_lm = _lms(qwen_bundles[family])
     assert lite_lm.rules == torch_lm.rules and lite_lm.sampling == torch_lm.sampling
@@ -97,7 +97,7 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
 def test_cosyvoice3_prompt_rule_holds_on_lite(qwen_bundles: dict) -> None:
     """CosyVoice3's <|endofprompt|> rule is the lite LM's too (from the manifest's stop rules): a prompt without
     it is refused with the torch LM's error, and a streamed-text prompt splits after it."""
-    from cosyserve.sampling import PromptRuleError
+    from cosyserve.core.sampling import PromptRuleError
 
     _, lite_lm = _lms(qwen_bundles["cosyvoice3"])
     with pytest.raises(PromptRuleError, match="endofprompt"):

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.errors import ModelConfigError
+from cosyserve.core.errors import ModelConfigError
 from cosyserve.families.cosyvoice.testmodel import render_yaml
 from cosyserve.modelconfig import Tagged, load_model_config, read_yaml
 

@@ -268,7 +268,7 @@ def test_a_damaged_onnx_file_is_refused_by_name(fixture_set_dir: Path, tmp_path:
     """A truncated or foreign file: the scan raises ValueError, conversion's copy names the file, and an
     OnnxModel raises BundleError as for any file ONNX Runtime cannot load. If this fails, a damaged campplus.onnx
     crashes with an unrelated error or is copied into a bundle."""
-    from cosyserve.errors import BundleError
+    from cosyserve.core.errors import BundleError
     from cosyserve.frontend.prompt import OnnxModel
 
     damaged = tmp_path / "campplus.onnx"

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 from cosyserve.frontend.prompt import load_prompt
 
 LENGTHS = (0.1, 0.5, 1.0, 2.0, 3.0, 3.19, 4.37, 5.0, 10.0, 29.9)

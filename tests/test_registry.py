@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyserve.core.settings import Settings, SettingsError
 from cosyserve.registry import (
     ZERO_SHOT_KEYS,
     RegistryError,
@@ -26,7 +27,6 @@ from cosyserve.registry import (
     default_registry_dir,
     entry_kind,
 )
-from cosyserve.settings import Settings, SettingsError
 
 
 def default_dir(model: str, key: str | None = None) -> Path:

@@ -14,9 +14,9 @@ import sys  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    from cosyserve.clock import PhaseClock
-    from cosyserve.gchold import hold_gc, release_gc
-    from cosyserve.pagecache import prefetch_bundles
+    from cosyserve.core.clock import PhaseClock
+    from cosyserve.system.gchold import hold_gc, release_gc
+    from cosyserve.system.pagecache import prefetch_bundles
 
     hold_gc()  # as `cosyserve serve` does from process start to READY
     opts = json.loads(argv[0])

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import ClientError
+from cosyserve.core.errors import ClientError
 
 __all__ = [
     "FORMATS",
@@ -302,7 +302,7 @@ def write_audio_atomic(
         The duration written, in seconds.
     """
     path = Path(path)
-    from cosyserve.staging import file_mode
+    from cosyserve.system.staging import file_mode
 
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)

@@ -1,8 +1,8 @@
 """The ``cosyserve`` command line. Parsing only: each command calls a typed function of the Python API.
 
 Heavy modules (torch and everything under it) are imported inside the commands, so ``cosyserve --help`` is fast.
-The flags that are settings (``--model``, ``--port``, ``--threads``, ...) are declared in :mod:`cosyserve.settings`
-with their environment variables; :func:`main` reads the :class:`~cosyserve.settings.Settings` once from the
+The flags that are settings (``--model``, ``--port``, ``--threads``, ...) are declared in :mod:`cosyserve.core.settings`
+with their environment variables; :func:`main` reads the :class:`~cosyserve.core.settings.Settings` once from the
 parsed flags and the environment and passes it to the command.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyserve.core.settings import Settings, declared
 from cosyserve.families import FAMILIES
-from cosyserve.settings import Settings, declared
 
 __all__ = ["main"]
 
@@ -93,7 +93,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.audiofile import write_audio_atomic
-    from cosyserve.gchold import release_gc
+    from cosyserve.system.gchold import release_gc
 
     out = Path(args.out)
     fmt = OUT_FORMATS.get(out.suffix.lower())
@@ -111,8 +111,8 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
     for flag, value in (("--prompt-wav", args.prompt_wav), ("--source-wav", args.source_wav)):
         if value is not None and not Path(value).is_file():
             raise CLIError(f"{flag} {value}: no such file")
-    from cosyserve.errors import ClientError, ModeUnavailableError
-    from cosyserve.limits import Limits
+    from cosyserve.core.errors import ClientError, ModeUnavailableError
+    from cosyserve.core.limits import Limits
 
     limits = Limits.from_settings(settings)
     try:  # within the limits every request is (the one constructor), before the model loads
@@ -237,7 +237,7 @@ _SYNTH_FIELDS = {
 
 
 def _check_synth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from cosyserve.request import field_errors
+    from cosyserve.core.request import field_errors
 
     given = {f for f in _SYNTH_FIELDS if getattr(args, f) is not None}
     # without --mode: sft, or zero_shot for a registered voice (decided after loading); both take these flags
@@ -329,8 +329,8 @@ def _preload_runtimes(settings: Settings) -> None:
     """Choose each preload model's runtime as its load will (``cosyserve.api.choose_runtime``): the lite runtime is
     said at INFO where torch is not installed, and a model that needs torch there stops the start in one line."""
     from cosyserve.api import choose_runtime
+    from cosyserve.core.settings import DEMO_MODEL, ModelArg
     from cosyserve.engine.poolfile import load_pool_config
-    from cosyserve.settings import DEMO_MODEL, ModelArg
 
     args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
     defaulted = settings.origin("runtime") == "default"
@@ -595,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] in (["serve"], ["synth"]):
         # no garbage collection from here to READY: `import torch` and the model build long-lived objects that
         # a collection would only scan (the server and _cmd_synth release the hold once their model is loaded)
-        from cosyserve.gchold import hold_gc
+        from cosyserve.system.gchold import hold_gc
 
         hold_gc()
     parser = build_parser()
@@ -611,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command in _NEEDS_MODEL and not settings.models:
         parser.error(f"{args.command} needs --model (or the COSYSERVE_MODEL variable)")
     if args.command in ("serve", "synth"):
-        from cosyserve.pagecache import prefetch_bundles
+        from cosyserve.system.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
         prefetch_bundles(
@@ -629,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command != "serve" and level > logging.INFO:
         _show_progress()
-    from cosyserve.errors import CosyserveError
+    from cosyserve.core.errors import CosyserveError
 
     try:
         args.func(args, settings)
@@ -637,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except (CosyserveError, ValueError, OSError) as e:
-        # every error of cosyserve.errors (a bad request, model, setting or file) and I/O failures
+        # every error of cosyserve.core.errors (a bad request, model, setting or file) and I/O failures
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except ModuleNotFoundError as e:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cosyserve.errors import HubError
+from cosyserve.core.errors import HubError
 
 __all__ = ["HubError", "download", "is_hub_id", "resolve_model"]
 

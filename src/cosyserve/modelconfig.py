@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from cosyserve.errors import ModelConfigError
+from cosyserve.core.errors import ModelConfigError
 
 __all__ = [
     "ModelConfig",

@@ -171,7 +171,7 @@ def _lm(runtime: Any) -> Any:
 
 
 def _sft_inputs(runtime: Any) -> list[dict[str, torch.Tensor]]:
-    from cosyserve.request import SynthesisRequest
+    from cosyserve.core.request import SynthesisRequest
 
     pipeline = runtime.pipeline
     speaker = sorted(pipeline.speakers)[0]
@@ -206,9 +206,9 @@ def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreemen
     Returns:
         An :class:`LLMAgreement` over all texts.
     """
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import one_shot
     from cosyserve.runtime.oneoff import generate, teacher_forced
-    from cosyserve.sampling import row_key
 
     same = total = 0
     dlogp = 0.0
@@ -546,7 +546,7 @@ def compare(reference: Any, variant: Any, *, seed: int = 0, parts: Sequence[str]
         if list(parts) == list(PARTS):  # the default: what applies to this family
             parts = [p for p in parts if p != "chunks"]
         else:
-            from cosyserve.errors import ClientError
+            from cosyserve.core.errors import ClientError
 
             raise ClientError(
                 f"the chunks part of the quality gate is built for CosyVoice-300M's streaming only; this is a "

@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cosyserve.errors import RegistryError
+from cosyserve.core.errors import RegistryError
 from cosyserve.registry_location import default_registry_dir
 
 logger = logging.getLogger(__name__)

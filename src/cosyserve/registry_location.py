@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from cosyserve.errors import RegistryError
+from cosyserve.core.errors import RegistryError
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.clock import PHASES
-from cosyserve.pagecache import cold_read_rate, evict, resident_bytes
+from cosyserve.core.clock import PHASES
+from cosyserve.system.pagecache import cold_read_rate, evict, resident_bytes
 
 if TYPE_CHECKING:
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
 __all__ = ["spawn_timed", "startup_report", "waterfall_svg"]
 
@@ -327,7 +327,7 @@ def startup_report(
     the other loading settings reach them through the environment they inherit.
     """
     from cosyserve.api import resolve_bundle
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     settings = settings if settings is not None else Settings.load()
     if flamegraph:

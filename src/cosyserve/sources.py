@@ -16,7 +16,7 @@ import hashlib
 import logging
 from pathlib import Path
 
-from cosyserve.errors import ModelDirError
+from cosyserve.core.errors import ModelDirError
 
 __all__ = [
     "DEMO_MODEL",
@@ -58,7 +58,7 @@ def cache_dir_of(cache_dir: Path | None) -> Path:
     """``cache_dir``, or when None the ``cache_dir`` setting of the environment (for callers without settings)."""
     if cache_dir is not None:
         return Path(cache_dir)
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     return Settings.load().cache_dir  # a caller without settings: the environment's, read now
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cosyserve.stop import check
+from cosyserve.core.stop import check
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ per-channel scales (``--quantize llm=int8``, see :mod:`cosyserve.models.precisio
 version 2, which older readers refuse with "convert again" instead of failing on unknown tensors. Weight-norm is folded at conversion (the vocoder stores
 plain weights). The official ONNX files, when present, are copied unchanged. Everything is written into a
 temporary sibling directory that is moved into place in one rename only when complete (an existing bundle is
-swapped out in the same rename, see :mod:`cosyserve.staging`), so an interrupted conversion never leaves a
+swapped out in the same rename, see :mod:`cosyserve.system.staging`), so an interrupted conversion never leaves a
 directory that looks like a bundle, and a crash leaves the old bundle or the new one. The output may only be a new
 path or an existing bundle (with ``force``): never the model dir, a folder around it or inside it, or any other
 existing file or directory.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import ConvertError, ModelDirError
+from cosyserve.core.errors import ConvertError, ModelDirError
 from cosyserve.frontend.onnx_compat import copy_onnx
 
 __all__ = [
@@ -190,7 +190,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I
 
 
 def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
-    from cosyserve.staging import file_mode
+    from cosyserve.system.staging import file_mode
 
     if any(str(v.dtype) == "torch.int8" for v in tensors.values()):
         _save_aligned(tensors, path, metadata)
@@ -293,7 +293,7 @@ def convert(
     from cosyserve.bundle.official import load_speakers, module_class
     from cosyserve.modelconfig import config_tree, load_model_config
     from cosyserve.models.precision import keeps_float32
-    from cosyserve.staging import Staging
+    from cosyserve.system.staging import Staging
 
     if runtime not in ("torch", "lite"):
         raise ValueError(f"runtime must be torch or lite, got {runtime!r}")

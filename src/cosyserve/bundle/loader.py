@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS
-from cosyserve.clock import PhaseClock
-from cosyserve.errors import BundleError
+from cosyserve.core.clock import PhaseClock
+from cosyserve.core.errors import BundleError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.errors import ModelDirError
+from cosyserve.core.errors import ModelDirError
 
 # the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
 # a bundle unchanged, opened by the zero-shot frontend on first use

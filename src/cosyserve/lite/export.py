@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyserve.errors import ConvertError
+from cosyserve.core.errors import ConvertError
 from cosyserve.lite import INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_PARTS, LITE_VERSION, TABLES_FILE
 
 logger = logging.getLogger(__name__)

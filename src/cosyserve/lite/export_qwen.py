@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.errors import ConvertError
+from cosyserve.core.errors import ConvertError
 from cosyserve.lite import qwen_cache_names
 from cosyserve.lite.export import Exporter
 from cosyserve.models.qwen2lm import Qwen2LM

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 from cosyserve.frontend import features_np
 from cosyserve.frontend.audio import load_wav_np
 from cosyserve.frontend.prompt import (

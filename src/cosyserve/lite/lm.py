@@ -13,7 +13,7 @@ by its row's stop signal (:func:`cosyserve.lite.terminate.run_bound`).
 - :class:`LiteQwenLM`: CosyVoice2's and CosyVoice3's Qwen2 LM (the text embedding a mapped table, rotary
   positions inside the graph, caches (positions, head_dim) per layer and KV head: the graph's attention reads
   each as a plain matrix, so nothing is transposed per step). Its rules come from the manifest: stop ids, fill
-  and mix ratio, and CosyVoice3's ``<|endofprompt|>`` (:class:`~cosyserve.sampling.StopRules`).
+  and mix ratio, and CosyVoice3's ``<|endofprompt|>`` (:class:`~cosyserve.core.sampling.StopRules`).
 
 Nothing here imports torch.
 """
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import BundleError
+from cosyserve.core.errors import BundleError
+from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
+from cosyserve.core.stop import ShouldStop, Stopped
 from cosyserve.lite import dsp, qwen_cache_names, terminate
 from cosyserve.runtime.lm import Part
-from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
-from cosyserve.stop import ShouldStop, Stopped
 
 __all__ = ["LiteLM", "LiteQwenLM", "StepLM", "lite_lm"]
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import BundleError
+from cosyserve.core.errors import BundleError
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.lite import (
     INT8_STEP,
     LITE_DIR,
@@ -30,7 +31,6 @@ from cosyserve.lite import (
     terminate,
 )
 from cosyserve.runtime.streampolicy import StreamPolicy
-from cosyserve.stop import ShouldStop, check
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
 
@@ -272,7 +272,7 @@ class LiteFlow:
         should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample. ``should_stop``
-        is asked before each Euler step and ends a graph's run early (:class:`cosyserve.stop.Stopped`)."""
+        is asked before each Euler step and ends a graph's run early (:class:`cosyserve.core.stop.Stopped`)."""
         p, t = len(prompt_token), len(tokens)
         ids = np.asarray([list(prompt_token) + list(tokens)], dtype=np.int64)
         (h,) = terminate.run(self.bundle.session("flow_encoder"), {"tokens": ids}, should_stop)
@@ -334,7 +334,7 @@ class LiteVocoder:
         should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``.
-        ``should_stop`` ends its graphs' runs early (:class:`cosyserve.stop.Stopped`)."""
+        ``should_stop`` ends its graphs' runs early (:class:`cosyserve.core.stop.Stopped`)."""
         c = self.cfg
         mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
         (f0,) = terminate.run(self.bundle.session("hift_f0"), {"mel": mel}, should_stop)
@@ -454,7 +454,7 @@ class LiteToken2Wav:
         should_stop: ShouldStop | None = None,
     ) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks (1-D) for a stream of speech token ids; ``should_stop`` is asked between
-        the pieces of every call's work (:class:`cosyserve.stop.Stopped`)."""
+        the pieces of every call's work (:class:`cosyserve.core.stop.Stopped`)."""
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if stream and speed != 1.0:

@@ -5,7 +5,7 @@ it holds no Python code where a stop check could go. ORT can end a run from anot
 ``RunOptions.terminate``. :func:`run` registers each run that has a stop signal with one watcher thread per
 process, which asks every registered signal every :data:`POLL_S` seconds and sets ``terminate`` on the runs whose
 request stopped; ORT then ends the run early with an error, which :func:`run` turns into
-:class:`cosyserve.stop.Stopped`. The thread exists only while runs with a signal are in flight (and is made
+:class:`cosyserve.core.stop.Stopped`. The thread exists only while runs with a signal are in flight (and is made
 again in a forked child), so a fork template starts none.
 """
 
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from cosyserve.stop import ShouldStop, Stopped
+from cosyserve.core.stop import ShouldStop, Stopped
 
 __all__ = ["POLL_S", "run", "run_bound"]
 
@@ -30,7 +30,7 @@ _watcher: tuple[int, threading.Thread] | None = None  # (pid, thread): a forked 
 
 
 def run(session: Any, feeds: dict[str, Any], should_stop: ShouldStop | None) -> list[Any]:
-    """``session.run(None, feeds)``, ended early by :class:`~cosyserve.stop.Stopped` once ``should_stop`` says
+    """``session.run(None, feeds)``, ended early by :class:`~cosyserve.core.stop.Stopped` once ``should_stop`` says
     so (within about :data:`POLL_S` seconds and the time ORT takes to reach its next kernel)."""
     if should_stop is None:
         return session.run(None, feeds)  # type: ignore[no-any-return]

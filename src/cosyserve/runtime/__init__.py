@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
-    from cosyserve.clock import PhaseClock
-    from cosyserve.request import Mode, SynthesisRequest
+    from cosyserve.core.clock import PhaseClock
+    from cosyserve.core.request import Mode, SynthesisRequest
 
 __all__ = [
     "CHUNK_POLICY_CHOICES",
@@ -82,7 +82,7 @@ class Voice:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How a runtime loads and serves; every field has a setting (see :mod:`cosyserve.settings`).
+    """How a runtime loads and serves; every field has a setting (see :mod:`cosyserve.core.settings`).
 
     Args:
         strategy: ``preload`` (map and touch every weight page before READY), ``lazy`` or ``prefetch``.
@@ -121,7 +121,7 @@ class RuntimeOptions:
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
             waits for :meth:`Runtime.after_fork`, which each forked child calls.
         device: where the torch runtime computes, ``cpu``, ``cuda`` or ``cuda:N`` (the name only is checked here;
-            :func:`cosyserve.device.resolve_device` checks the machine has it). The lite runtime refuses any but
+            :func:`cosyserve.system.device.resolve_device` checks the machine has it). The lite runtime refuses any but
             ``cpu``.
     """
 
@@ -155,7 +155,7 @@ class RuntimeOptions:
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
-        """The options a :class:`cosyserve.settings.Settings` asks for; ``overrides`` (fields) win."""
+        """The options a :class:`cosyserve.core.settings.Settings` asks for; ``overrides`` (fields) win."""
         s = settings
         options = cls(
             strategy=s.strategy,
@@ -218,7 +218,7 @@ class RuntimeOptions:
 
 
 def _is_device_name(value: object) -> bool:
-    from cosyserve.casts import Device
+    from cosyserve.core.casts import Device
 
     try:
         return isinstance(value, str) and Device()(value) == value
@@ -336,7 +336,7 @@ def runtime_factory(name: str) -> Callable[..., Runtime]:
     try:
         target = RUNTIMES[name]
     except KeyError:
-        from cosyserve.errors import SettingsError
+        from cosyserve.core.errors import SettingsError
 
         raise SettingsError(f"unknown runtime {name!r}; expected one of {', '.join(RUNTIMES)}") from None
     module, _, attr = target.partition(":")
@@ -352,7 +352,7 @@ def load_runtime(
         path: what to load (see :func:`cosyserve.api.resolve_bundle`).
         options: how to load and serve it (default :class:`RuntimeOptions`).
         runtime: a key of :data:`RUNTIMES`.
-        clock: a :class:`cosyserve.clock.PhaseClock` to record the load's phases in (default a new one that
+        clock: a :class:`cosyserve.core.clock.PhaseClock` to record the load's phases in (default a new one that
             counts from process start).
     Returns:
         The loaded :class:`Runtime`, READY to serve.

@@ -26,16 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.errors import BundleError
+from cosyserve.core.errors import BundleError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.sampling import row_key
+from cosyserve.core.stop import Stopped, check, latched
 from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
-from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot, one_shot
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
 from cosyserve.runtime.oneoff import generate
-from cosyserve.sampling import row_key
-from cosyserve.stop import Stopped, check, latched
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
     """Load the bundle at ``path`` (converted with ``--runtime lite``) on ONNX Runtime; see
     :func:`cosyserve.runtime.load_runtime`. An official model dir or hub id is converted by the torch side first
     (which needs torch): convert once with ``cosyserve convert MODEL_DIR BUNDLE --runtime lite``."""
-    from cosyserve.clock import PhaseClock
+    from cosyserve.core.clock import PhaseClock
 
     clock = clock or PhaseClock()
     o = options
@@ -303,10 +303,10 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         import onnxruntime  # noqa: F401 - the one heavy import, timed as the torch runtime's imports are
 
         from cosyserve.bundle.loader import is_bundle, open_bundle
-        from cosyserve.device import check_device
         from cosyserve.lite.models import LiteBundle
         from cosyserve.registry_location import default_registry_dir
         from cosyserve.sources import cache_dir_of
+        from cosyserve.system.device import check_device
     check_device(o.device, "lite")  # the start checked it already; a pool's lazy load did not
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     with clock.phase("manifest"):

@@ -14,10 +14,17 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
+from cosyserve.core.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
+from cosyserve.core.request import (
+    MODES,
+    PROMPT_MODES,
+    Mode,
+    ResolvedRequest,
+    SynthesisRequest,
+    is_text_iterable,
+)
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
-from cosyserve.request import MODES, PROMPT_MODES, Mode, ResolvedRequest, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Voice
 
 __all__ = ["ModelModes", "RuntimeVoices"]
@@ -153,7 +160,7 @@ class ModelModes:
         """The pieces ``r``'s text is spoken in, one LM run each.
 
         Text given as one string: the list (a :class:`ClientError` when nothing in it can be spoken). Text given
-        as pieces (:func:`cosyserve.request.is_text_iterable`): an iterator that reads them as they arrive and
+        as pieces (:func:`cosyserve.core.request.is_text_iterable`): an iterator that reads them as they arrive and
         yields the pieces of each finished sentence as soon as its end arrives (see
         :func:`cosyserve.frontend.textstream.finished_sentences`); it raises the :class:`ClientError` at the end
         of a text that held nothing to speak.
@@ -261,7 +268,7 @@ class ModelModes:
         return entry
 
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` as this model runs it, a :class:`~cosyserve.request.ResolvedRequest`: its mode decided (None:
+        """``request`` as this model runs it, a :class:`~cosyserve.core.request.ResolvedRequest`: its mode decided (None:
         zero_shot for a registered zero-shot voice, else sft) and its speaker (None in sft/instruct: the default
         voice); what the model cannot serve raises. Reads no audio: cheap enough to run when a request is
         admitted.
@@ -304,7 +311,7 @@ class ModelModes:
         return r.resolved_as(mode, speaker, instruct_text)
 
     def resolved(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` resolved: a :class:`~cosyserve.request.ResolvedRequest` as it is (the engine, or a WebSocket
+        """``request`` resolved: a :class:`~cosyserve.core.request.ResolvedRequest` as it is (the engine, or a WebSocket
         session for all its utterances, resolved it once), any other by :meth:`resolve` now."""
         return request if isinstance(request, ResolvedRequest) else self.resolve(request)
 

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.device import factory_device
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions
 from cosyserve.runtime.cores import CoreShare
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.modes import RuntimeVoices
 from cosyserve.runtime.pipeline import Pipeline
+from cosyserve.system.device import factory_device
 
 logger = logging.getLogger(__name__)
 
@@ -267,15 +267,15 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchR
     Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
     ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
     """
-    from cosyserve.gchold import gc_held
+    from cosyserve.system.gchold import gc_held
 
-    # no garbage collection while loading; what loading built is frozen after (cosyserve.gchold.hold_gc)
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.system.gchold.hold_gc)
     with gc_held():
         return _load(path, options, clock)
 
 
 def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
-    from cosyserve.clock import PhaseClock
+    from cosyserve.core.clock import PhaseClock
 
     clock = clock or PhaseClock()
     with clock.phase("imports"):
@@ -308,7 +308,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             for module in parts.modules.values():
                 for p in module.parameters():
                     p.data = p.data.clone()
-    from cosyserve.device import resolve_device, to_device
+    from cosyserve.system.device import resolve_device, to_device
 
     device = resolve_device(o.device)
     precision = _precision(bundle, o, device.type)

@@ -35,10 +35,10 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from cosyserve.clock import PhaseClock
+from cosyserve.core.clock import PhaseClock
+from cosyserve.core.errors import CosyserveError, LoadFailedError, UnknownModelError, cut, shown
+from cosyserve.core.settings import DEMO_MODEL, ModelArg, Settings
 from cosyserve.engine.streams import shared
-from cosyserve.errors import CosyserveError, LoadFailedError, UnknownModelError, cut, shown
-from cosyserve.gchold import release_gc
 from cosyserve.server.errors import (
     LastResortMiddleware,
     cosyserve_error_response,
@@ -46,7 +46,7 @@ from cosyserve.server.errors import (
     public_cause,
     status_of,
 )
-from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
+from cosyserve.system.gchold import release_gc
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -61,8 +61,8 @@ class ServerState:
     metrics and the start-up/drain flags."""
 
     def __init__(self, config: Settings, pool: Any = None, worker: Any = None) -> None:
+        from cosyserve.core.limits import Limits
         from cosyserve.engine.poolfile import build_pool, load_pool_config
-        from cosyserve.limits import Limits
         from cosyserve.runtime import RuntimeOptions
         from cosyserve.server.metrics import Metrics
 
@@ -306,7 +306,7 @@ class ServerState:
         self.startup_done = True
         if self.started is not None:
             self.started.set()
-        release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
+        release_gc()  # the CLI held the collector since process start (cosyserve.system.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
         if self.worker is not None:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cosyserve.audiofile import FORMATS
-from cosyserve.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
+from cosyserve.core.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
 from cosyserve.server.responses import synthesize_response
 from cosyserve.server.schemas import OPENAI_VOICES, parse_speech_request, speech_body_limit
 from cosyserve.server.synth import caller, order
@@ -56,7 +56,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def voice_fields(
     state: Any, voice: str | None, instructions: str, ref_audio: bytes | None, ref_text: str | None
 ) -> dict[str, Any]:
-    """The :class:`~cosyserve.request.SynthesisRequest` fields of an OpenAI-style voice choice: ``voice``, a voice to
+    """The :class:`~cosyserve.core.request.SynthesisRequest` fields of an OpenAI-style voice choice: ``voice``, a voice to
     clone (``ref_audio`` and its transcript ``ref_text``, None when not given) and ``instructions``, as the speech
     route and the WebSocket take them.
 

@@ -13,7 +13,7 @@ Before the fork, in the template (one thread from start to fork; a check refuses
     forever on threads they do not have;
   - the listening socket, bound once: every worker accepts on it (the kernel spreads the connections); so is the
     Wyoming listener's (``--wyoming-uri``), on which every worker's app serves Wyoming;
-  - the garbage collector: held off since process start (``cosyserve.gchold``) and ``gc.freeze()`` right before
+  - the garbage collector: held off since process start (``cosyserve.system.gchold``) and ``gc.freeze()`` right before
     each fork, so no collection in a worker writes the template's objects' headers (each write would make a
     page private: ~96 MB per worker without it).
 Nothing in the template holds a lock, an event loop, an ONNX session (its own thread pools) or a connection.
@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.settings import Settings
-from cosyserve.staging import LockedDir
+from cosyserve.core.settings import Settings
+from cosyserve.system.staging import LockedDir
 
 logger = logging.getLogger("cosyserve.prefork")
 
@@ -440,9 +440,9 @@ def worker_threads(settings: Settings) -> int:
 
 def _load_template(settings: Settings) -> dict[str, list[Any]]:
     """The template's runtimes: every preload model's instances, loaded in this thread with ``fork_template``."""
+    from cosyserve.core.settings import DEMO_MODEL, ModelArg
     from cosyserve.engine.poolfile import build_pool, load_pool_config
     from cosyserve.runtime import RuntimeOptions
-    from cosyserve.settings import DEMO_MODEL, ModelArg
 
     args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
     cfg = load_pool_config(settings, preload=args)
@@ -484,7 +484,7 @@ def serve_prefork(settings: Settings) -> int:
         The exit code: 0 after the workers drained, 3 when a preload model failed to load (in the template, or
         in a worker's start-up).
     """
-    from cosyserve.errors import SettingsError
+    from cosyserve.core.errors import SettingsError
     from cosyserve.server.app import STARTUP_FAILURE
     from cosyserve.server.run import bind_wyoming, wyoming_unbound
 
@@ -495,7 +495,7 @@ def serve_prefork(settings: Settings) -> int:
         )
     # before prometheus_client is imported (it picks its value class at import); always a fresh directory of
     # ours: files left by another run would add to our counts. It stays locked while this process or a worker
-    # lives, so that one left by a master killed with SIGKILL is removed by the next start (cosyserve.staging)
+    # lives, so that one left by a master killed with SIGKILL is removed by the next start (cosyserve.system.staging)
     owned = LockedDir(_RUN_DIR_PREFIX)
     run_dir = str(owned.path)
     saved = os.environ.get(_MULTIPROC)

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from cosyserve.audiofile import RAW
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     ClientError,
     CosyserveError,
     PayloadTooLargeError,

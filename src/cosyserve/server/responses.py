@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cosyserve.audiofile import RAW, STREAMABLE
-from cosyserve.errors import CosyserveError
+from cosyserve.core.errors import CosyserveError
 from cosyserve.server.errors import error_object
 from cosyserve.server.synth import Order, Synthesis, usage
 

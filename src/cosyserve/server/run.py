@@ -16,7 +16,7 @@ import signal
 import socket
 from typing import Any
 
-from cosyserve.settings import Settings
+from cosyserve.core.settings import Settings
 
 __all__ = [
     "EXIT_CODES",

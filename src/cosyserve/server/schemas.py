@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cosyserve.audiofile import FORMATS, MEDIA_TYPES
-from cosyserve.errors import ClientError, PayloadTooLargeError, cut, shown
-from cosyserve.limits import Limits
-from cosyserve.request import SPEED_MAX, SPEED_MIN
+from cosyserve.core.errors import ClientError, PayloadTooLargeError, cut, shown
+from cosyserve.core.limits import Limits
+from cosyserve.core.request import SPEED_MAX, SPEED_MIN
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -29,7 +29,7 @@ __all__ = [
     "speech_body_limit",
 ]
 
-# the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.limits)
+# the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.core.limits)
 MAX_NAME_CHARS = 256
 # OpenAI's voice names: each means the server's default voice
 OPENAI_VOICES = (
@@ -242,7 +242,7 @@ class _Fields:
 def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> SpeechRequest:
     """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the protocol's own
     choice (``stream_format``) only; the values are checked with every other request's, by the one constructor
-    (:meth:`cosyserve.limits.Limits.request`). ``ref_audio`` is decoded here (its base64 at most that of
+    (:meth:`cosyserve.core.limits.Limits.request`). ``ref_audio`` is decoded here (its base64 at most that of
     ``max_upload_bytes``).
 
     Raises:

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     ClientError,
     InternalError,
     NotReadyError,
@@ -181,7 +181,7 @@ def routes(state: Any) -> list[Route]:
             raise ClientError(
                 f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
             )
-        # the name, transcript and sample within the limits every request's are (cosyserve.limits): a voice whose
+        # the name, transcript and sample within the limits every request's are (cosyserve.core.limits): a voice whose
         # name no request may give could never speak
         state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
         from cosyserve.registry import validate_name

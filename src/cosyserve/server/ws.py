@@ -6,7 +6,7 @@ The protocol is vLLM-Omni's. The client sends JSON text frames, each an object w
   or ``ref_audio`` (base64 or a ``data:`` URL) with ``ref_text`` to clone one, ``instructions``,
   ``response_format`` (``pcm``, default, or ``wav``), ``sample_rate`` (the model's; no resampling), ``seed``,
   ``speed`` (1.0 only: the audio is streamed), ``stream_audio`` (true only); checked as the HTTP routes' fields
-  are, by the one constructor (:mod:`cosyserve.limits`), and its voice resolved once for the session;
+  are, by the one constructor (:mod:`cosyserve.core.limits`), and its voice resolved once for the session;
 - ``input.text`` ``{"text": ...}``: a piece of the current utterance (the first opens it), at most
   ``max_text_chars`` characters;
 - ``input.done``: the utterance is complete; the session stays open for the next one, with the same config;
@@ -26,7 +26,7 @@ connection (1009).
 Each utterance is one engine request (one slot, in the pool's admission and the tenant's quota like any request),
 built from the session's config with its own text feed and run as every transport's request is
 (:class:`~cosyserve.server.synth.Synthesis`): its text reaches the runtime as a
-:class:`~cosyserve.textfeed.TextFeed`, read as it arrives; utterances of a session are spoken one after another.
+:class:`~cosyserve.core.textfeed.TextFeed`, read as it arrives; utterances of a session are spoken one after another.
 Text is read from the socket only while the utterance's unread text stays within ``max_buffered_text_chars`` (or
 one piece): TCP pushes back on a client that writes faster than the model reads.
 
@@ -55,13 +55,13 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cosyserve.audiofile import check_rate
-from cosyserve.errors import ClientError, CosyserveError, NotReadyError, shown
-from cosyserve.request import ResolvedRequest
+from cosyserve.core.errors import ClientError, CosyserveError, NotReadyError, shown
+from cosyserve.core.request import ResolvedRequest
+from cosyserve.core.textfeed import TextFeed
 from cosyserve.server.errors import error_object, error_response, retry_after, status_of
 from cosyserve.server.openai_api import voice_fields
 from cosyserve.server.schemas import SESSION_FORMATS, SessionConfig, json_object, parse_session_config
 from cosyserve.server.synth import Order, Synthesis, caller, order, usage
-from cosyserve.textfeed import TextFeed
 
 logger = logging.getLogger("cosyserve.server")
 

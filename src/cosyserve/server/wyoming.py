@@ -14,7 +14,7 @@ the ``wyoming`` package (the ``wyoming`` extra) and answers them as wyoming-pipe
   refused (a cosyserve voice has no speakers: each is listed as a voice of its own).
 - ``synthesize-start`` (``voice``) / ``synthesize-chunk`` (``text``) / ``synthesize-stop`` -> the audio of the
   whole streamed text as one ``audio-start`` .. ``audio-stop``, then ``synthesize-stopped``. The text goes to the
-  engine as the WebSocket's does (a :meth:`cosyserve.limits.Limits.feed`, one request opened by the first chunk
+  engine as the WebSocket's does (a :meth:`cosyserve.core.limits.Limits.feed`, one request opened by the first chunk
   with text): CosyVoice2/3 feed their LM as it arrives, CosyVoice-300M speaks each sentence once its end arrives,
   so audio comes while text still does. A ``synthesize`` inside a stream (Home Assistant sends the whole text
   again for servers that do not stream) is ignored.
@@ -62,7 +62,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     ClientError,
     CosyserveError,
     InternalError,
@@ -145,7 +145,7 @@ def bind(settings: Any) -> Listener | None:
         ModuleNotFoundError: the ``wyoming`` package (or, for the announce, ``zeroconf``) is not installed.
         OSError: the address cannot be bound (in use, no permission): the start fails (exit code 3).
     """
-    from cosyserve.casts import split_uri
+    from cosyserve.core.casts import split_uri
 
     uri = settings.wyoming_uri
     if uri is None:
@@ -277,7 +277,7 @@ class _Stream:
     once the first chunk with text opened it."""
 
     order: Order
-    feed: Any  # cosyserve.textfeed.TextFeed
+    feed: Any  # cosyserve.core.textfeed.TextFeed
     task: asyncio.Task[None] | None = None
 
 

@@ -74,7 +74,7 @@ class CosyVoice2(Family):
         return getattr(qwen_tokenizer, self.specials)  # type: ignore[no-any-return]
 
     def check_model_dir(self, model_dir: Path) -> None:
-        from cosyserve.errors import ModelDirError
+        from cosyserve.core.errors import ModelDirError
         from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
 
         for name in self.required_files:

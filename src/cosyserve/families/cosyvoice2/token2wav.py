@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cosyserve.device import module_device
+from cosyserve.core.stop import ShouldStop
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.models.flow_stream import FlowStream
-from cosyserve.stop import ShouldStop
+from cosyserve.system.device import module_device
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class Token2Wav2:
             generator: source of the vocoder's random draws not injected through ``draws``.
             draws: per-call injected vocoder draws (keyword arguments of its ``inference``), in call order.
             should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
-                (:class:`cosyserve.stop.Stopped` once it says True).
+                (:class:`cosyserve.core.stop.Stopped` once it says True).
         """
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")

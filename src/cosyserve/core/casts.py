@@ -1,5 +1,5 @@
 """Casts of setting values: a raw value (a string from a flag or variable, a TOML value, a Python value) -> the
-typed value, or ``ValueError`` saying what is accepted. The caller (:func:`cosyserve.settings.parse_setting`)
+typed value, or ``ValueError`` saying what is accepted. The caller (:func:`cosyserve.core.settings.parse_setting`)
 puts where the value came from in front of that message.
 
 A cast is any callable; these are small classes (not dataclasses: each dataclass costs a millisecond at import,
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import SettingsError
+from cosyserve.core.errors import SettingsError
 
 __all__ = [
     "ApiKeys",
@@ -131,7 +131,7 @@ class Choice:
 
 class Device:
     """A torch device name: ``cpu``, ``cuda`` or ``cuda:N`` (any case), given back in lower case. Only the name is
-    checked here; whether the machine has that device is checked once at start (:mod:`cosyserve.device`)."""
+    checked here; whether the machine has that device is checked once at start (:mod:`cosyserve.system.device`)."""
 
     def __call__(self, raw: Any) -> str:
         v = str(raw).strip().lower()

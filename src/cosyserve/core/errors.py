@@ -91,7 +91,7 @@ class CosyserveError(Exception):
 
     Args:
         message: what is wrong, naming the value and what is expected.
-        param: the request field at fault, as :class:`~cosyserve.request.SynthesisRequest` names it (``text``,
+        param: the request field at fault, as :class:`~cosyserve.core.request.SynthesisRequest` names it (``text``,
             ``speaker``, ``prompt_wav``, ...); a server maps it to its own field name.
         public: what a server may show a client of an error that is not the client's fault, when ``message``
             names things of the operator's (file paths): :attr:`public_message`.

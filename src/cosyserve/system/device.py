@@ -1,7 +1,7 @@
 """The device a model computes on: the ``device`` setting checked once at start, and a mapped model moved onto it.
 
 The setting names ``cpu``, ``cuda`` or ``cuda:N`` (its spelling is checked where settings are read:
-:class:`cosyserve.casts.Device`). :func:`check_device` runs once at start, before any model loads
+:class:`cosyserve.core.casts.Device`). :func:`check_device` runs once at start, before any model loads
 (:func:`cosyserve.api.choose_runtime`): a CUDA device on a machine or a torch build without CUDA, or any device but
 the CPU for the lite runtime, is one line naming the flag or variable that asked for it and what was found.
 Nothing here initialises CUDA at import; torch is imported only when a device other than the CPU is asked for.
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.casts import Device
-from cosyserve.errors import SettingsError
+from cosyserve.core.casts import Device
+from cosyserve.core.errors import SettingsError
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@
 Each field of :class:`Settings` is declared with :func:`setting`: its environment variable, its CLI flag (or
 none), its ``[pool]`` key in the pool config file (or none), its parser (type, range or choices), its default and
 a one-line doc. :meth:`Settings.load` reads them once, at start, with the precedence flag > environment > pool
-config file > default, and checks every value: a bad one raises :class:`~cosyserve.errors.SettingsError` naming
+config file > default, and checks every value: a bad one raises :class:`~cosyserve.core.errors.SettingsError` naming
 where it came from as the user typed it (``--port 99999``, ``COSYSERVE_PORT='99999'``,
 ``pool.toml: [pool] lru_k = 0``) and what is accepted. The object is then passed down explicitly (CLI ->
 :func:`cosyserve.load`, the server, the pool builder; inherited by ``--workers`` processes); nothing below the entry
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.casts import (
+from cosyserve.core.casts import (
     LEVELS,
     NAME,
     ApiKeys,
@@ -44,7 +44,7 @@ from cosyserve.casts import (
     Text,
     parse_api_keys,
 )
-from cosyserve.errors import SettingsError
+from cosyserve.core.errors import SettingsError
 from cosyserve.runtime import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
 from cosyserve.sources import DEMO_MODEL
 
@@ -74,7 +74,7 @@ class Setting:
         env: its environment variable (None: none).
         flag: its CLI flag (None: none).
         key: its ``[pool]`` key in the pool config file (None: none).
-        cast: raw value -> value, raising ValueError that says what is accepted (:mod:`cosyserve.casts`).
+        cast: raw value -> value, raising ValueError that says what is accepted (:mod:`cosyserve.core.casts`).
         default: the value when nothing sets it (see ``factory``).
         doc: one line: what it means.
         group: which README table lists it (``cli``, ``serve``, ``pool``, ``load``; None: none).
@@ -470,7 +470,7 @@ class Settings:
         doc="comma-separated origins allowed by CORS (`*` for any)",
         shown="CORS off",
     )
-    # -- the limits of a request (cosyserve.limits applies them all, on every route, the Python API and the CLI) --
+    # -- the limits of a request (cosyserve.core.limits applies them all, on every route, the Python API and the CLI) --
     max_text_chars: int = _serve(
         4096,
         env="COSYSERVE_MAX_TEXT_CHARS",

@@ -2,7 +2,7 @@
 
 The WebSocket route puts a client's text deltas (an LLM's output as it is generated) into a :class:`TextFeed` on
 the event loop; the runtime iterates it in its worker thread, as the ``text`` of a
-:class:`~cosyserve.request.SynthesisRequest`, and ``next()`` blocks until the next piece arrives. The iteration
+:class:`~cosyserve.core.request.SynthesisRequest`, and ``next()`` blocks until the next piece arrives. The iteration
 ends once the producer calls :meth:`TextFeed.finish` (after the pieces put so far), at once when it calls
 :meth:`TextFeed.abort` (a cancelled request, a client gone: the pieces not yet taken are dropped), or at the
 feed's deadline, so a worker never waits on a producer that went away. The producer must end every feed it
@@ -10,8 +10,8 @@ starts, one way or the other; it cancels a request before it aborts its feed, so
 finds ``should_stop()`` true and does not take the cut text for a finished utterance. Pure Python (no numpy, no
 torch): runtimes import it too.
 
-A feed built by :meth:`cosyserve.limits.Limits.feed` holds the limits of streamed text: a piece longer than
-``max_piece_chars`` is refused as it is put (a :class:`~cosyserve.errors.ClientError` naming ``text``), and a
+A feed built by :meth:`cosyserve.core.limits.Limits.feed` holds the limits of streamed text: a piece longer than
+``max_piece_chars`` is refused as it is put (a :class:`~cosyserve.core.errors.ClientError` naming ``text``), and a
 producer asks :meth:`TextFeed.has_room` before it puts more, so that the text put and not yet taken stays within
 ``max_pending_chars`` (a producer that waits is woken by ``on_take``).
 
@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from cosyserve.errors import ClientError
+from cosyserve.core.errors import ClientError
 
 __all__ = ["TextFeed"]
 

@@ -19,11 +19,11 @@ runtime, which knows the voices). ``instruct`` is CosyVoice-300M-Instruct's (a s
 ``instruct2`` is CosyVoice2's (``inference_instruct2``: the instruction and a voice to clone).
 
 ``text`` is one string, or an iterable of string pieces that is not a string (an LLM's output as it is generated,
-such as a :class:`cosyserve.textfeed.TextFeed`): the runtime iterates it in its worker thread and speaks the text as
+such as a :class:`cosyserve.core.textfeed.TextFeed`): the runtime iterates it in its worker thread and speaks the text as
 it arrives. An iterable cannot be checked for emptiness up front: the runtime refuses an utterance that ended with
 nothing to speak.
 
-Every entry point builds its requests with :meth:`cosyserve.limits.Limits.request`, which applies the server's
+Every entry point builds its requests with :meth:`cosyserve.core.limits.Limits.request`, which applies the server's
 limits before it builds one. A request is resolved once, by the model that serves it (``Runtime.resolve``: its
 mode decided, its voice found for its tenant): the result is a :class:`ResolvedRequest`, which the engine and the
 runtime take as it is.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from cosyserve.errors import ClientError
+from cosyserve.core.errors import ClientError
 
 __all__ = [
     "MODES",

@@ -2,10 +2,10 @@
 
 The HTTP routes (``/v1/audio/speech`` audio and SSE, the reference's ``/inference_*``), the WebSocket (its
 ``session.config`` and each utterance), the voices API (its names, transcripts and samples), the Python API and the
-CLI turn what they received into a :class:`~cosyserve.request.SynthesisRequest` through :meth:`Limits.request`, and
+CLI turn what they received into a :class:`~cosyserve.core.request.SynthesisRequest` through :meth:`Limits.request`, and
 the format and rate of its audio through :meth:`Limits.output`. A transport parses its protocol and maps its field
 names; what a request may hold is decided here, once, from the settings (each limit declared once in
-:mod:`cosyserve.settings`):
+:mod:`cosyserve.core.settings`):
 
 | limit | fields | setting |
 |---|---|---|
@@ -15,7 +15,7 @@ names; what a request may hold is decided here, once, from the settings (each li
 | a style instruction | ``instruct_text`` | ``max_instructions_chars`` |
 | a voice name | ``speaker`` | ``max_voice_name_chars`` |
 | a voice sample or recording: bytes, seconds | ``prompt_wav``, ``source_wav`` | ``max_upload_bytes``, ``max_prompt_seconds`` |
-| tempo | ``speed`` | :data:`~cosyserve.request.SPEED_MIN` .. :data:`~cosyserve.request.SPEED_MAX` (OpenAI's) |
+| tempo | ``speed`` | :data:`~cosyserve.core.request.SPEED_MIN` .. :data:`~cosyserve.core.request.SPEED_MAX` (OpenAI's) |
 | audio format, sample rate | :class:`Output` | the transport's formats; the model's rate |
 
 An error names its field as the caller spells it (``names`` maps the request's field names to the transport's:
@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.errors import AudioError, ClientError, PayloadTooLargeError, shown
-from cosyserve.request import SynthesisRequest, field_errors, is_text_iterable, speed_error
-from cosyserve.textfeed import TextFeed
+from cosyserve.core.errors import AudioError, ClientError, PayloadTooLargeError, shown
+from cosyserve.core.request import SynthesisRequest, field_errors, is_text_iterable, speed_error
+from cosyserve.core.textfeed import TextFeed
 
 __all__ = ["Limits", "Output", "StreamedText"]
 
@@ -82,7 +82,7 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
-        """The limits a :class:`cosyserve.settings.Settings` sets."""
+        """The limits a :class:`cosyserve.core.settings.Settings` sets."""
         s = settings
         return cls(
             text_chars=s.max_text_chars,
@@ -97,7 +97,7 @@ class Limits:
     # -- the constructor ------------------------------------------------------------------------------------------
 
     def request(self, *, names: Mapping[str, str] | None = None, **fields: Any) -> SynthesisRequest:
-        """The request ``fields`` (of :class:`~cosyserve.request.SynthesisRequest`) ask for, within every limit.
+        """The request ``fields`` (of :class:`~cosyserve.core.request.SynthesisRequest`) ask for, within every limit.
 
         Text given as pieces (an iterable that is not a string) is read as it arrives: each piece is checked when
         the runtime takes it (a :class:`StreamedText`, or a :meth:`feed` built here, which checks each piece as it
@@ -154,10 +154,10 @@ class Limits:
                 raise ClientError(bad.replace("speed", n["speed"], 1), param="speed")
 
     def feed(self, *, deadline: float | None = None, on_take: Callable[[], None] | None = None) -> TextFeed:
-        """A :class:`~cosyserve.textfeed.TextFeed` for an utterance's streamed text, within the limits: each piece
+        """A :class:`~cosyserve.core.textfeed.TextFeed` for an utterance's streamed text, within the limits: each piece
         at most ``text_chars`` (a longer one is refused as it is put, naming ``text``); the producer waits for room
         while :attr:`TextFeed.pending_chars` would pass ``buffered_text_chars``
-        (:meth:`~cosyserve.textfeed.TextFeed.has_room`)."""
+        (:meth:`~cosyserve.core.textfeed.TextFeed.has_room`)."""
         return TextFeed(
             deadline=deadline,
             on_take=on_take,
