@@ -31,7 +31,7 @@ import time, resource, sys
 import torch
 t_imp = time.time()
 torch.set_num_threads({threads})
-from cosyserve.modelconfig import load_model_config
+from cosyserve.families.modelconfig import load_model_config
 from cosyserve.bundle.official import module_class
 d = {model_dir!r}
 cfg = load_model_config(d)

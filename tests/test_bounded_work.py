@@ -21,10 +21,10 @@ import torch
 
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.stop import Stopped
+from cosyserve.families.streampolicy import StreamPolicy
 from cosyserve.frontend.text import PIECE_MAX_N, bound_pieces, split_paragraph, text_normalize
 from cosyserve.frontend.tokenizer import get_tokenizer
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions, load_runtime
-from cosyserve.runtime.streampolicy import StreamPolicy
 from server_util import running_server, start_server
 
 # the input: the documented maximum of letters, without punctuation

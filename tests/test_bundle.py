@@ -34,7 +34,7 @@ def _copy(bundle: Path, tmp_path: Path) -> Path:
 
 
 def test_roundtrip_equals_official_weights(tiny_model_dir: Path, bundle_dir: Path) -> None:
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     cfg = load_model_config(tiny_model_dir)
     parts = open_bundle(bundle_dir).load(LoadOptions(verify="full"))
@@ -55,7 +55,7 @@ def test_bundle_config_equals_the_official_dirs(tiny_model_dir: Path, bundle_dir
     from its official dir: the manifest's config and the yaml must go through one builder to one result."""
     import dataclasses
 
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     official = load_model_config(tiny_model_dir)
     stored = open_bundle(bundle_dir).config

@@ -45,7 +45,7 @@ def test_official_layout_round_trips_through_a_bundle(cv2_model_dir: Path, tmp_p
     from cosyserve.bundle.loader import LoadOptions, open_bundle
     from cosyserve.bundle.official import load_component, read_state_dict
     from cosyserve.families.cosyvoice2 import QWEN_FILES
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     bundle = convert(cv2_model_dir, tmp_path / "b", progress=False)
     manifest = json.loads((bundle / "manifest.json").read_text())

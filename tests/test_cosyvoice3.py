@@ -17,7 +17,7 @@ import torch
 
 from cosyserve.bundle.official import COMPONENT_FILES, load_component, module_class
 from cosyserve.core.errors import ModelConfigError
-from cosyserve.modelconfig import load_model_config
+from cosyserve.families.modelconfig import load_model_config
 from lm_util import tf
 
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
-from cosyserve.voicestates import VoiceStates, prompt_key
+from cosyserve.voices.voicestates import VoiceStates, prompt_key
 
 
 def _load(set_dir: Path) -> dict[str, Any]:
     from cosyserve.bundle.official import load_component
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     model = set_dir / "model"
     cfg = load_model_config(model)

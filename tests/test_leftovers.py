@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyserve.registry import SpeakerRegistry
 from cosyserve.system.staging import LOCK_NAME, LockedDir, clean_stale_dirs
+from cosyserve.voices.registry import SpeakerRegistry
 from proc_util import SRC, run_python
 from server_util import start_server, wait_until
 
@@ -157,7 +157,7 @@ def test_a_speakers_add_killed_at_its_rename_leaves_a_temporary_the_next_add_rem
     folder = root / "default"
     code = (
         "import os, signal, sys\nimport numpy as np\n"
-        "from cosyserve.registry import SpeakerRegistry\n"
+        "from cosyserve.voices.registry import SpeakerRegistry\n"
         "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed at its rename\n"
         "emb = np.ones((1, 192), np.float32)\n"
         "SpeakerRegistry(sys.argv[1], arrays='numpy').add('anna', {'embedding': emb}, overwrite=True)\n"

@@ -318,7 +318,7 @@ def test_registered_voice_gives_the_same_audio_as_its_prompt(
     registered = model.synthesize_all("Hello world.", "same-voice", seed=5)
     assert np.array_equal(inline, registered)
     # persisted: a fresh registry over the same folder (a restart) serves the voice
-    from cosyserve.registry import SpeakerRegistry
+    from cosyserve.voices.registry import SpeakerRegistry
 
     again = SpeakerRegistry(model.runtime.registry_root).get("same-voice")
     assert again is not None and again.prompt_text == PROMPT_TEXT

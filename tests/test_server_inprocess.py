@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.bundle.sources import resolve_source
 from cosyserve.core.settings import Settings
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.quotas import Tenant
-from cosyserve.sources import resolve_source
 from fake_runtime import FakeRuntime
 from server_util import in_process, wait_ready
 

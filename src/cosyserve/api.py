@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cosyserve.bundle.sources import resolve_bundle
 from cosyserve.core.limits import Limits
 from cosyserve.core.request import SynthesisRequest
-from cosyserve.sources import resolve_bundle
 
 if TYPE_CHECKING:
     import numpy as np
@@ -193,7 +193,7 @@ class CosyVoiceModel:
             tenant: registry namespace.
             overwrite: replace an existing registration of ``name``.
         Returns:
-            The registered :class:`cosyserve.registry.Speaker`.
+            The registered :class:`cosyserve.voices.registry.Speaker`.
         """
         return self.runtime.add_voice(name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite)
 
@@ -207,7 +207,7 @@ class CosyVoiceModel:
 
     def import_speakers(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
         """Register the entries of a reference ``spk2info.pt`` (read with ``torch.load(weights_only=True)``); this
-        model's pre-defined speakers in it are skipped. Returns an :class:`cosyserve.registry.ImportResult`."""
+        model's pre-defined speakers in it are skipped. Returns an :class:`cosyserve.voices.registry.ImportResult`."""
         return self.runtime.import_voices(path, tenant=tenant, overwrite=overwrite)
 
     def export_speakers(
@@ -284,7 +284,7 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
     ``torch`` where torch is installed and ``lite`` where it is not (said at INFO).
 
     Args:
-        source: the model (see :mod:`cosyserve.sources`).
+        source: the model (see :mod:`cosyserve.bundle.sources`).
         settings: the settings (their ``runtime``, and where it came from).
         runtime: a runtime the caller names itself (None: the setting's).
     Returns:
@@ -295,8 +295,8 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
         cosyserve.core.errors.SettingsError: the ``device`` setting names a device the chosen runtime cannot use here
             (:func:`cosyserve.system.device.check_device`: checked once at start, before anything loads).
     """
+    from cosyserve.bundle.sources import has_lite_files, torch_installed
     from cosyserve.core.errors import InputError
-    from cosyserve.sources import has_lite_files, torch_installed
     from cosyserve.system.device import check_device, device_given
 
     chosen = runtime or settings.runtime
@@ -336,7 +336,7 @@ def load(
     ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
 
     Args:
-        path: what to load (see :mod:`cosyserve.sources`).
+        path: what to load (see :mod:`cosyserve.bundle.sources`).
         settings: a :class:`cosyserve.core.settings.Settings` (default: ``Settings.load()``, the environment).
         clock: a :class:`cosyserve.core.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``

@@ -98,9 +98,9 @@ class Bundle:
 
     @property
     def config(self) -> Any:
-        """The :class:`cosyserve.modelconfig.ModelConfig` stored at conversion (built as the yaml's is)."""
+        """The :class:`cosyserve.families.modelconfig.ModelConfig` stored at conversion (built as the yaml's is)."""
         if self._config is None:
-            from cosyserve.modelconfig import build_model_config
+            from cosyserve.families.modelconfig import build_model_config
 
             src = self.path / "manifest.json"
             self._config = build_model_config(self.manifest.get("config"), source=src, where="config")

@@ -1,7 +1,7 @@
 """Read an official CosyVoice model directory without executing anything in it.
 
 Weights are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling), the yaml with a safe loader
-(:mod:`cosyserve.modelconfig`). Every problem is a :class:`ModelDirError` naming the file and what is wrong.
+(:mod:`cosyserve.families.modelconfig`). Every problem is a :class:`ModelDirError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def load_component(model_dir: str | Path, name: str, cfg: Any, family: str = "co
     Args:
         model_dir: official model directory.
         name: ``"llm"``, ``"flow"`` or ``"hift"``.
-        cfg: that component's config from :func:`cosyserve.modelconfig.load_model_config`.
+        cfg: that component's config from :func:`cosyserve.families.modelconfig.load_model_config`.
         family: the model family (``ModelConfig.family``).
     Returns:
         The module in eval mode on CPU.

@@ -32,7 +32,7 @@ class CaseContext:
 
     @cached_property
     def config(self) -> Any:
-        from cosyserve.modelconfig import load_model_config
+        from cosyserve.families.modelconfig import load_model_config
 
         return load_model_config(self.model_dir)
 

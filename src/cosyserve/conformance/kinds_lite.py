@@ -103,8 +103,8 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    from cosyserve.families.streampolicy import StreamPolicy
     from cosyserve.lite.models import LiteToken2Wav
-    from cosyserve.runtime.streampolicy import StreamPolicy
 
     lite = _lite(ctx)
     calls = sorted(

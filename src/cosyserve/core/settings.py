@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cosyserve.bundle.sources import DEMO_MODEL
 from cosyserve.core.casts import (
     LEVELS,
     NAME,
@@ -46,7 +47,6 @@ from cosyserve.core.casts import (
 )
 from cosyserve.core.errors import SettingsError
 from cosyserve.runtime import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
-from cosyserve.sources import DEMO_MODEL
 
 __all__ = [
     "DEMO_MODEL",
@@ -172,7 +172,7 @@ def _cache_dir(env: Mapping[str, str]) -> Path:
 
 
 def _default_runtime(env: Mapping[str, str]) -> str:
-    from cosyserve.sources import torch_installed
+    from cosyserve.bundle.sources import torch_installed
 
     return "torch" if torch_installed() else "lite"
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from cosyserve.core.errors import BundleError
 from cosyserve.core.stop import ShouldStop, check
+from cosyserve.families.streampolicy import StreamPolicy
 from cosyserve.lite import (
     INT8_STEP,
     LITE_DIR,
@@ -30,7 +31,6 @@ from cosyserve.lite import (
     dsp,
     terminate,
 )
-from cosyserve.runtime.streampolicy import StreamPolicy
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
 

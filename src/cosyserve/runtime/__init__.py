@@ -52,7 +52,7 @@ RUNTIMES: dict[str, str] = {
 # normal pace (160 tokens are about 120 English words: 48 s at 150 words a minute).
 PIECE_SECONDS_MAX = 60
 
-# the streaming chunk policies (cosyserve.runtime.streampolicy.StreamPolicy.named) and the first hop's range in tokens:
+# the streaming chunk policies (cosyserve.families.streampolicy.StreamPolicy.named) and the first hop's range in tokens:
 # below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop
 CHUNK_POLICY_CHOICES = ("reference", "low-latency")
 FIRST_HOP_RANGE = (12, 200)
@@ -112,7 +112,7 @@ class RuntimeOptions:
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
-            :mod:`cosyserve.voicestates`); 0 keeps none.
+            :mod:`cosyserve.voices.voicestates`); 0 keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
         stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
             re-run the flow on everything so far (0: no bound).

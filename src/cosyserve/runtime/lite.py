@@ -180,10 +180,10 @@ class LiteRuntime(RuntimeVoices):
         clock: Any,
         registry_root: Path,
     ) -> None:
+        from cosyserve.families.streampolicy import StreamPolicy
         from cosyserve.lite.lm import lite_lm
         from cosyserve.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
-        from cosyserve.registry import SpeakerRegistry
-        from cosyserve.runtime.streampolicy import StreamPolicy
+        from cosyserve.voices.registry import SpeakerRegistry
 
         self.bundle = bundle
         self.path = bundle.path
@@ -303,10 +303,10 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         import onnxruntime  # noqa: F401 - the one heavy import, timed as the torch runtime's imports are
 
         from cosyserve.bundle.loader import is_bundle, open_bundle
+        from cosyserve.bundle.sources import cache_dir_of
         from cosyserve.lite.models import LiteBundle
-        from cosyserve.registry_location import default_registry_dir
-        from cosyserve.sources import cache_dir_of
         from cosyserve.system.device import check_device
+        from cosyserve.voices.registry_location import default_registry_dir
     check_device(o.device, "lite")  # the start checked it already; a pool's lazy load did not
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     with clock.phase("manifest"):

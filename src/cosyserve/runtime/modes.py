@@ -45,7 +45,7 @@ class ModelModes:
 
     Args:
         speakers: pre-defined speaker id -> its spk2info entry (``{"embedding": ...}``).
-        registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered voices, or None.
+        registry: a :class:`cosyserve.voices.registry.SpeakerRegistry` for registered voices, or None.
         model_dir: named in messages about missing files.
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct).
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
@@ -339,7 +339,7 @@ class ModelModes:
         """Extract the zero-shot prompt features of ``prompt_wav`` + ``prompt_text`` and register them as ``name``
         (the reference's ``add_zero_shot_spk`` + ``save_spkinfo``). Returns the registry's ``Speaker``."""
         registry = self._registry()
-        from cosyserve.registry import validate_name
+        from cosyserve.voices.registry import validate_name
 
         validate_name(name)
         if name in self.speakers:
@@ -428,7 +428,7 @@ class RuntimeVoices:
         self._registry().remove(name, tenant)
 
     def registered(self, tenant: str = "default") -> list[Any]:
-        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
+        """The registered :class:`cosyserve.voices.registry.Speaker` entries of ``tenant``, sorted by name."""
         return list(self._registry().list(tenant))
 
     def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
@@ -444,7 +444,7 @@ class RuntimeVoices:
 
     def use_registry(self, root: str | Path) -> None:
         """Keep registered voices under ``root`` instead of the default location."""
-        from cosyserve.registry import SpeakerRegistry
+        from cosyserve.voices.registry import SpeakerRegistry
 
         old = self.pipeline.registry
         arrays = old.arrays if old is not None else "torch"

@@ -239,12 +239,12 @@ def _precision(bundle: Any, o: RuntimeOptions, device_type: str) -> dict[str, An
 
 
 def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, registry: Any) -> Any:
-    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
+    """The model's :class:`~cosyserve.voices.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
     registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
     the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
     import hashlib
 
-    from cosyserve.voicestates import VoiceStates
+    from cosyserve.voices.voicestates import VoiceStates
 
     def folder() -> Path | None:
         r = registry()
@@ -283,8 +283,8 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
         from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
-        from cosyserve.registry import SpeakerRegistry
-        from cosyserve.registry_location import default_registry_dir
+        from cosyserve.voices.registry import SpeakerRegistry
+        from cosyserve.voices.registry_location import default_registry_dir
 
     threads = o.threads or torch.get_num_threads()
     if o.fork_template:
@@ -293,7 +293,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         torch.set_num_threads(1)
     elif o.threads:
         torch.set_num_threads(o.threads)
-    from cosyserve.sources import cache_dir_of, resolve_bundle
+    from cosyserve.bundle.sources import cache_dir_of, resolve_bundle
 
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     bundle_dir = resolve_bundle(path, cache_dir=cache_dir)

@@ -430,7 +430,7 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     name = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS, "pattern": r"\S"}
     voice = {**name, "maxLength": limits.voice_chars}  # a speaker or registered voice a request names
 
-    # a voice name the registry takes (cosyserve.registry: at most 64 characters) and a request may give: no path
+    # a voice name the registry takes (cosyserve.voices.registry: at most 64 characters) and a request may give: no path
     # separator, no control character, no blank at either end
     voice_name = {
         "type": "string",

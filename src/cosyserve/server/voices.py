@@ -62,7 +62,7 @@ class ConsentLedger:
         self.root = Path(root)
 
     def path(self, tenant: str) -> Path:
-        from cosyserve.registry import validate_tenant
+        from cosyserve.voices.registry import validate_tenant
 
         return self.root / validate_tenant(tenant) / CONSENT_FILE
 
@@ -184,7 +184,7 @@ def routes(state: Any) -> list[Route]:
         # the name, transcript and sample within the limits every request's are (cosyserve.core.limits): a voice whose
         # name no request may give could never speak
         state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
-        from cosyserve.registry import validate_name
+        from cosyserve.voices.registry import validate_name
 
         try:
             validate_name(name)

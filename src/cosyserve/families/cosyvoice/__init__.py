@@ -60,7 +60,7 @@ class CosyVoice(Family):
     languages = ("zh", "en", "ja", "yue", "ko")
 
     def read_config(self, model_dir: Path) -> Any:
-        from cosyserve.modelconfig import load_yaml_config
+        from cosyserve.families.modelconfig import load_yaml_config
 
         return load_yaml_config(model_dir / self.yaml)
 
@@ -70,7 +70,7 @@ class CosyVoice(Family):
         return is_instruct_model_dir(model_dir)
 
     def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
-        from cosyserve.runtime.streampolicy import StreamPolicy
+        from cosyserve.families.streampolicy import StreamPolicy
 
         return StreamPolicy.named(
             chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate

@@ -64,7 +64,7 @@ class CosyVoice2(Family):
     specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
 
     def read_config(self, model_dir: Path) -> Any:
-        from cosyserve.modelconfig import load_qwen_family_config
+        from cosyserve.families.modelconfig import load_qwen_family_config
 
         return load_qwen_family_config(model_dir, self)
 

@@ -287,8 +287,8 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     """
     import torch
 
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
-    from cosyserve.modelconfig import load_model_config
 
     (tmp / "cosyvoice2.yaml").write_text(render_yaml(size), encoding="utf-8")
     write_qwen_files(tmp / "CosyVoice-BlankEN", size)

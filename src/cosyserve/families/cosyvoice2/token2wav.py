@@ -137,7 +137,7 @@ class Token2Wav2:
         incremental: streamed chunks keep the flow's (and the vocoder's) state and compute their own frames; False
             re-runs them on everything so far at every chunk, as the reference does (for comparisons).
         voices: the registered voices' precomputed flow states
-            (:class:`~cosyserve.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
+            (:class:`~cosyserve.voices.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class Token2Wav2:
 
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
         """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
-        returns the future state (see :meth:`cosyserve.voicestates.VoiceStates.keep`)."""
+        returns the future state (see :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
         d = self.device
         return self.voices.keep(
             self.flow,

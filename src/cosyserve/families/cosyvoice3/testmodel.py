@@ -153,8 +153,8 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     import torch
 
     from cosyserve.bundle.official import module_class
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
-    from cosyserve.modelconfig import load_model_config
 
     (tmp / "cosyvoice3.yaml").write_text(render_yaml(size), encoding="utf-8")
     cosyvoice2.write_qwen_files(tmp / "CosyVoice-BlankEN", size)

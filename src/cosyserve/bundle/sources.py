@@ -83,7 +83,7 @@ def demo_model_dir(cache_dir: Path | None = None) -> Path:
 def resolve_source(source: str | Path, cache_dir: Path | None = None) -> Path:
     """A local directory for ``source``: the path itself when it exists, else the demo model for ``demo`` (in
     ``cache_dir``), a hub id's download, or the path as given (whose absence the caller reports)."""
-    from cosyserve.hub import download, is_hub_id
+    from cosyserve.bundle.hub import download, is_hub_id
 
     if Path(source).exists():
         return Path(source)

@@ -4,7 +4,7 @@
 hash of the model's weight files' checksums (``Bundle.model_key``), so models in folders of the same name keep
 separate voices. Older versions keyed the folder by the model folder's name; :func:`default_registry_dir` moves
 such a folder to the model's key the first time the model opens it, when it is clear whose voices they are, and
-leaves a link behind. What a registry holds and how it is written is :mod:`cosyserve.registry`.
+leaves a link behind. What a registry holds and how it is written is :mod:`cosyserve.voices.registry`.
 """
 
 from __future__ import annotations

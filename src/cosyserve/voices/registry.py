@@ -27,7 +27,7 @@ arrays, one made with ``arrays="torch"`` (the default, the torch runtime) tensor
 
 Location: ``COSYSERVE_REGISTRY_DIR`` if set, else ``<cache dir>/speakers/<model key>``, the key a hash of the
 model's weight files' checksums, so models in folders of the same name keep separate voices (see
-:func:`~cosyserve.registry_location.default_registry_dir`, which also moves voices that older versions kept under
+:func:`~cosyserve.voices.registry_location.default_registry_dir`, which also moves voices that older versions kept under
 the folder's name).
 """
 
@@ -54,7 +54,7 @@ from typing import Any, Literal
 import numpy as np
 
 from cosyserve.core.errors import RegistryError
-from cosyserve.registry_location import default_registry_dir
+from cosyserve.voices.registry_location import default_registry_dir
 
 logger = logging.getLogger(__name__)
 
