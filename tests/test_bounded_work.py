@@ -198,7 +198,7 @@ def test_flow_and_vocoder_stop_within_a_pass(tiny_model_dir: Path) -> None:
 
 def test_an_onnx_run_of_a_stopped_request_is_terminated(tiny_lite_bundle: Path) -> None:
     """One ORT run holds no Python code: the terminate watcher must end it (not let it run to its end)."""
-    from cosyserve.lite import terminate
+    from cosyserve.runtime.lite import terminate
 
     rt = load_runtime(tiny_lite_bundle, RuntimeOptions(warmup=False), runtime="lite")
     try:

@@ -279,7 +279,7 @@ def convert(
         force: replace ``out`` if it is a bundle (or an empty directory); anything else there is refused.
         progress: report steps on stderr.
         runtime: ``lite`` also writes ``lite/``, the lite runtime's ONNX graphs, each checked against its torch
-            module (:func:`cosyserve.lite.export.export_lite`); ``torch`` (default) does not.
+            module (:func:`cosyserve.bundle.lite.export.export_lite`); ``torch`` (default) does not.
     Returns:
         ``out`` as a Path.
     Raises:
@@ -307,7 +307,7 @@ def convert(
     cfg = load_model_config(model_dir)
     family = cfg.family_spec
     if runtime == "lite":
-        from cosyserve.lite.export import require_lite
+        from cosyserve.bundle.lite.export import require_lite
 
         require_lite(family)  # before any work
     with Staging(out, "converting") as staging:
@@ -409,7 +409,7 @@ def convert(
             json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8"
         )
         if runtime == "lite":
-            from cosyserve.lite.export import export_lite
+            from cosyserve.bundle.lite.export import export_lite
 
             export_lite(tmp, step, model_dir=model_dir, int8=quantized.get("llm") == "int8")
         # checked again: the path may have changed during the conversion

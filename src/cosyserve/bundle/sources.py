@@ -48,7 +48,7 @@ def torch_installed() -> bool:
 def has_lite_files(source: str | Path) -> bool:
     """Whether ``source`` is a bundle converted with ``--runtime lite`` (its ``lite/`` manifest is there; the
     lite runtime checks the files themselves when it loads)."""
-    from cosyserve.lite import LITE_DIR
+    from cosyserve.bundle.lite import LITE_DIR
 
     path = Path(source)
     return (path / "manifest.json").is_file() and (path / LITE_DIR / "manifest.json").is_file()

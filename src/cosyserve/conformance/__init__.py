@@ -218,7 +218,7 @@ def run_conformance(
             ctx.model_dir, Path(tmp.name) / "bundle", progress=False, runtime=runtime if whole else "torch"
         )
         if not whole:  # the parts the lite export covers so far (CosyVoice2/3: the LM)
-            from cosyserve.lite.export import export_lite
+            from cosyserve.bundle.lite.export import export_lite
 
             export_lite(ctx.bundle_dir, model_dir=ctx.model_dir, parts=ctx.family.lite_parts)
     results = []

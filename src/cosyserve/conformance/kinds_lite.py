@@ -1,10 +1,10 @@
 """Conformance kinds on the lite runtime (``cosyserve conformance DIR --runtime lite``).
 
 The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
-with ``--runtime lite`` driven by :mod:`cosyserve.lite.lm` and :mod:`cosyserve.lite.models` (the LM kinds of every
+with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm` and :mod:`cosyserve.runtime.lite.models` (the LM kinds of every
 family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
 (:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
-:class:`cosyserve.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
+:class:`cosyserve.runtime.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
 computations under test import none. Text kinds (``tokenize``, ``text_frontend``) are torch-free code both
 runtimes share, so the torch kinds' functions run them.
 """
@@ -25,7 +25,7 @@ class _Lite:
     """The set's lite models, each made on first use (a CosyVoice2/3 bundle holds the LM's graphs alone)."""
 
     def __init__(self, ctx: Any) -> None:
-        from cosyserve.lite.models import LiteBundle
+        from cosyserve.runtime.lite.models import LiteBundle
 
         assert ctx.bundle_dir is not None, "the lite kinds need the set converted with --runtime lite"
         self.bundle = LiteBundle(ctx.bundle_dir, verify="full", threads=1)
@@ -34,8 +34,8 @@ class _Lite:
 
     def __getitem__(self, part: str) -> Any:
         if part not in self._made:
-            from cosyserve.lite.lm import lite_lm
-            from cosyserve.lite.models import LiteFlow, LiteVocoder
+            from cosyserve.runtime.lite.lm import lite_lm
+            from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
             make = {"llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder}[part]
             self._made[part] = make(self.bundle, self.tables)
@@ -104,7 +104,7 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     from cosyserve.families.streampolicy import StreamPolicy
-    from cosyserve.lite.models import LiteToken2Wav
+    from cosyserve.runtime.lite.models import LiteToken2Wav
 
     lite = _lite(ctx)
     calls = sorted(
@@ -157,7 +157,7 @@ def _frontend(ctx: Any) -> Any:
     frontend = ctx.cache.get("lite_frontend")
     if frontend is None:
         from cosyserve.frontend.tokenizer import get_tokenizer
-        from cosyserve.lite.frontend import LiteFrontend
+        from cosyserve.runtime.lite.frontend import LiteFrontend
 
         frontend = LiteFrontend(
             ctx.model_dir / "campplus.onnx",

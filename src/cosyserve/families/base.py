@@ -41,7 +41,7 @@ class Family:
         instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
             ``instruct2``: a voice to clone and an instruction).
         lite: the lite runtime (ONNX Runtime + numpy) serves it.
-        lite_export: ``module:function`` exporting its lite graphs (:mod:`cosyserve.lite.export`), or None.
+        lite_export: ``module:function`` exporting its lite graphs (:mod:`cosyserve.bundle.lite.export`), or None.
         lite_parts: the parts (of llm, flow, hift) that export covers so far; the lite runtime serves a family
             whose export covers all three (``lite``).
         lite_kinds: the conformance kinds the lite runtime computes for its sets (the others are reported as not

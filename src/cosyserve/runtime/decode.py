@@ -3,7 +3,7 @@
 An LM gives the loop what :class:`DecodeLM` declares (its stop rules and sampling options, prompts and
 embeddings, an extend of one row and a one-token step over a batch of rows, each at its own position, and its
 caches); the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and its subclasses) and the lite runtime's
-:class:`~cosyserve.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
+:class:`~cosyserve.runtime.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
 one-shot rows (:class:`~cosyserve.runtime.lm.OneShot`), rows whose text still arrives
 (:class:`~cosyserve.runtime.lm.Streamed`, the reference's bistream) and teacher-forced rows of either kind (the
 given tokens instead of samples, every step's log-probabilities kept: conformance, the quality gate).

@@ -1,7 +1,7 @@
 """The decode loop's LM interface and its rows (:mod:`cosyserve.runtime.decode` drives them).
 
 :class:`DecodeLM` is what a backend LM gives the loop: the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and
-its subclasses) and the lite runtime's :class:`~cosyserve.lite.lm.StepLM` implement it. A row is
+its subclasses) and the lite runtime's :class:`~cosyserve.runtime.lite.lm.StepLM` implement it. A row is
 :class:`OneShot` (text known: the reference's ``inference``) or :class:`Streamed` (text arriving: the reference's
 ``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
 

@@ -34,7 +34,7 @@ class CosyVoice(Family):
     registry_folder = ""  # the registry dir itself (where the voices of earlier versions are)
     instruct_mode = "instruct"
     lite = True
-    lite_export = "cosyserve.lite.export_300m:export"
+    lite_export = "cosyserve.bundle.lite.export_300m:export"
     lite_parts = ("llm", "flow", "hift")
     reruns_flow = False
     stacks_flow = True

@@ -54,7 +54,7 @@ class CosyVoice2(Family):
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
     # the lite export covers the Qwen LM so far (its flow and vocoder: the incremental token2wav's graphs, next)
-    lite_export = "cosyserve.lite.export_qwen:export"
+    lite_export = "cosyserve.bundle.lite.export_qwen:export"
     lite_parts = ("llm",)
     lite_kinds = ("tokenize", "llm_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")

@@ -2,12 +2,12 @@
 
 One graph, ``llm_step``: T new input embeddings against the P positions a cache row holds -> the next token's
 log-probabilities and the new positions' keys and values. The caches are one (positions, head_dim) matrix per
-layer, KV head and keys/values (:func:`cosyserve.lite.qwen_cache_names`): the past is bound as a graph input,
+layer, KV head and keys/values (:func:`cosyserve.bundle.lite.qwen_cache_names`): the past is bound as a graph input,
 the new rows are graph outputs bound to the next rows of the same buffer by the runtime, and the attention reads
 each as a plain matrix (``q @ past_k.T`` is one Gemm with ``transB``, ``attn @ past_v`` one MatMul), so nothing
 of the cache is copied or transposed per step. The rotary positions are computed inside the graph from P.
 
-What is a lookup stays a numpy table the runtime maps (:mod:`cosyserve.lite.lm`): the Qwen text embedding
+What is a lookup stays a numpy table the runtime maps (:mod:`cosyserve.runtime.lite.lm`): the Qwen text embedding
 (151936 rows; a request reads a few, a graph would have to be opened and its table mapped all the same), the
 speech embedding and the sos/task rows. So a bundle holds no text-encoder graph and the step graph's session is
 the only one the LM opens.
@@ -27,16 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.bundle.lite import qwen_cache_names
+from cosyserve.bundle.lite.export import Exporter
 from cosyserve.core.errors import ConvertError
-from cosyserve.lite import qwen_cache_names
-from cosyserve.lite.export import Exporter
 from cosyserve.models.qwen2lm import Qwen2LM
 
 __all__ = ["QwenStepGraph", "QwenStepReference", "export"]
 
 
 class QwenStepGraph(nn.Module):
-    """x (1, T, C) and every cache's past (P, D), in :func:`~cosyserve.lite.qwen_cache_names` order -> logp
+    """x (1, T, C) and every cache's past (P, D), in :func:`~cosyserve.bundle.lite.qwen_cache_names` order -> logp
     (1, V) and every cache's new rows (T, D) in the same order.
 
     The model's computation op for op where rounding could differ, written for few graph nodes (a session's open

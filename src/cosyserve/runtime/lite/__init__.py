@@ -64,11 +64,11 @@ class LitePipeline(ModelModes):
         self._frontend_lock = threading.Lock()
 
     def frontend(self) -> Any:
-        """The prompt frontend (:class:`cosyserve.lite.frontend.LiteFrontend`), made on first use."""
+        """The prompt frontend (:class:`cosyserve.runtime.lite.frontend.LiteFrontend`), made on first use."""
         if self._frontend is None:
             with self._frontend_lock:
                 if self._frontend is None:
-                    from cosyserve.lite.frontend import LiteFrontend
+                    from cosyserve.runtime.lite.frontend import LiteFrontend
 
                     campplus, tokenizer = (self.onnx_paths[n] for n in self.onnx_files)
                     assert campplus is not None and tokenizer is not None, "require() the prompt modes first"
@@ -181,8 +181,8 @@ class LiteRuntime(RuntimeVoices):
         registry_root: Path,
     ) -> None:
         from cosyserve.families.streampolicy import StreamPolicy
-        from cosyserve.lite.lm import lite_lm
-        from cosyserve.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
+        from cosyserve.runtime.lite.lm import lite_lm
+        from cosyserve.runtime.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
         from cosyserve.voices.registry import SpeakerRegistry
 
         self.bundle = bundle
@@ -265,7 +265,7 @@ def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
     entry = bundle.manifest.get("speakers")
     if not entry:
         return {}
-    from cosyserve.lite.models import map_safetensors
+    from cosyserve.runtime.lite.models import map_safetensors
 
     path = bundle.path / entry["file"]
     if path.stat().st_size != entry["bytes"]:
@@ -304,7 +304,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
 
         from cosyserve.bundle.loader import is_bundle, open_bundle
         from cosyserve.bundle.sources import cache_dir_of
-        from cosyserve.lite.models import LiteBundle
+        from cosyserve.runtime.lite.models import LiteBundle
         from cosyserve.system.device import check_device
         from cosyserve.voices.registry_location import default_registry_dir
     check_device(o.device, "lite")  # the start checked it already; a pool's lazy load did not

@@ -6,7 +6,7 @@ One step graph per LM runs T new inputs against the P positions a cache row hold
 buffers whose first axis is the position: the past is the contiguous prefix ``buf[:P]``, bound as the input, and
 the output is bound to ``buf[P:P+T]`` of the same buffer (ONNX Runtime's IO binding), so no cache is copied
 between steps. The step graph takes one row: a batch step runs its rows one after another, each run ended early
-by its row's stop signal (:func:`cosyserve.lite.terminate.run_bound`).
+by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`).
 
 - :class:`LiteLM`: CosyVoice-300M's (a conformer text encoder graph, relative positions as projections
   computed by the ``llm_pos`` graph and kept, caches (positions, heads, head_dim) per layer).
@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from cosyserve.bundle.lite import qwen_cache_names
 from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.core.stop import ShouldStop, Stopped
-from cosyserve.lite import dsp, qwen_cache_names, terminate
+from cosyserve.models import lite_dsp as dsp
+from cosyserve.runtime.lite import terminate
 from cosyserve.runtime.lm import Part
 
 __all__ = ["LiteLM", "LiteQwenLM", "StepLM", "lite_lm"]

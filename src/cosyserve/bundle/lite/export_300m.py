@@ -3,7 +3,7 @@
 LM text encoder, LM positional projections, one LM step (T new positions against P cached ones), flow encoder,
 length-regulator convolutions, flow estimator, f0 predictor, vocoder up to the iSTFT; numpy tables of what is a
 lookup or an affine (sos/task rows, speaker affines, speech embedding, source merge, the LM's positional
-projections for the first distances). See :mod:`cosyserve.lite.export`.
+projections for the first distances). See :mod:`cosyserve.bundle.lite.export`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyserve.lite import MAX_TEXT_POSITIONS, POS_TABLE_ROWS
-from cosyserve.lite.dsp import distance_pe
-from cosyserve.lite.export import Exporter
+from cosyserve.bundle.lite import MAX_TEXT_POSITIONS, POS_TABLE_ROWS
+from cosyserve.bundle.lite.export import Exporter
+from cosyserve.models.lite_dsp import distance_pe
 
 __all__ = ["export"]
 

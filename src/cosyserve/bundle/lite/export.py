@@ -1,19 +1,19 @@
 """Export a bundle's torch modules as the lite runtime's ONNX graphs (``cosyserve convert --runtime lite``).
 
 Needs torch and onnx (a machine that converts); the lite runtime that reads the result needs neither. Every model
-computation becomes one graph; what is cheap, stateful or random stays in numpy (:mod:`cosyserve.lite.dsp`,
-:mod:`cosyserve.lite.lm`, :mod:`cosyserve.lite.models`: sampling, the Euler loop, the sine source, STFT and iSTFT,
+computation becomes one graph; what is cheap, stateful or random stays in numpy (:mod:`cosyserve.models.lite_dsp`,
+:mod:`cosyserve.runtime.lite.lm`, :mod:`cosyserve.runtime.lite.models`: sampling, the Euler loop, the sine source, STFT and iSTFT,
 the length regulator's interpolation, prompt assembly from tables). Each graph keeps its weights in one external
 data file beside it, which ONNX Runtime maps; each is checked against the torch module on inputs of two lengths
 (a length baked in by tracing shows up as a mismatch at the other) and a bundle whose graph does not match is not
 written.
 
-A family's graphs are its own (``Family.lite_export``: :mod:`cosyserve.lite.export_300m` for CosyVoice-300M,
-:mod:`cosyserve.lite.export_qwen` for the Qwen LM of CosyVoice2 and 3); this module drives them through an
+A family's graphs are its own (``Family.lite_export``: :mod:`cosyserve.bundle.lite.export_300m` for CosyVoice-300M,
+:mod:`cosyserve.bundle.lite.export_qwen` for the Qwen LM of CosyVoice2 and 3); this module drives them through an
 :class:`Exporter` (export, check, int8 variant of the step graph, tables, config) and writes the manifest. Every
 LM step graph takes its KV cache as inputs and returns only the new positions' keys and values: the runtime keeps
 one buffer per cache, binds its prefix as the input and the next positions of the same buffer as the output
-(:mod:`cosyserve.lite.lm`), so no cache is copied between steps.
+(:mod:`cosyserve.runtime.lite.lm`), so no cache is copied between steps.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from cosyserve.bundle.lite import INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_PARTS, LITE_VERSION, TABLES_FILE
 from cosyserve.core.errors import ConvertError
-from cosyserve.lite import INT8_STEP, LITE_DIR, LITE_FORMAT, LITE_PARTS, LITE_VERSION, TABLES_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
 
 :class:`LiteBundle` checks a bundle's ``lite/`` files and opens their sessions; the LMs are in
-:mod:`cosyserve.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
+:mod:`cosyserve.runtime.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
 (f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
 runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
 share them and own only their caches and random generators. Nothing here imports torch.
@@ -18,19 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.core.errors import BundleError
-from cosyserve.core.stop import ShouldStop, check
-from cosyserve.families.streampolicy import StreamPolicy
-from cosyserve.lite import (
+from cosyserve.bundle.lite import (
     INT8_STEP,
     LITE_DIR,
     LITE_FORMAT,
     LITE_PARTS,
     LITE_VERSION,
     TABLES_FILE,
-    dsp,
-    terminate,
 )
+from cosyserve.core.errors import BundleError
+from cosyserve.core.stop import ShouldStop, check
+from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.models import lite_dsp as dsp
+from cosyserve.runtime.lite import terminate
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
 
