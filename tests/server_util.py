@@ -290,7 +290,9 @@ class Served:
         self.state = app.state.cosy
         self.fake = fake
         self.port = port
-        self.wyoming = wyoming  # the Wyoming listener (cosyserve.server.wyoming.Listener), when served
+        self.wyoming = (
+            wyoming  # the Wyoming listener (cosyserve.server.transports.wyoming.Listener), when served
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

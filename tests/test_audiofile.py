@@ -1,4 +1,4 @@
-"""Audio encoders and the atomic file write (cosyserve.audiofile): the bytes the server sends and the CLI
+"""Audio encoders and the atomic file write (cosyserve.server.audiofile): the bytes the server sends and the CLI
 writes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyserve.audiofile import STREAMABLE, Encoder, encode_all, to_int16, wav_header, write_wav_atomic
+from cosyserve.server.audiofile import STREAMABLE, Encoder, encode_all, to_int16, wav_header, write_wav_atomic
 
 RATE = 22050
 

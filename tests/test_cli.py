@@ -320,7 +320,7 @@ def test_synth_unwritable_out_names_the_given_path(
     path the user gave."""
     import numpy as np
 
-    from cosyserve.audiofile import write_wav_atomic
+    from cosyserve.server.audiofile import write_wav_atomic
 
     target = tmp_path / "taken.wav"
     target.mkdir()  # a directory cannot be replaced by the finished file
@@ -525,7 +525,7 @@ def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Pa
 def test_synth_wav_follows_the_umask(tmp_path: Path, mask: int, mode: int) -> None:
     import numpy as np
 
-    from cosyserve.audiofile import write_wav_atomic
+    from cosyserve.server.audiofile import write_wav_atomic
 
     saved = os.umask(mask)
     try:

@@ -29,7 +29,7 @@ from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.textfeed import TextFeed
 from cosyserve.engine.quotas import Tenant, TenantQuota
 from cosyserve.server.run import uvicorn_options
-from cosyserve.server.ws import Session
+from cosyserve.server.transports.ws import Session
 from fake_runtime import FakeRuntime
 from server_util import WAIT_S, Served, ServerProcess, running_server, serve
 

@@ -1,4 +1,4 @@
-"""Wyoming (Home Assistant's protocol) beside HTTP: ``serve --wyoming-uri`` (cosyserve.server.wyoming), driven by
+"""Wyoming (Home Assistant's protocol) beside HTTP: ``serve --wyoming-uri`` (cosyserve.server.transports.wyoming), driven by
 the ``wyoming`` package's own client, as Home Assistant drives a Wyoming TTS server.
 
 The protocol's cases run the app under a real uvicorn in this process over :class:`FakeRuntime` (which answers one

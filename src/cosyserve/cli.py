@@ -57,7 +57,7 @@ def _exit_codes() -> str:
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
 _EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub", "wyoming": "wyoming", "zeroconf": "wyoming"}
 
-# synth --out: the extension picks the encoding (the server's encoders, cosyserve.audiofile)
+# synth --out: the extension picks the encoding (the server's encoders, cosyserve.server.audiofile)
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
 
 
@@ -92,7 +92,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.audiofile import write_audio_atomic
+    from cosyserve.server.audiofile import write_audio_atomic
     from cosyserve.system.gchold import release_gc
 
     out = Path(args.out)

@@ -50,7 +50,7 @@ _AUDIO = {"prompt_wav": "prompt audio", "source_wav": "source audio"}
 
 @dataclass(frozen=True)
 class Output:
-    """How a request's audio is delivered: ``format`` (a name of :data:`cosyserve.audiofile.FORMATS`, or ``raw``,
+    """How a request's audio is delivered: ``format`` (a name of :data:`cosyserve.server.audiofile.FORMATS`, or ``raw``,
     the reference's int16 PCM) and ``sample_rate`` (None: the model's own)."""
 
     format: str
@@ -175,7 +175,7 @@ class Limits:
     ) -> Output:
         """The delivery a caller asks for: ``fmt`` one of the transport's ``formats``, ``sample_rate`` a positive
         rate or None (the model's; whether the model's audio can be given at that rate is the encoder's to say,
-        once the model is known: :class:`cosyserve.audiofile.Encoder`).
+        once the model is known: :class:`cosyserve.server.audiofile.Encoder`).
 
         Raises:
             ClientError: naming ``response_format`` or ``sample_rate``.

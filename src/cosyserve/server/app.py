@@ -80,8 +80,8 @@ class ServerState:
         self.startup_done = False
         self.started: asyncio.Event | None = None  # set once startup_done is (made in the lifespan's loop)
         self.drain_event: asyncio.Event | None = None  # set once draining is (made in the lifespan's loop)
-        # the open WebSocket sessions and Wyoming connections (cosyserve.server.ws.Session,
-        # cosyserve.server.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
+        # the open WebSocket sessions and Wyoming connections (cosyserve.server.transports.ws.Session,
+        # cosyserve.server.transports.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
         self.ws_sessions: set[Any] = set()
         self._ws_wait: asyncio.Task[None] | None = None
         self._sessions_gone: asyncio.Event | None = None  # set when the last session closes, while stopping
@@ -365,13 +365,13 @@ def create_app(
         ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
             fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
             default it returns at once and the health endpoints say when the models are ready.
-        wyoming: a bound :class:`cosyserve.server.wyoming.Listener`: the lifespan also serves the Wyoming
+        wyoming: a bound :class:`cosyserve.server.transports.wyoming.Listener`: the lifespan also serves the Wyoming
             protocol on it, from its start to its end (``cosyserve serve --wyoming-uri`` binds it).
     Returns:
         The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
     """
-    from cosyserve.server import openai_api, reference_api, voices, ws
     from cosyserve.server.auth import AuthMiddleware
+    from cosyserve.server.transports import openai_api, reference_api, voices, ws
 
     config = config if config is not None else Settings.load()
     if wyoming is None and config.wyoming_uri is not None:
@@ -389,7 +389,7 @@ def create_app(
         state.drain_event = asyncio.Event()
         wyoming_server = None
         if wyoming is not None:
-            from cosyserve.server.wyoming import WyomingServer
+            from cosyserve.server.transports.wyoming import WyomingServer
 
             wyoming_server = WyomingServer(state, wyoming)
             try:

@@ -121,7 +121,7 @@ class _Master:
     sock: socket.socket | None
     runtimes: dict[str, list[Any]]
     run_dir: str
-    wyoming: Any = None  # the Wyoming listener (cosyserve.server.wyoming.Listener), when asked for
+    wyoming: Any = None  # the Wyoming listener (cosyserve.server.transports.wyoming.Listener), when asked for
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
     restarts: int = 0
     early_deaths: int = 0  # deaths before READY since the last READY
@@ -513,8 +513,8 @@ def serve_prefork(settings: Settings) -> int:
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
         import cosyserve.server.metrics  # noqa: F401
-        import cosyserve.server.openai_api  # noqa: F401
-        import cosyserve.server.reference_api  # noqa: F401
+        import cosyserve.server.transports.openai_api  # noqa: F401
+        import cosyserve.server.transports.reference_api  # noqa: F401
 
         # the native threads the imports leave (Python's own, e.g. the CLI's read-ahead of the bundles, end first)
         baseline = len(_threads()) - (threading.active_count() - 1)

@@ -5,7 +5,7 @@ fails: a preload model that cannot load, a port that cannot be bound).
 ``--workers N`` (N > 1, Linux) forks N workers from a template that loaded the models: see
 :mod:`cosyserve.server.prefork`; each worker runs :func:`run_app` on the socket the master bound.
 ``--wyoming-uri`` binds the Wyoming listener here (the master, with workers), before anything loads: a taken
-address fails the start at once (exit code 3); the app serves it (:mod:`cosyserve.server.wyoming`).
+address fails the start at once (exit code 3); the app serves it (:mod:`cosyserve.server.transports.wyoming`).
 """
 
 from __future__ import annotations
@@ -160,10 +160,10 @@ def serve(settings: Settings) -> int:
 
 def bind_wyoming(settings: Settings) -> Any:
     """The Wyoming listener ``--wyoming-uri`` asks for, bound (None: not asked for); see
-    :func:`cosyserve.server.wyoming.bind`."""
+    :func:`cosyserve.server.transports.wyoming.bind`."""
     if settings.wyoming_uri is None and settings.wyoming_tenant is None and settings.wyoming_zeroconf is None:
         return None  # the wyoming package is not imported at all
-    from cosyserve.server.wyoming import bind
+    from cosyserve.server.transports.wyoming import bind
 
     return bind(settings)
 

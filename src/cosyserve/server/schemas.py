@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.audiofile import FORMATS, MEDIA_TYPES
 from cosyserve.core.errors import ClientError, PayloadTooLargeError, cut, shown
 from cosyserve.core.limits import Limits
 from cosyserve.core.request import SPEED_MAX, SPEED_MIN
+from cosyserve.server.audiofile import FORMATS, MEDIA_TYPES
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -343,7 +343,7 @@ def _health_schema() -> dict[str, Any]:
 
 
 def _websocket_doc(limits: Limits) -> dict[str, Any]:
-    # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.ws has the whole protocol)
+    # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.transports.ws has the whole protocol)
     def event(kind: str, **props: Any) -> dict[str, Any]:
         return {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}, **props}}
 
@@ -407,7 +407,7 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     server accepts; a voice sample's length in seconds is said in words (a schema cannot). Which voices exist is
     known only at run time (speakers of the model, voices registered per API key): a well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid
     voice; whether uploaded bytes are audio cannot be said in a schema either. The WebSocket route, which
-    OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.ws`).
+    OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.transports.ws`).
     """
     limits = limits if limits is not None else Limits()
     max_upload_bytes = limits.upload_bytes

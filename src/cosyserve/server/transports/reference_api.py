@@ -19,7 +19,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cosyserve.audiofile import RAW
 from cosyserve.core.errors import (
     ClientError,
     CosyserveError,
@@ -27,9 +26,10 @@ from cosyserve.core.errors import (
     UnsupportedMediaTypeError,
     shown,
 )
-from cosyserve.server.openai_api import read_body
+from cosyserve.server.audiofile import RAW
 from cosyserve.server.responses import synthesize_response
 from cosyserve.server.synth import caller, order
+from cosyserve.server.transports.openai_api import read_body
 
 __all__ = ["PARAMS", "form_file", "form_text", "read_form", "routes"]
 

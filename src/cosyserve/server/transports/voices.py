@@ -39,9 +39,9 @@ from cosyserve.core.errors import (
     shown,
 )
 from cosyserve.server.errors import VoiceNotFoundError
-from cosyserve.server.openai_api import OPENAI_VOICES
-from cosyserve.server.reference_api import form_file, form_text, read_form
 from cosyserve.server.schemas import MAX_NAME_CHARS
+from cosyserve.server.transports.openai_api import OPENAI_VOICES
+from cosyserve.server.transports.reference_api import form_file, form_text, read_form
 
 __all__ = ["CONSENT_FILE", "PARAMS", "ConsentLedger", "routes"]
 

@@ -54,14 +54,14 @@ from urllib.parse import urlsplit
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from cosyserve.audiofile import check_rate
 from cosyserve.core.errors import ClientError, CosyserveError, NotReadyError, shown
 from cosyserve.core.request import ResolvedRequest
 from cosyserve.core.textfeed import TextFeed
+from cosyserve.server.audiofile import check_rate
 from cosyserve.server.errors import error_object, error_response, retry_after, status_of
-from cosyserve.server.openai_api import voice_fields
 from cosyserve.server.schemas import SESSION_FORMATS, SessionConfig, json_object, parse_session_config
 from cosyserve.server.synth import Order, Synthesis, caller, order, usage
+from cosyserve.server.transports.openai_api import voice_fields
 
 logger = logging.getLogger("cosyserve.server")
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: ``POST /v1/audio/speech``, ``GET /v1/models`` (the voices are :mod:`cosyserve.server.voices`).
+"""OpenAI-compatible routes: ``POST /v1/audio/speech``, ``GET /v1/models`` (the voices are :mod:`cosyserve.server.transports.voices`).
 
 ``model`` is a pool model name, or one of OpenAI's (``tts-1``, ``tts-1-hd``, ``gpt-4o-mini-tts``) for the default
 model. ``voice`` is a speaker of the model, a voice registered for the caller's tenant (spoken in zero-shot
@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cosyserve.audiofile import FORMATS
 from cosyserve.core.errors import ClientError, PayloadTooLargeError, UnsupportedMediaTypeError, shown
+from cosyserve.server.audiofile import FORMATS
 from cosyserve.server.responses import synthesize_response
 from cosyserve.server.schemas import OPENAI_VOICES, parse_speech_request, speech_body_limit
 from cosyserve.server.synth import caller, order
