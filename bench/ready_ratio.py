@@ -32,7 +32,7 @@ FLOOR = "import time, torch; print('READY', time.time(), flush=True)"
 
 
 def _start(code: str, env: dict[str, str]) -> float:
-    from cosyserve.report import spawn_timed
+    from cosyserve.tools.report import spawn_timed
 
     t0, rest = spawn_timed([sys.executable, "-c", code], env, "READY")
     return (float(rest) - t0) * 1e3

@@ -356,8 +356,8 @@ def test_flamegraph_without_py_spy_fails_before_any_start(
     saying "skipped", instead of failing at once with a one-line error naming the `profile` extra."""
     import shutil
 
-    from cosyserve import report
     from cosyserve.cli import main
+    from cosyserve.tools import report
 
     def no_start(*args: object, **kwargs: object) -> None:
         raise AssertionError("a timed start ran although the flame graph cannot be made")

@@ -121,9 +121,9 @@ def test_the_fixtures_token2wav_stream_cases_pass_through_the_incremental_path(
 ) -> None:
     """The reference's recorded streams (token2wav_stream cases) pass with chunks that compute their own frames:
     after the first call, no estimator pass of a streamed call runs on every frame so far."""
-    from cosyserve.conformance import run_conformance
     from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder
     from cosyserve.models.dit import DiT
+    from cosyserve.tools.conformance import run_conformance
 
     set_dir = request.getfixturevalue("cv2_set_dir" if set_name.startswith("cosyvoice2") else "cv3_set_dir")
     calls: list[tuple[int, bool]] = []

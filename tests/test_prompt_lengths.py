@@ -59,7 +59,7 @@ class _NoText:
 
 
 def _frontend_and_flow(family: str, model_dir: Path) -> tuple[Any, Any]:
-    from cosyserve.conformance.context import CaseContext
+    from cosyserve.tools.conformance.context import CaseContext
 
     ctx = CaseContext(model_dir, model_dir)
     if family == "cosyvoice3":

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve import quality
-from cosyserve.quality import BOUNDS, QualityReport, compare, parse_options
 from cosyserve.runtime import RuntimeOptions, load_runtime
+from cosyserve.tools import quality
+from cosyserve.tools.quality import BOUNDS, QualityReport, compare, parse_options
 
 OPTIONS = RuntimeOptions(warmup=False, text_tier="lazy")
 

@@ -269,7 +269,7 @@ def test_waterfall_svg_is_legible(summary: dict, tmp_path: Path) -> None:
     one, and the phases that run after READY are drawn after the READY line."""
     import xml.etree.ElementTree as ET
 
-    from cosyserve.report import _svg
+    from cosyserve.tools.report import _svg
 
     path = tmp_path / "w.svg"
     _svg(summary, path)

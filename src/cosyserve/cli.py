@@ -179,7 +179,7 @@ def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
 
 def _cmd_startup_report(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.api import choose_runtime
-    from cosyserve.report import startup_report
+    from cosyserve.tools.report import startup_report
 
     choose_runtime(settings.models[0], settings)  # the runtime its fresh processes will load on
     startup_report(
@@ -265,7 +265,7 @@ def _check_speakers_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.conformance import run_conformance
+    from cosyserve.tools.conformance import run_conformance
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
@@ -279,7 +279,7 @@ def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _cmd_quality(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.quality import PARTS, parse_options, run_quality
+    from cosyserve.tools.quality import PARTS, parse_options, run_quality
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -543,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compares a variant of a model with its fp32 reference path on fixed, seeded inputs: the "
         "LLM's top-1 agreement and mean |delta log p| under teacher forcing, the flow's mel and the audio's "
         "log-mel L1 and log-spectral distance, and streamed vs one-shot audio under both chunk policies. "
-        "See cosyserve.quality for the definitions and the bounds.",
+        "See cosyserve.tools.quality for the definitions and the bounds.",
     )
     _setting(p, "models")
     p.add_argument(

@@ -59,7 +59,7 @@ FIRST_HOP_RANGE = (12, 200)
 # 21: the shortest first hop whose window (41 tokens) is longer than twice the overlap, so the flow's length
 # regulator maps the overlap tokens onto exactly the mel frames that are cross-faded with the next window (from 12
 # to 20 they are interpolated with the rest: the seam frames are only approximately the same tokens). Streamed vs
-# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.quality), and each
+# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.tools.quality), and each
 # token less is one LLM step (~40-60 ms on 2 cores) sooner.
 FIRST_HOP_DEFAULT = 21
 

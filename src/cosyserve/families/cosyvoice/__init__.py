@@ -45,7 +45,7 @@ class CosyVoice(Family):
              "text_frontend", "zero_shot_frontend", "cross_lingual_frontend", "instruct_frontend"),
             "cosyserve.families.cosyvoice.conformance",
         ),
-        **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.conformance.kinds_features"),
+        **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.tools.conformance.kinds_features"),
     }  # fmt: skip
     lite_kinds = tuple(conformance_kinds)
     hub_ids = (

@@ -58,7 +58,7 @@ def _ids(t: Any) -> list[int]:
 
 
 def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
-    from cosyserve.conformance.kinds_lm import llm_logprobs
+    from cosyserve.tools.conformance.kinds_lm import llm_logprobs
 
     emb = _a(inputs["embedding"]).reshape(1, -1)
     model_input = {
@@ -72,7 +72,7 @@ def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
 
 
 def run_llm_bistream_logprobs(ctx: Any, inputs: dict) -> dict:
-    from cosyserve.conformance.kinds_lm import llm_bistream_logprobs
+    from cosyserve.tools.conformance.kinds_lm import llm_bistream_logprobs
 
     return llm_bistream_logprobs(
         _lite(ctx)["llm"],

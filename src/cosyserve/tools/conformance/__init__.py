@@ -62,7 +62,7 @@ def _kind_function(
     # needs); on the lite runtime, the lite runtime's own where it has one, NOT_SERVED where the lite runtime does
     # not compute the kind for the family yet (its other kinds run torch-free code both runtimes share)
     if runtime == "lite":
-        from cosyserve.conformance.kinds_lite import KINDS as LITE_KINDS
+        from cosyserve.tools.conformance.kinds_lite import KINDS as LITE_KINDS
 
         if kind in family.conformance_kinds and kind not in family.lite_kinds:
             return NOT_SERVED
@@ -182,7 +182,7 @@ def run_conformance(
     """
     from safetensors.torch import load_file
 
-    from cosyserve.conformance.context import CaseContext
+    from cosyserve.tools.conformance.context import CaseContext
 
     set_dir = Path(set_dir)
     cases_path = set_dir / "cases.json"

@@ -1,6 +1,6 @@
 """``cosyserve startup-report``: where every millisecond of a start goes, measured on fresh processes.
 
-Each run starts ``python -m cosyserve._probe`` (the same load path a server takes) and, alternating with it, the
+Each run starts ``python -m cosyserve.tools._probe`` (the same load path a server takes) and, alternating with it, the
 floor: a fresh ``python -c "import torch"``. Both report the wall-clock instant they got to (ready / torch
 imported) against the spawn instant the parent passes in ``COSYSERVE_SPAWN_T0``, so the two are measured the
 same way. ``--cold`` evicts the bundle's pages from the page cache before each start (posix_fadvise DONTNEED,
@@ -343,7 +343,7 @@ def startup_report(
         "threads": threads,
         "runtime": runtime,
     }
-    probe_cmd = [sys.executable, "-m", "cosyserve._probe", json.dumps(opts)]
+    probe_cmd = [sys.executable, "-m", "cosyserve.tools._probe", json.dumps(opts)]
     floor_cmd = [sys.executable, "-c", _FLOOR_CODE.format(module=_FLOOR_MODULE[runtime])]
     ready, floor, first_audio, rss = [], [], [], []
     precision: dict[str, str] = {}
