@@ -182,7 +182,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _qwen_ranks() -> dict[bytes, int]:
-    path = Path(__file__).parents[2] / "assets" / "qwen.tiktoken"
+    path = Path(__file__).parent / "assets" / "qwen.tiktoken"
     ranks = {}
     for line in path.read_bytes().splitlines():
         token, rank = line.split()
