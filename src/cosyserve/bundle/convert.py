@@ -289,8 +289,8 @@ def convert(
     """
     import torch
 
-    from cosyserve import __version__
     from cosyserve.bundle.official import load_speakers, module_class
+    from cosyserve.core.version import __version__
     from cosyserve.families.modelconfig import config_tree, load_model_config
     from cosyserve.models.precision import keeps_float32
     from cosyserve.system.staging import Staging

@@ -465,7 +465,7 @@ class Connection:
 
     def _info(self) -> Any:
         # in a thread: registered voices are read from the registry's folder
-        from cosyserve import __version__
+        from cosyserve.core.version import __version__
 
         info, state, tenant = self.wy.info, self.state, self.tenant
         attribution = info.Attribution(*_ATTRIBUTION)
