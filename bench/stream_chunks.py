@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cosyserve.runtime import FIRST_HOP_DEFAULT
+from cosyserve.core.settings import FIRST_HOP_DEFAULT
 
 
 def model_dir(family: str, size: str, work: Path) -> Path:

@@ -295,8 +295,9 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
         cosyserve.core.errors.SettingsError: the ``device`` setting names a device the chosen runtime cannot use here
             (:func:`cosyserve.system.device.check_device`: checked once at start, before anything loads).
     """
-    from cosyserve.bundle.sources import has_lite_files, torch_installed
+    from cosyserve.bundle.sources import has_lite_files
     from cosyserve.core.errors import InputError
+    from cosyserve.core.settings import torch_installed
     from cosyserve.system.device import check_device, device_given
 
     chosen = runtime or settings.runtime

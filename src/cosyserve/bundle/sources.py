@@ -17,32 +17,19 @@ import logging
 from pathlib import Path
 
 from cosyserve.core.errors import ModelDirError
+from cosyserve.core.settings import DEMO_MODEL
 
 __all__ = [
-    "DEMO_MODEL",
     "cache_dir_of",
     "demo_model_dir",
     "has_lite_files",
     "resolve_bundle",
     "resolve_source",
-    "torch_installed",
 ]
 
 logger = logging.getLogger(__name__)
 # expected slow steps (a first conversion): INFO, not a warning; the CLI shows this logger as short lines on stderr
 progress_logger = logging.getLogger("cosyserve.progress")
-
-DEMO_MODEL = "demo"
-
-
-def torch_installed() -> bool:
-    """Whether torch is installed, found without importing it (a millisecond, not the second its import takes)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):  # ValueError: a module object in sys.modules without a spec
-        return False
 
 
 def has_lite_files(source: str | Path) -> bool:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.bundle.sources import DEMO_MODEL
 from cosyserve.core.casts import (
     LEVELS,
     NAME,
@@ -46,10 +45,12 @@ from cosyserve.core.casts import (
     parse_api_keys,
 )
 from cosyserve.core.errors import SettingsError
-from cosyserve.runtime import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
 
 __all__ = [
+    "CHUNK_POLICY_CHOICES",
     "DEMO_MODEL",
+    "FIRST_HOP_DEFAULT",
+    "FIRST_HOP_RANGE",
     "ModelArg",
     "PoolFile",
     "Setting",
@@ -59,7 +60,35 @@ __all__ = [
     "parse_model_arg",
     "parse_setting",
     "read_pool_file",
+    "torch_installed",
 ]
+
+# what ``--model demo`` names: a tiny random-weight model generated once into the cache
+# (:func:`cosyserve.bundle.sources.demo_model_dir`)
+DEMO_MODEL = "demo"
+
+# the streaming chunk policies (cosyserve.families.streampolicy.StreamPolicy.named) and the first hop's range in
+# tokens: below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the
+# longest hop
+CHUNK_POLICY_CHOICES = ("reference", "low-latency")
+FIRST_HOP_RANGE = (12, 200)
+# 21: the shortest first hop whose window (41 tokens) is longer than twice the overlap, so the flow's length
+# regulator maps the overlap tokens onto exactly the mel frames that are cross-faded with the next window (from 12
+# to 20 they are interpolated with the rest: the seam frames are only approximately the same tokens). Streamed vs
+# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.tools.quality), and
+# each token less is one LLM step (~40-60 ms on 2 cores) sooner.
+FIRST_HOP_DEFAULT = 21
+
+
+def torch_installed() -> bool:
+    """Whether torch is installed, found without importing it (a millisecond, not the second its import takes):
+    what the ``runtime`` setting defaults by."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # ValueError: a module object in sys.modules without a spec
+        return False
 
 
 # -- declarations -------------------------------------------------------------------------------------------------
@@ -172,8 +201,6 @@ def _cache_dir(env: Mapping[str, str]) -> Path:
 
 
 def _default_runtime(env: Mapping[str, str]) -> str:
-    from cosyserve.bundle.sources import torch_installed
-
     return "torch" if torch_installed() else "lite"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from cosyserve.runtime import CHUNK_POLICY_CHOICES
+from cosyserve.core.settings import CHUNK_POLICY_CHOICES
 
 __all__ = ["ONE_PASS_SECONDS", "StreamPolicy"]
 

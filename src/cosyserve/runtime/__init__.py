@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from cosyserve.core.settings import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -25,9 +27,6 @@ if TYPE_CHECKING:
     from cosyserve.core.request import Mode, SynthesisRequest
 
 __all__ = [
-    "CHUNK_POLICY_CHOICES",
-    "FIRST_HOP_DEFAULT",
-    "FIRST_HOP_RANGE",
     "PIECE_SECONDS_MAX",
     "RUNTIMES",
     "Runtime",
@@ -51,17 +50,6 @@ RUNTIMES: dict[str, str] = {
 # This bounds the work and memory of one pass and of one LM run, and is far above the speech of any piece read at a
 # normal pace (160 tokens are about 120 English words: 48 s at 150 words a minute).
 PIECE_SECONDS_MAX = 60
-
-# the streaming chunk policies (cosyserve.families.streampolicy.StreamPolicy.named) and the first hop's range in tokens:
-# below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop
-CHUNK_POLICY_CHOICES = ("reference", "low-latency")
-FIRST_HOP_RANGE = (12, 200)
-# 21: the shortest first hop whose window (41 tokens) is longer than twice the overlap, so the flow's length
-# regulator maps the overlap tokens onto exactly the mel frames that are cross-faded with the next window (from 12
-# to 20 they are interpolated with the rest: the seam frames are only approximately the same tokens). Streamed vs
-# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.tools.quality), and each
-# token less is one LLM step (~40-60 ms on 2 cores) sooner.
-FIRST_HOP_DEFAULT = 21
 
 
 @dataclass(frozen=True)
