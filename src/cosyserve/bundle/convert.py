@@ -27,27 +27,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from cosyserve.bundle.loader import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, sha256_file
 from cosyserve.core.errors import ConvertError, ModelDirError
 from cosyserve.frontend.onnx_compat import copy_onnx
 
 __all__ = [
-    "BUNDLE_FORMAT",
-    "BUNDLE_VERSION",
-    "BUNDLE_VERSIONS",
-    "COMPONENTS",
     "ConvertError",
     "convert",
     "parse_component_dtypes",
     "parse_quantize",
-    "sha256_file",
 ]
 
 logger = logging.getLogger(__name__)
 
-BUNDLE_FORMAT = "cosyserve-bundle"
-BUNDLE_VERSION = 1
-BUNDLE_VERSIONS = (1, 2)  # 2: a component holds quantized (int8) tensors; written only then
-COMPONENTS = ("llm", "flow", "hift")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZABLE = ("llm",)  # components whose linears may be int8
@@ -114,14 +106,6 @@ def parse_quantize(spec: str | Mapping[str, str], where: str = "--quantize") -> 
     """
     pairs = _component_spec(spec, where, QUANTIZE_CHOICES, QUANTIZABLE)
     return {name: method for name, method in pairs.items() if method != "none"}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _tensor_sha256(t: Any) -> str:

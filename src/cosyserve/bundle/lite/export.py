@@ -325,8 +325,7 @@ def export_lite(
     """
     from safetensors.numpy import save_file
 
-    from cosyserve.bundle.convert import sha256_file
-    from cosyserve.bundle.loader import LoadOptions, open_bundle
+    from cosyserve.bundle.loader import LoadOptions, open_bundle, sha256_file
     from cosyserve.families.base import import_string
 
     bundle = open_bundle(bundle_dir)
