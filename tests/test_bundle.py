@@ -248,7 +248,7 @@ def test_instruct_models_are_told_by_the_reference_rule_and_recorded(
     reference decides; a Hugging Face snapshot is named by its repo. If this fails, instruct mode is refused on
     an official -Instruct download, or allowed on -SFT (the reference refuses it there)."""
     from cosyserve.bundle.loader import Bundle
-    from cosyserve.bundle.official import is_instruct_model_dir
+    from cosyserve.families.cosyvoice import is_instruct_model_dir
 
     snap = tmp_path / "hub" / "models--FunAudioLLM--CosyVoice-300M-Instruct" / "snapshots" / "0123abc"
     for d in (

@@ -151,11 +151,11 @@ class Bundle:
     @property
     def instruct(self) -> bool:
         """Whether the model takes instruct mode (a CosyVoice-300M-Instruct), as recorded at conversion by
-        :func:`cosyserve.bundle.official.is_instruct_model_dir`; a bundle converted before that was recorded
+        :func:`cosyserve.families.cosyvoice.is_instruct_model_dir`; a bundle converted before that was recorded
         is judged by the same rule on the source directory its manifest names."""
         value = self.manifest.get("instruct")
         if value is None:
-            from cosyserve.bundle.official import is_instruct_model_dir
+            from cosyserve.families.cosyvoice import is_instruct_model_dir
 
             source = self.manifest.get("source", {}).get("dir")
             return isinstance(source, str) and bool(source) and is_instruct_model_dir(source)

@@ -13,23 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.errors import ModelDirError
 
-# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
-# a bundle unchanged, opened by the zero-shot frontend on first use
-from cosyserve.frontend.prompt import CAMPPLUS_FILE, ONNX_FILES, SPEECH_TOKENIZER_FILE  # noqa: F401
-
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CAMPPLUS_FILE",
     "COMPONENT_FILES",
-    "INSTRUCT_MARK",
-    "ONNX_FILES",
-    "SPEECH_TOKENIZER_FILE",
     "ModelDirError",
-    "is_instruct_model_dir",
     "load_component",
     "load_speakers",
     "module_class",
@@ -37,25 +28,6 @@ __all__ = [
 ]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
-
-INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
-
-
-def is_instruct_model_dir(model_dir: str | Path) -> bool:
-    """Whether an official model directory holds an instruct model (CosyVoice-300M-Instruct).
-
-    Nothing in the files tells: the -Instruct checkpoint has the same config, layout and speakers as -SFT; it
-    was trained to follow instructions. So this is the reference's rule, made exact: the name of the directory
-    (its real path, symlinks resolved, as the bundle cache keys it) contains ``-Instruct``, case-sensitive, as
-    the official download's does. A Hugging Face cache snapshot (``models--ORG--NAME/snapshots/REV``) is named
-    by its repo, NAME. ``cosyserve convert`` records the answer in the bundle's manifest; serving never looks
-    at names.
-    """
-    path = Path(model_dir).resolve()
-    name = path.name
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        name = path.parent.parent.name
-    return INSTRUCT_MARK in name
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

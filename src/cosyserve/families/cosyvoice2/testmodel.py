@@ -294,11 +294,12 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     write_qwen_files(tmp / "CosyVoice-BlankEN", size)
     cfg = load_model_config(tmp)
     gen = torch.Generator().manual_seed(seed)
-    from cosyserve.bundle.official import module_class
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        parts = {name: module_class(name, cfg.family)(getattr(cfg, name)) for name in ("llm", "flow", "hift")}
+        parts = {
+            name: cfg.family_spec.module_class(name)(getattr(cfg, name)) for name in ("llm", "flow", "hift")
+        }
     voice_f0_head(parts["hift"], gen)
     info: dict[str, tuple[int, int]] = {}
     for name, module in parts.items():
