@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.core.settings import Settings
+from cosyserve.server.run import bind_wyoming, run_app, uvicorn_options, wyoming_unbound
 from cosyserve.system.staging import LockedDir
 
 logger = logging.getLogger("cosyserve.prefork")
@@ -399,7 +400,6 @@ def _check_threads(baseline: int) -> None:
 
 def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink, wyoming: Any = None) -> int:
     from cosyserve.server.app import create_app
-    from cosyserve.server.run import run_app
 
     for runtimes in link.runtimes.values():
         for rt in runtimes:
@@ -468,8 +468,6 @@ def _bind(settings: Settings) -> socket.socket:
     message and SystemExit(3)); its protocol modules imported on the way, as each worker's start would."""
     import uvicorn
 
-    from cosyserve.server.run import uvicorn_options
-
     config = uvicorn.Config(_no_app, **uvicorn_options(settings))
     config.load()  # the HTTP, websocket and lifespan modules it picks: imported once, here, not per worker
     return config.bind_socket()
@@ -486,7 +484,6 @@ def serve_prefork(settings: Settings) -> int:
     """
     from cosyserve.core.errors import SettingsError
     from cosyserve.server.app import STARTUP_FAILURE
-    from cosyserve.server.run import bind_wyoming, wyoming_unbound
 
     if not sys.platform.startswith("linux"):
         raise SettingsError(
