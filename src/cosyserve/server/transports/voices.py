@@ -13,17 +13,15 @@
 
 A tenant never sees, uses or deletes another tenant's voices: the registry keeps one folder per tenant. Consent is
 recorded in an append-only ledger beside the tenant's voices (``consent.jsonl``: who registered which recording,
-its sha256, the consent given, when; and when it was deleted), which outlives the voice it is about.
+its sha256, the consent given, when; and when it was deleted), which outlives the voice it is about
+(:mod:`cosyserve.voices.consent`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -42,61 +40,13 @@ from cosyserve.server.errors import VoiceNotFoundError
 from cosyserve.server.schemas import MAX_NAME_CHARS
 from cosyserve.server.transports.openai_api import OPENAI_VOICES
 from cosyserve.server.transports.reference_api import form_file, form_text, read_form
+from cosyserve.voices.consent import ConsentLedger
 
-__all__ = ["CONSENT_FILE", "PARAMS", "ConsentLedger", "routes"]
+__all__ = ["PARAMS", "routes"]
 
 # the runtime's field names -> this route's
 PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "name"}
-CONSENT_FILE = "consent.jsonl"
 _FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
-
-
-class ConsentLedger:
-    """The append-only consent records of a registry (one JSON line per registration or deletion, per tenant).
-
-    Args:
-        root: the registry's folder (its tenants' folders hold their ledger).
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-
-    def path(self, tenant: str) -> Path:
-        from cosyserve.voices.registry import validate_tenant
-
-        return self.root / validate_tenant(tenant) / CONSENT_FILE
-
-    def record(self, tenant: str, entry: dict[str, Any]) -> None:
-        """Append ``entry``, synced to disk before this returns (an O_APPEND write: whole lines, whoever writes)."""
-        path = self.path(tenant)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        line = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def current(self, tenant: str) -> dict[str, dict[str, Any]]:
-        """Each voice name -> its latest registration record, unless a deletion came after it."""
-        try:
-            text = self.path(tenant).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return {}
-        out: dict[str, dict[str, Any]] = {}
-        for line in text.splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash mid-write: the records before and after it stand
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                continue
-            if entry.get("event") == "create":
-                out[entry["name"]] = entry
-            elif entry.get("event") == "delete":
-                out.pop(entry["name"], None)
-        return out
 
 
 def _ledger(runtime: Any) -> ConsentLedger:
