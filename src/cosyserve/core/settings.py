@@ -594,7 +594,7 @@ class Settings:
         doc="speaker that OpenAI voice names (alloy, echo, ...) stand for",
         shown="first speaker",
     )
-    # -- Wyoming (Home Assistant): cosyserve.server.transports.wyoming ----------------------------------------------------
+    # -- Wyoming (Home Assistant): cosyserve.server.transports.wyoming -------------------------------------------
     wyoming_uri: str | None = _serve(
         None,
         env="COSYSERVE_WYOMING_URI",

@@ -6,11 +6,11 @@ its subclasses) and the lite runtime's :class:`~cosyserve.runtime.lite.lm.StepLM
 ``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
 
 - one-shot: a prompt, ``min_len`` (before it id ``eos_token`` is masked), ``max_len``;
-- streamed text: the prompt split after its head (:meth:`~cosyserve.core.sampling.StopRules.prompt_head`), prompt speech interleaved
-  15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled), after which the row waits
-  for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and the row runs to the real
-  EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps per text token
-  received.
+- streamed text: the prompt split after its head (:meth:`~cosyserve.core.sampling.StopRules.prompt_head`),
+  prompt speech interleaved 15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled),
+  after which the row waits for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and
+  the row runs to the real EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps
+  per text token received.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Export a bundle's torch modules as the lite runtime's ONNX graphs (``cosyserve convert --runtime lite``).
 
 Needs torch and onnx (a machine that converts); the lite runtime that reads the result needs neither. Every model
-computation becomes one graph; what is cheap, stateful or random stays in numpy (:mod:`cosyserve.models.lite_dsp`,
-:mod:`cosyserve.runtime.lite.lm`, :mod:`cosyserve.runtime.lite.models`: sampling, the Euler loop, the sine source, STFT and iSTFT,
-the length regulator's interpolation, prompt assembly from tables). Each graph keeps its weights in one external
-data file beside it, which ONNX Runtime maps; each is checked against the torch module on inputs of two lengths
-(a length baked in by tracing shows up as a mismatch at the other) and a bundle whose graph does not match is not
-written.
+computation becomes one graph; what is cheap, stateful or random stays in numpy
+(:mod:`cosyserve.models.lite_dsp`, :mod:`cosyserve.runtime.lite.lm`, :mod:`cosyserve.runtime.lite.models`:
+sampling, the Euler loop, the sine source, STFT and iSTFT, the length regulator's interpolation, prompt assembly
+from tables). Each graph keeps its weights in one external data file beside it, which ONNX Runtime maps; each is
+checked against the torch module on inputs of two lengths (a length baked in by tracing shows up as a mismatch at
+the other) and a bundle whose graph does not match is not written.
 
 A family's graphs are its own (``Family.lite_export``: :mod:`cosyserve.bundle.lite.export_300m` for CosyVoice-300M,
 :mod:`cosyserve.bundle.lite.export_qwen` for the Qwen LM of CosyVoice2 and 3); this module drives them through an

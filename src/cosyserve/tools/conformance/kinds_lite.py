@@ -1,8 +1,8 @@
 """Conformance kinds on the lite runtime (``cosyserve conformance DIR --runtime lite``).
 
 The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
-with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm` and :mod:`cosyserve.runtime.lite.models` (the LM kinds of every
-family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
+with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm` and :mod:`cosyserve.runtime.lite.models` (the
+LM kinds of every family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
 (:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
 :class:`cosyserve.runtime.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
 computations under test import none. Text kinds (``tokenize``, ``text_frontend``) are torch-free code both
