@@ -31,7 +31,7 @@ import time, resource, sys
 import torch
 t_imp = time.time()
 torch.set_num_threads({threads})
-from cosyserve.modelconfig import load_model_config
+from cosyserve.families.modelconfig import load_model_config
 from cosyserve.bundle.official import module_class
 d = {model_dir!r}
 cfg = load_model_config(d)
@@ -48,18 +48,18 @@ print("BENCH", time.time(), (t1 - t0) * 1e3, (t2 - t0) * 1e3, resource.getrusage
 
 BUNDLE = r"""
 import time, resource
-from cosyserve.gchold import hold_gc
+from cosyserve.system.gchold import hold_gc
 hold_gc()  # as `cosyserve serve` does at process start (released when the load returns)
-from cosyserve.pagecache import prefetch_bundles
+from cosyserve.system.pagecache import prefetch_bundles
 if {strategy!r} != "lazy":
     prefetch_bundles([{bundle!r}])  # likewise: read a cold bundle while torch imports
 import torch
 torch.set_num_threads({threads})
 import cosyserve
-from cosyserve.clock import PhaseClock
+from cosyserve.core.clock import PhaseClock
 clock = PhaseClock()
 m = cosyserve.load({bundle!r}, warmup={warmup}, clock=clock, strategy={strategy!r}, verify="stamp")
-from cosyserve.gchold import release_gc
+from cosyserve.system.gchold import release_gc
 release_gc()
 ph = clock.durations
 wall = ph["load_wall"]  # open + check + construct + map/assign (+ populate for preload), wall clock
@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from cosyserve.pagecache import evict, prefetch_files
+    from cosyserve.system.pagecache import evict, prefetch_files
 
     env = dict(os.environ)
     env["PYTHONPATH"] = (

@@ -7,7 +7,7 @@ One process loads the model twice (the same mapped weights), once per policy, wa
 sentence (same seed, so the same tokens) through the Python API (``cosyserve.load(...).synthesize(stream=True)``)
 alternating between the policies, and times from the call to the first audio chunk. Prints min and median over
 ``--runs``, the first chunk's audio length, and (unless ``--no-quality``) the streamed vs one-shot distances of
-both policies from :func:`cosyserve.quality.chunk_distances`, with the load average before and after.
+both policies from :func:`cosyserve.tools.quality.chunk_distances`, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     print(f"low-latency / reference (median): {ratio:.2f}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     if not args.no_quality:
-        from cosyserve.quality import chunk_distances
+        from cosyserve.tools.quality import chunk_distances
 
         runtime = models["low-latency"].runtime
         print(

@@ -29,7 +29,7 @@ CHILD = r"""
 import json, resource, sys, time
 t_main = time.time()
 import cosyserve
-from cosyserve.clock import process_start_time
+from cosyserve.core.clock import process_start_time
 bundle, runtime, threads, text, quantize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 model = cosyserve.load(bundle, runtime=runtime, threads=threads, llm_quantize=quantize)
 t0 = process_start_time()

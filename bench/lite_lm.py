@@ -40,15 +40,15 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np
 import cosyserve
-from cosyserve.clock import process_start_time
+from cosyserve.core.clock import process_start_time
 
 which, bundle, threads, quantize, n_text, n_tokens = sys.argv[1:3] + [int(sys.argv[3]), sys.argv[4]] + [
     int(a) for a in sys.argv[5:7]
 ]
 out = {}
 if which == "lite":
-    from cosyserve.lite.lm import lite_lm
-    from cosyserve.lite.models import LiteBundle
+    from cosyserve.runtime.lite.lm import lite_lm
+    from cosyserve.runtime.lite.models import LiteBundle
     from cosyserve.runtime.lite import _warm_up_lm
 
     lb = LiteBundle(bundle, threads=threads, int8=quantize == "int8")
@@ -109,8 +109,8 @@ def _ensure_lite_lm(bundle: Path, model_dir: Path | None) -> None:
     manifest = bundle / "lite" / "manifest.json"
     if manifest.is_file() and "llm_step.int8.onnx" in json.loads(manifest.read_text())["files"]:
         return
+    from cosyserve.bundle.lite.export import export_lite
     from cosyserve.bundle.loader import open_bundle
-    from cosyserve.lite.export import export_lite
 
     parts = open_bundle(bundle).family.lite_parts
     print(f"exporting the lite graphs of {', '.join(parts)} (float and int8) into {bundle}", flush=True)

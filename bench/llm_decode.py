@@ -41,9 +41,9 @@ def _teacher_forced(model: TransformerLM, args: tuple, teacher: list[int]) -> to
 
 
 def timed_generation(model: TransformerLM, args: tuple, n_tokens: int, text_len: int, seed: int):
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import one_shot
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     ratio = n_tokens / text_len  # min == max: EOS is masked for every step, exactly n_tokens come out
     t0 = time.perf_counter()

@@ -46,12 +46,12 @@ def free_port() -> int:
 
 def serve(bundle: str, workers: int, port: int, threads: int | None) -> None:
     """The server the bench measures: ``cosyserve serve`` as the CLI runs it, but prefork for N = 1 too."""
-    from cosyserve.gchold import hold_gc
+    from cosyserve.system.gchold import hold_gc
 
     hold_gc()  # as `cosyserve serve` does from its first line
+    from cosyserve.core.settings import Settings
     from cosyserve.server.prefork import serve_prefork
     from cosyserve.server.run import setup_logging
-    from cosyserve.settings import Settings
 
     flags: dict[str, Any] = {
         "models": [bundle],

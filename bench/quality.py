@@ -14,7 +14,7 @@ import argparse
 import os
 import time
 
-from cosyserve.quality import BOUNDS, PARTS, parse_options, run_quality
+from cosyserve.tools.quality import BOUNDS, PARTS, parse_options, run_quality
 
 
 def main() -> None:

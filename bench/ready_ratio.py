@@ -20,9 +20,9 @@ from pathlib import Path
 
 LOAD = """
 import time
-from cosyserve.gchold import hold_gc
+from cosyserve.system.gchold import hold_gc
 hold_gc()
-from cosyserve.pagecache import prefetch_bundles
+from cosyserve.system.pagecache import prefetch_bundles
 prefetch_bundles([{bundle!r}])
 import cosyserve
 m = cosyserve.load({bundle!r})
@@ -32,7 +32,7 @@ FLOOR = "import time, torch; print('READY', time.time(), flush=True)"
 
 
 def _start(code: str, env: dict[str, str]) -> float:
-    from cosyserve.report import spawn_timed
+    from cosyserve.tools.report import spawn_timed
 
     t0, rest = spawn_timed([sys.executable, "-c", code], env, "READY")
     return (float(rest) - t0) * 1e3

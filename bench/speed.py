@@ -50,7 +50,7 @@ t_import = time.perf_counter()
 import torch
 torch.set_num_threads(int(sys.argv[2]))
 import cosyserve
-from cosyserve.clock import process_start_time
+from cosyserve.core.clock import process_start_time
 
 args = json.loads(sys.argv[1])
 model = cosyserve.load(args["bundle"], threads=int(sys.argv[2]), **args["options"])

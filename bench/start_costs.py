@@ -7,7 +7,7 @@ vocoder without weight-norm parametrizations, loads the text tier after READY an
 script prints how much each of those costs on this machine, so the figures live here (and in README's
 performance section) rather than in docstrings where they go stale:
 
-- ``import torch`` with the collector on, and held as ``cosyserve serve`` holds it (cosyserve.gchold);
+- ``import torch`` with the collector on, and held as ``cosyserve serve`` holds it (cosyserve.system.gchold);
 - the web stack: starlette + uvicorn, and FastAPI (pydantic) when installed;
 - the text tier: the tokenizer (50k-entry vocabulary), wetext's normalisers, and importing inflect;
 - module construction on meta: ``nn.Embedding`` of the text vocabulary without our ``empty_modules`` (whose
@@ -31,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 CASES: dict[str, str] = {
     "import torch, collector on": "import time; t = time.perf_counter(); import torch",
     "import torch, collector held": (
-        "import time; from cosyserve.gchold import hold_gc; hold_gc(); t = time.perf_counter(); import torch"
+        "import time; from cosyserve.system.gchold import hold_gc; hold_gc(); t = time.perf_counter(); import torch"
     ),
     "import starlette + uvicorn": (
         "import time; t = time.perf_counter(); import starlette.applications, starlette.routing, uvicorn"
@@ -68,7 +68,7 @@ CASES: dict[str, str] = {
 
 PAGE_CACHE = """
 import hashlib, mmap, sys, time
-from cosyserve import pagecache
+from cosyserve.system import pagecache
 path = sys.argv[1]
 gb = pagecache.resident_bytes([path]) / 1e9
 with open(path, "rb") as f:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cosyserve.runtime import FIRST_HOP_DEFAULT
+from cosyserve.core.settings import FIRST_HOP_DEFAULT
 
 
 def model_dir(family: str, size: str, work: Path) -> Path:
@@ -55,7 +55,7 @@ def model_dir(family: str, size: str, work: Path) -> Path:
 def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool) -> Any:
     """The family's token2wav over the dir's flow and vocoder (loaded once per process), with ``policy_name``."""
     from cosyserve.bundle.official import load_component
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.models.precision import cast_floating
 
     key = (str(path), dtype)
@@ -199,7 +199,7 @@ def main() -> None:
         totals = [sum(x["wall_s"] for x in r) for r in runs["incremental"]]
         print(f"total: incremental {a:.1f} s vs cumulative {b:.1f} s ({a / b:.2f}x; median incr. "
               f"{statistics.median(totals):.1f} s)")  # fmt: skip
-    from cosyserve.voicestates import bytes_per_second
+    from cosyserve.voices.voicestates import bytes_per_second
 
     flow = token2wav(path, args.policy, args.dtype, True).flow
     per_s = bytes_per_second(flow)

@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import cosyserve
-    from cosyserve.voicestates import bytes_per_second
+    from cosyserve.voices.voicestates import bytes_per_second
     from stream_chunks import model_dir
 
     size = "tiny" if args.dry_run else "full"

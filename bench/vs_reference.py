@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from cosyserve.bundle.official import load_component
-from cosyserve.modelconfig import load_model_config
+from cosyserve.families.modelconfig import load_model_config
 from cosyserve.models.flow import mel_length
 
 SAMPLE_RATE, HOP = 22050, 256

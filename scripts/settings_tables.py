@@ -1,4 +1,4 @@
-"""Write the README's settings tables from the declarations in ``cosyserve/settings.py``.
+"""Write the README's settings tables from the declarations in ``cosyserve/core/settings.py``.
 
     .venv/bin/python scripts/settings_tables.py            # rewrite README.md's tables
     .venv/bin/python scripts/settings_tables.py --check    # exit 1 if they are stale
@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from cosyserve.settings import Setting, declared
+from cosyserve.core.settings import Setting, declared
 
 GROUPS = ("cli", "serve", "pool", "load")
 README = Path(__file__).resolve().parents[1] / "README.md"

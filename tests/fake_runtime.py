@@ -2,7 +2,7 @@
 
 It speaks sft only: ``chunks`` chunks of ``chunk_len`` samples, chunk ``i`` filled with ``seed + i``, so a test
 can tell requests and their order apart. Text given as an iterable of pieces (the runtime's contract, see
-:mod:`cosyserve.textfeed`) is read as it comes, in the worker thread: one chunk of ``chunk_len`` samples per
+:mod:`cosyserve.core.textfeed`) is read as it comes, in the worker thread: one chunk of ``chunk_len`` samples per
 piece with something to speak, as soon as it arrives, chunk ``i`` filled with ``seed + i``; the pieces read are
 kept in ``pieces`` (one list per request), and an utterance that ended with nothing to speak is refused as the
 runtimes refuse it. Knobs: ``hold`` (an Event each chunk waits for), ``delay`` (seconds per chunk), ``size`` (its
@@ -13,7 +13,7 @@ deadline, a disconnect, a drain: only the stop ends it, whatever the machine's s
 
 Voices: the pre-defined ``speakers``, and ``registered`` (tenant -> names): voices only that tenant can use, as a
 registry's are. ``resolves`` counts the requests it resolved: a request is resolved once on its way (the engine
-takes a :class:`~cosyserve.request.ResolvedRequest` as it is, and so does :meth:`FakeRuntime.start`).
+takes a :class:`~cosyserve.core.request.ResolvedRequest` as it is, and so does :meth:`FakeRuntime.start`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.clock import PhaseClock
-from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
-from cosyserve.request import MODES, ResolvedRequest, SynthesisRequest, is_text_iterable
+from cosyserve.core.clock import PhaseClock
+from cosyserve.core.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError
+from cosyserve.core.request import MODES, ResolvedRequest, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Runtime, Voice
 
 __all__ = ["FakeRuntime"]

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from cosyserve.core.sampling import row_key
 from cosyserve.runtime.lm import one_shot
 from cosyserve.runtime.oneoff import generate, teacher_forced
-from cosyserve.sampling import row_key
 
 
 def model_input(args: tuple) -> dict[str, Any]:

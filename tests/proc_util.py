@@ -23,11 +23,11 @@ def run_python(code: str, *args: str, timeout: float = 300, **env: str) -> subpr
 
 
 def killed_staging(out: Path, tag: str) -> Path:
-    """The temporary a :class:`cosyserve.staging.Staging` writer of ``out`` leaves when it is killed with SIGKILL
+    """The temporary a :class:`cosyserve.system.staging.Staging` writer of ``out`` leaves when it is killed with SIGKILL
     in the middle of its build (its lock file written, its lock gone with the process)."""
     code = (
         "import os, signal, sys\n"
-        "from cosyserve.staging import Staging\n"
+        "from cosyserve.system.staging import Staging\n"
         "s = Staging(sys.argv[1], sys.argv[2]).start()\n"
         "(s.path / 'part.bin').write_bytes(b'x' * 1000)\n"
         "print(s.tmp, flush=True)\n"

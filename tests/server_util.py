@@ -49,8 +49,8 @@ import httpx
 if TYPE_CHECKING:
     from starlette.testclient import TestClient
 
+    from cosyserve.core.settings import Settings
     from cosyserve.engine.quotas import Tenant
-    from cosyserve.settings import Settings
     from fake_runtime import FakeRuntime
 
 __all__ = [
@@ -311,7 +311,9 @@ class Served:
         self.state = app.state.cosy
         self.fake = fake
         self.port = port
-        self.wyoming = wyoming  # the Wyoming listener (cosyserve.server.wyoming.Listener), when served
+        self.wyoming = (
+            wyoming  # the Wyoming listener (cosyserve.server.transports.wyoming.Listener), when served
+        )
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -376,10 +378,10 @@ def serve(
     ``tcp://127.0.0.1:0``) serves Wyoming beside HTTP, bound as ``serve`` binds it (:attr:`Served.wyoming_uri`)."""
     import uvicorn
 
+    from cosyserve.core.settings import Settings
     from cosyserve.engine.pool import ModelPool, ModelSpec
     from cosyserve.server.app import create_app
     from cosyserve.server.run import _QuietStreamCuts, uvicorn_options
-    from cosyserve.settings import Settings
     from fake_runtime import FakeRuntime
 
     # as `serve` sets its logging up (less the root handler and level, which are pytest's): a stream cut short
@@ -429,8 +431,8 @@ def in_process(
     what ``/health/startup`` says after ``timeout_s``), else at once."""
     from starlette.testclient import TestClient
 
+    from cosyserve.core.settings import Settings
     from cosyserve.server.app import create_app
-    from cosyserve.settings import Settings
 
     with TestClient(create_app(settings or Settings.load(), pool=pool)) as client:
         if ready:

@@ -1,4 +1,4 @@
-"""Audio encoders and the atomic file write (cosyserve.audiofile): the bytes the server sends and the CLI
+"""Audio encoders and the atomic file write (cosyserve.server.audiofile): the bytes the server sends and the CLI
 writes."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cosyserve.audiofile import (
+from cosyserve.core.errors import ClientError
+from cosyserve.server.audiofile import (
     STREAMABLE,
     Encoder,
     codec_rate,
@@ -19,7 +20,6 @@ from cosyserve.audiofile import (
     wav_header,
     write_wav_atomic,
 )
-from cosyserve.errors import ClientError
 from server_util import decoded
 
 RATE = 22050
@@ -121,7 +121,7 @@ def test_each_codec_takes_its_own_rates_and_defaults_to_the_models_where_it_can(
 
 def test_aac_without_pyav_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """If this fails, a server without PyAV answers aac with a traceback instead of saying what to install."""
-    from cosyserve import audiofile
+    from cosyserve.server import audiofile
 
     monkeypatch.setattr(audiofile, "_has_pyav", lambda: False)
     with pytest.raises(ClientError, match=r"pip install 'cosyserve\[aac\]'") as e:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import cosyserve
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.engine.engine import Engine
-from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions, load_runtime
 from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
@@ -103,9 +103,9 @@ def test_engine_batch_size_serves_concurrently_with_unbatched_audio(tiny_model_d
 
 
 def test_pool_config_reads_batch_size(tmp_path: Path) -> None:
+    from cosyserve.core.errors import SettingsError
+    from cosyserve.core.settings import Settings
     from cosyserve.engine.poolfile import load_pool_config
-    from cosyserve.errors import SettingsError
-    from cosyserve.settings import Settings
 
     f = tmp_path / "pool.toml"
     f.write_text('[pool]\nbatch_size = 2\n[models.a]\npath = "a"\n[models.b]\npath = "b"\nbatch_size = 8\n')

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.stop import Stopped
+from cosyserve.families.streampolicy import StreamPolicy
 from cosyserve.frontend.text import PIECE_MAX_N, bound_pieces, split_paragraph, text_normalize
 from cosyserve.frontend.tokenizer import get_tokenizer
-from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions, load_runtime
-from cosyserve.runtime.streampolicy import StreamPolicy
-from cosyserve.stop import Stopped
 from server_util import running_server, start_server
 
 # the issue's input: the documented maximum of letters, without punctuation
@@ -198,7 +198,7 @@ def test_flow_and_vocoder_stop_within_a_pass(tiny_model_dir: Path) -> None:
 
 def test_an_onnx_run_of_a_stopped_request_is_terminated(tiny_lite_bundle: Path) -> None:
     """One ORT run holds no Python code: the terminate watcher must end it (not let it run to its end)."""
-    from cosyserve.lite import terminate
+    from cosyserve.runtime.lite import terminate
 
     rt = load_runtime(tiny_lite_bundle, RuntimeOptions(warmup=False), runtime="lite")
     try:

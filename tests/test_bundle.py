@@ -15,7 +15,7 @@ import torch
 from cosyserve.bundle.convert import convert
 from cosyserve.bundle.loader import LoadOptions, is_bundle, open_bundle
 from cosyserve.bundle.official import load_component
-from cosyserve.errors import BundleError
+from cosyserve.core.errors import BundleError
 from proc_util import run_python
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -34,7 +34,7 @@ def _copy(bundle: Path, tmp_path: Path) -> Path:
 
 
 def test_roundtrip_equals_official_weights(tiny_model_dir: Path, bundle_dir: Path) -> None:
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     cfg = load_model_config(tiny_model_dir)
     parts = open_bundle(bundle_dir).load(LoadOptions(verify="full"))
@@ -55,7 +55,7 @@ def test_bundle_config_equals_the_official_dirs(tiny_model_dir: Path, bundle_dir
     from its official dir: the manifest's config and the yaml must go through one builder to one result."""
     import dataclasses
 
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     official = load_model_config(tiny_model_dir)
     stored = open_bundle(bundle_dir).config
@@ -66,7 +66,7 @@ def test_bundle_config_equals_the_official_dirs(tiny_model_dir: Path, bundle_dir
 def test_bundle_config_errors_name_the_manifest_key(bundle_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from cosyserve.errors import ModelConfigError
+    from cosyserve.core.errors import ModelConfigError
 
     bundle = _copy(bundle_dir, tmp_path)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -248,7 +248,7 @@ def test_instruct_models_are_told_by_the_reference_rule_and_recorded(
     reference decides; a Hugging Face snapshot is named by its repo. If this fails, instruct mode is refused on
     an official -Instruct download, or allowed on -SFT (the reference refuses it there)."""
     from cosyserve.bundle.loader import Bundle
-    from cosyserve.bundle.official import is_instruct_model_dir
+    from cosyserve.families.cosyvoice import is_instruct_model_dir
 
     snap = tmp_path / "hub" / "models--FunAudioLLM--CosyVoice-300M-Instruct" / "snapshots" / "0123abc"
     for d in (
@@ -308,7 +308,7 @@ def test_sft_path_never_loads_zero_shot_tier(bundle_dir: Path) -> None:
 
 def test_env_settings_are_checked(monkeypatch: pytest.MonkeyPatch, bundle_dir: Path) -> None:
     import cosyserve
-    from cosyserve.errors import SettingsError
+    from cosyserve.core.errors import SettingsError
 
     monkeypatch.setenv("COSYSERVE_PRELOAD", "sometimes")
     with pytest.raises(SettingsError, match="COSYSERVE_PRELOAD='sometimes'"):
@@ -380,7 +380,7 @@ def test_zero_shot_tier_loads_after_ready_when_configured(
     # the sessions were created off the start path, and their load time is a recorded phase
     assert m.runtime.pipeline.frontend_loaded and m.clock.durations["zero_shot_tier"] > 0
     monkeypatch.setenv("COSYSERVE_ZERO_SHOT_TIER", "eager")
-    from cosyserve.settings import SettingsError
+    from cosyserve.core.settings import SettingsError
 
     with pytest.raises(SettingsError, match="COSYSERVE_ZERO_SHOT_TIER"):
         cosyserve.load(bundle_dir, warmup=False)
@@ -397,7 +397,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 def test_force_never_replaces_the_model_or_what_is_not_a_bundle(
     tiny_model_dir: Path, tmp_path: Path, case: str
 ) -> None:
-    from cosyserve.errors import ConvertError
+    from cosyserve.core.errors import ConvertError
 
     parent = tmp_path / "parent"
     model = parent / "m"

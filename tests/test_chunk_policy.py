@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import cosyserve
-from cosyserve.errors import SettingsError
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import Settings
 from cosyserve.families.cosyvoice.token2wav import StreamPolicy, Token2Wav
 from cosyserve.runtime import RuntimeOptions
-from cosyserve.settings import Settings
 
 
 def hops(policy: StreamPolicy, n: int) -> list[int]:

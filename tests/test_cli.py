@@ -245,7 +245,7 @@ def test_make_test_model_and_demo_load_without_onnx_package(tmp_path: Path) -> N
         "sys.modules['onnx'] = None  # import onnx -> ImportError, as on a plain install\n"
         "import cosyserve\n"
         "from cosyserve.cli import main\n"
-        "from cosyserve.sources import demo_model_dir\n"
+        "from cosyserve.bundle.sources import demo_model_dir\n"
         f"main(['make-test-model', {str(tmp_path / 'made')!r}])\n"
         "demo = demo_model_dir()\n"
         f"m = cosyserve.load(demo, warmup=False, registry_dir={str(tmp_path / 'registry')!r})\n"
@@ -320,7 +320,7 @@ def test_synth_unwritable_out_names_the_given_path(
     path the user gave."""
     import numpy as np
 
-    from cosyserve.audiofile import write_wav_atomic
+    from cosyserve.server.audiofile import write_wav_atomic
 
     target = tmp_path / "taken.wav"
     target.mkdir()  # a directory cannot be replaced by the finished file
@@ -356,8 +356,8 @@ def test_flamegraph_without_py_spy_fails_before_any_start(
     saying "skipped", instead of failing at once with a one-line error naming the `profile` extra."""
     import shutil
 
-    from cosyserve import report
     from cosyserve.cli import main
+    from cosyserve.tools import report
 
     def no_start(*args: object, **kwargs: object) -> None:
         raise AssertionError("a timed start ran although the flame graph cannot be made")
@@ -377,7 +377,7 @@ def test_model_takes_hub_ids_in_every_command(
 ) -> None:
     """If this fails, `synth` / `speakers` / `startup-report` say "model directory not found" for a hub id that
     `serve` takes: every --model must go through the hub resolver (the download is stubbed: no network here)."""
-    import cosyserve.hub
+    import cosyserve.bundle.hub
     from cosyserve.cli import main
 
     monkeypatch.chdir(tmp_path)  # no local folder named like the id
@@ -388,7 +388,7 @@ def test_model_takes_hub_ids_in_every_command(
         fetched.append(model_id)
         return tiny_model_dir
 
-    monkeypatch.setattr(cosyserve.hub, "download", download)
+    monkeypatch.setattr(cosyserve.bundle.hub, "download", download)
     main(["speakers", "--model", "FunAudioLLM/CosyVoice-300M-SFT"])
     assert "英文女" in capsys.readouterr().out.split()
     main(
@@ -525,7 +525,7 @@ def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Pa
 def test_synth_wav_follows_the_umask(tmp_path: Path, mask: int, mode: int) -> None:
     import numpy as np
 
-    from cosyserve.audiofile import write_wav_atomic
+    from cosyserve.server.audiofile import write_wav_atomic
 
     saved = os.umask(mask)
     try:
@@ -547,7 +547,7 @@ def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch:
     import sys
     import types
 
-    import cosyserve.hub
+    import cosyserve.bundle.hub
 
     seen: dict[str, list[str]] = {}
     hf = types.ModuleType("huggingface_hub")
@@ -558,8 +558,8 @@ def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch:
     )  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "huggingface_hub", hf)
     monkeypatch.setitem(sys.modules, "modelscope", ms)
-    cosyserve.hub.download("FunAudioLLM/CosyVoice2-0.5B")
-    cosyserve.hub.download("iic/CosyVoice2-0.5B")
+    cosyserve.bundle.hub.download("FunAudioLLM/CosyVoice2-0.5B")
+    cosyserve.bundle.hub.download("iic/CosyVoice2-0.5B")
     skipped = [
         "CosyVoice-BlankEN/model.safetensors",
         "flow.encoder.fp32.zip",
@@ -576,7 +576,7 @@ def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path
     """If this fails, `--log-level` works only before the command (`cosyserve --log-level debug synth ...`), though
     every command takes it, or given after the command it undoes the one given before."""
     from cosyserve.cli import _flags, build_parser
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     parser = build_parser()
     for argv, level in (

@@ -45,7 +45,7 @@ def test_official_layout_round_trips_through_a_bundle(cv2_model_dir: Path, tmp_p
     from cosyserve.bundle.loader import LoadOptions, open_bundle
     from cosyserve.bundle.official import load_component, read_state_dict
     from cosyserve.families.cosyvoice2 import QWEN_FILES
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     bundle = convert(cv2_model_dir, tmp_path / "b", progress=False)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -109,7 +109,7 @@ def test_stream_and_one_shot_have_the_same_length(model: Any) -> None:
 def test_instruct_means_instruct2_on_cosyvoice2(model: Any, tmp_path: Path) -> None:
     """CosyVoice2 has no speaker-instruct mode: a pre-defined speaker with an instruction is refused with the way
     out; a registered (cloned) voice with an instruction runs as instruct2 (the OpenAI ``instructions`` path)."""
-    from cosyserve.errors import ClientError
+    from cosyserve.core.errors import ClientError
 
     with pytest.raises(ClientError, match="instruct2"):
         model.synthesize_all("Hello.", SPK, mode="instruct", instruct_text="Speak slowly.")
@@ -122,7 +122,7 @@ def test_instruct_means_instruct2_on_cosyvoice2(model: Any, tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def client(cv2_model_dir: Path) -> Iterator[Any]:
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     with in_process(Settings.load(flags={"models": [f"cv2={cv2_model_dir}"]})) as c:
         yield c
@@ -162,7 +162,7 @@ def test_a_broken_tokenizer_file_is_refused_at_conversion(cv2_model_dir: Path, t
     import shutil
 
     from cosyserve.bundle.convert import convert
-    from cosyserve.errors import ModelDirError
+    from cosyserve.core.errors import ModelDirError
 
     broken = tmp_path / "broken"
     shutil.copytree(cv2_model_dir, broken)

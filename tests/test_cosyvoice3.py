@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cosyserve.bundle.official import COMPONENT_FILES, load_component, module_class
-from cosyserve.errors import ModelConfigError
-from cosyserve.modelconfig import load_model_config
+from cosyserve.core.errors import ModelConfigError
+from cosyserve.families.modelconfig import load_model_config
 from lm_util import tf
 
 
@@ -260,10 +260,10 @@ def test_bistream_forces_a_fill_every_15_speech_tokens_and_outgrows_its_cache(pa
 
 
 def test_bistream_sampling_repeats_with_a_seed(parts: dict) -> None:
+    from cosyserve.core.sampling import row_key
     from cosyserve.models.cosyvoice3_lm import ENDOFPROMPT
     from cosyserve.runtime.lm import Streamed
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     lm = parts["llm"]
     text = [torch.tensor([[100, 101, 102]], dtype=torch.int32)] * 4

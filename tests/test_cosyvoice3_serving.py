@@ -329,7 +329,7 @@ def test_a_bfloat16_flow_keeps_its_rotary_table_float32(cv3_model_dir: Path, tmp
 
 @pytest.fixture(scope="module")
 def client(cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     flags = {
         "models": [f"cv3={cv3_model_dir}"],
@@ -370,7 +370,11 @@ def test_reference_routes_serve_a_cosyvoice3_model(client: Any) -> None:
         "sft": ("/inference_sft", {"tts_text": "Hello.", "spk_id": SPK}, None),
         "zero_shot": ("/inference_zero_shot", {"tts_text": "Hello.", "prompt_text": "Hi there."}, files),
         "cross_lingual": ("/inference_cross_lingual", {"tts_text": "Hello."}, files),
-        "instruct2": ("/inference_instruct2", {"tts_text": "Hello.", "instruct_text": "Speak slowly."}, files),
+        "instruct2": (
+            "/inference_instruct2",
+            {"tts_text": "Hello.", "instruct_text": "Speak slowly."},
+            files,
+        ),
     }
     for route, (path, data, upload) in requests.items():
         # the reference's routes take no seed, and CosyVoice3's minimum-length rule masks id 6561 (sos), not the
@@ -491,7 +495,7 @@ def test_a_broken_model_dir_is_refused_in_one_line_naming_the_file(
     line that names the file, and no bundle is left behind. If this failed, the user would get a traceback, or an
     error on the first request instead of at start."""
     from cosyserve.bundle.convert import convert
-    from cosyserve.errors import InputError
+    from cosyserve.core.errors import InputError
 
     broken = tmp_path / "broken"
     shutil.copytree(cv3_model_dir, broken)
@@ -514,7 +518,7 @@ def test_without_its_speech_tokenizer_the_prompt_modes_name_it(
     still speaks (a truncated one is refused at conversion: the parametrized test above). If this failed, a
     zero-shot request would fail with an ONNX Runtime traceback, or the model would not serve at all."""
     import cosyserve
-    from cosyserve.errors import ClientError
+    from cosyserve.core.errors import ClientError
 
     missing = tmp_path / "missing"
     shutil.copytree(cv3_model_dir, missing)

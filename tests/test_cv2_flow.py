@@ -22,7 +22,7 @@ from cosyserve.models.upsample_encoder import UpsampleConformerEncoderConfig, at
 
 def load_cv2_flow(model_dir: Path) -> CausalMaskedDiffWithXvec:
     from cosyserve.bundle.official import load_component
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     return load_component(model_dir, "flow", load_model_config(model_dir).flow, "cosyvoice2")
 

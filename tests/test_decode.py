@@ -1,4 +1,4 @@
-"""The one decode loop (cosyserve.runtime.decode) and the one sampler (cosyserve.sampling), on tiny random LMs:
+"""The one decode loop (cosyserve.runtime.decode) and the one sampler (cosyserve.core.sampling), on tiny random LMs:
 rows joining and leaving give each row its own tokens, streamed-text rows batch beside one-shot rows, ids read
 back late give the tokens of ids read at once, and no step reads a tensor on the host."""
 
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from cosyserve.core.sampling import Sampler, SamplingConfig, array_ops, row_key
 from cosyserve.models.llm import TransformerLM
 from cosyserve.models.qwen2lm import Qwen2Config, Qwen2LM, Qwen2LMConfig
 from cosyserve.runtime import decode, lm, readback, rows
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot, Streamed, one_shot
 from cosyserve.runtime.oneoff import generate
-from cosyserve.sampling import Sampler, SamplingConfig, array_ops, row_key
 
 
 @pytest.fixture(autouse=True, scope="module")

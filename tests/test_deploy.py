@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
+from cosyserve.core.settings import Settings, declared
 from cosyserve.server import run as run_module
-from cosyserve.settings import Settings, declared
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
@@ -142,7 +142,7 @@ def test_env_vars_are_settings_and_parse(where: str, tmp_path: Path) -> None:
     env = _envs()[where]
     unknown = sorted(set(env) - SETTING_ENVS - FOREIGN)
     assert not unknown, (
-        f"{where} sets {unknown}: not variables of cosyserve.settings (typo, or a renamed setting?)"
+        f"{where} sets {unknown}: not variables of cosyserve.core.settings (typo, or a renamed setting?)"
     )
     _settings(env, tmp_path)
 

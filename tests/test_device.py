@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from cosyserve.api import choose_runtime, load
-from cosyserve.device import _move, check_device, resolve_device, synchronize, to_device
-from cosyserve.errors import SettingsError
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import Settings
 from cosyserve.runtime import RuntimeOptions
-from cosyserve.settings import Settings
+from cosyserve.system.device import _move, check_device, resolve_device, synchronize, to_device
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -64,8 +64,8 @@ def test_importing_the_settings_and_checking_cpu_never_imports_torch() -> None:
     for the lite runtime, and an ImportError where torch is not installed)."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from cosyserve.settings import Settings\n"
-        "from cosyserve.device import check_device\n"
+        "from cosyserve.core.settings import Settings\n"
+        "from cosyserve.system.device import check_device\n"
         "check_device(Settings.load(env={}).device, 'torch'); check_device('cpu', 'lite')\n"
     )
     r = subprocess.run(

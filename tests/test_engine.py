@@ -14,9 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cosyserve.engine.engine import Engine
-from cosyserve.engine.state import STATE_TRANSITION_ERROR, EngineState
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     ClientError,
     DeadlineExceededError,
     EngineDeadError,
@@ -26,7 +24,9 @@ from cosyserve.errors import (
     NotReadyError,
     OverloadedError,
 )
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.engine.engine import Engine
+from cosyserve.engine.state import STATE_TRANSITION_ERROR, EngineState
 from fake_runtime import FakeRuntime
 from server_util import wait_until
 

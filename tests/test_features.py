@@ -14,8 +14,7 @@ import soundfile
 import torch
 from safetensors.torch import load_file
 
-from cosyserve.conformance.kinds_features import KINDS
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 from cosyserve.frontend.audio import load_wav, resample
 from cosyserve.frontend.features import (
     kaldi_fbank,
@@ -23,6 +22,7 @@ from cosyserve.frontend.features import (
     speaker_fbank,
     whisper_log_mel,
 )
+from cosyserve.tools.conformance.kinds_features import KINDS
 
 
 @pytest.fixture(scope="module")

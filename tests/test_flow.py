@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve.modelconfig import build_config, read_yaml
+from cosyserve.families.modelconfig import build_config, read_yaml
 from cosyserve.models.flow import (
     CFMParams,
     ConditionalCFM,

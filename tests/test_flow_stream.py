@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
-from cosyserve.voicestates import VoiceStates, prompt_key
+from cosyserve.voices.voicestates import VoiceStates, prompt_key
 
 
 def _load(set_dir: Path) -> dict[str, Any]:
     from cosyserve.bundle.official import load_component
-    from cosyserve.modelconfig import load_model_config
+    from cosyserve.families.modelconfig import load_model_config
 
     model = set_dir / "model"
     cfg = load_model_config(model)
@@ -121,9 +121,9 @@ def test_the_fixtures_token2wav_stream_cases_pass_through_the_incremental_path(
 ) -> None:
     """The reference's recorded streams (token2wav_stream cases) pass with chunks that compute their own frames:
     after the first call, no estimator pass of a streamed call runs on every frame so far."""
-    from cosyserve.conformance import run_conformance
     from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder
     from cosyserve.models.dit import DiT
+    from cosyserve.tools.conformance import run_conformance
 
     set_dir = request.getfixturevalue("cv2_set_dir" if set_name.startswith("cosyvoice2") else "cv3_set_dir")
     calls: list[tuple[int, bool]] = []
@@ -265,7 +265,7 @@ def test_a_request_waits_for_its_voice_being_registered() -> None:
     state when it is ready instead of computing its own; it can be stopped while it waits."""
     import threading
 
-    from cosyserve.stop import Stopped
+    from cosyserve.core.stop import Stopped
 
     release, computed = threading.Event(), []
 

@@ -14,9 +14,7 @@ import soundfile
 import torch
 from safetensors.torch import load_file
 
-from cosyserve.conformance import run_case
-from cosyserve.conformance.context import CaseContext
-from cosyserve.errors import AudioError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.core.errors import AudioError, ModeUnavailableError, UnknownVoiceError
 from cosyserve.families.cosyvoice.conformance import KINDS
 from cosyserve.frontend.onnx_testmodels import SPEECH_TOKEN_VOCAB, write_test_onnx_models
 from cosyserve.frontend.text import normalize_and_split, split_paragraph, text_normalize
@@ -27,6 +25,8 @@ from cosyserve.frontend.zeroshot import (
     OnnxModel,
     load_prompt,
 )
+from cosyserve.tools.conformance import run_case
+from cosyserve.tools.conformance.context import CaseContext
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosyserve.modelconfig import build_config, read_yaml
+from cosyserve.families.modelconfig import build_config, read_yaml
 from cosyserve.models.hift import F0PredictorConfig, HiFTConfig, HiFTGenerator
 
 CASES = ("hift_no_cache", "hift_cache")

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyserve.registry import SpeakerRegistry
-from cosyserve.staging import LOCK_NAME, LockedDir, clean_stale_dirs
+from cosyserve.system.staging import LOCK_NAME, LockedDir, clean_stale_dirs
+from cosyserve.voices.registry import SpeakerRegistry
 from proc_util import SRC, run_python
 from server_util import start_server, wait_until
 
@@ -43,7 +43,7 @@ def _killed_holder(parent: Path) -> Path:
     """The directory a :class:`LockedDir` holder leaves when it is killed with SIGKILL."""
     code = (
         "import os, signal, sys\n"
-        "from cosyserve.staging import LockedDir\n"
+        "from cosyserve.system.staging import LockedDir\n"
         "d = LockedDir(sys.argv[1], sys.argv[2])\n"
         "(d.path / 'counter_1.db').write_bytes(b'x' * 100)\n"
         "print(d.path, flush=True)\n"
@@ -61,7 +61,7 @@ def test_only_dead_holders_directories_of_our_naming_are_removed(tmp_path: Path)
         [
             sys.executable,
             "-c",
-            "import os, sys\nfrom cosyserve.staging import LockedDir\n"
+            "import os, sys\nfrom cosyserve.system.staging import LockedDir\n"
             "d = LockedDir(sys.argv[1], sys.argv[2])\nprint(d.path, flush=True)\n"
             "if os.fork() == 0:\n    sys.stdin.read()\n    os._exit(0)\n"
             "os._exit(0)\n",
@@ -157,7 +157,7 @@ def test_a_speakers_add_killed_at_its_rename_leaves_a_temporary_the_next_add_rem
     folder = root / "default"
     code = (
         "import os, signal, sys\nimport numpy as np\n"
-        "from cosyserve.registry import SpeakerRegistry\n"
+        "from cosyserve.voices.registry import SpeakerRegistry\n"
         "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed at its rename\n"
         "emb = np.ones((1, 192), np.float32)\n"
         "SpeakerRegistry(sys.argv[1], arrays='numpy').add('anna', {'embedding': emb}, overwrite=True)\n"

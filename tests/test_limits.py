@@ -29,9 +29,9 @@ import pytest
 import soundfile as sf
 
 from cosyserve.api import CosyVoiceModel
-from cosyserve.errors import ClientError
-from cosyserve.limits import Limits
-from cosyserve.settings import Settings
+from cosyserve.core.errors import ClientError
+from cosyserve.core.limits import Limits
+from cosyserve.core.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import WAIT_S, Served, serve
 
@@ -183,7 +183,7 @@ def python(fake: FakeRuntime, **fields: Any) -> tuple[str | None, str]:
 
 def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, *args: str) -> tuple[str | None, str]:
     from cosyserve.cli import main
-    from cosyserve.gchold import release_gc
+    from cosyserve.system.gchold import release_gc
 
     for name, value in LIMITS.items():
         monkeypatch.setenv(f"COSYSERVE_{name.upper()}", str(value))
@@ -536,7 +536,7 @@ def test_streamed_text_held_for_the_model_stays_within_its_limit() -> None:
     """The server reads an utterance's text off the socket only while what the model has not read yet stays within
     max_buffered_text_chars (or one piece): a client that writes faster than the model reads is held back by TCP,
     and the server's memory does not grow with what the client sends."""
-    from cosyserve.textfeed import TextFeed
+    from cosyserve.core.textfeed import TextFeed
 
     highest = [0]
     put = TextFeed.put

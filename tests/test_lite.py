@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.errors import BundleError, ConvertError
+from cosyserve.core.errors import BundleError, ConvertError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def both(tiny_lite_bundle: Path) -> tuple[dict, dict]:
     """(torch modules, lite models) over the same bundle."""
     from cosyserve.bundle.loader import LoadOptions, open_bundle
-    from cosyserve.lite.lm import LiteLM
-    from cosyserve.lite.models import LiteBundle, LiteFlow, LiteVocoder
+    from cosyserve.runtime.lite.lm import LiteLM
+    from cosyserve.runtime.lite.models import LiteBundle, LiteFlow, LiteVocoder
 
     parts = open_bundle(tiny_lite_bundle).load(LoadOptions(strategy="lazy", verify="none"))
     lb = LiteBundle(tiny_lite_bundle, verify="full", threads=1)
@@ -46,7 +46,7 @@ def _t(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_manifest_lists_every_graph_and_its_check(tiny_lite_bundle: Path) -> None:
-    from cosyserve.lite import GRAPHS
+    from cosyserve.bundle.lite import GRAPHS
 
     m = json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     assert set(m["checked"]) == set(GRAPHS)
@@ -100,9 +100,9 @@ def test_lite_and_torch_sample_the_same_tokens_for_a_seed(both: tuple[dict, dict
     """One sampler for both runtimes: its draws are a function of the seed, the token index and the vocabulary
     id, so the lite runtime's tokens are the torch runtime's for a seed (their log-probabilities differ by float
     rounding only, ~1e-6 here). If this failed, the runtimes' samplers, masks or stop rules would differ."""
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import one_shot
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     torch_m, lite = both
     emb = np.random.default_rng(1).standard_normal(192).astype(np.float32)
@@ -154,7 +154,7 @@ def test_vocoder_equals_torch(both: tuple[dict, dict]) -> None:
 def test_dsp_matches_torch_ops() -> None:
     import torch.nn.functional as F
 
-    from cosyserve.lite import dsp
+    from cosyserve.models import lite_dsp as dsp
 
     x = np.random.default_rng(0).standard_normal((4, 37)).astype(np.float32)
     for size in (5, 37, 64, 101):
@@ -171,8 +171,8 @@ def test_dsp_matches_torch_ops() -> None:
 def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
     """Streaming windows, caches and fades: the same draws give the torch runtime's chunks."""
     from cosyserve.families.cosyvoice.token2wav import CallDraws, Token2Wav
-    from cosyserve.lite.models import LiteToken2Wav, mel_length
-    from cosyserve.runtime.streampolicy import StreamPolicy
+    from cosyserve.families.streampolicy import StreamPolicy
+    from cosyserve.runtime.lite.models import LiteToken2Wav, mel_length
 
     torch_m, lite = both
     policy = StreamPolicy.named("low-latency", 21)
@@ -203,7 +203,7 @@ def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
 
 
 def test_export_check_refuses_a_graph_that_differs(tiny_lite_bundle: Path) -> None:
-    from cosyserve.lite.export import _check
+    from cosyserve.bundle.lite.export import _check
 
     graph = tiny_lite_bundle / "lite" / "hift_f0.onnx"
     wrong = torch.nn.Conv1d(80, 1, 1)  # not the f0 predictor
@@ -213,7 +213,7 @@ def test_export_check_refuses_a_graph_that_differs(tiny_lite_bundle: Path) -> No
 
 
 def test_damaged_lite_files_are_refused(tiny_lite_bundle: Path, tmp_path: Path) -> None:
-    from cosyserve.lite.models import LiteBundle
+    from cosyserve.runtime.lite.models import LiteBundle
 
     copy = tmp_path / "b"
     shutil.copytree(tiny_lite_bundle, copy)
@@ -255,7 +255,7 @@ LITE_SCRIPT = textwrap.dedent(
     sys.modules["torch"] = None  # any `import torch` in the process now raises
     import numpy as np
     import cosyserve
-    from cosyserve.errors import AudioError, RegistryError
+    from cosyserve.core.errors import AudioError, RegistryError
 
     model = cosyserve.load(sys.argv[1], runtime="lite", threads=1)
     assert model.sample_rate == 22050
@@ -372,7 +372,7 @@ def test_prompt_features_equal_torch_frontend(tiny_model_dir: Path, tmp_path: Pa
     """The numpy prompt path (resampler, fbank, whisper log-mel, prompt mel) gives the torch frontend's entry."""
     from cosyserve.frontend.tokenizer import get_tokenizer
     from cosyserve.frontend.zeroshot import Frontend
-    from cosyserve.lite.frontend import LiteFrontend
+    from cosyserve.runtime.lite.frontend import LiteFrontend
 
     wav = _prompt_wav(tmp_path / "p.wav", sr=44100, seconds=2.0)  # resampled to both 16 and 24 kHz
     want = Frontend(tiny_model_dir).prompt_features("A prompt.", wav)
@@ -391,8 +391,8 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
     """convert --runtime lite --quantize llm=int8 writes the quantized step graph and records its distance from
     the float one; llm_quantize=int8 serves it, and a bundle without it is refused by name."""
     from cosyserve.bundle.convert import convert
-    from cosyserve.lite.lm import LiteLM
-    from cosyserve.lite.models import LiteBundle
+    from cosyserve.runtime.lite.lm import LiteLM
+    from cosyserve.runtime.lite.models import LiteBundle
 
     out = convert(tiny_model_dir, tmp_path / "b8", runtime="lite", quantize="llm=int8", progress=False)
     m = json.loads((out / "lite" / "manifest.json").read_text())
@@ -433,9 +433,9 @@ def test_prefork_workers_on_lite_runtime(tiny_lite_bundle: Path, tmp_path: Path)
 def test_damaged_manifest_or_speakers_are_refused(tiny_lite_bundle: Path, tmp_path: Path) -> None:
     """A lite manifest that is not what conversion wrote, or a speakers file whose bytes changed, is a one-line
     BundleError naming the file, never a KeyError or wrong voices."""
-    from cosyserve.lite.models import LiteBundle
     from cosyserve.runtime import RuntimeOptions
     from cosyserve.runtime.lite import load
+    from cosyserve.runtime.lite.models import LiteBundle
 
     copy = tmp_path / "b"
     shutil.copytree(tiny_lite_bundle, copy)

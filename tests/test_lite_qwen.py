@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.errors import BundleError, ConvertError
-from cosyserve.stop import Stopped
+from cosyserve.core.errors import BundleError, ConvertError
+from cosyserve.core.stop import Stopped
 
 ENDOFPROMPT = 151646
 
 
 def _lm_bundle(model_dir: Path, out: Path, int8: bool) -> Path:
     from cosyserve.bundle.convert import convert
-    from cosyserve.lite.export import export_lite
+    from cosyserve.bundle.lite.export import export_lite
 
     bundle = convert(model_dir, out, progress=False)
     export_lite(bundle, model_dir=model_dir, int8=int8, parts=("llm",))
@@ -46,8 +46,8 @@ def qwen_bundles(cv2_model_dir: Path, cv3_model_dir: Path, tmp_path_factory: pyt
 def _lms(bundle: Path, int8: bool = False) -> tuple[Any, Any]:
     """(torch LM, lite LM) over the same bundle."""
     from cosyserve.bundle.loader import LoadOptions, open_bundle
-    from cosyserve.lite.lm import lite_lm
-    from cosyserve.lite.models import LiteBundle
+    from cosyserve.runtime.lite.lm import lite_lm
+    from cosyserve.runtime.lite.models import LiteBundle
 
     torch_lm = open_bundle(bundle).load(LoadOptions(strategy="lazy", verify="none")).modules["llm"]
     lb = LiteBundle(bundle, verify="full", threads=1, int8=int8)
@@ -69,9 +69,9 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
     seed gives the same speech tokens, one-shot and with the text streamed in one id at a time (fills forced and
     sampled, the prompt speech interleaved 5:15). A difference means the lite LM's prompt, embeddings, positions,
     caches or stop rules are not the torch LM's."""
+    from cosyserve.core.sampling import row_key
     from cosyserve.runtime.lm import Streamed, one_shot
     from cosyserve.runtime.oneoff import generate
-    from cosyserve.sampling import row_key
 
     torch_lm, lite_lm = _lms(qwen_bundles[family])
     assert lite_lm.rules == torch_lm.rules and lite_lm.sampling == torch_lm.sampling
@@ -97,7 +97,7 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
 def test_cosyvoice3_prompt_rule_holds_on_lite(qwen_bundles: dict) -> None:
     """CosyVoice3's <|endofprompt|> rule is the lite LM's too (from the manifest's stop rules): a prompt without
     it is refused with the torch LM's error, and a streamed-text prompt splits after it."""
-    from cosyserve.sampling import PromptRuleError
+    from cosyserve.core.sampling import PromptRuleError
 
     _, lite_lm = _lms(qwen_bundles["cosyvoice3"])
     with pytest.raises(PromptRuleError, match="endofprompt"):
@@ -134,9 +134,9 @@ def test_manifest_records_the_check_and_the_int8_delta(qwen_bundles: dict) -> No
 def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bundles: dict) -> None:
     """The check runs the model's own cached attention on the graph's inputs: a graph exported from other weights
     (here the module with one weight changed after export) is refused, the unchanged module is accepted."""
-    from cosyserve.lite import qwen_cache_names
-    from cosyserve.lite.export import _check
-    from cosyserve.lite.export_qwen import QwenStepReference
+    from cosyserve.bundle.lite import qwen_cache_names
+    from cosyserve.bundle.lite.export import _check
+    from cosyserve.bundle.lite.export_qwen import QwenStepReference
 
     bundle = qwen_bundles["cosyvoice2"]
     torch_lm, _ = _lms(bundle)
@@ -220,7 +220,7 @@ def test_a_cosyvoice3_bundle_with_the_lm_alone_is_not_served(
     the LM-only bundle the tools use is refused by the lite runtime with what its graphs cover, and an export of a
     part the family's lite export lacks is refused by name."""
     from cosyserve.bundle.convert import convert
-    from cosyserve.lite.export import export_lite
+    from cosyserve.bundle.lite.export import export_lite
     from cosyserve.runtime import RuntimeOptions, load_runtime
 
     with pytest.raises(

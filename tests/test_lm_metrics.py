@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.settings import Settings
 from cosyserve.engine.pool import ModelPool, ModelSpec
-from cosyserve.request import SynthesisRequest
 from cosyserve.server.app import create_app
-from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import wait_until
 

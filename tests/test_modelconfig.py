@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.errors import ModelConfigError
+from cosyserve.core.errors import ModelConfigError
 from cosyserve.families.cosyvoice.testmodel import render_yaml
-from cosyserve.modelconfig import Tagged, load_model_config, read_yaml
+from cosyserve.families.modelconfig import Tagged, load_model_config, read_yaml
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -20,7 +20,7 @@ import soundfile
 import torch
 
 import cosyserve
-from cosyserve.errors import AudioError, ClientError, ModeUnavailableError
+from cosyserve.core.errors import AudioError, ClientError, ModeUnavailableError
 from cosyserve.frontend.zeroshot import Frontend
 from cosyserve.runtime.pipeline import SynthesisRequest
 
@@ -318,7 +318,7 @@ def test_registered_voice_gives_the_same_audio_as_its_prompt(
     registered = model.synthesize_all("Hello world.", "same-voice", seed=5)
     assert np.array_equal(inline, registered)
     # persisted: a fresh registry over the same folder (a restart) serves the voice
-    from cosyserve.registry import SpeakerRegistry
+    from cosyserve.voices.registry import SpeakerRegistry
 
     again = SpeakerRegistry(model.runtime.registry_root).get("same-voice")
     assert again is not None and again.prompt_text == PROMPT_TEXT
@@ -536,7 +536,7 @@ def test_a_huge_unknown_speaker_name_is_cut_in_messages(model: Any, reference_fr
     """A 100,000-character speaker name is shown cut (its first characters and its length) by the Python API, the
     runtime and the frontend, as the server shows it: if this fails, the CLI prints, and a caller logs, the whole
     name."""
-    from cosyserve.errors import UnknownVoiceError
+    from cosyserve.core.errors import UnknownVoiceError
 
     name = "v" * 100_000
     for mode in (None, "zero_shot"):  # the Python API refuses it by the voice name's limit, unrepeated
@@ -563,7 +563,7 @@ def test_a_resolved_request_is_prepared_as_it_is(
     """A request resolved once on its way (by the engine, or a WebSocket session for all its utterances) is
     prepared as it is: the runtime resolved every request again (a WebSocket utterance was resolved three times).
     One that is not resolved (a caller of ``Runtime.start`` itself) is resolved there, once."""
-    from cosyserve.request import ResolvedRequest
+    from cosyserve.core.request import ResolvedRequest
     from cosyserve.runtime import RuntimeOptions, load_runtime
 
     rt = (

@@ -22,8 +22,8 @@ import pytest
 import soundfile
 from starlette.testclient import TestClient
 
-from cosyserve.errors import AudioError, InternalError
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.errors import AudioError, InternalError
+from cosyserve.core.request import SynthesisRequest
 from fake_runtime import FakeRuntime
 from server_util import in_process
 
@@ -127,7 +127,7 @@ def test_the_cli_refuses_a_nan_prompt_in_one_line(model_path: tuple[str, Path], 
 
 @pytest.fixture(scope="module")
 def http(model_path: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     runtime, path = model_path
     registry = tmp_path_factory.mktemp("reg")

@@ -188,8 +188,8 @@ def test_convert_writes_the_rewritten_campplus(
     """`cosyserve convert` of a model dir whose campplus.onnx has CAM++'s pools: the bundle holds the rewritten
     graph, the manifest's size and sha256 are of that file, the source's hash is the original's. If this fails, a
     bundle serves ONNX Runtime 1.29's embeddings, or refuses its own campplus.onnx as damaged."""
-    from cosyserve.bundle.convert import convert, sha256_file
-    from cosyserve.bundle.loader import open_bundle
+    from cosyserve.bundle.convert import convert
+    from cosyserve.bundle.loader import open_bundle, sha256_file
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir, copy_function=os.link)
@@ -268,7 +268,7 @@ def test_a_damaged_onnx_file_is_refused_by_name(fixture_set_dir: Path, tmp_path:
     """A truncated or foreign file: the scan raises ValueError, conversion's copy names the file, and an
     OnnxModel raises BundleError as for any file ONNX Runtime cannot load. If this fails, a damaged campplus.onnx
     crashes with an unrelated error or is copied into a bundle."""
-    from cosyserve.errors import BundleError
+    from cosyserve.core.errors import BundleError
     from cosyserve.frontend.prompt import OnnxModel
 
     damaged = tmp_path / "campplus.onnx"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve import pagecache
+from cosyserve.system import pagecache
 
 PAGE = mmap.PAGESIZE
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cosyserve
-from cosyserve.errors import ClientError
+from cosyserve.core.errors import ClientError
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cosyserve.core.errors import MemoryBudgetError, UnknownModelError
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.engine.pool import ModelPool, ModelSpec, PoolEvent, lru_k_order
 from cosyserve.engine.state import EngineState
-from cosyserve.errors import MemoryBudgetError, UnknownModelError
-from cosyserve.request import SynthesisRequest
 from fake_runtime import FakeRuntime
 from proc_util import run_python
 from server_util import WAIT_S, wait_until
@@ -322,7 +322,7 @@ def test_eviction_frees_the_model(tiny_model_dir: Any, tmp_path: Any) -> None:
     bundle = convert(tiny_model_dir, tmp_path / "tiny")
     code = f"""
 import gc, weakref
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.engine.pool import ModelPool, ModelSpec
 def main():
     pool = ModelPool([ModelSpec("tiny", path={str(bundle)!r}, batch_size=2)], memory_probe=None)

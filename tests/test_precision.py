@@ -11,7 +11,7 @@ from torch import nn
 
 from cosyserve.bundle.convert import convert, parse_component_dtypes, parse_quantize
 from cosyserve.bundle.loader import LoadOptions, open_bundle
-from cosyserve.errors import BundleError, SettingsError
+from cosyserve.core.errors import BundleError, SettingsError
 from cosyserve.models.precision import Int8Linear, cast_floating, quantize_per_channel
 from cosyserve.runtime import RuntimeOptions
 

@@ -164,8 +164,8 @@ def test_a_worker_not_ready_in_time_is_killed_and_counts_as_an_early_death(tmp_p
     import dataclasses
     import subprocess
 
+    from cosyserve.core.settings import Settings
     from cosyserve.server.prefork import _Master, _Worker
-    from cosyserve.settings import Settings
 
     settings = dataclasses.replace(Settings.load(flags={}, env={}), worker_ready_timeout_s=5.0)
     master = _Master(settings, None, {}, str(tmp_path))

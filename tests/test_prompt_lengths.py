@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 from cosyserve.frontend.prompt import load_prompt
 
 LENGTHS = (0.1, 0.5, 1.0, 2.0, 3.0, 3.19, 4.37, 5.0, 10.0, 29.9)
@@ -59,7 +59,7 @@ class _NoText:
 
 
 def _frontend_and_flow(family: str, model_dir: Path) -> tuple[Any, Any]:
-    from cosyserve.conformance.context import CaseContext
+    from cosyserve.tools.conformance.context import CaseContext
 
     ctx = CaseContext(model_dir, model_dir)
     if family == "cosyvoice3":

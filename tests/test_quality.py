@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyserve import quality
-from cosyserve.quality import BOUNDS, QualityReport, compare, parse_options
 from cosyserve.runtime import RuntimeOptions, load_runtime
+from cosyserve.tools import quality
+from cosyserve.tools.quality import BOUNDS, QualityReport, compare, parse_options
 
 OPTIONS = RuntimeOptions(warmup=False, text_tier="lazy")
 
@@ -155,7 +155,7 @@ def test_cosyvoice2_gate_measures_llm_and_token2wav(cv2_model_dir: Path) -> None
     """On a CosyVoice2 model the gate's LLM and token2wav parts run (its flow and vocoder compared with the same
     vocoder draws): fp32 against itself is exact, fewer flow steps move the flow figure, and the chunks part,
     built for the 300M streaming, is left out of the default and refused by name."""
-    from cosyserve.errors import ClientError
+    from cosyserve.core.errors import ClientError
 
     ref = load_runtime(cv2_model_dir, OPTIONS)
     same = compare(ref, ref, parts=["llm", "token2wav"])

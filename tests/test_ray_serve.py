@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from cosyserve.core.settings import SettingsError
 from cosyserve.deploy.ray_serve import deployment_options, settings_flags
-from cosyserve.settings import SettingsError
 
 
 def test_replicas_fixed_or_autoscaled() -> None:

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.registry import (
+from cosyserve.core.settings import Settings, SettingsError
+from cosyserve.voices.registry import (
     ZERO_SHOT_KEYS,
     RegistryError,
     SpeakerRegistry,
     default_registry_dir,
     entry_kind,
 )
-from cosyserve.settings import Settings, SettingsError
 
 
 def default_dir(model: str, key: str | None = None) -> Path:
@@ -166,7 +166,7 @@ _WRITER = textwrap.dedent(
     sys.path.insert(0, {src!r})
     sys.path.insert(0, {tests!r})
     from test_registry import zero_shot_entry
-    from cosyserve.registry import SpeakerRegistry
+    from cosyserve.voices.registry import SpeakerRegistry
 
     mode = sys.argv[1]
     reg = SpeakerRegistry({root!r})
@@ -343,7 +343,7 @@ def test_voices_kept_under_the_folder_name_move_to_their_model_once(
     assert legacy == speakers / "bundle"
     SpeakerRegistry(legacy).add("old-voice", zero_shot_entry(1), tenant="t1")
     key_a, key_b = "a" * 32, "b" * 32
-    caplog.set_level(logging.INFO, logger="cosyserve.registry_location")
+    caplog.set_level(logging.INFO, logger="cosyserve.voices.registry_location")
 
     root_a = default_dir("/models/a/bundle", key_a)
     assert root_a == speakers / key_a
@@ -498,7 +498,7 @@ def test_a_voice_reports_its_prompt_length_at_its_family_token_rate(tmp_path: Pa
     """CosyVoice2/3 tokens are 25 Hz: a 2 s prompt of 50 tokens was reported as a 1 s one (read at 50 Hz)."""
     import numpy as np
 
-    from cosyserve.registry import Speaker
+    from cosyserve.voices.registry import Speaker
 
     features = {"flow_prompt_speech_token": np.zeros((1, 50), np.int32)}
     assert Speaker("v", "t", "zero_shot", features, token_rate=25).seconds == 2.0

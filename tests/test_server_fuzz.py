@@ -20,7 +20,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from cosyserve.limits import Limits
+from cosyserve.core.limits import Limits
 from cosyserve.server.schemas import openapi_document
 from server_util import ServerProcess, running_server
 

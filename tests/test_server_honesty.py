@@ -21,14 +21,14 @@ from urllib.parse import urlencode
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.core.errors import BundleError, LoadFailedError, shown
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.settings import Settings
 from cosyserve.engine.pool import LOAD_BACKOFF_S, ModelPool, ModelSpec, PoolEvent
 from cosyserve.engine.quotas import Tenant
-from cosyserve.errors import BundleError, LoadFailedError, shown
-from cosyserve.request import SynthesisRequest
 from cosyserve.server.app import create_app
 from cosyserve.server.metrics import OTHER_MODELS
 from cosyserve.server.run import EXIT_CODES
-from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import ROOT, free_port, wait_until
 

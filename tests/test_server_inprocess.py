@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from cosyserve.bundle.sources import resolve_source
+from cosyserve.core.settings import Settings
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.quotas import Tenant
-from cosyserve.settings import Settings
-from cosyserve.sources import resolve_source
 from fake_runtime import FakeRuntime
 from server_util import in_process, wait_ready
 
@@ -320,7 +320,7 @@ def test_damaged_onnx_answers_a_clear_error_without_server_paths(
 def test_demo_model_generation_removes_only_stale_temporaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cosyserve.staging import Staging
+    from cosyserve.system.staging import Staging
     from proc_util import killed_staging
 
     live = Staging(tmp_path / "demo-model", "making").start()  # another process generating it right now

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cosyserve.settings import Settings
+from cosyserve.core.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import (
     LOAD_S,

@@ -22,10 +22,10 @@ import pytest
 import soundfile as sf
 from starlette.testclient import TestClient
 
-from cosyserve.audiofile import FORMATS
+from cosyserve.core.settings import Settings
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.server.app import create_app
-from cosyserve.settings import Settings
+from cosyserve.server.audiofile import FORMATS
 from fake_runtime import FakeRuntime
 from server_util import ServerProcess, decoded, openai_client, running_server
 

@@ -29,7 +29,7 @@ def test_speech_request_defaults_are_openais() -> None:
 def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
     """OpenAI's speed range (0.25-4.0) must pass the body check, and the OpenAPI document must state the same
     bounds, or clients written for OpenAI get 400s the documentation does not explain."""
-    from cosyserve.request import SPEED_MAX, SPEED_MIN
+    from cosyserve.core.request import SPEED_MAX, SPEED_MIN
     from cosyserve.server.schemas import openapi_document
 
     for speed in (0.25, 0.5, 2.0, 4.0, 3):
@@ -42,7 +42,7 @@ def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
 
 
 def test_engine_error_messages_reach_the_client_without_server_paths() -> None:
-    from cosyserve.errors import ClientError
+    from cosyserve.core.errors import ClientError
     from cosyserve.server.errors import client_message
 
     e = ClientError(

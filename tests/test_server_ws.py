@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cosyserve.core.errors import ClientError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.textfeed import TextFeed
 from cosyserve.engine.quotas import Tenant, TenantQuota
-from cosyserve.errors import ClientError
-from cosyserve.request import SynthesisRequest
 from cosyserve.server.run import uvicorn_options
-from cosyserve.server.ws import Session
-from cosyserve.textfeed import TextFeed
+from cosyserve.server.transports.ws import Session
 from fake_runtime import FakeRuntime
 from server_util import WAIT_S, Served, ServerProcess, running_server, serve
 

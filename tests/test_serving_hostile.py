@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from cosyserve.errors import SettingsError
-from cosyserve.settings import Settings
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import WAIT_S, WS_PATH, Served, serve, wait_until
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve.casts import parse_api_keys
-from cosyserve.errors import SettingsError
-from cosyserve.settings import DEMO_MODEL, Settings, declared, parse_model_arg
+from cosyserve.core.casts import parse_api_keys
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import DEMO_MODEL, Settings, declared, parse_model_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 

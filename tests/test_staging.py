@@ -1,4 +1,4 @@
-"""Staged directories (cosyserve.staging): moved into place atomically, and only our own temporaries of dead
+"""Staged directories (cosyserve.system.staging): moved into place atomically, and only our own temporaries of dead
 writers cleaned up."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyserve import staging
-from cosyserve.staging import LOCK_NAME, Staging, clean_stale, file_mode
+from cosyserve.system import staging
+from cosyserve.system.staging import LOCK_NAME, Staging, clean_stale, file_mode
 from proc_util import SRC, killed_staging, run_python
 
 
@@ -52,7 +52,7 @@ def test_only_stale_temporaries_of_our_naming_are_removed(tmp_path: Path) -> Non
         [
             sys.executable,
             "-c",
-            "import sys\nfrom cosyserve.staging import Staging\n"
+            "import sys\nfrom cosyserve.system.staging import Staging\n"
             "s = Staging(sys.argv[1], 'converting').start()\nprint(s.tmp, flush=True)\nsys.stdin.read()\n",
             str(tmp_path / "d"),
         ],
@@ -116,7 +116,7 @@ def test_two_rename_swap_is_completed_after_a_crash_between_the_renames(
     (out / "f").write_text("old")
     code = (
         "import os, signal, sys\n"
-        "from cosyserve import staging\n"
+        "from cosyserve.system import staging\n"
         "staging._rename2 = lambda *a: False\n"
         "real = os.rename\n"
         "def rename(a, b):\n"

@@ -20,7 +20,7 @@ def test_gc_hold_nests_then_freezes_and_restores() -> None:
     for a program that had it off, or stops holding it while an outer hold is still open."""
     code = """
 import gc
-from cosyserve.gchold import gc_held, hold_gc, release_gc
+from cosyserve.system.gchold import gc_held, hold_gc, release_gc
 assert gc.isenabled() and gc.get_freeze_count() == 0
 hold_gc()
 with gc_held():
@@ -143,7 +143,7 @@ def test_prefetch_reads_bundle_files_into_the_page_cache(
 ) -> None:
     """If this fails, the early readahead reads nothing, and a cold start waits for the disk after importing
     torch instead of during it."""
-    from cosyserve.pagecache import evict, prefetch_bundles, prefetch_files, resident_bytes
+    from cosyserve.system.pagecache import evict, prefetch_bundles, prefetch_files, resident_bytes
 
     big = tmp_path / "weights.safetensors"
     big.write_bytes(os.urandom(8 << 20))
@@ -199,7 +199,7 @@ def test_populate_leaves_row_tables_cached_but_unmapped(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     from cosyserve.bundle.mmap_safetensors import MappedFile
-    from cosyserve.pagecache import evict, resident_bytes, rss_of_files
+    from cosyserve.system.pagecache import evict, resident_bytes, rss_of_files
 
     path = tmp_path / "w.safetensors"
     save_file(
@@ -269,7 +269,7 @@ def test_waterfall_svg_is_legible(summary: dict, tmp_path: Path) -> None:
     one, and the phases that run after READY are drawn after the READY line."""
     import xml.etree.ElementTree as ET
 
-    from cosyserve.report import _svg
+    from cosyserve.tools.report import _svg
 
     path = tmp_path / "w.svg"
     _svg(summary, path)

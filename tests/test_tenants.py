@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
+from cosyserve.core.errors import OverloadedError, QuotaExceededError, SettingsError, UnknownModelError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.settings import ModelArg, Settings
 from cosyserve.engine.pool import ModelPool, ModelSpec
 from cosyserve.engine.poolfile import build_pool, load_pool_config, parse_bytes
 from cosyserve.engine.quotas import Tenant, TenantQuota
-from cosyserve.errors import OverloadedError, QuotaExceededError, SettingsError, UnknownModelError
-from cosyserve.request import SynthesisRequest
 from cosyserve.server.errors import status_of
-from cosyserve.settings import ModelArg, Settings
 from fake_runtime import FakeRuntime
 from server_util import wait_until
 
@@ -324,8 +324,8 @@ def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> Non
     import re
     import tomllib
 
+    from cosyserve.core.settings import declared
     from cosyserve.engine import poolfile
-    from cosyserve.settings import declared
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cosyserve.errors import ClientError
+from cosyserve.core.errors import ClientError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.textfeed import TextFeed
 from cosyserve.frontend.text import PIECE_MAX_N
 from cosyserve.frontend.textstream import finished_sentences, segments
 from cosyserve.frontend.tokenizer import get_tokenizer
-from cosyserve.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions, load_runtime
-from cosyserve.textfeed import TextFeed
 
 
 def _encode(text: str) -> list[int]:

@@ -24,9 +24,9 @@ SCRIPT = textwrap.dedent(
     from cosyserve.engine.engine import Engine
     from cosyserve.engine.pool import ModelPool, ModelSpec
     from cosyserve.engine.quotas import Tenant, TenantQuota
-    from cosyserve.errors import QuotaExceededError, UnknownVoiceError
-    from cosyserve.request import SynthesisRequest
-    from cosyserve.settings import Settings
+    from cosyserve.core.errors import QuotaExceededError, UnknownVoiceError
+    from cosyserve.core.request import SynthesisRequest
+    from cosyserve.core.settings import Settings
     from cosyserve.server.app import create_app
     from fake_runtime import FakeRuntime
     from starlette.testclient import TestClient
@@ -129,8 +129,8 @@ API_SCRIPT = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
     import cosyserve
     from cosyserve.engine.poolfile import load_pool_config
-    from cosyserve.errors import InputError
-    from cosyserve.settings import Settings
+    from cosyserve.core.errors import InputError
+    from cosyserve.core.settings import Settings
 
     lite, torch_only, pool_file = sys.argv[1:4]
     model = cosyserve.load(lite, warmup=False, threads=1)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from cosyserve.core.errors import SettingsError, UnknownVoiceError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.settings import Settings
 from cosyserve.engine.engine import Engine
 from cosyserve.engine.poolfile import load_pool_config
 from cosyserve.engine.voicemap import OPENAI_VOICES, language_of, openai_voice_map
-from cosyserve.errors import SettingsError, UnknownVoiceError
-from cosyserve.request import SynthesisRequest
-from cosyserve.settings import Settings
 from fake_runtime import FakeRuntime
 
 SFT = sorted(["中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女"])  # CosyVoice-300M-SFT's

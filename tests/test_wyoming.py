@@ -1,4 +1,4 @@
-"""Wyoming (Home Assistant's protocol) beside HTTP: ``serve --wyoming-uri`` (cosyserve.server.wyoming), driven by
+"""Wyoming (Home Assistant's protocol) beside HTTP: ``serve --wyoming-uri`` (cosyserve.server.transports.wyoming), driven by
 the ``wyoming`` package's own client, as Home Assistant drives a Wyoming TTS server.
 
 The protocol's cases run the app under a real uvicorn in this process over :class:`FakeRuntime` (which answers one
@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from cosyserve.errors import SettingsError
-from cosyserve.settings import Settings
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import Settings
 from fake_runtime import FakeRuntime
 from server_util import WAIT_S, ServerProcess, running_server, serve, start_server
 
@@ -267,7 +267,7 @@ def _host_port(uri: str) -> tuple[str, int]:
 def test_streamed_text_held_for_the_model_stays_within_its_limit() -> None:
     """The server reads a streamed text off the connection only while what the model has not read yet stays within
     max_buffered_text_chars: a client that writes faster than the model reads is held back by TCP."""
-    from cosyserve.textfeed import TextFeed
+    from cosyserve.core.textfeed import TextFeed
 
     highest = [0]
     put = TextFeed.put

@@ -5,7 +5,8 @@
 
 from typing import Any
 
-__version__ = "0.1.0"
+from cosyserve.core.version import __version__
+
 __all__ = ["__version__", "load"]
 
 

@@ -1,8 +1,8 @@
 """The public Python API: ``cosyserve.load(path)`` and the model it returns.
 
 The model is a thin face over a :class:`cosyserve.runtime.Runtime`: every call builds one
-:class:`~cosyserve.request.SynthesisRequest` through the one constructor every entry point uses
-(:meth:`cosyserve.limits.Limits.request`: the limits of the settings it was loaded with, as the server's requests
+:class:`~cosyserve.core.request.SynthesisRequest` through the one constructor every entry point uses
+(:meth:`cosyserve.core.limits.Limits.request`: the limits of the settings it was loaded with, as the server's requests
 are checked) and runs it on the runtime in the caller's thread.
 """
 
@@ -16,15 +16,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.limits import Limits
-from cosyserve.request import SynthesisRequest
-from cosyserve.sources import resolve_bundle
+from cosyserve.bundle.sources import resolve_bundle
+from cosyserve.core.limits import Limits
+from cosyserve.core.request import SynthesisRequest
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from cosyserve.core.settings import Settings
     from cosyserve.runtime import Runtime, RuntimeOptions
-    from cosyserve.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class CosyVoiceModel:
     """A loaded model: ``speakers``, ``sample_rate``, ``synthesize`` and the voice registry.
 
     Build it with :func:`load`; ``runtime`` is the :class:`cosyserve.runtime.Runtime` it runs on, ``limits`` the
-    :class:`~cosyserve.limits.Limits` its requests are built within (the settings' it was loaded with).
+    :class:`~cosyserve.core.limits.Limits` its requests are built within (the settings' it was loaded with).
     """
 
     def __init__(self, runtime: Runtime, limits: Limits | None = None) -> None:
@@ -107,7 +107,7 @@ class CosyVoiceModel:
 
         Args:
             text: text to speak (split into sentences internally); or an iterable of its pieces as they arrive (an
-                LLM's output: spoken while it is still being written, see :mod:`cosyserve.textfeed`); not for vc.
+                LLM's output: spoken while it is still being written, see :mod:`cosyserve.core.textfeed`); not for vc.
             speaker: one of :attr:`speakers`: a pre-defined speaker (sft, instruct) or a registered voice
                 (zero_shot, cross_lingual); None: the model's default voice (sft, instruct).
             stream: yield chunks as soon as they exist (True; the `chunk_policy` setting: by default a short
@@ -115,7 +115,7 @@ class CosyVoiceModel:
             speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
             mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``instruct2`` or ``vc`` (see
-                :mod:`cosyserve.request` for the fields each takes). ``None``: ``zero_shot`` when
+                :mod:`cosyserve.core.request` for the fields each takes). ``None``: ``zero_shot`` when
                 ``speaker`` is a registered zero-shot voice, else ``sft``.
             prompt_text: transcript of ``prompt_wav`` (zero_shot).
             prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the file's bytes.
@@ -123,7 +123,7 @@ class CosyVoiceModel:
             instruct_text: the style instruction (instruct, with a -Instruct model).
             tenant: registry namespace in which ``speaker`` is looked up.
         Raises:
-            cosyserve.errors.ClientError: a bad request (a field over its limit; unknown speaker:
+            cosyserve.core.errors.ClientError: a bad request (a field over its limit; unknown speaker:
                 UnknownVoiceError; a mode the model cannot run: ModeUnavailableError; unusable prompt or source
                 audio: AudioError).
         """
@@ -146,12 +146,12 @@ class CosyVoiceModel:
     def request(
         self, text: str | Iterable[str] = "", speaker: str | None = None, **fields: Any
     ) -> SynthesisRequest:
-        """The :class:`~cosyserve.request.SynthesisRequest` :meth:`synthesize` runs (same arguments), built within
+        """The :class:`~cosyserve.core.request.SynthesisRequest` :meth:`synthesize` runs (same arguments), built within
         :attr:`limits` by the one constructor every entry point uses; text given as pieces is checked piece by
         piece as it is read.
 
         Raises:
-            cosyserve.errors.ClientError: a field over its limit, or a request that cannot be served as given
+            cosyserve.core.errors.ClientError: a field over its limit, or a request that cannot be served as given
                 (``param`` names the field).
         """
         return self.limits.request(text=text, speaker=speaker, **fields)
@@ -164,10 +164,10 @@ class CosyVoiceModel:
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     def synthesize_request(self, request: SynthesisRequest) -> Iterator[np.ndarray]:
-        """Run a :class:`~cosyserve.request.SynthesisRequest` to its end in this thread (no deadline is enforced:
+        """Run a :class:`~cosyserve.core.request.SynthesisRequest` to its end in this thread (no deadline is enforced:
         that is the engine's job); checks and prompt extraction happen before this returns. The request runs as
         given: build it with :meth:`request` for the limits. A chunk with NaN or
-        infinite samples raises :class:`~cosyserve.errors.InternalError` instead of being returned, as the
+        infinite samples raises :class:`~cosyserve.core.errors.InternalError` instead of being returned, as the
         server's engine does. Thread-safe: iterations from more threads than the runtime's ``slots`` (1 unless
         loaded with ``batch_size``) take turns, each holding a slot from its first chunk to its end (or close)."""
         return _finite(self.runtime.start(request, _never), self._slots)
@@ -193,7 +193,7 @@ class CosyVoiceModel:
             tenant: registry namespace.
             overwrite: replace an existing registration of ``name``.
         Returns:
-            The registered :class:`cosyserve.registry.Speaker`.
+            The registered :class:`cosyserve.voices.registry.Speaker`.
         """
         return self.runtime.add_voice(name, prompt_wav, prompt_text, tenant=tenant, overwrite=overwrite)
 
@@ -207,7 +207,7 @@ class CosyVoiceModel:
 
     def import_speakers(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
         """Register the entries of a reference ``spk2info.pt`` (read with ``torch.load(weights_only=True)``); this
-        model's pre-defined speakers in it are skipped. Returns an :class:`cosyserve.registry.ImportResult`."""
+        model's pre-defined speakers in it are skipped. Returns an :class:`cosyserve.voices.registry.ImportResult`."""
         return self.runtime.import_voices(path, tenant=tenant, overwrite=overwrite)
 
     def export_speakers(
@@ -241,10 +241,10 @@ def _never() -> bool:
 def runtime_options(settings: Settings | None = None, **overrides: Any) -> RuntimeOptions:
     """The :class:`~cosyserve.runtime.RuntimeOptions` that ``settings`` (default: the environment's, read now) ask
     for, with ``overrides`` (not None) winning: a setting's name is checked as that setting is (a bad value is a
-    :class:`~cosyserve.errors.SettingsError` naming ``cosyserve.load``), any other field of the options is taken as
+    :class:`~cosyserve.core.errors.SettingsError` naming ``cosyserve.load``), any other field of the options is taken as
     given."""
+    from cosyserve.core.settings import Settings, declared
     from cosyserve.runtime import RuntimeOptions
-    from cosyserve.settings import Settings, declared
 
     given = {k: v for k, v in overrides.items() if v is not None}
     fields = {f.name for f in dataclasses.fields(RuntimeOptions)}
@@ -284,20 +284,21 @@ def choose_runtime(source: str | Path, settings: Settings, runtime: str | None =
     ``torch`` where torch is installed and ``lite`` where it is not (said at INFO).
 
     Args:
-        source: the model (see :mod:`cosyserve.sources`).
+        source: the model (see :mod:`cosyserve.bundle.sources`).
         settings: the settings (their ``runtime``, and where it came from).
         runtime: a runtime the caller names itself (None: the setting's).
     Returns:
         ``torch`` or ``lite``.
     Raises:
-        cosyserve.errors.InputError: torch is not installed and ``source`` needs it: the torch runtime was chosen,
+        cosyserve.core.errors.InputError: torch is not installed and ``source`` needs it: the torch runtime was chosen,
             or the lite runtime by default for a model that is not a bundle converted with ``--runtime lite``.
-        cosyserve.errors.SettingsError: the ``device`` setting names a device the chosen runtime cannot use here
-            (:func:`cosyserve.device.check_device`: checked once at start, before anything loads).
+        cosyserve.core.errors.SettingsError: the ``device`` setting names a device the chosen runtime cannot use here
+            (:func:`cosyserve.system.device.check_device`: checked once at start, before anything loads).
     """
-    from cosyserve.device import check_device, device_given
-    from cosyserve.errors import InputError
-    from cosyserve.sources import has_lite_files, torch_installed
+    from cosyserve.bundle.sources import has_lite_files
+    from cosyserve.core.errors import InputError
+    from cosyserve.core.settings import torch_installed
+    from cosyserve.system.device import check_device, device_given
 
     chosen = runtime or settings.runtime
     lite_files = has_lite_files(source)
@@ -336,9 +337,9 @@ def load(
     ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
 
     Args:
-        path: what to load (see :mod:`cosyserve.sources`).
-        settings: a :class:`cosyserve.settings.Settings` (default: ``Settings.load()``, the environment).
-        clock: a :class:`cosyserve.clock.PhaseClock` to record the phases in.
+        path: what to load (see :mod:`cosyserve.bundle.sources`).
+        settings: a :class:`cosyserve.core.settings.Settings` (default: ``Settings.load()``, the environment).
+        clock: a :class:`cosyserve.core.clock.PhaseClock` to record the phases in.
         runtime: which runtime runs it (a key of :data:`cosyserve.runtime.RUNTIMES`; None: the ``runtime``
             setting: ``torch``, or ``lite`` where torch is not installed, unless COSYSERVE_RUNTIME says otherwise).
         options: settings by name (``device``, ``threads``, ``strategy``, ``verify``, ``warmup``,
@@ -349,12 +350,12 @@ def load(
     Returns:
         A :class:`CosyVoiceModel`.
     Raises:
-        cosyserve.errors.InputError: the model, a setting or an option cannot be used (ModelDirError,
+        cosyserve.core.errors.InputError: the model, a setting or an option cannot be used (ModelDirError,
             ModelConfigError, BundleError, SettingsError), needs torch where it is not installed, or ``device``
             names one this machine or the runtime does not have (``device='cuda'`` without CUDA).
     """
+    from cosyserve.core.settings import Settings, declared
     from cosyserve.runtime import load_runtime
-    from cosyserve.settings import Settings, declared
 
     quiet_onnxruntime()
     settings = settings if settings is not None else Settings.load()

@@ -1,8 +1,8 @@
 """The ``cosyserve`` command line. Parsing only: each command calls a typed function of the Python API.
 
 Heavy modules (torch and everything under it) are imported inside the commands, so ``cosyserve --help`` is fast.
-The flags that are settings (``--model``, ``--port``, ``--threads``, ...) are declared in :mod:`cosyserve.settings`
-with their environment variables; :func:`main` reads the :class:`~cosyserve.settings.Settings` once from the
+The flags that are settings (``--model``, ``--port``, ``--threads``, ...) are declared in :mod:`cosyserve.core.settings`
+with their environment variables; :func:`main` reads the :class:`~cosyserve.core.settings.Settings` once from the
 parsed flags and the environment and passes it to the command.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyserve.core.settings import Settings, declared
 from cosyserve.families import FAMILIES
-from cosyserve.settings import Settings, declared
 
 __all__ = ["main"]
 
@@ -57,7 +57,7 @@ def _exit_codes() -> str:
 # optional packages -> the extra that installs them (a missing one is a one-line error naming the extra)
 _EXTRAS = {"huggingface_hub": "hub", "modelscope": "hub", "wyoming": "wyoming", "zeroconf": "wyoming"}
 
-# synth --out: the extension picks the encoding (the server's encoders, cosyserve.audiofile)
+# synth --out: the extension picks the encoding (the server's encoders, cosyserve.server.audiofile)
 OUT_FORMATS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".pcm": "pcm"}
 
 
@@ -92,8 +92,8 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.audiofile import write_audio_atomic
-    from cosyserve.gchold import release_gc
+    from cosyserve.server.audiofile import write_audio_atomic
+    from cosyserve.system.gchold import release_gc
 
     out = Path(args.out)
     fmt = OUT_FORMATS.get(out.suffix.lower())
@@ -111,8 +111,8 @@ def _cmd_synth(args: argparse.Namespace, settings: Settings) -> None:
     for flag, value in (("--prompt-wav", args.prompt_wav), ("--source-wav", args.source_wav)):
         if value is not None and not Path(value).is_file():
             raise CLIError(f"{flag} {value}: no such file")
-    from cosyserve.errors import ClientError, ModeUnavailableError
-    from cosyserve.limits import Limits
+    from cosyserve.core.errors import ClientError, ModeUnavailableError
+    from cosyserve.core.limits import Limits
 
     limits = Limits.from_settings(settings)
     try:  # within the limits every request is (the one constructor), before the model loads
@@ -179,7 +179,7 @@ def _cmd_convert(args: argparse.Namespace, settings: Settings) -> None:
 
 def _cmd_startup_report(args: argparse.Namespace, settings: Settings) -> None:
     from cosyserve.api import choose_runtime
-    from cosyserve.report import startup_report
+    from cosyserve.tools.report import startup_report
 
     choose_runtime(settings.models[0], settings)  # the runtime its fresh processes will load on
     startup_report(
@@ -237,7 +237,7 @@ _SYNTH_FIELDS = {
 
 
 def _check_synth_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from cosyserve.request import field_errors
+    from cosyserve.core.request import field_errors
 
     given = {f for f in _SYNTH_FIELDS if getattr(args, f) is not None}
     # without --mode: sft, or zero_shot for a registered voice (decided after loading); both take these flags
@@ -265,7 +265,7 @@ def _check_speakers_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.conformance import run_conformance
+    from cosyserve.tools.conformance import run_conformance
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
@@ -279,7 +279,7 @@ def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _cmd_quality(args: argparse.Namespace, settings: Settings) -> None:
-    from cosyserve.quality import PARTS, parse_options, run_quality
+    from cosyserve.tools.quality import PARTS, parse_options, run_quality
 
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -329,8 +329,8 @@ def _preload_runtimes(settings: Settings) -> None:
     """Choose each preload model's runtime as its load will (``cosyserve.api.choose_runtime``): the lite runtime is
     said at INFO where torch is not installed, and a model that needs torch there stops the start in one line."""
     from cosyserve.api import choose_runtime
+    from cosyserve.core.settings import DEMO_MODEL, ModelArg
     from cosyserve.engine.poolfile import load_pool_config
-    from cosyserve.settings import DEMO_MODEL, ModelArg
 
     args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
     defaulted = settings.origin("runtime") == "default"
@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compares a variant of a model with its fp32 reference path on fixed, seeded inputs: the "
         "LLM's top-1 agreement and mean |delta log p| under teacher forcing, the flow's mel and the audio's "
         "log-mel L1 and log-spectral distance, and streamed vs one-shot audio under both chunk policies. "
-        "See cosyserve.quality for the definitions and the bounds.",
+        "See cosyserve.tools.quality for the definitions and the bounds.",
     )
     _setting(p, "models")
     p.add_argument(
@@ -597,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] in (["serve"], ["synth"]):
         # no garbage collection from here to READY: `import torch` and the model build long-lived objects that
         # a collection would only scan (the server and _cmd_synth release the hold once their model is loaded)
-        from cosyserve.gchold import hold_gc
+        from cosyserve.system.gchold import hold_gc
 
         hold_gc()
     parser = build_parser()
@@ -613,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command in _NEEDS_MODEL and not settings.models:
         parser.error(f"{args.command} needs --model (or the COSYSERVE_MODEL variable)")
     if args.command in ("serve", "synth"):
-        from cosyserve.pagecache import prefetch_bundles
+        from cosyserve.system.pagecache import prefetch_bundles
 
         # a cold page cache is read while torch imports (the loader then finds the pages there)
         prefetch_bundles(
@@ -631,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command != "serve" and level > logging.INFO:
         _show_progress()
-    from cosyserve.errors import CosyserveError
+    from cosyserve.core.errors import CosyserveError
 
     try:
         args.func(args, settings)
@@ -639,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except (CosyserveError, ValueError, OSError) as e:
-        # every error of cosyserve.errors (a bad request, model, setting or file) and I/O failures
+        # every error of cosyserve.core.errors (a bad request, model, setting or file) and I/O failures
         print(f"cosyserve {args.command}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except ModuleNotFoundError as e:

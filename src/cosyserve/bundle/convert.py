@@ -8,7 +8,7 @@ per-channel scales (``--quantize llm=int8``, see :mod:`cosyserve.models.precisio
 version 2, which older readers refuse with "convert again" instead of failing on unknown tensors. Weight-norm is folded at conversion (the vocoder stores
 plain weights). The official ONNX files, when present, are copied unchanged. Everything is written into a
 temporary sibling directory that is moved into place in one rename only when complete (an existing bundle is
-swapped out in the same rename, see :mod:`cosyserve.staging`), so an interrupted conversion never leaves a
+swapped out in the same rename, see :mod:`cosyserve.system.staging`), so an interrupted conversion never leaves a
 directory that looks like a bundle, and a crash leaves the old bundle or the new one. The output may only be a new
 path or an existing bundle (with ``force``): never the model dir, a folder around it or inside it, or any other
 existing file or directory.
@@ -27,27 +27,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import ConvertError, ModelDirError
+from cosyserve.bundle.loader import BUNDLE_FORMAT, BUNDLE_VERSION, COMPONENTS, sha256_file
+from cosyserve.core.errors import ConvertError, ModelDirError
 from cosyserve.frontend.onnx_compat import copy_onnx
 
 __all__ = [
-    "BUNDLE_FORMAT",
-    "BUNDLE_VERSION",
-    "BUNDLE_VERSIONS",
-    "COMPONENTS",
     "ConvertError",
     "convert",
     "parse_component_dtypes",
     "parse_quantize",
-    "sha256_file",
 ]
 
 logger = logging.getLogger(__name__)
 
-BUNDLE_FORMAT = "cosyserve-bundle"
-BUNDLE_VERSION = 1
-BUNDLE_VERSIONS = (1, 2)  # 2: a component holds quantized (int8) tensors; written only then
-COMPONENTS = ("llm", "flow", "hift")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZABLE = ("llm",)  # components whose linears may be int8
@@ -116,14 +108,6 @@ def parse_quantize(spec: str | Mapping[str, str], where: str = "--quantize") -> 
     return {name: method for name, method in pairs.items() if method != "none"}
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _tensor_sha256(t: Any) -> str:
     import torch
 
@@ -190,7 +174,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "I
 
 
 def _save(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
-    from cosyserve.staging import file_mode
+    from cosyserve.system.staging import file_mode
 
     if any(str(v.dtype) == "torch.int8" for v in tensors.values()):
         _save_aligned(tensors, path, metadata)
@@ -279,7 +263,7 @@ def convert(
         force: replace ``out`` if it is a bundle (or an empty directory); anything else there is refused.
         progress: report steps on stderr.
         runtime: ``lite`` also writes ``lite/``, the lite runtime's ONNX graphs, each checked against its torch
-            module (:func:`cosyserve.lite.export.export_lite`); ``torch`` (default) does not.
+            module (:func:`cosyserve.bundle.lite.export.export_lite`); ``torch`` (default) does not.
     Returns:
         ``out`` as a Path.
     Raises:
@@ -289,11 +273,11 @@ def convert(
     """
     import torch
 
-    from cosyserve import __version__
     from cosyserve.bundle.official import load_speakers, module_class
-    from cosyserve.modelconfig import config_tree, load_model_config
+    from cosyserve.core.version import __version__
+    from cosyserve.families.modelconfig import config_tree, load_model_config
     from cosyserve.models.precision import keeps_float32
-    from cosyserve.staging import Staging
+    from cosyserve.system.staging import Staging
 
     if runtime not in ("torch", "lite"):
         raise ValueError(f"runtime must be torch or lite, got {runtime!r}")
@@ -307,7 +291,7 @@ def convert(
     cfg = load_model_config(model_dir)
     family = cfg.family_spec
     if runtime == "lite":
-        from cosyserve.lite.export import require_lite
+        from cosyserve.bundle.lite.export import require_lite
 
         require_lite(family)  # before any work
     with Staging(out, "converting") as staging:
@@ -409,7 +393,7 @@ def convert(
             json.dumps(manifest, indent=1, ensure_ascii=False), encoding="utf-8"
         )
         if runtime == "lite":
-            from cosyserve.lite.export import export_lite
+            from cosyserve.bundle.lite.export import export_lite
 
             export_lite(tmp, step, model_dir=model_dir, int8=quantized.get("llm") == "int8")
         # checked again: the path may have changed during the conversion

@@ -32,13 +32,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cosyserve.bundle.convert import BUNDLE_FORMAT, BUNDLE_VERSIONS, COMPONENTS
-from cosyserve.clock import PhaseClock
-from cosyserve.errors import BundleError
+from cosyserve.core.clock import PhaseClock
+from cosyserve.core.errors import BundleError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Bundle", "LoadOptions", "LoadedParts", "is_bundle", "model_key", "open_bundle"]
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BUNDLE_VERSION",
+    "BUNDLE_VERSIONS",
+    "COMPONENTS",
+    "Bundle",
+    "LoadOptions",
+    "LoadedParts",
+    "is_bundle",
+    "model_key",
+    "open_bundle",
+    "sha256_file",
+]
+
+# the bundle's format: what :mod:`cosyserve.bundle.convert` writes and this module reads back
+BUNDLE_FORMAT = "cosyserve-bundle"
+BUNDLE_VERSION = 1
+BUNDLE_VERSIONS = (1, 2)  # 2: a component holds quantized (int8) tensors; written only then
+COMPONENTS = ("llm", "flow", "hift")
 
 Strategy = Literal["preload", "lazy", "prefetch"]
 Verify = Literal["stamp", "full", "none"]
@@ -98,9 +115,9 @@ class Bundle:
 
     @property
     def config(self) -> Any:
-        """The :class:`cosyserve.modelconfig.ModelConfig` stored at conversion (built as the yaml's is)."""
+        """The :class:`cosyserve.families.modelconfig.ModelConfig` stored at conversion (built as the yaml's is)."""
         if self._config is None:
-            from cosyserve.modelconfig import build_model_config
+            from cosyserve.families.modelconfig import build_model_config
 
             src = self.path / "manifest.json"
             self._config = build_model_config(self.manifest.get("config"), source=src, where="config")
@@ -134,11 +151,11 @@ class Bundle:
     @property
     def instruct(self) -> bool:
         """Whether the model takes instruct mode (a CosyVoice-300M-Instruct), as recorded at conversion by
-        :func:`cosyserve.bundle.official.is_instruct_model_dir`; a bundle converted before that was recorded
+        :func:`cosyserve.families.cosyvoice.is_instruct_model_dir`; a bundle converted before that was recorded
         is judged by the same rule on the source directory its manifest names."""
         value = self.manifest.get("instruct")
         if value is None:
-            from cosyserve.bundle.official import is_instruct_model_dir
+            from cosyserve.families.cosyvoice import is_instruct_model_dir
 
             source = self.manifest.get("source", {}).get("dir")
             return isinstance(source, str) and bool(source) and is_instruct_model_dir(source)
@@ -181,8 +198,6 @@ class Bundle:
             )
         if self.verify == "none" or (self.verify == "stamp" and self._read_stamps().get(name) == key):
             return
-        from cosyserve.bundle.convert import sha256_file
-
         if sha256_file(path) != entry["sha256"]:
             raise BundleError(
                 f"{path}: checksum mismatch: the file is corrupt; {again}",
@@ -346,6 +361,14 @@ def model_key(manifest: dict[str, Any]) -> str:
             for t, info in sorted(manifest["components"][c]["tensors"].items())
         ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _page_plan(files: dict[str, Any], family: str) -> list[tuple[Any, tuple[str, ...]]]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from cosyserve import pagecache
-from cosyserve.errors import BundleError
+from cosyserve.core.errors import BundleError
+from cosyserve.system import pagecache
 
 __all__ = ["DTYPES", "MappedFile", "TensorInfo", "read_header"]
 
@@ -133,7 +133,7 @@ class MappedFile:
 
     def advise(self, advice: int, begin: int = 0, length: int = 0) -> None:
         """``madvise`` on ``length`` bytes of the mapping from ``begin`` (0: to the end), e.g. ``mmap.MADV_WILLNEED``
-        to start readahead (:func:`cosyserve.pagecache.madvise`)."""
+        to start readahead (:func:`cosyserve.system.pagecache.madvise`)."""
         if self._mm is not None:
             pagecache.madvise(self._mm, advice, begin, begin + length if length else self.size)
 
@@ -160,7 +160,7 @@ class MappedFile:
         return out
 
     def populate(self, row_tables: Collection[str] = ()) -> None:
-        """Map every page of the file into this process now, without copying (:func:`cosyserve.pagecache.populate`:
+        """Map every page of the file into this process now, without copying (:func:`cosyserve.system.pagecache.populate`:
         page-cache hits become mapped pages, misses are read from disk, with the GIL released).
 
         Tensors named in ``row_tables`` (embedding tables, read a row at a time) are read into the page cache
@@ -181,7 +181,7 @@ class MappedFile:
         pagecache.read_ranges(((self.path, b, e) for b, e in missing), block=block)
 
     def touch(self, begin: int = 0, end: int | None = None) -> int:
-        """Fault the pages of ``[begin, end)`` in (:func:`cosyserve.pagecache.touch`); returns bytes covered."""
+        """Fault the pages of ``[begin, end)`` in (:func:`cosyserve.system.pagecache.touch`); returns bytes covered."""
         return 0 if self._mm is None else pagecache.touch(self._mm, begin, end)
 
     def info(self) -> dict[str, Any]:

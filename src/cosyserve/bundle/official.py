@@ -1,7 +1,7 @@
 """Read an official CosyVoice model directory without executing anything in it.
 
 Weights are read with ``torch.load(weights_only=True)`` (no arbitrary unpickling), the yaml with a safe loader
-(:mod:`cosyserve.modelconfig`). Every problem is a :class:`ModelDirError` naming the file and what is wrong.
+(:mod:`cosyserve.families.modelconfig`). Every problem is a :class:`ModelDirError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cosyserve.errors import ModelDirError
-
-# the zero-shot tier's ONNX models (speaker embedding, speech tokenizer): optional in a model dir, copied into
-# a bundle unchanged, opened by the zero-shot frontend on first use
-from cosyserve.frontend.prompt import CAMPPLUS_FILE, ONNX_FILES, SPEECH_TOKENIZER_FILE  # noqa: F401
+from cosyserve.core.errors import ModelDirError
 
 if TYPE_CHECKING:
     import torch
@@ -23,13 +19,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CAMPPLUS_FILE",
     "COMPONENT_FILES",
-    "INSTRUCT_MARK",
-    "ONNX_FILES",
-    "SPEECH_TOKENIZER_FILE",
     "ModelDirError",
-    "is_instruct_model_dir",
     "load_component",
     "load_speakers",
     "module_class",
@@ -37,25 +28,6 @@ __all__ = [
 ]
 
 COMPONENT_FILES = {"llm": "llm.pt", "flow": "flow.pt", "hift": "hift.pt"}
-
-INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
-
-
-def is_instruct_model_dir(model_dir: str | Path) -> bool:
-    """Whether an official model directory holds an instruct model (CosyVoice-300M-Instruct).
-
-    Nothing in the files tells: the -Instruct checkpoint has the same config, layout and speakers as -SFT; it
-    was trained to follow instructions. So this is the reference's rule, made exact: the name of the directory
-    (its real path, symlinks resolved, as the bundle cache keys it) contains ``-Instruct``, case-sensitive, as
-    the official download's does. A Hugging Face cache snapshot (``models--ORG--NAME/snapshots/REV``) is named
-    by its repo, NAME. ``cosyserve convert`` records the answer in the bundle's manifest; serving never looks
-    at names.
-    """
-    path = Path(model_dir).resolve()
-    name = path.name
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        name = path.parent.parent.name
-    return INSTRUCT_MARK in name
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -122,7 +94,7 @@ def load_component(model_dir: str | Path, name: str, cfg: Any, family: str = "co
     Args:
         model_dir: official model directory.
         name: ``"llm"``, ``"flow"`` or ``"hift"``.
-        cfg: that component's config from :func:`cosyserve.modelconfig.load_model_config`.
+        cfg: that component's config from :func:`cosyserve.families.modelconfig.load_model_config`.
         family: the model family (``ModelConfig.family``).
     Returns:
         The module in eval mode on CPU.

@@ -95,9 +95,9 @@ def settings_flags(args: Mapping[str, Any]) -> dict[str, Any]:
     a string or, in a config file, a list), checked by loading them once.
 
     Raises:
-        ValueError: an unknown or refused key; :class:`cosyserve.settings.SettingsError` for a bad value.
+        ValueError: an unknown or refused key; :class:`cosyserve.core.settings.SettingsError` for a bad value.
     """
-    from cosyserve.settings import Settings
+    from cosyserve.core.settings import Settings
 
     flags = {("models" if k == "model" else k): v for k, v in args.items() if k not in _RAY_KEYS}
     refused = sorted(_REFUSED & flags.keys())
@@ -118,8 +118,8 @@ class CosyServeReplica:
     """One Ray Serve replica: the cosyserve app, READY before Ray routes to it."""
 
     def __init__(self, flags: dict[str, Any]) -> None:
+        from cosyserve.core.settings import Settings
         from cosyserve.server.app import create_app
-        from cosyserve.settings import Settings
 
         self._app = create_app(Settings.load(flags=flags), ready_before_serving=True)
 

@@ -29,11 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.engine.state import ALLOWED, STATE_TRANSITION_ERROR, EngineState, Listener, Transition
-from cosyserve.engine.stats import ModelStats
-from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
-from cosyserve.engine.voicemap import is_openai_voice, openai_voice_map
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     ClientError,
     CosyserveError,
     DeadlineExceededError,
@@ -45,8 +41,12 @@ from cosyserve.errors import (
     RequestCancelledError,
     UnknownVoiceError,
 )
-from cosyserve.gchold import collect_frozen
-from cosyserve.request import ResolvedRequest, SynthesisRequest
+from cosyserve.core.request import ResolvedRequest, SynthesisRequest
+from cosyserve.engine.state import ALLOWED, STATE_TRANSITION_ERROR, EngineState, Listener, Transition
+from cosyserve.engine.stats import ModelStats
+from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
+from cosyserve.engine.voicemap import is_openai_voice, openai_voice_map
+from cosyserve.system.gchold import collect_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class Engine:
         the consumer reports each chunk it takes (:meth:`Job.taken`) and the worker waits while it is more than
         :data:`BUFFER_SECONDS` of audio ahead.
         A request not yet resolved is resolved here (:meth:`resolve`: an unknown voice or a mode the model cannot
-        run is refused before it takes a place in the queue); a :class:`~cosyserve.request.ResolvedRequest` is
+        run is refused before it takes a place in the queue); a :class:`~cosyserve.core.request.ResolvedRequest` is
         taken as it is, by the engine and by the runtime.
         Raises:
             ClientError, NotReadyError, EngineDeadError, OverloadedError: at once, nothing was queued.
@@ -673,7 +673,7 @@ class Engine:
                     tr = self._transition_locked(EngineState.RELEASED)
                 self._notify(tr)
                 runtime = None  # the loop variable held the last runtime
-                # cosyserve.load froze what it built (cosyserve.gchold.release_gc): the model's reference cycles
+                # cosyserve.load froze what it built (cosyserve.system.gchold.release_gc): the model's reference cycles
                 # are freed only by a collection that looks at frozen objects; without it the weights stay mapped
                 collect_frozen()
             else:  # FAILED: nothing was kept

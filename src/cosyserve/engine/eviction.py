@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+from cosyserve.core.errors import MemoryBudgetError, QuotaExceededError
 from cosyserve.engine.quotas import TenantQuota
-from cosyserve.errors import MemoryBudgetError, QuotaExceededError
 
 __all__ = ["Candidate", "evictable", "lru_k_order", "plan_room", "pressure_victims"]
 

@@ -16,7 +16,7 @@ Rules, all applied under one pool lock (engine locks are only ever taken inside 
 - :meth:`ModelPool.maintain` (run periodically by :meth:`ModelPool.run_housekeeping`) releases models idle
   for longer than their TTL and evicts while memory pressure is above the threshold;
 - a model whose load failed is not loaded again until its back-off ends (:data:`LOAD_BACKOFF_S`): requests in
-  between get the failure at once (:class:`~cosyserve.errors.LoadFailedError`, with the wait), so a model that
+  between get the failure at once (:class:`~cosyserve.core.errors.LoadFailedError`, with the wait), so a model that
   cannot load costs one load attempt a minute at most, whatever the request rate; a change of its files on disk
   ends the back-off early.
 """
@@ -36,15 +36,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cosyserve.core.errors import EngineDeadError, LoadFailedError, OverloadedError, UnknownModelError
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
 from cosyserve.engine.entries import Entry, ModelSpec, PoolEvent
 from cosyserve.engine.eviction import evictable, lru_k_order, plan_room, pressure_victims
 from cosyserve.engine.quotas import InFlight, Tenant, sole_owners
 from cosyserve.engine.state import EngineState
 from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
-from cosyserve.errors import EngineDeadError, LoadFailedError, OverloadedError, UnknownModelError
-from cosyserve.pagecache import memory_limit_bytes, memory_usage, rss_of_files
-from cosyserve.request import SynthesisRequest
+from cosyserve.system.pagecache import memory_limit_bytes, memory_usage, rss_of_files
 
 logger = logging.getLogger(__name__)
 
@@ -401,7 +401,7 @@ class ModelPool:
         return self._load_model(spec, reload)
 
     def _default_load_model(self, spec: ModelSpec, reload: bool) -> Any:
-        from cosyserve.clock import PhaseClock
+        from cosyserve.core.clock import PhaseClock
         from cosyserve.runtime import RuntimeOptions, load_runtime
 
         if spec.path is None:
@@ -422,7 +422,7 @@ class ModelPool:
             return entry.spec.size_bytes
         if entry.spec.path is not None and entry.bundle is None:
             from cosyserve.bundle.loader import is_bundle, open_bundle
-            from cosyserve.errors import BundleError
+            from cosyserve.core.errors import BundleError
 
             if is_bundle(entry.spec.path):
                 try:

@@ -1,7 +1,7 @@
 """The pool config file's models and tenants, and the :class:`ModelPool` built from them.
 
-The file's ``[pool]`` values are settings (declared in :mod:`cosyserve.settings` with their environment
-variables, which win over the file; read by :meth:`~cosyserve.settings.Settings.load`). This module reads the
+The file's ``[pool]`` values are settings (declared in :mod:`cosyserve.core.settings` with their environment
+variables, which win over the file; read by :meth:`~cosyserve.core.settings.Settings.load`). This module reads the
 ``[models.NAME]`` and ``[tenants.NAME]`` tables, with those settings as each model's defaults, and adds the models
 given with ``--model`` (preloaded) with the very same defaults. Errors name the file, the table, the key and the
 value.
@@ -44,14 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.casts import Int, parse_size
+from cosyserve.core.casts import Int, parse_size
+from cosyserve.core.errors import SettingsError
+from cosyserve.core.settings import ModelArg, Settings, parse_setting
 from cosyserve.engine.entries import ModelSpec
 from cosyserve.engine.pool import ModelPool
 from cosyserve.engine.quotas import Tenant, TenantQuota
 from cosyserve.engine.voicemap import OPENAI_VOICES, is_openai_voice
-from cosyserve.errors import SettingsError
-from cosyserve.pagecache import memory_limit_bytes
-from cosyserve.settings import ModelArg, Settings, parse_setting
+from cosyserve.system.pagecache import memory_limit_bytes
 
 __all__ = [
     "LOAD_KEYS",

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from cosyserve.errors import QuotaExceededError, UnknownModelError
+from cosyserve.core.errors import QuotaExceededError, UnknownModelError
 
 __all__ = ["InFlight", "Tenant", "TenantQuota", "sole_owners"]
 

@@ -7,7 +7,7 @@
               +-> FAILED <--------+          (NEW -> RELEASED too: released before it was ever loaded)
 
 Every transition is checked against :data:`ALLOWED`; an illegal one raises
-:class:`~cosyserve.errors.EngineStateError` with :data:`STATE_TRANSITION_ERROR`.
+:class:`~cosyserve.core.errors.EngineStateError` with :data:`STATE_TRANSITION_ERROR`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cosyserve.errors import DeadlineExceededError, RequestCancelledError
+from cosyserve.core.errors import DeadlineExceededError, RequestCancelledError
 
 if TYPE_CHECKING:
     from cosyserve.engine.engine import Engine, Job

@@ -41,7 +41,7 @@ class Family:
         instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
             ``instruct2``: a voice to clone and an instruction).
         lite: the lite runtime (ONNX Runtime + numpy) serves it.
-        lite_export: ``module:function`` exporting its lite graphs (:mod:`cosyserve.lite.export`), or None.
+        lite_export: ``module:function`` exporting its lite graphs (:mod:`cosyserve.bundle.lite.export`), or None.
         lite_parts: the parts (of llm, flow, hift) that export covers so far; the lite runtime serves a family
             whose export covers all three (``lite``).
         lite_kinds: the conformance kinds the lite runtime computes for its sets (the others are reported as not
@@ -104,7 +104,7 @@ class Family:
         return import_string(self.module_classes[component])  # type: ignore[no-any-return]
 
     def read_config(self, model_dir: Path) -> Any:
-        """The :class:`~cosyserve.modelconfig.ModelConfig` of an official directory of this family."""
+        """The :class:`~cosyserve.families.modelconfig.ModelConfig` of an official directory of this family."""
         raise NotImplementedError
 
     # --- a model directory -----------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Family:
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
         yielding ``[1, samples]`` chunks. ``voices``: precomputed voice states
-        (:class:`~cosyserve.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``)."""
+        (:class:`~cosyserve.voices.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``)."""
         raise NotImplementedError
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:

@@ -84,7 +84,7 @@ def make_test_model(
         component -> (parameter count, file size in bytes).
     """
     from cosyserve.families import family_named
-    from cosyserve.staging import Staging
+    from cosyserve.system.staging import Staging
 
     spec = family_named(family)
     if size not in SIZE_NAMES:

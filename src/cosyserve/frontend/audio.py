@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cosyserve.errors import AudioError
+from cosyserve.core.errors import AudioError
 
 if TYPE_CHECKING:
     import torch

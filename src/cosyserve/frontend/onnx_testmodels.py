@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+from cosyserve.frontend.prompt import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
 
 __all__ = ["SPEECH_TOKEN_VOCAB", "write_test_onnx_models"]
 

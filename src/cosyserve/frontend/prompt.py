@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cosyserve.errors import AudioError, BundleError, ModeUnavailableError
+from cosyserve.core.errors import AudioError, BundleError, ModeUnavailableError
 from cosyserve.frontend.audio import decode_failure
 from cosyserve.frontend.onnx_compat import session_source
 

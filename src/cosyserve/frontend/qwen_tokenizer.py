@@ -23,7 +23,7 @@ import threading
 import unicodedata
 from pathlib import Path
 
-from cosyserve.errors import ModelDirError
+from cosyserve.core.errors import ModelDirError
 
 __all__ = ["COSYVOICE2_SPECIALS", "COSYVOICE3_SPECIALS", "QwenTokenizer"]
 

@@ -28,7 +28,7 @@ _PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(
 
 def _read_ranks(path: Path | None) -> dict[bytes, int]:
     if path is None:
-        data = (Path(__file__).parents[1] / "assets" / "multilingual.tiktoken").read_bytes()
+        data = (Path(__file__).parent / "assets" / "multilingual.tiktoken").read_bytes()
     else:
         data = Path(path).read_bytes()
     # "<base64 token> <rank>" per line; split + map keeps the 50k-entry parse in C (twice as fast as per line)

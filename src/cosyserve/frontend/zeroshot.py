@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.bundle.official import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
-from cosyserve.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError, shown
+from cosyserve.core.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError, shown
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
+    CAMPPLUS_FILE,
+    SPEECH_TOKENIZER_FILE,
     AudioSource,
     OnnxModel,
     PromptAudio,

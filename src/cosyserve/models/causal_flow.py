@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
 from cosyserve.models.flow import CFMParams, _euler_schedule
 from cosyserve.models.flow_stream import FlowStream, StepCache
@@ -30,7 +31,6 @@ from cosyserve.models.upsample_encoder import (
     UpsampleConformerEncoder,
     UpsampleConformerEncoderConfig,
 )
-from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "NOISE_SHAPE",
@@ -156,7 +156,7 @@ class CausalConditionalCFM(nn.Module):
             noise: (B or 1, n, T) the starting sample.
             n_timesteps: Euler steps.
             streaming: chunk attention masks in the estimator.
-            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
             caches: a stream's state per Euler step (see :class:`ChunkFlow`): the frames here follow its kept ones.
         Returns:
             (B, n, T) float32 mel.
@@ -269,7 +269,7 @@ class ChunkFlow(nn.Module):
             finalize: the utterance ends here; otherwise the last 3 tokens are lookahead context only and get no
                 frames.
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
-            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
             stream: the request's :class:`FlowStream` (:meth:`new_stream`), for a chunk that streams and does not
                 finalize: only the frames after the ones it keeps are computed, and it keeps the new final ones.
                 The same prompt, embedding and steps at every call. Ignored by other calls (the last call's full

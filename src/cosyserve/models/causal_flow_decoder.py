@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig, ResnetBlock1D
 from cosyserve.models.flow_stream import StepCache
 from cosyserve.models.transformer import subsequent_chunk_mask
-from cosyserve.stop import ShouldStop, check
 
 __all__ = ["CausalBlock1D", "CausalConditionalDecoder", "CausalConditionalDecoderConfig", "CausalConv1d"]
 
@@ -143,7 +143,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
             h: (B, in_channels, T) = cat([x, mu, spks repeated over time, cond], dim=1).
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
-            should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked before each block (:class:`cosyserve.core.stop.Stopped` once it says True).
             cache: a stream's state at this Euler step (streaming, :attr:`streams` only): h holds the frames
                 after the ones it keeps (a multiple of the attention chunk), which it adds as left context.
         Returns:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.device import module_device
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.hift import (
     ConvRNNF0Predictor,
     F0PredictorConfig,
@@ -49,7 +49,7 @@ from cosyserve.models.hift import (
     _conv,
     _wn,
 )
-from cosyserve.stop import ShouldStop, check
+from cosyserve.system.device import module_device
 
 __all__ = [
     "CausalF0PredictorConfig",
@@ -286,7 +286,7 @@ class CausalHiFTGenerator(HiFTGenerator):
                 :attr:`CausalHiFTConfig.lookahead` (8).
             rand_ini: (1 or B, H) initial phase per harmonic in cycles, H = nb_harmonics + 1 (column 0 ignored).
             sine_waves: (1 or B, >= L, H) the additive noise buffer (uniform [0, 1)); its first L rows are used.
-            should_stop: asked between the decoder's stages (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked between the decoder's stages (:class:`cosyserve.core.stop.Stopped` once it says True).
         Returns:
             speech: (B, T * 480) if finalizing, else (B, (T - 8) * 480), float32 in [-audio_limit, audio_limit];
             source: (B, 1, L) float32 excitation, L = T * 480 or (T - 3) * 480.

@@ -22,9 +22,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from cosyserve.core.sampling import PromptRuleError
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.qwen2lm import Qwen2LM, Qwen2LMConfig, _Encoder, _mix_ratio
-from cosyserve.sampling import PromptRuleError
 
 __all__ = ["ENDOFPROMPT", "CosyVoice3LM", "CosyVoice3LMConfig", "PromptRuleError"]
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.causal_flow import (
     NOISE_SHAPE,
     CausalConditionalCFM,
@@ -37,7 +38,6 @@ from cosyserve.models.flow_decoder import SinusoidalPosEmb
 from cosyserve.models.flow_stream import FlowStream, StepCache, attend
 from cosyserve.models.transformer import subsequent_chunk_mask
 from cosyserve.models.upsample_encoder import PreLookaheadLayer as _PreLookahead
-from cosyserve.stop import ShouldStop, check
 
 __all__ = [
     "DiT",
@@ -358,7 +358,7 @@ class DiT(nn.Module):
             h: (B, in_channels, N) = cat([x, mu, spks repeated over time, cond], dim=1), the layout the CFM packs.
             t: (B,) flow time in [0, 1].
             streaming: static chunk attention masks instead of full attention.
-            should_stop: asked before each block (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked before each block (:class:`cosyserve.core.stop.Stopped` once it says True).
             cache: a stream's state at this Euler step (streaming only): h holds the frames after the
                 ``cache.start`` it keeps (a multiple of the attention chunk), which it adds as left context.
         Returns:

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.device import module_device
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig
 from cosyserve.models.transformer import ConformerEncoder, ConformerEncoderConfig
-from cosyserve.stop import ShouldStop, check
+from cosyserve.system.device import module_device
 
 __all__ = [
     "CFMParams",
@@ -196,7 +196,7 @@ class ConditionalCFM(nn.Module):
             cache: [B, n_feats, C, 2] (z, mu) of a previous chunk; its C frames replace the start of z and mu.
             n_timesteps: Euler steps.
             mask: [B, 1, T] float frame mask, or None for no padding (what equal-length inference has).
-            should_stop: asked before each Euler step; :class:`cosyserve.stop.Stopped` once it says True.
+            should_stop: asked before each Euler step; :class:`cosyserve.core.stop.Stopped` once it says True.
         Returns:
             (mel [B, n_feats, T] float32, cache [B, n_feats, prompt_len + 34, 2]).
         """
@@ -347,7 +347,7 @@ class MaskedDiffWithXvec(nn.Module):
             noise: [B, n_mels, F + M] starting noise; drawn from ``generator`` when None (B = 1 only).
             generator: the source of the noise when ``noise`` is None.
             n_timesteps: Euler steps (>= 1; None: :attr:`N_TIMESTEPS`).
-            should_stop: asked before each Euler step (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
         Returns:
             (mel [B, n_mels, M] float32 with M = int(T / input_frame_rate * 22050 / 256),
              new_flow_cache [B, n_mels, F + 34, 2]).

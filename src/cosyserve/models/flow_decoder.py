@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.flow_stream import StepCache, attend
-from cosyserve.stop import ShouldStop, check
 
 __all__ = ["ConditionalDecoder", "ConditionalDecoderConfig"]
 
@@ -270,7 +270,7 @@ class ConditionalDecoder(nn.Module):
         self, h: Tensor, mask: Tensor | None, t: Tensor, should_stop: ShouldStop | None = None
     ) -> Tensor:
         """Same as :meth:`forward` with the inputs already concatenated: h = cat([x, mu, spks, cond], 1);
-        ``should_stop`` is asked before each block (:class:`cosyserve.stop.Stopped`)."""
+        ``should_stop`` is asked before each block (:class:`cosyserve.core.stop.Stopped`)."""
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []
         masks = [mask]

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from cosyserve.device import module_device
-from cosyserve.stop import ShouldStop, check
+from cosyserve.core.stop import ShouldStop, check
+from cosyserve.system.device import module_device
 
 __all__ = ["F0PredictorConfig", "HiFTConfig", "HiFTGenerator"]
 
@@ -293,7 +293,7 @@ class HiFTGenerator(nn.Module):
             sine_phase: (B, H, 1) initial phase per harmonic, H = nb_harmonics + 1, as the reference draws it
                 (uniform in [-pi, pi)); row 0 (the fundamental) is ignored, as in the reference.
             sine_noise: (B, H, L) standard normal noise, L = T * upsample_factor.
-            should_stop: asked between the decoder's stages (:class:`cosyserve.stop.Stopped` once it says True).
+            should_stop: asked between the decoder's stages (:class:`cosyserve.core.stop.Stopped` once it says True).
         Returns:
             speech: (B, L) float32 waveform in [-audio_limit, audio_limit];
             source: (B, 1, L) float32 excitation after the cache overwrite (the next chunk's cache_source).

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.device import module_device
+from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.models.transformer import (
     ConformerEncoder,
     ConformerEncoderConfig,
@@ -25,7 +25,7 @@ from cosyserve.models.transformer import (
     TransformerEncoderConfig,
     cache_dtype,
 )
-from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
+from cosyserve.system.device import module_device
 
 __all__ = ["LLMConfig", "SamplingConfig", "SpeechLM", "TransformerLM"]
 

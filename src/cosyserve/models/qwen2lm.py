@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cosyserve.core.sampling import SamplingConfig, StopRules
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
-from cosyserve.sampling import SamplingConfig, StopRules
 
 __all__ = ["Qwen2Config", "Qwen2LM", "Qwen2LMConfig"]
 

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from cosyserve.core.settings import CHUNK_POLICY_CHOICES, FIRST_HOP_DEFAULT, FIRST_HOP_RANGE
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from cosyserve.clock import PhaseClock
-    from cosyserve.request import Mode, SynthesisRequest
+    from cosyserve.core.clock import PhaseClock
+    from cosyserve.core.request import Mode, SynthesisRequest
 
 __all__ = [
-    "CHUNK_POLICY_CHOICES",
-    "FIRST_HOP_DEFAULT",
-    "FIRST_HOP_RANGE",
     "PIECE_SECONDS_MAX",
     "RUNTIMES",
     "Runtime",
@@ -52,17 +51,6 @@ RUNTIMES: dict[str, str] = {
 # normal pace (160 tokens are about 120 English words: 48 s at 150 words a minute).
 PIECE_SECONDS_MAX = 60
 
-# the streaming chunk policies (cosyserve.runtime.streampolicy.StreamPolicy.named) and the first hop's range in tokens:
-# below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the longest hop
-CHUNK_POLICY_CHOICES = ("reference", "low-latency")
-FIRST_HOP_RANGE = (12, 200)
-# 21: the shortest first hop whose window (41 tokens) is longer than twice the overlap, so the flow's length
-# regulator maps the overlap tokens onto exactly the mel frames that are cross-faded with the next window (from 12
-# to 20 they are interpolated with the rest: the seam frames are only approximately the same tokens). Streamed vs
-# one-shot distances measured no better or worse from 15 to 25 on random weights (cosyserve.quality), and each
-# token less is one LLM step (~40-60 ms on 2 cores) sooner.
-FIRST_HOP_DEFAULT = 21
-
 
 @dataclass(frozen=True)
 class Voice:
@@ -82,7 +70,7 @@ class Voice:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How a runtime loads and serves; every field has a setting (see :mod:`cosyserve.settings`).
+    """How a runtime loads and serves; every field has a setting (see :mod:`cosyserve.core.settings`).
 
     Args:
         strategy: ``preload`` (map and touch every weight page before READY), ``lazy`` or ``prefetch``.
@@ -112,7 +100,7 @@ class RuntimeOptions:
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
-            :mod:`cosyserve.voicestates`); 0 keeps none.
+            :mod:`cosyserve.voices.voicestates`); 0 keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
         stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
             re-run the flow on everything so far (0: no bound).
@@ -121,7 +109,7 @@ class RuntimeOptions:
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
             waits for :meth:`Runtime.after_fork`, which each forked child calls.
         device: where the torch runtime computes, ``cpu``, ``cuda`` or ``cuda:N`` (the name only is checked here;
-            :func:`cosyserve.device.resolve_device` checks the machine has it). The lite runtime refuses any but
+            :func:`cosyserve.system.device.resolve_device` checks the machine has it). The lite runtime refuses any but
             ``cpu``.
     """
 
@@ -155,7 +143,7 @@ class RuntimeOptions:
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> RuntimeOptions:
-        """The options a :class:`cosyserve.settings.Settings` asks for; ``overrides`` (fields) win."""
+        """The options a :class:`cosyserve.core.settings.Settings` asks for; ``overrides`` (fields) win."""
         s = settings
         options = cls(
             strategy=s.strategy,
@@ -218,7 +206,7 @@ class RuntimeOptions:
 
 
 def _is_device_name(value: object) -> bool:
-    from cosyserve.casts import Device
+    from cosyserve.core.casts import Device
 
     try:
         return isinstance(value, str) and Device()(value) == value
@@ -336,7 +324,7 @@ def runtime_factory(name: str) -> Callable[..., Runtime]:
     try:
         target = RUNTIMES[name]
     except KeyError:
-        from cosyserve.errors import SettingsError
+        from cosyserve.core.errors import SettingsError
 
         raise SettingsError(f"unknown runtime {name!r}; expected one of {', '.join(RUNTIMES)}") from None
     module, _, attr = target.partition(":")
@@ -352,7 +340,7 @@ def load_runtime(
         path: what to load (see :func:`cosyserve.api.resolve_bundle`).
         options: how to load and serve it (default :class:`RuntimeOptions`).
         runtime: a key of :data:`RUNTIMES`.
-        clock: a :class:`cosyserve.clock.PhaseClock` to record the load's phases in (default a new one that
+        clock: a :class:`cosyserve.core.clock.PhaseClock` to record the load's phases in (default a new one that
             counts from process start).
     Returns:
         The loaded :class:`Runtime`, READY to serve.

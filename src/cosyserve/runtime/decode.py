@@ -3,13 +3,13 @@
 An LM gives the loop what :class:`DecodeLM` declares (its stop rules and sampling options, prompts and
 embeddings, an extend of one row and a one-token step over a batch of rows, each at its own position, and its
 caches); the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and its subclasses) and the lite runtime's
-:class:`~cosyserve.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
+:class:`~cosyserve.runtime.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
 one-shot rows (:class:`~cosyserve.runtime.lm.OneShot`), rows whose text still arrives
 (:class:`~cosyserve.runtime.lm.Streamed`, the reference's bistream) and teacher-forced rows of either kind (the
 given tokens instead of samples, every step's log-probabilities kept: conformance, the quality gate).
 
 Rows join (their prompt extends a free cache row) and leave (a stop id, their step limit, their consumer gone)
-between steps; every step samples every row that is ready (:class:`~cosyserve.sampling.Sampler`: its draws are a
+between steps; every step samples every row that is ready (:class:`~cosyserve.core.sampling.Sampler`: its draws are a
 function of the row's key and token index, so a row's tokens do not depend on its neighbours or on when its ids
 are read) and runs one batched decode of the rows that go on.
 
@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from cosyserve.core.sampling import Sampler
+from cosyserve.core.stop import ShouldStop, Stopped
 from cosyserve.runtime.lm import (
     DecodeLM,
     OneShot,
@@ -47,8 +49,6 @@ from cosyserve.runtime.lm import (
 )
 from cosyserve.runtime.readback import ReadBack
 from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row
-from cosyserve.sampling import Sampler
-from cosyserve.stop import ShouldStop, Stopped
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class DecodeLoop:
 
         Args:
             spec: the row.
-            key: the sampler key (:func:`cosyserve.sampling.row_key`).
+            key: the sampler key (:func:`cosyserve.core.sampling.row_key`).
             teacher: tokens to take instead of samples (a streamed-text row's forced fills take none).
             record: where each step's (log-probabilities before any mask, id) go, fills and stops included.
             should_stop: the request's stop signal: the LM may end the row's running work with it (the lite

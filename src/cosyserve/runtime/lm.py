@@ -1,16 +1,16 @@
 """The decode loop's LM interface and its rows (:mod:`cosyserve.runtime.decode` drives them).
 
 :class:`DecodeLM` is what a backend LM gives the loop: the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and
-its subclasses) and the lite runtime's :class:`~cosyserve.lite.lm.StepLM` implement it. A row is
+its subclasses) and the lite runtime's :class:`~cosyserve.runtime.lite.lm.StepLM` implement it. A row is
 :class:`OneShot` (text known: the reference's ``inference``) or :class:`Streamed` (text arriving: the reference's
 ``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
 
 - one-shot: a prompt, ``min_len`` (before it id ``eos_token`` is masked), ``max_len``;
-- streamed text: the prompt split after its head (:meth:`~cosyserve.sampling.StopRules.prompt_head`), prompt speech interleaved
-  15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled), after which the row waits
-  for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and the row runs to the real
-  EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps per text token
-  received.
+- streamed text: the prompt split after its head (:meth:`~cosyserve.core.sampling.StopRules.prompt_head`),
+  prompt speech interleaved 15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled),
+  after which the row waits for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and
+  the row runs to the real EOS; every special id but the one each phase accepts is masked; at most ``ratio`` steps
+  per text token received.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cosyserve.sampling import ArrayOps, SamplingConfig, StopRules
-from cosyserve.stop import ShouldStop
+from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
+from cosyserve.core.stop import ShouldStop
 
 __all__ = [
     "DecodeLM",
@@ -71,7 +71,7 @@ class DecodeLM(Protocol):
     def extend(self, x: Any, row: int, start: int, stop: ShouldStop | None = None) -> Any:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``; (1, V) float32 log-probabilities
         of the next token. ``stop`` (the row's request's stop signal) may end the run early by raising
-        :class:`~cosyserve.stop.Stopped`."""
+        :class:`~cosyserve.core.stop.Stopped`."""
         ...
 
     def decode(

@@ -14,10 +14,17 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from cosyserve.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
+from cosyserve.core.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
+from cosyserve.core.request import (
+    MODES,
+    PROMPT_MODES,
+    Mode,
+    ResolvedRequest,
+    SynthesisRequest,
+    is_text_iterable,
+)
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
-from cosyserve.request import MODES, PROMPT_MODES, Mode, ResolvedRequest, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import Voice
 
 __all__ = ["ModelModes", "RuntimeVoices"]
@@ -38,7 +45,7 @@ class ModelModes:
 
     Args:
         speakers: pre-defined speaker id -> its spk2info entry (``{"embedding": ...}``).
-        registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered voices, or None.
+        registry: a :class:`cosyserve.voices.registry.SpeakerRegistry` for registered voices, or None.
         model_dir: named in messages about missing files.
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct).
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
@@ -153,7 +160,7 @@ class ModelModes:
         """The pieces ``r``'s text is spoken in, one LM run each.
 
         Text given as one string: the list (a :class:`ClientError` when nothing in it can be spoken). Text given
-        as pieces (:func:`cosyserve.request.is_text_iterable`): an iterator that reads them as they arrive and
+        as pieces (:func:`cosyserve.core.request.is_text_iterable`): an iterator that reads them as they arrive and
         yields the pieces of each finished sentence as soon as its end arrives (see
         :func:`cosyserve.frontend.textstream.finished_sentences`); it raises the :class:`ClientError` at the end
         of a text that held nothing to speak.
@@ -261,7 +268,7 @@ class ModelModes:
         return entry
 
     def resolve(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` as this model runs it, a :class:`~cosyserve.request.ResolvedRequest`: its mode decided (None:
+        """``request`` as this model runs it, a :class:`~cosyserve.core.request.ResolvedRequest`: its mode decided (None:
         zero_shot for a registered zero-shot voice, else sft) and its speaker (None in sft/instruct: the default
         voice); what the model cannot serve raises. Reads no audio: cheap enough to run when a request is
         admitted.
@@ -304,7 +311,7 @@ class ModelModes:
         return r.resolved_as(mode, speaker, instruct_text)
 
     def resolved(self, request: SynthesisRequest) -> SynthesisRequest:
-        """``request`` resolved: a :class:`~cosyserve.request.ResolvedRequest` as it is (the engine, or a WebSocket
+        """``request`` resolved: a :class:`~cosyserve.core.request.ResolvedRequest` as it is (the engine, or a WebSocket
         session for all its utterances, resolved it once), any other by :meth:`resolve` now."""
         return request if isinstance(request, ResolvedRequest) else self.resolve(request)
 
@@ -332,7 +339,7 @@ class ModelModes:
         """Extract the zero-shot prompt features of ``prompt_wav`` + ``prompt_text`` and register them as ``name``
         (the reference's ``add_zero_shot_spk`` + ``save_spkinfo``). Returns the registry's ``Speaker``."""
         registry = self._registry()
-        from cosyserve.registry import validate_name
+        from cosyserve.voices.registry import validate_name
 
         validate_name(name)
         if name in self.speakers:
@@ -421,7 +428,7 @@ class RuntimeVoices:
         self._registry().remove(name, tenant)
 
     def registered(self, tenant: str = "default") -> list[Any]:
-        """The registered :class:`cosyserve.registry.Speaker` entries of ``tenant``, sorted by name."""
+        """The registered :class:`cosyserve.voices.registry.Speaker` entries of ``tenant``, sorted by name."""
         return list(self._registry().list(tenant))
 
     def import_voices(self, path: str | Path, *, tenant: str = "default", overwrite: bool = False) -> Any:
@@ -437,7 +444,7 @@ class RuntimeVoices:
 
     def use_registry(self, root: str | Path) -> None:
         """Keep registered voices under ``root`` instead of the default location."""
-        from cosyserve.registry import SpeakerRegistry
+        from cosyserve.voices.registry import SpeakerRegistry
 
         old = self.pipeline.registry
         arrays = old.arrays if old is not None else "torch"

@@ -1,7 +1,7 @@
 """Request -> model inputs -> speech tokens -> audio: the chain of generators behind every synthesis.
 
 A :class:`SynthesisRequest` names a mode (``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``vc``; see
-:mod:`cosyserve.request`). :meth:`Pipeline.prepare` turns it into the reference frontend's model-input dicts,
+:mod:`cosyserve.core.request`). :meth:`Pipeline.prepare` turns it into the reference frontend's model-input dicts,
 one per text piece, key for key (``CosyVoiceFrontEnd.frontend_*`` as ``CosyVoice.inference_*`` calls them), and
 :meth:`Pipeline._tts` runs each dict as the reference's ``CosyVoiceModel.tts`` does: the LLM gets ``text``,
 ``prompt_text``, ``llm_prompt_speech_token`` and ``llm_embedding`` (each empty when the dict lacks it); token2wav
@@ -37,18 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.device import module_device
+from cosyserve.core.request import Mode, SynthesisRequest, is_text_iterable
+from cosyserve.core.sampling import row_key
+from cosyserve.core.stop import Stopped, check
 from cosyserve.families import family_named
 from cosyserve.families.base import Family
+from cosyserve.families.streampolicy import StreamPolicy
 from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
-from cosyserve.request import Mode, SynthesisRequest, is_text_iterable
 from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import Streamed, one_shot
 from cosyserve.runtime.modes import ModelModes
-from cosyserve.runtime.streampolicy import StreamPolicy
-from cosyserve.sampling import row_key
-from cosyserve.stop import Stopped, check
+from cosyserve.system.device import module_device
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,13 @@ class Pipeline(ModelModes):
         policy: streaming rules; default the reference's.
         onnx_paths: ``campplus.onnx`` / ``speech_tokenizer_v1.onnx`` -> their path, or None where the model has
             none (the prompt modes are then unavailable). Default: none.
-        registry: a :class:`cosyserve.registry.SpeakerRegistry` for registered speakers; default none.
+        registry: a :class:`cosyserve.voices.registry.SpeakerRegistry` for registered speakers; default none.
         model_dir: the model directory, named in messages about missing files.
         instruct: the model follows style instructions (a CosyVoice-300M-Instruct; see
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
         flow_steps: the flow's Euler steps (default: the model's own count).
-        voice_states: a :class:`~cosyserve.voicestates.VoiceStates` for a flow that streams by keeping its
+        voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates` for a flow that streams by keeping its
             frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
     """
 

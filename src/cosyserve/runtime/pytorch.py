@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.device import factory_device
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.request import SynthesisRequest
 from cosyserve.runtime import RuntimeOptions
 from cosyserve.runtime.cores import CoreShare
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.modes import RuntimeVoices
 from cosyserve.runtime.pipeline import Pipeline
+from cosyserve.system.device import factory_device
 
 logger = logging.getLogger(__name__)
 
@@ -239,12 +239,12 @@ def _precision(bundle: Any, o: RuntimeOptions, device_type: str) -> dict[str, An
 
 
 def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, registry: Any) -> Any:
-    """The model's :class:`~cosyserve.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
+    """The model's :class:`~cosyserve.voices.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
     registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
     the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
     import hashlib
 
-    from cosyserve.voicestates import VoiceStates
+    from cosyserve.voices.voicestates import VoiceStates
 
     def folder() -> Path | None:
         r = registry()
@@ -267,15 +267,15 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> TorchR
     Nothing in a model directory is executed: the yaml is read by a safe loader, the weights with
     ``torch.load(weights_only=True)`` (conversion only) and safetensors (serving).
     """
-    from cosyserve.gchold import gc_held
+    from cosyserve.system.gchold import gc_held
 
-    # no garbage collection while loading; what loading built is frozen after (cosyserve.gchold.hold_gc)
+    # no garbage collection while loading; what loading built is frozen after (cosyserve.system.gchold.hold_gc)
     with gc_held():
         return _load(path, options, clock)
 
 
 def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
-    from cosyserve.clock import PhaseClock
+    from cosyserve.core.clock import PhaseClock
 
     clock = clock or PhaseClock()
     with clock.phase("imports"):
@@ -283,8 +283,8 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
         from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
-        from cosyserve.registry import SpeakerRegistry
-        from cosyserve.registry_location import default_registry_dir
+        from cosyserve.voices.registry import SpeakerRegistry
+        from cosyserve.voices.registry_location import default_registry_dir
 
     threads = o.threads or torch.get_num_threads()
     if o.fork_template:
@@ -293,7 +293,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         torch.set_num_threads(1)
     elif o.threads:
         torch.set_num_threads(o.threads)
-    from cosyserve.sources import cache_dir_of, resolve_bundle
+    from cosyserve.bundle.sources import cache_dir_of, resolve_bundle
 
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
     bundle_dir = resolve_bundle(path, cache_dir=cache_dir)
@@ -308,7 +308,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             for module in parts.modules.values():
                 for p in module.parameters():
                     p.data = p.data.clone()
-    from cosyserve.device import resolve_device, to_device
+    from cosyserve.system.device import resolve_device, to_device
 
     device = resolve_device(o.device)
     precision = _precision(bundle, o, device.type)

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from cosyserve.sampling import ArrayOps
+from cosyserve.core.sampling import ArrayOps
 
 __all__ = ["ReadBack"]
 

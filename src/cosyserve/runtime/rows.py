@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from cosyserve.core.stop import ShouldStop
 from cosyserve.runtime.lm import OneShot, Part, Streamed, StreamedText
-from cosyserve.stop import ShouldStop
 
 __all__ = ["NEED_TEXT", "DONE", "DecodeStats", "Row"]
 

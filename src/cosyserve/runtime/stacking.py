@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cosyserve.stop import ShouldStop, Stopped
+from cosyserve.core.stop import ShouldStop, Stopped
 
 __all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
 

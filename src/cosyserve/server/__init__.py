@@ -1,5 +1,5 @@
 """The HTTP server: :func:`create_app` (ASGI) and :func:`serve` (uvicorn)."""
 
-from cosyserve.server.run import serve
+from cosyserve.server.main import serve
 
 __all__ = ["serve"]

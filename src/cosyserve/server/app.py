@@ -35,10 +35,10 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from cosyserve.clock import PhaseClock
+from cosyserve.core.clock import PhaseClock
+from cosyserve.core.errors import CosyserveError, LoadFailedError, UnknownModelError, cut, shown
+from cosyserve.core.settings import DEMO_MODEL, ModelArg, Settings
 from cosyserve.engine.streams import shared
-from cosyserve.errors import CosyserveError, LoadFailedError, UnknownModelError, cut, shown
-from cosyserve.gchold import release_gc
 from cosyserve.server.errors import (
     LastResortMiddleware,
     cosyserve_error_response,
@@ -46,7 +46,7 @@ from cosyserve.server.errors import (
     public_cause,
     status_of,
 )
-from cosyserve.settings import DEMO_MODEL, ModelArg, Settings
+from cosyserve.system.gchold import release_gc
 
 logger = logging.getLogger("cosyserve.server")
 
@@ -61,8 +61,8 @@ class ServerState:
     metrics and the start-up/drain flags."""
 
     def __init__(self, config: Settings, pool: Any = None, worker: Any = None) -> None:
+        from cosyserve.core.limits import Limits
         from cosyserve.engine.poolfile import build_pool, load_pool_config
-        from cosyserve.limits import Limits
         from cosyserve.runtime import RuntimeOptions
         from cosyserve.server.metrics import Metrics
 
@@ -80,8 +80,8 @@ class ServerState:
         self.startup_done = False
         self.started: asyncio.Event | None = None  # set once startup_done is (made in the lifespan's loop)
         self.drain_event: asyncio.Event | None = None  # set once draining is (made in the lifespan's loop)
-        # the open WebSocket sessions and Wyoming connections (cosyserve.server.ws.Session,
-        # cosyserve.server.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
+        # the open WebSocket sessions and Wyoming connections (cosyserve.server.transports.ws.Session,
+        # cosyserve.server.transports.wyoming.Connection): a drain waits for the work they hold, a grace's end aborts it
         self.ws_sessions: set[Any] = set()
         self.pending_bodies = 0  # requests part way through their body (cosyserve.server.bodies)
         self._ws_wait: asyncio.Task[None] | None = None
@@ -307,7 +307,7 @@ class ServerState:
         self.startup_done = True
         if self.started is not None:
             self.started.set()
-        release_gc()  # the CLI held the collector since process start (cosyserve.gchold.hold_gc)
+        release_gc()  # the CLI held the collector since process start (cosyserve.system.gchold.hold_gc)
         ms = self.clock.mark("ready")
         self.metrics.on_ready(ms)
         if self.worker is not None:
@@ -366,14 +366,14 @@ def create_app(
         ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
             fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
             default it returns at once and the health endpoints say when the models are ready.
-        wyoming: a bound :class:`cosyserve.server.wyoming.Listener`: the lifespan also serves the Wyoming
+        wyoming: a bound :class:`cosyserve.server.transports.wyoming.Listener`: the lifespan also serves the Wyoming
             protocol on it, from its start to its end (``cosyserve serve --wyoming-uri`` binds it).
     Returns:
         The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
     """
-    from cosyserve.server import openai_api, reference_api, voices, ws
     from cosyserve.server.auth import AuthMiddleware
     from cosyserve.server.bodies import BodyTimeout
+    from cosyserve.server.transports import openai_api, reference_api, voices, ws
 
     config = config if config is not None else Settings.load()
     if wyoming is None and config.wyoming_uri is not None:
@@ -391,7 +391,7 @@ def create_app(
         state.drain_event = asyncio.Event()
         wyoming_server = None
         if wyoming is not None:
-            from cosyserve.server.wyoming import WyomingServer
+            from cosyserve.server.transports.wyoming import WyomingServer
 
             wyoming_server = WyomingServer(state, wyoming)
             try:

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyserve.errors import OverloadedError
+from cosyserve.core.errors import OverloadedError
 from cosyserve.server.errors import BodyTimeoutError
 
 __all__ = ["BodyTimeout"]

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     SHOWN_CHARS,
     ClientError,
     CosyserveError,
@@ -75,7 +75,7 @@ class VoiceNotFoundError(UnknownVoiceError):
     a request that names an unknown voice to speak with is a 400 (as OpenAI answers an invalid voice)."""
 
 
-# the HTTP status of each error class (cosyserve.errors); a class not listed takes its nearest listed base's
+# the HTTP status of each error class (cosyserve.core.errors); a class not listed takes its nearest listed base's
 STATUS: dict[type[CosyserveError], int] = {
     CosyserveError: 500,
     ClientError: 400,
@@ -152,7 +152,7 @@ def client_message(e: CosyserveError) -> str:
     """What a remote client is told of ``e``.
 
     A client error's message names the client's values, quoted: they are shown as given (``unknown model
-    '/etc/passwd'`` stays so), a long one cut (:func:`cosyserve.errors.shown`), while an absolute path outside
+    '/etc/passwd'`` stays so), a long one cut (:func:`cosyserve.core.errors.shown`), while an absolute path outside
     quotes (a model dir of the server's) is cut to its last part. Any other error: its public message, else its
     message with every absolute path cut to its last part.
     """

@@ -3,7 +3,7 @@
 Request-level numbers (latency, time to first audio, errors by kind) are recorded once per request by
 :func:`cosyserve.server.synth` through :meth:`Metrics.observe_request`; model-level ones (state, loads,
 evictions, queue depth, in flight, real-time factor) come from ``pool.stats()``; start-up phases come from the
-same :class:`cosyserve.clock.PhaseClock` that ``cosyserve startup-report`` reads, so a report and
+same :class:`cosyserve.core.clock.PhaseClock` that ``cosyserve startup-report`` reads, so a report and
 production show one code path's numbers.
 
 With ``--workers N`` a scrape reaches one worker, yet must see the whole server: the request counters and
@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
-from cosyserve.clock import PHASES
+from cosyserve.core.clock import PHASES
 
 __all__ = ["OTHER_MODELS", "Metrics"]
 

@@ -13,7 +13,7 @@ Before the fork, in the template (one thread from start to fork; a check refuses
     forever on threads they do not have;
   - the listening socket, bound once: every worker accepts on it (the kernel spreads the connections); so is the
     Wyoming listener's (``--wyoming-uri``), on which every worker's app serves Wyoming;
-  - the garbage collector: held off since process start (``cosyserve.gchold``) and ``gc.freeze()`` right before
+  - the garbage collector: held off since process start (``cosyserve.system.gchold``) and ``gc.freeze()`` right before
     each fork, so no collection in a worker writes the template's objects' headers (each write would make a
     page private: ~96 MB per worker without it).
 Nothing in the template holds a lock, an event loop, an ONNX session (its own thread pools) or a connection.
@@ -55,8 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cosyserve.settings import Settings
-from cosyserve.staging import LockedDir
+from cosyserve.core.settings import Settings
+from cosyserve.server.run import bind_wyoming, run_app, uvicorn_options, wyoming_unbound
+from cosyserve.system.staging import LockedDir
 
 logger = logging.getLogger("cosyserve.prefork")
 
@@ -121,7 +122,7 @@ class _Master:
     sock: socket.socket | None
     runtimes: dict[str, list[Any]]
     run_dir: str
-    wyoming: Any = None  # the Wyoming listener (cosyserve.server.wyoming.Listener), when asked for
+    wyoming: Any = None  # the Wyoming listener (cosyserve.server.transports.wyoming.Listener), when asked for
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid
     restarts: int = 0
     early_deaths: int = 0  # deaths before READY since the last READY
@@ -399,7 +400,6 @@ def _check_threads(baseline: int) -> None:
 
 def _worker_main(settings: Settings, sock: socket.socket, link: WorkerLink, wyoming: Any = None) -> int:
     from cosyserve.server.app import create_app
-    from cosyserve.server.run import run_app
 
     for runtimes in link.runtimes.values():
         for rt in runtimes:
@@ -440,9 +440,9 @@ def worker_threads(settings: Settings) -> int:
 
 def _load_template(settings: Settings) -> dict[str, list[Any]]:
     """The template's runtimes: every preload model's instances, loaded in this thread with ``fork_template``."""
+    from cosyserve.core.settings import DEMO_MODEL, ModelArg
     from cosyserve.engine.poolfile import build_pool, load_pool_config
     from cosyserve.runtime import RuntimeOptions
-    from cosyserve.settings import DEMO_MODEL, ModelArg
 
     args = (ModelArg(DEMO_MODEL, DEMO_MODEL),) if settings.demo else settings.model_args()
     cfg = load_pool_config(settings, preload=args)
@@ -468,8 +468,6 @@ def _bind(settings: Settings) -> socket.socket:
     message and SystemExit(3)); its protocol modules imported on the way, as each worker's start would."""
     import uvicorn
 
-    from cosyserve.server.run import uvicorn_options
-
     config = uvicorn.Config(_no_app, **uvicorn_options(settings))
     config.load()  # the HTTP, websocket and lifespan modules it picks: imported once, here, not per worker
     return config.bind_socket()
@@ -484,9 +482,8 @@ def serve_prefork(settings: Settings) -> int:
         The exit code: 0 after the workers drained, 3 when a preload model failed to load (in the template, or
         in a worker's start-up).
     """
-    from cosyserve.errors import SettingsError
+    from cosyserve.core.errors import SettingsError
     from cosyserve.server.app import STARTUP_FAILURE
-    from cosyserve.server.run import bind_wyoming, wyoming_unbound
 
     if not sys.platform.startswith("linux"):
         raise SettingsError(
@@ -495,7 +492,7 @@ def serve_prefork(settings: Settings) -> int:
         )
     # before prometheus_client is imported (it picks its value class at import); always a fresh directory of
     # ours: files left by another run would add to our counts. It stays locked while this process or a worker
-    # lives, so that one left by a master killed with SIGKILL is removed by the next start (cosyserve.staging)
+    # lives, so that one left by a master killed with SIGKILL is removed by the next start (cosyserve.system.staging)
     owned = LockedDir(_RUN_DIR_PREFIX)
     run_dir = str(owned.path)
     saved = os.environ.get(_MULTIPROC)
@@ -513,8 +510,8 @@ def serve_prefork(settings: Settings) -> int:
 
         import cosyserve.server.app  # noqa: F401 - the app's modules are the template's too
         import cosyserve.server.metrics  # noqa: F401
-        import cosyserve.server.openai_api  # noqa: F401
-        import cosyserve.server.reference_api  # noqa: F401
+        import cosyserve.server.transports.openai_api  # noqa: F401
+        import cosyserve.server.transports.reference_api  # noqa: F401
 
         # the native threads the imports leave (Python's own, e.g. the CLI's read-ahead of the bundles, end first)
         baseline = len(_threads()) - (threading.active_count() - 1)

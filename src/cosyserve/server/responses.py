@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from cosyserve.audiofile import STREAMABLE
-from cosyserve.errors import CosyserveError
+from cosyserve.core.errors import CosyserveError
+from cosyserve.server.audiofile import STREAMABLE
 from cosyserve.server.errors import error_object
 from cosyserve.server.synth import Order, Synthesis, usage
 

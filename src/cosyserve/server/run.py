@@ -1,11 +1,11 @@
-"""`cosyserve serve`: uvicorn around :func:`cosyserve.server.app.create_app`.
+"""One server process: uvicorn around :func:`cosyserve.server.app.create_app` (:func:`run_app`).
 
-One worker runs in this process. Its exit codes are :data:`EXIT_CODES` (0 after a SIGTERM drain, 3 when the start
-fails: a preload model that cannot load, a port that cannot be bound).
-``--workers N`` (N > 1, Linux) forks N workers from a template that loaded the models: see
-:mod:`cosyserve.server.prefork`; each worker runs :func:`run_app` on the socket the master bound.
+``cosyserve serve`` (:func:`cosyserve.server.main.serve`) runs one in its own process, or, with ``--workers N``
+(N > 1, Linux), forks N workers from a template that loaded the models (:mod:`cosyserve.server.prefork`), each
+running :func:`run_app` on the socket the master bound. The exit codes are :data:`EXIT_CODES` (0 after a SIGTERM
+drain, 3 when the start fails: a preload model that cannot load, a port that cannot be bound).
 ``--wyoming-uri`` binds the Wyoming listener here (the master, with workers), before anything loads: a taken
-address fails the start at once (exit code 3); the app serves it (:mod:`cosyserve.server.wyoming`).
+address fails the start at once (exit code 3); the app serves it (:mod:`cosyserve.server.transports.wyoming`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import signal
 import socket
 from typing import Any
 
-from cosyserve.settings import Settings
+from cosyserve.core.settings import Settings
 
 __all__ = [
     "EXIT_CODES",
     "bind_wyoming",
     "run_app",
-    "serve",
     "setup_logging",
     "uvicorn_options",
     "wyoming_unbound",
@@ -136,38 +135,12 @@ def run_app(app: Any, settings: Settings, sockets: list[socket.socket] | None = 
     return 0
 
 
-def serve(settings: Settings) -> int:
-    """Run the server until SIGTERM/SIGINT.
-
-    Args:
-        settings: what to serve and how (host, port, workers, models, pool config, limits, ...).
-    Returns:
-        The process exit code (:data:`EXIT_CODES`): 0 after a drain, 3 when the start failed.
-    """
-    setup_logging(settings)
-    if settings.workers > 1:
-        from cosyserve.server.prefork import serve_prefork
-
-        return serve_prefork(settings)
-    from cosyserve.server.app import create_app
-
-    try:
-        wyoming = bind_wyoming(settings)
-    except OSError as e:
-        return wyoming_unbound(e, settings)
-    try:
-        return run_app(create_app(settings, wyoming=wyoming), settings)
-    finally:
-        if wyoming is not None:
-            wyoming.close()
-
-
 def bind_wyoming(settings: Settings) -> Any:
     """The Wyoming listener ``--wyoming-uri`` asks for, bound (None: not asked for); see
-    :func:`cosyserve.server.wyoming.bind`."""
+    :func:`cosyserve.server.transports.wyoming.bind`."""
     if settings.wyoming_uri is None and settings.wyoming_tenant is None and settings.wyoming_zeroconf is None:
         return None  # the wyoming package is not imported at all
-    from cosyserve.server.wyoming import bind
+    from cosyserve.server.transports.wyoming import bind
 
     return bind(settings)
 

@@ -9,11 +9,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cosyserve.audiofile import FORMATS, MAX_SAMPLE_RATE, MEDIA_TYPES, OPENAI_SAMPLE_RATE, RATES, format_error
+from cosyserve.core.errors import ClientError, PayloadTooLargeError, cut, shown
+from cosyserve.core.limits import Limits
+from cosyserve.core.request import SPEED_MAX, SPEED_MIN
 from cosyserve.engine.voicemap import OPENAI_VOICES
-from cosyserve.errors import ClientError, PayloadTooLargeError, cut, shown
-from cosyserve.limits import Limits
-from cosyserve.request import SPEED_MAX, SPEED_MIN
+from cosyserve.server.audiofile import (
+    FORMATS,
+    MAX_SAMPLE_RATE,
+    MEDIA_TYPES,
+    OPENAI_SAMPLE_RATE,
+    RATES,
+    format_error,
+)
 
 __all__ = [
     "MAX_NAME_CHARS",
@@ -29,7 +36,7 @@ __all__ = [
     "speech_body_limit",
 ]
 
-# the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.limits)
+# the longest consent record or model name the voices API takes (a voice name's limit is a setting: cosyserve.core.limits)
 MAX_NAME_CHARS = 256
 
 _SPEECH_FIELDS = {
@@ -245,7 +252,7 @@ class _Fields:
 def parse_speech_request(body: bytes, max_upload_bytes: int = 16 << 20) -> SpeechRequest:
     """The JSON body of ``POST /v1/audio/speech`` -> :class:`SpeechRequest`: JSON types and the protocol's own
     choice (``stream_format``) only; the values are checked with every other request's, by the one constructor
-    (:meth:`cosyserve.limits.Limits.request`). ``ref_audio`` is decoded here (its base64 at most that of
+    (:meth:`cosyserve.core.limits.Limits.request`). ``ref_audio`` is decoded here (its base64 at most that of
     ``max_upload_bytes``).
 
     Raises:
@@ -346,7 +353,7 @@ def _health_schema() -> dict[str, Any]:
 
 
 def _websocket_doc(limits: Limits) -> dict[str, Any]:
-    # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.ws has the whole protocol)
+    # what OpenAPI cannot describe: the WebSocket route's messages (cosyserve.server.transports.ws has the whole protocol)
     def event(kind: str, **props: Any) -> dict[str, Any]:
         return {"type": "object", "required": ["type"], "properties": {"type": {"const": kind}, **props}}
 
@@ -426,7 +433,7 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     server accepts; a voice sample's length in seconds is said in words (a schema cannot). Which voices exist is
     known only at run time (speakers of the model, voices registered per API key): a well-formed request with an unknown one gets 400 ``voice_not_found``, as OpenAI answers an invalid
     voice; whether uploaded bytes are audio cannot be said in a schema either. The WebSocket route, which
-    OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.ws`).
+    OpenAPI cannot describe, is in ``x-websocket`` (:mod:`cosyserve.server.transports.ws`).
     """
     limits = limits if limits is not None else Limits()
     formats = [f for f in FORMATS if format_error(f) is None]  # aac where PyAV is installed
@@ -450,7 +457,7 @@ def openapi_document(limits: Limits | None = None) -> dict[str, Any]:
     name = {"type": "string", "minLength": 1, "maxLength": MAX_NAME_CHARS, "pattern": r"\S"}
     voice = {**name, "maxLength": limits.voice_chars}  # a speaker or registered voice a request names
 
-    # a voice name the registry takes (cosyserve.registry: at most 64 characters) and a request may give: no path
+    # a voice name the registry takes (cosyserve.voices.registry: at most 64 characters) and a request may give: no path
     # separator, no control character, no blank at either end
     voice_name = {
         "type": "string",

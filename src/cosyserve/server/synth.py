@@ -2,13 +2,13 @@
 the pool, recorded, its audio encoded by the one encoder.
 
 Every transport (the HTTP routes in :mod:`cosyserve.server.responses`, the WebSocket in
-:mod:`cosyserve.server.ws`) does the same three things here and keeps only its protocol:
+:mod:`cosyserve.server.transports.ws`) does the same three things here and keeps only its protocol:
 
-1. :func:`order`: what the caller asked for, through :meth:`cosyserve.limits.Limits.request` (every limit, the
+1. :func:`order`: what the caller asked for, through :meth:`cosyserve.core.limits.Limits.request` (every limit, the
    caller's tenant from its API key and its ``X-Request-Id``: :func:`caller`, the server's deadline), the model it
-   names (visible to its tenant) and the format and rate of its audio (:meth:`cosyserve.limits.Limits.output`).
+   names (visible to its tenant) and the format and rate of its audio (:meth:`cosyserve.core.limits.Limits.output`).
 2. :class:`Synthesis`: the request admitted through the pool (the tenant's quota, the model's load, the engine's
-   queue), its first audio awaited, then its audio as encoded bytes (:class:`cosyserve.audiofile.Encoder`), and
+   queue), its first audio awaited, then its audio as encoded bytes (:class:`cosyserve.server.audiofile.Encoder`), and
    one :class:`Record` of it (the access log line, the metrics), whatever ends it: done, refused, cut short
    (deadline, engine error, model released at shutdown), or the client gone.
 3. The transport frames the bytes (a body, SSE deltas, WebSocket frames) and says how it ended.
@@ -28,8 +28,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from cosyserve.audiofile import Encoder
-from cosyserve.errors import (
+from cosyserve.core.errors import (
     CosyserveError,
     DeadlineExceededError,
     EngineDeadError,
@@ -37,8 +36,9 @@ from cosyserve.errors import (
     RequestCancelledError,
     cut,
 )
-from cosyserve.limits import Output
-from cosyserve.request import SynthesisRequest
+from cosyserve.core.limits import Output
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.server.audiofile import Encoder
 from cosyserve.server.errors import status_of
 
 logger = logging.getLogger("cosyserve.access")
@@ -86,7 +86,7 @@ def order(
     streamed: bool = True,
     **fields: Any,
 ) -> Order:
-    """What a caller of ``tenant`` asks for (``fields`` of :class:`~cosyserve.request.SynthesisRequest`), within the
+    """What a caller of ``tenant`` asks for (``fields`` of :class:`~cosyserve.core.request.SynthesisRequest`), within the
     server's limits, on ``model`` (a name the tenant may use; None: the default model), with its audio in ``fmt``
     (one of ``formats``) at ``sample_rate`` (None: the model's), ``streamed`` as it is made or sent whole; the
     server's deadline from now. A transport that is

@@ -8,7 +8,7 @@
   and it has read the close frame: it answers with its own and waits), or closes itself, or :data:`LINGER_S`
   pass. (A FIN after the close frame would end it sooner, but the websockets library's asyncio client then fails
   on its own way out.)
-- A client cut off for not reading (:mod:`cosyserve.server.ws`: a send that waited ``ws_idle_timeout_s``):
+- A client cut off for not reading (:mod:`cosyserve.server.transports.ws`: a send that waited ``ws_idle_timeout_s``):
   uvicorn's close queued a close frame behind the audio the client never took, and closed the transport, which
   waits for its buffer to drain first: the socket stayed open until the client read or went away. A close while
   the transport cannot take more (its buffer over the high-water mark) resets the connection instead (the unsent

@@ -13,7 +13,26 @@ from typing import Any, ClassVar
 
 from cosyserve.families.base import Family
 
-__all__ = ["CosyVoice"]
+__all__ = ["INSTRUCT_MARK", "CosyVoice", "is_instruct_model_dir"]
+
+INSTRUCT_MARK = "-Instruct"  # the reference's test: CosyVoice(model_dir).instruct = '-Instruct' in model_dir
+
+
+def is_instruct_model_dir(model_dir: str | Path) -> bool:
+    """Whether an official model directory holds an instruct model (CosyVoice-300M-Instruct).
+
+    Nothing in the files tells: the -Instruct checkpoint has the same config, layout and speakers as -SFT; it
+    was trained to follow instructions. So this is the reference's rule, made exact: the name of the directory
+    (its real path, symlinks resolved, as the bundle cache keys it) contains ``-Instruct``, case-sensitive, as
+    the official download's does. A Hugging Face cache snapshot (``models--ORG--NAME/snapshots/REV``) is named
+    by its repo, NAME. ``cosyserve convert`` records the answer in the bundle's manifest; serving never looks
+    at names.
+    """
+    path = Path(model_dir).resolve()
+    name = path.name
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        name = path.parent.parent.name
+    return INSTRUCT_MARK in name
 
 
 class CosyVoice(Family):
@@ -34,7 +53,7 @@ class CosyVoice(Family):
     registry_folder = ""  # the registry dir itself (where the voices of earlier versions are)
     instruct_mode = "instruct"
     lite = True
-    lite_export = "cosyserve.lite.export_300m:export"
+    lite_export = "cosyserve.bundle.lite.export_300m:export"
     lite_parts = ("llm", "flow", "hift")
     reruns_flow = False
     stacks_flow = True
@@ -45,7 +64,7 @@ class CosyVoice(Family):
              "text_frontend", "zero_shot_frontend", "cross_lingual_frontend", "instruct_frontend"),
             "cosyserve.families.cosyvoice.conformance",
         ),
-        **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.conformance.kinds_features"),
+        **dict.fromkeys(("mel", "fbank", "whisper_logmel", "resample"), "cosyserve.tools.conformance.kinds_features"),
     }  # fmt: skip
     lite_kinds = tuple(conformance_kinds)
     hub_ids = (
@@ -60,17 +79,15 @@ class CosyVoice(Family):
     languages = ("zh", "en", "ja", "yue", "ko")
 
     def read_config(self, model_dir: Path) -> Any:
-        from cosyserve.modelconfig import load_yaml_config
+        from cosyserve.families.modelconfig import load_yaml_config
 
         return load_yaml_config(model_dir / self.yaml)
 
     def is_instruct_dir(self, model_dir: Path) -> bool:
-        from cosyserve.bundle.official import is_instruct_model_dir
-
         return is_instruct_model_dir(model_dir)
 
     def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
-        from cosyserve.runtime.streampolicy import StreamPolicy
+        from cosyserve.families.streampolicy import StreamPolicy
 
         return StreamPolicy.named(
             chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate

@@ -1,11 +1,11 @@
 """Conformance kinds of CosyVoice-300M sets (``KINDS.md``).
 
 ``tokenize`` (the whisper tokenizer), ``llm_logprobs`` (teacher-forced log-probabilities through the decode loop,
-:mod:`cosyserve.conformance.kinds_lm`), ``flow_inference`` and
+:mod:`cosyserve.tools.conformance.kinds_lm`), ``flow_inference`` and
 ``hift_inference`` (with the reference's recorded draws), ``token2wav_stream`` / ``token2wav_full`` (the reference's
 vc branch of ``tts``), the text and prompt frontends (``text_frontend``, ``zero_shot_frontend``,
 ``cross_lingual_frontend``, ``instruct_frontend``). The audio features' kinds (``mel``, ``fbank``,
-``whisper_logmel``, ``resample``) are in :mod:`cosyserve.conformance.kinds_features`, shared by every family.
+``whisper_logmel``, ``resample``) are in :mod:`cosyserve.tools.conformance.kinds_features`, shared by every family.
 Imports are lazy, so that a run of one kind imports only what it needs (the text frontend's opens no ONNX session
 and loads no FST).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cosyserve.conformance import kinds_lm
+from cosyserve.tools.conformance import kinds_lm
 
 __all__ = ["KINDS"]
 

@@ -190,8 +190,8 @@ def render_yaml(size: str) -> str:
 
 
 def model_config(size: str) -> Any:
-    """The parsed :class:`cosyserve.modelconfig.ModelConfig` of a test model of ``size`` (no weights written)."""
-    from cosyserve.modelconfig import load_model_config
+    """The parsed :class:`cosyserve.families.modelconfig.ModelConfig` of a test model of ``size`` (no weights written)."""
+    from cosyserve.families.modelconfig import load_model_config
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "cosyvoice.yaml").write_text(render_yaml(size), encoding="utf-8")
@@ -202,8 +202,8 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     """Write a random-weight CosyVoice-300M model of ``size`` into the empty directory ``tmp``."""
     import torch
 
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
-    from cosyserve.modelconfig import load_model_config
     from cosyserve.models.flow import MaskedDiffWithXvec
     from cosyserve.models.hift import HiFTGenerator
     from cosyserve.models.llm import TransformerLM

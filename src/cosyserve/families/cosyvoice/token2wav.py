@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cosyserve.device import module_device
-from cosyserve.runtime.streampolicy import StreamPolicy
-from cosyserve.stop import ShouldStop
+from cosyserve.core.stop import ShouldStop
+from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.system.device import module_device
 
 __all__ = ["CallDraws", "StreamPolicy", "Token2Wav", "fade_in_out", "hamming"]
 
@@ -173,7 +173,7 @@ class Token2Wav:
             generator: source of random draws not injected through ``draws``.
             draws: per-call injected draws, in call order.
             should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
-                (:class:`cosyserve.stop.Stopped` once it says True).
+                (:class:`cosyserve.core.stop.Stopped` once it says True).
         """
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")

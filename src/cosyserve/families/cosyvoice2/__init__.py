@@ -54,7 +54,7 @@ class CosyVoice2(Family):
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
     # the lite export covers the Qwen LM so far (its flow and vocoder: the incremental token2wav's graphs, next)
-    lite_export = "cosyserve.lite.export_qwen:export"
+    lite_export = "cosyserve.bundle.lite.export_qwen:export"
     lite_parts = ("llm",)
     lite_kinds = ("tokenize", "llm_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
@@ -64,7 +64,7 @@ class CosyVoice2(Family):
     specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
 
     def read_config(self, model_dir: Path) -> Any:
-        from cosyserve.modelconfig import load_qwen_family_config
+        from cosyserve.families.modelconfig import load_qwen_family_config
 
         return load_qwen_family_config(model_dir, self)
 
@@ -74,7 +74,7 @@ class CosyVoice2(Family):
         return getattr(qwen_tokenizer, self.specials)  # type: ignore[no-any-return]
 
     def check_model_dir(self, model_dir: Path) -> None:
-        from cosyserve.errors import ModelDirError
+        from cosyserve.core.errors import ModelDirError
         from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
 
         for name in self.required_files:

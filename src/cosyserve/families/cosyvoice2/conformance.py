@@ -6,7 +6,7 @@ mel), ``token2wav_stream`` / ``token2wav_full`` (the reference's vc branch of ``
 at once, the reference's chunk rules, the vocoder's recorded draws per call), the prompt frontends
 (``zero_shot_frontend``, ``cross_lingual_frontend``, ``instruct2_frontend``: the 300M frontend's code with
 CosyVoice2's parts and its trimming to 2 mel frames per token), and ``whisper_logmel`` / ``resample``, which mean
-the same as for every family (:mod:`cosyserve.conformance.kinds_features`). CosyVoice3's kinds
+the same as for every family (:mod:`cosyserve.tools.conformance.kinds_features`). CosyVoice3's kinds
 (:mod:`cosyserve.families.cosyvoice3.conformance`) reuse these functions on CosyVoice3's modules and frontend.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from cosyserve.conformance import kinds_features, kinds_lm
+from cosyserve.tools.conformance import kinds_features, kinds_lm
 
 __all__ = ["KINDS", "vc_chunks"]
 

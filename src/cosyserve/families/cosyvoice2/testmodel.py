@@ -182,7 +182,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _qwen_ranks() -> dict[bytes, int]:
-    path = Path(__file__).parents[2] / "assets" / "qwen.tiktoken"
+    path = Path(__file__).parent / "assets" / "qwen.tiktoken"
     ranks = {}
     for line in path.read_bytes().splitlines():
         token, rank = line.split()
@@ -287,18 +287,19 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     """
     import torch
 
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
-    from cosyserve.modelconfig import load_model_config
 
     (tmp / "cosyvoice2.yaml").write_text(render_yaml(size), encoding="utf-8")
     write_qwen_files(tmp / "CosyVoice-BlankEN", size)
     cfg = load_model_config(tmp)
     gen = torch.Generator().manual_seed(seed)
-    from cosyserve.bundle.official import module_class
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        parts = {name: module_class(name, cfg.family)(getattr(cfg, name)) for name in ("llm", "flow", "hift")}
+        parts = {
+            name: cfg.family_spec.module_class(name)(getattr(cfg, name)) for name in ("llm", "flow", "hift")
+        }
     voice_f0_head(parts["hift"], gen)
     info: dict[str, tuple[int, int]] = {}
     for name, module in parts.items():

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cosyserve.device import module_device
+from cosyserve.core.stop import ShouldStop
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.models.flow_stream import FlowStream
-from cosyserve.stop import ShouldStop
+from cosyserve.system.device import module_device
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Token2Wav2:
         incremental: streamed chunks keep the flow's (and the vocoder's) state and compute their own frames; False
             re-runs them on everything so far at every chunk, as the reference does (for comparisons).
         voices: the registered voices' precomputed flow states
-            (:class:`~cosyserve.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
+            (:class:`~cosyserve.voices.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class Token2Wav2:
 
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
         """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
-        returns the future state (see :meth:`cosyserve.voicestates.VoiceStates.keep`)."""
+        returns the future state (see :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
         d = self.device
         return self.voices.keep(
             self.flow,
@@ -286,7 +286,7 @@ class Token2Wav2:
             generator: source of the vocoder's random draws not injected through ``draws``.
             draws: per-call injected vocoder draws (keyword arguments of its ``inference``), in call order.
             should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
-                (:class:`cosyserve.stop.Stopped` once it says True).
+                (:class:`cosyserve.core.stop.Stopped` once it says True).
         """
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")

@@ -65,7 +65,7 @@ class CosyVoice3(CosyVoice2):
 
     def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
         if config.feat_extractor is None:
-            from cosyserve.errors import ModelConfigError
+            from cosyserve.core.errors import ModelConfigError
 
             raise ModelConfigError(
                 f"{config.source}: no feat_extractor (the prompt mel); a CosyVoice3 yaml has one"

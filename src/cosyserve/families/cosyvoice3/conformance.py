@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from cosyserve.conformance import kinds_features, kinds_lm
 from cosyserve.families.cosyvoice2 import conformance as cosyvoice2
 from cosyserve.families.cosyvoice3.frontend import build_tokenizer
 from cosyserve.families.cosyvoice3.token2wav import Token2Wav3, filter_silent_tokens
 from cosyserve.frontend.audio import load_wav
+from cosyserve.tools.conformance import kinds_features, kinds_lm
 
 __all__ = ["KINDS"]
 

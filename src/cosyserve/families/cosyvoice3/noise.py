@@ -23,7 +23,7 @@ REFERENCE_SAMPLES = 7_200_000  # the reference's buffer: a vocoder call over mor
 
 class VocoderNoise:
     """The vocoder noise buffers of a CosyVoice3 model with ``config`` (a
-    :class:`~cosyserve.modelconfig.ModelConfig`), made on first use and grown on demand; thread-safe."""
+    :class:`~cosyserve.families.modelconfig.ModelConfig`), made on first use and grown on demand; thread-safe."""
 
     def __init__(self, config: Any) -> None:
         self.flow, self.f0 = config.flow, config.hift.f0_predictor

@@ -152,9 +152,8 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     """
     import torch
 
-    from cosyserve.bundle.official import module_class
+    from cosyserve.families.modelconfig import load_model_config
     from cosyserve.families.testmodel import SPEAKERS, voice_f0_head
-    from cosyserve.modelconfig import load_model_config
 
     (tmp / "cosyvoice3.yaml").write_text(render_yaml(size), encoding="utf-8")
     cosyvoice2.write_qwen_files(tmp / "CosyVoice-BlankEN", size)
@@ -162,7 +161,9 @@ def write_model(tmp: Path, size: str, seed: int, onnx: bool) -> dict[str, tuple[
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        parts = {name: module_class(name, cfg.family)(getattr(cfg, name)) for name in ("llm", "flow", "hift")}
+        parts = {
+            name: cfg.family_spec.module_class(name)(getattr(cfg, name)) for name in ("llm", "flow", "hift")
+        }
     voice_f0_head(parts["hift"], gen)
     info: dict[str, tuple[int, int]] = {}
     for name, module in parts.items():

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cosyserve.core.stop import ShouldStop
 from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2
-from cosyserve.stop import ShouldStop
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
 

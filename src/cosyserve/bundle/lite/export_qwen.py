@@ -1,0 +1,203 @@
+"""The lite graphs of CosyVoice2's and CosyVoice3's Qwen2 LM (``Family.lite_export`` of both families).
+
+One graph, ``llm_step``: T new input embeddings against the P positions a cache row holds -> the next token's
+log-probabilities and the new positions' keys and values. The caches are one (positions, head_dim) matrix per
+layer, KV head and keys/values (:func:`cosyserve.bundle.lite.qwen_cache_names`): the past is bound as a graph input,
+the new rows are graph outputs bound to the next rows of the same buffer by the runtime, and the attention reads
+each as a plain matrix (``q @ past_k.T`` is one Gemm with ``transB``, ``attn @ past_v`` one MatMul), so nothing
+of the cache is copied or transposed per step. The rotary positions are computed inside the graph from P.
+
+What is a lookup stays a numpy table the runtime maps (:mod:`cosyserve.runtime.lite.lm`): the Qwen text embedding
+(151936 rows; a request reads a few, a graph would have to be opened and its table mapped all the same), the
+speech embedding and the sos/task rows. So a bundle holds no text-encoder graph and the step graph's session is
+the only one the LM opens.
+
+The graph is checked against the model's own code (:meth:`~cosyserve.models.llm.SpeechLM.extend` over its KV
+caches, filled with the case's past), not against the wrapper it was traced from. The flow and vocoder graphs of
+these families are not exported yet: a bundle with the LM alone serves the tools, not the lite runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyserve.bundle.lite import qwen_cache_names
+from cosyserve.bundle.lite.export import Exporter
+from cosyserve.core.errors import ConvertError
+from cosyserve.models.qwen2lm import Qwen2LM
+
+__all__ = ["QwenStepGraph", "QwenStepReference", "export"]
+
+
+class QwenStepGraph(nn.Module):
+    """x (1, T, C) and every cache's past (P, D), in :func:`~cosyserve.bundle.lite.qwen_cache_names` order -> logp
+    (1, V) and every cache's new rows (T, D) in the same order.
+
+    The model's computation op for op where rounding could differ, written for few graph nodes (a session's open
+    time and a step's overhead grow with them): reshapes by -1 (no traced shape arithmetic), the half rotation as
+    a product with a signed permutation matrix (exact: one nonzero term per output), the RMSNorm without its
+    float32 casts (the graph is float32), the KV heads' new-key scores as one batched product."""
+
+    def __init__(self, lm: Qwen2LM) -> None:
+        super().__init__()
+        self.stack = lm.stack
+        self.decoder = lm.llm_decoder
+        a = self.stack.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = a.n_heads, a.n_kv, a.head_dim
+        d, half = self.head_dim, self.head_dim // 2
+        rot = torch.zeros(d, d)  # x @ rot == cat(-x[half:], x[:half]), transformers' rotate_half
+        rot[torch.arange(half) + half, torch.arange(half)] = -1.0
+        rot[torch.arange(half), torch.arange(half) + half] = 1.0
+        self.register_buffer("rot", rot, persistent=False)
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: Tensor) -> Tensor:
+        # Qwen2RMSNorm in float32: the statistics, then the weight
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+    def forward(self, x: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        stack, n_kv, d, heads = self.stack, self.kv_heads, self.head_dim, self.heads
+        groups = heads // n_kv
+        t, p = x.shape[1], past[0].shape[0]
+        cos, sin = stack._rotary(torch.arange(t) + p)  # (T, D)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # a new position attends to the new positions up to itself; rows are (group, position)
+        ahead = (torch.arange(t).unsqueeze(0) > torch.arange(t).unsqueeze(1)).repeat(groups, 1)  # (G*T, T)
+        no_bias = torch.zeros(
+            p
+        )  # linear() with a bias exports as one Gemm(transB): the cache is not transposed
+        # q is scaled before its products, not the (G*T, P + T) scores after: the same bits where sqrt(D) is a
+        # power of two (Qwen2's 64)
+        scale = 1.0 / math.sqrt(d)
+        h = x  # (1, T, C): the projections stay 3-D (MatMul, which int8 quantizes; a 2-D one would be Gemm)
+        new: list[Tensor] = []
+        for i, layer in enumerate(stack.layers):
+            a = layer.self_attn
+            hn = self._norm(layer.input_layernorm, h)
+            q = a.q_proj(hn).view(-1, heads, d)  # (T, H, D)
+            k = a.k_proj(hn).view(-1, n_kv, d)
+            v = a.v_proj(hn).view(-1, n_kv, d)
+            q = (q * cos + (q @ self.rot) * sin) * scale
+            k = k * cos + (k @ self.rot) * sin
+            # each KV head's group of query heads as rows (group, position): (n_kv, G*T, D)
+            qg = q.view(-1, n_kv, groups, d).permute(1, 2, 0, 3).reshape(n_kv, -1, d)
+            s_new = (qg @ k.permute(1, 2, 0)).masked_fill(ahead, -math.inf)  # (n_kv, G*T, T)
+            k_new, v_new = [k[:, g] for g in range(n_kv)], [v[:, g] for g in range(n_kv)]  # (T, D) each
+            caches = [(past[2 * (i * n_kv + g)], past[2 * (i * n_kv + g) + 1]) for g in range(n_kv)]
+            s_past = torch.stack([F.linear(qg[g], pk, no_bias) for g, (pk, _) in enumerate(caches)])
+            attn = torch.cat([s_past, s_new], dim=-1).softmax(dim=-1)  # (n_kv, G*T, P + T)
+            a_past, a_new = attn.split([p, t], dim=-1)
+            out = torch.stack([a_past[g] @ pv for g, (_, pv) in enumerate(caches)]) + a_new @ v.transpose(
+                0, 1
+            )
+            out = out.view(n_kv, groups, -1, d).permute(2, 0, 1, 3).reshape(1, -1, heads * d)  # head g*G + j
+            h = h + a.o_proj(out)
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+            for g in range(n_kv):
+                new += [k_new[g], v_new[g]]
+        h = self._norm(stack.norm, h)
+        logp = self.decoder(h[:, -1:]).float().log_softmax(dim=-1).reshape(1, -1)  # (1, V)
+        return (logp, *new)
+
+
+class QwenStepReference:
+    """The step graph's outputs computed by the model's own code: its KV caches set up for one row holding the
+    case's past, then :meth:`~cosyserve.models.llm.SpeechLM.extend` of x from position P."""
+
+    def __init__(self, lm: Qwen2LM) -> None:
+        self.lm = lm
+        a = lm.stack.layers[0].self_attn
+        self.kv_heads = a.n_kv
+
+    def __call__(self, x: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        lm, n_kv = self.lm, self.kv_heads
+        p, t = past[0].shape[0], x.shape[1]
+        lm.release()
+        lm.reserve(1, p + t)
+        try:
+            caches = [layer.self_attn.kv_cache for layer in lm.stack.layers]
+            for i, kv in enumerate(caches):
+                for g in range(n_kv):
+                    kv.k_cache[0, g, :p] = past[2 * (i * n_kv + g)]
+                    kv.v_cache[0, g, :p] = past[2 * (i * n_kv + g) + 1]
+            logp = lm.extend(x, 0, p)
+            new = []
+            for kv in caches:
+                for g in range(n_kv):
+                    new += [kv.k_cache[0, g, p : p + t].clone(), kv.v_cache[0, g, p : p + t].clone()]
+            return (logp, *new)
+        finally:
+            lm.release()
+
+
+def _config(lm: Qwen2LM) -> dict[str, Any]:
+    a = lm.stack.layers[0].self_attn
+    r = lm.rules
+    return {
+        "llm": {
+            "arch": "qwen2",
+            "layers": len(lm.stack.layers),
+            "heads": a.n_heads,
+            "kv_heads": a.n_kv,
+            "head_dim": a.head_dim,
+            "input_size": lm.cfg.llm_input_size,
+            "speech_token_size": lm.cfg.speech_token_size,
+            "rules": {**dataclasses.asdict(r), "mix_ratio": list(r.mix_ratio)},
+            "sampling": dataclasses.asdict(lm.sampling),
+        }
+    }
+
+
+def _tables(lm: Qwen2LM) -> dict[str, Any]:
+    def a(t: Tensor) -> Any:
+        return t.detach().float().contiguous().numpy()
+
+    return {
+        "llm.text_embedding": a(lm.stack.embed_tokens.weight),
+        "llm.speech_embedding": a(lm.speech_embedding.weight),
+        "llm.sos": a(lm._row(lm.sos).reshape(-1)),
+        "llm.task": a(lm._row(lm.task_id).reshape(-1)),
+    }
+
+
+def export(ex: Exporter, modules: dict[str, nn.Module], parts: tuple[str, ...], int8: bool) -> None:
+    """Export and check the Qwen LM's step graph into ``ex`` (``int8``: its int8 variant too). The flow and
+    vocoder graphs of CosyVoice2/3 are not written yet (``parts`` must be the LM alone)."""
+    if set(parts) != {"llm"}:
+        raise ConvertError(
+            f"the lite export of CosyVoice2/3 writes the LM's graphs only so far, not {', '.join(parts)}"
+        )
+    lm = modules["llm"]
+    assert isinstance(lm, Qwen2LM)
+    a = lm.stack.layers[0].self_attn
+    layers, n_kv, d, c = len(lm.stack.layers), a.n_kv, a.head_dim, lm.cfg.llm_input_size
+    names = qwen_cache_names(layers, n_kv)
+    inputs = ["x"] + [past for past, _ in names]
+    outputs = ["logp"] + [new for _, new in names]
+    dynamic: dict[str, dict[int, str]] = {"x": {1: "t"}}
+    dynamic.update({past: {0: "p"} for past, _ in names})
+    dynamic.update({new: {0: "t"} for _, new in names})
+
+    def case(p: int, t: int) -> tuple[Tensor, ...]:
+        return (ex.randn(1, t, c), *[ex.randn(p, d) for _ in names])
+
+    ex.step("lite: LM step")
+    ex.graph(
+        "llm_step", QwenStepGraph(lm), case(5, 3), inputs, outputs, dynamic,
+        [case(0, 9), case(9, 1), case(30, 1), case(17, 4)], reference=QwenStepReference(lm),
+    )  # fmt: skip
+    if int8:
+        ex.step("lite: LM step, int8")
+        ex.quantize_step([case(0, 9), case(30, 1)], inputs)
+    ex.step("lite: LM step, rewritten by ONNX Runtime")
+    ex.optimize(
+        "llm_step"
+    )  # after the quantizer read the traced graph; the int8 one is optimized when opened
+    ex.tables.update(_tables(lm))
+    ex.config.update(_config(lm))

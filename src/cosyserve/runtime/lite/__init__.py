@@ -1,0 +1,421 @@
+"""The lite runtime: a bundle's ``lite/`` ONNX graphs on ONNX Runtime, driven by numpy; no torch in the process.
+
+:func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
+step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
+READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
+binding holds the GIL while a session opens (~1.7 s for the flow and vocoder graphs at full size on 2 cores):
+a request that arrives in that window waits for it, later ones do not. It serves every
+CosyVoice-300M mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot, cross_lingual, vc),
+with the same chunking and the same voice registry (numpy arrays; importing or exporting a reference
+``spk2info.pt`` needs torch). Its speech tokens are the torch runtime's for a seed (one sampler, one decode loop:
+:mod:`cosyserve.runtime.decode`), and its audio equals the torch runtime's up to float32 rounding when both get the
+same random draws; the flow's and vocoder's noise is numpy's, so a seed's audio differs from the torch runtime's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyserve.core.errors import BundleError
+from cosyserve.core.request import SynthesisRequest
+from cosyserve.core.sampling import row_key
+from cosyserve.core.stop import Stopped, check, latched
+from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
+from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
+from cosyserve.runtime.decode import DecodeLoop
+from cosyserve.runtime.lm import OneShot, one_shot
+from cosyserve.runtime.modes import ModelModes, RuntimeVoices
+from cosyserve.runtime.oneoff import generate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LitePipeline", "LiteRuntime", "load"]
+
+
+def _ids(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray([ids], dtype=np.int32).reshape(1, -1), np.asarray([len(ids)], dtype=np.int32)
+
+
+def _flat(a: Any) -> list[int]:
+    return [int(x) for x in np.asarray(a).reshape(-1)]
+
+
+class LitePipeline(ModelModes):
+    """Requests -> model inputs -> speech tokens -> audio on the lite models (the torch
+    :class:`~cosyserve.runtime.pipeline.Pipeline`'s rules, numpy arrays instead of tensors)."""
+
+    def __init__(self, llm: Any, token2wav: Any, speakers: dict[str, dict[str, Any]], **kwargs: Any) -> None:
+        super().__init__(speakers, family="cosyvoice", **kwargs)
+        self.llm = llm
+        self.decoder = DecodeLoop(llm, 1, name="lite")  # the runtime gives it its batch_size rows
+        self.token2wav = token2wav
+        # one piece's speech tokens at most (as the torch pipeline's)
+        self.max_piece_tokens = PIECE_SECONDS_MAX * int(token2wav.flow.input_frame_rate)
+        self._frontend_lock = threading.Lock()
+
+    def frontend(self) -> Any:
+        """The prompt frontend (:class:`cosyserve.runtime.lite.frontend.LiteFrontend`), made on first use."""
+        if self._frontend is None:
+            with self._frontend_lock:
+                if self._frontend is None:
+                    from cosyserve.runtime.lite.frontend import LiteFrontend
+
+                    campplus, tokenizer = (self.onnx_paths[n] for n in self.onnx_files)
+                    assert campplus is not None and tokenizer is not None, "require() the prompt modes first"
+                    self._frontend = LiteFrontend(campplus, tokenizer, self.tokenizer.encode, self.onnx_check)
+        return self._frontend
+
+    def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
+        self.require(mode)
+        return self.frontend().prompt_features(prompt_text, prompt_wav)  # type: ignore[no-any-return]
+
+    def prepare(
+        self, request: SynthesisRequest
+    ) -> tuple[SynthesisRequest, list[dict[str, Any]] | Iterator[dict[str, Any]]]:
+        """The request as this model runs it and one reference model-input dict per text piece (vc: one); for text
+        given as pieces, an iterator that builds each dict as its sentence arrives."""
+        r = self.resolved(request)
+        mode = r.mode
+        if mode == "vc":
+            return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]
+        make = self._input_builder(r)
+        pieces = self.text_pieces(r)
+        if isinstance(pieces, list):
+            return r, [make(_ids(self.tokenizer.encode(p))) for p in pieces]
+        return r, (make(_ids(self.tokenizer.encode(p))) for p in pieces)
+
+    def _input_builder(self, r: SynthesisRequest) -> Callable[[Any], dict[str, Any]]:
+        # the model input of one piece's ids, the speaker or prompt resolved now (as the torch pipeline's)
+        mode = r.mode
+        if mode in ("sft", "instruct"):
+            assert r.speaker is not None
+            embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
+            if mode == "sft":
+                return lambda t: sft_input(t, embedding)
+            instruction = _ids(self.tokenizer.encode(self._normalize_prompt(r.instruct_text, r.normalize)))
+            return lambda t: instruct_input(t, embedding, instruction)
+        assert mode in ("zero_shot", "cross_lingual")
+        if r.speaker:
+            prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
+        else:
+            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
+            prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
+        return lambda t: prompt_input(t, prompt, mode)  # type: ignore[arg-type]
+
+    def run(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        """Prepare now (errors raise here), then a generator of float32 chunks."""
+        r, inputs = self.prepare(request)
+        # the seed keys the LM's sampler (each text piece its own key) and seeds the flow's and vocoder's noise
+        seed = r.seed if r.seed is not None else secrets.randbits(63)
+        # the decode loop's thread and ORT's terminate watcher ask it too: once stopped, nobody asks again
+        should_stop = latched(should_stop)
+        return self._generate(r, inputs, seed, np.random.default_rng(seed), should_stop)
+
+    def _generate(
+        self,
+        r: SynthesisRequest,
+        inputs: list[dict[str, Any]],
+        seed: int,
+        rng: np.random.Generator,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[np.ndarray]:
+        try:
+            for n, model_input in enumerate(inputs):
+                yield from self._tts(r, model_input, row_key(seed, n), rng, should_stop)
+        except Stopped:
+            return  # the generators below are closed by the unwinding: the LM's caches go with them
+
+    def _tts(
+        self,
+        r: SynthesisRequest,
+        model_input: dict[str, Any],
+        key: int,
+        rng: np.random.Generator,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[np.ndarray]:
+        def until(tokens: Iterator[int]) -> Iterator[int]:
+            for tok in tokens:
+                yield tok
+                check(should_stop)
+
+        if "source_speech_token" in model_input:  # vc: the LM is bypassed
+            tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
+        else:
+            spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
+            tokens = until(self.decoder.generate(spec, key, should_stop=should_stop))
+        feat = model_input.get("prompt_speech_feat")
+        for chunk in self.token2wav(
+            tokens,
+            embedding=np.asarray(model_input["flow_embedding"]).reshape(-1),
+            prompt_token=_flat(model_input.get("flow_prompt_speech_token", [])),
+            prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
+            stream=r.stream,
+            speed=r.speed,
+            rng=rng,
+            should_stop=should_stop,
+        ):
+            yield chunk.astype(np.float32, copy=False)
+            check(should_stop)
+
+
+class LiteRuntime(RuntimeVoices):
+    """A CosyVoice-300M bundle on ONNX Runtime: implements :class:`cosyserve.runtime.Runtime`."""
+
+    def __init__(
+        self,
+        bundle: Any,
+        lite: Any,
+        speakers: dict[str, dict[str, Any]],
+        options: RuntimeOptions,
+        clock: Any,
+        registry_root: Path,
+    ) -> None:
+        from cosyserve.families.streampolicy import StreamPolicy
+        from cosyserve.runtime.lite.lm import lite_lm
+        from cosyserve.runtime.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
+        from cosyserve.voices.registry import SpeakerRegistry
+
+        self.bundle = bundle
+        self.path = bundle.path
+        self.lite = lite
+        self.options = options
+        self.clock = clock
+        self.sample_rate = int(lite.config["sample_rate"])
+        self.slots = options.batch_size
+        self.precision = dict.fromkeys(
+            ("llm", "flow", "hift"), "float32"
+        )  # the exported graphs' (ONNX Runtime)
+        tables = lite.tables()
+        self.llm = lite_lm(lite, tables)
+        flow = LiteFlow(lite, tables)
+        policy = StreamPolicy.named(
+            options.chunk_policy,
+            options.first_hop,
+            input_frame_rate=flow.input_frame_rate,
+            sample_rate=self.sample_rate,
+        )
+        self.token2wav = LiteToken2Wav(flow, LiteVocoder(lite, tables), policy, options.flow_steps)
+        self.pipeline = LitePipeline(
+            self.llm,
+            self.token2wav,
+            speakers,
+            registry=SpeakerRegistry(registry_root, arrays="numpy"),
+            model_dir=bundle.path,
+            instruct=bundle.instruct,
+            default_voice=options.default_voice,
+        )
+        self.pipeline.set_onnx_paths(
+            {name: bundle.onnx_path(name) for name in self.pipeline.onnx_files},
+            check=lambda p: bundle.check_onnx(p.name),
+        )
+        # the LM's decode loop: batch_size rows (the step graph runs a step's rows one after another)
+        self.pipeline.decoder = DecodeLoop(self.llm, options.batch_size, name=self.path.name)
+        self.background: threading.Thread | None = None
+
+    def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
+        return self.pipeline.run(request, should_stop)
+
+    def on_lm_step(self, record: Callable[[int], None]) -> None:
+        self.pipeline.decoder.on_step = record
+
+    def warm_up(self) -> None:
+        with self.clock.phase("warmup"):
+            _warm_up_lm(self.llm)
+
+    # -- memory ---------------------------------------------------------------------------------------------------
+
+    def mapped_files(self) -> list[Path]:
+        return self.lite.data_files()
+
+    def mapped_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.mapped_files())
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def join_background(self, timeout: float | None = None) -> None:
+        if self.background is not None:
+            self.background.join(timeout)
+
+    def after_fork(self) -> None:
+        # ORT sessions own thread pools, which do not survive fork(): a fork template opens none, and each child
+        # opens the LM's and warms it here, the flow's and vocoder's in the background
+        self.lite.sessions.clear()
+        self.llm.after_fork()
+        self.lite._lock = threading.Lock()
+        _open_lm(self)
+        self.background = _after_ready(self)
+
+    def close(self) -> None:
+        self.pipeline.decoder.close()
+        self.lite.sessions.clear()
+
+
+def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
+    """The bundle's pre-defined speakers as ``{name: {"embedding": [1, 192] float32}}`` (numpy)."""
+    entry = bundle.manifest.get("speakers")
+    if not entry:
+        return {}
+    from cosyserve.runtime.lite.models import map_safetensors
+
+    path = bundle.path / entry["file"]
+    if path.stat().st_size != entry["bytes"]:
+        raise BundleError(
+            f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}: convert again"
+        )
+    names = bundle.speaker_names
+    expected = entry.get("tensors", {})
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in map_safetensors(path).items():
+        want = expected.get(key, {}).get("sha256")
+        # a few KB: checked on every start, whatever the verify policy (the torch loader hashes it too)
+        if (
+            want is None
+            or hashlib.sha256(memoryview(np.ascontiguousarray(value)).cast("B")).hexdigest() != want
+        ):
+            raise BundleError(
+                f"{path}: tensor {key!r} does not match the manifest: the file is corrupt; convert again"
+            )
+        idx, fld = key.split(".", 1)
+        if fld == "embedding":
+            out[names[int(idx)]] = {"embedding": np.array(value, dtype=np.float32).reshape(1, -1)}
+    return out
+
+
+def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRuntime:
+    """Load the bundle at ``path`` (converted with ``--runtime lite``) on ONNX Runtime; see
+    :func:`cosyserve.runtime.load_runtime`. An official model dir or hub id is converted by the torch side first
+    (which needs torch): convert once with ``cosyserve convert MODEL_DIR BUNDLE --runtime lite``."""
+    from cosyserve.core.clock import PhaseClock
+
+    clock = clock or PhaseClock()
+    o = options
+    with clock.phase("imports"):
+        import onnxruntime  # noqa: F401 - the one heavy import, timed as the torch runtime's imports are
+
+        from cosyserve.bundle.loader import is_bundle, open_bundle
+        from cosyserve.bundle.sources import cache_dir_of
+        from cosyserve.runtime.lite.models import LiteBundle
+        from cosyserve.system.device import check_device
+        from cosyserve.voices.registry_location import default_registry_dir
+    check_device(o.device, "lite")  # the start checked it already; a pool's lazy load did not
+    cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
+    with clock.phase("manifest"):
+        if not is_bundle(path):
+            raise BundleError(
+                f"{path} is not a bundle: the lite runtime loads a bundle converted with `cosyserve convert "
+                "MODEL_DIR BUNDLE --runtime lite` (on a machine with torch)"
+            )
+        bundle = open_bundle(path)
+        family = bundle.family
+        if not family.lite:
+            has = (
+                f" (its lite graphs cover the {', '.join(family.lite_parts)} so far)"
+                if family.lite_parts
+                else ""
+            )
+            raise BundleError(
+                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one{has}): serve "
+                "it on the torch runtime"
+            )
+        bundle.verify = o.verify
+        threads = o.threads or os.cpu_count() or 1
+        lite = LiteBundle(
+            bundle.path, verify=o.verify, threads=threads, int8=o.llm_quantize == "int8", bundle=bundle
+        )
+        names = ("llm_dtype", "flow_dtype", "hift_dtype")
+        ignored = [f"{n}={v}" for n in names if (v := getattr(o, n)) not in (None, "float32")]
+        if ignored:
+            logger.warning(
+                "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)
+            )
+        speakers = _read_speakers(bundle)
+        registry_root = (
+            Path(o.registry_dir)
+            if o.registry_dir is not None
+            else default_registry_dir(bundle.path, bundle.model_key, registry_dir=None, cache_dir=cache_dir)
+        )
+    with clock.phase("construct"):
+        runtime = LiteRuntime(bundle, lite, speakers, o, clock, registry_root)
+    if o.fork_template:
+        if o.text_tier == "background":
+            _run_steps([("text_tier", _load_text_tier)], clock)  # pure Python: shared by the children
+        clock.mark("ready")
+        return runtime
+    _open_lm(runtime)
+    clock.mark("ready")
+    runtime.background = _after_ready(runtime)
+    logger.info(
+        "lite runtime ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations
+    )
+    return runtime
+
+
+TOKEN2WAV_GRAPHS = ("flow_encoder", "flow_regulator", "flow_estimator", "hift_f0", "hift_decode")
+
+
+def _open_lm(runtime: LiteRuntime) -> None:
+    clock, o = runtime.clock, runtime.options
+    with clock.phase("sessions"):
+        runtime.lite.session("llm_step")  # the text encoder's and the rest open after READY
+    if o.warmup:
+        with clock.phase("warmup"):
+            _warm_up_lm(runtime.llm)
+
+
+def _warm_up_lm(lm: Any) -> None:
+    # a one-position prefill, a decode step and sampling (ORT's first call costs no more than a later one), on a
+    # copy with caches of its own (requests may be running): nothing is left behind
+    import copy
+
+    lm = copy.copy(lm)
+    lm.release()
+    list(generate(lm, OneShot(lm.warmup_prompt(), 2, 2), 0))
+
+
+def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:
+    for phase, work in steps:
+        start, t = clock.now_ms(), time.perf_counter()
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - the first request that needs it raises the same error
+            logger.warning("background %s failed", phase, exc_info=True)
+            continue
+        clock.add(phase, (time.perf_counter() - t) * 1e3, start)
+
+
+def _after_ready(runtime: LiteRuntime) -> threading.Thread:
+    """The rest of the start, in one thread after READY: the text tier, the text encoder's session, the flow's
+    and vocoder's sessions (and the zero-shot tier's when asked)."""
+    o = runtime.options
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    if o.text_tier == "background" and not o.fork_template:
+        steps.append(("text_tier", _load_text_tier))
+    steps.append(("sessions_llm_text", lambda: runtime.lite.session("llm_text")))
+    # no flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would take the
+    # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
+    steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in TOKEN2WAV_GRAPHS]))
+    if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
+        steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
+    thread = threading.Thread(
+        target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _load_text_tier() -> None:
+    from cosyserve.frontend.text import load_normalizers
+    from cosyserve.frontend.tokenizer import get_tokenizer
+
+    get_tokenizer()
+    load_normalizers()

@@ -1,0 +1,322 @@
+"""The lite runtime's LMs: the decode loop's :class:`~cosyserve.runtime.lm.DecodeLM` over a bundle's ``llm_step``
+graph, with numpy tables for what is a lookup (embeddings, sos and task rows).
+
+One step graph per LM runs T new inputs against the P positions a cache row holds: its caches are graph inputs
+(the past) and outputs (the new positions' keys and values). :class:`StepLM` keeps each cache row as numpy
+buffers whose first axis is the position: the past is the contiguous prefix ``buf[:P]``, bound as the input, and
+the output is bound to ``buf[P:P+T]`` of the same buffer (ONNX Runtime's IO binding), so no cache is copied
+between steps. The step graph takes one row: a batch step runs its rows one after another, each run ended early
+by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`).
+
+- :class:`LiteLM`: CosyVoice-300M's (a conformer text encoder graph, relative positions as projections
+  computed by the ``llm_pos`` graph and kept, caches (positions, heads, head_dim) per layer).
+- :class:`LiteQwenLM`: CosyVoice2's and CosyVoice3's Qwen2 LM (the text embedding a mapped table, rotary
+  positions inside the graph, caches (positions, head_dim) per layer and KV head: the graph's attention reads
+  each as a plain matrix, so nothing is transposed per step). Its rules come from the manifest: stop ids, fill
+  and mix ratio, and CosyVoice3's ``<|endofprompt|>`` (:class:`~cosyserve.core.sampling.StopRules`).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from cosyserve.bundle.lite import qwen_cache_names
+from cosyserve.core.errors import BundleError
+from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
+from cosyserve.core.stop import ShouldStop, Stopped
+from cosyserve.models import lite_dsp as dsp
+from cosyserve.runtime.lite import terminate
+from cosyserve.runtime.lm import Part
+
+__all__ = ["LiteLM", "LiteQwenLM", "StepLM", "lite_lm"]
+
+POS_BLOCK = 256  # positional projections are computed in blocks of this many distances
+
+
+def _flat(a: Any) -> list[int]:
+    return [int(x) for x in np.asarray(a).reshape(-1)]
+
+
+def _sampling(c: Mapping[str, Any]) -> SamplingConfig:
+    s = c["sampling"]
+    return SamplingConfig(float(s["top_p"]), int(s["top_k"]), int(s["win_size"]), float(s["tau_r"]))
+
+
+class StepLM:
+    """The decode loop's cache side over a bundle's ``llm_step`` graph (see the module docstring). A subclass
+    names the graph's cache inputs and outputs (:attr:`cache_names`), the shape of one position of each
+    (:attr:`cache_shape`), how a slice of a buffer is bound (:meth:`_view`), any further inputs
+    (:meth:`_bind_extra`), and builds the prompt and embeddings."""
+
+    rules: StopRules
+    sampling: SamplingConfig
+    cache_names: list[tuple[str, str]]  # (past input, new output) of each cache buffer, in one order
+    cache_shape: tuple[int, ...]  # one position of one buffer
+
+    def __init__(self, bundle: Any) -> None:
+        self.bundle = bundle
+        self.ops = ArrayOps(np)
+        self._caches: list[list[np.ndarray]] = []  # per cache row: each buffer (positions, *cache_shape)
+
+    def _view(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def _bind_extra(self, io: Any, p: int, t: int, keep: list[Any]) -> None:
+        """Bind inputs besides ``x`` and the caches for ``t`` inputs after ``p`` cached positions."""
+
+    def _embed_token(self, token: int) -> np.ndarray:
+        """(1, 1, C) the input of a decode step that feeds speech token ``token``."""
+        raise NotImplementedError
+
+    def _run_step(self, x: np.ndarray, row: int, p: int, stop: ShouldStop | None) -> np.ndarray:
+        """Run ``x`` (1, T, C) at positions p.. of cache row ``row`` (positions p..p+T written in place); (V,)."""
+        import onnxruntime as ort
+
+        t = x.shape[1]
+        sess = self.bundle.session("llm_step")
+        io = sess.io_binding()
+        io.bind_cpu_input("x", np.ascontiguousarray(x, dtype=np.float32))
+        keep = []  # the OrtValues over the buffers live until the run ends
+        for (past, new), buf in zip(self.cache_names, self._caches[row], strict=True):
+            for name, arr, bind in (
+                (past, buf[:p], io.bind_ortvalue_input),
+                (new, buf[p : p + t], io.bind_ortvalue_output),
+            ):
+                val = ort.OrtValue.ortvalue_from_numpy(self._view(arr))
+                keep.append(val)
+                bind(name, val)
+        self._bind_extra(io, p, t, keep)
+        logp = np.empty((1, self.rules.vocab), np.float32)
+        out = ort.OrtValue.ortvalue_from_numpy(logp)
+        io.bind_ortvalue_output("logp", out)
+        terminate.run_bound(sess, io, stop)
+        return logp[0]
+
+    # --- the decode loop's LM (cosyserve.runtime.lm.DecodeLM) -----------------------------------------------------
+
+    def reserve(self, rows: int, positions: int) -> None:
+        shape = (positions, *self.cache_shape)
+        for r in range(rows):
+            if r == len(self._caches):
+                self._caches.append([])
+            old = self._caches[r]
+            if old and old[0].shape[0] >= positions:
+                continue
+            # np.zeros maps untouched pages: a row costs memory only for the positions it reaches
+            new = [np.zeros(shape, np.float32) for _ in self.cache_names]
+            for a, b in zip(new, old, strict=False):
+                a[: b.shape[0]] = b
+            self._caches[r] = new
+
+    def release(self) -> None:
+        self._caches = []
+
+    def extend(self, x: np.ndarray, row: int, start: int, stop: ShouldStop | None = None) -> np.ndarray:
+        return self._run_step(x, row, start, stop)[None]
+
+    def decode(
+        self,
+        tokens: np.ndarray,
+        pos: np.ndarray,
+        kv_len: int,
+        rows: np.ndarray | None,
+        stops: Sequence[ShouldStop | None] | None = None,
+    ) -> np.ndarray:
+        rows = np.arange(len(tokens)) if rows is None else rows
+        stops = [None] * len(tokens) if stops is None else stops
+        out = np.zeros((len(tokens), self.rules.vocab), np.float32)
+        for b, (token, p, r) in enumerate(zip(tokens.tolist(), pos.tolist(), rows.tolist(), strict=True)):
+            try:
+                out[b] = self._run_step(self._embed_token(token), r, p, stops[b])
+            except Stopped:
+                pass  # its row ends after the step (the decode loop asks its signal); the others go on
+        return out
+
+    def after_fork(self) -> None:
+        """Make again what a fork copies in an unusable state (a lock held by another thread)."""
+
+    def warmup_prompt(self) -> np.ndarray:
+        """A one-position prompt (sos): a warm-up's prefill runs the step graph on one row, as a decode step does
+        (a prefill of M > 1 rows packs every weight matrix per call without prepacking, ~100 ms at full size, and a
+        first call costs no more than a later one)."""
+        raise NotImplementedError
+
+
+class LiteLM(StepLM):
+    """CosyVoice-300M's LM over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs."""
+
+    def __init__(self, bundle: Any, tables: dict[str, np.ndarray]) -> None:
+        super().__init__(bundle)
+        c = bundle.config["llm"]
+        self.layers, self.heads, self.head_dim = int(c["layers"]), int(c["heads"]), int(c["head_dim"])
+        self.size = int(c["input_size"])
+        self.eos_token = int(c["eos_token"])
+        self.sampling = _sampling(c)
+        self.rules = StopRules(self.eos_token + 1, self.eos_token, self.eos_token)
+        n = self.layers
+        self.cache_names = [(f"past_k{i}", f"new_k{i}") for i in range(n)]
+        self.cache_names += [(f"past_v{i}", f"new_v{i}") for i in range(n)]
+        self.cache_shape = (self.heads, self.head_dim)
+        self.sos, self.task = tables["llm.sos"], tables["llm.task"]
+        self.spk_w, self.spk_b = tables["llm.spk_affine.weight"], tables["llm.spk_affine.bias"]
+        self.speech_embedding = tables["llm.speech_embedding"]
+        table = tables.get("llm.pos_proj")  # (L, rows, H, D): the first distances, computed at conversion
+        empty = np.zeros((self.layers, 0, self.heads, self.head_dim), np.float32)
+        self._pos: list[np.ndarray] = list(table if table is not None else empty)
+        self._pos_lock = threading.Lock()
+
+    def _view(self, a: np.ndarray) -> np.ndarray:
+        return a[None]  # the graph's caches are (1, P, H, D)
+
+    def after_fork(self) -> None:
+        self._pos_lock = threading.Lock()
+
+    def _positions(self, n: int) -> list[np.ndarray]:
+        # every layer's linear_pos(pe) for distances [0, n): weight-only, computed in blocks and kept
+        pos = self._pos
+        if pos[0].shape[0] >= n:
+            return pos
+        with self._pos_lock:
+            pos = self._pos
+            have = pos[0].shape[0]
+            if have < n:
+                stop = -(-n // POS_BLOCK) * POS_BLOCK
+                pe = dsp.distance_pe(self.size, have, stop)
+                (proj,) = self.bundle.session("llm_pos").run(None, {"pe": pe})  # (L, rows, H, D)
+                # new arrays (a running request keeps the ones it bound)
+                self._pos = pos = [np.concatenate([pos[i], proj[i]]) for i in range(self.layers)]
+        return pos
+
+    def _bind_extra(self, io: Any, p: int, t: int, keep: list[Any]) -> None:
+        import onnxruntime as ort
+
+        for i, arr in enumerate(self._positions(p + t)):
+            val = ort.OrtValue.ortvalue_from_numpy(arr[: p + t])
+            keep.append(val)
+            io.bind_ortvalue_input(f"pos{i}", val)
+
+    def _embed_token(self, token: int) -> np.ndarray:
+        return self.speech_embedding[token].reshape(1, 1, -1)
+
+    def _prompt(
+        self, text: list[int], prompt_text: list[int], prompt_speech: list[int], embedding: np.ndarray | None
+    ) -> np.ndarray:
+        """The LM's prompt (1, T0, C): sos, [speaker], encoded prompt text + text, task id, prompt speech."""
+        ids = np.asarray([list(prompt_text) + list(text)], dtype=np.int64)
+        (encoded,) = self.bundle.session("llm_text").run(None, {"text": ids})
+        parts = [self.sos.reshape(1, -1)]
+        if embedding is not None and embedding.size:
+            parts.append(dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)
+        parts += [encoded[0], self.task.reshape(1, -1)]
+        if prompt_speech:
+            parts.append(self.speech_embedding[np.asarray(prompt_speech, dtype=np.int64)])
+        return np.concatenate(parts).astype(np.float32)[None]
+
+    def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+        """The one-shot prompt (1, T0, C) of a reference model-input dict and its text's length."""
+        text = _flat(model_input["text"])
+        embedding = model_input.get("llm_embedding")
+        emb = None if embedding is None else np.asarray(embedding, dtype=np.float32).reshape(-1)
+        prompt = self._prompt(
+            text,
+            _flat(model_input.get("prompt_text", [])),
+            _flat(model_input.get("llm_prompt_speech_token", [])),
+            emb,
+        )
+        return prompt, len(text)
+
+    def embed(self, parts: list[Part]) -> np.ndarray:
+        for kind, _ in parts:
+            if kind != "speech":
+                raise ValueError(f"the lite LM takes no {kind!r} input after its prompt")
+        ids = [t for _, p in parts for t in p]
+        return self.speech_embedding[np.asarray(ids, dtype=np.int64)][None].astype(np.float32)
+
+    def warmup_prompt(self) -> np.ndarray:
+        # the text encoder's graph opens after READY
+        return self.sos.reshape(1, 1, -1).astype(np.float32)
+
+
+class LiteQwenLM(StepLM):
+    """CosyVoice2's and CosyVoice3's Qwen2 LM over the ``llm_step`` graph; embeddings from the tables."""
+
+    def __init__(self, bundle: Any, tables: dict[str, np.ndarray]) -> None:
+        super().__init__(bundle)
+        c = bundle.config["llm"]
+        r = c["rules"]
+        self.rules = StopRules(
+            int(r["vocab"]), int(r["eos_token"]), int(r["eos"]),
+            None if r["fill"] is None else int(r["fill"]), (int(r["mix_ratio"][0]), int(r["mix_ratio"][1])),
+            int(r["sos"]), int(r["task_id"]), None if r["marker"] is None else int(r["marker"]),
+        )  # fmt: skip
+        self.sampling = _sampling(c)
+        self.cache_names = qwen_cache_names(int(c["layers"]), int(c["kv_heads"]))
+        self.cache_shape = (int(c["head_dim"]),)
+        self.text_embedding = tables["llm.text_embedding"]  # (text vocabulary, C): rows read as used
+        self.speech_embedding = tables["llm.speech_embedding"]
+        self.special = {self.rules.sos: tables["llm.sos"], self.rules.task_id: tables["llm.task"]}
+
+    def _rows(self, table: np.ndarray, ids: list[int], what: str) -> np.ndarray:
+        a = np.asarray(ids, dtype=np.int64)
+        if a.size and (a.min() < 0 or a.max() >= table.shape[0]):
+            raise ValueError(f"{what} ids must be in [0, {table.shape[0]}), got {a.min()}..{a.max()}")
+        return table[a].astype(np.float32, copy=False)
+
+    def _embed_token(self, token: int) -> np.ndarray:
+        return self.speech_embedding[token].reshape(1, 1, -1)
+
+    def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+        """The one-shot prompt (1, T0, C): sos, the text embeddings of prompt text + text, task_id, the prompt
+        speech tokens' embeddings (the speaker embedding is not used, as in the reference); and the text's
+        length."""
+        text = _flat(model_input["text"])
+        ids = _flat(model_input.get("prompt_text", [])) + text
+        self.rules.require_marker(ids)
+        x = self.embed(
+            [
+                ("special", [self.rules.sos]),
+                ("text", ids),
+                ("special", [self.rules.task_id]),
+                ("speech", _flat(model_input.get("llm_prompt_speech_token", []))),
+            ]
+        )
+        return x, len(text)
+
+    def embed(self, parts: list[Part]) -> np.ndarray:
+        out = []
+        for kind, ids in parts:
+            if not ids:
+                continue
+            if kind == "text":
+                out.append(self._rows(self.text_embedding, ids, "text"))
+            elif kind == "speech":
+                out.append(self._rows(self.speech_embedding, ids, "speech token"))
+            elif kind == "special" and all(t in self.special for t in ids):
+                out.append(np.stack([self.special[t].reshape(-1) for t in ids]))
+            else:
+                raise ValueError(f"the lite Qwen LM takes no {kind!r} input {ids}")
+        return np.concatenate(out).astype(np.float32, copy=False)[None]
+
+    def warmup_prompt(self) -> np.ndarray:
+        return self.special[self.rules.sos].reshape(1, 1, -1).astype(np.float32)
+
+
+_LMS: dict[str, type[StepLM]] = {"transformer": LiteLM, "qwen2": LiteQwenLM}
+
+
+def lite_lm(bundle: Any, tables: dict[str, np.ndarray]) -> StepLM:
+    """The LM a lite bundle's manifest describes (its ``llm.arch``; CosyVoice-300M's when absent)."""
+    arch = bundle.config["llm"].get("arch", "transformer")
+    cls = _LMS.get(arch)
+    if cls is None:
+        raise BundleError(
+            f"{bundle.dir}/manifest.json: LM architecture {arch!r} is not one this cosyserve serves "
+            f"({', '.join(_LMS)}): convert again with --runtime lite"
+        )
+    return cls(bundle, tables)

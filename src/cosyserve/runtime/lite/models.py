@@ -1,0 +1,474 @@
+"""The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
+
+:class:`LiteBundle` checks a bundle's ``lite/`` files and opens their sessions; the LMs are in
+:mod:`cosyserve.runtime.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
+(f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
+runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
+share them and own only their caches and random generators. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyserve.bundle.lite import (
+    INT8_STEP,
+    LITE_DIR,
+    LITE_FORMAT,
+    LITE_PARTS,
+    LITE_VERSION,
+    TABLES_FILE,
+)
+from cosyserve.core.errors import BundleError
+from cosyserve.core.stop import ShouldStop, check
+from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.models import lite_dsp as dsp
+from cosyserve.runtime.lite import terminate
+
+__all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
+
+OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
+CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
+
+
+def mel_length(num_tokens: int, input_frame_rate: int) -> int:
+    return int(num_tokens / input_frame_rate * 22050 / 256)
+
+
+def session_options(
+    threads: int | None, *, prepack: bool = False, optimize: bool = True, plan_reuse: bool = True
+) -> Any:
+    """ORT session options for a fast start: no weight prepacking (a session then opens in milliseconds over
+    mapped weights; prepacking copies and reorders every weight, ~0.8 s per GB), ``threads`` intra-op threads;
+    ``optimize`` False turns ORT's graph rewrites off (the LM graphs: the full set costs ~90 ms more to open
+    the step graph and decodes no faster, measured on the full-size model); ``plan_reuse`` False skips the
+    allocation planner's buffer-reuse analysis, which grows faster than the graph (the full-size Qwen LM step's
+    1540 nodes: 340-370 ms of CPU to open with it, 43-55 ms without; its steps and peak RSS the same: the arena
+    reuses freed blocks anyway)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.enable_mem_reuse = plan_reuse
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    return so
+
+
+class LiteBundle:
+    """A bundle's ``lite/`` folder: its manifest checked, each file's size checked, its sessions opened.
+
+    Args:
+        path: the bundle directory.
+        verify: ``full`` (hash every lite file), ``stamp`` (hash a file once per version, as the torch loader
+            does), ``none`` (sizes only).
+        threads: intra-op threads of each session.
+        prepack: prepack the LM graphs' weights too (the flow's and vocoder's always are).
+        int8: serve the int8 LM step graph.
+        bundle: the opened :class:`cosyserve.bundle.loader.Bundle` (default: opened here), whose file check and
+            stamps the lite files share.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        verify: str = "stamp",
+        threads: int | None = None,
+        prepack: bool = False,
+        int8: bool = False,
+        bundle: Any = None,
+    ):
+        self.path = Path(path)
+        self.dir = self.path / LITE_DIR
+        where = self.dir / "manifest.json"
+        try:
+            self.manifest = json.loads(where.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BundleError(
+                f"{self.path} has no lite runtime graphs ({LITE_DIR}/manifest.json): convert the model with "
+                "`cosyserve convert MODEL_DIR BUNDLE --runtime lite` on a machine with torch"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise BundleError(
+                f"{where}: unreadable ({e}); convert the model again with --runtime lite"
+            ) from e
+        if not isinstance(self.manifest, dict):
+            raise BundleError(f"{where}: not a JSON object; convert the model again with --runtime lite")
+        if self.manifest.get("format") != LITE_FORMAT or self.manifest.get("version") != LITE_VERSION:
+            raise BundleError(
+                f"{where}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}, "
+                f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
+            )
+        config = self.manifest.get("config")
+        # a bundle written before the parts were recorded holds all of them
+        self.parts: list[str] = list(self.manifest.get("parts", LITE_PARTS))
+        graphs = self.manifest.get("graphs")
+        if (
+            not isinstance(config, dict)
+            or not {"sample_rate", *self.parts} <= set(config)
+            or not isinstance(graphs, dict)
+            or not all(isinstance(v, str) and "/" not in v for v in graphs.values())
+        ):
+            raise BundleError(
+                f"{where}: no complete config in it; convert the model again with --runtime lite"
+            )
+        self.config: dict[str, Any] = config
+        self.graphs: dict[str, str] = graphs
+        self.int8 = int8
+        if int8 and INT8_STEP not in self.manifest.get("files", {}):
+            raise BundleError(
+                f"{self.path} has no int8 LM graph: convert the model with `cosyserve convert MODEL_DIR BUNDLE "
+                "--runtime lite --quantize llm=int8`, or serve it with llm_quantize=none"
+            )
+        self._check_files(verify, bundle)
+        self.threads = threads
+        self.prepack = prepack
+        self.sessions: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _check_files(self, verify: str, bundle: Any) -> None:
+        # the bundle's own check (size always, sha256 per the policy, stamps in the bundle's stamp file)
+        if bundle is None:
+            from cosyserve.bundle.loader import open_bundle
+
+            bundle = open_bundle(self.path)
+        bundle.verify = verify
+        for name, entry in self.manifest.get("files", {}).items():
+            bundle.check_file(
+                f"{LITE_DIR}/{name}", entry, again="convert the model again with --runtime lite"
+            )
+
+    def session(self, name: str) -> Any:
+        """The ORT session of graph ``name`` (opened once, on first use)."""
+        s = self.sessions.get(name)
+        if s is None:
+            with self._lock:
+                s = self.sessions.get(name)
+                if s is None:
+                    import onnxruntime as ort
+
+                    int8 = self.int8 and name == "llm_step"
+                    if name not in self.graphs:
+                        raise BundleError(
+                            f"{self.path}: its lite graphs ({', '.join(self.parts)}) hold no {name!r} graph"
+                        )
+                    path = self.dir / (INT8_STEP if int8 else self.graphs[name])
+                    try:
+                        # the LM's graphs open before READY: no prepacking, no rewrites, no buffer-reuse plan;
+                        # flow and vocoder open after it, prepacked and fully optimized (their convolutions run
+                        # ~30% faster so); the int8 step graph prepacked (0.4 s to open; its steps ~40% faster)
+                        lm = name.startswith("llm_")
+                        options = session_options(
+                            self.threads,
+                            prepack=self.prepack or int8 or not lm,
+                            optimize=int8 or not lm,
+                            plan_reuse=not lm,
+                        )
+                        s = ort.InferenceSession(
+                            str(path),
+                            options,
+                            providers=["CPUExecutionProvider"],
+                        )
+                    except Exception as e:  # noqa: BLE001 - ORT raises its own types; the file is what is wrong
+                        raise BundleError(f"{path}: ONNX Runtime cannot open it ({e})") from e
+                    self.sessions[name] = s
+        return s
+
+    def tables(self) -> dict[str, np.ndarray]:
+        """The tables file's arrays, mapped read-only (a page costs memory once read)."""
+        return map_safetensors(self.dir / TABLES_FILE)
+
+    def data_files(self) -> list[Path]:
+        """The weight files this runtime maps (the int8 or the float step graph's, not both)."""
+        skip = (self.graphs["llm_step"] if self.int8 else INT8_STEP) + ".data"
+        return [f for f in sorted(self.dir.glob("*.data")) if f.name != skip] + [self.dir / TABLES_FILE]
+
+
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
+
+
+def map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as read-only numpy arrays over one mapping of the file (no copy)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise BundleError(
+            f"{path}: cannot read it as safetensors ({e}); convert again with --runtime lite"
+        ) from e
+    out: dict[str, np.ndarray] = {}
+    base = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = np.dtype(_NP_DTYPES[info["dtype"]])
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or base + end > mm.size:
+            raise BundleError(
+                f"{path}: tensor {name!r} does not fit its header; convert again with --runtime lite"
+            )
+        out[name] = np.ndarray(shape, dtype=dtype, buffer=mm, offset=base + begin)
+    return out
+
+
+class LiteFlow:
+    """Speech tokens -> mel over the ``flow_encoder``, ``flow_regulator`` and ``flow_estimator`` graphs."""
+
+    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray], n_timesteps: int | None = None):
+        c = bundle.config["flow"]
+        self.bundle = bundle
+        self.input_frame_rate = int(c["input_frame_rate"])
+        self.output_size = int(c["output_size"])
+        self.in_channels = int(c["in_channels"])
+        self.n_timesteps = int(n_timesteps or c["n_timesteps"])
+        self.scheduler = str(c["t_scheduler"])
+        self.cfg_rate = float(c["inference_cfg_rate"])
+        self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
+
+    def regulate(self, h: np.ndarray, p: int, f: int, m: int) -> np.ndarray:
+        """Resample the prompt's and the target's encoder frames (N, C) to f + m mel frames -> mu (C, f + m)."""
+        x2 = h[p:].T
+        if x2.shape[1] > 2 * OVERLAP_TOKENS:
+            n, edge = OVERLAP_TOKENS, mel_length(OVERLAP_TOKENS, self.input_frame_rate)
+            x2 = np.concatenate(
+                [
+                    dsp.interp_linear(x2[:, :n], edge),
+                    dsp.interp_linear(x2[:, n:-n], m - 2 * edge),
+                    dsp.interp_linear(x2[:, -n:], edge),
+                ],
+                axis=1,
+            )
+        else:
+            x2 = dsp.interp_linear(x2, m)
+        if p:
+            x2 = np.concatenate([dsp.interp_linear(h[:p].T, f), x2], axis=1)
+        (mu,) = self.bundle.session("flow_regulator").run(None, {"x": x2[None].astype(np.float32)})
+        return mu[0]
+
+    def inference(
+        self,
+        tokens: list[int],
+        prompt_token: list[int],
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        cache: np.ndarray | None,
+        noise: np.ndarray,
+        n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample. ``should_stop``
+        is asked before each Euler step and ends a graph's run early (:class:`cosyserve.core.stop.Stopped`)."""
+        p, t = len(prompt_token), len(tokens)
+        ids = np.asarray([list(prompt_token) + list(tokens)], dtype=np.int64)
+        (h,) = terminate.run(self.bundle.session("flow_encoder"), {"tokens": ids}, should_stop)
+        f, m = prompt_feat.shape[0], mel_length(t, self.input_frame_rate)
+        mu = self.regulate(h[0], p, f, m)  # (80, f + m)
+        total = f + m
+        spks = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
+        z = noise.astype(np.float32).copy()
+        if cache is not None and cache.shape[1] > 0:
+            c = cache.shape[1]
+            z[:, :c], mu = cache[:, :, 0], mu.copy()
+            mu[:, :c] = cache[:, :, 1]
+        tail = CACHE_TAIL_FRAMES
+        new_cache = np.stack(
+            [np.concatenate([z[:, :f], z[:, -tail:]], 1), np.concatenate([mu[:, :f], mu[:, -tail:]], 1)], -1
+        )
+        n = self.output_size
+        h_in = np.zeros((2, self.in_channels, total), np.float32)
+        h_in[0, n : 2 * n] = mu
+        h_in[0, 2 * n : 3 * n] = spks[:, None]
+        if f:
+            h_in[0, 3 * n : 4 * n, :f] = prompt_feat.T
+        est = self.bundle.session("flow_estimator")
+        x = z
+        rate = np.float32(self.cfg_rate)
+        for t_, dt in dsp.euler_schedule(n_timesteps or self.n_timesteps, self.scheduler):
+            check(should_stop)
+            h_in[:, :n] = x
+            (vel,) = terminate.run(est, {"h": h_in, "t": np.full(2, t_, np.float32)}, should_stop)
+            vel = (np.float32(1.0) + rate) * vel[0] - rate * vel[1]
+            x = x + dt * vel
+        return x[:, f:].astype(np.float32), new_cache
+
+
+class LiteVocoder:
+    """Mel -> audio over the ``hift_f0`` and ``hift_decode`` graphs, the sine source and the iSTFT in numpy."""
+
+    def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray]) -> None:
+        self.bundle = bundle
+        self.cfg = dict(bundle.config["hift"])
+        self.w, self.b = tables["hift.source.weight"], tables["hift.source.bias"]
+        self.harmonics = int(self.cfg["nb_harmonics"]) + 1
+        self.upsample = int(self.cfg["upsample_factor"])
+
+    def draws(self, frames: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """(phase (H, 1) uniform in [-pi, pi), noise (H, L) standard normal) for ``frames`` mel frames."""
+        h, n = self.harmonics, frames * self.upsample
+        phase = (rng.random((h, 1), dtype=np.float32) * np.float32(2 * np.pi) - np.float32(np.pi)).astype(
+            np.float32
+        )
+        return phase, rng.standard_normal((h, n), dtype=np.float32)
+
+    def inference(
+        self,
+        mel: np.ndarray,
+        cache_source: np.ndarray | None,
+        phase: np.ndarray,
+        noise: np.ndarray,
+        should_stop: ShouldStop | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``.
+        ``should_stop`` ends its graphs' runs early (:class:`cosyserve.core.stop.Stopped`)."""
+        c = self.cfg
+        mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
+        (f0,) = terminate.run(self.bundle.session("hift_f0"), {"mel": mel}, should_stop)
+        source = dsp.sine_source(
+            f0[0],
+            upsample=self.upsample,
+            sampling_rate=int(c["sampling_rate"]),
+            nb_harmonics=int(c["nb_harmonics"]),
+            alpha=float(c["nsf_alpha"]),
+            sigma=float(c["nsf_sigma"]),
+            voiced_threshold=float(c["nsf_voiced_threshold"]),
+            weight=self.w,
+            bias=self.b,
+            phase=phase,
+            noise=noise,
+        )
+        if cache_source is not None and cache_source.shape[0] > 0:
+            source[: cache_source.shape[0]] = cache_source
+        check(should_stop)
+        n_fft, hop = int(c["n_fft"]), int(c["hop_len"])
+        spec = dsp.stft(source, n_fft, hop)
+        s_stft = np.concatenate([spec.real, spec.imag]).astype(np.float32)[None]
+        (x,) = terminate.run(self.bundle.session("hift_decode"), {"mel": mel, "s_stft": s_stft}, should_stop)
+        x = x[0]
+        half = n_fft // 2 + 1
+        magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
+        ph = np.sin(x[half:])  # the reference's (redundant) sin
+        speech = dsp.istft(magnitude * np.cos(ph) + 1j * (magnitude * np.sin(ph)), n_fft, hop)
+        limit = np.float32(c["audio_limit"])
+        return np.clip(speech, -limit, limit), source
+
+
+@dataclass
+class _State:
+    flow_cache: np.ndarray = field(default_factory=lambda: np.zeros((80, 0, 2), np.float32))
+    mel_overlap: np.ndarray | None = None
+    cache_mel: np.ndarray | None = None
+    cache_source: np.ndarray | None = None
+    cache_speech: np.ndarray | None = None
+
+
+class LiteToken2Wav:
+    """Speech tokens -> audio chunks, one-shot or streaming, with the torch runtime's chunking, overlap and fade
+    rules (:class:`cosyserve.families.cosyvoice.token2wav.Token2Wav`). Random draws (flow noise, then the
+    source's phase and noise) come from the request's generator, or from ``draws`` (one (flow_noise, phase, noise) per call)."""
+
+    def __init__(
+        self, flow: LiteFlow, hift: LiteVocoder, policy: StreamPolicy, flow_steps: int | None = None
+    ):
+        self.flow, self.hift, self.policy, self.flow_steps = flow, hift, policy, flow_steps
+
+    def _call(
+        self,
+        tokens: list[int],
+        state: _State,
+        prompt_token: list[int],
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        finalize: bool,
+        speed: float,
+        rng: np.random.Generator | None,
+        draws: tuple[Any, Any, Any] | None,
+        should_stop: ShouldStop | None = None,
+    ) -> np.ndarray:
+        p = self.policy
+        flow_noise, phase, noise = draws if draws is not None else (None, None, None)
+        total = prompt_feat.shape[0] + mel_length(len(tokens), self.flow.input_frame_rate)
+        if flow_noise is None:
+            assert rng is not None
+            flow_noise = rng.standard_normal((self.flow.output_size, total), dtype=np.float32)
+        mel, state.flow_cache = self.flow.inference(
+            tokens,
+            prompt_token,
+            prompt_feat,
+            embedding,
+            state.flow_cache,
+            flow_noise,
+            self.flow_steps,
+            should_stop,
+        )
+        if state.mel_overlap is not None:
+            mel = dsp.fade_in_out(mel, state.mel_overlap, dsp.hamming(2 * p.mel_overlap_len))
+        if not finalize:
+            state.mel_overlap = mel[:, -p.mel_overlap_len :]
+            mel = mel[:, : -p.mel_overlap_len]
+        if speed != 1.0:  # as the torch runtime's Token2Wav
+            mel = dsp.interp_linear(mel, max(1, int(mel.shape[1] / speed)))
+        cache_source = None
+        if state.cache_mel is not None:
+            mel = np.concatenate([state.cache_mel, mel], axis=1)
+            cache_source = state.cache_source
+        if phase is None or noise is None:
+            assert rng is not None
+            phase, noise = self.hift.draws(mel.shape[1], rng)
+        check(should_stop)
+        speech, source = self.hift.inference(mel, cache_source, phase, noise, should_stop)
+        if state.cache_speech is not None:
+            speech = dsp.fade_in_out(speech, state.cache_speech, dsp.hamming(2 * p.source_cache_len))
+        if not finalize:
+            state.cache_mel = mel[:, -p.mel_cache_len :]
+            state.cache_source = source[-p.source_cache_len :]
+            state.cache_speech = speech[-p.source_cache_len :]
+            speech = speech[: -p.source_cache_len]
+        return speech
+
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: np.ndarray,
+        prompt_token: list[int] | None = None,
+        prompt_feat: np.ndarray | None = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        rng: np.random.Generator | None = None,
+        draws: Iterator[tuple[Any, Any, Any]] | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Yield float32 audio chunks (1-D) for a stream of speech token ids; ``should_stop`` is asked between
+        the pieces of every call's work (:class:`cosyserve.core.stop.Stopped`)."""
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
+        if stream and speed != 1.0:
+            raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
+        p = self.policy
+        prompt_token = list(prompt_token or [])
+        prompt_feat = np.zeros((0, 80), np.float32) if prompt_feat is None else prompt_feat
+        state = _State()
+
+        def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
+            d = next(draws, None) if draws is not None else None
+            return self._call(
+                window, state, prompt_token, prompt_feat, embedding, finalize, speed, rng, d, should_stop
+            )
+
+        for window, final in p.windows(tokens, stream):
+            yield run(window, final, speed)

@@ -1,0 +1,222 @@
+"""Conformance kinds on the lite runtime (``cosyserve conformance DIR --runtime lite``).
+
+The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
+with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm` and :mod:`cosyserve.runtime.lite.models` (the
+LM kinds of every family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
+(:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
+:class:`cosyserve.runtime.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
+computations under test import none. Text kinds (``tokenize``, ``text_frontend``) are torch-free code both
+runtimes share, so the torch kinds' functions run them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cosyserve.frontend import features_np
+from cosyserve.frontend.audio import load_wav_np
+
+__all__ = ["KINDS"]
+
+
+class _Lite:
+    """The set's lite models, each made on first use (a CosyVoice2/3 bundle holds the LM's graphs alone)."""
+
+    def __init__(self, ctx: Any) -> None:
+        from cosyserve.runtime.lite.models import LiteBundle
+
+        assert ctx.bundle_dir is not None, "the lite kinds need the set converted with --runtime lite"
+        self.bundle = LiteBundle(ctx.bundle_dir, verify="full", threads=1)
+        self.tables = self.bundle.tables()
+        self._made: dict[str, Any] = {}
+
+    def __getitem__(self, part: str) -> Any:
+        if part not in self._made:
+            from cosyserve.runtime.lite.lm import lite_lm
+            from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
+
+            make = {"llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder}[part]
+            self._made[part] = make(self.bundle, self.tables)
+        return self._made[part]
+
+
+def _lite(ctx: Any) -> _Lite:
+    lite = ctx.cache.get("lite")
+    if lite is None:
+        lite = ctx.cache["lite"] = _Lite(ctx)
+    return lite  # type: ignore[no-any-return]
+
+
+def _a(t: Any) -> np.ndarray:
+    return t.detach().cpu().float().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+
+
+def _ids(t: Any) -> list[int]:
+    return [int(x) for x in _a(t).reshape(-1)]
+
+
+def run_llm_logprobs(ctx: Any, inputs: dict) -> dict:
+    from cosyserve.tools.conformance.kinds_lm import llm_logprobs
+
+    emb = _a(inputs["embedding"]).reshape(1, -1)
+    model_input = {
+        "text": _ids(inputs["text"]),
+        "prompt_text": _ids(inputs["prompt_text"]),
+        "llm_prompt_speech_token": _ids(inputs["prompt_speech_token"]),
+    }
+    if emb.size:
+        model_input["llm_embedding"] = emb
+    return llm_logprobs(_lite(ctx)["llm"], model_input, _ids(inputs["teacher_tokens"]))
+
+
+def run_llm_bistream_logprobs(ctx: Any, inputs: dict) -> dict:
+    from cosyserve.tools.conformance.kinds_lm import llm_bistream_logprobs
+
+    return llm_bistream_logprobs(
+        _lite(ctx)["llm"],
+        *(_ids(inputs[k]) for k in ("text", "prompt_text", "prompt_speech_token", "teacher_tokens")),
+    )
+
+
+def run_flow_inference(ctx: Any, inputs: dict) -> dict:
+    cache = _a(inputs["flow_cache"])[0]  # (80, C, 2)
+    mel, new_cache = _lite(ctx)["flow"].inference(
+        _ids(inputs["token"]),
+        _ids(inputs["prompt_token"]),
+        _a(inputs["prompt_feat"])[0],
+        _a(inputs["embedding"]).reshape(-1),
+        cache,
+        _a(inputs["flow_noise"])[0],
+    )
+    return {"mel": mel[None], "flow_cache": new_cache[None]}
+
+
+def run_hift_inference(ctx: Any, inputs: dict) -> dict:
+    # the recorded draws: sine_phase (1, H, 1), sine_noise (1, H, L); source_noise feeds no output
+    cache = _a(inputs["cache_source"]).reshape(-1)
+    speech, source = _lite(ctx)["hift"].inference(
+        _a(inputs["speech_feat"])[0], cache, _a(inputs["sine_phase"])[0], _a(inputs["sine_noise"])[0]
+    )
+    return {"speech": speech[None], "source": source[None, None]}
+
+
+def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    from cosyserve.families.streampolicy import StreamPolicy
+    from cosyserve.runtime.lite.models import LiteToken2Wav
+
+    lite = _lite(ctx)
+    calls = sorted(
+        {int(k[1 : k.index("_")]) for k in inputs if k.startswith("c") and k.endswith("_flow_noise")}
+    )
+    draws = iter(
+        (
+            _a(inputs[f"c{c}_flow_noise"])[0],
+            _a(inputs[f"c{c}_sine_phase"])[0],
+            _a(inputs[f"c{c}_sine_noise"])[0],
+        )
+        for c in calls
+    )
+    t2w = LiteToken2Wav(
+        lite["flow"], lite["hift"], StreamPolicy(input_frame_rate=lite["flow"].input_frame_rate)
+    )
+    chunks = list(
+        t2w(
+            _ids(inputs["source_speech_token"]),
+            embedding=_a(inputs["flow_embedding"]).reshape(-1),
+            prompt_token=_ids(inputs["flow_prompt_speech_token"]),
+            prompt_feat=_a(inputs["prompt_speech_feat"])[0],
+            stream=bool(inputs["stream"]),
+            speed=float(inputs["speed"]),
+            draws=draws,
+        )
+    )
+    out: dict[str, Any] = {f"chunk{i}": c[None] for i, c in enumerate(chunks)}
+    out["num_chunks"] = len(chunks)
+    return out
+
+
+def run_mel(ctx: Any, inputs: dict) -> dict:
+    return {"mel": features_np.mel_spectrogram(_a(inputs["speech"]))}
+
+
+def run_fbank(ctx: Any, inputs: dict) -> dict:
+    return {"fbank": features_np.speaker_fbank(_a(inputs["speech"]))}
+
+
+def run_whisper_logmel(ctx: Any, inputs: dict) -> dict:
+    return {"logmel": features_np.whisper_log_mel(_a(inputs["speech"]), n_mels=128)}
+
+
+def run_resample(ctx: Any, inputs: dict) -> dict:
+    return {"speech": load_wav_np(ctx.set_dir / inputs["wav"], int(inputs["target_sr"]))}
+
+
+def _frontend(ctx: Any) -> Any:
+    frontend = ctx.cache.get("lite_frontend")
+    if frontend is None:
+        from cosyserve.frontend.tokenizer import get_tokenizer
+        from cosyserve.runtime.lite.frontend import LiteFrontend
+
+        frontend = LiteFrontend(
+            ctx.model_dir / "campplus.onnx",
+            ctx.model_dir / "speech_tokenizer_v1.onnx",
+            get_tokenizer().encode,
+        )
+        ctx.cache["lite_frontend"] = frontend
+    return frontend
+
+
+def _text(ctx: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
+    ids = _frontend(ctx).tokenize(text)
+    return np.asarray([ids], dtype=np.int32).reshape(1, -1), np.asarray([len(ids)], dtype=np.int32)
+
+
+def _speaker(ctx: Any, spk_id: str) -> np.ndarray:
+    return _a(ctx.speakers[spk_id]["embedding"]).reshape(1, -1)
+
+
+def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    from cosyserve.frontend.prompt import prompt_input
+
+    if inputs.get("zero_shot_spk_id"):
+        entry = {k: _a(v) for k, v in ctx.speakers[inputs["zero_shot_spk_id"]].items()}
+    else:
+        entry = _frontend(ctx).prompt_features(inputs["prompt_text"], ctx.set_dir / inputs["prompt_wav"])
+    return prompt_input(_text(ctx, inputs["tts_text"]), entry, "zero_shot")
+
+
+def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    from cosyserve.frontend.prompt import prompt_input
+
+    if inputs.get("zero_shot_spk_id"):
+        entry = {k: _a(v) for k, v in ctx.speakers[inputs["zero_shot_spk_id"]].items()}
+    else:
+        entry = _frontend(ctx).prompt_features("", ctx.set_dir / inputs["prompt_wav"])
+    return prompt_input(_text(ctx, inputs["tts_text"]), entry, "cross_lingual")
+
+
+def run_instruct_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    from cosyserve.frontend.prompt import instruct_input
+
+    return instruct_input(
+        _text(ctx, inputs["tts_text"]), _speaker(ctx, inputs["spk_id"]), _text(ctx, inputs["instruct_text"])
+    )
+
+
+KINDS = {
+    "llm_logprobs": run_llm_logprobs,
+    "llm_bistream_logprobs": run_llm_bistream_logprobs,
+    "flow_inference": run_flow_inference,
+    "hift_inference": run_hift_inference,
+    "token2wav_stream": run_token2wav,
+    "token2wav_full": run_token2wav,
+    "mel": run_mel,
+    "fbank": run_fbank,
+    "whisper_logmel": run_whisper_logmel,
+    "resample": run_resample,
+    "zero_shot_frontend": run_zero_shot_frontend,
+    "cross_lingual_frontend": run_cross_lingual_frontend,
+    "instruct_frontend": run_instruct_frontend,
+}

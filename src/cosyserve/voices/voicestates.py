@@ -1,0 +1,326 @@
+"""Voice states: what a streamed request's flow computes from its voice sample alone, computed once and kept.
+
+A CosyVoice2/3 flow streams with chunk-causal attention and starts from a fixed noise, so the frames of a prompt's
+whole attention chunks (those whose tokens' lookahead is prompt too) come out the same for every request with
+that prompt: their per-Euler-step keys, values and conv tails (a :class:`~cosyserve.models.flow_stream.FlowStream`)
+are computed once, when a voice is registered (or on its first use after a model change, or an inline prompt's
+first use), and every later streamed request forks them and computes only its own frames.
+
+States are keyed by a digest of the prompt (speech tokens, mel, speaker embedding) and the Euler steps, held per
+loaded model (a model or precision change loads a new one, with an empty :class:`VoiceStates`), least recently used
+first out under a byte bound (unregistered prompts before registered voices). They are large: per second of
+sample, 2 x Euler steps x (keys + values of every attention layer) x 50 frames, in the flow's dtype, i.e. about
+230 MB per second for a full-size CosyVoice2 in float32 and 180 MB for CosyVoice3 (:func:`bytes_per_second`).
+
+With a folder (the voice registry's ``.flow-states/``), a registered voice's state is also written there as one
+safetensors file named by the prompt's digest and the model's tag (its weights' key, flow dtype, device kind and
+steps), and mapped from there (zero copy, page cache) by a later process; a file of another tag means the model
+changed since: it is recomputed, written anew and the old one removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cosyserve.core.stop import check
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VoiceStates", "bytes_per_second", "prompt_key"]
+
+FOLDER = ".flow-states"
+FORMAT = "cosyserve-flow-state"
+VERSION = "1"
+
+
+def prompt_key(prompt_token: Any, prompt_feat: Any, embedding: Any, n_timesteps: int) -> str:
+    """The digest a voice state is kept under: the prompt's token ids, mel and embedding values (whatever their
+    dtype or device) and the Euler steps."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"steps={n_timesteps};".encode())
+    for t, dtype in ((prompt_token, torch.int64), (prompt_feat, torch.float32), (embedding, torch.float32)):
+        t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def bytes_per_second(flow: Any, n_timesteps: int | None = None) -> int:
+    """Bytes a voice state holds per second of sample for ``flow`` (a
+    :class:`~cosyserve.models.causal_flow.ChunkFlow`): its attention layers' keys and values for both CFG rows at
+    every Euler step, 50 mel frames a second (conv tails and mel are a few KB more per state)."""
+    import torch
+
+    steps = flow.N_TIMESTEPS if n_timesteps is None else n_timesteps
+    per_frame = 0
+    for module in flow.decoder.estimator.modules():
+        k = getattr(module, "to_k", None)
+        if isinstance(k, torch.nn.Linear):
+            per_frame += 2 * k.out_features * k.weight.element_size()  # keys and values
+    per_frame *= 2 * steps  # CFG rows, Euler steps
+    encoder = getattr(flow, "encoder", None)
+    if encoder is not None:  # CosyVoice2: the encoder's layers, once (half of them at the token rate)
+        width = encoder.cfg.output_size * next(encoder.parameters()).element_size()
+        per_frame += 2 * width * (len(encoder.encoders) / flow.token_mel_ratio + len(encoder.up_encoders))
+    return int(per_frame * flow.cfg.input_frame_rate * flow.token_mel_ratio)  # mel frames a second
+
+
+@dataclass
+class _Entry:
+    state: Any  # FlowStream
+    nbytes: int
+    registered: bool
+
+
+class VoiceStates:
+    """The voice states of one loaded model (see the module docstring); thread-safe.
+
+    Args:
+        max_bytes: the most bytes kept in memory; a state larger than that is computed for its request only.
+        folder: where registered voices' states are stored (called at each use: the registry may move), or None.
+        model_tag: names the loaded model's weights and precision in stored file names.
+        stream_max_bytes: the most a request's own flow state may hold (its stated bound): past it, the request
+            continues on the cumulative path (every call re-runs the flow on all its tokens, as the reference
+            does), whose memory does not grow with what it kept; None: no bound.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        folder: Callable[[], Path | None] | None = None,
+        model_tag: str = "",
+        stream_max_bytes: int | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.stream_max_bytes = stream_max_bytes
+        self._folder = folder
+        self.model_tag = model_tag
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._pending: dict[str, Future[Any]] = {}  # registrations being computed
+        self._worker: ThreadPoolExecutor | None = None
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stream(
+        self,
+        flow: Any,
+        prompt_token: Any,
+        prompt_feat: Any,
+        embedding: Any,
+        n_timesteps: int | None = None,
+        should_stop: Any = None,
+    ) -> Any:
+        """A request's flow stream, forked from its prompt's state (computed now if no one holds it)."""
+        steps = flow.N_TIMESTEPS if n_timesteps is None else n_timesteps
+        key = prompt_key(prompt_token, prompt_feat, embedding, steps)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry.state.fork()
+            pending = self._pending.get(key)
+        while pending is not None:  # its registration is computing it: ahead of this request, so waited for
+            check(should_stop)
+            try:
+                return pending.result(timeout=0.2).fork()
+            except TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - logged by the registration's worker; this request computes it
+                break
+        state, registered = self._stored(key, flow, steps), True
+        if state is None:
+            registered = self._stale(key)  # stored for another model: a registered voice, recomputed
+            state = flow.prefill(flow.new_stream(steps), prompt_token, prompt_feat, embedding, should_stop)
+            if registered:
+                self._store(key, state)
+        self._put(key, state, registered)
+        return state.fork()
+
+    def keep(
+        self, flow: Any, prompt_token: Any, prompt_feat: Any, embedding: Any, n_timesteps: int | None
+    ) -> Future[Any]:
+        """Compute a registered voice's state (stored in the folder too when there is one) in this object's one
+        worker thread, registrations in turn: a registration returns at once (a 12 s CosyVoice2 voice is ~20 s of
+        flow on 2 CPU cores), and a request with the voice meanwhile waits for it. Returns the future state."""
+        steps = flow.N_TIMESTEPS if n_timesteps is None else n_timesteps
+        key = prompt_key(prompt_token, prompt_feat, embedding, steps)
+
+        def compute() -> Any:
+            try:
+                state = flow.prefill(flow.new_stream(steps), prompt_token, prompt_feat, embedding)
+                self._put(key, state, registered=True)
+                self._store(key, state)
+                return state
+            except Exception:
+                logger.warning("a registered voice's flow state could not be computed", exc_info=True)
+                raise
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
+
+        with self._lock:
+            if self._worker is None:
+                # not daemon threads: a process that exits waits for the computation (torch torn down under a
+                # running kernel aborts)
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="cosyserve-voice-state")
+            future = self._pending[key] = self._worker.submit(compute)
+        return future
+
+    def wait(self) -> None:
+        """Wait for the voice states being computed (registrations)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for future in pending:
+            future.exception()
+
+    def close(self) -> None:
+        """Drop every state; the worker finishes what it computes and stops."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+            self._entries.clear()
+            self.nbytes = 0
+        if worker is not None:
+            worker.shutdown(wait=False, cancel_futures=True)
+
+    def _put(self, key: str, state: Any, registered: bool) -> None:
+        n = int(state.nbytes())
+        if n > self.max_bytes:
+            logger.info(
+                "a voice state of %.0f MB exceeds the voice cache's %.0f MB: computed for each request",
+                n / 2**20,
+                self.max_bytes / 2**20,
+            )
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+                registered = registered or old.registered
+            while self._entries and self.nbytes + n > self.max_bytes:
+                # the least recently used unregistered prompt first, then registered voices
+                victim = next((k for k, e in self._entries.items() if not e.registered), None)
+                victim = victim if victim is not None else next(iter(self._entries))
+                self.nbytes -= self._entries.pop(victim).nbytes
+            self._entries[key] = _Entry(state, n, registered)
+            self.nbytes += n
+
+    # -- the folder ---------------------------------------------------------------------------------------------
+
+    def _dir(self) -> Path | None:
+        folder = self._folder() if self._folder is not None else None
+        return None if folder is None else Path(folder) / FOLDER
+
+    def _path(self, folder: Path, key: str) -> Path:
+        return folder / f"{key}.{self.model_tag}.safetensors"
+
+    def _stored(self, key: str, flow: Any, steps: int) -> Any:
+        folder = self._dir()
+        if folder is None:
+            return None
+        path = self._path(folder, key)
+        if not path.is_file():
+            return None
+        try:
+            return _read(path, flow, steps)
+        except Exception as e:  # noqa: BLE001 - a bad file is recomputed, not fatal
+            logger.warning("unreadable voice state %s (recomputed): %s", path, e)
+            return None
+
+    def _stale(self, key: str) -> bool:
+        # the files of this prompt under another model tag: removed (the caller writes the current one)
+        folder = self._dir()
+        if folder is None or not folder.is_dir():
+            return False
+        stale = [p for p in folder.glob(f"{key}.*.safetensors") if p != self._path(folder, key)]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return bool(stale)
+
+    def _store(self, key: str, state: Any) -> None:
+        folder = self._dir()
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self._stale(key)
+        try:
+            _write(self._path(folder, key), state)
+        except OSError as e:
+            logger.warning("could not store the voice state in %s: %s", folder, e)
+
+
+def _write(path: Path, state: Any) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from cosyserve.voices.registry import atomic_replace
+
+    tensors: dict[str, Any] = {"mel": state.mel.contiguous()} if state.mel is not None else {}
+    for prefix, caches in (("s", state.steps), ("e", state.encoder)):
+        for i, cache in enumerate(caches):
+            for j, tail in enumerate(cache.tails):
+                tensors[f"{prefix}{i}.t{j}"] = tail.contiguous()
+            for j, (ks, vs) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                dim = 2 if prefix == "s" else 1  # (B, H, T, D) in the estimator, (B, T, H, D) in the encoder
+                tensors[f"{prefix}{i}.k{j}"] = torch.cat(ks, dim=dim)
+                tensors[f"{prefix}{i}.v{j}"] = torch.cat(vs, dim=dim)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "frames": str(state.frames),
+        "granularity": str(state.granularity),
+        "n_timesteps": str(state.n_timesteps),
+        "encoder": str(len(state.encoder)),
+    }
+    atomic_replace(path, lambda tmp: save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), meta))
+
+
+def _read(path: Path, flow: Any, steps: int) -> Any:
+    from cosyserve.bundle.mmap_safetensors import MappedFile
+    from cosyserve.models.flow_stream import FlowStream
+
+    f = MappedFile(path)
+    meta = f.metadata or {}
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION or int(meta["n_timesteps"]) != steps:
+        raise ValueError(f"not a version {VERSION} flow state of {steps} steps")
+    n_enc = int(meta["encoder"])
+    state = FlowStream.empty(int(meta["granularity"]), steps, n_enc)
+    state.frames = int(meta["frames"])
+    weight = flow.spk_embed_affine_layer.weight
+    names = set(f.tensors)
+
+    def get(name: str) -> Any:
+        t = f.tensor(name)
+        return t if t.device == weight.device else t.to(weight.device)
+
+    state.mel = get("mel") if "mel" in names else None
+    for prefix, caches in (("s", state.steps), ("e", state.encoder)):
+        for i, cache in enumerate(caches):
+            j = 0
+            while f"{prefix}{i}.t{j}" in names:
+                cache.tails.append(get(f"{prefix}{i}.t{j}"))
+                j += 1
+            j = 0
+            while f"{prefix}{i}.k{j}" in names:
+                cache.keys.append([get(f"{prefix}{i}.k{j}")])
+                cache.values.append([get(f"{prefix}{i}.v{j}")])
+                j += 1
+    return state
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes the stored voice states under a registry ``folder`` take."""
+    d = Path(folder) / FOLDER
+    return sum(p.stat().st_size for p in d.glob("*.safetensors")) if d.is_dir() else 0
