@@ -121,9 +121,9 @@ def test_each_codec_takes_its_own_rates_and_defaults_to_the_models_where_it_can(
 
 def test_aac_without_pyav_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """If this fails, a server without PyAV answers aac with a traceback instead of saying what to install."""
-    from cosyserve.server import audiofile
+    from cosyserve.core import formats
 
-    monkeypatch.setattr(audiofile, "_has_pyav", lambda: False)
+    monkeypatch.setattr(formats, "_has_pyav", lambda: False)
     with pytest.raises(ClientError, match=r"pip install 'cosyserve\[aac\]'") as e:
         Encoder("aac", RATE)
     assert e.value.param == "response_format"
