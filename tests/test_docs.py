@@ -139,3 +139,15 @@ def test_readme_model_table_names_every_family_hub_id() -> None:
         for hub_id in family_named(name).hub_ids:
             name = hub_id.split("/", 1)[1]
             assert hub_id in table or (name in table and hub_id.split("/")[0] + "/" in table), hub_id
+
+
+def test_architecture_table_lists_the_layers_test_layout_checks() -> None:
+    """If this fails, docs/architecture.md's table of layers no longer matches tests/test_layout.py's LAYERS (the
+    layers the imports are checked against), top to bottom: a layer added, moved or renamed without the page."""
+    from test_layout import LAYERS
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = re.search(r"^\| layer \| where \|.*?\n\n", text, re.S | re.M)
+    assert table is not None, "the table of layers (| layer | where | ...) is gone"
+    rows = [line.split("|")[1].strip() for line in table.group(0).strip().splitlines()[2:]]
+    assert rows == [layer for row in LAYERS for layer in row]
