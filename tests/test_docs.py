@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ TESTS = ".venv/bin/python -m pytest -q"
 
 
 def _blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", text, re.S | re.M)
+    """The fenced blocks of ``lang``, those indented in a list item too (dedented)."""
+    found = re.findall(rf"^([ \t]*)```{lang}\n(.*?)^[ \t]*```", text, re.S | re.M)
+    return [textwrap.dedent(indent + block) for indent, block in found]
 
 
 def _commands(block: str) -> list[list[str]]:
