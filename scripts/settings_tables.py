@@ -6,7 +6,9 @@
 Each table sits between ``<!-- settings:GROUP -->`` and ``<!-- /settings:GROUP -->`` (groups: cli, serve, pool,
 load); tests/test_settings.py fails when one is stale. The same run writes ``cosyserve serve``'s exit codes
 (``cosyserve.server.run.EXIT_CODES``, also its ``--help``) into docs/http-api.md between ``<!-- exit-codes -->``
-and ``<!-- /exit-codes -->``; tests/test_docs.py fails when that one is stale.
+and ``<!-- /exit-codes -->``, and the ``bench/`` scripts (each one's first docstring sentence) into
+docs/performance.md between ``<!-- bench-scripts -->`` and ``<!-- /bench-scripts -->``; tests/test_settings.py fails
+when either is stale.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from cosyserve.core.settings import Setting, declared
 GROUPS = ("cli", "serve", "pool", "load")
 SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 HTTP_DOC = Path(__file__).resolve().parents[1] / "docs" / "http-api.md"
+PERF_DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _cell(text: str) -> str:
@@ -58,6 +62,19 @@ def exit_codes_table() -> str:
     return "\n".join(lines)
 
 
+def bench_table() -> str:
+    """The markdown table of the ``bench/`` scripts: each script and the first sentence of its docstring."""
+    import ast
+
+    lines = ["| script | what it measures |", "|---|---|"]
+    for script in sorted(BENCH.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
+        first = " ".join(doc.split("\n\n", 1)[0].split())
+        first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0].rstrip(".")
+        lines.append(f"| `bench/{script.name}` | {_cell(first)} |")
+    return "\n".join(lines)
+
+
 def _replace(path: Path, blocks: dict[str, str], check: bool) -> list[str]:
     """Write each ``name -> block`` between ``<!-- name -->`` and ``<!-- /name -->`` in ``path``; the names whose
     block changed (or has no markers)."""
@@ -93,11 +110,17 @@ def update_exit_codes(path: Path = HTTP_DOC, *, check: bool = False) -> bool:
     return bool(_replace(path, {"exit-codes": exit_codes_table()}, check))
 
 
+def update_bench(path: Path = PERF_DOC, *, check: bool = False) -> bool:
+    """Write the table of the bench/ scripts into ``path`` (docs/performance.md); True if it was (or would be)
+    changed."""
+    return bool(_replace(path, {"bench-scripts": bench_table()}, check))
+
+
 if __name__ == "__main__":
     check = "--check" in sys.argv[1:]
-    stale = update(check=check) + (
-        ["exit codes (docs/http-api.md)"] if update_exit_codes(check=check) else []
-    )
+    stale = update(check=check)
+    stale += ["exit codes (docs/http-api.md)"] if update_exit_codes(check=check) else []
+    stale += ["bench scripts (docs/performance.md)"] if update_bench(check=check) else []
     if stale:
         print(f"doc tables {'stale' if check else 'rewritten'}: {', '.join(stale)}")
     sys.exit(1 if stale and check else 0)

@@ -215,6 +215,12 @@ def test_exit_codes_table_is_current() -> None:
     assert settings_tables().update_exit_codes(check=True) is False, "docs/http-api.md's exit codes are stale"
 
 
+def test_bench_scripts_table_is_current() -> None:
+    """If this fails, a bench/ script was added, removed or its docstring's first sentence changed without
+    docs/performance.md: regenerate its table with `.venv/bin/python scripts/settings_tables.py`."""
+    assert settings_tables().update_bench(check=True) is False, "docs/performance.md's bench table is stale"
+
+
 def test_docs_list_every_declared_variable_and_declare_every_named_one() -> None:
     """If this fails, the README or a page of docs/ names an environment variable cosyserve does not read (a typo,
     or one removed), or docs/settings.md leaves out one it reads."""
