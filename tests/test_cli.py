@@ -602,8 +602,8 @@ def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice
 
 
 def test_serve_help_lists_the_exit_codes_and_stays_light() -> None:
-    """`serve --help` ends with every exit code of cosyserve.server.run.EXIT_CODES (one table for the help and the
-    README), one per line; building it imports neither torch nor the server framework. If this fails, an operator
+    """`serve --help` ends with every exit code of cosyserve.server.run.EXIT_CODES (one table for the help and
+    docs/http-api.md), one per line; building it imports neither torch nor the server framework. If this fails, an operator
     cannot tell a port in use (3) from a bad flag (2) without the source, or `--help` got slow."""
     from cosyserve.server.run import EXIT_CODES
 
