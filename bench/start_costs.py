@@ -4,8 +4,8 @@
 
 The code says why a start holds the garbage collector, keeps pydantic, inflect and sympy out, builds the
 vocoder without weight-norm parametrizations, loads the text tier after READY and stamps checksums; this
-script prints how much each of those costs on this machine, so the figures live here (and in README's
-performance section) rather than in docstrings where they go stale:
+script prints how much each of those costs on this machine, so the figures live here (and in
+docs/performance.md) rather than in docstrings where they go stale:
 
 - ``import torch`` with the collector on, and held as ``cosyserve serve`` holds it (cosyserve.system.gchold);
 - the web stack: starlette + uvicorn, and FastAPI (pydantic) when installed;

@@ -462,32 +462,6 @@ def test_pyproject_license_is_an_spdx_string() -> None:
     assert m and int(m.group(1)) >= 77, setuptools
 
 
-def test_readme_use_section_activates_the_venv_and_its_commands_parse() -> None:
-    """If this fails, the README's Use section shows bare `cosyserve ...` lines without first saying to activate
-    .venv, or documents a command line (subcommand, flag or --out extension) the CLI does not accept."""
-    import re
-    import shlex
-
-    from cosyserve.cli import OUT_FORMATS, build_parser
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    use = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
-    assert use.index("source .venv/bin/activate") < use.index("\ncosyserve "), (
-        "activate .venv before `cosyserve`"
-    )
-    assert "record" in use and "me.wav" in use, "say where me.wav comes from"
-    lines = []
-    for block in re.findall(r"```bash\n(.*?)```", use, re.S):
-        lines += [ln for ln in block.replace("\\\n", " ").splitlines() if ln.startswith("cosyserve ")]
-    assert len(lines) >= 8, lines
-    parser = build_parser()
-    for line in lines:
-        argv = shlex.split(line.split("  #", 1)[0])[1:]
-        args = parser.parse_args(argv)  # exits (SystemExit) on an unknown command or flag
-        if args.command == "synth":
-            assert Path(args.out).suffix in OUT_FORMATS, line
-
-
 def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     import numpy as np
     import soundfile as sf
@@ -628,8 +602,8 @@ def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice
 
 
 def test_serve_help_lists_the_exit_codes_and_stays_light() -> None:
-    """`serve --help` ends with every exit code of cosyserve.server.run.EXIT_CODES (one table for the help and the
-    README), one per line; building it imports neither torch nor the server framework. If this fails, an operator
+    """`serve --help` ends with every exit code of cosyserve.server.run.EXIT_CODES (one table for the help and
+    docs/http-api.md), one per line; building it imports neither torch nor the server framework. If this fails, an operator
     cannot tell a port in use (3) from a bad flag (2) without the source, or `--help` got slow."""
     from cosyserve.server.run import EXIT_CODES
 

@@ -195,7 +195,7 @@ def test_a_websocket_client_cut_off_for_not_reading_has_its_socket_closed() -> N
 
 
 def test_serve_takes_registry_dir_as_documented(tmp_path: Any) -> None:
-    """If this fails, ``cosyserve serve --registry-dir DIR`` is a usage error though the README documents it."""
+    """If this fails, ``cosyserve serve --registry-dir DIR`` is a usage error though docs/settings.md documents it."""
     from cosyserve.cli import _flags, build_parser
 
     args = build_parser().parse_args(["serve", "--model", "m", "--registry-dir", str(tmp_path)])

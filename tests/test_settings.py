@@ -1,5 +1,5 @@
 """The settings: one declaration per setting, read once (flag > environment > pool config file > default), every
-value checked with an error that names where it came from; the README's tables generated from the declarations."""
+value checked with an error that names where it came from; docs/settings.md's tables generated from the declarations."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def settings_tables():  # type: ignore[no-untyped-def]
-    """scripts/settings_tables.py, the README tables' generator."""
+    """scripts/settings_tables.py, the generator of docs/settings.md's tables."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("settings_tables", ROOT / "scripts" / "settings_tables.py")
@@ -203,24 +203,40 @@ def test_every_setting_is_declared_once_with_a_doc() -> None:
     assert DEMO_MODEL == "demo"
 
 
-def test_readme_settings_tables_are_current() -> None:
-    """If this fails, a setting was added, renamed or changed without the README: regenerate its tables with
+def test_settings_doc_tables_are_current() -> None:
+    """If this fails, a setting was added, renamed or changed without docs/settings.md: regenerate its tables with
     `.venv/bin/python scripts/settings_tables.py`."""
-    assert settings_tables().update(check=True) == [], "README settings tables are stale"
+    assert settings_tables().update(check=True) == [], "docs/settings.md's settings tables are stale"
 
 
-def test_readme_lists_every_declared_variable_and_declares_every_listed_one() -> None:
-    """If this fails, the README names an environment variable cosyserve does not read (a typo, or one removed), or
-    leaves out one it reads."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_exit_codes_table_is_current() -> None:
+    """If this fails, `cosyserve serve`'s exit codes (cosyserve.server.run.EXIT_CODES, what `serve --help` prints)
+    changed without docs/http-api.md: regenerate its table with `.venv/bin/python scripts/settings_tables.py`."""
+    assert settings_tables().update_exit_codes(check=True) is False, "docs/http-api.md's exit codes are stale"
+
+
+def test_bench_scripts_table_is_current() -> None:
+    """If this fails, a bench/ script was added, removed or its docstring's first sentence changed without
+    docs/performance.md: regenerate its table with `.venv/bin/python scripts/settings_tables.py`."""
+    assert settings_tables().update_bench(check=True) is False, "docs/performance.md's bench table is stale"
+
+
+def test_docs_list_every_declared_variable_and_declare_every_named_one() -> None:
+    """If this fails, the README or a page of docs/ names an environment variable cosyserve does not read (a typo,
+    or one removed), or docs/settings.md leaves out one it reads."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pattern = r"\b(?:COSYSERVE_[A-Z0-9_]+|MODEL_POOL_SIZE|USE_MMAP_LOADING|PREWARM_MODELS)\b"
     tables = "\n".join(settings_tables().tables().values())
     declared_vars = {s.env for s in declared() if s.env}
     for s in declared():
         if s.env:
             row = next(line for line in tables.splitlines() if f"`{s.env}`" in line)
             assert s.shown_default().replace("|", "\\|") in row, s.env
-    named = set(
-        re.findall(r"\b(?:COSYSERVE_[A-Z0-9_]+|MODEL_POOL_SIZE|USE_MMAP_LOADING|PREWARM_MODELS)\b", text)
-    )
     not_settings = {"COSYSERVE_FIXTURES", "COSYSERVE_CHROMIUM"}  # the test suite's own variables
-    assert named - not_settings == declared_vars, (named - not_settings) ^ declared_vars
+    for page in pages:
+        named = set(re.findall(pattern, page.read_text(encoding="utf-8"))) - not_settings
+        assert named <= declared_vars, (
+            f"{page.name} names variables cosyserve does not read: {named - declared_vars}"
+        )
+    listed = set(re.findall(pattern, (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")))
+    assert declared_vars <= listed, f"docs/settings.md leaves out {declared_vars - listed}"

@@ -318,18 +318,18 @@ def test_parse_bytes() -> None:
             parse_bytes(bad, "k")
 
 
-def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> None:
-    """If this fails, the README's pool config example no longer loads (a key renamed or a value form changed),
-    or a key the loader accepts is missing from it: the README is where users learn the TOML format."""
+def test_settings_doc_pool_config_example_is_complete_and_loads(tmp_path: Path) -> None:
+    """If this fails, docs/settings.md's pool config example no longer loads (a key renamed or a value form
+    changed), or a key the loader accepts is missing from it: that page is where users learn the TOML format."""
     import re
     import tomllib
 
     from cosyserve.core.settings import declared
     from cosyserve.engine import poolfile
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
-    assert len(blocks) == 1, "expected one ```toml example in the README"
+    assert len(blocks) == 1, "expected one ```toml example in docs/settings.md"
     f = tmp_path / "pool.toml"
     f.write_text(blocks[0], encoding="utf-8")
     cfg = pool_config(f, limit=lambda: 8 << 30)
@@ -342,7 +342,7 @@ def test_readme_pool_config_example_is_complete_and_loads(tmp_path: Path) -> Non
     assert set().union(*(set(t) for t in raw["tenants"].values())) == poolfile.TENANT_KEYS
     for keys in (pool_keys, poolfile.MODEL_KEYS, poolfile.TENANT_KEYS):
         for key in keys:
-            assert f"`{key}`" in readme, f"README does not list the pool config key {key!r}"
+            assert f"`{key}`" in readme, f"docs/settings.md does not list the pool config key {key!r}"
 
 
 def test_a_models_load_table_takes_the_chunk_policy(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ __all__ = [
     "runtime_options",
 ]
 
-# what a torch-free install lacks, and how to add it (README: Install)
+# what a torch-free install lacks, and how to add it (docs/usage.md: Install)
 TORCH_INSTALL = "pip install torch==2.13.0 (the CPU build; or 'cosyserve[torch]')"
 
 

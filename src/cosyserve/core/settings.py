@@ -7,7 +7,7 @@ config file > default, and checks every value: a bad one raises :class:`~cosyser
 where it came from as the user typed it (``--port 99999``, ``COSYSERVE_PORT='99999'``,
 ``pool.toml: [pool] lru_k = 0``) and what is accepted. The object is then passed down explicitly (CLI ->
 :func:`cosyserve.load`, the server, the pool builder; inherited by ``--workers`` processes); nothing below the entry
-points reads the environment. The README's settings tables are generated from these declarations
+points reads the environment. docs/settings.md's tables are generated from these declarations
 (``scripts/settings_tables.py``; a test checks they are current).
 
 Model follows uvicorn's ``Config`` (one object, cheap ``__init__``, loaded once) and starlette's
@@ -106,8 +106,8 @@ class Setting:
         cast: raw value -> value, raising ValueError that says what is accepted (:mod:`cosyserve.core.casts`).
         default: the value when nothing sets it (see ``factory``).
         doc: one line: what it means.
-        group: which README table lists it (``cli``, ``serve``, ``pool``, ``load``; None: none).
-        shown: how the README and ``--help`` show the default (None: the default itself).
+        group: which table of docs/settings.md lists it (``cli``, ``serve``, ``pool``, ``load``; None: none).
+        shown: how docs/settings.md and ``--help`` show the default (None: the default itself).
         factory: computes the default from the environment instead (the cache dir follows XDG_CACHE_HOME).
         blank_unsets: a blank environment value means unset (False: it is an error).
         secret: errors do not repeat the value.

@@ -27,13 +27,15 @@ __all__ = [
     "wyoming_unbound",
 ]
 
-# `cosyserve serve`'s exit codes, for its help and the README; 3 is uvicorn's own STARTUP_FAILURE (a port it
-# cannot bind), which cosyserve.server.app.STARTUP_FAILURE shares for a preload model that fails to load
+# `cosyserve serve`'s exit codes, for its help and docs/http-api.md's table (written by scripts/settings_tables.py);
+# 3 is uvicorn's own STARTUP_FAILURE (a port it cannot bind), which cosyserve.server.app.STARTUP_FAILURE shares for
+# a preload model that fails to load
 EXIT_CODES = (
     (0, "stopped by SIGTERM or SIGINT, after the drain (also when stopped before the models were loaded)"),
     (
         1,
-        "a setting, flag value or file it cannot use (one line on stderr names it); with --workers, a failed fork",
+        "a setting, flag value or file it cannot use (one line on stderr names it); with --workers, a failed fork; "
+        "a preload model that needs torch where torch is not installed",
     ),
     (2, "a command-line usage error (an unknown flag, a flag without its value)"),
     (

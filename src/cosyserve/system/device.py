@@ -42,7 +42,7 @@ __all__ = [
 # bytes (~12 us per copy at ~20 GB/s is 0.1% of 256 MB), small enough to pin in a few milliseconds
 STAGING_BYTES = 64 << 20
 
-# what a CPU-only torch lacks, and how to add it (README: Deploy)
+# what a CPU-only torch lacks, and how to add it (docs/deploy.md: GPU)
 CUDA_TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cu128"
 
 
