@@ -293,8 +293,6 @@ OVERSIZE: dict[str, str] = {
     "runtime/pytorch.py:_load": "not split yet",
     "server/app.py:create_app": "not split yet",
     "server/metrics.py:_PoolCollector.collect": "not split yet",
-    "server/schemas.py": "not split yet",
-    "server/schemas.py:openapi_document": "not split yet",
     "server/transports/voices.py:routes": "not split yet",
     "server/transports/wyoming.py": "not split yet",
     "voices/registry.py": "not split yet",

@@ -30,7 +30,7 @@ def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
     """OpenAI's speed range (0.25-4.0) must pass the body check, and the OpenAPI document must state the same
     bounds, or clients written for OpenAI get 400s the documentation does not explain."""
     from cosyserve.core.request import SPEED_MAX, SPEED_MIN
-    from cosyserve.server.schemas import openapi_document
+    from cosyserve.server.openapi import openapi_document
 
     for speed in (0.25, 0.5, 2.0, 4.0, 3):
         assert parse_speech_request(body(speed=speed)).speed == speed

@@ -458,7 +458,7 @@ def create_app(
         return JSONResponse(report)
 
     async def openapi(request: Request) -> Response:
-        from cosyserve.server.schemas import openapi_document
+        from cosyserve.server.openapi import openapi_document
 
         return JSONResponse(openapi_document(state.limits))
 

@@ -45,11 +45,11 @@ from cosyserve.server.schemas import MAX_NAME_CHARS
 from cosyserve.server.transports.reference_api import form_file, form_text, read_form
 from cosyserve.voices.consent import ConsentLedger
 
-__all__ = ["PARAMS", "routes"]
+__all__ = ["FIELDS", "PARAMS", "routes"]
 
 # the runtime's field names -> this route's
 PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "name"}
-_FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
+FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
 
 
 def _ledger(runtime: Any) -> ConsentLedger:
@@ -122,10 +122,10 @@ def routes(state: Any) -> list[Route]:
         tenant = tenant_of(request)
         form = await read_form(request, cfg, files=1, types=("multipart/form-data",))
         try:
-            unknown = sorted(set(form.keys()) - set(_FIELDS))
+            unknown = sorted(set(form.keys()) - set(FIELDS))
             if unknown:
                 raise ClientError(
-                    f"unknown form field {shown(unknown[0])}; accepted: {', '.join(_FIELDS)}",
+                    f"unknown form field {shown(unknown[0])}; accepted: {', '.join(FIELDS)}",
                     param=unknown[0][:64],
                 )
             name = form_text(form, "name")
