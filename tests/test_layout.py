@@ -289,9 +289,6 @@ OVERSIZE: dict[str, str] = {
     "engine/pool.py": "not split yet",
     "models/transformer.py": "not split yet",
     "runtime/pytorch.py:_load": "not split yet",
-    "server/app.py:create_app": "not split yet",
-    "server/metrics.py:_PoolCollector.collect": "not split yet",
-    "server/transports/voices.py:routes": "not split yet",
     "server/transports/wyoming.py": "not split yet",
     "voices/registry.py": "not split yet",
 }
