@@ -289,7 +289,6 @@ OVERSIZE: dict[str, str] = {
     "engine/pool.py": "not split yet",
     "models/transformer.py": "not split yet",
     "runtime/pytorch.py:_load": "not split yet",
-    "server/transports/wyoming.py": "not split yet",
     "voices/registry.py": "not split yet",
 }
 
