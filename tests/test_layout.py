@@ -287,7 +287,6 @@ OVERSIZE: dict[str, str] = {
     "bundle/convert.py:convert": "not split yet",
     "models/transformer.py": "not split yet",
     "runtime/pytorch.py:_load": "not split yet",
-    "voices/registry.py": "not split yet",
 }
 
 
