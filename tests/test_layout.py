@@ -78,6 +78,17 @@ def modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
+@cache
+def _source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once for every test of this file."""
+    return ast.parse(_source(path))
+
+
 def _resolve(name: str) -> str:
     """The module an imported dotted name is (or is in)."""
     known = modules()
@@ -126,7 +137,7 @@ def _imports_of(name: str, path: Path, package: bool) -> dict[str, int]:
                         add(full if full in modules() else source, child.lineno)
             visit(child)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")))
+    visit(_tree(path))
     return found
 
 
@@ -239,7 +250,7 @@ def test_no_import_cycle() -> None:
 
 def _defines(module: str, attr: str) -> bool:
     """Whether ``module``'s source binds ``attr`` at its top level (read, not imported: no torch)."""
-    tree = ast.parse(modules()[module][0].read_text(encoding="utf-8"))
+    tree = _tree(modules()[module][0])
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == attr:
             return True
@@ -259,7 +270,7 @@ def test_import_strings_name_what_exists() -> None:
     move that missed a table fails here, not on the first request that reads it."""
     stale = []
     for module, (path, _) in modules().items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
                 continue
             text = node.value
@@ -290,22 +301,28 @@ OVERSIZE: dict[str, str] = {
 def _sizes() -> dict[str, int]:
     """'path' -> its lines, and 'path:qualified.name' -> each function's lines, for every module of the package."""
     out: dict[str, int] = {}
+
+    def visit(body: list[ast.stmt], rel: str, prefix: str) -> None:
+        # statements only: a function is always one (in a class, a function, or an if/try/with/for block)
+        for node in body:
+            name = prefix
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{node.name}."
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                out[f"{rel}:{name[:-1]}"] = (node.end_lineno or node.lineno) - first + 1
+            for field in ("body", "orelse", "finalbody"):
+                visit(getattr(node, field, []), rel, name)
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body, rel, name)
+            for case in getattr(node, "cases", []):
+                visit(case.body, rel, name)
+
     for path, _ in modules().values():
         rel = path.relative_to(PACKAGE).as_posix()
-        text = path.read_text(encoding="utf-8")
+        text = _source(path)
         out[rel] = text.count("\n") + (not text.endswith("\n") and bool(text))
-
-        def visit(node: ast.AST, prefix: str, rel: str = rel) -> None:
-            for child in ast.iter_child_nodes(node):
-                name = prefix
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    name = f"{prefix}{child.name}."
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                    out[f"{rel}:{name[:-1]}"] = (child.end_lineno or child.lineno) - first + 1
-                visit(child, name)
-
-        visit(ast.parse(text), "")
+        visit(_tree(path).body, rel, "")
     return out
 
 
