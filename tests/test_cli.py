@@ -337,7 +337,7 @@ def test_synth_unwritable_out_names_the_given_path(
 def test_help_shows_real_defaults_only() -> None:
     """If this fails, --help prints "(default: None)" (also after a help text that states the default itself),
     or no longer shows a real default such as --speed 1.0 or --runs 5."""
-    from cosyserve.cli import build_parser
+    from cosyserve.cli.parser import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -549,7 +549,7 @@ def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch:
 def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path: Path) -> None:
     """If this fails, `--log-level` works only before the command (`cosyserve --log-level debug synth ...`), though
     every command takes it, or given after the command it undoes the one given before."""
-    from cosyserve.cli import _flags, build_parser
+    from cosyserve.cli.parser import build_parser, flags_of
     from cosyserve.core.settings import Settings
 
     parser = build_parser()
@@ -560,7 +560,7 @@ def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path
         (["convert", "a", "b"], "warning"),
     ):
         args = parser.parse_args(argv)
-        assert Settings.load(flags=_flags(args), env={}).log_level == level, argv
+        assert Settings.load(flags=flags_of(args), env={}).log_level == level, argv
     r = cli("speakers", "--model", str(tiny_model_dir), "--log-level", "info")
     assert r.returncode == 0 and " INFO cosyserve." in r.stderr, r.stderr[-3000:]
     r = cli("synth", "--out", str(tmp_path / "x.wav"), "--log-level", "loud")
@@ -631,7 +631,7 @@ def test_stdin_text_is_read_as_it_arrives(monkeypatch: pytest.MonkeyPatch) -> No
     as pieces as it arrives: tests/test_text_stream.py): if it read to the end first, an LLM's output piped in
     would be spoken only once the LLM finished. A multi-byte character split across writes comes out whole, and
     no piece passes the limit of a streamed piece (max_text_chars: the synth would refuse it)."""
-    from cosyserve.cli import _stdin_pieces
+    from cosyserve.cli.commands import _stdin_pieces
 
     r, w = os.pipe()
     stdin = os.fdopen(r, "rb", buffering=0)

@@ -75,7 +75,8 @@ def test_readme_activates_the_venv_before_its_first_bare_cosyserve() -> None:
 def test_every_documented_command_line_parses_with_the_cli() -> None:
     """If this fails, the README or a page of docs/ shows a `cosyserve` command line (a subcommand, a flag or a
     `synth --out` extension) that the CLI does not accept: the docs have drifted from the CLI."""
-    from cosyserve.cli import OUT_FORMATS, build_parser
+    from cosyserve.cli.commands import OUT_FORMATS
+    from cosyserve.cli.parser import build_parser
 
     parser = build_parser()
     seen: dict[str, int] = {}

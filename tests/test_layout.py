@@ -78,6 +78,17 @@ def modules() -> dict[str, tuple[Path, bool]]:
     return out
 
 
+@cache
+def _source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+@cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once for every test of this file."""
+    return ast.parse(_source(path))
+
+
 def _resolve(name: str) -> str:
     """The module an imported dotted name is (or is in)."""
     known = modules()
@@ -126,7 +137,7 @@ def _imports_of(name: str, path: Path, package: bool) -> dict[str, int]:
                         add(full if full in modules() else source, child.lineno)
             visit(child)
 
-    visit(ast.parse(path.read_text(encoding="utf-8")))
+    visit(_tree(path))
     return found
 
 
@@ -239,7 +250,7 @@ def test_no_import_cycle() -> None:
 
 def _defines(module: str, attr: str) -> bool:
     """Whether ``module``'s source binds ``attr`` at its top level (read, not imported: no torch)."""
-    tree = ast.parse(modules()[module][0].read_text(encoding="utf-8"))
+    tree = _tree(modules()[module][0])
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == attr:
             return True
@@ -259,7 +270,7 @@ def test_import_strings_name_what_exists() -> None:
     move that missed a table fails here, not on the first request that reads it."""
     stale = []
     for module, (path, _) in modules().items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
                 continue
             text = node.value
@@ -272,3 +283,63 @@ def test_import_strings_name_what_exists() -> None:
             elif attr or target.rpartition(".")[0] not in modules() or not _defines(*target.rsplit(".", 1)):
                 stale.append(f"{_where(module, node.lineno)}: {text!r} names no module (or module attribute)")
     assert not stale, "\n".join(stale)
+
+
+# STYLE.md §1 and issue 32 item 5: a module is one idea of at most 600 lines, a function at most 100 (from its first
+# decorator to its last line; a nested function counts in its own right and in the one holding it)
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
+
+# the exceptions, each with its reason: "path" for a file, "path:qualified.name" for a function. An entry that is
+# no longer over its limit fails too, so the list only shrinks.
+OVERSIZE: dict[str, str] = {
+    "core/settings.py": "the settings declaration table: every env var, TOML key and flag declared once (issue 32)",
+    "tools/quality.py": "h-contracts splits it in this wave (issue 32); delete this line when it is under 600",
+}
+
+
+def _sizes() -> dict[str, int]:
+    """'path' -> its lines, and 'path:qualified.name' -> each function's lines, for every module of the package."""
+    out: dict[str, int] = {}
+
+    def visit(body: list[ast.stmt], rel: str, prefix: str) -> None:
+        # statements only: a function is always one (in a class, a function, or an if/try/with/for block)
+        for node in body:
+            name = prefix
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{node.name}."
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                out[f"{rel}:{name[:-1]}"] = (node.end_lineno or node.lineno) - first + 1
+            for field in ("body", "orelse", "finalbody"):
+                visit(getattr(node, field, []), rel, name)
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body, rel, name)
+            for case in getattr(node, "cases", []):
+                visit(case.body, rel, name)
+
+    for path, _ in modules().values():
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = _source(path)
+        out[rel] = text.count("\n") + (not text.endswith("\n") and bool(text))
+        visit(_tree(path).body, rel, "")
+    return out
+
+
+def test_files_and_functions_stay_small() -> None:
+    """No module over 600 lines and no function over 100 (STYLE.md: one idea per file; issue 32: a house that shows
+    its structure). A failure names each offender and its size: split it by what it does (a module per idea, a
+    helper per step, a table for what is data), or, for a justified exception, add it to OVERSIZE with the reason.
+    """
+    sizes = _sizes()
+    over = [
+        f"{key}: {n} lines (limit {MAX_FUNCTION_LINES if ':' in key else MAX_FILE_LINES})"
+        for key, n in sorted(sizes.items())
+        if n > (MAX_FUNCTION_LINES if ":" in key else MAX_FILE_LINES) and key not in OVERSIZE
+    ]
+    stale = [
+        f"{key}: in OVERSIZE but {'gone' if key not in sizes else f'{sizes[key]} lines, within its limit'}"
+        for key in OVERSIZE
+        if sizes.get(key, 0) <= (MAX_FUNCTION_LINES if ":" in key else MAX_FILE_LINES)
+    ]
+    assert not over and not stale, "\n".join(over + stale)

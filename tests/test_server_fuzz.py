@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from cosyserve.core.limits import Limits
-from cosyserve.server.schemas import openapi_document
+from cosyserve.server.openapi import openapi_document
 from server_util import ServerProcess, running_server
 
 MAX_TEXT_CHARS = (

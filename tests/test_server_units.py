@@ -30,12 +30,32 @@ def test_openai_speed_range_is_accepted_and_documented_as_one_range() -> None:
     """OpenAI's speed range (0.25-4.0) must pass the body check, and the OpenAPI document must state the same
     bounds, or clients written for OpenAI get 400s the documentation does not explain."""
     from cosyserve.core.request import SPEED_MAX, SPEED_MIN
-    from cosyserve.server.schemas import openapi_document
+    from cosyserve.server.openapi import openapi_document
 
     for speed in (0.25, 0.5, 2.0, 4.0, 3):
         assert parse_speech_request(body(speed=speed)).speed == speed
     doc = openapi_document()["components"]["schemas"]["SpeechRequest"]["properties"]["speed"]
     assert (doc["minimum"], doc["maximum"]) == (SPEED_MIN, SPEED_MAX) == (0.25, 4.0)
+
+
+def test_the_openapi_document_names_the_fields_the_checks_take() -> None:
+    """Each body the document describes has exactly the fields its parser accepts (the JSON body, a WebSocket
+    session.config, each reference endpoint's form, the voices form): a field accepted and undocumented, or
+    documented and refused, would make clients generated from the document wrong."""
+    from cosyserve.server.openapi import openapi_document
+    from cosyserve.server.schemas import SESSION_FIELDS, SPEECH_FIELDS
+    from cosyserve.server.transports import reference_api, voices
+
+    doc = openapi_document()
+    assert list(doc["components"]["schemas"]["SpeechRequest"]["properties"]) == list(SPEECH_FIELDS)
+    config = doc["x-websocket"]["/v1/audio/speech/stream"]["client"][0]["properties"]
+    assert list(config) == ["type", *SESSION_FIELDS]
+    for endpoint, (_, fields, files) in reference_api.ENDPOINTS.items():
+        for method in ("get", "post"):
+            content = doc["paths"][f"/inference_{endpoint}"][method]["requestBody"]["content"]
+            assert list(content["multipart/form-data"]["schema"]["properties"]) == [*fields, *files], endpoint
+    form = doc["paths"]["/v1/audio/voices"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert list(form["properties"]) == list(voices.FIELDS)
 
 
 # -- errors ------------------------------------------------------------------------------------------------

@@ -196,10 +196,10 @@ def test_a_websocket_client_cut_off_for_not_reading_has_its_socket_closed() -> N
 
 def test_serve_takes_registry_dir_as_documented(tmp_path: Any) -> None:
     """If this fails, ``cosyserve serve --registry-dir DIR`` is a usage error though docs/settings.md documents it."""
-    from cosyserve.cli import _flags, build_parser
+    from cosyserve.cli.parser import build_parser, flags_of
 
     args = build_parser().parse_args(["serve", "--model", "m", "--registry-dir", str(tmp_path)])
-    assert Settings.load(env={}, flags=_flags(args)).registry_dir == tmp_path
+    assert Settings.load(env={}, flags=flags_of(args)).registry_dir == tmp_path
 
 
 def test_a_default_voice_with_a_leading_blank_is_refused_not_trimmed() -> None:

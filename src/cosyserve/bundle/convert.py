@@ -241,6 +241,104 @@ def _component_tensors(
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
+def _tensors_entry(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    # each tensor's manifest line: its dtype, shape and checksum
+    return {
+        k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape), "sha256": _tensor_sha256(v)}
+        for k, v in tensors.items()
+    }
+
+
+def _write_component(
+    model_dir: Path,
+    tmp: Path,
+    name: str,
+    cfg: Any,
+    dtypes: Mapping[str, str],
+    quantized: Mapping[str, str],
+    step: Callable[[str], None],
+) -> dict[str, Any]:
+    """Component ``name`` read, checked, cast and written to ``tmp``; returns its manifest entry."""
+    import torch
+
+    from cosyserve.bundle.official import module_class
+    from cosyserve.models.precision import keeps_float32
+
+    step(f"{name}: reading and checking")
+    tensors = _component_tensors(model_dir, name, getattr(cfg, name), quantized.get(name), cfg.family)
+    torch_dtype, cls = getattr(torch, dtypes[name]), module_class(name, cfg.family)
+    tensors = {
+        k: (v.to(torch_dtype) if v.is_floating_point() and not keeps_float32(cls, k) else v).contiguous()
+        for k, v in tensors.items()
+    }
+    step(f"{name}: hashing {sum(v.numel() for v in tensors.values()) / 1e6:.1f}M values")
+    entry = _tensors_entry(tensors)
+    step(f"{name}: writing")
+    fname = f"{name}.safetensors"
+    _save(tensors, tmp / fname, {"format": BUNDLE_FORMAT, "component": name})
+    return {
+        "dtype": dtypes[name],
+        **({"quantize": quantized[name]} if name in quantized else {}),
+        "file": fname,
+        "bytes": (tmp / fname).stat().st_size,
+        "tensors": entry,
+    }
+
+
+def _write_speakers(model_dir: Path, tmp: Path, cfg: Any) -> dict[str, Any]:
+    """The model's pre-defined speakers written to ``tmp``; returns their manifest entry."""
+    from cosyserve.bundle.official import load_speakers
+
+    speakers = load_speakers(model_dir, getattr(cfg.llm, "spk_embed_dim", 192))
+    names = sorted(speakers)
+    spk_tensors = {
+        f"{i}.{field}": t.contiguous() for i, s in enumerate(names) for field, t in speakers[s].items()
+    }
+    _save(spk_tensors, tmp / "speakers.safetensors", {"format": BUNDLE_FORMAT})
+    return {
+        "file": "speakers.safetensors",
+        "bytes": (tmp / "speakers.safetensors").stat().st_size,
+        "names": names,
+        "tensors": _tensors_entry(spk_tensors),
+    }
+
+
+def _copy_extras(model_dir: Path, tmp: Path, family: Any, step: Callable[[str], None]) -> dict[str, Any]:
+    """The family's tokenizer and frontend files checked and copied to ``tmp``; returns their manifest entries."""
+    extras: dict[str, Any] = {}
+    step("checking the tokenizer and frontend files")
+    family.check_model_dir(model_dir)
+    for fname in family.bundle_files:
+        src = model_dir / fname
+        if src.is_file():
+            step(f"copying {fname}")
+            (tmp / fname).parent.mkdir(exist_ok=True)
+            if src.suffix == ".onnx":
+                # campplus's AveragePool(ceil_mode) nodes rewritten to the reference's (ONNX Runtime 1.18's)
+                # arithmetic, which later versions change; any other graph copied as it is
+                try:
+                    if count := copy_onnx(src, tmp / fname):
+                        step(f"{fname}: {count} AveragePool nodes set to ONNX Runtime 1.18's arithmetic")
+                except ValueError as e:
+                    raise ModelDirError(f"{e}: replace it with the model's original file") from e
+            else:
+                shutil.copyfile(src, tmp / fname)
+            extras[fname] = {
+                "bytes": (tmp / fname).stat().st_size,
+                "sha256": sha256_file(tmp / fname),
+            }
+    return extras
+
+
+def _source_files(model_dir: Path) -> dict[str, Any]:
+    # the size and checksum of each source file (weights, yaml, graphs) the bundle was made from
+    return {
+        src.name: {"bytes": src.stat().st_size, "sha256": sha256_file(src)}
+        for src in sorted(model_dir.iterdir())
+        if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx"))
+    }
+
+
 def convert(
     model_dir: str | Path,
     out: str | Path,
@@ -271,12 +369,10 @@ def convert(
         FileExistsError: ``out`` is a bundle and ``force`` is False.
         ValueError: a bad ``dtype`` or ``quantize``.
     """
-    import torch
+    import torch  # noqa: F401 - conversion needs torch: a missing one stops it before any work
 
-    from cosyserve.bundle.official import load_speakers, module_class
     from cosyserve.core.version import __version__
     from cosyserve.families.modelconfig import config_tree, load_model_config
-    from cosyserve.models.precision import keeps_float32
     from cosyserve.system.staging import Staging
 
     if runtime not in ("torch", "lite"):
@@ -311,82 +407,13 @@ def convert(
             "extras": {},
         }
         for name in COMPONENTS:
-            step(f"{name}: reading and checking")
-            tensors = _component_tensors(model_dir, name, getattr(cfg, name), quantized.get(name), cfg.family)
-            torch_dtype, cls = getattr(torch, dtypes[name]), module_class(name, cfg.family)
-            tensors = {
-                k: (
-                    v.to(torch_dtype) if v.is_floating_point() and not keeps_float32(cls, k) else v
-                ).contiguous()
-                for k, v in tensors.items()
-            }
-            step(f"{name}: hashing {sum(v.numel() for v in tensors.values()) / 1e6:.1f}M values")
-            entry = {
-                k: {
-                    "dtype": str(v.dtype).removeprefix("torch."),
-                    "shape": list(v.shape),
-                    "sha256": _tensor_sha256(v),
-                }
-                for k, v in tensors.items()
-            }
-            step(f"{name}: writing")
-            fname = f"{name}.safetensors"
-            _save(tensors, tmp / fname, {"format": BUNDLE_FORMAT, "component": name})
-            manifest["components"][name] = {
-                "dtype": dtypes[name],
-                **({"quantize": quantized[name]} if name in quantized else {}),
-                "file": fname,
-                "bytes": (tmp / fname).stat().st_size,
-                "tensors": entry,
-            }
-            del tensors
-        speakers = load_speakers(model_dir, getattr(cfg.llm, "spk_embed_dim", 192))
-        names = sorted(speakers)
-        spk_tensors = {
-            f"{i}.{field}": t.contiguous() for i, s in enumerate(names) for field, t in speakers[s].items()
-        }
-        _save(spk_tensors, tmp / "speakers.safetensors", {"format": BUNDLE_FORMAT})
-        manifest["speakers"] = {
-            "file": "speakers.safetensors",
-            "bytes": (tmp / "speakers.safetensors").stat().st_size,
-            "names": names,
-            "tensors": {
-                k: {
-                    "dtype": str(v.dtype).removeprefix("torch."),
-                    "shape": list(v.shape),
-                    "sha256": _tensor_sha256(v),
-                }
-                for k, v in spk_tensors.items()
-            },
-        }
-        step("checking the tokenizer and frontend files")
-        family.check_model_dir(model_dir)
-        for fname in family.bundle_files:
-            src = model_dir / fname
-            if src.is_file():
-                step(f"copying {fname}")
-                (tmp / fname).parent.mkdir(exist_ok=True)
-                if src.suffix == ".onnx":
-                    # campplus's AveragePool(ceil_mode) nodes rewritten to the reference's (ONNX Runtime 1.18's)
-                    # arithmetic, which later versions change; any other graph copied as it is
-                    try:
-                        if count := copy_onnx(src, tmp / fname):
-                            step(f"{fname}: {count} AveragePool nodes set to ONNX Runtime 1.18's arithmetic")
-                    except ValueError as e:
-                        raise ModelDirError(f"{e}: replace it with the model's original file") from e
-                else:
-                    shutil.copyfile(src, tmp / fname)
-                manifest["extras"][fname] = {
-                    "bytes": (tmp / fname).stat().st_size,
-                    "sha256": sha256_file(tmp / fname),
-                }
+            manifest["components"][name] = _write_component(
+                model_dir, tmp, name, cfg, dtypes, quantized, step
+            )
+        manifest["speakers"] = _write_speakers(model_dir, tmp, cfg)
+        manifest["extras"] = _copy_extras(model_dir, tmp, family, step)
         step("hashing source files")
-        for src in sorted(model_dir.iterdir()):
-            if src.is_file() and (src.suffix in (".pt", ".yaml", ".onnx")):
-                manifest["source"]["files"][src.name] = {
-                    "bytes": src.stat().st_size,
-                    "sha256": sha256_file(src),
-                }
+        manifest["source"]["files"] = _source_files(model_dir)
         # the manifest is written last: a directory without it is never taken for a bundle (the staging
         # directory is not yet one: it is moved into place below)
         (tmp / "manifest.json").write_text(

@@ -20,10 +20,8 @@ import dataclasses
 import itertools
 import logging
 import queue
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -42,6 +40,8 @@ from cosyserve.core.errors import (
     UnknownVoiceError,
 )
 from cosyserve.core.request import ResolvedRequest, SynthesisRequest
+from cosyserve.engine.job import BUFFER_SECONDS, Job, check_finite
+from cosyserve.engine.servicetime import RETRY_AFTER_BOUNDS_S, ServiceTimes
 from cosyserve.engine.state import ALLOWED, STATE_TRANSITION_ERROR, EngineState, Listener, Transition
 from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
@@ -51,86 +51,6 @@ from cosyserve.system.gchold import collect_frozen
 logger = logging.getLogger(__name__)
 
 __all__ = ["BUFFER_SECONDS", "RETRY_AFTER_BOUNDS_S", "Engine", "Job", "check_finite"]
-
-# The most audio a request's worker gets ahead of its consumer, in seconds: a client that stops reading (a full
-# socket, a paused player) holds its worker there, its memory bounded, until it reads on, its deadline passes or
-# it is cut off (the WebSocket's idle timeout, a disconnect)
-BUFFER_SECONDS = 20.0
-
-# Retry-After's range. At least 1 s: the header counts whole seconds, and retrying at once only hits the full
-# queue again. At most 60 s: the median of a few recent requests says little about the next minute (one long
-# text is not the next one), and a client that comes back early costs one cheap refusal with a fresh estimate,
-# while one told to wait too long idles as slots free.
-RETRY_AFTER_BOUNDS_S = (1.0, 60.0)
-
-
-_NONFINITE_AUDIO = "synthesis made audio with NaN or infinite samples (not encoded)"
-
-
-def check_finite(chunk: np.ndarray) -> None:
-    """Raise :class:`InternalError` when ``chunk`` holds NaN or infinite samples (audio never to be encoded)."""
-    if not np.isfinite(chunk).all():
-        raise InternalError(_NONFINITE_AUDIO, public=_NONFINITE_AUDIO)
-
-
-def _bounded(seconds: float) -> float:
-    lo, hi = RETRY_AFTER_BOUNDS_S
-    return min(hi, max(lo, seconds))
-
-
-class Job:
-    """A request inside the engine: its sink, cancellation flag and timings."""
-
-    def __init__(
-        self, request: SynthesisRequest, sink: Callable[[Any], None], clock: Callable[[], float]
-    ) -> None:
-        self.request = request
-        self.sink = sink
-        self.clock = clock
-        self.submitted = clock()
-        self.started: float | None = None
-        self.first_audio: float | None = None
-        self.samples = 0
-        self.cancel_reason: BaseException | None = None
-        self.future: concurrent.futures.Future[None] | None = None
-        self.finished = False
-        self.on_done: list[Callable[[], None]] = []
-        self.pending = 0  # samples given to the sink and not yet taken by the consumer
-        # the most pending samples before the worker waits (None: no bound)
-        self.buffer_limit: int | None = None
-        self._room = threading.Condition()
-
-    def cancel(self, reason: BaseException) -> None:
-        # first reason wins; the worker reads it at the next token/chunk
-        if self.cancel_reason is None:
-            self.cancel_reason = reason
-        with self._room:
-            self._room.notify_all()  # a worker waiting for its consumer to read stops waiting
-
-    def taken(self, samples: int) -> None:
-        """The consumer took a chunk of ``samples``: room for the worker to go on."""
-        with self._room:
-            self.pending -= samples
-            self._room.notify_all()
-
-    def wait_for_room(self) -> None:
-        """Block the worker while more than :attr:`buffer_limit` samples wait for the consumer (until it reads,
-        or the request is stopped: cancelled or past its deadline)."""
-        limit = self.buffer_limit
-        if limit is None:
-            return
-        with self._room:
-            while self.pending > limit and not self.should_stop():
-                d = self.request.deadline
-                self._room.wait(1.0 if d is None else max(0.0, min(1.0, d - self.clock())))
-
-    def should_stop(self) -> bool:
-        """Whether the request was cancelled or its deadline passed (asked by the runtime after every token)."""
-        if self.cancel_reason is None:
-            d = self.request.deadline
-            if d is not None and self.clock() >= d:
-                self.cancel(DeadlineExceededError(f"request {self.request.request_id}: deadline passed"))
-        return self.cancel_reason is not None
 
 
 class Engine:
@@ -189,11 +109,7 @@ class Engine:
         self._jobs: set[Job] = set()
         self._in_flight = 0
         self._active = 0
-        self._default_service_s = default_service_s
-        # wall seconds (engine clock) each recent request held its slot, start to end, and per character of its
-        # text (where it had a length): what retry_after predicts from
-        self._service_s: deque[float] = deque(maxlen=32)
-        self._char_s: deque[float] = deque(maxlen=32)
+        self._times = ServiceTimes(default_service_s)  # what retry_after predicts from
         self._voices = dict(voices or {})
         self._default_voice = default_voice
         self.sample_rate: int | None = None
@@ -344,46 +260,12 @@ class Engine:
         47 s where each took a second).
         """
         with self._lock:
-            return self._retry_after_locked(request_ids)
+            return self._times.retry_after(self._jobs, self.clock(), request_ids)
 
     def idle_after(self) -> float:
         """Seconds until every request in flight is likely done (when the pool could evict this model)."""
         with self._lock:
-            running, queued = self._expected_locked()
-            last = max((left for _, left in running), default=0.0)
-            return _bounded(last + sum(d for _, d in queued) / self.slots)
-
-    def _duration_locked(self, request: SynthesisRequest) -> float:
-        # how long a request is expected to hold its slot: its text's length at the recent seconds per character,
-        # else (streamed text; no request of known length finished yet) the median of recent requests
-        chars = len(request.text) if isinstance(request.text, str) else 0
-        if chars and self._char_s:
-            return statistics.median(self._char_s) * chars
-        return statistics.median(self._service_s) if self._service_s else self._default_service_s
-
-    def _expected_locked(self) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-        # (request id, expected seconds left) of each running request, (request id, expected seconds) of each
-        # queued one
-        now = self.clock()
-        running, queued = [], []
-        for job in self._jobs:
-            rid, duration = job.request.request_id, self._duration_locked(job.request)
-            if job.started is None:
-                queued.append((rid, duration))
-            else:  # a cancelled request ends at its next token
-                running.append((rid, 0.0 if job.cancel_reason else max(0.0, duration - (now - job.started))))
-        return running, queued
-
-    def _retry_after_locked(self, request_ids: Collection[str] = ()) -> float:
-        running, queued = self._expected_locked()
-        first_free = min((left for _, left in running), default=0.0)  # none running: a slot is free now
-        if not request_ids:
-            return _bounded(first_free)
-        mine = [left for rid, left in running if rid in request_ids]
-        if mine:
-            return _bounded(min(mine))
-        waiting = [d for rid, d in queued if rid in request_ids]
-        return _bounded(first_free + min(waiting, default=self._default_service_s))
+            return self._times.idle_after(self._jobs, self.clock(), self.slots)
 
     def _refuse_locked(self) -> CosyserveError:
         st = self._state
@@ -432,7 +314,7 @@ class Engine:
                 raise OverloadedError(
                     f"model {self.name!r}: {waiting} requests already waiting "
                     f"(queue limit {self.queue_limit})",
-                    retry_after=self._retry_after_locked(),
+                    retry_after=self._times.retry_after(self._jobs, self.clock()),
                 )
             self._in_flight += 1
             self._jobs.add(job)
@@ -567,10 +449,7 @@ class Engine:
             self._jobs.discard(job)
             self._in_flight -= 1
             if job.started is not None and error is None and job.cancel_reason is None:
-                held = max(0.0, self.clock() - job.started)
-                self._service_s.append(held)
-                if isinstance(job.request.text, str) and job.request.text:
-                    self._char_s.append(held / len(job.request.text))
+                self._times.record(job.request, max(0.0, self.clock() - job.started))
             self._idle_cond.notify_all()
         reason = job.cancel_reason
         if error is not None:

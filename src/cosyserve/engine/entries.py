@@ -8,16 +8,18 @@ The rules that act on entries are :mod:`cosyserve.engine.pool` (loading, admissi
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from cosyserve.engine.engine import Engine
 from cosyserve.engine.state import EngineState
 from cosyserve.engine.stats import ModelStats
+from cosyserve.system.pagecache import rss_of_files
 
-__all__ = ["Entry", "ModelSpec", "Policy", "PoolEvent"]
+__all__ = ["Entry", "ModelSpec", "Policy", "PoolEvent", "VoiceList"]
 
 Policy = Literal["preload", "lazy"]
 
@@ -71,6 +73,23 @@ class ModelSpec:
         if self.idle_ttl_s is not None and self.idle_ttl_s <= 0:
             raise ValueError(f"model {self.name!r}: idle_ttl_s must be > 0, got {self.idle_ttl_s}")
 
+    def load(self, runtime_options: Any, reload: bool) -> Any:
+        """Its runtime, loaded as the pool's ``runtime_options`` (None: the runtime's defaults) and its own fields
+        say (a pool's default loader)."""
+        from cosyserve.core.clock import PhaseClock
+        from cosyserve.runtime import RuntimeOptions, load_runtime
+
+        if self.path is None:
+            raise ValueError(f"model {self.name!r} has no path")
+        base = runtime_options or RuntimeOptions()
+        warmup = self.reload_warmup if reload else self.warmup
+        options = replace(
+            base, **{"warmup": warmup and base.warmup, "batch_size": self.batch_size, **self.load_options}
+        )
+        # a first load's phases count from process start (the server's start-up report); a reload's from now
+        clock = PhaseClock(t0=time.time()) if reload else PhaseClock()
+        return load_runtime(self.path, options, runtime=self.runtime, clock=clock)
+
 
 @dataclass(frozen=True)
 class PoolEvent:
@@ -80,6 +99,23 @@ class PoolEvent:
     model: str
     at: float
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class VoiceList:
+    """A loaded model's voices for a tenant (:meth:`ModelPool.voices`).
+
+    Attributes:
+        model: the model's name.
+        voices: its pre-defined speakers, then the tenant's registered voices (:class:`cosyserve.runtime.Voice`);
+            :func:`cosyserve.engine.voicemap.language_of` tells what a name states of its language.
+        openai: each OpenAI voice name -> the voice it speaks with on this model (None: the model has no voice
+            of its own, and the request needs a registered one).
+    """
+
+    model: str
+    voices: list[Any]
+    openai: dict[str, str | None]
 
 
 class Entry:
@@ -116,3 +152,45 @@ class Entry:
         if self.engine is not None and self.engine.state in (EngineState.LOADING, EngineState.READY):
             held += self.bytes if self.bytes is not None else self.reserved
         return held
+
+    def estimate_bytes(self) -> int:
+        """The bytes a load of it is expected to hold: the last load's, else the spec's estimate, else its bundle's
+        components' (0: unknown)."""
+        if self.last_bytes is not None:
+            return self.last_bytes
+        if self.spec.size_bytes is not None:
+            return self.spec.size_bytes
+        if self.spec.path is not None and self.bundle is None:
+            from cosyserve.bundle.loader import is_bundle, open_bundle
+            from cosyserve.core.errors import BundleError
+
+            if is_bundle(self.spec.path):
+                try:
+                    self.bundle = open_bundle(self.spec.path)
+                except BundleError:
+                    return 0  # the load reports it
+        if self.bundle is not None:
+            m = self.bundle.manifest
+            comps = list(m.get("components", {}).values()) + [m.get("speakers", {})]
+            return sum(int(c.get("bytes", 0)) for c in comps)
+        return 0
+
+    def report(self, engine: Engine | None, held: int, failed: bool, rss: bool) -> dict[str, Any]:
+        """Its line of :meth:`cosyserve.engine.pool.ModelPool.stats` (``engine``, ``held`` bytes and whether its
+        last load ``failed`` as the pool read them under its lock; ``rss``: also its mapped files' resident bytes)."""
+        idle = "evicting" if self.retiring else ("failed" if failed else "unloaded")
+        d: dict[str, Any] = {
+            "state": engine.state.value if engine is not None else idle,
+            "policy": self.spec.policy,
+            "pinned": self.spec.pinned,
+            "instances": self.spec.instances,
+            "mapped_bytes": held,
+            "in_flight": engine.in_flight if engine is not None else 0,
+            "queue_depth": engine.queue_depth if engine is not None else 0,
+            "uses": len(self.uses),
+        }
+        if rss:
+            files = engine.runtime.mapped_files() if engine is not None and engine.runtime is not None else []
+            d["rss_bytes"] = rss_of_files(files)
+        d.update(self.stats.snapshot())
+        return d

@@ -28,23 +28,21 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
 from typing import Any
 
-from cosyserve.core.errors import EngineDeadError, LoadFailedError, OverloadedError, UnknownModelError
+from cosyserve.core.errors import LoadFailedError, OverloadedError, UnknownModelError
 from cosyserve.core.request import SynthesisRequest
+from cosyserve.engine.backoff import LOAD_BACKOFF_S, LoadFailure, LoadFailures
 from cosyserve.engine.engine import RETRY_AFTER_BOUNDS_S, Engine
-from cosyserve.engine.entries import Entry, ModelSpec, PoolEvent
+from cosyserve.engine.entries import Entry, ModelSpec, PoolEvent, VoiceList
 from cosyserve.engine.eviction import evictable, lru_k_order, plan_room, pressure_victims
 from cosyserve.engine.quotas import InFlight, Tenant, sole_owners
 from cosyserve.engine.state import EngineState
 from cosyserve.engine.streams import AudioStream, SyncAudioStream, shared
-from cosyserve.system.pagecache import memory_limit_bytes, memory_usage, rss_of_files
+from cosyserve.system.pagecache import memory_usage
 
 logger = logging.getLogger(__name__)
 
@@ -56,74 +54,8 @@ __all__ = [
     "PoolEvent",
     "VoiceList",
     "lru_k_order",
-    "memory_limit_bytes",
     "memory_usage",
-    "rss_of_files",
 ]
-
-
-# Back-off after a failed load: the first wait, doubled after each further failure, up to the last. A load that
-# failed (a damaged or missing file) fails again the same way; loading it per request would spend a core (and, for
-# a large bundle, its checksum reads) on every request.
-LOAD_BACKOFF_S = (1.0, 60.0)
-
-
-@dataclass(frozen=True)
-class VoiceList:
-    """A loaded model's voices for a tenant (:meth:`ModelPool.voices`).
-
-    Attributes:
-        model: the model's name.
-        voices: its pre-defined speakers, then the tenant's registered voices (:class:`cosyserve.runtime.Voice`);
-            :func:`cosyserve.engine.voicemap.language_of` tells what a name states of its language.
-        openai: each OpenAI voice name -> the voice it speaks with on this model (None: the model has no voice
-            of its own, and the request needs a registered one).
-    """
-
-    model: str
-    voices: list[Any]
-    openai: dict[str, str | None]
-
-
-@dataclass
-class LoadFailure:
-    """A model's last failed load: why, how many failed in a row, and when the next may start (pool clock)."""
-
-    cause: BaseException
-    failures: int
-    retry_at: float
-    stamp: tuple[tuple[str, int, int], ...] | None  # its files when it failed (see _files_stamp)
-    checked_at: float  # when the stamp was last compared with the disk
-
-    def error(self, model: str, now: float) -> LoadFailedError:
-        wait = max(self.retry_at - now, 0.001)
-        times = f" ({self.failures} times in a row)" if self.failures > 1 else ""
-        err = LoadFailedError(
-            f"model {model!r} failed to load{times}: {self.cause}; "
-            f"it is tried again in {math.ceil(wait)} s at the earliest",
-            model=model,
-            retry_after=wait,
-        )
-        err.__cause__ = self.cause
-        return err
-
-
-def _files_stamp(path: str | None) -> tuple[tuple[str, int, int], ...] | None:
-    # (name, size, mtime) of a model's path and its top-level entries: a few stat calls, enough to see a bundle
-    # converted again or a file replaced; None when it is not a local path (a hub id, a test fake)
-    if path is None or not os.path.exists(path):
-        return None
-    try:
-        st = os.stat(path)
-        items = [("", st.st_size, st.st_mtime_ns)]
-        if os.path.isdir(path):
-            with os.scandir(path) as it:
-                for e in it:
-                    est = e.stat()
-                    items.append((e.name, est.st_size, est.st_mtime_ns))
-    except OSError:
-        return ()
-    return tuple(sorted(items))
 
 
 def _no_release() -> None:
@@ -195,7 +127,7 @@ class ModelPool:
         self._seq = itertools.count()
         self._listeners: list[Callable[[PoolEvent], None]] = []
         self._housekeeping: asyncio.Task[None] | None = None
-        self._failures: dict[str, LoadFailure] = {}  # by model: its last load failed
+        self._failures = LoadFailures()  # by model: its last load, when it failed
         for t in tenants:
             self.add_tenant(t)
 
@@ -401,39 +333,7 @@ class ModelPool:
         return self._load_model(spec, reload)
 
     def _default_load_model(self, spec: ModelSpec, reload: bool) -> Any:
-        from cosyserve.core.clock import PhaseClock
-        from cosyserve.runtime import RuntimeOptions, load_runtime
-
-        if spec.path is None:
-            raise ValueError(f"model {spec.name!r} has no path")
-        base = self.runtime_options or RuntimeOptions()
-        warmup = spec.reload_warmup if reload else spec.warmup
-        options = replace(
-            base, **{"warmup": warmup and base.warmup, "batch_size": spec.batch_size, **spec.load_options}
-        )
-        # a first load's phases count from process start (the server's start-up report); a reload's from now
-        clock = PhaseClock(t0=time.time()) if reload else PhaseClock()
-        return load_runtime(spec.path, options, runtime=spec.runtime, clock=clock)
-
-    def _estimate_locked(self, entry: Entry) -> int:
-        if entry.last_bytes is not None:
-            return entry.last_bytes
-        if entry.spec.size_bytes is not None:
-            return entry.spec.size_bytes
-        if entry.spec.path is not None and entry.bundle is None:
-            from cosyserve.bundle.loader import is_bundle, open_bundle
-            from cosyserve.core.errors import BundleError
-
-            if is_bundle(entry.spec.path):
-                try:
-                    entry.bundle = open_bundle(entry.spec.path)
-                except BundleError:
-                    return 0  # the load reports it
-        if entry.bundle is not None:
-            m = entry.bundle.manifest
-            comps = list(m.get("components", {}).values()) + [m.get("speakers", {})]
-            return sum(int(c.get("bytes", 0)) for c in comps)
-        return 0
+        return spec.load(self.runtime_options, reload)
 
     def start_load(self, name: str) -> concurrent.futures.Future[Engine]:
         """Load ``name`` now if it is not resident (shared with concurrent requests); no use is recorded."""
@@ -444,21 +344,6 @@ class ModelPool:
     async def load(self, name: str) -> Engine:
         return await shared(self.start_load(name))
 
-    def _backing_off_locked(self, entry: Entry) -> LoadFailedError | None:
-        # the failure to answer with while the model's back-off runs; None when a load may start
-        failure = self._failures.get(entry.name)
-        now = self.clock()
-        if failure is None or now >= failure.retry_at:
-            return None
-        if failure.stamp is not None and now - failure.checked_at >= LOAD_BACKOFF_S[0]:
-            failure.checked_at = now  # at most one look at the disk a second, whatever the request rate
-            if _files_stamp(entry.spec.path) != failure.stamp:
-                logger.info(
-                    "pool: %s: its files changed since its load failed: loading it again now", entry.name
-                )
-                return None
-        return failure.error(entry.name, now)
-
     def _ensure_loading_locked(self, entry: Entry, tenant: str | None) -> concurrent.futures.Future[Engine]:
         if entry.load_future is not None and not entry.load_future.done():
             return entry.load_future
@@ -467,12 +352,12 @@ class ModelPool:
             assert entry.engine is not None
             done.set_result(entry.engine)
             return done
-        refused = self._backing_off_locked(entry)
+        refused = self._failures.refusal(entry.name, entry.spec.path, self.clock())
         if refused is not None:
             entry.stats.record_reject("load_backoff")
             done.set_exception(refused)
             return done
-        need = self._estimate_locked(entry)
+        need = entry.estimate_bytes()
         own = [e for e in self._entries.values() if tenant is not None and self._owner.get(e.name) == tenant]
         plan = plan_room(
             entry,
@@ -542,11 +427,11 @@ class ModelPool:
                     entry.bytes = entry.last_bytes = size
                     entry.loaded_once = True
                     entry.idle_since = self.clock()
-                    self._failures.pop(entry.name, None)
+                    self._failures.clear(entry.name)
                 else:
                     if entry.engine is engine:
                         entry.engine = None
-                    refused = self._record_failure_locked(entry, error)
+                    refused = self._failures.record(entry.name, entry.spec.path, error, self.clock())
             entry.stats.record_load(seconds, error is None)
             if refused is None:
                 self._emit("loaded", entry.name, f"{seconds * 1e3:.0f} ms, {size} bytes")
@@ -554,25 +439,6 @@ class ModelPool:
             else:
                 self._emit("load_failed", entry.name, f"{error!r}; back-off {refused.retry_after:.0f} s")
                 fut.set_exception(refused)
-
-    def _record_failure_locked(self, entry: Entry, error: BaseException) -> LoadFailedError:
-        # the engine wraps the loader's exception; the failure keeps the loader's own
-        cause = (
-            error.__cause__ if isinstance(error, EngineDeadError) and error.__cause__ is not None else error
-        )
-        previous = self._failures.get(entry.name)
-        failures = previous.failures + 1 if previous is not None else 1
-        first, most = LOAD_BACKOFF_S
-        now = self.clock()
-        failure = LoadFailure(
-            cause,
-            failures,
-            retry_at=now + min(most, first * 2 ** min(failures - 1, 16)),
-            stamp=_files_stamp(entry.spec.path),
-            checked_at=now,
-        )
-        self._failures[entry.name] = failure
-        return failure.error(entry.name, now)
 
     # -- eviction --------------------------------------------------------------------------------------------
 
@@ -711,24 +577,9 @@ class ModelPool:
         with self._lock:
             items = [(n, e, e.engine) for n, e in self._entries.items()]
             held = {n: e.held_bytes() for n, e in self._entries.items()}
-            failed = set(self._failures)
+            failed = self._failures.models()
         for name, e, eng in items:
-            idle = "evicting" if e.retiring else ("failed" if name in failed else "unloaded")
-            d: dict[str, Any] = {
-                "state": eng.state.value if eng is not None else idle,
-                "policy": e.spec.policy,
-                "pinned": e.spec.pinned,
-                "instances": e.spec.instances,
-                "mapped_bytes": held[name],
-                "in_flight": eng.in_flight if eng is not None else 0,
-                "queue_depth": eng.queue_depth if eng is not None else 0,
-                "uses": len(e.uses),
-            }
-            if rss:
-                files = eng.runtime.mapped_files() if eng is not None and eng.runtime is not None else []
-                d["rss_bytes"] = rss_of_files(files)
-            d.update(e.stats.snapshot())
-            models[name] = d
+            models[name] = e.report(eng, held[name], name in failed, rss)
         out: dict[str, Any] = {
             "models": models,
             "memory_budget": self.memory_budget,

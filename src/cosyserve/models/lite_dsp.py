@@ -28,7 +28,7 @@ __all__ = [
 
 def distance_pe(d_model: int, start: int, stop: int) -> np.ndarray:
     """ESPnet relative-position rows for distances ``start .. stop-1``: (stop-start, d_model) float32, the rows
-    :meth:`cosyserve.models.transformer.EspnetRelPositionalEncoding.distances` gives."""
+    :meth:`cosyserve.models.attention.EspnetRelPositionalEncoding.distances` gives."""
     position = np.arange(start, stop, dtype=np.float32)[:, None]
     div_term = np.exp(np.arange(0, d_model, 2, dtype=np.float32) * np.float32(-(math.log(10000.0) / d_model)))
     out = np.zeros((stop - start, d_model), dtype=np.float32)

@@ -279,12 +279,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
 
     clock = clock or PhaseClock()
     with clock.phase("imports"):
+        import cosyserve.bundle.loader
         import cosyserve.models.flow
         import cosyserve.models.hift
         import cosyserve.models.llm  # noqa: F401 - the model code is import time, not load time
-        from cosyserve.bundle.loader import LoadOptions, open_bundle, read_all, start_prefetch
-        from cosyserve.voices.registry import SpeakerRegistry
-        from cosyserve.voices.registry_location import default_registry_dir
+        import cosyserve.voices.registry
+        import cosyserve.voices.registry_location  # noqa: F401 - the steps below import from these, loaded here
 
     threads = o.threads or torch.get_num_threads()
     if o.fork_template:
@@ -293,6 +293,25 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         torch.set_num_threads(1)
     elif o.threads:
         torch.set_num_threads(o.threads)
+    bundle, bundle_dir, cache_dir, parts = _open(path, o, clock)
+    device, precision = _place(bundle, parts, o, clock)
+    with clock.phase("construct"):
+        pipeline = _pipeline(path, o, bundle, bundle_dir, cache_dir, parts, device)
+    runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
+    runtime.precision = {name: str(p) for name, p in precision.items()}
+    if o.warmup:
+        # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
+        # seconds later, so they warm up after READY, below
+        with clock.phase("warmup"), factory_device(device):  # the warm-ups' dummy inputs made on the device
+            _warm_up_lm(runtime._lm, o.warmup_tokens)
+    clock.mark("ready")
+    return _after_ready_steps(runtime, pipeline, parts, o, clock)
+
+
+def _open(path: str | Path, o: RuntimeOptions, clock: Any) -> tuple[Any, Path, Path, Any]:
+    """The bundle of ``path`` (converted first where it is a model dir), opened, and its modules loaded: (bundle,
+    its folder, the cache folder, its parts)."""
+    from cosyserve.bundle.loader import LoadOptions, open_bundle
     from cosyserve.bundle.sources import cache_dir_of, resolve_bundle
 
     cache_dir = cache_dir_of(Path(o.cache_dir) if o.cache_dir is not None else None)
@@ -308,6 +327,12 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
             for module in parts.modules.values():
                 for p in module.parameters():
                     p.data = p.data.clone()
+    return bundle, bundle_dir, cache_dir, parts
+
+
+def _place(bundle: Any, parts: Any, o: RuntimeOptions, clock: Any) -> tuple[torch.device, dict[str, Any]]:
+    """The loaded modules in the dtypes and on the device the options ask for: (the device, each component's
+    precision)."""
     from cosyserve.system.device import resolve_device, to_device
 
     device = resolve_device(o.device)
@@ -322,52 +347,70 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
         with clock.phase("to_device"):
             for module in parts.modules.values():
                 to_device(module, device)
-    with clock.phase("construct"):
-        cfg = bundle.config
-        family = cfg.family_spec
-        flow = parts.modules["flow"]
-        policy = family.stream_policy(cfg, flow, o.chunk_policy, o.first_hop)
-        # one registry folder for every model (registry_dir) keeps each family's voices apart: the prompt
-        # features of one (CosyVoice2's 25 Hz v2 tokens, 24 kHz mel) mean nothing to another's model
-        shared = o.registry_dir
-        if shared is not None:
-            shared = Path(shared) / family.registry_folder if family.registry_folder else Path(shared)
-        registry_root = shared or default_registry_dir(
-            Path(str(path)),
-            bundle.model_key,
-            registry_dir=None,
-            cache_dir=cache_dir,
-        )
-        voice_states = _voice_states(o, bundle, flow, device, lambda: pipeline.registry)
-        pipeline = Pipeline(
-            parts.modules["llm"],
-            flow,
-            parts.modules["hift"],
-            parts.speakers,
-            cfg.sample_rate,
-            policy,
-            registry=SpeakerRegistry(registry_root, token_rate=int(cfg.flow.input_frame_rate)),
-            model_dir=path if Path(str(path)).exists() else bundle_dir,
-            instruct=bundle.instruct,
-            default_voice=o.default_voice,
-            flow_steps=o.flow_steps,
-            family=family,
-            tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
-            config=cfg,
-            voice_states=voice_states,
-        )
-        pipeline.set_onnx_paths(
-            {name: bundle.onnx_path(name) for name in pipeline.onnx_files},
-            check=lambda p: bundle.check_onnx(p.name),
-        )
-    runtime = TorchRuntime(pipeline, o, clock, bundle, parts, threads=threads)
-    runtime.precision = {name: str(p) for name, p in precision.items()}
-    if o.warmup:
-        # the LLM is what a request runs first; flow and vocoder run only once ~2 s of speech tokens exist,
-        # seconds later, so they warm up after READY, below
-        with clock.phase("warmup"), factory_device(device):  # the warm-ups' dummy inputs made on the device
-            _warm_up_lm(runtime._lm, o.warmup_tokens)
-    clock.mark("ready")
+    return device, precision
+
+
+def _pipeline(
+    path: str | Path,
+    o: RuntimeOptions,
+    bundle: Any,
+    bundle_dir: Path,
+    cache_dir: Path,
+    parts: Any,
+    device: torch.device,
+) -> Pipeline:
+    """The pipeline over the loaded modules: the family's stream policy, tokenizer and frontends, the voices'
+    registry and states."""
+    from cosyserve.voices.registry import SpeakerRegistry
+    from cosyserve.voices.registry_location import default_registry_dir
+
+    cfg = bundle.config
+    family = cfg.family_spec
+    flow = parts.modules["flow"]
+    policy = family.stream_policy(cfg, flow, o.chunk_policy, o.first_hop)
+    # one registry folder for every model (registry_dir) keeps each family's voices apart: the prompt
+    # features of one (CosyVoice2's 25 Hz v2 tokens, 24 kHz mel) mean nothing to another's model
+    shared = o.registry_dir
+    if shared is not None:
+        shared = Path(shared) / family.registry_folder if family.registry_folder else Path(shared)
+    registry_root = shared or default_registry_dir(
+        Path(str(path)),
+        bundle.model_key,
+        registry_dir=None,
+        cache_dir=cache_dir,
+    )
+    voice_states = _voice_states(o, bundle, flow, device, lambda: pipeline.registry)
+    pipeline = Pipeline(
+        parts.modules["llm"],
+        flow,
+        parts.modules["hift"],
+        parts.speakers,
+        cfg.sample_rate,
+        policy,
+        registry=SpeakerRegistry(registry_root, token_rate=int(cfg.flow.input_frame_rate)),
+        model_dir=path if Path(str(path)).exists() else bundle_dir,
+        instruct=bundle.instruct,
+        default_voice=o.default_voice,
+        flow_steps=o.flow_steps,
+        family=family,
+        tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
+        config=cfg,
+        voice_states=voice_states,
+    )
+    pipeline.set_onnx_paths(
+        {name: bundle.onnx_path(name) for name in pipeline.onnx_files},
+        check=lambda p: bundle.check_onnx(p.name),
+    )
+    return pipeline
+
+
+def _after_ready_steps(
+    runtime: TorchRuntime, pipeline: Pipeline, parts: Any, o: RuntimeOptions, clock: Any
+) -> TorchRuntime:
+    """What follows READY: the text tier, the token2wav warm-up and the zero-shot tier, in threads after READY (a
+    fork template: the first two now, the last after the fork), and the bundle's pages prefetched."""
+    from cosyserve.bundle.loader import read_all, start_prefetch
+
     after: list[tuple[str, Callable[[], None]]] = []
     if o.text_tier == "background":
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the

@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -348,41 +348,12 @@ def _install_drain_on_signals(state: ServerState) -> dict[int, Any]:
     return previous
 
 
-def create_app(
-    config: Settings | None = None,
-    *,
-    pool: Any = None,
-    worker: Any = None,
-    ready_before_serving: bool = False,
-    wyoming: Any = None,
-) -> Starlette:
-    """The cosyserve ASGI app (models load in the background once the lifespan starts).
-
-    Args:
-        config: the settings (default: read from the environment).
-        pool: a ready-made pool (tests); default: built from the settings' pool config and models.
-        worker: in a prefork worker, its :class:`cosyserve.server.prefork.WorkerLink` (the template's runtimes,
-            the READY notice to the master, the workers' state on the health routes).
-        ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
-            fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
-            default it returns at once and the health endpoints say when the models are ready.
-        wyoming: a bound :class:`cosyserve.server.transports.wyoming.Listener`: the lifespan also serves the Wyoming
-            protocol on it, from its start to its end (``cosyserve serve --wyoming-uri`` binds it).
-    Returns:
-        The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
-    """
-    from cosyserve.server.auth import AuthMiddleware
-    from cosyserve.server.bodies import BodyTimeout
-    from cosyserve.server.transports import openai_api, reference_api, voices, ws
-
-    config = config if config is not None else Settings.load()
-    if wyoming is None and config.wyoming_uri is not None:
-        # a host of the app that binds no Wyoming listener (a Ray Serve replica): the setting would do nothing
-        logger.warning(
-            "%s is set, but this host of the app serves HTTP only: `cosyserve serve` serves Wyoming",
-            config.where("wyoming_uri"),
-        )
-    state = ServerState(config, pool=pool, worker=worker)
+def _lifespan(
+    state: ServerState, wyoming: Any, ready_before_serving: bool
+) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the Wyoming server (if bound) and the models' start-up on its way in; on its way out the
+    drain, the signal handlers restored, and the models released within the one grace period."""
+    config = state.config
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -430,6 +401,12 @@ def create_app(
             await state.pool.close(timeout=max(0.0, config.shutdown_grace_s - spent))
             logger.info("all models released")
 
+    return lifespan
+
+
+def _service_routes(state: ServerState) -> list[BaseRoute]:
+    """The routes about the service itself: the page, health, metrics, the start-up report, the OpenAPI document."""
+
     async def live(request: Request) -> Response:
         return JSONResponse({"status": "alive", "uptime_s": round(time.time() - state.started_wall, 3)})
 
@@ -458,13 +435,11 @@ def create_app(
         return JSONResponse(report)
 
     async def openapi(request: Request) -> Response:
-        from cosyserve.server.schemas import openapi_document
+        from cosyserve.server.openapi import openapi_document
 
         return JSONResponse(openapi_document(state.limits))
 
-    openai_routes, reference_routes = openai_api.routes(state), reference_api.routes(state)
-    voice_routes = voices.routes(state)
-    routes: list[BaseRoute] = [
+    return [
         Route("/", index, methods=["GET"]),
         Route("/health/live", live, methods=["GET"]),
         Route("/health/startup", startup, methods=["GET"]),
@@ -472,18 +447,11 @@ def create_app(
         Route("/metrics", state.metrics.endpoint, methods=["GET"]),
         Route("/v1/startup", startup_report, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
-        *openai_routes,
-        *voice_routes,
-        *ws.routes(state),
-        *reference_routes,
     ]
 
-    # each route's names for the request's fields, for the `param` of its errors
-    params = (
-        {r.path: openai_api.PARAMS for r in openai_routes}
-        | {r.path: voices.PARAMS for r in voice_routes}
-        | {r.path: reference_api.PARAMS for r in reference_routes}
-    )
+
+def _error_handlers(state: ServerState, params: dict[str, dict[str, str]]) -> dict[Any, Any]:
+    """Errors as responses (cosyserve's with the route's names for the request's fields in ``params``), counted."""
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, CosyserveError)
@@ -502,10 +470,18 @@ def create_app(
         state.metrics.observe_error(getattr(route, "path", "unmatched"), exc.status_code, "http")
         return error_response(exc.status_code, msg.get(exc.status_code, str(exc.detail)), headers=exc.headers)
 
+    return {CosyserveError: on_error, HTTPException: on_starlette_error}
+
+
+def _middleware(state: ServerState, paths: frozenset[str]) -> list[Middleware]:
+    from cosyserve.server.auth import AuthMiddleware
+    from cosyserve.server.bodies import BodyTimeout
+
+    config = state.config
     middleware = [
         # outermost: a stalled body is timed out and counted whatever the route (cosyserve.server.bodies)
         Middleware(BodyTimeout, state=state),
-        Middleware(AuthMiddleware, state=state, paths=frozenset(getattr(r, "path", "") for r in routes)),
+        Middleware(AuthMiddleware, state=state, paths=paths),
         Middleware(LastResortMiddleware, metrics=state.metrics),
     ]
     if config.cors_origins:
@@ -521,14 +497,65 @@ def create_app(
                 expose_headers=["X-Request-Id", "X-Sample-Rate", "Retry-After"],
             ),
         )
+    return middleware
+
+
+def create_app(
+    config: Settings | None = None,
+    *,
+    pool: Any = None,
+    worker: Any = None,
+    ready_before_serving: bool = False,
+    wyoming: Any = None,
+) -> Starlette:
+    """The cosyserve ASGI app (models load in the background once the lifespan starts).
+
+    Args:
+        config: the settings (default: read from the environment).
+        pool: a ready-made pool (tests); default: built from the settings' pool config and models.
+        worker: in a prefork worker, its :class:`cosyserve.server.prefork.WorkerLink` (the template's runtimes,
+            the READY notice to the master, the workers' state on the health routes).
+        ready_before_serving: the lifespan's startup waits until every preload model is READY and raises if one
+            fails (a host that routes to the app once its startup returns, such as a Ray Serve replica); by
+            default it returns at once and the health endpoints say when the models are ready.
+        wyoming: a bound :class:`cosyserve.server.transports.wyoming.Listener`: the lifespan also serves the Wyoming
+            protocol on it, from its start to its end (``cosyserve serve --wyoming-uri`` binds it).
+    Returns:
+        The Starlette app; its ``state.cosy`` is the :class:`ServerState`.
+    """
+    from cosyserve.server.transports import openai_api, reference_api, voices, ws
+
+    config = config if config is not None else Settings.load()
+    if wyoming is None and config.wyoming_uri is not None:
+        # a host of the app that binds no Wyoming listener (a Ray Serve replica): the setting would do nothing
+        logger.warning(
+            "%s is set, but this host of the app serves HTTP only: `cosyserve serve` serves Wyoming",
+            config.where("wyoming_uri"),
+        )
+    state = ServerState(config, pool=pool, worker=worker)
+
+    openai_routes, reference_routes = openai_api.routes(state), reference_api.routes(state)
+    voice_routes = voices.routes(state)
+    routes: list[BaseRoute] = [
+        *_service_routes(state),
+        *openai_routes,
+        *voice_routes,
+        *ws.routes(state),
+        *reference_routes,
+    ]
+
+    # each route's names for the request's fields, for the `param` of its errors
+    params = (
+        {r.path: openai_api.PARAMS for r in openai_routes}
+        | {r.path: voices.PARAMS for r in voice_routes}
+        | {r.path: reference_api.PARAMS for r in reference_routes}
+    )
+
     app = Starlette(
         routes=routes,
-        middleware=middleware,
-        lifespan=lifespan,
-        exception_handlers={
-            CosyserveError: on_error,
-            HTTPException: on_starlette_error,
-        },
+        middleware=_middleware(state, frozenset(getattr(r, "path", "") for r in routes)),
+        lifespan=_lifespan(state, wyoming, ready_before_serving),
+        exception_handlers=_error_handlers(state, params),
     )
     app.state.cosy = state
     return app

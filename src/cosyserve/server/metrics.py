@@ -73,6 +73,15 @@ class _PoolCollector:
     def collect(self) -> Any:
         state = self.m.state
         stats = state.pool.stats()
+        yield from self._models(stats)
+        yield self._memory(stats)
+        yield from self._startup()
+        up = GaugeMetricFamily("cosyserve_ready", "1 when /health/ready says ready")
+        up.add_metric([], 1.0 if state.ready() else 0.0)
+        yield up
+
+    def _models(self, stats: dict[str, Any]) -> Any:
+        """Each model's families: its state, load, traffic and output."""
         st = GaugeMetricFamily(
             "cosyserve_model_state", "1 for the state each model is in", labels=["model", "state"]
         )
@@ -155,6 +164,8 @@ class _PoolCollector:
             load_s,
             lm_rows,
         )
+
+    def _memory(self, stats: dict[str, Any]) -> GaugeMetricFamily:
         mem = GaugeMetricFamily(
             "cosyserve_memory_bytes", "memory: used, limit, budget, resident models", labels=["kind"]
         )
@@ -166,7 +177,10 @@ class _PoolCollector:
         ):
             if stats.get(key) is not None:
                 mem.add_metric([kind], stats[key])
-        yield mem
+        return mem
+
+    def _startup(self) -> Any:
+        """Each model's start-up phases and points, and the server's points."""
         phases = GaugeMetricFamily(
             "cosyserve_startup_phase_seconds",
             "duration of each start-up phase of each model's first load (as in cosyserve startup-report)",
@@ -184,13 +198,10 @@ class _PoolCollector:
                     phases.add_metric([model, ph], d["phases_ms"][ph] / 1e3)
             for pt, ms in d["points_ms"].items():
                 points.add_metric([model, pt], ms / 1e3)
-        for pt, ms in state.clock.as_dict()["points_ms"].items():
+        for pt, ms in self.m.state.clock.as_dict()["points_ms"].items():
             points.add_metric(["server", pt], ms / 1e3)
         yield phases
         yield points
-        up = GaugeMetricFamily("cosyserve_ready", "1 when /health/ready says ready")
-        up.add_metric([], 1.0 if state.ready() else 0.0)
-        yield up
 
 
 class _WorkerPools:

@@ -33,20 +33,16 @@ the folder's name).
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
-import secrets
 import struct
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +50,7 @@ from typing import Any, Literal
 import numpy as np
 
 from cosyserve.core.errors import RegistryError
+from cosyserve.system.atomicfile import atomic_write, clean_stale_temporaries, fsync_dir, writing
 from cosyserve.voices.registry_location import default_registry_dir
 
 logger = logging.getLogger(__name__)
@@ -287,99 +284,6 @@ def entry_kind(
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds: the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the data file itself was synced
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp file in the same
-    folder, fsync, rename over ``path``, fsync the folder."""
-
-    def write(tmp: Path) -> None:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides, as for open()
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-        finally:
-            os.close(fd)
-
-    atomic_replace(path, write)
-
-
-def atomic_replace(path: Path, write: Callable[[Path], None]) -> None:
-    """Make ``path`` with ``write(tmp)`` so that a crash leaves the old file or the new one: ``write`` makes a
-    temp file in the same folder, which is fsynced and renamed over ``path``, and the folder fsynced."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-@contextlib.contextmanager
-def _writing(folder: Path) -> Iterator[None]:
-    """Hold a shared lock on ``folder`` while writing into it: no cleaner removes our temporary meanwhile."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # no directory fds here: no cleaner can lock it either
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):  # filesystems without flock: the same holds for the cleaner
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
-
-
-def clean_stale_temporaries(folder: Path) -> list[Path]:
-    """Remove the entry temporaries in ``folder`` left by killed writers (see the module docstring).
-
-    Returns:
-        The files removed (none while a writer is at work in ``folder``).
-    """
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return []
-    removed: list[Path] = []
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:  # a writer is at work (or no flock here): its temporary may be live
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                logger.debug("cannot lock %s (%s): leftover temporaries stay", folder, e)
-            return removed
-        for entry in os.scandir(folder):
-            if _TEMP_RE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
-                    logger.info("removed %s, left by a writer killed before its rename", entry.path)
-    finally:
-        os.close(fd)
-    return removed
-
-
 def _read_header(data: bytes, path: Path) -> dict[str, str]:
     if len(data) < 8:
         raise RegistryError(f"{path} is truncated ({len(data)} bytes)")
@@ -562,8 +466,8 @@ class SpeakerRegistry:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.parent not in self._cleaned:
             self._cleaned.add(path.parent)
-            clean_stale_temporaries(path.parent)
-        with _writing(path.parent):
+            clean_stale_temporaries(path.parent, _TEMP_RE)
+        with writing(path.parent):
             atomic_write(path, data)
         logger.info("registered speaker %r (%s) for tenant %r in %s", name, kind, tenant, path)
         return speaker
@@ -577,7 +481,7 @@ class SpeakerRegistry:
                 f"speaker {name!r} is not registered for tenant {tenant!r} (registered: {known})"
             )
         path.unlink()
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         with self._lock:
             self._cache.pop(path, None)
 

@@ -265,7 +265,7 @@ def _write(path: Path, state: Any) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from cosyserve.voices.registry import atomic_replace
+    from cosyserve.system.atomicfile import atomic_replace
 
     tensors: dict[str, Any] = {"mel": state.mel.contiguous()} if state.mel is not None else {}
     for prefix, caches in (("s", state.steps), ("e", state.encoder)):

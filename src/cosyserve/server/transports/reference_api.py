@@ -31,10 +31,10 @@ from cosyserve.server.responses import synthesize_response
 from cosyserve.server.synth import caller, order
 from cosyserve.server.transports.openai_api import read_body
 
-__all__ = ["PARAMS", "form_file", "form_text", "read_form", "routes"]
+__all__ = ["ENDPOINTS", "PARAMS", "form_file", "form_text", "read_form", "routes"]
 
 # endpoint -> (mode, text fields, file fields)
-_ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+ENDPOINTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "sft": ("sft", ("tts_text", "spk_id"), ()),
     "zero_shot": ("zero_shot", ("tts_text", "prompt_text"), ("prompt_wav",)),
     "cross_lingual": ("cross_lingual", ("tts_text",), ("prompt_wav",)),
@@ -148,7 +148,7 @@ def routes(state: Any) -> list[Route]:
     cfg = state.config
 
     def make(endpoint: str) -> Any:
-        mode, text_fields, file_fields = _ENDPOINTS[endpoint]
+        mode, text_fields, file_fields = ENDPOINTS[endpoint]
 
         async def handler(request: Request) -> Response:
             form = await read_form(request, cfg, files=len(file_fields))
@@ -177,4 +177,4 @@ def routes(state: Any) -> list[Route]:
 
         return handler
 
-    return [Route(f"/inference_{ep}", make(ep), methods=["GET", "POST"]) for ep in _ENDPOINTS]
+    return [Route(f"/inference_{ep}", make(ep), methods=["GET", "POST"]) for ep in ENDPOINTS]

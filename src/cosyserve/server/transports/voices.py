@@ -45,11 +45,11 @@ from cosyserve.server.schemas import MAX_NAME_CHARS
 from cosyserve.server.transports.reference_api import form_file, form_text, read_form
 from cosyserve.voices.consent import ConsentLedger
 
-__all__ = ["PARAMS", "routes"]
+__all__ = ["FIELDS", "PARAMS", "routes"]
 
 # the runtime's field names -> this route's
 PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "name"}
-_FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
+FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
 
 
 def _ledger(runtime: Any) -> ConsentLedger:
@@ -73,152 +73,165 @@ def _voice_object(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def _runtime_of(state: Any, model: str) -> Any:
+    engine = await state.pool.load(model)  # at once when it is loaded; else loaded, as a request would
+    return engine.runtime
+
+
+async def _list_voices(state: Any, request: Request) -> Response:
+    tenant = state.tenant_of(request)
+    model = state.resolve_model(request.query_params.get("model"), tenant)
+    listed = state.pool.voices(model, tenant)
+    voices: list[dict[str, Any]] = []
+    if listed is not None:  # none while the model is not loaded
+        kept = {}
+        eng = state.pool.engine(model)
+        runtime = eng.runtime if eng is not None else None
+        if getattr(runtime, "registry_root", None) is not None:
+            kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
+        for v in listed.voices:
+            item: dict[str, Any] = {
+                "id": v.name,
+                "name": v.name,
+                "voice_id": v.name,
+                "kind": v.kind,
+                "language": language_of(v.name),
+            }
+            entry = kept.get(v.name) if v.kind == "registered" else None
+            if entry is not None:
+                item |= {k: entry[k] for k in ("consent", "ref_text", "created_at")}
+            voices.append(item)
+    return JSONResponse(
+        {
+            "model": model,
+            "state": state.describe_models()[model]["state"],
+            "voices": voices,
+            "aliases": listed.openai if listed is not None else {},
+        }
+    )
+
+
+async def _read_voice_form(request: Request, cfg: Any) -> tuple[str, str, str, str | None, bytes]:
+    """The registration form's name, consent, ref_text, model and audio_sample, each checked alone."""
+    form = await read_form(request, cfg, files=1, types=("multipart/form-data",))
+    try:
+        unknown = sorted(set(form.keys()) - set(FIELDS))
+        if unknown:
+            raise ClientError(
+                f"unknown form field {shown(unknown[0])}; accepted: {', '.join(FIELDS)}",
+                param=unknown[0][:64],
+            )
+        name = form_text(form, "name")
+        consent = form_text(form, "consent")
+        ref_text = form_text(form, "ref_text")
+        kind = form_text(form, "type", required=False)
+        model_name = form_text(form, "model", required=False)
+        audio = await form_file(form, "audio_sample", cfg.max_upload_bytes)
+    finally:
+        await form.close()
+    assert name is not None and consent is not None and ref_text is not None
+    if kind not in (None, "audio_sample"):
+        raise ClientError(
+            f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
+        )
+    return name, consent, ref_text, model_name, audio
+
+
+def _check_new_voice(state: Any, name: str, consent: str, ref_text: str, audio: bytes) -> None:
+    # the name, transcript and sample within the limits every request's are (cosyserve.core.limits): a voice whose
+    # name no request may give could never speak
+    state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
+    from cosyserve.voices.registry import validate_name
+
+    try:
+        validate_name(name)
+    except RegistryError as e:
+        raise RegistryError(str(e), param="name") from None
+    if is_openai_voice(name):
+        raise ClientError(
+            f"{shown(name)} is an OpenAI voice name, which stands for one of the model's voices: choose another "
+            "name",
+            param="name",
+        )
+    if len(consent) > MAX_NAME_CHARS:
+        raise ClientError(f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent")
+
+
+async def _create_voice(state: Any, registering: asyncio.Lock, request: Request) -> Response:
+    if state.draining:
+        raise NotReadyError("the server is shutting down")
+    tenant = state.tenant_of(request) or "default"
+    name, consent, ref_text, model_name, audio = await _read_voice_form(request, state.config)
+    _check_new_voice(state, name, consent, ref_text, audio)
+    model = state.resolve_model(model_name, tenant, param="model")
+    runtime = await _runtime_of(state, model)
+    ledger = _ledger(runtime)
+    if runtime.voice(name, tenant) is not None:
+        raise ClientError(
+            f"the name {shown(name)} is taken (a speaker of the model, or a voice registered for this API key): "
+            "delete it first or choose another",
+            param="name",
+            code="voice_exists",
+        )
+    if registering.locked():
+        raise OverloadedError("another voice is being registered: try again in a moment", retry_after=1.0)
+    async with registering:
+        await asyncio.to_thread(runtime.add_voice, name, audio, ref_text, tenant=tenant)
+    entry = {
+        "event": "create",
+        "name": name,
+        "tenant": tenant,
+        "model": model,
+        "consent": consent,
+        "ref_text": ref_text,
+        "created_at": int(time.time()),
+        "audio_bytes": len(audio),
+        "audio_sha256": hashlib.sha256(audio).hexdigest(),
+        "request_id": request.headers.get("x-request-id"),
+    }
+    try:
+        await asyncio.to_thread(ledger.record, tenant, entry)
+    except OSError as e:  # no voice without its consent record
+        await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
+        raise InternalError(
+            f"cannot record the consent of voice {name!r}: {e}",
+            public="cannot record the consent of the voice; it was not registered (details in the server log)",
+        ) from e
+    return JSONResponse(_voice_object(entry))
+
+
+async def _delete_voice(state: Any, request: Request) -> Response:
+    tenant = state.tenant_of(request) or "default"
+    name = request.path_params["name"]
+    model = state.resolve_model(request.query_params.get("model"), state.tenant_of(request))
+    runtime = await _runtime_of(state, model)
+    voice = runtime.voice(name, tenant)
+    if voice is None:
+        raise VoiceNotFoundError(f"no voice {shown(name)} is registered for this API key", param="name")
+    if voice.kind != "registered":
+        raise ClientError(f"{shown(name)} is a speaker of the model: it cannot be deleted", param="name")
+    await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
+    entry = {
+        "event": "delete",
+        "name": name,
+        "tenant": tenant,
+        "model": model,
+        "deleted_at": int(time.time()),
+    }
+    await asyncio.to_thread(_ledger(runtime).record, tenant, entry)
+    return JSONResponse({"id": name, "object": "audio.voice.deleted", "deleted": True})
+
+
 def routes(state: Any) -> list[Route]:
-    cfg = state.config
     registering = asyncio.Lock()  # one extraction at a time per process: it takes a core for about a second
 
-    def tenant_of(request: Request) -> str:
-        return state.tenant_of(request) or "default"
-
-    async def runtime_of(model: str) -> Any:
-        engine = await state.pool.load(model)  # at once when it is loaded; else loaded, as a request would
-        return engine.runtime
-
-    async def list_voices(request: Request) -> Response:
-        tenant = state.tenant_of(request)
-        model = state.resolve_model(request.query_params.get("model"), tenant)
-        listed = state.pool.voices(model, tenant)
-        voices: list[dict[str, Any]] = []
-        if listed is not None:  # none while the model is not loaded
-            kept = {}
-            eng = state.pool.engine(model)
-            runtime = eng.runtime if eng is not None else None
-            if getattr(runtime, "registry_root", None) is not None:
-                kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
-            for v in listed.voices:
-                item: dict[str, Any] = {
-                    "id": v.name,
-                    "name": v.name,
-                    "voice_id": v.name,
-                    "kind": v.kind,
-                    "language": language_of(v.name),
-                }
-                entry = kept.get(v.name) if v.kind == "registered" else None
-                if entry is not None:
-                    item |= {k: entry[k] for k in ("consent", "ref_text", "created_at")}
-                voices.append(item)
-        return JSONResponse(
-            {
-                "model": model,
-                "state": state.describe_models()[model]["state"],
-                "voices": voices,
-                "aliases": listed.openai if listed is not None else {},
-            }
-        )
-
-    async def create_voice(request: Request) -> Response:
-        if state.draining:
-            raise NotReadyError("the server is shutting down")
-        tenant = tenant_of(request)
-        form = await read_form(request, cfg, files=1, types=("multipart/form-data",))
-        try:
-            unknown = sorted(set(form.keys()) - set(_FIELDS))
-            if unknown:
-                raise ClientError(
-                    f"unknown form field {shown(unknown[0])}; accepted: {', '.join(_FIELDS)}",
-                    param=unknown[0][:64],
-                )
-            name = form_text(form, "name")
-            consent = form_text(form, "consent")
-            ref_text = form_text(form, "ref_text")
-            kind = form_text(form, "type", required=False)
-            model_name = form_text(form, "model", required=False)
-            audio = await form_file(form, "audio_sample", cfg.max_upload_bytes)
-        finally:
-            await form.close()
-        assert name is not None and consent is not None and ref_text is not None
-        if kind not in (None, "audio_sample"):
-            raise ClientError(
-                f"type {shown(kind)} is not supported: voices are made from an audio_sample", param="type"
-            )
-        # the name, transcript and sample within the limits every request's are (cosyserve.core.limits): a voice whose
-        # name no request may give could never speak
-        state.limits.check(names=PARAMS, speaker=name, prompt_text=ref_text, prompt_wav=audio)
-        from cosyserve.voices.registry import validate_name
-
-        try:
-            validate_name(name)
-        except RegistryError as e:
-            raise RegistryError(str(e), param="name") from None
-        if is_openai_voice(name):
-            raise ClientError(
-                f"{shown(name)} is an OpenAI voice name, which stands for one of the model's voices: choose another "
-                "name",
-                param="name",
-            )
-        if len(consent) > MAX_NAME_CHARS:
-            raise ClientError(
-                f"consent is {len(consent)} characters; at most {MAX_NAME_CHARS}", param="consent"
-            )
-        model = state.resolve_model(model_name, tenant, param="model")
-        runtime = await runtime_of(model)
-        ledger = _ledger(runtime)
-        if runtime.voice(name, tenant) is not None:
-            raise ClientError(
-                f"the name {shown(name)} is taken (a speaker of the model, or a voice registered for this API key): "
-                "delete it first or choose another",
-                param="name",
-                code="voice_exists",
-            )
-        if registering.locked():
-            raise OverloadedError("another voice is being registered: try again in a moment", retry_after=1.0)
-        async with registering:
-            await asyncio.to_thread(runtime.add_voice, name, audio, ref_text, tenant=tenant)
-        entry = {
-            "event": "create",
-            "name": name,
-            "tenant": tenant,
-            "model": model,
-            "consent": consent,
-            "ref_text": ref_text,
-            "created_at": int(time.time()),
-            "audio_bytes": len(audio),
-            "audio_sha256": hashlib.sha256(audio).hexdigest(),
-            "request_id": request.headers.get("x-request-id"),
-        }
-        try:
-            await asyncio.to_thread(ledger.record, tenant, entry)
-        except OSError as e:  # no voice without its consent record
-            await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
-            raise InternalError(
-                f"cannot record the consent of voice {name!r}: {e}",
-                public="cannot record the consent of the voice; it was not registered (details in the server log)",
-            ) from e
-        return JSONResponse(_voice_object(entry))
+    async def voices(request: Request) -> Response:
+        if request.method == "POST":
+            return await _create_voice(state, registering, request)
+        return await _list_voices(state, request)
 
     async def delete_voice(request: Request) -> Response:
-        tenant = tenant_of(request)
-        name = request.path_params["name"]
-        model = state.resolve_model(request.query_params.get("model"), state.tenant_of(request))
-        runtime = await runtime_of(model)
-        voice = runtime.voice(name, tenant)
-        if voice is None:
-            raise VoiceNotFoundError(f"no voice {shown(name)} is registered for this API key", param="name")
-        if voice.kind != "registered":
-            raise ClientError(f"{shown(name)} is a speaker of the model: it cannot be deleted", param="name")
-        await asyncio.to_thread(runtime.remove_voice, name, tenant=tenant)
-        entry = {
-            "event": "delete",
-            "name": name,
-            "tenant": tenant,
-            "model": model,
-            "deleted_at": int(time.time()),
-        }
-        await asyncio.to_thread(_ledger(runtime).record, tenant, entry)
-        return JSONResponse({"id": name, "object": "audio.voice.deleted", "deleted": True})
-
-    async def voices(request: Request) -> Response:
-        return await (create_voice if request.method == "POST" else list_voices)(request)
+        return await _delete_voice(state, request)
 
     return [
         Route("/v1/audio/voices", voices, methods=["GET", "POST"]),
