@@ -257,6 +257,7 @@ def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, 
         folder if options.voice_cache_disk else None,
         hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
         (options.stream_state_mb << 20) or None,
+        options.stream_state_budget(),
     )
 
 
