@@ -250,6 +250,26 @@ def test_the_streams_share_one_budget_and_give_back_their_bytes(cv3: dict) -> No
     assert shared.stream_bytes == 0, "a stream closed mid-way (its client gone) should give its bytes back"
 
 
+def test_the_default_budget_is_a_quarter_of_the_memory_limit_shared_by_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, ``stream_state_budget_mb`` is a quarter of the memory limit divided among the worker processes
+    (each loads its own models: four workers with a quarter each would take it all); 0 is no bound; a bad value
+    names the field."""
+    from cosyserve.runtime import RuntimeOptions
+    from cosyserve.system import pagecache
+
+    monkeypatch.setattr(pagecache, "memory_limit_bytes", lambda: 8 << 30)
+    assert RuntimeOptions().stream_state_budget() == 2 << 30
+    assert RuntimeOptions(stream_state_shares=4).stream_state_budget() == 512 << 20
+    assert (
+        RuntimeOptions(stream_state_budget_mb=100, stream_state_shares=4).stream_state_budget() == 100 << 20
+    )
+    assert RuntimeOptions(stream_state_budget_mb=0).stream_state_budget() is None
+    with pytest.raises(ValueError, match="stream_state_budget_mb"):
+        RuntimeOptions(stream_state_budget_mb=-1)
+
+
 def _speak_lazily(t2w: Token2Wav2, x: dict[str, Any]) -> Any:
     kw = {k: v for k, v in x.items() if k != "tokens"}
     return t2w(iter(x["tokens"]), stream=True, generator=torch.Generator().manual_seed(5), **kw)

@@ -437,8 +437,8 @@ class Settings:
         doc="the most memory the streamed CosyVoice2/3 requests' flow states of one loaded model may hold "
         "together (each bounded by `stream_state_mb` too); a stream whose next chunk would pass it continues as "
         "past its own bound (it is not refused: its audio has started and its length is unknown in advance); "
-        "0: no bound",
-        shown="a quarter of the memory limit (cgroup or RAM)",
+        "each instance of a model has its own; 0: no bound",
+        shown="a quarter of the memory limit (cgroup or RAM), divided among the --workers",
     )
     voice_cache_disk: bool = _loading(
         False,
