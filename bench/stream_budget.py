@@ -3,6 +3,7 @@ and without it, interleaved in the same run, and what the bound costs the stream
 
     python bench/stream_budget.py --family cosyvoice2 --streams 4 --seconds 20                 # full size, fp32
     python bench/stream_budget.py --family cosyvoice2 --streams 4 --seconds 20 --budget-mb 4096
+    python bench/stream_budget.py --family cosyvoice2 --streams 4 --seconds 20 --stack         # + vocoder stacked
     python bench/stream_budget.py --dry-run                                                    # tiny (CI)
 
 ``--streams`` threads each stream ``--seconds`` of random speech tokens (after a ``--prompt-seconds`` prompt)
@@ -15,7 +16,10 @@ Per run it prints: the wall time, each stream's seconds per audio second, the st
 (they went on re-running the flow on every token, as the reference does), the peak bytes the streams' states held
 together (accounted: what the bound bounds) and how far the run raised the process's peak RSS (bounded runs
 first: a later run's rise is what it needs above the earlier peak). The machine's load is
-printed: figures from a busy machine are not figures.
+printed: figures from a busy machine are not figures. ``--stack`` adds a run (no bound) whose vocoder calls run
+stacked (:class:`~cosyserve.runtime.stacking.VocoderBatcher`, what ``batch_flow`` does on a CosyVoice2 model): its
+wall time against the unstacked run's, and the calls per stacked run. On a CPU expect little (see stacking.py); it
+is meant for GPUs (bench/gpu.py territory).
 """
 
 from __future__ import annotations
@@ -36,16 +40,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stream_chunks import model_dir, stream, stream_args, token2wav  # noqa: E402
 
 
-def run(path: Path, args: argparse.Namespace, budget: int | None) -> dict[str, Any]:
-    """``args.streams`` concurrent streams under ``budget`` bytes (None: no bound); their figures."""
+def run(path: Path, args: argparse.Namespace, budget: int | None, stack: bool = False) -> dict[str, Any]:
+    """``args.streams`` concurrent streams under ``budget`` bytes (None: no bound), with their vocoder calls
+    stacked (``stack``: what ``batch_flow`` does for the families that stack their vocoder); their figures."""
+    from cosyserve.runtime.stacking import VocoderBatcher
     from cosyserve.voices.voicestates import VoiceStates
 
     voices = VoiceStates(0, streams_max_bytes=budget)  # no voice cache: each stream computes its prompt
     results: list[Any] = [None] * args.streams
+    hift = token2wav(path, args.policy, "float32", True).hift
+    batcher = VocoderBatcher(hift, args.streams, name="bench vocoder") if stack else None
 
     def one(i: int) -> None:
         t2w = token2wav(path, args.policy, "float32", True)
         t2w.voices = voices
+        if batcher is not None:
+            t2w.hift = batcher
         results[i] = stream(t2w, args.seconds, args.prompt_seconds, seed=i + 1)
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -68,6 +78,7 @@ def run(path: Path, args: argparse.Namespace, budget: int | None) -> dict[str, A
         "peak_mb": voices.stream_peak / 2**20,
         "rss_growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024,
         "left_mb": voices.stream_bytes / 2**20,
+        "vocoder_mean_batch": batcher.stats.mean_batch if batcher is not None else 1.0,
     }
 
 
@@ -76,11 +87,18 @@ def main() -> None:
     stream_args(ap, 20.0)
     ap.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
     ap.add_argument("--budget-mb", type=int, help="the bound (default: half of the streams' end state)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds, each both runs in turn")
+    ap.add_argument(
+        "--stack",
+        action="store_true",
+        help="also a run with the vocoder's calls stacked (CosyVoice2's batch_flow)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="rounds, each run in turn")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     ap.add_argument("--dry-run", action="store_true", help="tiny models, short streams: the same code (CI)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     args = ap.parse_args()
+    if args.stack and args.family != "cosyvoice2":
+        ap.error("--stack: only CosyVoice2 stacks its vocoder (CosyVoice3's keeps per-stream state)")
     if args.threads:
         torch.set_num_threads(args.threads)
     size = "tiny" if args.dry_run else "full"
@@ -96,10 +114,16 @@ def main() -> None:
     if not args.dry_run:
         stream(token2wav(path, args.policy, "float32", True), 2.0, args.prompt_seconds, 0)  # warm-up
     # bounded first: the peak RSS only rises, so the later run's rise is what it adds above the first's peak
-    runs: dict[str, list[dict[str, Any]]] = {"bounded": [], "unbounded": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "bounded": [],
+        "unbounded": [],
+        **({"stacked": []} if args.stack else {}),
+    }
     for _ in range(args.rounds):
         runs["bounded"].append(run(path, args, budget))
         runs["unbounded"].append(run(path, args, None))
+        if args.stack:
+            runs["stacked"].append(run(path, args, None, stack=True))
     load = os.getloadavg()
     print(
         f"{path} ({size}), {args.streams} streams of {args.seconds:.0f} s after a {args.prompt_seconds:.0f} s "
@@ -120,9 +144,16 @@ def main() -> None:
                 f"{name:>10} {r['wall_s']:>8.1f} {per:>28} {r['drops']:>6} {r['peak_mb']:>9.0f} "
                 f"{r['rss_growth_mb']:>9.0f}"
             )
-    a = min(r["wall_s"] for r in runs["bounded"])
-    b = min(r["wall_s"] for r in runs["unbounded"])
-    print(f"bounded over unbounded wall time: {a / b:.2f}x (best of {args.rounds})")
+    best = {name: min(r["wall_s"] for r in rs) for name, rs in runs.items()}
+    print(
+        f"bounded over unbounded wall time: {best['bounded'] / best['unbounded']:.2f}x (best of {args.rounds})"
+    )
+    if args.stack:
+        mean = max(r["vocoder_mean_batch"] for r in runs["stacked"])
+        print(
+            f"vocoder stacked (unbounded) over unstacked wall time: {best['stacked'] / best['unbounded']:.2f}x; "
+            f"{mean:.2f} calls per vocoder run"
+        )
     if args.json:
         args.json.write_text(json.dumps({"budget_mb": budget / 2**20, **runs}, indent=1))
 
