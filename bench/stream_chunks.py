@@ -127,16 +127,23 @@ def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def stream_args(ap: argparse.ArgumentParser, seconds: float) -> None:
+    """The arguments every streamed-token2wav bench takes: the model, the utterance, the chunk policy."""
     ap.add_argument("--family", default="cosyvoice2", choices=("cosyvoice2", "cosyvoice3"))
     ap.add_argument(
         "--model", type=Path, help="an official-layout model dir (default: a random full-size one)"
     )
     ap.add_argument("--work", type=Path, default=Path("out/bench-models"), help="where test models are made")
-    ap.add_argument("--seconds", type=float, default=32.0, help="speech after the prompt (default 32)")
+    ap.add_argument(
+        "--seconds", type=float, default=seconds, help=f"speech after the prompt (default {seconds:g})"
+    )
     ap.add_argument("--prompt-seconds", type=float, default=3.0)
     ap.add_argument("--policy", default="reference", choices=("reference", "low-latency"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    stream_args(ap, 32.0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--compare", action="store_true", help="also the cumulative path, interleaved")
     ap.add_argument("--pipeline", action="store_true", help="the served path, LM included (see above)")

@@ -278,3 +278,42 @@ def test_engine_batch_flow_streaming_sft_equals_unbatched(tiny_model_dir: Path) 
     for a, b in zip(batched, single, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=AUDIO_ATOL, rtol=0)
+
+
+def test_cosyvoice2_streams_stack_their_vocoder_calls(cv2_model_dir: Path) -> None:
+    """``batch_flow`` on a CosyVoice2 model stacks what its family stacks (the vocoder: its streamed calls carry
+    their cached mel and source in their arguments) and leaves the flow alone (each request's FlowStream): two
+    concurrent streams of equal length stack every vocoder call and speak what each speaks unbatched."""
+    from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
+
+    options = RuntimeOptions(warmup=False, batch_size=2, batch_flow=True, flow_steps=2)  # steps: only time
+    rt = load_runtime(cv2_model_dir, options)
+    try:
+        t2w = rt.pipeline.token2wav
+        assert isinstance(t2w.hift, VocoderBatcher) and not isinstance(t2w.flow, FlowBatcher)
+        t2w.hift.gather_s = 60.0  # a pair runs as soon as both calls are in: the wait only bounds a failure
+        g = torch.Generator().manual_seed(0)
+        inputs = [
+            (torch.randint(0, 6561, (40,), generator=g).tolist(), torch.randn(1, 192, generator=g))
+            for _ in range(2)
+        ]
+
+        def speak(t2w: Any, i: int) -> torch.Tensor:
+            tokens, embedding = inputs[i]
+            out = t2w(
+                iter(tokens), embedding=embedding, stream=True, generator=torch.Generator().manual_seed(i)
+            )
+            return torch.cat(list(out), dim=1)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            batched = list(pool.map(lambda i: speak(t2w, i), range(2), timeout=120))
+        stats = t2w.hift.stats
+        # every call of both streams ran in a pair (each stream's chunks and its last call)
+        assert stats.calls >= 4 and stats.batched_calls == stats.calls == 2 * stats.batches, stats
+        alone = Token2Wav2(t2w.flow, t2w.hift.module, t2w.policy, t2w.flow_steps)
+        for i, got in enumerate(batched):
+            want = speak(alone, i)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=AUDIO_ATOL, rtol=0)
+    finally:
+        rt.close()

@@ -59,3 +59,32 @@ def test_voice_states_dry_run_reports_first_audio_ratios_and_bytes_per_voice(
     # the 12 s voice holds about six times the 2 s voice's frames (whole 2 s chunks of its frames)
     held = result["state_bytes"]
     assert 0 < held["2 s"] < held["12 s"] <= 12 * result["bytes_per_second"]
+
+
+def test_stream_budget_dry_run_reports_drops_and_peaks_under_the_bound(
+    cv2_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/stream_budget.py: two concurrent tiny streams, with and without a bound of half their end state:
+    the bounded run holds at most the bound (some stream dropped its state), the unbounded one drops nothing,
+    and both give their bytes back at the end; ``--stack`` adds the run with the vocoder stacked."""
+    out = tmp_path / "budget.json"
+    argv = [
+        "stream_budget.py",
+        "--dry-run",
+        "--family",
+        "cosyvoice2",
+        "--model",
+        str(cv2_model_dir),
+        "--stack",
+    ]
+    argv += ["--seconds", "3", "--prompt-seconds", "1", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    _script("stream_budget").main()
+    result = json.loads(out.read_text())
+    (bounded,), (unbounded,) = result["bounded"], result["unbounded"]
+    assert bounded["drops"] >= 1 and bounded["peak_mb"] <= result["budget_mb"], bounded
+    assert unbounded["drops"] == 0 and unbounded["peak_mb"] > result["budget_mb"], unbounded
+    assert bounded["left_mb"] == unbounded["left_mb"] == 0
+    assert bounded["audio_s"] == pytest.approx(unbounded["audio_s"]) and bounded["audio_s"] > 0
+    (stacked,) = result["stacked"]
+    assert stacked["audio_s"] == pytest.approx(unbounded["audio_s"]) and stacked["vocoder_mean_batch"] >= 1

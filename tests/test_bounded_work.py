@@ -196,6 +196,50 @@ def test_flow_and_vocoder_stop_within_a_pass(tiny_model_dir: Path) -> None:
         rt.close()
 
 
+def test_the_lm_prefill_and_steps_of_a_stopped_request_end_at_once(tiny_model_dir: Path) -> None:
+    """The torch runtime hands the request's stop signal to the LM's decode loop: a stop that comes while the
+    prompt is prefilled ends it before the next layer, with no decode step after; a stop that comes during a
+    step ends the row without the next step (before: the prefill ran whole and the loop took one more step)."""
+    rt = load_runtime(tiny_model_dir, RuntimeOptions(warmup=False))
+    try:
+        lm = rt.pipeline.llm
+        layers: list[int] = []
+        steps = {"n": 0}
+        stop = threading.Event()
+        hooks = [
+            layer.register_forward_hook(lambda *a, i=i: layers.append(i))
+            for i, layer in enumerate(lm.stack.encoders)
+        ]
+        assert len(hooks) > 1, "the test needs a stack of several layers"
+        decode = lm.decode
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            steps["n"] += 1
+            if steps["n"] == 3:
+                stop.set()  # the client leaves during the third step
+            return decode(*args, **kwargs)
+
+        lm.decode = counted
+        try:
+            hooks.append(lm.stack.encoders[0].register_forward_hook(lambda *a: stop.set()))
+            assert list(rt.start(SynthesisRequest(text="hello there", seed=1), stop.is_set)) == []
+            assert layers == [0] and steps["n"] == 0, (
+                f"layers {layers}, {steps['n']} steps ran after the stop"
+            )
+            hooks.pop().remove()
+            stop.clear()
+            layers.clear()
+            assert list(rt.start(SynthesisRequest(text="hello there", seed=1), stop.is_set)) == []
+            assert steps["n"] == 3, f"{steps['n']} decode steps: the loop stepped on after the stop"
+            assert rt.pipeline.decoder.active == 0, "the stopped row should have given its cache row back"
+        finally:
+            del lm.decode
+            for h in hooks:
+                h.remove()
+    finally:
+        rt.close()
+
+
 def test_an_onnx_run_of_a_stopped_request_is_terminated(tiny_lite_bundle: Path) -> None:
     """One ORT run holds no Python code: the terminate watcher must end it (not let it run to its end)."""
     from cosyserve.runtime.lite import terminate

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cosyserve.core.sampling import Sampler, SamplingConfig, array_ops, row_key
+from cosyserve.core.stop import Stopped
 from cosyserve.models.llm import TransformerLM
 from cosyserve.models.qwen2lm import Qwen2Config, Qwen2LM, Qwen2LMConfig
 from cosyserve.runtime import decode, lm, readback, rows
@@ -324,3 +325,17 @@ def test_the_loop_on_cuda_never_synchronises() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(out) == spec.max_len
+
+
+def test_a_stopped_row_waiting_for_a_cache_row_is_never_prefilled() -> None:
+    """A request stopped while it waits for a free row (its client left the queue) ends with Stopped at the next
+    step, without a prefill; the row that holds the cache goes on."""
+    lm = _qwen()
+    loop = DecodeLoop(lm, 1, threaded=False)
+    first = loop.generate(_one_shot(lm, 0), 1)
+    next(first)  # holds the only cache row
+    waiting = loop.generate(_one_shot(lm, 1), 2, should_stop=lambda: True)
+    with pytest.raises(Stopped):
+        next(waiting)
+    assert loop.stats.prefills == 1, "the stopped row was prefilled"
+    assert len(list(first)) > 0

@@ -220,6 +220,61 @@ def test_a_stream_past_its_state_bound_continues_on_the_cumulative_path(cv3: dic
     )
 
 
+def test_the_streams_share_one_budget_and_give_back_their_bytes(cv3: dict) -> None:
+    """The model's bound on every stream's state together (``streams_max_bytes``): two streams interleaved, with
+    room for three first chunks' states (50 frames each), fit until the first one's second chunk (150 frames)
+    would pass it; that one drops its state (its later chunks on the cumulative path) while the other keeps its
+    own, and both speak the same audio; an ended stream, and one closed mid-way (a client gone), hold nothing
+    after."""
+    x = {**_inputs(80, 0), "prompt_token": torch.zeros(1, 0, dtype=torch.int32)}
+    x["prompt_feat"] = torch.zeros(1, 0, 80)
+    shared = VoiceStates(1 << 30)
+    a, b = (_speak_lazily(_t2w(cv3, voices=shared, flow_steps=2), x) for _ in range(2))  # steps: time only
+    got_a = [next(a)]
+    first = shared.stream_bytes  # one stream's state after its first chunk
+    got_b = [next(b)]
+    assert first > 0 and shared.stream_bytes == 2 * first
+    shared.streams_max_bytes = 3 * first
+    got_a.append(next(a))  # 150 + 50 frames would not fit: `a` drops its state
+    got_b.append(next(b))  # 150 frames: `b` keeps its own
+    assert shared.stream_drops == 1 and first < shared.stream_bytes <= 3 * first
+    got_a += list(a)
+    got_b += list(b)
+    assert shared.stream_peak <= 3 * first and shared.stream_bytes == 0, "ended streams should hold nothing"
+    atol = cv3["atol"]["token2wav_stream"]
+    assert all(torch.allclose(g, w, atol=atol) for g, w in zip(got_a, got_b, strict=True))
+    closed = _speak_lazily(_t2w(cv3, voices=shared, flow_steps=2), x)
+    next(closed)
+    assert shared.stream_bytes > 0
+    closed.close()
+    assert shared.stream_bytes == 0, "a stream closed mid-way (its client gone) should give its bytes back"
+
+
+def test_the_default_budget_is_a_quarter_of_the_memory_limit_shared_by_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, ``stream_state_budget_mb`` is a quarter of the memory limit divided among the worker processes
+    (each loads its own models: four workers with a quarter each would take it all); 0 is no bound; a bad value
+    names the field."""
+    from cosyserve.runtime import RuntimeOptions
+    from cosyserve.system import pagecache
+
+    monkeypatch.setattr(pagecache, "memory_limit_bytes", lambda: 8 << 30)
+    assert RuntimeOptions().stream_state_budget() == 2 << 30
+    assert RuntimeOptions(stream_state_shares=4).stream_state_budget() == 512 << 20
+    assert (
+        RuntimeOptions(stream_state_budget_mb=100, stream_state_shares=4).stream_state_budget() == 100 << 20
+    )
+    assert RuntimeOptions(stream_state_budget_mb=0).stream_state_budget() is None
+    with pytest.raises(ValueError, match="stream_state_budget_mb"):
+        RuntimeOptions(stream_state_budget_mb=-1)
+
+
+def _speak_lazily(t2w: Token2Wav2, x: dict[str, Any]) -> Any:
+    kw = {k: v for k, v in x.items() if k != "tokens"}
+    return t2w(iter(x["tokens"]), stream=True, generator=torch.Generator().manual_seed(5), **kw)
+
+
 class _State:
     def __init__(self, n: int) -> None:
         self.n = n

@@ -429,6 +429,17 @@ class Settings:
         "each chunk costs its own frames); past it the request's next chunks re-run the flow on everything so far, "
         "as the reference does; 0: no bound",
     )
+    stream_state_budget_mb: int | None = _loading(
+        None,
+        env="COSYSERVE_STREAM_STATE_BUDGET_MB",
+        flag="--stream-state-budget-mb",
+        cast=Int(0, 1 << 24),
+        doc="the most memory the streamed CosyVoice2/3 requests' flow states of one loaded model may hold "
+        "together (each bounded by `stream_state_mb` too); a stream whose next chunk would pass it continues as "
+        "past its own bound (it is not refused: its audio has started and its length is unknown in advance); "
+        "each instance of a model has its own; 0: no bound",
+        shown="a quarter of the memory limit (cgroup or RAM), divided among the --workers",
+    )
     voice_cache_disk: bool = _loading(
         False,
         env="COSYSERVE_VOICE_CACHE_DISK",

@@ -49,7 +49,9 @@ class Family:
         reruns_flow: streaming calls the flow on every token so far (CosyVoice2/3: the reference's rule, which
             cosyserve computes keeping the final frames), instead of windows that carry a flow cache (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
-        stacks_flow: concurrent requests' flow and vocoder calls may run stacked (``batch_flow``).
+        stacks: the token2wav parts (``flow``, ``hift``) whose concurrent same-shape calls may run stacked
+            (``batch_flow``, :mod:`cosyserve.runtime.stacking`): a part whose calls carry no state of their own
+            between chunks, or carry it in their arguments.
         test_model: ``module:function`` writing a random-weight model dir: ``(dir, size, seed, onnx) -> info``.
         conformance_kinds: fixture kind -> the module holding its function (``KINDS``), by import string.
         hub_ids: official model ids on the hubs (Hugging Face ``owner/name``; ModelScope ``iic/name``).
@@ -72,7 +74,7 @@ class Family:
     lite_kinds: ClassVar[tuple[str, ...]] = ()
     reruns_flow: ClassVar[bool] = True
     random_vocoder: ClassVar[bool] = True
-    stacks_flow: ClassVar[bool] = False
+    stacks: ClassVar[tuple[str, ...]] = ()
     test_model: ClassVar[str]
     conformance_kinds: ClassVar[Mapping[str, str]]
     hub_ids: ClassVar[tuple[str, ...]] = ()

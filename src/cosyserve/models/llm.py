@@ -152,10 +152,11 @@ class SpeechLM(nn.Module):
 
     def extend(self, x: Tensor, row: int, start: int, stop: Any = None) -> Tensor:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``: (1, V) float32 log-probabilities of
-        the token after it (``stop`` is not asked: the decode loop asks between steps)."""
+        the token after it. ``stop`` is asked before each layer (a prompt's prefill is the longest run of the LM:
+        a 12 s voice's is seconds on a CPU), raising :class:`~cosyserve.core.stop.Stopped`."""
         rows = None if row == 0 else torch.tensor([row], device=x.device)
         pos = torch.full((1,), start, dtype=torch.int64, device=x.device)
-        return self._logprobs(self.stack.forward_cached(x, pos, start + x.shape[1], rows)[:, -1])
+        return self._logprobs(self.stack.forward_cached(x, pos, start + x.shape[1], rows, stop)[:, -1])
 
     def decode(
         self, tokens: Tensor, pos: Tensor, kv_len: int, rows: Tensor | None = None, stops: Any = None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyserve.core.sampling import SamplingConfig, StopRules
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.llm import SpeechLM
 from cosyserve.models.transformer import DecodeStep, KVCache, cache_dtype
 
@@ -231,7 +232,12 @@ class Qwen2Model(nn.Module):
         return 0 if cache is None else cache.k_cache.size(2)
 
     def forward_cached(
-        self, xs: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+        self,
+        xs: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        rows: Tensor | None = None,
+        stop: ShouldStop | None = None,
     ) -> Tensor:
         """Run new inputs through the stack against the KV caches (causal).
 
@@ -240,6 +246,8 @@ class Qwen2Model(nn.Module):
             input_pos: (B,) int64 start position per row.
             kv_len: host int >= max(input_pos) + T.
             rows: (B,) cache rows, or None for 0..B-1.
+            stop: asked before each layer (:class:`cosyserve.core.stop.Stopped` once it says True): a long
+                prompt's prefill ends within a layer of a stop.
         Returns:
             (B, T, hidden), after the final norm (the reference's ``hidden_states[-1]``).
         """
@@ -251,6 +259,7 @@ class Qwen2Model(nn.Module):
         step = DecodeStep(pos, dist.clamp(min=0), (dist < 0).unsqueeze(1), kv_len, rows)
         cos, sin = self._rotary(pos)
         for layer in self.layers:
+            check(stop)
             xs = layer(xs, cos, sin, step)
         return self.norm(xs)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.attention import (
     DecodeStep,
     EspnetRelPositionalEncoding,
@@ -385,7 +386,12 @@ class _BaseEncoder(nn.Module):
         self._pos_proj_rows = stop
 
     def forward_cached(
-        self, xs: Tensor, input_pos: Tensor, kv_len: int, rows: Tensor | None = None
+        self,
+        xs: Tensor,
+        input_pos: Tensor,
+        kv_len: int,
+        rows: Tensor | None = None,
+        stop: ShouldStop | None = None,
     ) -> Tensor:
         """Run new tokens through the stack against the KV caches (causal within and across steps).
 
@@ -394,6 +400,8 @@ class _BaseEncoder(nn.Module):
             input_pos: (B,) int64 start position per row (rows may be at different positions).
             kv_len: host int >= max(input_pos) + T: how many cache positions the step reads.
             rows: (B,) cache rows to use, or None for rows 0..B-1.
+            stop: asked before each layer (:class:`cosyserve.core.stop.Stopped` once it says True): a long
+                prompt's prefill ends within a layer of a stop.
         Returns:
             (B, T, output_size) outputs, after ``after_norm``.
         """
@@ -406,6 +414,7 @@ class _BaseEncoder(nn.Module):
         self._ensure_pos_proj(kv_len)
         xs, _ = self.embed(xs)
         for layer in self.encoders:
+            check(stop)
             xs = layer(xs, None, None, step)
         if self.cfg.normalize_before:
             xs = self.after_norm(xs)

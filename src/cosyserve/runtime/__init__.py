@@ -83,7 +83,8 @@ class RuntimeOptions:
             among the requests running at once, see :mod:`cosyserve.runtime.cores`).
         batch_size: requests served at once, their LM steps batched in the model's one decode loop (its rows); 1
             serves one at a time.
-        batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes.
+        batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes (the
+            parts the family stacks: CosyVoice-300M's flow and vocoder, CosyVoice2's vocoder).
         text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.
         zero_shot_tier: the prompt modes' ONNX sessions: ``lazy`` (first request) or ``background``.
         registry_dir: where registered voices live (None: the cache dir, per model).
@@ -104,6 +105,11 @@ class RuntimeOptions:
         voice_cache_disk: also store registered voices' flow states beside the registry.
         stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
             re-run the flow on everything so far (0: no bound).
+        stream_state_budget_mb: the most every streamed request's flow state of the model may hold together; a
+            stream whose next chunk would pass it goes on as past ``stream_state_mb`` (None: a quarter of the
+            memory this process may use, see :meth:`stream_state_budget`; 0: no bound).
+        stream_state_shares: the processes that share that default quarter (the server's ``workers``: each forked
+            worker loads its own models).
         fork_template: load in a prefork template that will be forked without exec: start no thread (native
             ones included) and leave none running when the load returns; the work a runtime would do in the
             background after READY is done before it returns or, when it would start threads (ONNX sessions),
@@ -138,6 +144,8 @@ class RuntimeOptions:
     voice_cache_mb: int = 4096
     voice_cache_disk: bool = False
     stream_state_mb: int = 8192
+    stream_state_budget_mb: int | None = None
+    stream_state_shares: int = 1
     fork_template: bool = False
     device: str = "cpu"
 
@@ -167,6 +175,8 @@ class RuntimeOptions:
             voice_cache_mb=s.voice_cache_mb,
             voice_cache_disk=s.voice_cache_disk,
             stream_state_mb=s.stream_state_mb,
+            stream_state_budget_mb=s.stream_state_budget_mb,
+            stream_state_shares=s.workers,
             device=s.device,
         )
         return dataclasses.replace(options, **overrides) if overrides else options
@@ -197,12 +207,29 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
-        for name in ("voice_cache_mb", "stream_state_mb"):
+        shares = self.stream_state_shares
+        if isinstance(shares, bool) or not isinstance(shares, int) or shares < 1:
+            raise ValueError(f"stream_state_shares must be an integer >= 1, got {self.stream_state_shares!r}")
+        for name in ("voice_cache_mb", "stream_state_mb", "stream_state_budget_mb"):
             value = getattr(self, name)
+            if value is None and name == "stream_state_budget_mb":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not _is_device_name(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N (N >= 0), got {self.device!r}")
+
+    def stream_state_budget(self) -> int | None:
+        """The bytes of ``stream_state_budget_mb`` (None: no bound). Unset, a quarter of the memory this process may
+        use (its cgroup's limit, or the machine's RAM), divided among ``stream_state_shares`` worker processes:
+        the model's weights, its voice cache (``voice_cache_mb``), the LM's caches and the other models of a pool
+        share the rest; a quarter of 24 GiB keeps about 27 s of CosyVoice2 speech (fp32) in the streams' states
+        together. Each loaded instance of a model has its own bound."""
+        if self.stream_state_budget_mb is None:
+            from cosyserve.system.pagecache import memory_limit_bytes
+
+            return memory_limit_bytes() // 4 // self.stream_state_shares
+        return (self.stream_state_budget_mb << 20) or None
 
 
 def _is_device_name(value: object) -> bool:

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cosyserve.core.sampling import Sampler
-from cosyserve.core.stop import ShouldStop, Stopped
+from cosyserve.core.stop import ShouldStop, Stopped, check
 from cosyserve.runtime.lm import (
     DecodeLM,
     OneShot,
@@ -146,8 +146,10 @@ class DecodeLoop:
             key: the sampler key (:func:`cosyserve.core.sampling.row_key`).
             teacher: tokens to take instead of samples (a streamed-text row's forced fills take none).
             record: where each step's (log-probabilities before any mask, id) go, fills and stops included.
-            should_stop: the request's stop signal: the LM may end the row's running work with it (the lite
-                runtime terminates its ONNX Runtime run), and the row then ends with :class:`Stopped`.
+            should_stop: the request's stop signal, asked by the loop before the row joins, before each of its
+                steps and after each token its consumer takes, and handed to the LM, which may end the row's
+                running work with it (a prefill between layers; the lite runtime terminates its ONNX Runtime
+                run): the row then ends with :class:`Stopped`, its cache row freed, no step of it run after.
         Raises:
             ValueError: a teacher token the row's phase does not accept, or too few of them.
             Stopped: ``should_stop`` ended the row's work.
@@ -215,6 +217,7 @@ class DecodeLoop:
                     raise RuntimeError(f"decode loop ({self.name}) failed: {item!r}") from item
                 row.taken += 1
                 yield item
+                check(row.should_stop)  # a stopped request costs at most the token it took
         finally:
             with self._cv:
                 if not row.finished:
@@ -303,9 +306,16 @@ class DecodeLoop:
 
     def _step_rows(self) -> bool:
         with self._cv:
+            rows = [*self._waiting, *self._active]
+        # stopped rows end here (their signals asked outside the lock): a waiting one is never admitted, an
+        # active one runs no further step
+        stopped = [r for r in rows if r.should_stop is not None and not r.finished and r.should_stop()]
+        with self._cv:
             for row in [r for r in self._active if r.cancelled]:
                 self._finish_locked(row)
-            self._waiting = deque(r for r in self._waiting if not r.cancelled)
+            for row in stopped:
+                self._finish_locked(row, Stopped())
+            self._waiting = deque(r for r in self._waiting if not r.cancelled and not r.finished)
             joiners = []
             while self._waiting and self._free:
                 row = self._waiting.popleft()
@@ -332,6 +342,10 @@ class DecodeLoop:
         # a failure of one row's work (or of a batch's step) ends those rows with it; the loop goes on
         try:
             fn(*args)
+        except Stopped as e:  # a row's run ended by its stop signal (the LM asks it): not a failure
+            with self._cv:
+                for row in rows:
+                    self._finish_locked(row, e)
         except Exception as e:  # noqa: BLE001 - handed to the rows' consumers
             logger.exception("decode loop %s: a step failed", self.name)
             with self._cv:

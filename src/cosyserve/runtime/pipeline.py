@@ -67,13 +67,6 @@ class PreparedRequest:
     pieces: list[str] = field(default_factory=list)
 
 
-def _until(tokens: Iterator[int], should_stop: Callable[[], bool]) -> Iterator[int]:
-    # a cancelled request costs at most one more speech token
-    for token in tokens:
-        yield token
-        check(should_stop)
-
-
 def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.tensor([ids], dtype=torch.int32)  # [1, n]
     return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32)
@@ -332,9 +325,8 @@ class Pipeline(ModelModes):
                 )
             else:
                 spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
-            tokens: Iterator[int] = self.decoder.generate(spec, key)
-            if should_stop is not None:
-                tokens = _until(tokens, should_stop)
+            # the loop asks the stop signal before the row joins, between its prefill's layers and its steps
+            tokens: Iterator[int] = self.decoder.generate(spec, key, should_stop=should_stop)
             tokens = self.family.speech_tokens(tokens)
         else:  # vc: the LLM is bypassed
             tokens = source.flatten().tolist()

@@ -91,15 +91,21 @@ class TorchRuntime(RuntimeVoices):
         # or stacked where shapes match
         from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
-        p = self.pipeline
-        if options.batch_flow and not p.family.stacks_flow:
-            logger.warning(
-                "%s: flow and vocoder stacking (batch_flow) is built for CosyVoice-300M only; off", name
-            )
-        elif options.batch_flow:
-            t2w = p.token2wav
+        if not options.batch_flow:
+            return
+        t2w, stacks = self.pipeline.token2wav, self.pipeline.family.stacks
+        if "flow" in stacks:
             t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
+        if "hift" in stacks:
             t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
+        alone = [part for part in ("flow", "hift") if part not in stacks]
+        if alone:
+            logger.warning(
+                "%s: batch_flow stacks %s; this family's %s calls run alone (their state is per request)",
+                name,
+                " and ".join(stacks) or "nothing",
+                " and ".join(alone),
+            )
 
     def on_lm_step(self, record: Callable[[int], None]) -> None:
         self.pipeline.decoder.on_step = record
@@ -257,6 +263,7 @@ def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, 
         folder if options.voice_cache_disk else None,
         hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
         (options.stream_state_mb << 20) or None,
+        options.stream_state_budget(),
     )
 
 

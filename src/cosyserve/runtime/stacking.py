@@ -12,7 +12,11 @@ drawing its sine phase and noise from its own generator before it waits. The sta
 waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
 (hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
 lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
-per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``).
+per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``). A family names the parts
+it stacks (``Family.stacks``): CosyVoice-300M's flow and vocoder; CosyVoice2's vocoder (its streamed calls carry
+their cached mel and source in their arguments, and reach equal shapes once the hops reach their longest), not its
+flow, whose streamed calls keep each request's attention state (a FlowStream of the request's own length);
+CosyVoice3's neither (its causal vocoder keeps per-stream state too).
 
 The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 """

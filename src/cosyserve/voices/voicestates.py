@@ -16,6 +16,14 @@ With a folder (the voice registry's ``.flow-states/``), a registered voice's sta
 safetensors file named by the prompt's digest and the model's tag (its weights' key, flow dtype, device kind and
 steps), and mapped from there (zero copy, page cache) by a later process; a file of another tag means the model
 changed since: it is recomputed, written anew and the old one removed.
+
+The streams' own states (what each streamed request adds to its voice's state as it speaks, the same bytes per
+second of speech) are accounted here too, under two bounds: one request's (``stream_max_bytes``) and every
+stream's of the model together (``streams_max_bytes``). A stream whose next chunk would pass either drops its
+state and continues on the cumulative path (each later chunk re-runs the flow on all its tokens, as the reference
+does, exact, holding no state between chunks). It is not refused or paused: its audio has started, and its length
+is not known in advance (streamed text), so no admission rule could reserve its bytes; what it loses is the
+incremental path's speed, for its own later chunks only, while every other stream keeps its state.
 """
 
 from __future__ import annotations
@@ -92,6 +100,9 @@ class VoiceStates:
         stream_max_bytes: the most a request's own flow state may hold (its stated bound): past it, the request
             continues on the cumulative path (every call re-runs the flow on all its tokens, as the reference
             does), whose memory does not grow with what it kept; None: no bound.
+        streams_max_bytes: the most every streamed request's own flow state may hold together (the model's
+            bound): a stream whose state would take the sum past it continues on the cumulative path; None: no
+            bound.
     """
 
     def __init__(
@@ -100,9 +111,14 @@ class VoiceStates:
         folder: Callable[[], Path | None] | None = None,
         model_tag: str = "",
         stream_max_bytes: int | None = None,
+        streams_max_bytes: int | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self.stream_max_bytes = stream_max_bytes
+        self.streams_max_bytes = streams_max_bytes
+        self.stream_bytes = 0  # what the streams' own states hold now
+        self.stream_peak = 0
+        self.stream_drops = 0  # streams that went on without their state
         self._folder = folder
         self.model_tag = model_tag
         self._lock = threading.Lock()
@@ -148,6 +164,34 @@ class VoiceStates:
                 self._store(key, state)
         self._put(key, state, registered)
         return state.fork()
+
+    def hold(self, stream: Any, nbytes: int) -> str | None:
+        """Account ``nbytes`` as what ``stream`` (a request's stream state: its charge is its ``charged``) holds
+        now.
+
+        Returns:
+            None when it may keep them; else the setting whose bound it would pass (``stream_state_mb``: its own,
+            ``stream_state_budget_mb``: every stream's together), its charge released: it drops its state.
+        """
+        with self._lock:
+            total = self.stream_bytes - stream.charged + nbytes
+            over = None
+            if self.stream_max_bytes is not None and nbytes > self.stream_max_bytes:
+                over = "stream_state_mb"
+            elif self.streams_max_bytes is not None and total > self.streams_max_bytes:
+                over = "stream_state_budget_mb"
+            self.stream_bytes -= stream.charged
+            stream.charged = 0 if over else nbytes
+            self.stream_bytes += stream.charged
+            self.stream_peak = max(self.stream_peak, self.stream_bytes)
+            self.stream_drops += over is not None
+        return over
+
+    def release(self, stream: Any) -> None:
+        """``stream`` holds nothing any more (it ended, or dropped its state)."""
+        with self._lock:
+            self.stream_bytes -= stream.charged
+            stream.charged = 0
 
     def keep(
         self, flow: Any, prompt_token: Any, prompt_feat: Any, embedding: Any, n_timesteps: int | None

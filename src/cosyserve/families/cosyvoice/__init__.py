@@ -56,7 +56,7 @@ class CosyVoice(Family):
     lite_export = "cosyserve.bundle.lite.export_300m:export"
     lite_parts = ("llm", "flow", "hift")
     reruns_flow = False
-    stacks_flow = True
+    stacks = ("flow", "hift")
     test_model = "cosyserve.families.cosyvoice.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = {
         **dict.fromkeys(

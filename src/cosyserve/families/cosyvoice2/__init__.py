@@ -44,6 +44,9 @@ class CosyVoice2(Family):
     required_files = QWEN_FILES[:3]
     registry_folder = "cosyvoice2"
     instruct_mode = "instruct2"
+    # its vocoder's calls carry their state (the cached mel and source) in their arguments; its flow's streamed
+    # calls keep theirs in each request's FlowStream, of its own length: they run alone
+    stacks = ("hift",)
     test_model = "cosyserve.families.cosyvoice2.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
         (

@@ -109,7 +109,9 @@ class StreamState:
     """A request's token2wav state between chunks, apart from the modules: its prompt, the flow's kept frames
     (None: the flow re-runs on every token, as the reference's), the vocoder's state (the family's: CosyVoice2's
     cached frames, source and audio tail; CosyVoice3's :class:`~cosyserve.models.causal_hift.VocoderStream`), the
-    tokens already spoken and the next hop."""
+    tokens already spoken and the next hop; ``shared`` is what its flow state shares with its voice's (bytes
+    counted there) and ``charged`` what its own part holds (accounted by
+    :meth:`~cosyserve.voices.voicestates.VoiceStates.hold`)."""
 
     prompt_token: torch.Tensor
     prompt_feat: torch.Tensor
@@ -118,6 +120,8 @@ class StreamState:
     vocoder: Any = None
     offset: int = 0
     hop: int = 0
+    shared: int = 0
+    charged: int = 0
 
     def nbytes(self) -> int:
         flow = self.flow.nbytes() if self.flow is not None else 0
@@ -175,6 +179,7 @@ class Token2Wav2:
             state.flow = self.voices.stream(
                 self.flow, prompt_token, prompt_feat, embedding, self.flow_steps, should_stop
             )
+            state.shared = state.flow.nbytes()
         else:
             state.flow = self.flow.new_stream(self.flow_steps)
         return state
@@ -245,14 +250,18 @@ class Token2Wav2:
         )  # fmt: skip
         if finalize:
             state.flow = None  # the last call's full attention changes every frame: nothing kept serves again
+            if self.voices is not None:
+                self.voices.release(state)
         elif state.flow is not None and self.voices is not None:
-            limit = self.voices.stream_max_bytes
-            if limit is not None and state.flow.nbytes() > limit:
+            over = self.voices.hold(state, state.flow.nbytes() - state.shared)
+            if over is not None:
                 logger.info(
-                    "a stream's flow state passed %.0f MB (stream_state_mb) after %d tokens: its next chunks re-run "
-                    "the flow on every token",
-                    limit / 2**20,
+                    "a stream's flow state would pass %s after %d tokens (%.0f MB of its own, %.0f MB held by the "
+                    "model's streams): its next chunks re-run the flow on every token",
+                    over,
                     len(tokens),
+                    (state.flow.nbytes() - state.shared) / 2**20,
+                    self.voices.stream_bytes / 2**20,
                 )
                 state.flow = None
         return mel[:, :, state.offset * self.policy.token_mel_ratio :]
@@ -311,24 +320,30 @@ class Token2Wav2:
         buffer: list[int] = []
         state: StreamState | None = None
         pad = p.prompt_pad(prompt_token.shape[1])
-        for tok in tokens:
-            buffer.append(tok)
-            if state is None:
-                # made when the first token arrives: a request that speaks nothing computes no prompt states
-                state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
-            while True:
-                this_hop = state.hop + pad if state.offset == 0 else state.hop
-                if len(buffer) - state.offset < this_hop + p.pre_lookahead_len:
-                    break
-                speech = self._call(
-                    buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
-                    finalize=False, speed=1.0, draws=next(draws, {}), generator=generator, should_stop=should_stop,
+        try:
+            for tok in tokens:
+                buffer.append(tok)
+                if state is None:
+                    # made when the first token arrives: a request that speaks nothing computes no prompt states
+                    state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
+                while True:
+                    this_hop = state.hop + pad if state.offset == 0 else state.hop
+                    if len(buffer) - state.offset < this_hop + p.pre_lookahead_len:
+                        break
+                    speech = self._call(
+                        buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
+                        finalize=False, speed=1.0, draws=next(draws, {}), generator=generator,
+                        should_stop=should_stop,
+                    )  # fmt: skip
+                    state.offset += this_hop
+                    state.hop = p.next_hop(state.hop)
+                    yield speech
+            if state is not None:
+                yield self._call(
+                    buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}),
+                    generator=generator, should_stop=should_stop,
                 )  # fmt: skip
-                state.offset += this_hop
-                state.hop = p.next_hop(state.hop)
-                yield speech
-        if state is not None:
-            yield self._call(
-                buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}), generator=generator,
-                should_stop=should_stop,
-            )  # fmt: skip
+        finally:
+            # ended, stopped or closed: its bytes leave the model's streams' account
+            if state is not None and self.voices is not None:
+                self.voices.release(state)

@@ -143,16 +143,11 @@ class LitePipeline(ModelModes):
         rng: np.random.Generator,
         should_stop: Callable[[], bool],
     ) -> Iterator[np.ndarray]:
-        def until(tokens: Iterator[int]) -> Iterator[int]:
-            for tok in tokens:
-                yield tok
-                check(should_stop)
-
         if "source_speech_token" in model_input:  # vc: the LM is bypassed
             tokens: Iterator[int] = iter(_flat(model_input["source_speech_token"]))
         else:
             spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
-            tokens = until(self.decoder.generate(spec, key, should_stop=should_stop))
+            tokens = self.decoder.generate(spec, key, should_stop=should_stop)
         feat = model_input.get("prompt_speech_feat")
         for chunk in self.token2wav(
             tokens,
