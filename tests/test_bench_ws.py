@@ -55,29 +55,33 @@ def test_load_dry_run_reports_every_level_and_what_the_loop_left(work: Path, tmp
     """If this fails, bench/ws_load.py no longer runs end to end (make, serve, sessions at LLM pace, the loop of
     sessions, the server's /proc counts), or a level lost a figure, or it counts an error on a healthy server."""
     out = tmp_path / "load.json"
-    r = run("ws_load.py", "--dry-run", "--work", str(work), "--json", str(out), cwd=tmp_path)
+    # the fewest utterances and loop sessions that run every path (the dry run's defaults: 2 and 15)
+    r = run(
+        "ws_load.py", "--dry-run", "--utterances", "1", "--churn", "5", "--work", str(work), "--json", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = rows_after("sessions", r.stdout)
     assert [row[0] for row in rows] == ["1", "2"], r.stdout  # one line per --sessions level, in one table
     result = json.loads(out.read_text())
     for level, row in zip(result["levels"], rows, strict=True):
         n = level["sessions"]
-        assert level["utterances"] == 2 * n and level["errors"] == 0, level  # 2 utterances per session
+        assert level["utterances"] == n and level["errors"] == 0, level  # 1 utterance per session
         assert level["cut"] == 0, "a 300M utterance makes the one-shot request's audio: none is cut"
         # the last word is sent 100 ms after the first text
         assert 0 < level["last_word_p50_ms"] < level["first_text_p50_ms"], level
         assert level["first_text_p50_ms"] <= level["first_text_p99_ms"]
         assert level["xrt"] > 0 and level["wall_s"] > 0 and level["audio_s"] > 0
-        assert row[1] == str(2 * n) and row[3] == "0", row  # the table shows the same figures
+        assert row[1] == str(n) and row[3] == "0", row  # the table shows the same figures
     loop = result["churn"]
-    assert loop["sessions"] == 15 and loop["errors"] == 0, loop
+    assert loop["sessions"] == 5 and loop["errors"] == 0, loop
     before, after = loop["before"], loop["after"]
-    # nothing left behind in the server process: its threads and descriptors (its memory is reported: 15 sessions
+    # nothing left behind in the server process: its threads and descriptors (its memory is reported: a few sessions
     # move RSS by less than its noise; tests/test_server_ws.py counts the Python heap and the sessions exactly)
     assert after["threads"] <= before["threads"] and after["fds"] <= before["fds"], loop
     assert before["rss_kib"] > 0 and after["rss_kib"] > 0
     assert re.search(
-        r"^15 sessions opened and closed .* server threads \d+ -> \d+, file descriptors", r.stdout, re.M
+        r"^5 sessions opened and closed .* server threads \d+ -> \d+, file descriptors", r.stdout, re.M
     )
 
 

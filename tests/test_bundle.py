@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_util import run_main
 from cosyserve.bundle.convert import convert
 from cosyserve.bundle.loader import LoadOptions, is_bundle, open_bundle
 from cosyserve.bundle.official import load_component
@@ -90,25 +91,9 @@ def test_weights_are_mapped_not_copied(bundle_dir: Path) -> None:
     assert all(not p.is_meta for m in parts.modules.values() for p in m.parameters())
 
 
-def test_bundle_conformance_passes(fixture_set_dir: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": SRC}
+def test_bundle_conformance_passes(fixture_set_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = "llm_logprobs,flow_inference,hift_inference,token2wav_stream,token2wav_full"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cosyserve",
-            "conformance",
-            str(fixture_set_dir),
-            "--kinds",
-            kinds,
-            "--via-bundle",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    r = run_main(capsys, "conformance", str(fixture_set_dir), "--kinds", kinds, "--via-bundle")
     assert r.returncode == 0, r.stdout + r.stderr
     assert " 0 failed" in r.stdout
 
@@ -333,26 +318,11 @@ def test_strategies_give_same_audio(bundle_dir: Path, strategy: str) -> None:
         assert m.clock.durations.get("first_touch", 0) > 0
 
 
-def test_startup_report_json(bundle_dir: Path, tmp_path: Path) -> None:
+def test_startup_report_json(bundle_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the command in this process: the starts it measures are processes of their own
     svg = tmp_path / "w.svg"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cosyserve",
-            "startup-report",
-            "--model",
-            str(bundle_dir),
-            "--runs",
-            "1",
-            "--json",
-            "--svg",
-            str(svg),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": SRC},
-        timeout=600,
+    r = run_main(
+        capsys, "startup-report", "--model", str(bundle_dir), "--runs", "1", "--json", "--svg", str(svg)
     )
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
@@ -433,12 +403,12 @@ def test_force_never_replaces_the_model_or_what_is_not_a_bundle(
     ), "a refused conversion left something behind"
 
 
-def test_convert_refusal_is_one_line_from_the_cli(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_convert_refusal_is_one_line_from_the_cli(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model)
-    r = run_python(
-        "from cosyserve.cli import main; main()", "convert", str(model), str(model), "--force", timeout=120
-    )
+    r = run_main(capsys, "convert", str(model), str(model), "--force")
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

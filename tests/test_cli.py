@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_util import run_main
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -14,16 +16,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI subprocess, read when it starts: the session's private cache dir (set by conftest
     after this module is imported) is in it, so no test converts into the user's cache."""
     return {**os.environ, "PYTHONPATH": SRC, **extra}
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cosyserve", *args],
-        capture_output=True,
-        text=True,
-        env=env or cli_env(),
-        timeout=300,
-    )
 
 
 def test_import_and_help_do_not_import_torch() -> None:
@@ -41,9 +33,10 @@ def test_import_and_help_do_not_import_torch() -> None:
     assert "synth" in r.stdout and "make-test-model" in r.stdout
 
 
-def test_synth_writes_wav(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_synth_writes_wav(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "a.wav"
-    r = cli(
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tiny_model_dir),
@@ -62,7 +55,8 @@ def test_synth_writes_wav(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert w.getnframes() > 0
     # the same seed gives the same file
     out2 = tmp_path / "b.wav"
-    r = cli(
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tiny_model_dir),
@@ -79,8 +73,8 @@ def test_synth_writes_wav(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert out.read_bytes() == out2.read_bytes()
 
 
-def test_speakers_lists_spk2info(tiny_model_dir: Path) -> None:
-    r = cli("speakers", "--model", str(tiny_model_dir))
+def test_speakers_lists_spk2info(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_main(capsys, "speakers", "--model", str(tiny_model_dir))
     assert r.returncode == 0, r.stderr
     assert "英文女" in r.stdout.split() and "中文男" in r.stdout.split()
 
@@ -93,22 +87,26 @@ def test_speakers_lists_spk2info(tiny_model_dir: Path) -> None:
     ],
 )
 def test_synth_bad_request_is_one_line_error_without_output(
-    tiny_model_dir: Path, tmp_path: Path, args: list[str], needle: str
+    tiny_model_dir: Path, tmp_path: Path, args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "x.wav"
-    r = cli("synth", "--model", str(tiny_model_dir), *args, "--out", str(out))
+    run_main(
+        capsys, "speakers", "--model", str(tiny_model_dir)
+    )  # its first conversion's line is not the error's
+    r = run_main(capsys, "synth", "--model", str(tiny_model_dir), *args, "--out", str(out))
     assert r.returncode != 0
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and not list(tmp_path.iterdir()), "a partial WAV or temp file was left behind"
 
 
-def test_synth_instruct_mode_on_a_model_that_is_not_instruct(plain_model_dir: Path, tmp_path: Path) -> None:
+def test_synth_instruct_mode_on_a_model_that_is_not_instruct(
+    plain_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--mode instruct`` on a model that is not an -Instruct model is refused (as the reference does) in one
     line naming the flag, and writes nothing."""
     out = tmp_path / "x.wav"
     args = ["--mode", "instruct", "--speaker", "英文女", "--text", "Hi.", "--instruct-text", "Speak calmly."]
-    env = cli_env()
-    r = cli("synth", "--model", str(plain_model_dir), *args, "--out", str(out), env=env)
+    r = run_main(capsys, "synth", "--model", str(plain_model_dir), *args, "--out", str(out))
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]  # (before it: the conversion's log line)
     assert last.startswith("cosyserve synth: error: --mode instruct:") and "not an instruct model" in last, (
@@ -117,8 +115,9 @@ def test_synth_instruct_mode_on_a_model_that_is_not_instruct(plain_model_dir: Pa
     assert "Traceback" not in r.stderr and not out.exists()
 
 
-def test_synth_bad_model_dir(tmp_path: Path) -> None:
-    r = cli(
+def test_synth_bad_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tmp_path / "missing"),
@@ -133,7 +132,8 @@ def test_synth_bad_model_dir(tmp_path: Path) -> None:
     assert "model directory not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "cosyvoice.yaml").write_text("llm: [unclosed\n")
-    r = cli(
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tmp_path / "m"),
@@ -148,20 +148,34 @@ def test_synth_bad_model_dir(tmp_path: Path) -> None:
     assert not (tmp_path / "x.wav").exists()
 
 
-def test_synth_corrupt_weights_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_synth_corrupt_weights_named(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in tiny_model_dir.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / "flow.pt").write_bytes(b"not a checkpoint")
-    r = cli(
-        "synth", "--model", str(bad), "--speaker", "英文女", "--text", "Hi.", "--out", str(tmp_path / "x.wav")
+    r = run_main(
+        capsys,
+        "synth",
+        "--model",
+        str(bad),
+        "--speaker",
+        "英文女",
+        "--text",
+        "Hi.",
+        "--out",
+        str(tmp_path / "x.wav"),
     )
     assert r.returncode != 0 and "flow.pt" in r.stderr, r.stderr
 
 
-def test_synth_unwritable_output(tiny_model_dir: Path, tmp_path: Path) -> None:
-    r = cli(
+def test_synth_unwritable_output(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tiny_model_dir),
@@ -175,8 +189,11 @@ def test_synth_unwritable_output(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert r.returncode != 0 and "does not exist" in r.stderr
 
 
-def test_stream_with_speed_is_a_usage_error(tiny_model_dir: Path, tmp_path: Path) -> None:
-    r = cli(
+def test_stream_with_speed_is_a_usage_error(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(tiny_model_dir),
@@ -193,13 +210,16 @@ def test_stream_with_speed_is_a_usage_error(tiny_model_dir: Path, tmp_path: Path
     assert r.returncode == 2 and "--speed" in r.stderr
 
 
-def test_model_from_env(tiny_model_dir: Path) -> None:
-    r = cli("speakers", env=cli_env(COSYSERVE_MODEL=str(tiny_model_dir)))
+def test_model_from_env(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COSYSERVE_MODEL", str(tiny_model_dir))
+    r = run_main(capsys, "speakers")
     assert r.returncode == 0 and "英文男" in r.stdout
 
 
-def test_make_test_model_refuses_existing_dir(tmp_path: Path) -> None:
-    r = cli("make-test-model", str(tmp_path))
+def test_make_test_model_refuses_existing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_main(capsys, "make-test-model", str(tmp_path))
     assert r.returncode != 0 and "already exists" in r.stderr
 
 
@@ -435,17 +455,20 @@ def test_missing_dependency_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_first_conversion_is_one_progress_line_not_a_warning(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_first_conversion_is_one_progress_line_not_a_warning(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """If this fails, the expected first conversion of a model dir is logged as a WARNING (it is normal, not a
     problem), or the CLI user no longer sees one short line saying what the pause is."""
-    env = cli_env(COSYSERVE_CACHE_DIR=str(tmp_path / "cache"), PREWARM_MODELS="0")
+    monkeypatch.setenv("COSYSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PREWARM_MODELS", "0")
     args = ("synth", "--model", str(tiny_model_dir), "--speaker", "英文女", "--text", "Hi.", "--out")
-    r = cli(*args, str(tmp_path / "a.wav"), env=env)
+    r = run_main(capsys, *args, str(tmp_path / "a.wav"))
     assert r.returncode == 0, r.stderr
     lines = r.stderr.strip().splitlines()
     assert "WARNING" not in r.stderr and len(lines) == 1, r.stderr
     assert lines[0].startswith("cosyserve: converting ") and "once" in lines[0], lines
-    r = cli(*args, str(tmp_path / "b.wav"), env=env)
+    r = run_main(capsys, *args, str(tmp_path / "b.wav"))
     assert r.returncode == 0 and r.stderr == "", "a cached conversion must start silently: " + r.stderr
 
 
@@ -462,7 +485,9 @@ def test_pyproject_license_is_an_spdx_string() -> None:
     assert m and int(m.group(1)) >= 77, setuptools
 
 
-def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_synth_damaged_onnx_is_one_line_error(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import numpy as np
     import soundfile as sf
 
@@ -474,7 +499,8 @@ def test_synth_damaged_onnx_is_one_line_error(tiny_model_dir: Path, tmp_path: Pa
     prompt = tmp_path / "p.wav"
     sf.write(prompt, (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 220)).astype(np.float32), 16000)
     out = tmp_path / "x.wav"
-    r = cli(
+    r = run_main(
+        capsys,
         "synth",
         "--model",
         str(bundle),
@@ -546,7 +572,9 @@ def test_hub_downloads_skip_the_release_files_cosyserve_never_reads(monkeypatch:
         assert by_hf == by_ms == (name in skipped), name
 
 
-def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_log_level_is_taken_after_the_command_too(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """If this fails, `--log-level` works only before the command (`cosyserve --log-level debug synth ...`), though
     every command takes it, or given after the command it undoes the one given before."""
     from cosyserve.cli.parser import build_parser, flags_of
@@ -561,14 +589,14 @@ def test_log_level_is_taken_after_the_command_too(tiny_model_dir: Path, tmp_path
     ):
         args = parser.parse_args(argv)
         assert Settings.load(flags=flags_of(args), env={}).log_level == level, argv
-    r = cli("speakers", "--model", str(tiny_model_dir), "--log-level", "info")
+    r = run_main(capsys, "speakers", "--model", str(tiny_model_dir), "--log-level", "info")
     assert r.returncode == 0 and " INFO cosyserve." in r.stderr, r.stderr[-3000:]
-    r = cli("synth", "--out", str(tmp_path / "x.wav"), "--log-level", "loud")
+    r = run_main(capsys, "synth", "--out", str(tmp_path / "x.wav"), "--log-level", "loud")
     assert r.returncode == 1 and "--log-level loud" in r.stderr, r.stderr[-3000:]
 
 
 def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """If this fails, importing a spk2info.pt whose pickle names a function (os.system here) shows torch's
     several lines that advise loading it with weights_only=False (running it), or runs it."""
@@ -585,14 +613,8 @@ def test_speakers_import_of_a_pickle_with_code_is_one_line_without_unsafe_advice
         [sys.executable, "-c", code, str(evil), str(marker)], capture_output=True, timeout=120
     )
     assert made.returncode == 0 and evil.is_file(), made.stderr
-    r = cli(
-        "speakers",
-        "import",
-        str(evil),
-        "--model",
-        str(tiny_model_dir),
-        env=cli_env(COSYSERVE_REGISTRY_DIR=str(tmp_path / "voices")),
-    )
+    monkeypatch.setenv("COSYSERVE_REGISTRY_DIR", str(tmp_path / "voices"))
+    r = run_main(capsys, "speakers", "import", str(evil), "--model", str(tiny_model_dir))
     assert r.returncode == 1 and not marker.exists(), r.stderr[-3000:]
     # (a first conversion of the model adds its one progress line, "cosyserve: converting ...")
     lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("cosyserve: ")]
@@ -675,6 +697,7 @@ OMP_PROBE = (
     "def spy(policy):\n"
     "    real(policy)\n"
     "    print('torch-before', 'torch' in sys.modules, os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+    "    os._exit(0)  # what is checked is known now: the command's synthesis would add nothing\n"
     "api.apply_omp_wait_policy = spy\n"
     "from cosyserve.cli import main\n"
     "main(sys.argv[1:])\n"
@@ -706,6 +729,9 @@ def test_omp_wait_policy_is_set_before_torch_loads(
     assert f"torch-before False {expected}" in r.stdout.splitlines(), r.stdout
 
 
-def test_a_bad_omp_wait_policy_stops_the_command_naming_the_variable() -> None:
-    r = cli("speakers", "--model", "x", env=cli_env(COSYSERVE_OMP_WAIT_POLICY="lazy"))
+def test_a_bad_omp_wait_policy_stops_the_command_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COSYSERVE_OMP_WAIT_POLICY", "lazy")
+    r = run_main(capsys, "speakers", "--model", "x")
     assert r.returncode == 1 and "COSYSERVE_OMP_WAIT_POLICY" in r.stderr and "passive" in r.stderr, r.stderr

@@ -1,13 +1,20 @@
-"""The conformance runner against the reference fixtures, through the CLI as CI runs it."""
+"""The conformance runner against the reference fixtures, through the CLI as CI runs it.
+
+The sets run in this process through the CLI's own ``main`` (what ``cosyserve conformance`` runs after parsing, its
+exit status included): torch is imported once for every set, not once per run. One run goes through the real entry
+point in a process of its own (``python -m cosyserve``), for its exit status."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from cli_util import Run, run_main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -19,15 +26,26 @@ IMPLEMENTED = [
 ]  # fmt: skip
 
 
-def conformance(*args: str) -> subprocess.CompletedProcess[str]:
+@pytest.fixture
+def conformance(capsys: pytest.CaptureFixture[str]) -> Callable[..., Run]:
+    """``cosyserve conformance ARGS`` in this process (:func:`cli_util.run_main`); its output shown on a failure."""
+
+    def run(*args: str) -> Run:
+        r = run_main(capsys, "conformance", *args)
+        print(r.stdout)
+        return r
+
+    return run
+
+
+def entry_point(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "cosyserve", "conformance", *args]
     env = {**os.environ, "PYTHONPATH": SRC}  # read now: conftest has set the session's private cache dir
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
 
-def test_fixture_set_passes(fixture_set_dir: Path) -> None:
+def test_fixture_set_passes(conformance: Callable[..., Run], fixture_set_dir: Path) -> None:
     r = conformance(str(fixture_set_dir), "--kinds", ",".join(IMPLEMENTED))
-    print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
     doc = json.loads((fixture_set_dir / "cases.json").read_text())
@@ -35,7 +53,8 @@ def test_fixture_set_passes(fixture_set_dir: Path) -> None:
 
 
 def test_wrong_expectation_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
-    # a case whose expected output is wrong must fail the run: the runner really compares
+    # a case whose expected output is wrong must fail the run: the runner really compares, and the real entry point
+    # (python -m cosyserve, a process of its own) exits 1
     work = tmp_path / "set"
     work.mkdir()
     for name in ("tensors.safetensors", "model", "assets"):
@@ -45,11 +64,11 @@ def test_wrong_expectation_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
     case["inputs"]["text"] = "<|zh|>"
     doc["cases"] = [case]
     (work / "cases.json").write_text(json.dumps(doc))
-    r = conformance(str(work))
+    r = entry_point(str(work))
     assert r.returncode == 1 and "FAIL" in r.stdout and "1 failed" in r.stdout
 
 
-def test_unknown_kind_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
+def test_unknown_kind_fails(conformance: Callable[..., Run], fixture_set_dir: Path, tmp_path: Path) -> None:
     work = tmp_path / "set"
     shutil.copytree(fixture_set_dir / "assets", work / "assets")
     doc = {
@@ -62,29 +81,29 @@ def test_unknown_kind_fails(fixture_set_dir: Path, tmp_path: Path) -> None:
     assert r.returncode == 1 and "unknown kind 'no_such_kind'" in r.stdout
 
 
-def test_unknown_kind_filter_is_an_error(fixture_set_dir: Path) -> None:
+def test_unknown_kind_filter_is_an_error(conformance: Callable[..., Run], fixture_set_dir: Path) -> None:
     r = conformance(str(fixture_set_dir), "--kinds", "bogus")
     assert r.returncode == 1 and "unknown kind(s) bogus" in r.stderr
 
 
-def test_cosyvoice2_fixture_set_passes(cv2_set_dir: Path) -> None:
+def test_cosyvoice2_fixture_set_passes(conformance: Callable[..., Run], cv2_set_dir: Path) -> None:
     """Every case of the CosyVoice2 set (KINDS-cosyvoice2.md), straight from the model dir and through a bundle
     (conversion and mmap loading change nothing)."""
     doc = json.loads((cv2_set_dir / "cases.json").read_text())
     for extra in ([], ["--via-bundle"]):
         r = conformance(str(cv2_set_dir), *extra)
-        print(r.stdout)
         assert r.returncode == 0, r.stdout + r.stderr
         lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
         assert len(lines) == len(doc["cases"]), extra
 
 
-def test_fixture_set_passes_on_the_lite_runtime(fixture_set_dir: Path) -> None:
+def test_fixture_set_passes_on_the_lite_runtime(
+    conformance: Callable[..., Run], fixture_set_dir: Path
+) -> None:
     """Every case of the CosyVoice-300M set computed by the lite runtime (ONNX graphs + numpy), within the same
     tolerances as the torch runtime: if this fails, the lite runtime's audio is not the reference's."""
     doc = json.loads((fixture_set_dir / "cases.json").read_text())
     r = conformance(str(fixture_set_dir), "--runtime", "lite")
-    print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
     assert len(lines) == len(doc["cases"])
@@ -92,7 +111,7 @@ def test_fixture_set_passes_on_the_lite_runtime(fixture_set_dir: Path) -> None:
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
 def test_qwen_sets_lm_kinds_pass_on_the_lite_runtime(
-    family: str, cv2_set_dir: Path, cv3_set_dir: Path
+    conformance: Callable[..., Run], family: str, cv2_set_dir: Path, cv3_set_dir: Path
 ) -> None:
     """The CosyVoice2 and CosyVoice3 sets on the lite runtime: every LM case (one-shot and, for CosyVoice3,
     streamed text) passes on the Qwen LM's ONNX graph within the torch runtime's tolerances; the kinds lite does not
@@ -104,7 +123,6 @@ def test_qwen_sets_lm_kinds_pass_on_the_lite_runtime(
     lite_kinds = family_named(family).lite_kinds
     doc = json.loads((set_dir / "cases.json").read_text())
     r = conformance(str(set_dir), "--runtime", "lite")
-    print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     status = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.endswith(")") or "not yet served" in ln}
     for case in doc["cases"]:
@@ -118,18 +136,19 @@ def test_qwen_sets_lm_kinds_pass_on_the_lite_runtime(
     assert f"{served} passed, 0 failed, {len(doc['cases']) - served} not yet served" in r.stdout
 
 
-def test_cosyvoice3_fixture_set_passes(cv3_set_dir: Path) -> None:
+def test_cosyvoice3_fixture_set_passes(conformance: Callable[..., Run], cv3_set_dir: Path) -> None:
     """Every case of the CosyVoice3 set (KINDS-cosyvoice3.md), every kind of it known: if a case fails, our
     CosyVoice3 computes something other than the reference."""
     doc = json.loads((cv3_set_dir / "cases.json").read_text())
     r = conformance(str(cv3_set_dir))
-    print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
     assert len(lines) == len(doc["cases"])
 
 
-def test_cosyvoice3_fixture_set_passes_through_a_bundle(cv3_set_dir: Path) -> None:
+def test_cosyvoice3_fixture_set_passes_through_a_bundle(
+    conformance: Callable[..., Run], cv3_set_dir: Path
+) -> None:
     """The same cases with the modules converted into a bundle and mapped from it: if one fails, conversion or
     loading changes a CosyVoice3 model (e.g. its float64 f0 predictor rounded into the bundle's dtype)."""
     doc = json.loads((cv3_set_dir / "cases.json").read_text())

@@ -27,6 +27,7 @@ import soundfile as sf
 import torch
 from tests.test_cosyvoice2 import wav_bytes  # a voiced 2 s tone
 
+from cli_util import run_main
 from server_util import LOAD_S, in_process, running_server, wait_until
 
 SPK = "英文女"
@@ -417,25 +418,13 @@ def test_a_voice_registered_over_http_is_usable_by_name(client: Any) -> None:
 # -- start-up and prefork --------------------------------------------------------------------------------------------
 
 
-def test_startup_report_times_a_cosyvoice3_start(cv3_model_dir: Path) -> None:
+def test_startup_report_times_a_cosyvoice3_start(
+    cv3_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`cosyserve startup-report` starts a fresh process on a CosyVoice3 model and reports READY and its first
     audio. If this failed, the start-up figures of issue 26 could not be measured."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cosyserve",
-            "startup-report",
-            "--model",
-            str(cv3_model_dir),
-            "--runs",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # the command in this process (cli_util.run_main): the start it measures is a process of its own
+    r = run_main(capsys, "startup-report", "--model", str(cv3_model_dir), "--runs", "1", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
     assert rep["first_audio_ms"]["median"] > rep["ready_ms"]["median"] > 0

@@ -4,13 +4,12 @@ caught, bf16 moves the figures, the low-latency chunk policy stays within its bo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_util import Run, run_main
 from cosyserve.runtime import RuntimeOptions, load_runtime
 from cosyserve.tools import quality
 from cosyserve.tools.quality import BOUNDS, QualityReport, compare, parse_options
@@ -134,20 +133,19 @@ def test_parse_options_casts_by_declared_type() -> None:
         parse_options(["first_hop"])
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cosyserve", "quality", *args], capture_output=True, text=True
-    )
+def test_cli_quality_json_and_check(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the command in this process (cli_util.run_main: its main, exit status and output); the figures' code is
+    # what the tests above measure
+    def cli(*args: str) -> Run:
+        return run_main(capsys, "quality", *args)
 
-
-def test_cli_quality_json_and_check(tiny_bundle: Path) -> None:
-    r = _cli("--model", str(tiny_bundle), "--parts", "llm,token2wav", "--json", "--check", "--threads", "1")
+    r = cli("--model", str(tiny_bundle), "--parts", "llm,token2wav", "--json", "--check", "--threads", "1")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["failures"] == [] and out["figures"]["llm.top1"] == 1.0
-    bad = _cli("--model", str(tiny_bundle), "--option", "flow_stepz=1")
+    bad = cli("--model", str(tiny_bundle), "--option", "flow_stepz=1")
     assert bad.returncode == 1 and "--option flow_stepz: unknown option" in bad.stderr
-    bad = _cli("--model", str(tiny_bundle), "--parts", "llm,sound")
+    bad = cli("--model", str(tiny_bundle), "--parts", "llm,sound")
     assert bad.returncode == 1 and "--parts llm,sound" in bad.stderr
 
 
@@ -158,10 +156,10 @@ def test_cosyvoice2_gate_measures_llm_and_token2wav(cv2_model_dir: Path) -> None
     from cosyserve.core.errors import ClientError
 
     ref = load_runtime(cv2_model_dir, OPTIONS)
-    same = compare(ref, ref, parts=["llm", "token2wav"])
+    same = compare(ref, ref)  # the default parts: llm and token2wav for this family
     assert same["llm.top1"] == 1.0 and same["llm.dlogp"] == 0.0, same
     assert same["token2wav.flow_mel_l1"] == 0.0 and same["token2wav.mel_l1"] == 0.0, same
-    assert not any(k.startswith("chunks.") for k in compare(ref, ref, parts=["llm"]))
+    assert not any(k.startswith("chunks.") for k in same), same
     fewer = load_runtime(cv2_model_dir, RuntimeOptions(warmup=False, text_tier="lazy", flow_steps=2))
     assert compare(ref, fewer, parts=["token2wav"])["token2wav.flow_mel_l1"] > 0.0
     with pytest.raises(ClientError, match="chunks"):
