@@ -267,3 +267,16 @@ def test_moving_a_module_that_was_never_loaded_is_refused() -> None:
         module = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"Linear\.weight is on the meta device"):
         _move(module, torch.device("cpu"), None, 1 << 20)
+
+
+@pytest.mark.parametrize(("env", "expect"), [("3", 3), ("", None), ("0", None), ("two", None)])
+def test_threads_follow_omp_num_threads_else_the_affinity(
+    env: str, expect: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If this failed, the lite runtime (ONNX Runtime reads no OMP_NUM_THREADS) would compute with another
+    thread count than torch under the same environment: one spinning thread per host core in a container given
+    two, or on a CI worker told OMP_NUM_THREADS=1."""
+    from cosyserve.system.cpus import default_threads, usable_cpus
+
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert default_threads() == (expect if expect is not None else usable_cpus())

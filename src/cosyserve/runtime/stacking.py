@@ -23,7 +23,6 @@ The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 
 from cosyserve.core.stop import ShouldStop, Stopped
+from cosyserve.system.cpus import usable_cpus
 
 __all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
 
@@ -63,13 +63,6 @@ class _Group:
         self.done = threading.Event()
         self.results: list[tuple[Tensor, Tensor]] = []
         self.error: BaseException | None = None
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class _Stacker:
@@ -157,7 +150,7 @@ class _Stacker:
         # The callers' threads wait idle while this one runs them all: lend their torch threads (per-thread
         # setting) to the stacked run, or a CPU with one torch thread per worker runs the batch on one core.
         threads = torch.get_num_threads()
-        lend = min(threads * len(calls), _cpus()) if len(calls) > 1 and self.lend_threads else threads
+        lend = min(threads * len(calls), usable_cpus()) if len(calls) > 1 and self.lend_threads else threads
         if lend > threads:
             torch.set_num_threads(lend)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import secrets
 import threading
 import time
@@ -36,6 +35,7 @@ from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot, one_shot
 from cosyserve.runtime.modes import ModelModes, RuntimeVoices
 from cosyserve.runtime.oneoff import generate
+from cosyserve.system.cpus import default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
                 "it on the torch runtime"
             )
         bundle.verify = o.verify
-        threads = o.threads or os.cpu_count() or 1
+        threads = o.threads or default_threads()
         lite = LiteBundle(
             bundle.path, verify=o.verify, threads=threads, int8=o.llm_quantize == "int8", bundle=bundle
         )
