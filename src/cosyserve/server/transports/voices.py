@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -45,6 +45,9 @@ from cosyserve.server.schemas import MAX_NAME_CHARS
 from cosyserve.server.transports.reference_api import form_file, form_text, read_form
 from cosyserve.voices.consent import ConsentLedger
 
+if TYPE_CHECKING:
+    from cosyserve.runtime import Runtime
+
 __all__ = ["PARAMS", "routes"]
 
 # the runtime's field names -> this route's
@@ -52,8 +55,8 @@ PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "n
 _FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
 
 
-def _ledger(runtime: Any) -> ConsentLedger:
-    root = getattr(runtime, "registry_root", None)
+def _ledger(runtime: Runtime) -> ConsentLedger:
+    root = runtime.registry_root
     if root is None:
         raise RegistryError("this model has no voice registry")
     return ConsentLedger(root)
@@ -80,9 +83,11 @@ def routes(state: Any) -> list[Route]:
     def tenant_of(request: Request) -> str:
         return state.tenant_of(request) or "default"
 
-    async def runtime_of(model: str) -> Any:
+    async def runtime_of(model: str) -> Runtime:
         engine = await state.pool.load(model)  # at once when it is loaded; else loaded, as a request would
-        return engine.runtime
+        runtime = engine.runtime
+        assert runtime is not None, "a loaded engine holds its runtime"
+        return runtime
 
     async def list_voices(request: Request) -> Response:
         tenant = state.tenant_of(request)
@@ -93,7 +98,7 @@ def routes(state: Any) -> list[Route]:
             kept = {}
             eng = state.pool.engine(model)
             runtime = eng.runtime if eng is not None else None
-            if getattr(runtime, "registry_root", None) is not None:
+            if runtime is not None and runtime.registry_root is not None:
                 kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
             for v in listed.voices:
                 item: dict[str, Any] = {

@@ -1,0 +1,131 @@
+"""The interfaces are the contracts used: read with ``ast``, no torch, no model.
+
+- Whatever holds a :class:`cosyserve.runtime.Runtime` (an argument or attribute annotated ``Runtime``, a name
+  ``runtime`` / ``rt``, an engine's or a model's ``.runtime``) reads only the members the protocol declares; a
+  module that holds a concrete runtime (annotated ``TorchRuntime`` / ``LiteRuntime``: a tool of that runtime) reads
+  that class's public members, never a private one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from cosyserve.runtime import Runtime
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "cosyserve"
+CONCRETE = ("TorchRuntime", "LiteRuntime")
+RUNTIME_NAMES = ("runtime", "rt")
+
+
+def _protocol_members() -> set[str]:
+    members = set(getattr(Runtime, "__protocol_attrs__", ()))
+    if not members:  # Python < 3.12 keeps no such set: the annotations and the methods the class defines
+        members = {n for n in vars(Runtime) if not n.startswith("_")} | set(Runtime.__annotations__)
+    return members
+
+
+def _annotation(node: ast.expr | None) -> str:
+    return ast.unparse(node) if node is not None else ""
+
+
+def _runtime_reads(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """(line, what holds it, member) for every member read on something holding a runtime."""
+    found: list[tuple[int, str, str]] = []
+
+    def holds_runtime(value: ast.expr, scope: dict[str, str]) -> tuple[bool, str]:
+        # (whether it holds a runtime, the annotation that says which: "" when only its name says so)
+        if isinstance(value, ast.Name):
+            kind = scope.get(value.id, "")
+            if any(c in kind for c in CONCRETE):
+                return False, kind
+            if "Runtime" in kind or value.id in RUNTIME_NAMES:
+                return True, kind
+        if isinstance(value, ast.Attribute) and value.attr == "runtime":
+            return True, ""
+        return False, ""
+
+    def visit(node: ast.AST, scope: dict[str, str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            scope = dict(scope)
+            args = node.args
+            for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                scope[a.arg] = _annotation(a.annotation)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            scope[node.target.id] = _annotation(node.annotation)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            held, _ = holds_runtime(node.value, scope)
+            if held:
+                found.append((node.lineno, ast.unparse(node.value), node.attr))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and holds_runtime(node.args[0], scope)[0]
+        ):
+            found.append(
+                (node.lineno, ast.unparse(node.args[0]), f"{node.func.id}({ast.unparse(node.args[1])})")
+            )
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(tree, {})
+    return found
+
+
+def _modules_above_the_runtimes() -> list[Path]:
+    # the runtimes' own modules implement the protocol (they read their own members); everything else holds one
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "runtime"]
+
+
+def test_runtime_members_read_are_declared_in_the_protocol() -> None:
+    """A member read on a runtime outside the runtime layer that the :class:`Runtime` protocol does not declare
+    is a read around the interface (it works on one runtime and breaks on another, or on the tests' fake):
+    declare it in the protocol (small, documented, every runtime implementing it) or use a declared member."""
+    members = _protocol_members()
+    around = []
+    for path in _modules_above_the_runtimes():
+        for line, holder, member in _runtime_reads(ast.parse(path.read_text(encoding="utf-8"))):
+            if member not in members:
+                around.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {holder}.{member}")
+    assert not around, "members read around the Runtime protocol:\n" + "\n".join(around)
+
+
+def test_the_check_sees_a_read_around_the_protocol() -> None:
+    """The scanner above finds the reads it is meant to (else the test above could never fail)."""
+    code = (
+        "def f(runtime, eng, x: 'Runtime | None', t: 'TorchRuntime'):\n"
+        "    runtime._lm; eng.runtime.pipeline; x.zero_shot_thread; t.pipeline\n"
+        "    getattr(runtime, 'registry_root', None)\n"
+    )
+    got = {(holder, member) for _, holder, member in _runtime_reads(ast.parse(code))}
+    assert got == {
+        ("runtime", "_lm"),
+        ("eng.runtime", "pipeline"),
+        ("x", "zero_shot_thread"),
+        ("runtime", "getattr('registry_root')"),
+    }, got
+
+
+def test_concrete_runtime_tools_read_no_private_member() -> None:
+    """A tool of one runtime (annotated with its class) reads its public members only: a private one (``_lm``)
+    is that runtime's to change."""
+    private = []
+    for path in _modules_above_the_runtimes():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        concrete: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and any(c in _annotation(node.annotation) for c in CONCRETE):
+                concrete.add(node.arg)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in concrete
+                and node.attr.startswith("_")
+            ):
+                private.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value.id}.{node.attr}"
+                )
+    assert not private, "\n".join(private)
