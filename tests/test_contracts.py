@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 from cosyserve.runtime import Runtime
@@ -74,6 +75,12 @@ def _runtime_reads(tree: ast.Module) -> list[tuple[int, str, str]]:
     return found
 
 
+@cache
+def _tree(path: Path) -> ast.Module:
+    # each module parsed once for the checks below
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _modules_above_the_runtimes() -> list[Path]:
     # the runtimes' own modules implement the protocol (they read their own members); everything else holds one
     return [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "runtime"]
@@ -86,7 +93,7 @@ def test_runtime_members_read_are_declared_in_the_protocol() -> None:
     members = _protocol_members()
     around = []
     for path in _modules_above_the_runtimes():
-        for line, holder, member in _runtime_reads(ast.parse(path.read_text(encoding="utf-8"))):
+        for line, holder, member in _runtime_reads(_tree(path)):
             if member not in members:
                 around.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {holder}.{member}")
     assert not around, "members read around the Runtime protocol:\n" + "\n".join(around)
@@ -113,7 +120,7 @@ def test_concrete_runtime_tools_read_no_private_member() -> None:
     is that runtime's to change."""
     private = []
     for path in _modules_above_the_runtimes():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         concrete: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.arg) and any(c in _annotation(node.annotation) for c in CONCRETE):
@@ -129,3 +136,49 @@ def test_concrete_runtime_tools_read_no_private_member() -> None:
                     f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value.id}.{node.attr}"
                 )
     assert not private, "\n".join(private)
+
+
+# sample rates that stand for a family (CosyVoice-300M's 22.05 kHz, CosyVoice2/3's 24 kHz)
+FAMILY_RATES = (22050, 24000)
+
+
+def _family_tells(tree: ast.Module, families: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each family named by a string and each comparison of a rate with a family's rate."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in families:
+            found.append((node.lineno, f"names family {node.value!r}"))
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            rate = [s for s in sides if isinstance(s, ast.Constant) and s.value in FAMILY_RATES]
+            if rate:
+                found.append((node.lineno, f"compares with {rate[0].value} Hz: {ast.unparse(node)}"))
+    return found
+
+
+def test_no_module_outside_families_names_a_family_or_tells_it_by_its_rate() -> None:
+    """Code outside ``families/`` asks a family (``family_of``, ``family_named`` of a manifest's name,
+    ``DEFAULT_FAMILY``) and never compares its name or stands a sample rate for it (a 24 kHz check meaning
+    "CosyVoice2/3"): a new family then is a folder and one line of ``FAMILIES``, not a hunt for every such check.
+    ``models/`` is left out: its modules mirror the reference's, whose own configs switch on their rate (HiFT's
+    SineGen below 22.05 kHz), which is the module's rule, not a family's."""
+    from cosyserve.families import FAMILIES
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] in ("families", "models"):
+            continue
+        for line, what in _family_tells(_tree(path), set(FAMILIES)):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {what}")
+    assert not found, "family rules outside families/:\n" + "\n".join(found)
+
+
+def test_the_family_check_sees_names_and_rates() -> None:
+    """The scanner above finds a family's name and a rate standing for a family (else its test could not fail)."""
+    code = 'if family == "cosyvoice2" or resample_rate == 24000 or 22050 != sr:\n    pass\n'
+    got = {what for _, what in _family_tells(ast.parse(code), {"cosyvoice2"})}
+    assert got == {
+        "names family 'cosyvoice2'",
+        "compares with 24000 Hz: resample_rate == 24000",
+        "compares with 22050 Hz: 22050 != sr",
+    }, got

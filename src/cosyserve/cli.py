@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cosyserve.core.modes import MODE_TABLE, MODES
 from cosyserve.core.settings import Settings, declared
-from cosyserve.families import FAMILIES
+from cosyserve.families import DEFAULT_FAMILY, FAMILIES
 
 __all__ = ["main"]
 
@@ -225,7 +226,6 @@ def _cmd_speakers(args: argparse.Namespace, settings: Settings) -> None:
         print(f"wrote {len(names)} speaker(s) to {out}")
 
 
-SYNTH_MODES = ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc")
 _SYNTH_FIELDS = {
     "text": "--text",
     "speaker": "--speaker",
@@ -359,9 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     _setting(p, "models")
     p.add_argument(
         "--mode",
-        choices=SYNTH_MODES,
+        choices=MODES,
         default=None,
-        help="synthesis mode (default: sft, or zero_shot when --speaker is a registered voice)",
+        help="synthesis mode (default: sft, or zero_shot when --speaker is a registered voice): "
+        + "; ".join(f"{m}: {spec.summary}" for m, spec in MODE_TABLE.items()),
     )
     p.add_argument(
         "--speaker",
@@ -579,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--family",
         choices=list(FAMILIES),
-        default="cosyvoice",
+        default=DEFAULT_FAMILY,
         help="the layout: cosyvoice (CosyVoice-300M), cosyvoice2 (CosyVoice2-0.5B), cosyvoice3 (Fun-CosyVoice3-0.5B)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")

@@ -28,7 +28,7 @@ from cosyserve.bundle.lite import (
 )
 from cosyserve.core.errors import BundleError
 from cosyserve.core.stop import ShouldStop, check
-from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 
