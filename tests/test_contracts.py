@@ -182,3 +182,22 @@ def test_the_family_check_sees_names_and_rates() -> None:
         "compares with 24000 Hz: resample_rate == 24000",
         "compares with 22050 Hz: 22050 != sr",
     }, got
+
+
+def test_every_token2wav_and_chunk_policy_implements_its_protocol() -> None:
+    """The families' token2wav classes (and the lite runtime's) take what the Token2Wav protocol passes, and their
+    chunk policies are StreamPolicy instances: a runtime calls any of them the same way. If this fails, one
+    family's token2wav grew a call the others lack (or lost one), and a runtime would need to tell them apart."""
+    import inspect
+
+    from cosyserve.families.base import StreamPolicy, Token2Wav
+    from cosyserve.families.cosyvoice.streampolicy import StreamPolicy as Windows
+    from cosyserve.families.cosyvoice.token2wav import Token2Wav as Windowed
+    from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+    from cosyserve.runtime.lite.models import LiteToken2Wav
+
+    assert isinstance(Windows(), StreamPolicy) and isinstance(StreamPolicy2(), StreamPolicy)
+    wanted = set(inspect.signature(Token2Wav.__call__).parameters)
+    for cls in (Windowed, Token2Wav2, Token2Wav3, LiteToken2Wav):
+        assert wanted <= set(inspect.signature(cls.__call__).parameters), cls

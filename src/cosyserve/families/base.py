@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 Ids = tuple[Any, Any]  # token ids [1, n] and their length [1] (torch tensors or numpy arrays)
 
-__all__ = ["Family", "Ids", "Tokenizer"]
+__all__ = ["Family", "Ids", "StreamPolicy", "Token2Wav", "Tokenizer"]
 
 CAMPPLUS_FILE = "campplus.onnx"  # the speaker embedding model, the same in every family
 
@@ -31,6 +31,53 @@ class Tokenizer(Protocol):
     """A model's text tokenizer (the whisper one, a family's Qwen one)."""
 
     def encode(self, text: str) -> list[int]: ...
+
+
+@runtime_checkable
+class StreamPolicy(Protocol):
+    """A family's streaming chunk rule (a strategy object: CosyVoice-300M's windows, CosyVoice2/3's chunks)."""
+
+    @property
+    def first_hop(self) -> int:
+        """Speech tokens the first streamed chunk advances by."""
+        ...
+
+    @property
+    def source_cache_len(self) -> int:
+        """Vocoder samples kept between chunks (the cross-fade's reach)."""
+        ...
+
+    def next_hop(self, hop: int) -> int:
+        """The hop after a chunk of ``hop`` tokens."""
+        ...
+
+
+@runtime_checkable
+class Token2Wav(Protocol):
+    """A family's speech tokens to audio, over its ``flow`` and ``hift`` with its ``policy``: what a runtime
+    calls for every text piece (the torch modules' or the lite runtime's graphs')."""
+
+    flow: Any
+    hift: Any
+    policy: Any  # the family's StreamPolicy
+
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: Any,
+        prompt_token: Any = None,
+        prompt_feat: Any = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        generator: Any = None,
+        draws: Any = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[Any]:
+        """Float32 audio chunks of ``tokens`` (consumed as they come; torch tensors ``[1, samples]``, the lite
+        runtime's 1-D arrays), with the flow's speaker ``embedding`` and, where a voice is cloned, its
+        ``prompt_token`` / ``prompt_feat``; ``generator`` draws the noise (torch's or numpy's)."""
+        ...
 
 
 def import_string(target: str) -> Any:
@@ -186,7 +233,9 @@ class Family:
         frontend.speech_tokenizer = OnnxModel(paths.get(speech_tokenizer) or files / speech_tokenizer, check)
         return frontend
 
-    def stream_policy(self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
         """The streaming chunk policy ``chunk_policy`` (``reference`` or ``low-latency``, whose first hop is
         ``first_hop`` tokens at 50 Hz) for a model with ``config`` and ``flow``."""
         raise NotImplementedError
@@ -196,10 +245,10 @@ class Family:
         config: ModelConfig,
         flow: Any,
         hift: Any,
-        policy: Any,
+        policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
-    ) -> Any:
+    ) -> Token2Wav:
         """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family
+from cosyserve.families.base import Family, StreamPolicy, Token2Wav
 
 if TYPE_CHECKING:
     from cosyserve.families.modelconfig import ModelConfig
@@ -90,10 +90,12 @@ class CosyVoice(Family):
     def is_instruct_dir(self, model_dir: Path) -> bool:
         return is_instruct_model_dir(model_dir)
 
-    def stream_policy(self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int) -> Any:
-        from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
+        from cosyserve.families.cosyvoice import streampolicy
 
-        return StreamPolicy.named(
+        return streampolicy.StreamPolicy.named(
             chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate
         )
 
@@ -102,13 +104,13 @@ class CosyVoice(Family):
         config: ModelConfig,
         flow: Any,
         hift: Any,
-        policy: Any,
+        policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
-    ) -> Any:
-        from cosyserve.families.cosyvoice.token2wav import Token2Wav
+    ) -> Token2Wav:
+        from cosyserve.families.cosyvoice.token2wav import Token2Wav as WindowedToken2Wav
 
-        return Token2Wav(flow, hift, policy, flow_steps=flow_steps)
+        return WindowedToken2Wav(flow, hift, policy, flow_steps=flow_steps)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
         out = super().unavailable_modes(instruct) | {

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family, Ids, Tokenizer
+from cosyserve.families.base import Family, Ids, StreamPolicy, Token2Wav, Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +131,9 @@ class CosyVoice2(Family):
 
         return mel_spectrogram_24k  # a bundle written before the yaml's extractor was kept
 
-    def stream_policy(self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
         from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
 
         # the first hop is set in 50 Hz tokens (the 300M family's); these tokens are 25 Hz
@@ -149,10 +151,10 @@ class CosyVoice2(Family):
         config: ModelConfig,
         flow: Any,
         hift: Any,
-        policy: Any,
+        policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
-    ) -> Any:
+    ) -> Token2Wav:
         from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
         return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices)

@@ -23,6 +23,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cosyserve.families.base import StreamPolicy, Token2Wav
 from cosyserve.families.cosyvoice2 import ENDOFPROMPT, QWEN_FILES, CosyVoice2
 from cosyserve.families.cosyvoice2 import SPECIALS as COSYVOICE2_SPECIALS
 
@@ -105,10 +106,10 @@ class CosyVoice3(CosyVoice2):
         config: ModelConfig,
         flow: Any,
         hift: Any,
-        policy: Any,
+        policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
-    ) -> Any:
+    ) -> Token2Wav:
         from cosyserve.families.cosyvoice3.noise import VocoderNoise
         from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 

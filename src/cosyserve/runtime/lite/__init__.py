@@ -142,7 +142,7 @@ class LitePipeline(ModelModes):
             prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
             stream=r.stream,
             speed=r.speed,
-            rng=rng,
+            generator=rng,
             should_stop=should_stop,
         ):
             yield chunk.astype(np.float32, copy=False)
