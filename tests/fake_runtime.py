@@ -189,6 +189,13 @@ class FakeRuntime:
     def after_fork(self) -> None:
         pass
 
+    @property
+    def registry_root(self) -> Path | None:
+        return None  # no registry
+
+    def join_background(self, timeout: float | None = None) -> None:
+        pass  # nothing runs after READY
+
     def on_lm_step(self, record: Any) -> None:
         self.lm_step = record  # the engine's hook: a fake that decodes calls it
 

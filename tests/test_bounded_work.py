@@ -21,7 +21,7 @@ import torch
 
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.stop import Stopped
-from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.frontend.text import PIECE_MAX_N, bound_pieces, split_paragraph, text_normalize
 from cosyserve.frontend.tokenizer import get_tokenizer
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions, load_runtime

@@ -202,8 +202,10 @@ def test_vc_flow_accepts_an_untrimmed_prompt(parts: dict) -> None:
 def test_tokenizer_special_tokens(cv3_model_dir: Path) -> None:
     """CosyVoice3's 278 added tokens take ids 151646..151923 in the reference's order and match before NFC; the
     CosyVoice2 tokenizer of the same files keeps its 17 (a phone tag is plain text there)."""
+    from cosyserve.families.cosyvoice2 import SPECIALS as COSYVOICE2_SPECIALS
+    from cosyserve.families.cosyvoice3 import SPECIALS as COSYVOICE3_SPECIALS
     from cosyserve.families.cosyvoice3.frontend import build_tokenizer
-    from cosyserve.frontend.qwen_tokenizer import COSYVOICE3_SPECIALS, QwenTokenizer
+    from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
 
     tok = build_tokenizer(cv3_model_dir)
     ids = [tok.encode(t) for t in COSYVOICE3_SPECIALS]
@@ -214,7 +216,7 @@ def test_tokenizer_special_tokens(cv3_model_dir: Path) -> None:
         "]"
     )
     assert len(tok.encode("[foo] [Breath] <|en|>")) > 3  # unknown tags are plain text
-    cv2 = QwenTokenizer.from_dir(cv3_model_dir / "CosyVoice-BlankEN")
+    cv2 = QwenTokenizer.from_dir(cv3_model_dir / "CosyVoice-BlankEN", COSYVOICE2_SPECIALS)
     assert cv2.encode("[breath]") == [151647] and len(cv2.encode("[AA0]")) > 1
 
 

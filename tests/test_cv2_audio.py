@@ -49,8 +49,9 @@ def test_the_24k_prompt_mel_has_a_frame_per_480_samples(n: int) -> None:
 
 
 def test_prompt_features_keep_two_mel_frames_per_token(pipeline: Any) -> None:
-    """CosyVoice2's trimming (resample_rate 24000): n = min(frames // 2, tokens); feat keeps 2n frames and the
-    tokens n, so the flow's prompt mel and prompt tokens line up. Without it the flow refuses the prompt."""
+    """CosyVoice2's trimming (its family's prompt_mel_per_token 2, the reference's resample_rate 24000): n =
+    min(frames // 2, tokens); feat keeps 2n frames and the tokens n, so the flow's prompt mel and prompt tokens line
+    up. Without it the flow refuses the prompt."""
     t = np.arange(int(2.3 * 16000)) / 16000
     buf = io.BytesIO()
     sf.write(buf, (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 16000, format="WAV")

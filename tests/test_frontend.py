@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from cosyserve.core.errors import AudioError, ModeUnavailableError, UnknownVoiceError
+from cosyserve.core.modes import PROMPT_MODES
 from cosyserve.families.cosyvoice.conformance import KINDS
 from cosyserve.frontend.onnx_testmodels import SPEECH_TOKEN_VOCAB, write_test_onnx_models
 from cosyserve.frontend.text import normalize_and_split, split_paragraph, text_normalize
@@ -239,7 +240,7 @@ def test_frontend_end_to_end_on_test_models(test_model_dir: Path, tmp_path: Path
     soundfile.write(wav, _voice(2.0, 22050), 22050, subtype="PCM_16")
     fe = Frontend(test_model_dir, {"spk": {"embedding": torch.ones(1, 192)}})
     assert fe.unavailable_modes() == {}
-    zs = fe.frontend_zero_shot("你好世界。", "希望你以后能够做的比我还好呦。", wav, 22050)
+    zs = fe.frontend_zero_shot("你好世界。", "希望你以后能够做的比我还好呦。", wav)
     assert set(zs) == {
         "text", "text_len", "prompt_text", "prompt_text_len", "llm_prompt_speech_token",
         "llm_prompt_speech_token_len", "flow_prompt_speech_token", "flow_prompt_speech_token_len",
@@ -252,12 +253,13 @@ def test_frontend_end_to_end_on_test_models(test_model_dir: Path, tmp_path: Path
     assert zs["prompt_speech_feat_len"].tolist() == [48000 // 256]
     assert zs["llm_embedding"].shape == (1, 192) and zs["llm_embedding"].dtype == torch.float32
     assert zs["text_len"].tolist() == [zs["text"].shape[1]]
-    xl = fe.frontend_cross_lingual("<|en|>Hello.", wav.read_bytes(), 22050)
+    xl = fe.frontend_cross_lingual("<|en|>Hello.", wav.read_bytes())
     assert "prompt_text" not in xl and "llm_prompt_speech_token" not in xl
     assert torch.equal(xl["flow_prompt_speech_token"], zs["flow_prompt_speech_token"])  # bytes == path
     vc = fe.frontend_vc(wav, wav)
     assert torch.equal(vc["source_speech_token"], vc["flow_prompt_speech_token"])
-    trimmed = fe.frontend_zero_shot("hi", "hey", wav, 24000)
+    fe.mel_per_token = 2  # a CosyVoice2/3 family's frontend (Family.prompt_mel_per_token)
+    trimmed = fe.frontend_zero_shot("hi", "hey", wav)
     assert trimmed["prompt_speech_feat"].shape[1] == 2 * trimmed["flow_prompt_speech_token"].shape[1]
 
 
@@ -265,12 +267,12 @@ def test_model_dir_without_onnx_still_serves_sft(tmp_path: Path) -> None:
     """If this fails, a model dir without the zero-shot ONNX files breaks SFT, or a zero-shot request on it
     fails with an unclear error instead of naming the missing file."""
     fe = Frontend(tmp_path, {"spk": {"embedding": torch.ones(1, 192)}})
-    assert set(fe.unavailable_modes()) == {"zero_shot", "cross_lingual", "vc"}
+    assert set(fe.unavailable_modes()) == set(PROMPT_MODES)
     assert fe.frontend_sft("hello", "spk")["flow_embedding"].shape == (1, 192)
     with pytest.raises(ModeUnavailableError, match=CAMPPLUS_FILE):
-        fe.frontend_zero_shot("hello", "hi", tmp_path / "whatever.wav", 22050)
+        fe.frontend_zero_shot("hello", "hi", tmp_path / "whatever.wav")
     with pytest.raises(ModeUnavailableError, match="cross_lingual"):
-        fe.frontend_cross_lingual("hello", b"", 22050)
+        fe.frontend_cross_lingual("hello", b"")
     with pytest.raises(UnknownVoiceError, match="unknown speaker 'nobody'.*spk"):
         fe.frontend_sft("hello", "nobody")
 
@@ -335,4 +337,4 @@ def test_good_stereo_prompt_and_token_length_guard(test_model_dir: Path, tmp_pat
         fe.extract_speech_token(torch.zeros(1, 16000 * 30 + 1))
     missing = tmp_path / "nope.wav"
     with pytest.raises(AudioError, match="does not exist"):
-        fe.frontend_zero_shot("hi", "hey", missing, 22050)
+        fe.frontend_zero_shot("hi", "hey", missing)

@@ -170,8 +170,8 @@ def test_dsp_matches_torch_ops() -> None:
 
 def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
     """Streaming windows, caches and fades: the same draws give the torch runtime's chunks."""
+    from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
     from cosyserve.families.cosyvoice.token2wav import CallDraws, Token2Wav
-    from cosyserve.families.streampolicy import StreamPolicy
     from cosyserve.runtime.lite.models import LiteToken2Wav, mel_length
 
     torch_m, lite = both

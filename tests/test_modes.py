@@ -209,9 +209,7 @@ def test_zero_shot_assembly_matches_reference_frontend(
             "Hello world.", mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT
         )
     )
-    ref = reference_frontend.frontend_zero_shot(
-        "Hello world.", normalized(PROMPT_TEXT), audio["prompt"], 22050, ""
-    )
+    ref = reference_frontend.frontend_zero_shot("Hello world.", normalized(PROMPT_TEXT), audio["prompt"], "")
     (llm,) = rec.llm_calls
     assert same(llm["text"], ref["text"]) and same(llm["text_len"], ref["text_len"])
     assert same(llm["prompt_text"], ref["prompt_text"]) and same(
@@ -246,7 +244,7 @@ def test_cross_lingual_assembly_drops_llm_prompt(
     model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
 ) -> None:
     list(model.synthesize("Hello world.", mode="cross_lingual", prompt_wav=audio["prompt_24k"]))
-    ref = reference_frontend.frontend_cross_lingual("Hello world.", audio["prompt_24k"], 22050, "")
+    ref = reference_frontend.frontend_cross_lingual("Hello world.", audio["prompt_24k"], "")
     assert "prompt_text" not in ref and "llm_prompt_speech_token" not in ref
     (llm,) = rec.llm_calls
     assert same(llm["text"], ref["text"])
@@ -280,7 +278,7 @@ def test_vc_assembly_bypasses_llm(
     model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
 ) -> None:
     list(model.synthesize(mode="vc", source_wav=audio["source"], prompt_wav=audio["prompt"], stream=True))
-    ref = reference_frontend.frontend_vc(audio["source"], audio["prompt"], 22050)
+    ref = reference_frontend.frontend_vc(audio["source"], audio["prompt"])
     assert rec.llm_calls == []
     (t2w,) = rec.t2w_calls
     assert t2w["tokens"] == ref["source_speech_token"].flatten().tolist()
@@ -294,7 +292,7 @@ def test_registered_voice_is_the_reference_zero_shot_spk_entry(
     model: Any, rec: Recorder, audio: dict[str, Path], reference_frontend: Frontend
 ) -> None:
     spk = model.add_speaker("assembly-voice", audio["prompt"], PROMPT_TEXT, overwrite=True)
-    ref = reference_frontend.frontend_zero_shot("", normalized(PROMPT_TEXT), audio["prompt"], 22050, "")
+    ref = reference_frontend.frontend_zero_shot("", normalized(PROMPT_TEXT), audio["prompt"], "")
     del ref["text"], ref["text_len"]
     assert set(spk.features) == set(ref) and all(same(spk.features[k], ref[k]) for k in ref)
     list(model.synthesize("Hello world.", "assembly-voice"))  # a registered voice: zero_shot by default

@@ -70,7 +70,9 @@ def _frontend_and_flow(family: str, model_dir: Path) -> tuple[Any, Any]:
         from cosyserve.frontend.features import mel_spectrogram_24k
         from cosyserve.frontend.zeroshot import Frontend, OnnxModel
 
-        frontend = Frontend(model_dir, tokenizer=_NoText(), feat_extractor=mel_spectrogram_24k)
+        frontend = Frontend(
+            model_dir, tokenizer=_NoText(), feat_extractor=mel_spectrogram_24k, mel_per_token=2
+        )
         frontend.speech_tokenizer = OnnxModel(model_dir / "speech_tokenizer_v2.onnx")
     return frontend, ctx.flow()
 
@@ -98,7 +100,7 @@ def test_every_length_and_rate_through_the_frontends_and_flow(family_parts: tupl
             raw_tokens = frontend.extract_speech_token(prompt.speech_16k)[0].shape[1]
             where = f"{family}, {seconds} s at {rate} Hz"
 
-            zs = frontend.prompt_features("", prompt, 24000)
+            zs = frontend.prompt_features("", prompt)
             n = min(raw_feat // 2, raw_tokens)
             assert (
                 zs["flow_prompt_speech_token"].shape[1] == n and zs["prompt_speech_feat"].shape[1] == 2 * n
@@ -108,7 +110,7 @@ def test_every_length_and_rate_through_the_frontends_and_flow(family_parts: tupl
                 and int(zs["flow_prompt_speech_token_len"][0]) == n
             )
 
-            vc = frontend.frontend_vc(source, prompt, 24000)
+            vc = frontend.frontend_vc(source, prompt)
             p, f = vc["flow_prompt_speech_token"].shape[1], vc["prompt_speech_feat"].shape[1]
             assert (p, f) == (raw_tokens, raw_feat), (
                 f"{where}: vc trimmed the prompt to {p} tokens, {f} frames"
@@ -195,7 +197,7 @@ def test_cosyvoice2_speaks_after_any_prompt_length(
     fails (vc refused most lengths before), or vc drops or adds frames the reference keeps."""
     chunks = _speak(cv2, mode, seconds, rate)
     if mode == "vc":
-        vc = cv2_frontend.frontend_vc(voice(0.5, 16000), voice(seconds, rate), 24000)
+        vc = cv2_frontend.frontend_vc(voice(0.5, 16000), voice(seconds, rate))
         s = vc["source_speech_token"].shape[1]
         d = 2 * vc["flow_prompt_speech_token"].shape[1] - vc["prompt_speech_feat"].shape[1]
         assert sum(c.size for c in chunks) == SAMPLES_PER_FRAME * (2 * s + d), (s, d)
@@ -212,7 +214,7 @@ def test_cosyvoice2_streamed_vc_repeats_d_frames_per_chunk(
         2.4, 16000
     )  # 60 tokens: two chunks or more after any prompt (its pad tops P up to 25 tokens)
     chunks = _speak(cv2, "vc", seconds, rate, source=source, stream=True)
-    vc = cv2_frontend.frontend_vc(source, voice(seconds, rate), 24000)
+    vc = cv2_frontend.frontend_vc(source, voice(seconds, rate))
     s = vc["source_speech_token"].shape[1]
     d = 2 * vc["flow_prompt_speech_token"].shape[1] - vc["prompt_speech_feat"].shape[1]
     assert len(chunks) >= 2, "expected a streamed answer in several chunks"

@@ -114,8 +114,8 @@ class CosyVoiceModel:
                 first chunk, then longer ones) or one chunk per sentence (False).
             speed: tempo in [0.25, 4.0]; only with ``stream=False``, as in the reference.
             seed: makes the audio reproducible; ``None`` picks a random seed.
-            mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``instruct2`` or ``vc`` (see
-                :mod:`cosyserve.core.request` for the fields each takes). ``None``: ``zero_shot`` when
+            mode: a mode of :data:`cosyserve.core.modes.MODE_TABLE` (the fields each takes, and what it
+                does); the model's family says which it serves (:attr:`available_modes`). ``None``: ``zero_shot`` when
                 ``speaker`` is a registered zero-shot voice, else ``sft``.
             prompt_text: transcript of ``prompt_wav`` (zero_shot).
             prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the file's bytes.

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from cosyserve.core.clock import PhaseClock
 from cosyserve.core.errors import BundleError
+from cosyserve.families import DEFAULT_FAMILY
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class LoadedParts:
     speakers: dict[str, dict[str, Any]]
     files: dict[str, Any] = field(default_factory=dict)  # component -> MappedFile
     prefetch_thread: threading.Thread | None = None
-    family: str = "cosyvoice"
+    family: str = DEFAULT_FAMILY
 
     def page_plan(self) -> list[tuple[Any, tuple[str, ...]]]:
         """What to page in: (file, its row tables), the largest file first."""
@@ -141,7 +142,7 @@ class Bundle:
         model code)."""
         from cosyserve.families import family_named
 
-        return family_named(self.manifest.get("family", "cosyvoice"))
+        return family_named(self.manifest.get("family", DEFAULT_FAMILY))
 
     @property
     def model_key(self) -> str:
@@ -150,15 +151,13 @@ class Bundle:
 
     @property
     def instruct(self) -> bool:
-        """Whether the model takes instruct mode (a CosyVoice-300M-Instruct), as recorded at conversion by
-        :func:`cosyserve.families.cosyvoice.is_instruct_model_dir`; a bundle converted before that was recorded
-        is judged by the same rule on the source directory its manifest names."""
+        """Whether the model takes instruct mode (a CosyVoice-300M-Instruct), as its family's
+        :meth:`~cosyserve.families.base.Family.is_instruct_dir` told at conversion; a bundle converted before that
+        was recorded is judged by the same rule on the source directory its manifest names."""
         value = self.manifest.get("instruct")
         if value is None:
-            from cosyserve.families.cosyvoice import is_instruct_model_dir
-
             source = self.manifest.get("source", {}).get("dir")
-            return isinstance(source, str) and bool(source) and is_instruct_model_dir(source)
+            return isinstance(source, str) and bool(source) and self.family.is_instruct_dir(Path(source))
         if not isinstance(value, bool):
             raise BundleError(f"{self.path / 'manifest.json'}: instruct must be true or false, got {value!r}")
         return value
@@ -426,7 +425,7 @@ def open_bundle(path: str | Path) -> Bundle:
     from cosyserve.families import family_named
 
     try:
-        known = set(family_named(manifest.get("family", "cosyvoice")).bundle_files)
+        known = set(family_named(manifest.get("family", DEFAULT_FAMILY)).bundle_files)
     except ValueError as e:
         raise BundleError(f"{mpath}: {e}") from None
     for extra in manifest.get("extras", {}):

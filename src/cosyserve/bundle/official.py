@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.errors import ModelDirError
+from cosyserve.families import DEFAULT_FAMILY
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +68,7 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, Any], path: Path) -> Non
     assert_materialized(module, str(path))
 
 
-def module_class(name: str, family: str = "cosyvoice") -> type:
+def module_class(name: str, family: str = DEFAULT_FAMILY) -> type:
     """The module class of component ``name`` (llm, flow or hift) in model ``family`` (a name of
     :data:`cosyserve.families.FAMILIES`)."""
     from cosyserve.families import family_named
@@ -77,7 +78,7 @@ def module_class(name: str, family: str = "cosyvoice") -> type:
     return family_named(family).module_class(name)
 
 
-def new_module(name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:
+def new_module(name: str, cfg: Any, family: str = DEFAULT_FAMILY) -> torch.nn.Module:
     """Construct component ``name`` ready for ``load_state_dict(assign=True)``: on the meta device with every
     initialiser skipped, and the vocoder with plain convolutions (its load hook folds the official weight-norm
     keys; registering the parametrizations, even on meta, would cost more than the rest of the load)."""
@@ -88,7 +89,9 @@ def new_module(name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Modul
         return cls(cfg, weight_norm=False) if name == "hift" else cls(cfg)
 
 
-def load_component(model_dir: str | Path, name: str, cfg: Any, family: str = "cosyvoice") -> torch.nn.Module:
+def load_component(
+    model_dir: str | Path, name: str, cfg: Any, family: str = DEFAULT_FAMILY
+) -> torch.nn.Module:
     """Build component ``name`` (llm, flow or hift) from its config and load the official weights strictly.
 
     Args:

@@ -11,12 +11,11 @@ import re
 import textwrap
 from typing import Any
 
+from cosyserve.core.modes import MODE_TABLE, MODES
 from cosyserve.core.settings import declared
-from cosyserve.families import FAMILIES
+from cosyserve.families import DEFAULT_FAMILY, FAMILIES
 
-__all__ = ["SYNTH_MODES", "build_parser", "flags_of"]
-
-SYNTH_MODES = ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc")
+__all__ = ["build_parser", "flags_of"]
 _SETTINGS = {s.name: s for s in declared()}
 # the compute settings `synth` and `serve` take as flags
 _PRECISION = ("device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps")
@@ -77,9 +76,10 @@ def _synth_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _setting(p, "models")
     p.add_argument(
         "--mode",
-        choices=SYNTH_MODES,
+        choices=MODES,
         default=None,
-        help="synthesis mode (default: sft, or zero_shot when --speaker is a registered voice)",
+        help="synthesis mode (default: sft, or zero_shot when --speaker is a registered voice): "
+        + "; ".join(f"{m}: {spec.summary}" for m, spec in MODE_TABLE.items()),
     )
     p.add_argument(
         "--speaker",
@@ -308,7 +308,7 @@ def _make_test_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--family",
         choices=list(FAMILIES),
-        default="cosyvoice",
+        default=DEFAULT_FAMILY,
         help="the layout: cosyvoice (CosyVoice-300M), cosyvoice2 (CosyVoice2-0.5B), cosyvoice3 (Fun-CosyVoice3-0.5B)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights")

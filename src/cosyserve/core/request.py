@@ -5,14 +5,8 @@ its flags with these rules before loading anything, and :meth:`SynthesisRequest.
 before it is queued; what only the model can tell (does the speaker exist, is the mode available) the runtime
 checks when the request starts.
 
-| mode | text | speaker | prompt_wav | prompt_text | instruct_text | source_wav |
-|---|---|---|---|---|---|---|
-| ``sft`` | required | a pre-defined speaker or registered embedding (default: the model's default voice) | - | - | - | - |
-| ``zero_shot`` | required | a registered voice, **or** ... | ... required | ... required | - | - |
-| ``cross_lingual`` | required | a registered voice, **or** ... | ... required | - | - | - |
-| ``instruct`` | required | as sft | - | - | required | - |
-| ``instruct2`` | required | a registered voice, **or** ... | ... required | - | required | - |
-| ``vc`` | - | - | required | - | - | required |
+The modes, the fields each takes and needs, are :data:`cosyserve.core.modes.MODE_TABLE`'s (read here by
+:func:`field_errors`).
 
 ``mode=None`` means ``zero_shot`` when ``speaker`` is a registered zero-shot voice, else ``sft`` (decided by the
 runtime, which knows the voices). ``instruct`` is CosyVoice-300M-Instruct's (a speaker and a style instruction);
@@ -36,9 +30,9 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
 
 from cosyserve.core.errors import ClientError
+from cosyserve.core.modes import FIELDS, MODE_TABLE, MODES, PROMPT_MODES, ROLES, VOICE_MODES, accepting
 
 __all__ = [
     "MODES",
@@ -55,11 +49,7 @@ __all__ = [
     "speed_error",
 ]
 
-Mode = Literal["sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc"]
-MODES: tuple[Mode, ...] = ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2", "vc")
-# need campplus + the speech tokenizer
-PROMPT_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "instruct2", "vc")
-VOICE_MODES: tuple[Mode, ...] = ("zero_shot", "cross_lingual", "instruct2")  # a registered voice or a prompt
+Mode = str  # a key of MODE_TABLE
 
 # The tempo range every entry point accepts (OpenAI's). Speed stretches the whole utterance's mel in time before
 # the vocoder (the reference's rule), which works for any factor > 0; the bounds keep requests sane.
@@ -75,17 +65,6 @@ def is_text_iterable(text: object) -> bool:
     return not isinstance(text, str | bytes | bytearray | memoryview) and hasattr(text, "__iter__")
 
 
-# field -> modes that accept it
-_ACCEPTS: dict[str, tuple[Mode, ...]] = {
-    "text": ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2"),
-    "speaker": ("sft", "zero_shot", "cross_lingual", "instruct", "instruct2"),
-    "prompt_wav": ("zero_shot", "cross_lingual", "instruct2", "vc"),
-    "prompt_text": ("zero_shot",),
-    "instruct_text": ("instruct", "instruct2"),
-    "source_wav": ("vc",),
-}
-
-
 @dataclass(frozen=True)
 class SynthesisRequest:
     """One synthesis request (frozen; derive variants with :func:`dataclasses.replace`).
@@ -95,7 +74,7 @@ class SynthesisRequest:
             iterable of pieces that is not a str, read as they arrive (see the module docstring).
         speaker: a pre-defined speaker id, or a voice registered for ``tenant``; None in sft/instruct: the model's
             default voice.
-        mode: ``sft``, ``zero_shot``, ``cross_lingual``, ``instruct``, ``vc``, or None (see the module docstring).
+        mode: a mode of :data:`~cosyserve.core.modes.MODE_TABLE`, or None (see the module docstring).
         prompt_text: the transcript of ``prompt_wav`` (zero_shot).
         prompt_wav: the voice to clone (zero_shot, cross_lingual, vc): a path or the encoded file's bytes.
         source_wav: the recording to convert (vc): a path or bytes.
@@ -159,7 +138,8 @@ class SynthesisRequest:
                 raise ClientError(f"{name} must be a string, got {type(value).__name__}", param=name)
         if self.speaker is not None and not isinstance(self.speaker, str):
             raise ClientError(f"speaker must be a string, got {type(self.speaker).__name__}", param="speaker")
-        if self.mode != "vc" and isinstance(self.text, str) and not self.text.strip():
+        needs_text = self.mode is None or "text" in MODE_TABLE[self.mode].needs
+        if needs_text and isinstance(self.text, str) and not self.text.strip():
             raise ClientError("text is empty: give at least one word to speak", param="text")
         errors = field_errors(self.mode, self.present())
         if errors:
@@ -220,25 +200,23 @@ def field_errors(
         ``(field, message)`` per problem, the field the message is about first (empty when the combination is
         valid).
     """
-    n = {f: f for f in _ACCEPTS} | dict(names or {})
+    n = {f: f for f in FIELDS} | dict(names or {})
     if mode is None:  # sft or zero_shot with a registered voice: text and speaker only
         return [
-            (f, f"{n[f]} needs a mode that takes it (it is for {' / '.join(modes)})")
-            for f, modes in _ACCEPTS.items()
+            (f, f"{n[f]} needs a mode that takes it (it is for {' / '.join(accepting(f))})")
+            for f in FIELDS
             if f in present and f not in ("text", "speaker")
         ] + ([] if "text" in present else [("text", f"{n['text']} is needed (what to say)")])
-    if mode not in MODES:
+    if mode not in MODE_TABLE:
         return [("mode", f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")]
+    spec = MODE_TABLE[mode]
     errors = [
-        (f, f"{n[f]} is not used in {mode} mode (it is for {' / '.join(modes)})")
-        for f, modes in _ACCEPTS.items()
-        if f in present and mode not in modes
+        (f, f"{n[f]} is not used in {mode} mode (it is for {' / '.join(accepting(f))})")
+        for f in FIELDS
+        if f in present and f not in spec.takes
     ]
-    if mode != "vc" and "text" not in present:
-        errors.append(("text", f"{mode} mode needs {n['text']} (what to say)"))
-    if mode in ("instruct", "instruct2") and "instruct_text" not in present:
-        errors.append(("instruct_text", f"{mode} mode needs {n['instruct_text']} (the style instruction)"))
-    if mode in VOICE_MODES:
+    errors += [(f, f"{mode} mode needs {n[f]} ({ROLES[f]})") for f in spec.needs if f not in present]
+    if spec.voice == "clone":
         if "speaker" in present and "prompt_wav" in present:
             errors.append(
                 (
@@ -261,16 +239,12 @@ def field_errors(
                         f"{mode} mode needs {n['prompt_wav']} (the voice to clone) or {n['speaker']} (a registered voice)",
                     )
                 )
-            if mode == "zero_shot" and "prompt_text" not in present:
+            if spec.transcript and "prompt_text" not in present:
                 errors.append(
                     (
                         "prompt_text",
-                        f"zero_shot mode needs {n['prompt_text']} (the transcript of {n['prompt_wav']}); "
+                        f"{mode} mode needs {n['prompt_text']} (the transcript of {n['prompt_wav']}); "
                         "without one use cross_lingual mode",
                     )
                 )
-    if mode == "vc":
-        for f in ("source_wav", "prompt_wav"):
-            if f not in present:
-                errors.append((f, f"vc mode needs {n[f]}"))
     return errors

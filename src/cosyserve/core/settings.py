@@ -67,8 +67,8 @@ __all__ = [
 # (:func:`cosyserve.bundle.sources.demo_model_dir`)
 DEMO_MODEL = "demo"
 
-# the streaming chunk policies (cosyserve.families.streampolicy.StreamPolicy.named) and the first hop's range in
-# tokens: below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the
+# the streaming chunk policies (cosyserve.families.cosyvoice.streampolicy.StreamPolicy.named) and the first hop's
+# range in tokens: below 12 (at 50 tokens/s) the first window cannot fill the vocoder's cache; above 200 it exceeds the
 # longest hop
 CHUNK_POLICY_CHOICES = ("reference", "low-latency")
 FIRST_HOP_RANGE = (12, 200)

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from cosyserve.engine.stats import ModelStats
 from cosyserve.engine.streams import AudioStream, End, SyncAudioStream, shared
 from cosyserve.engine.voicemap import is_openai_voice, openai_voice_map
 from cosyserve.system.gchold import collect_frozen
+
+if TYPE_CHECKING:
+    from cosyserve.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +106,8 @@ class Engine:
         self._listeners: list[Listener] = []
         self._load_future: concurrent.futures.Future[Engine] | None = None
         self._release_future: concurrent.futures.Future[None] | None = None
-        self._instances: list[Any] = []  # the loaded runtimes
-        self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()  # a runtime per free slot
+        self._instances: list[Runtime] = []  # the loaded runtimes
+        self._idle: queue.SimpleQueue[Runtime] = queue.SimpleQueue()  # a runtime per free slot
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._jobs: set[Job] = set()
         self._in_flight = 0
@@ -113,9 +116,8 @@ class Engine:
         self._voices = dict(voices or {})
         self._default_voice = default_voice
         self.sample_rate: int | None = None
-        self.runtime: Any = (
-            None  # the first runtime, READY: what it serves (voices, modes), its clock and memory
-        )
+        # the first runtime, READY: what it serves (voices, modes), its clock and memory
+        self.runtime: Runtime | None = None
 
     # -- state machine ---------------------------------------------------------------------------------------
 
@@ -347,7 +349,7 @@ class Engine:
         if alias:
             request = dataclasses.replace(request, speaker=self.openai_voices()[name.lower()])
         try:
-            return runtime.resolve(request)  # type: ignore[no-any-return]
+            return runtime.resolve(request)
         except ClientError as e:
             self.stats.record_reject("client_error")
             if alias and isinstance(e, UnknownVoiceError):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cosyserve.families.base import Family
 
-__all__ = ["FAMILIES", "family_named", "family_of", "family_yamls"]
+__all__ = ["DEFAULT_FAMILY", "FAMILIES", "family_named", "family_of", "family_yamls"]
 
 # name -> (the yaml that marks its model directories, its Family class)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -30,6 +30,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "cosyvoice2": ("cosyvoice2.yaml", "cosyserve.families.cosyvoice2:CosyVoice2"),
     "cosyvoice3": ("cosyvoice3.yaml", "cosyserve.families.cosyvoice3:CosyVoice3"),
 }
+
+# The family of what names none: a bundle whose manifest predates its "family" field (every such bundle was
+# CosyVoice-300M's), a pipeline built without one, a conformance set without a model dir, the test model's default.
+DEFAULT_FAMILY = "cosyvoice"
 
 
 @cache

@@ -12,11 +12,72 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["Family"]
+if TYPE_CHECKING:
+    import torch
+
+    from cosyserve.families.modelconfig import ModelConfig
+    from cosyserve.frontend.zeroshot import Frontend
+
+Ids = tuple[Any, Any]  # token ids [1, n] and their length [1] (torch tensors or numpy arrays)
+
+__all__ = ["Family", "Ids", "StreamPolicy", "Token2Wav", "Tokenizer"]
 
 CAMPPLUS_FILE = "campplus.onnx"  # the speaker embedding model, the same in every family
+
+
+class Tokenizer(Protocol):
+    """A model's text tokenizer (the whisper one, a family's Qwen one)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@runtime_checkable
+class StreamPolicy(Protocol):
+    """A family's streaming chunk rule (a strategy object: CosyVoice-300M's windows, CosyVoice2/3's chunks)."""
+
+    @property
+    def first_hop(self) -> int:
+        """Speech tokens the first streamed chunk advances by."""
+        ...
+
+    @property
+    def source_cache_len(self) -> int:
+        """Vocoder samples kept between chunks (the cross-fade's reach)."""
+        ...
+
+    def next_hop(self, hop: int) -> int:
+        """The hop after a chunk of ``hop`` tokens."""
+        ...
+
+
+@runtime_checkable
+class Token2Wav(Protocol):
+    """A family's speech tokens to audio, over its ``flow`` and ``hift`` with its ``policy``: what a runtime
+    calls for every text piece (the torch modules' or the lite runtime's graphs')."""
+
+    flow: Any
+    hift: Any
+    policy: Any  # the family's StreamPolicy
+
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: Any,
+        prompt_token: Any = None,
+        prompt_feat: Any = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        generator: Any = None,
+        draws: Any = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[Any]:
+        """Float32 audio chunks of ``tokens`` (consumed as they come; torch tensors ``[1, samples]``, the lite
+        runtime's 1-D arrays), with the flow's speaker ``embedding`` and, where a voice is cloned, its
+        ``prompt_token`` / ``prompt_feat``; ``generator`` draws the noise (torch's or numpy's)."""
+        ...
 
 
 def import_string(target: str) -> Any:
@@ -38,6 +99,9 @@ class Family:
         required_files: of those, the ones a model dir must hold (a bundle without them cannot serve).
         registry_folder: where its registered voices live inside a registry dir shared by every model ("" is
             the dir itself): their prompt features mean nothing to another family's model.
+        modes: the modes of :data:`cosyserve.core.modes.MODE_TABLE` its models offer (``instruct`` only on a model
+            that follows instructions, see :meth:`unavailable_modes`); it assembles each one's model input
+            (:meth:`model_input`).
         instruct_mode: the mode that follows a style instruction (``instruct``: a speaker and an instruction;
             ``instruct2``: a voice to clone and an instruction).
         lite: the lite runtime (ONNX Runtime + numpy) serves it.
@@ -48,6 +112,9 @@ class Family:
             yet served by it).
         reruns_flow: streaming calls the flow on every token so far (CosyVoice2/3: the reference's rule, which
             cosyserve computes keeping the final frames), instead of windows that carry a flow cache (CosyVoice-300M).
+        prompt_mel_per_token: the prompt mel's frames per speech token its flow takes: a prompt's mel and tokens
+            are trimmed to exactly that ratio (CosyVoice2/3: 2, the reference's 24 kHz rule); None keeps them as
+            extracted (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
         stacks: the token2wav parts (``flow``, ``hift``) whose concurrent same-shape calls may run stacked
             (``batch_flow``, :mod:`cosyserve.runtime.stacking`): a part whose calls carry no state of their own
@@ -67,12 +134,14 @@ class Family:
     bundle_files: ClassVar[tuple[str, ...]] = ()
     required_files: ClassVar[tuple[str, ...]] = ()
     registry_folder: ClassVar[str]
+    modes: ClassVar[tuple[str, ...]]
     instruct_mode: ClassVar[str]
     lite: ClassVar[bool] = False
     lite_export: ClassVar[str | None] = None
     lite_parts: ClassVar[tuple[str, ...]] = ()
     lite_kinds: ClassVar[tuple[str, ...]] = ()
     reruns_flow: ClassVar[bool] = True
+    prompt_mel_per_token: ClassVar[int | None] = None
     random_vocoder: ClassVar[bool] = True
     stacks: ClassVar[tuple[str, ...]] = ()
     test_model: ClassVar[str]
@@ -105,7 +174,7 @@ class Family:
         """The module class of ``component`` (llm, flow or hift)."""
         return import_string(self.module_classes[component])  # type: ignore[no-any-return]
 
-    def read_config(self, model_dir: Path) -> Any:
+    def read_config(self, model_dir: Path) -> ModelConfig:
         """The :class:`~cosyserve.families.modelconfig.ModelConfig` of an official directory of this family."""
         raise NotImplementedError
 
@@ -121,12 +190,14 @@ class Family:
 
     # --- serving ---------------------------------------------------------------------------------------------
 
-    def tokenizer(self, files: Path, check: Callable[[str], None] | None = None) -> Callable[[], Any] | None:
+    def tokenizer(
+        self, files: Path, check: Callable[[str], None] | None = None
+    ) -> Callable[[], Tokenizer] | None:
         """A factory of the text tokenizer read from ``files`` (a model dir or a bundle; ``check(name)`` runs on
         each file it reads first), or None for the whisper tokenizer every CosyVoice-300M model uses."""
         return None
 
-    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+    def prompt_mel(self, config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The prompt mel extractor (waveform [1, N] at the model's rate -> [1, 80, frames]) of a model with
         ``config``; None: the frontend's default (CosyVoice-300M's)."""
         return None
@@ -134,13 +205,13 @@ class Family:
     def frontend(
         self,
         files: Path,
-        config: Any,
+        config: ModelConfig | None,
         speakers: dict[str, Any] | None = None,
         *,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         paths: Mapping[str, Path | None] | None = None,
         check: Callable[[Path], None] | None = None,
-    ) -> Any:
+    ) -> Frontend:
         """The prompt frontend (:class:`~cosyserve.frontend.zeroshot.Frontend`) of a model with ``config`` whose
         files are in ``files`` (a model dir or a bundle): its tokenizer (None: this family's, read from
         ``files``), prompt mel and ONNX models (``paths``: file name -> where it is, None: in ``files``;
@@ -151,21 +222,35 @@ class Family:
             factory = self.tokenizer(files)
             tokenizer = factory() if factory is not None else None
         mel = self.prompt_mel(config) if config is not None else None
-        frontend = Frontend(files, speakers or {}, tokenizer=tokenizer, feat_extractor=mel)
+        frontend = Frontend(
+            files,
+            speakers or {},
+            tokenizer=tokenizer,
+            feat_extractor=mel,
+            mel_per_token=self.prompt_mel_per_token,
+        )
         paths = paths or {}
         campplus, speech_tokenizer = self.onnx_files
         frontend.campplus = OnnxModel(paths.get(campplus) or files / campplus, check)
         frontend.speech_tokenizer = OnnxModel(paths.get(speech_tokenizer) or files / speech_tokenizer, check)
         return frontend
 
-    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
         """The streaming chunk policy ``chunk_policy`` (``reference`` or ``low-latency``, whose first hop is
         ``first_hop`` tokens at 50 Hz) for a model with ``config`` and ``flow``."""
         raise NotImplementedError
 
     def token2wav(
-        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
-    ) -> Any:
+        self,
+        config: ModelConfig,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy,
+        flow_steps: int | None,
+        voices: Any = None,
+    ) -> Token2Wav:
         """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
@@ -175,8 +260,35 @@ class Family:
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
         """mode -> why a model of this family cannot run it, whatever its files (``instruct``: the model
-        follows ``instruct`` mode's instructions)."""
-        return {}
+        follows ``instruct`` mode's instructions): every mode of the table it does not offer (a family says more
+        where it has more to say)."""
+        from cosyserve.core.modes import MODES
+
+        offered = ", ".join(self.modes)
+        return {
+            m: f"this is a {self.title} model, which has no {m} mode (its modes: {offered})"
+            for m in MODES
+            if m not in self.modes
+        }
+
+    def model_input(
+        self, mode: str, text: Ids, voice: Mapping[str, Any], instruction: Ids | None = None
+    ) -> dict[str, Any]:
+        """The model input (the reference frontend's dict) of one piece of ``text`` in ``mode``, a mode this family
+        offers: ``voice`` is the speaker's entry (sft, instruct: its ``embedding``) or the voice to clone's prompt
+        features (:meth:`~cosyserve.frontend.zeroshot.Frontend.prompt_features`, or a registered voice's);
+        ``instruction`` the tokenized instruction of the modes that take one. Token ids and arrays are torch
+        tensors or numpy arrays alike. The modes every family shares are assembled by
+        :mod:`cosyserve.frontend.prompt`; a family with a mode of its own overrides this."""
+        from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
+
+        if mode == "sft":
+            return sft_input(text, voice["embedding"])
+        if mode == "instruct" and instruction is not None:
+            return instruct_input(text, voice["embedding"], instruction)
+        if mode in ("zero_shot", "cross_lingual"):
+            return prompt_input(text, voice, mode)  # type: ignore[arg-type]
+        raise ValueError(f"{self.title} assembles no {mode} model input")
 
     def instruction(self, text: str) -> str:
         """A style instruction as the model is to read it (CosyVoice2/3 end theirs with a marker)."""

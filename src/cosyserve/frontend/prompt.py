@@ -25,7 +25,6 @@ from cosyserve.frontend.onnx_compat import session_source
 
 __all__ = [
     "check_token_seconds",
-    "instruct2_input",
     "instruct_input",
     "prompt_input",
     "sft_input",
@@ -315,17 +314,5 @@ def prompt_input(
     if mode == "cross_lingual":
         for key in _LLM_PROMPT_KEYS:
             model_input.pop(key, None)
-    model_input["text"], model_input["text_len"] = text
-    return model_input
-
-
-def instruct2_input(text: Ids, prompt: Mapping[str, Any], instruction: Ids) -> dict[str, Any]:
-    """CosyVoice2's instruct2: a cloned voice (``prompt``) saying ``text`` in the style ``instruction`` asks for
-    (the reference's ``frontend_instruct2``): the instruction is the LLM's prompt text, the LLM gets no prompt
-    speech tokens, the flow keeps the prompt's tokens, mel and embedding."""
-    model_input = dict(prompt)
-    model_input.pop("llm_prompt_speech_token", None)
-    model_input.pop("llm_prompt_speech_token_len", None)
-    model_input["prompt_text"], model_input["prompt_text_len"] = instruction
     model_input["text"], model_input["text_len"] = text
     return model_input

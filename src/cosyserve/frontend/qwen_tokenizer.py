@@ -10,7 +10,8 @@ is not needed. The special tokens match anywhere in the raw text, exactly, befor
 Face tokenizer matches its added tokens); each stretch between them is NFC-normalised and split by Qwen2's pattern
 (single digits). So a pinyin tag written with a decomposed tone mark is plain text, not the special token. Ids:
 the added tokens of ``tokenizer_config.json`` (Qwen's ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) keep
-theirs, the family's take the next free ids in list order. CosyVoice-300M tags such as ``<|en|>`` are plain text
+theirs, the family's take the next free ids in list order (each family supplies its table:
+:attr:`cosyserve.families.cosyvoice2.CosyVoice2.specials`). CosyVoice-300M tags such as ``<|en|>`` are plain text
 here, as in the reference.
 """
 
@@ -25,51 +26,9 @@ from pathlib import Path
 
 from cosyserve.core.errors import ModelDirError
 
-__all__ = ["COSYVOICE2_SPECIALS", "COSYVOICE3_SPECIALS", "QwenTokenizer"]
+__all__ = ["QwenTokenizer"]
 
 _PAT_STR = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-
-# the reference's CosyVoice2Tokenizer additions, in its order
-COSYVOICE2_SPECIALS = (
-    "<|endofprompt|>",
-    "[breath]",
-    "<strong>",
-    "</strong>",
-    "[noise]",
-    "[laughter]",
-    "[cough]",
-    "[clucking]",
-    "[accent]",
-    "[quick_breath]",
-    "<laughter>",
-    "</laughter>",
-    "[hissing]",
-    "[sigh]",
-    "[vocalized-noise]",
-    "[lipsmack]",
-    "[mn]",
-)
-
-# CosyVoice3's additions after CosyVoice2's, in the reference's order: English phones (ARPAbet, vowels with and
-# without a stress digit), then pinyin initials and toned finals (NFC, precomposed tone marks)
-_PHONES = """
-AA AA0 AA1 AA2 AE AE0 AE1 AE2 AH AH0 AH1 AH2 AO AO0 AO1 AO2 AW AW0 AW1 AW2 AY AY0 AY1 AY2 B CH D DH EH EH0 EH1 EH2
-ER ER0 ER1 ER2 EY EY0 EY1 EY2 F G HH IH IH0 IH1 IH2 IY IY0 IY1 IY2 JH K L M N NG OW OW0 OW1 OW2 OY OY0 OY1 OY2 P R S
-SH T TH UH UH0 UH1 UH2 UW UW0 UW1 UW2 V W Y Z ZH
-"""
-_PINYIN = """
-a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié iòng ióng iù iú iā
-iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s sh t u uang ue un uo uà uài uàn uàng
-uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài àn àng ào á
-ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn
-ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ
-"""
-COSYVOICE3_SPECIALS = (
-    *COSYVOICE2_SPECIALS,
-    "<|endofsystem|>",
-    *(f"[{p}]" for p in _PHONES.split()),
-    *(f"[{unicodedata.normalize('NFC', p)}]" for p in _PINYIN.split()),
-)
 
 
 @functools.cache
@@ -102,13 +61,12 @@ class QwenTokenizer:
         self._specials = re.compile(f"({alternatives})")
 
     @classmethod
-    def from_dir(cls, path: str | Path, specials: tuple[str, ...] = COSYVOICE2_SPECIALS) -> QwenTokenizer:
+    def from_dir(cls, path: str | Path, specials: tuple[str, ...]) -> QwenTokenizer:
         """Read ``vocab.json`` and ``tokenizer_config.json`` from a ``CosyVoice-BlankEN`` folder.
 
         Args:
             path: the folder.
-            specials: the family's added special tokens, in the reference's order (:data:`COSYVOICE2_SPECIALS`,
-                :data:`COSYVOICE3_SPECIALS`).
+            specials: the family's added special tokens, in the reference's order (its family's ``specials``).
         Raises:
             ModelDirError: a missing or malformed file, named with what is wrong.
         """
@@ -116,7 +74,7 @@ class QwenTokenizer:
         return _load(str(path.resolve()), specials)
 
     @classmethod
-    def check_dir(cls, path: str | Path, specials: tuple[str, ...] = COSYVOICE2_SPECIALS) -> None:
+    def check_dir(cls, path: str | Path, specials: tuple[str, ...]) -> None:
         """Build the tokenizer of a ``CosyVoice-BlankEN`` folder once, to refuse bad files now, without keeping
         it (the converter's check: the served bundle builds its own from its copies).
 
@@ -153,7 +111,7 @@ def _load_cached(path: str, specials: tuple[str, ...]) -> QwenTokenizer:
     return _build(Path(path), specials)
 
 
-def _build(folder: Path, added: tuple[str, ...] = COSYVOICE2_SPECIALS) -> QwenTokenizer:
+def _build(folder: Path, added: tuple[str, ...]) -> QwenTokenizer:
     vocab_path, config_path = folder / "vocab.json", folder / "tokenizer_config.json"
     try:
         vocab = json.loads(vocab_path.read_text(encoding="utf-8"))

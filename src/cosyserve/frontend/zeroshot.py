@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from cosyserve.core.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError, shown
+from cosyserve.core.modes import PROMPT_MODES  # the modes that need both ONNX models
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
     CAMPPLUS_FILE,
@@ -37,7 +38,6 @@ from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-expo
     PromptAudio,
     PromptLimits,
     check_token_seconds,
-    instruct2_input,
     instruct_input,
     load_prompt,
     prompt_input,
@@ -58,8 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-PROMPT_MODES = ("zero_shot", "cross_lingual", "vc")  # the modes that need both ONNX models
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -84,6 +82,9 @@ class Frontend:
         feat_extractor: waveform [1, N] -> mel [1, 80, frames]; default the CosyVoice-300M yaml's
             ``mel_spectrogram`` (n_fft 1024, hop 256, 80 mels, 22050 Hz filterbank, fmax 8000).
         limits: checks on prompt audio.
+        mel_per_token: the prompt mel's frames per speech token the flow takes (its family's
+            :attr:`~cosyserve.families.base.Family.prompt_mel_per_token`): the prompt's mel and tokens are trimmed to
+            exactly that ratio (CosyVoice2/3: 2); None keeps them as extracted (CosyVoice-300M).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class Frontend:
         tokenizer: Any = None,
         feat_extractor: Callable[[torch.Tensor], torch.Tensor] | None = None,
         limits: PromptLimits | None = None,
+        mel_per_token: int | None = None,
     ) -> None:
         if tokenizer is None:
             from cosyserve.frontend.tokenizer import get_tokenizer
@@ -104,6 +106,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.feat_extractor = feat_extractor or mel_spectrogram
         self.limits = limits or PromptLimits()
+        self.mel_per_token = mel_per_token
         self.campplus = OnnxModel(self.model_dir / CAMPPLUS_FILE)
         self.speech_tokenizer = OnnxModel(self.model_dir / SPEECH_TOKENIZER_FILE)
 
@@ -201,26 +204,25 @@ class Frontend:
         tts_text: str,
         prompt_text: str,
         prompt_wav: AudioSource | PromptAudio,
-        resample_rate: int = 22050,
         zero_shot_spk_id: str = "",
     ) -> dict[str, torch.Tensor]:
         """Voice cloning from a prompt recording and its transcript.
 
         Returns ``prompt_text(_len)``, ``llm_prompt_speech_token(_len)`` = ``flow_prompt_speech_token(_len)``,
         ``prompt_speech_feat(_len)``, ``llm_embedding`` = ``flow_embedding``, ``text(_len)``. With a
-        ``zero_shot_spk_id`` (a saved prompt in ``speakers``) the saved entry is used instead of a recording.
-        ``resample_rate`` 24000 (CosyVoice2) trims features and tokens to exactly 2 frames per token.
+        ``zero_shot_spk_id`` (a saved prompt in ``speakers``) the saved entry is used instead of a recording. (The
+        reference's ``resample_rate`` argument is this frontend's ``mel_per_token``, which the family sets.)
         """
         if zero_shot_spk_id:
             if zero_shot_spk_id not in self.speakers:
                 raise UnknownVoiceError(f"unknown saved speaker {shown(zero_shot_spk_id)}")
             entry = self.speakers[zero_shot_spk_id]
         else:
-            entry = self.prompt_features(prompt_text, prompt_wav, resample_rate)
+            entry = self.prompt_features(prompt_text, prompt_wav)
         return prompt_input(self.extract_text_token(tts_text), entry, "zero_shot")
 
     def prompt_features(
-        self, prompt_text: str, prompt_wav: AudioSource | PromptAudio, resample_rate: int = 22050
+        self, prompt_text: str, prompt_wav: AudioSource | PromptAudio
     ) -> dict[str, torch.Tensor]:
         """The zero-shot prompt features of a recording and its transcript: the entry the reference's
         ``add_zero_shot_spk`` stores (``frontend_zero_shot``'s dict without ``text``/``text_len``).
@@ -234,9 +236,10 @@ class Frontend:
             prompt_ids, prompt_len = self.extract_text_token(prompt_text)
             feat, feat_len = self.extract_speech_feat(prompt.speech_24k)
             tokens, tokens_len = self.extract_speech_token(prompt.speech_16k)
-            if resample_rate == 24000:
-                n = min(feat.shape[1] // 2, tokens.shape[1])
-                feat, feat_len = feat[:, : 2 * n], torch.tensor([2 * n], dtype=torch.int32)
+            r = self.mel_per_token
+            if r is not None:
+                n = min(feat.shape[1] // r, tokens.shape[1])
+                feat, feat_len = feat[:, : r * n], torch.tensor([r * n], dtype=torch.int32)
                 tokens, tokens_len = tokens[:, :n], torch.tensor([n], dtype=torch.int32)
             embedding = self.extract_spk_embedding(prompt.speech_16k)
         return {
@@ -256,7 +259,6 @@ class Frontend:
         self,
         tts_text: str,
         prompt_wav: AudioSource | PromptAudio,
-        resample_rate: int = 22050,
         zero_shot_spk_id: str = "",
     ) -> dict[str, torch.Tensor]:
         """The zero-shot dict without the LLM prompt (no prompt text, no LLM prompt speech tokens)."""
@@ -266,7 +268,7 @@ class Frontend:
             entry = self.speakers[zero_shot_spk_id]
         else:
             self.require("cross_lingual")
-            entry = self.prompt_features("", prompt_wav, resample_rate)
+            entry = self.prompt_features("", prompt_wav)
         return prompt_input(self.extract_text_token(tts_text), entry, "cross_lingual")
 
     def frontend_instruct(
@@ -289,13 +291,12 @@ class Frontend:
         self,
         source_wav: AudioSource | PromptAudio,
         prompt_wav: AudioSource | PromptAudio,
-        resample_rate: int = 22050,
     ) -> dict[str, torch.Tensor]:
         """Voice conversion: the source's speech tokens spoken with the prompt's voice.
 
         Returns ``source_speech_token(_len)``, ``flow_prompt_speech_token(_len)``, ``prompt_speech_feat(_len)``,
-        ``flow_embedding``. Unlike :meth:`prompt_features` at 24 kHz, nothing is trimmed (the reference's
-        ``frontend_vc``; ``resample_rate`` is unused): the prompt's mel (F frames) and speech tokens (P) keep their
+        ``flow_embedding``. Unlike :meth:`prompt_features`, nothing is trimmed (the reference's
+        ``frontend_vc``, whatever ``mel_per_token``): the prompt's mel (F frames) and speech tokens (P) keep their
         extracted lengths, so with CosyVoice2's 25 Hz tokens F is 2P, 2P - 1 or 2P - 2, and the causal flow's
         output then starts with the 2P - F frames of the last prompt tokens, as the reference's does.
         """

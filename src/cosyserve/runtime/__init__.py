@@ -251,12 +251,17 @@ class Runtime(Protocol):
         clock: its start clock: the phases of its load, and its points (``ready``) since process start.
         precision: component (``llm``, ``flow``, ``hift``) -> the dtype it computes in, and why when not as
             stored (chosen at load for the CPU or GPU; the startup report shows it).
+        registry_root: the folder its registered voices live in (None: it keeps no registry); what is kept
+            beside them (the consent ledger of ``/v1/audio/voices``) lives there too.
     """
 
     sample_rate: int
     slots: int
     clock: PhaseClock
     precision: dict[str, str]
+
+    @property
+    def registry_root(self) -> Path | None: ...
 
     def speakers(self) -> list[str]:
         """The model's pre-defined speaker ids, sorted."""
@@ -329,6 +334,11 @@ class Runtime(Protocol):
         self, path: str | Path, *, tenant: str = "default", include_builtin: bool = False
     ) -> list[str]:
         """Write ``tenant``'s registered voices (and the pre-defined ones) as a reference ``spk2info.pt``."""
+        ...
+
+    def join_background(self, timeout: float | None = None) -> None:
+        """Wait for the work it runs after READY (text tier, warm-up, zero-shot tier); each part up to ``timeout``
+        seconds (None: until done). What a measurement that must see a settled process calls."""
         ...
 
     def after_fork(self) -> None:

@@ -15,21 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from cosyserve.core.errors import ClientError, ModeUnavailableError, RegistryError, UnknownVoiceError, shown
-from cosyserve.core.request import (
-    MODES,
-    PROMPT_MODES,
-    Mode,
-    ResolvedRequest,
-    SynthesisRequest,
-    is_text_iterable,
-)
-from cosyserve.families import family_named
+from cosyserve.core.modes import MODE_TABLE, MODES, PROMPT_MODES
+from cosyserve.core.request import Mode, ResolvedRequest, SynthesisRequest, is_text_iterable
+from cosyserve.families import DEFAULT_FAMILY, family_named
 from cosyserve.families.base import Family
 from cosyserve.runtime import Voice
 
 __all__ = ["ModelModes", "RuntimeVoices"]
-
-_MODE_FIELD = {"instruct": "instruct_text"}  # the field that asks for a mode, named when the model lacks it
 
 
 def _nothing_to_speak(what: str) -> ClientError:
@@ -62,7 +54,7 @@ class ModelModes:
         model_dir: str | Path | None = None,
         instruct: bool = True,
         default_voice: str | None = None,
-        family: Family | str = "cosyvoice",
+        family: Family | str = DEFAULT_FAMILY,
         tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self.family = family_named(family) if isinstance(family, str) else family
@@ -124,7 +116,7 @@ class ModelModes:
             err = ModeUnavailableError(
                 f"{mode} synthesis is unavailable: {why} (available modes: {', '.join(self.available_modes())})"
             )
-            err.param = _MODE_FIELD.get(mode)
+            err.param = MODE_TABLE[mode].param if mode in MODE_TABLE else None
             raise err
 
     @property
@@ -297,15 +289,14 @@ class ModelModes:
             self._speaker_of_kind(speaker, r.tenant, "instruct2", "zero_shot")
             mode = "instruct2"
             instruct_text = self.family.instruction(instruct_text)
-        if mode in ("sft", "instruct"):
+        spec = MODE_TABLE[mode]
+        if spec.voice == "speaker":
             speaker = speaker or self.default_speaker()
             self._speaker_of_kind(speaker, r.tenant, mode, "sft")
-        elif mode != "vc" and speaker:
+        elif spec.voice == "clone" and speaker:
             self._speaker_of_kind(speaker, r.tenant, mode, "zero_shot")
-        if (
-            mode == "instruct"
-            or (mode == "instruct2" and "instruct2" in self.family.unavailable_modes(self.instruct))
-            or (mode in PROMPT_MODES and not (mode != "vc" and speaker))
+        if mode in self.family.unavailable_modes(self.instruct) or (
+            spec.prompt_tier and not (spec.voice == "clone" and speaker)
         ):
             self.require(mode)  # before any audio is read: a missing model is the clearer error
         return r.resolved_as(mode, speaker, instruct_text)
@@ -318,6 +309,36 @@ class ModelModes:
     def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
         """The zero-shot prompt features of a recording and its transcript (each runtime's own frontend)."""
         raise NotImplementedError
+
+    def input_builder(
+        self, r: SynthesisRequest, ids: Callable[[str], Any]
+    ) -> Callable[[Any], dict[str, Any]]:
+        """The model input of one piece of ``r``'s text (its ids, or a stream of them), for a resolved request of
+        a mode with text: the voice (the speaker's entry, or the prompt's features, extracted now) and the
+        instruction (``ids`` tokenizes it) are resolved once, for every piece, as :data:`MODE_TABLE` says, and
+        the family assembles each piece's input (:meth:`~cosyserve.families.base.Family.model_input`). The
+        reference re-extracts a prompt per piece, with identical results."""
+        mode = r.mode
+        assert mode is not None, "resolve the request first"
+        spec = MODE_TABLE[mode]
+        if spec.voice == "speaker":
+            assert r.speaker is not None
+            voice = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")
+        elif r.speaker:
+            voice = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
+        else:
+            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if spec.transcript else ""
+            voice = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
+        instruction = None
+        if spec.instruction == "normalized":
+            instruction = ids(self._normalize_prompt(r.instruct_text, r.normalize))
+        elif spec.instruction == "family":
+            # inference_instruct2 does not normalise the instruction. With a saved voice the reference keeps the
+            # voice's transcript and drops the instruction (frontend_zero_shot returns the saved entry as is);
+            # here the instruction is what a caller asked for, so it applies with a registered voice too.
+            instruction = ids(self.family.complete_instruction(r.instruct_text))
+        family = self.family
+        return lambda text: family.model_input(mode, text, voice, instruction)
 
     # --- the registry ---------------------------------------------------------------------------------------------
 

@@ -40,10 +40,9 @@ import torch
 from cosyserve.core.request import Mode, SynthesisRequest, is_text_iterable
 from cosyserve.core.sampling import row_key
 from cosyserve.core.stop import Stopped, check
-from cosyserve.families import family_named
+from cosyserve.families import DEFAULT_FAMILY, family_named
 from cosyserve.families.base import Family
-from cosyserve.families.streampolicy import StreamPolicy
-from cosyserve.frontend.zeroshot import instruct2_input, instruct_input, prompt_input, sft_input
+from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import Streamed, one_shot
@@ -109,7 +108,7 @@ class Pipeline(ModelModes):
         instruct: bool = True,
         default_voice: str | None = None,
         flow_steps: int | None = None,
-        family: Family | str = "cosyvoice",
+        family: Family | str = DEFAULT_FAMILY,
         tokenizer: Any = None,
         config: Any = None,
         voice_states: Any = None,
@@ -178,7 +177,7 @@ class Pipeline(ModelModes):
             ModeUnavailableError: the model has no ONNX models; AudioError: unusable audio.
         """
         self.require(mode)
-        return self.frontend().prompt_features(prompt_text, prompt_wav, self.sample_rate)
+        return self.frontend().prompt_features(prompt_text, prompt_wav)
 
     def add_speaker(self, name: str, prompt_wav: Any, prompt_text: str, **kwargs: Any) -> Any:
         """:meth:`ModelModes.add_speaker`, and the voice's flow state computed when the model keeps voice states
@@ -213,10 +212,10 @@ class Pipeline(ModelModes):
         assert mode is not None
         prepared = PreparedRequest(r, mode)
         if mode == "vc":
-            prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav, self.sample_rate))
+            prepared.inputs.append(self.frontend().frontend_vc(r.source_wav, r.prompt_wav))
             return prepared
 
-        make = self._input_builder(r, mode)
+        make = self.input_builder(r, self._text_ids)
         if not is_text_iterable(r.text):
             prepared.pieces = self.text_pieces(
                 r
@@ -229,31 +228,6 @@ class Pipeline(ModelModes):
             # each finished sentence as soon as its end arrives
             prepared.inputs = (make(self._text_ids(piece)) for piece in self.text_pieces(r))
         return prepared
-
-    def _input_builder(self, r: SynthesisRequest, mode: Mode) -> Callable[[Any], dict[str, Any]]:
-        # the reference frontend's model input for one piece of text (ids, or a stream of them), the speaker or
-        # prompt resolved (and the prompt's features extracted) now, once for every piece: the reference
-        # re-extracts per piece with identical results
-        if mode in ("sft", "instruct"):
-            assert r.speaker is not None
-            embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
-            if mode == "sft":
-                return lambda text: sft_input(text, embedding)
-            instruction = self._text_ids(self._normalize_prompt(r.instruct_text, r.normalize))
-            return lambda text: instruct_input(text, embedding, instruction)
-        assert mode in ("zero_shot", "cross_lingual", "instruct2")
-        if r.speaker:
-            prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
-        else:
-            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
-            prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
-        if mode == "instruct2":
-            # inference_instruct2 does not normalise the instruction. With a saved voice the reference keeps the
-            # voice's transcript and drops the instruction (frontend_zero_shot returns the saved entry as is);
-            # here the instruction is what a caller asked for, so it applies with a registered voice too.
-            instruction2 = self._text_ids(self.family.complete_instruction(r.instruct_text))
-            return lambda text: instruct2_input(text, prompt, instruction2)
-        return lambda text: prompt_input(text, prompt, mode)  # type: ignore[arg-type]
 
     def _id_stream(self, pieces: Iterator[str]) -> tuple[Iterator[torch.Tensor], torch.Tensor]:
         # a text stream as the LM's bistream takes it: each piece's ids as it arrives, tokenized on its own (as

@@ -36,7 +36,8 @@ class TorchRuntime(RuntimeVoices):
     """A loaded CosyVoice-300M model on torch: implements :class:`cosyserve.runtime.Runtime`.
 
     Build it with :func:`load`. ``pipeline`` (its modules and input assembly) is public for this runtime's own
-    tests and benchmarks; nothing above the runtime layer reads it.
+    tests, benchmarks and tools (the quality gate holds a TorchRuntime, typed so); nothing that holds a
+    :class:`~cosyserve.runtime.Runtime` reads it (tests/test_contracts.py).
     """
 
     def __init__(

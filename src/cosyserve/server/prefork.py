@@ -53,11 +53,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.settings import Settings
 from cosyserve.server.run import bind_wyoming, run_app, uvicorn_options, wyoming_unbound
 from cosyserve.system.staging import LockedDir
+
+if TYPE_CHECKING:
+    from cosyserve.runtime import Runtime
 
 logger = logging.getLogger("cosyserve.prefork")
 
@@ -81,7 +84,9 @@ class WorkerLink:
         status_path: the master's file of the pool's state.
     """
 
-    def __init__(self, slot: int, runtimes: dict[str, list[Any]], ready_fd: int, status_path: str) -> None:
+    def __init__(
+        self, slot: int, runtimes: dict[str, list[Runtime]], ready_fd: int, status_path: str
+    ) -> None:
         self.slot = slot
         self.runtimes = runtimes
         self._ready_fd = ready_fd
@@ -120,7 +125,7 @@ class _Worker:
 class _Master:
     settings: Settings
     sock: socket.socket | None
-    runtimes: dict[str, list[Any]]
+    runtimes: dict[str, list[Runtime]]
     run_dir: str
     wyoming: Any = None  # the Wyoming listener (cosyserve.server.transports.wyoming.Listener), when asked for
     workers: dict[int, _Worker] = field(default_factory=dict)  # by pid

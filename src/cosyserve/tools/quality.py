@@ -24,21 +24,28 @@ Three measurements, each against the fp32 path (the same model loaded with defau
   of the log-mel L1: ``seam_excess`` (seams over the whole: what the seams add) and, for the low-latency policy,
   ``vs_reference`` (its whole-utterance distance over the reference rule's).
 
-A torch-runtime tool: it reads :class:`~cosyserve.runtime.pytorch.TorchRuntime` internals (its pipeline's modules).
+A torch-runtime tool: it measures the torch modules' compute paths, so it holds the concrete
+:class:`~cosyserve.runtime.pytorch.TorchRuntime` (loaded by that runtime's own ``load``, not through
+:func:`~cosyserve.runtime.load_runtime`) and reads its public ``pipeline`` (the modules and their input assembly),
+never a :class:`~cosyserve.runtime.Runtime` around its protocol. The distances, the bounds and the report are
+:mod:`cosyserve.tools.quality_report`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cosyserve.runtime import RuntimeOptions
+from cosyserve.tools.quality_report import BOUNDS, AudioDistance, Bound, QualityReport, audio_distance, pooled
+
+if TYPE_CHECKING:
+    from cosyserve.runtime.pytorch import TorchRuntime
 
 __all__ = [
     "BOUNDS",
@@ -64,113 +71,10 @@ PARTS = ("llm", "token2wav", "chunks")
 SEAM_PAD = 1024  # samples on either side of a seam's cross-fades that count as the seam
 
 
-@dataclass(frozen=True)
-class Bound:
-    """A limit on one figure: ``value <= limit`` (``upper``) or ``value >= limit``."""
-
-    limit: float
-    upper: bool = True
-
-    def holds(self, value: float) -> bool:
-        return value <= self.limit if self.upper else value >= self.limit
-
-
-# Bounds of the gate, set from measurements (seed 0) on the tiny test model and the full-size random-weight model:
-# - llm: a bf16 bundle gives top1 0.985 / dlogp 0.0035 (tiny); the output layer and the flow's encoder projection
-#   perturbed by 10% of their norm give top1 0.83 / dlogp 0.047: the bounds sit between, nearer the bf16 side.
-# - token2wav.flow_mel_l1: bf16 0.006, the 10% perturbation 0.022 (tiny). The audio figures saturate on random
-#   weights: their audio is noise-like, so the smallest change of the mel decorrelates the vocoder's phase and
-#   gives ~0.2 log-mel L1 / ~5.6 dB LSD (bf16, tiny); their bounds only catch gross breakage.
-# - chunks (the same saturation, plus each window's flow seeing only its own tokens): low-latency first hop 21
-#   gives seam/overall log-mel L1 0.25/0.24 (tiny) and 0.27/0.28 (full), LSD 6.0-6.7 dB, the reference rule
-#   0.25/0.24 (both); clicks at every chunk start push the seam L1 to 0.40 and seam/overall to 1.37. Hence the
-#   absolute bounds below, and two ratios that do not saturate: seam over overall (an artefact at the seams) and
-#   low-latency over reference overall (what the short windows cost beyond the reference rule).
-BOUNDS: dict[str, Bound] = {
-    "llm.top1": Bound(0.95, upper=False),
-    "llm.dlogp": Bound(0.02),
-    "token2wav.flow_mel_l1": Bound(0.015),
-    "token2wav.mel_l1": Bound(0.35),
-    "token2wav.lsd_db": Bound(7.5),
-    "chunks.low-latency.seam.mel_l1": Bound(0.35),
-    "chunks.low-latency.seam.lsd_db": Bound(7.5),
-    "chunks.low-latency.overall.mel_l1": Bound(0.35),
-    "chunks.low-latency.overall.lsd_db": Bound(7.5),
-    "chunks.low-latency.seam_excess": Bound(1.25),
-    "chunks.low-latency.vs_reference": Bound(1.35),
-}
-
-
-# -- distances ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AudioDistance:
-    """How far two waveforms are apart (0 for identical audio).
-
-    Attributes:
-        mel_l1: mean |difference| of the log-mel spectrograms (natural log of magnitude; 80 bins, 1024/256).
-        lsd_db: log-spectral distance in dB (per frame the RMS over 513 bins of the power difference in dB).
-        frames: STFT frames compared.
-    """
-
-    mel_l1: float
-    lsd_db: float
-    frames: int
-
-
-def _spectra(audio: torch.Tensor, sample_rate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # (log-mel [80, T], power in dB [513, T]) on the same frames: the mel the model's features use
-    from cosyserve.frontend.features import mel_spectrogram
-
-    audio = audio.reshape(1, -1).float()
-    logmel = mel_spectrogram(audio, sampling_rate=sample_rate)[0]
-    pad = (1024 - 256) // 2
-    y = torch.nn.functional.pad(audio.unsqueeze(1), (pad, pad), mode="reflect").squeeze(1)
-    spec = torch.stft(
-        y, 1024, 256, 1024, torch.hann_window(1024), center=False, return_complex=True
-    )  # (1, 513, T)
-    power_db = 10 * torch.log10(spec.abs()[0].pow(2).clamp(min=1e-10))
-    return logmel, power_db
-
-
-def audio_distance(
-    a: torch.Tensor, b: torch.Tensor, sample_rate: int, regions: Sequence[tuple[int, int]] | None = None
-) -> AudioDistance:
-    """Distances between waveforms ``a`` and ``b`` (1-D or [1, N]; compared over their common length).
-
-    Args:
-        a, b: float waveforms at ``sample_rate``.
-        sample_rate: Hz.
-        regions: ``(start, end)`` sample ranges; only STFT frames whose centre falls in one count (None: all).
-    Returns:
-        An :class:`AudioDistance`.
-    """
-    n = min(a.numel(), b.numel())
-    mel_a, pow_a = _spectra(a.reshape(-1)[:n], sample_rate)
-    mel_b, pow_b = _spectra(b.reshape(-1)[:n], sample_rate)
-    frames = mel_a.shape[1]
-    keep = torch.ones(frames, dtype=torch.bool)
-    if regions is not None:
-        centres = torch.arange(frames) * 256 + 128  # a frame spans [k*256 - 384, k*256 + 640) of the audio
-        keep = torch.zeros(frames, dtype=torch.bool)
-        for start, end in regions:
-            keep |= (centres >= start) & (centres < end)
-    if not bool(keep.any()):
-        return AudioDistance(0.0, 0.0, 0)
-    mel_l1 = (mel_a[:, keep] - mel_b[:, keep]).abs().mean()
-    lsd = (pow_a[:, keep] - pow_b[:, keep]).pow(2).mean(dim=0).sqrt().mean()
-    return AudioDistance(float(mel_l1), float(lsd), int(keep.sum()))
-
-
 # -- the three measurements ---------------------------------------------------------------------------------------
 
 
-def _lm(runtime: Any) -> Any:
-    return runtime._lm  # the LLM itself
-
-
-def _sft_inputs(runtime: Any) -> list[dict[str, torch.Tensor]]:
+def _sft_inputs(runtime: TorchRuntime) -> list[dict[str, torch.Tensor]]:
     from cosyserve.core.request import SynthesisRequest
 
     pipeline = runtime.pipeline
@@ -196,7 +100,7 @@ class LLMAgreement:
 
 
 @torch.inference_mode()
-def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreement:
+def llm_agreement(reference: TorchRuntime, variant: TorchRuntime, *, seed: int = 0) -> LLMAgreement:
     """Feed the fp32 LLM's sampled continuation of each of :data:`TEXTS` to both LLMs and compare their steps.
 
     Args:
@@ -214,7 +118,7 @@ def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreemen
     dlogp = 0.0
     for i, inp in enumerate(_sft_inputs(reference)):
         model_input = {"text": inp["text"], "llm_embedding": inp["llm_embedding"]}
-        ref_lm, var_lm = _lm(reference), _lm(variant)
+        ref_lm, var_lm = reference.pipeline.llm, variant.pipeline.llm
         teacher: list[int] = []
         for token in generate(ref_lm, one_shot(ref_lm, model_input), row_key(seed + i)):
             teacher.append(token)
@@ -232,7 +136,7 @@ def llm_agreement(reference: Any, variant: Any, *, seed: int = 0) -> LLMAgreemen
     return LLMAgreement(same / max(total, 1), dlogp / max(total, 1), total)
 
 
-def _sequences(runtime: Any, seed: int) -> Iterator[torch.Tensor]:
+def _sequences(runtime: TorchRuntime, seed: int) -> Iterator[torch.Tensor]:
     vocab = runtime.pipeline.token2wav.flow.input_embedding.num_embeddings
     g = torch.Generator().manual_seed(seed)
     for n in SEQUENCE_LENGTHS:
@@ -252,7 +156,7 @@ def _span(draws: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return draws[:, :, start:end].contiguous()
 
 
-def _draws(runtime: Any, frames: int, seed: int) -> _Draws:
+def _draws(runtime: TorchRuntime, frames: int, seed: int) -> _Draws:
     t2w = runtime.pipeline.token2wav
     g = torch.Generator().manual_seed(seed)
     frames += 16
@@ -303,7 +207,7 @@ class Token2WavDistance:
 
 
 @torch.inference_mode()
-def token2wav_distance(reference: Any, variant: Any, *, seed: int = 0) -> Token2WavDistance:
+def token2wav_distance(reference: TorchRuntime, variant: TorchRuntime, *, seed: int = 0) -> Token2WavDistance:
     """One-shot flow + vocoder of the variant vs fp32 on the fixed token sequences, the same draws in both.
 
     Args:
@@ -328,11 +232,11 @@ def token2wav_distance(reference: Any, variant: Any, *, seed: int = 0) -> Token2
         mel_frames += m
         a, b = _one_shot(ref_t2w, tokens, embedding, d), _one_shot(var_t2w, tokens, embedding, d)
         parts.append(audio_distance(a, b, reference.sample_rate))
-    return Token2WavDistance(mel_diff / max(mel_frames, 1), _pooled(parts))
+    return Token2WavDistance(mel_diff / max(mel_frames, 1), pooled(parts))
 
 
 def _token2wav_distance2(
-    reference: Any, ref_t2w: Any, var_t2w: Any, embedding: torch.Tensor, seed: int
+    reference: TorchRuntime, ref_t2w: Any, var_t2w: Any, embedding: torch.Tensor, seed: int
 ) -> Token2WavDistance:
     # CosyVoice2/3: the flow's noise is its fixed buffer (nothing to inject); the vocoder's draws are shared
     # (CosyVoice3's vocoder reads fixed noise: nothing to inject either)
@@ -363,16 +267,7 @@ def _token2wav_distance2(
         mel_diff += float((mels[0] - mels[1]).abs().mean(dim=(0, 1)).sum())
         mel_frames += m
         parts.append(audio_distance(audio[0], audio[1], reference.sample_rate))
-    return Token2WavDistance(mel_diff / max(mel_frames, 1), _pooled(parts))
-
-
-def _pooled(parts: Sequence[AudioDistance]) -> AudioDistance:
-    n = sum(p.frames for p in parts)
-    if n == 0:
-        return AudioDistance(0.0, 0.0, 0)
-    return AudioDistance(
-        sum(p.mel_l1 * p.frames for p in parts) / n, sum(p.lsd_db * p.frames for p in parts) / n, n
-    )
+    return Token2WavDistance(mel_diff / max(mel_frames, 1), pooled(parts))
 
 
 def _stream_draws(policy: Any, n_tokens: int, d: _Draws, upsample: int) -> tuple[list[Any], list[int]]:
@@ -427,7 +322,7 @@ class ChunkDistance:
 
 @torch.inference_mode()
 def chunk_distances(
-    runtime: Any, policy: Any, *, seed: int = 0, n_tokens: int = CHUNK_TOKENS
+    runtime: TorchRuntime, policy: Any, *, seed: int = 0, n_tokens: int = CHUNK_TOKENS
 ) -> ChunkDistance:
     """Stream ``n_tokens`` fixed tokens under ``policy`` on ``runtime``'s flow and vocoder and compare the audio
     with the one-shot audio of the same tokens and draws.
@@ -477,59 +372,9 @@ def chunk_distances(
     )
 
 
-# -- the report ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class QualityReport:
-    """Figures by name (``llm.top1``, ``token2wav.mel_l1``, ``chunks.low-latency.seam.lsd_db``, ...).
-
-    Attributes:
-        model, variant: what was compared (the variant as bundle and options).
-        figures: name -> value.
-    """
-
-    model: str
-    variant: str
-    figures: dict[str, float] = field(default_factory=dict)
-
-    def failures(self) -> list[str]:
-        """One line per figure outside its :data:`BOUNDS` entry."""
-        out = []
-        for name, bound in BOUNDS.items():
-            if name in self.figures and not bound.holds(self.figures[name]):
-                op = "<=" if bound.upper else ">="
-                out.append(f"{name} = {self.figures[name]:.4g}, expected {op} {bound.limit:g}")
-        return out
-
-    def to_json(self) -> str:
-        bounds = {k: {"limit": b.limit, "upper": b.upper} for k, b in BOUNDS.items()}
-        return json.dumps(
-            {
-                "model": self.model,
-                "variant": self.variant,
-                "figures": self.figures,
-                "bounds": bounds,
-                "failures": self.failures(),
-            },
-            indent=2,
-            ensure_ascii=False,
-        )
-
-    def table(self) -> str:
-        lines = [
-            f"model {self.model}; variant {self.variant} vs fp32",
-            f"{'figure':<36} {'value':>10}  bound",
-        ]
-        for name, value in self.figures.items():
-            bound = BOUNDS.get(name)
-            shown = "" if bound is None else f"{'<=' if bound.upper else '>='} {bound.limit:g}"
-            flag = "" if bound is None or bound.holds(value) else "  EXCEEDED"
-            lines.append(f"{name:<36} {value:>10.4f}  {shown}{flag}")
-        return "\n".join(lines)
-
-
-def compare(reference: Any, variant: Any, *, seed: int = 0, parts: Sequence[str] = PARTS) -> dict[str, float]:
+def compare(
+    reference: TorchRuntime, variant: TorchRuntime, *, seed: int = 0, parts: Sequence[str] = PARTS
+) -> dict[str, float]:
     """Every figure of the gate for ``variant`` against the fp32 ``reference`` runtime.
 
     Args:
@@ -637,10 +482,10 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _load(path: str, options: RuntimeOptions) -> Any:
-    from cosyserve.runtime import load_runtime
+def _load(path: str, options: RuntimeOptions) -> TorchRuntime:
+    from cosyserve.runtime.pytorch import load
 
-    return load_runtime(path, options)
+    return load(path, options, None)
 
 
 def run_quality(

@@ -9,9 +9,12 @@ from ``speech_tokenizer_v1.onnx``; token2wav in windows with a flow cache, mel a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family
+from cosyserve.families.base import Family, StreamPolicy, Token2Wav
+
+if TYPE_CHECKING:
+    from cosyserve.families.modelconfig import ModelConfig
 
 __all__ = ["INSTRUCT_MARK", "CosyVoice", "is_instruct_model_dir"]
 
@@ -51,6 +54,7 @@ class CosyVoice(Family):
     speech_tokenizer_file = "speech_tokenizer_v1.onnx"  # 50 Hz, 4096 ids
     bundle_files = ("campplus.onnx", "speech_tokenizer_v1.onnx")
     registry_folder = ""  # the registry dir itself (where the voices of earlier versions are)
+    modes = ("sft", "zero_shot", "cross_lingual", "instruct", "vc")
     instruct_mode = "instruct"
     lite = True
     lite_export = "cosyserve.bundle.lite.export_300m:export"
@@ -78,7 +82,7 @@ class CosyVoice(Family):
     # its tokenizer's language tags: <|zh|> <|en|> <|ja|> <|yue|> <|ko|>
     languages = ("zh", "en", "ja", "yue", "ko")
 
-    def read_config(self, model_dir: Path) -> Any:
+    def read_config(self, model_dir: Path) -> ModelConfig:
         from cosyserve.families.modelconfig import load_yaml_config
 
         return load_yaml_config(model_dir / self.yaml)
@@ -86,22 +90,30 @@ class CosyVoice(Family):
     def is_instruct_dir(self, model_dir: Path) -> bool:
         return is_instruct_model_dir(model_dir)
 
-    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
-        from cosyserve.families.streampolicy import StreamPolicy
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
+        from cosyserve.families.cosyvoice import streampolicy
 
-        return StreamPolicy.named(
+        return streampolicy.StreamPolicy.named(
             chunk_policy, first_hop, input_frame_rate=flow.input_frame_rate, sample_rate=config.sample_rate
         )
 
     def token2wav(
-        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
-    ) -> Any:
-        from cosyserve.families.cosyvoice.token2wav import Token2Wav
+        self,
+        config: ModelConfig,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy,
+        flow_steps: int | None,
+        voices: Any = None,
+    ) -> Token2Wav:
+        from cosyserve.families.cosyvoice.token2wav import Token2Wav as WindowedToken2Wav
 
-        return Token2Wav(flow, hift, policy, flow_steps=flow_steps)
+        return WindowedToken2Wav(flow, hift, policy, flow_steps=flow_steps)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
-        out = {
+        out = super().unavailable_modes(instruct) | {
             "instruct2": (
                 "instruct2 is CosyVoice2's and CosyVoice3's instruction mode (an instruction and a voice to "
                 "clone); this is a CosyVoice-300M model: use instruct with a CosyVoice-300M-Instruct model"

@@ -120,7 +120,6 @@ def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs["tts_text"],
         inputs["prompt_text"],
         ctx.set_dir / inputs["prompt_wav"],
-        int(inputs["resample_rate"]),
         inputs.get("zero_shot_spk_id", ""),
     )
 
@@ -129,7 +128,6 @@ def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, An
     return _frontend(ctx).frontend_cross_lingual(
         inputs["tts_text"],
         ctx.set_dir / inputs["prompt_wav"],
-        int(inputs["resample_rate"]),
         inputs.get("zero_shot_spk_id", ""),
     )
 

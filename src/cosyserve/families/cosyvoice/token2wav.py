@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cosyserve.core.stop import ShouldStop
-from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.system.device import module_device
 
 __all__ = ["CallDraws", "StreamPolicy", "Token2Wav", "fade_in_out", "hamming"]

@@ -9,13 +9,18 @@ frames against the ones kept (:mod:`cosyserve.families.cosyvoice2.token2wav`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family
+from cosyserve.families.base import Family, Ids, StreamPolicy, Token2Wav, Tokenizer
 
-__all__ = ["ENDOFPROMPT", "QWEN_DIR", "QWEN_FILES", "CosyVoice2"]
+if TYPE_CHECKING:
+    import torch
+
+    from cosyserve.families.modelconfig import ModelConfig
+
+__all__ = ["ENDOFPROMPT", "QWEN_DIR", "QWEN_FILES", "SPECIALS", "CosyVoice2"]
 
 QWEN_DIR = "CosyVoice-BlankEN"
 # the Qwen tokenizer's files (CosyVoice-BlankEN/model.safetensors, ~1 GB, is never read: llm.pt holds every LM
@@ -24,6 +29,27 @@ QWEN_FILES = tuple(
     f"{QWEN_DIR}/{n}" for n in ("config.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 )
 ENDOFPROMPT = "<|endofprompt|>"  # ends a CosyVoice2 instruction (a special token of its tokenizer)
+
+# the reference's CosyVoice2Tokenizer additions, in its order
+SPECIALS = (  # the special tokens its tokenizer adds to Qwen's (cosyserve.frontend.qwen_tokenizer)
+    "<|endofprompt|>",
+    "[breath]",
+    "<strong>",
+    "</strong>",
+    "[noise]",
+    "[laughter]",
+    "[cough]",
+    "[clucking]",
+    "[accent]",
+    "[quick_breath]",
+    "<laughter>",
+    "</laughter>",
+    "[hissing]",
+    "[sigh]",
+    "[vocalized-noise]",
+    "[lipsmack]",
+    "[mn]",
+)
 
 
 class CosyVoice2(Family):
@@ -43,7 +69,9 @@ class CosyVoice2(Family):
     bundle_files = ("campplus.onnx", "speech_tokenizer_v2.onnx", *QWEN_FILES)
     required_files = QWEN_FILES[:3]
     registry_folder = "cosyvoice2"
+    modes = ("sft", "zero_shot", "cross_lingual", "instruct2", "vc")
     instruct_mode = "instruct2"
+    prompt_mel_per_token = 2  # its flow's token_mel_ratio: 50 Hz mel over 25 Hz tokens
     # its vocoder's calls carry their state (the cached mel and source) in their arguments; its flow's streamed
     # calls keep theirs in each request's FlowStream, of its own length: they run alone
     stacks = ("hift",)
@@ -63,18 +91,13 @@ class CosyVoice2(Family):
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
     # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)
     languages = ("zh", "en", "ja", "ko", "yue")
-    # the tokenizer's added tokens (cosyserve.frontend.qwen_tokenizer)
-    specials: ClassVar[str] = "COSYVOICE2_SPECIALS"
+    # the tokens its tokenizer adds to the Qwen vocabulary, in the reference's order
+    specials: ClassVar[tuple[str, ...]] = SPECIALS
 
-    def read_config(self, model_dir: Path) -> Any:
+    def read_config(self, model_dir: Path) -> ModelConfig:
         from cosyserve.families.modelconfig import load_qwen_family_config
 
         return load_qwen_family_config(model_dir, self)
-
-    def _specials(self) -> tuple[str, ...]:
-        from cosyserve.frontend import qwen_tokenizer
-
-        return getattr(qwen_tokenizer, self.specials)  # type: ignore[no-any-return]
 
     def check_model_dir(self, model_dir: Path) -> None:
         from cosyserve.core.errors import ModelDirError
@@ -87,10 +110,12 @@ class CosyVoice2(Family):
                     f"in {QWEN_DIR}/"
                 )
         # the tokenizer is built from these files on the first request: a bad one is refused now, not then
-        QwenTokenizer.check_dir(model_dir / QWEN_DIR, self._specials())
+        QwenTokenizer.check_dir(model_dir / QWEN_DIR, self.specials)
 
-    def tokenizer(self, files: Path, check: Callable[[str], None] | None = None) -> Callable[[], Any] | None:
-        specials = self._specials()
+    def tokenizer(
+        self, files: Path, check: Callable[[str], None] | None = None
+    ) -> Callable[[], Tokenizer] | None:
+        specials = self.specials
 
         def build() -> Any:
             from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
@@ -102,14 +127,16 @@ class CosyVoice2(Family):
 
         return build
 
-    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+    def prompt_mel(self, config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if config.feat_extractor is not None:
             return config.feat_extractor  # type: ignore[no-any-return]
         from cosyserve.frontend.features import mel_spectrogram_24k
 
         return mel_spectrogram_24k  # a bundle written before the yaml's extractor was kept
 
-    def stream_policy(self, config: Any, flow: Any, chunk_policy: str, first_hop: int) -> Any:
+    def stream_policy(
+        self, config: ModelConfig, flow: Any, chunk_policy: str, first_hop: int
+    ) -> StreamPolicy:
         from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
 
         # the first hop is set in 50 Hz tokens (the 300M family's); these tokens are 25 Hz
@@ -123,19 +150,40 @@ class CosyVoice2(Family):
         )
 
     def token2wav(
-        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
-    ) -> Any:
+        self,
+        config: ModelConfig,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy,
+        flow_steps: int | None,
+        voices: Any = None,
+    ) -> Token2Wav:
         from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
         return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
-        return {
+        return super().unavailable_modes(instruct) | {
             "instruct": (
                 f"this is a {self.title} model, which has no speaker-instruct mode (the reference's "
                 "inference_instruct is CosyVoice-300M's): use instruct2 (the instruction and a voice to clone)"
             )
         }
+
+    def model_input(
+        self, mode: str, text: Ids, voice: Mapping[str, Any], instruction: Ids | None = None
+    ) -> dict[str, Any]:
+        if mode != "instruct2" or instruction is None:
+            return super().model_input(mode, text, voice, instruction)
+        # instruct2 (the reference's frontend_instruct2): a cloned voice saying the text in the style the
+        # instruction asks for; the instruction is the LLM's prompt text, the LLM gets no prompt speech tokens, the
+        # flow keeps the prompt's tokens, mel and embedding
+        model_input = dict(voice)
+        model_input.pop("llm_prompt_speech_token", None)
+        model_input.pop("llm_prompt_speech_token_len", None)
+        model_input["prompt_text"], model_input["prompt_text_len"] = instruction
+        model_input["text"], model_input["text_len"] = text
+        return model_input
 
     def instruction(self, text: str) -> str:
         # instructions end with the marker the model was trained on

@@ -30,9 +30,9 @@ def frontend2(ctx: Any) -> Any:
 def run_tokenize(ctx: Any, inputs: dict) -> dict:
     import torch
 
-    from cosyserve.frontend.qwen_tokenizer import QwenTokenizer
-
-    tokenizer = QwenTokenizer.from_dir(ctx.model_dir / "CosyVoice-BlankEN")
+    build = ctx.family.tokenizer(ctx.model_dir)
+    assert build is not None, "a Qwen family builds its own tokenizer"
+    tokenizer = build()
     return {"ids": torch.tensor(tokenizer.encode(inputs["text"]), dtype=torch.int32)}
 
 
@@ -105,13 +105,12 @@ def run_zero_shot_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = Non
         inputs["tts_text"],
         inputs["prompt_text"],
         ctx.set_dir / inputs["prompt_wav"],
-        int(inputs["resample_rate"]),
     )
 
 
 def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = None) -> dict[str, Any]:
     return (frontend or frontend2(ctx)).frontend_cross_lingual(
-        inputs["tts_text"], ctx.set_dir / inputs["prompt_wav"], int(inputs["resample_rate"])
+        inputs["tts_text"], ctx.set_dir / inputs["prompt_wav"]
     )
 
 
@@ -122,7 +121,6 @@ def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any], frontend: Any = Non
         inputs["tts_text"],
         inputs["instruct_text"],
         ctx.set_dir / inputs["prompt_wav"],
-        int(inputs["resample_rate"]),
     )
     out.pop("llm_prompt_speech_token")
     out.pop("llm_prompt_speech_token_len")

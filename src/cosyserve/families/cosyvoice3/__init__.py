@@ -19,15 +19,44 @@ the model reads it, and may speak it.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from cosyserve.families.base import StreamPolicy, Token2Wav
 from cosyserve.families.cosyvoice2 import ENDOFPROMPT, QWEN_FILES, CosyVoice2
+from cosyserve.families.cosyvoice2 import SPECIALS as COSYVOICE2_SPECIALS
 
-__all__ = ["DEFAULT_PREFIX", "CosyVoice3"]
+if TYPE_CHECKING:
+    import torch
+
+    from cosyserve.families.modelconfig import ModelConfig
+
+__all__ = ["DEFAULT_PREFIX", "SPECIALS", "CosyVoice3"]
 
 DEFAULT_PREFIX = "You are a helpful assistant." + ENDOFPROMPT
 _SYSTEM = "You are a helpful assistant. "
+
+# CosyVoice3's additions after CosyVoice2's, in the reference's order: English phones (ARPAbet, vowels with and
+# without a stress digit), then pinyin initials and toned finals (NFC, precomposed tone marks)
+_PHONES = """
+AA AA0 AA1 AA2 AE AE0 AE1 AE2 AH AH0 AH1 AH2 AO AO0 AO1 AO2 AW AW0 AW1 AW2 AY AY0 AY1 AY2 B CH D DH EH EH0 EH1 EH2
+ER ER0 ER1 ER2 EY EY0 EY1 EY2 F G HH IH IH0 IH1 IH2 IY IY0 IY1 IY2 JH K L M N NG OW OW0 OW1 OW2 OY OY0 OY1 OY2 P R S
+SH T TH UH UH0 UH1 UH2 UW UW0 UW1 UW2 V W Y Z ZH
+"""
+_PINYIN = """
+a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè ié iòng ióng iù iú iā
+iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p q r s sh t u uang ue un uo uà uài uàn uàng
+uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng uē uě uī uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài àn àng ào á
+ái án áng áo è èi èn èng èr é éi én éng ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn
+ēng ě ěi ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ
+"""
+SPECIALS = (
+    *COSYVOICE2_SPECIALS,
+    "<|endofsystem|>",
+    *(f"[{p}]" for p in _PHONES.split()),
+    *(f"[{unicodedata.normalize('NFC', p)}]" for p in _PINYIN.split()),
+)
 
 
 class CosyVoice3(CosyVoice2):
@@ -62,9 +91,9 @@ class CosyVoice3(CosyVoice2):
     hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
     # the model card's nine languages, and Chinese dialects (Cantonese among them)
     languages = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue")
-    specials = "COSYVOICE3_SPECIALS"
+    specials = SPECIALS
 
-    def prompt_mel(self, config: Any) -> Callable[[Any], Any] | None:
+    def prompt_mel(self, config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if config.feat_extractor is None:
             from cosyserve.core.errors import ModelConfigError
 
@@ -74,8 +103,14 @@ class CosyVoice3(CosyVoice2):
         return config.feat_extractor  # type: ignore[no-any-return]
 
     def token2wav(
-        self, config: Any, flow: Any, hift: Any, policy: Any, flow_steps: int | None, voices: Any = None
-    ) -> Any:
+        self,
+        config: ModelConfig,
+        flow: Any,
+        hift: Any,
+        policy: StreamPolicy,
+        flow_steps: int | None,
+        voices: Any = None,
+    ) -> Token2Wav:
         from cosyserve.families.cosyvoice3.noise import VocoderNoise
         from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 

@@ -63,9 +63,7 @@ def run_silent_token_filter(ctx: Any, inputs: dict) -> dict:
 
 
 def run_vc_frontend(ctx: Any, inputs: dict) -> dict:
-    return frontend3(ctx).frontend_vc(
-        ctx.set_dir / inputs["source_wav"], ctx.set_dir / inputs["prompt_wav"], int(inputs["resample_rate"])
-    )
+    return frontend3(ctx).frontend_vc(ctx.set_dir / inputs["source_wav"], ctx.set_dir / inputs["prompt_wav"])
 
 
 def _on_cv3_frontend(kind: Any) -> Any:

@@ -29,7 +29,6 @@ from cosyserve.core.errors import BundleError
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.sampling import row_key
 from cosyserve.core.stop import Stopped, check, latched
-from cosyserve.frontend.prompt import instruct_input, prompt_input, sft_input
 from cosyserve.runtime import PIECE_SECONDS_MAX, RuntimeOptions
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot, one_shot
@@ -55,7 +54,7 @@ class LitePipeline(ModelModes):
     :class:`~cosyserve.runtime.pipeline.Pipeline`'s rules, numpy arrays instead of tensors)."""
 
     def __init__(self, llm: Any, token2wav: Any, speakers: dict[str, dict[str, Any]], **kwargs: Any) -> None:
-        super().__init__(speakers, family="cosyvoice", **kwargs)
+        super().__init__(speakers, **kwargs)
         self.llm = llm
         self.decoder = DecodeLoop(llm, 1, name="lite")  # the runtime gives it its batch_size rows
         self.token2wav = token2wav
@@ -88,29 +87,11 @@ class LitePipeline(ModelModes):
         mode = r.mode
         if mode == "vc":
             return r, [self.frontend().vc(r.source_wav, r.prompt_wav)]
-        make = self._input_builder(r)
+        make = self.input_builder(r, lambda text: _ids(self.tokenizer.encode(text)))
         pieces = self.text_pieces(r)
         if isinstance(pieces, list):
             return r, [make(_ids(self.tokenizer.encode(p))) for p in pieces]
         return r, (make(_ids(self.tokenizer.encode(p))) for p in pieces)
-
-    def _input_builder(self, r: SynthesisRequest) -> Callable[[Any], dict[str, Any]]:
-        # the model input of one piece's ids, the speaker or prompt resolved now (as the torch pipeline's)
-        mode = r.mode
-        if mode in ("sft", "instruct"):
-            assert r.speaker is not None
-            embedding = self._speaker_of_kind(r.speaker, r.tenant, mode, "sft")["embedding"]
-            if mode == "sft":
-                return lambda t: sft_input(t, embedding)
-            instruction = _ids(self.tokenizer.encode(self._normalize_prompt(r.instruct_text, r.normalize)))
-            return lambda t: instruct_input(t, embedding, instruction)
-        assert mode in ("zero_shot", "cross_lingual")
-        if r.speaker:
-            prompt = self._speaker_of_kind(r.speaker, r.tenant, mode, "zero_shot")
-        else:
-            prompt_text = self._normalize_prompt(r.prompt_text, r.normalize) if mode == "zero_shot" else ""
-            prompt = self.extract_prompt(r.prompt_wav, prompt_text, mode=mode)
-        return lambda t: prompt_input(t, prompt, mode)  # type: ignore[arg-type]
 
     def run(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         """Prepare now (errors raise here), then a generator of float32 chunks."""
@@ -156,7 +137,7 @@ class LitePipeline(ModelModes):
             prompt_feat=None if feat is None else np.asarray(feat, dtype=np.float32).reshape(-1, 80),
             stream=r.stream,
             speed=r.speed,
-            rng=rng,
+            generator=rng,
             should_stop=should_stop,
         ):
             yield chunk.astype(np.float32, copy=False)
@@ -175,7 +156,7 @@ class LiteRuntime(RuntimeVoices):
         clock: Any,
         registry_root: Path,
     ) -> None:
-        from cosyserve.families.streampolicy import StreamPolicy
+        from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
         from cosyserve.runtime.lite.lm import lite_lm
         from cosyserve.runtime.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
         from cosyserve.voices.registry import SpeakerRegistry
@@ -206,6 +187,7 @@ class LiteRuntime(RuntimeVoices):
             speakers,
             registry=SpeakerRegistry(registry_root, arrays="numpy"),
             model_dir=bundle.path,
+            family=bundle.family,
             instruct=bundle.instruct,
             default_voice=options.default_voice,
         )

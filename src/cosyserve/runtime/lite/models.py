@@ -28,7 +28,7 @@ from cosyserve.bundle.lite import (
 )
 from cosyserve.core.errors import BundleError
 from cosyserve.core.stop import ShouldStop, check
-from cosyserve.families.streampolicy import StreamPolicy
+from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 
@@ -449,7 +449,7 @@ class LiteToken2Wav:
         prompt_feat: np.ndarray | None = None,
         stream: bool = False,
         speed: float = 1.0,
-        rng: np.random.Generator | None = None,
+        generator: np.random.Generator | None = None,
         draws: Iterator[tuple[Any, Any, Any]] | None = None,
         should_stop: ShouldStop | None = None,
     ) -> Iterator[np.ndarray]:
@@ -467,7 +467,16 @@ class LiteToken2Wav:
         def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
             d = next(draws, None) if draws is not None else None
             return self._call(
-                window, state, prompt_token, prompt_feat, embedding, finalize, speed, rng, d, should_stop
+                window,
+                state,
+                prompt_token,
+                prompt_feat,
+                embedding,
+                finalize,
+                speed,
+                generator,
+                d,
+                should_stop,
             )
 
         for window, final in p.windows(tokens, stream):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -45,6 +45,9 @@ from cosyserve.server.schemas import MAX_NAME_CHARS
 from cosyserve.server.transports.reference_api import form_file, form_text, read_form
 from cosyserve.voices.consent import ConsentLedger
 
+if TYPE_CHECKING:
+    from cosyserve.runtime import Runtime
+
 __all__ = ["FIELDS", "PARAMS", "routes"]
 
 # the runtime's field names -> this route's
@@ -52,8 +55,8 @@ PARAMS = {"prompt_wav": "audio_sample", "prompt_text": "ref_text", "speaker": "n
 FIELDS = ("audio_sample", "name", "consent", "ref_text", "model", "type")
 
 
-def _ledger(runtime: Any) -> ConsentLedger:
-    root = getattr(runtime, "registry_root", None)
+def _ledger(runtime: Runtime) -> ConsentLedger:
+    root = runtime.registry_root
     if root is None:
         raise RegistryError("this model has no voice registry")
     return ConsentLedger(root)
@@ -73,9 +76,11 @@ def _voice_object(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _runtime_of(state: Any, model: str) -> Any:
+async def _runtime_of(state: Any, model: str) -> Runtime:
     engine = await state.pool.load(model)  # at once when it is loaded; else loaded, as a request would
-    return engine.runtime
+    runtime = engine.runtime
+    assert runtime is not None, "a loaded engine holds its runtime"
+    return runtime
 
 
 async def _list_voices(state: Any, request: Request) -> Response:
@@ -87,7 +92,7 @@ async def _list_voices(state: Any, request: Request) -> Response:
         kept = {}
         eng = state.pool.engine(model)
         runtime = eng.runtime if eng is not None else None
-        if getattr(runtime, "registry_root", None) is not None:
+        if runtime is not None and runtime.registry_root is not None:
             kept = await asyncio.to_thread(_ledger(runtime).current, tenant or "default")
         for v in listed.voices:
             item: dict[str, Any] = {

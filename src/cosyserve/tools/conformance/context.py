@@ -26,9 +26,9 @@ class CaseContext:
     def family(self) -> Any:
         """The set's :class:`~cosyserve.families.base.Family`, from the yaml the model dir holds; a set without a
         model dir (feature kinds only) is read as CosyVoice-300M's, and its model-bound cases fail on their own."""
-        from cosyserve.families import family_named, family_of
+        from cosyserve.families import DEFAULT_FAMILY, family_named, family_of
 
-        return family_of(self.model_dir) or family_named("cosyvoice")
+        return family_of(self.model_dir) or family_named(DEFAULT_FAMILY)
 
     @cached_property
     def config(self) -> Any:

@@ -103,7 +103,7 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    from cosyserve.families.streampolicy import StreamPolicy
+    from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
     from cosyserve.runtime.lite.models import LiteToken2Wav
 
     lite = _lite(ctx)
