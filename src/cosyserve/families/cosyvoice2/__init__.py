@@ -53,9 +53,10 @@ class CosyVoice2(Family):
         ),
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
-    # the lite export covers the Qwen LM so far (its flow and vocoder: the incremental token2wav's graphs, next)
+    # every part exported (the flow re-runs over the tokens so far at each chunk, as the reference does); the lite
+    # runtime does not serve the family yet (lite False)
     lite_export = "cosyserve.bundle.lite.export_qwen:export"
-    lite_parts = ("llm",)
+    lite_parts = ("llm", "flow", "hift")
     lite_kinds = ("tokenize", "llm_logprobs", "whisper_logmel", "resample")
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
     # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)
