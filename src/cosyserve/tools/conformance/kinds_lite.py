@@ -18,7 +18,7 @@ import numpy as np
 from cosyserve.frontend import features_np
 from cosyserve.frontend.audio import load_wav_np
 
-__all__ = ["KINDS"]
+__all__ = ["KINDS", "QWEN_KINDS"]
 
 
 class _Lite:
@@ -34,10 +34,14 @@ class _Lite:
 
     def __getitem__(self, part: str) -> Any:
         if part not in self._made:
+            from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow
             from cosyserve.runtime.lite.lm import lite_lm
             from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
-            make = {"llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder}[part]
+            make = {
+                "llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder, "chunk_flow": LiteChunkFlow,
+                "causal_hift": LiteCausalVocoder,
+            }[part]  # fmt: skip
             self._made[part] = make(self.bundle, self.tables)
         return self._made[part]
 
@@ -98,6 +102,30 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
     cache = _a(inputs["cache_source"]).reshape(-1)
     speech, source = _lite(ctx)["hift"].inference(
         _a(inputs["speech_feat"])[0], cache, _a(inputs["sine_phase"])[0], _a(inputs["sine_noise"])[0]
+    )
+    return {"speech": speech[None], "source": source[None, None]}
+
+
+def run_chunk_flow_inference(ctx: Any, inputs: dict) -> dict:
+    # CosyVoice2/3: the flow reproduces the reference's fixed noise itself (flow_noise is not passed)
+    mel = _lite(ctx)["chunk_flow"].inference(
+        _ids(inputs["token"]),
+        _ids(inputs["prompt_token"]),
+        _a(inputs["prompt_feat"])[0],
+        _a(inputs["embedding"]).reshape(-1),
+        streaming=bool(inputs["streaming"]),
+        finalize=bool(inputs["finalize"]),
+    )
+    return {"mel": mel[None]}
+
+
+def run_causal_hift_inference(ctx: Any, inputs: dict) -> dict:
+    # CosyVoice3: the model's fixed noise buffers are inputs (rand_ini (1, H), sine_waves (1, L, H))
+    speech, source = _lite(ctx)["causal_hift"].inference(
+        _a(inputs["speech_feat"])[0],
+        bool(inputs["finalize"]),
+        _a(inputs["hift_rand_ini"])[0],
+        _a(inputs["hift_sine_waves"])[0],
     )
     return {"speech": speech[None], "source": source[None, None]}
 
@@ -219,4 +247,10 @@ KINDS = {
     "zero_shot_frontend": run_zero_shot_frontend,
     "cross_lingual_frontend": run_cross_lingual_frontend,
     "instruct_frontend": run_instruct_frontend,
+}
+# CosyVoice2's and CosyVoice3's (Family.lite_kinds_table): their flow and vocoder kinds on the chunk flow's graphs
+QWEN_KINDS = {
+    **KINDS,
+    "flow_inference": run_chunk_flow_inference,
+    "hift_inference": run_causal_hift_inference,
 }
