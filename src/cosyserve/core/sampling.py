@@ -148,6 +148,12 @@ class ArrayOps:
 
         return contextlib.nullcontext()
 
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """Zeros of ``dtype`` (a name both namespaces know: ``int32``, ``float32``) where the arrays live."""
+        if self.torch:
+            return self.xp.zeros(shape, dtype=getattr(self.xp, dtype), device=self.device)
+        return self.xp.zeros(shape, dtype=dtype)
+
     def ints(self, values: Any) -> Any:
         """Host ints as an array where the rows live; to a device through pinned memory, without waiting for it
         (a plain copy from pageable memory would synchronise the stream)."""

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
 from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
 from cosyserve.models.flow_stream import FlowStream
@@ -156,8 +157,11 @@ class Token2Wav2:
         self.flow_steps = flow_steps
         self.incremental = incremental
         self.voices = voices
-        # where the modules compute: the request's tensors are made there
+        # where the modules compute: the request's tensors are made there, with the flow's array ops (torch's, or
+        # numpy's for the lite runtime's flow, which has its own)
         self.device = module_device(flow)
+        ops = getattr(flow, "ops", None)
+        self.ops: ArrayOps = ops if ops is not None else ArrayOps(torch, self.device)
 
     def new_stream(
         self,
@@ -237,7 +241,7 @@ class Token2Wav2:
         should_stop: ShouldStop | None,
     ) -> torch.Tensor:
         # the mel of the tokens after the `offset` already spoken
-        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
+        token = self.ops.ints([tokens])  # (1, n)
         mel = self.flow.inference(
             token, state.prompt_token, state.prompt_feat, state.embedding, streaming=streaming, finalize=finalize,
             n_timesteps=self.flow_steps, should_stop=should_stop,
@@ -293,11 +297,8 @@ class Token2Wav2:
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
         p = self.policy
-        d = self.device
-        prompt_token = (
-            torch.zeros(1, 0, dtype=torch.int32, device=d) if prompt_token is None else prompt_token
-        )
-        prompt_feat = torch.zeros(1, 0, 80, device=d) if prompt_feat is None else prompt_feat
+        prompt_token = self.ops.zeros((1, 0), "int32") if prompt_token is None else prompt_token
+        prompt_feat = self.ops.zeros((1, 0, 80), "float32") if prompt_feat is None else prompt_feat
         draws = draws if draws is not None else iter(())
         if not stream:
             all_tokens = list(tokens)

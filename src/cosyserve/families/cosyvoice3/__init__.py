@@ -58,8 +58,8 @@ class CosyVoice3(CosyVoice2):
         "cosyserve.families.cosyvoice3.conformance",
     )  # fmt: skip
     lite_kinds = (
-        "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference", "whisper_logmel",
-        "resample",
+        "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference", "token2wav_stream",
+        "token2wav_full", "whisper_logmel", "resample",
     )  # fmt: skip
     hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
     # the model card's nine languages, and Chinese dialects (Cantonese among them)

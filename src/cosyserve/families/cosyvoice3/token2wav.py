@@ -100,21 +100,25 @@ class Token2Wav3(Token2Wav2):
         should_stop: ShouldStop | None = None,
     ) -> torch.Tensor:
         # generator: unused, CosyVoice3's vocoder draws nothing
-        from cosyserve.models.causal_hift import VocoderStream
-
         mel = self._flow(tokens, state, streaming, finalize, should_stop)
         if speed != 1.0:
             if state.offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            size = max(1, int(mel.shape[2] / speed))
+            if isinstance(mel, torch.Tensor):
+                mel = F.interpolate(mel, size=size, mode="linear")
+            else:  # the lite runtime's numpy mel
+                from cosyserve.models.lite_dsp import interp_linear
+
+                mel = interp_linear(mel[0], size)[None]
         if state.vocoder is None:
-            state.vocoder = VocoderStream(whole=not self.incremental)
-        vocoder: VocoderStream = state.vocoder
+            state.vocoder = self.hift.new_stream(whole=not self.incremental)
+        vocoder = state.vocoder
         if not draws:
             if self.noise is None:
                 raise ValueError(
                     "CosyVoice3's vocoder needs its noise buffers: pass draws, or build with noise="
                 )
-            frames = vocoder.start + (0 if vocoder.mel is None else vocoder.mel.shape[2]) + mel.shape[2]
+            frames = vocoder.frames + mel.shape[2]
             draws = self.noise.draws(frames * self.hift.cfg.upsample_factor)
         return self.hift.stream(vocoder, mel, finalize, should_stop=should_stop, **draws)

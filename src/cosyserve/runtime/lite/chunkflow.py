@@ -12,10 +12,13 @@ the fixed noise (a table). :class:`LiteCausalVocoder` is
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
@@ -40,10 +43,13 @@ class LiteChunkFlow:
         self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
         self.noise = tables["flow.noise"]  # (80, frames): the reference's fixed noise
 
+    ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
+    streams = False  # each streamed chunk re-runs the flow over every token so far (no kept frames yet)
+
     def inference(
         self,
-        token: list[int],
-        prompt_token: list[int],
+        token: np.ndarray,
+        prompt_token: np.ndarray,
         prompt_feat: np.ndarray,
         embedding: np.ndarray,
         streaming: bool,
@@ -52,12 +58,13 @@ class LiteChunkFlow:
         n_timesteps: int | None = None,
         should_stop: ShouldStop | None = None,
     ) -> np.ndarray:
-        """The torch flow's ``inference`` (no stream): mel (80, M) float32 of ``token`` after the prompt.
+        """The torch flow's ``inference`` (:meth:`cosyserve.models.causal_flow.ChunkFlow.inference`, no stream),
+        the same shapes in numpy: mel (1, 80, M) float32 of ``token`` after the prompt.
 
         Args:
-            token, prompt_token: speech token ids.
-            prompt_feat: (F, 80) prompt mel.
-            embedding: the speaker x-vector (192 values).
+            token, prompt_token: (1, T), (1, P) speech token ids.
+            prompt_feat: (1, F, 80) prompt mel.
+            embedding: (1, 192) speaker x-vector.
             streaming, finalize: a streamed chunk (chunk attention, the last ``pre_lookahead_len`` tokens
                 lookahead only) or the utterance's end (full attention, no lookahead): the two calls the
                 reference's token2wav makes.
@@ -68,12 +75,13 @@ class LiteChunkFlow:
                 f"not streaming); got streaming={streaming}, finalize={finalize}"
             )
         look = 0 if finalize else self.pre_lookahead_len
-        if len(token) <= look:
+        if token.shape[1] <= look:
             raise ValueError(
                 f"a chunk that does not finalize needs more than {look} tokens (the last {look} are "
-                f"lookahead), got {len(token)}"
+                f"lookahead), got {token.shape[1]}"
             )
-        ids = np.asarray([list(prompt_token) + list(token)], dtype=np.int64)
+        ids = np.concatenate([prompt_token, token], axis=1).astype(np.int64)
+        prompt_feat = prompt_feat[0]
         f, n = prompt_feat.shape[0], self.output_size
         frames = self.token_mel_ratio * (ids.shape[1] - look)
         if f > frames:
@@ -96,7 +104,7 @@ class LiteChunkFlow:
             h[:, :n] = x
             (v,) = terminate.run(est, {"h": h, "t": np.full(2, t, np.float32)}, should_stop)
             x = x + dt * ((np.float32(1.0) + rate) * v[0] - rate * v[1])
-        return x[:, f:].astype(np.float32)
+        return x[None, :, f:].astype(np.float32)
 
 
 class LiteCausalVocoder:
@@ -104,16 +112,17 @@ class LiteCausalVocoder:
 
     def __init__(self, bundle: Any, tables: dict[str, np.ndarray]) -> None:
         self.bundle = bundle
-        self.cfg = c = dict(bundle.config["hift"])
+        self.cfg = SimpleNamespace(**bundle.config["hift"])  # attributes, as the torch vocoder's config
+        c = self.cfg
         self.w, self.b = tables["hift.source.weight"], tables["hift.source.bias"]
-        self.harmonics = int(c["nb_harmonics"]) + 1
-        self.upsample = int(c["upsample_factor"])
-        self.lookahead = int(c["lookahead"])
+        self.harmonics = int(c.nb_harmonics) + 1
+        self.upsample = int(c.upsample_factor)
+        self.lookahead = int(c.lookahead)
 
     def _f0(self, mel: np.ndarray, finalize: bool, should_stop: ShouldStop | None) -> np.ndarray:
         # mel (80, T) -> f0 (T,) finalizing (3 zero frames of lookahead), else (T - 3,)
         if finalize:
-            mel = np.pad(mel, ((0, 0), (0, int(self.cfg["f0_lookahead"]))))
+            mel = np.pad(mel, ((0, 0), (0, int(self.cfg.f0_lookahead))))
         (f0,) = terminate.run(
             self.bundle.session("hift_f0"), {"mel": mel[None].astype(np.float32)}, should_stop
         )
@@ -127,7 +136,7 @@ class LiteCausalVocoder:
         if sine_waves.shape[0] < L or sine_waves.shape[1] != H or rand_ini.shape[-1] != H:
             raise ValueError(f"sine_waves must be (>= {L}, {H}) and rand_ini ({H},)")
         harmonics = np.arange(1, H + 1, dtype=np.float32)[None, :]
-        rad = (f0 * harmonics / np.float32(c["sampling_rate"])) % np.float32(1)  # (L, H)
+        rad = (f0 * harmonics / np.float32(c.sampling_rate)) % np.float32(1)  # (L, H)
         rad[0] = rad[0] + rand_ini.reshape(-1).astype(np.float32)
         # linear downsampling by `scale` (align_corners False): the mean of each frame's two middle samples
         mid = scale // 2
@@ -138,11 +147,33 @@ class LiteCausalVocoder:
             2 * math.pi
         )  # (T, H)
         phase = np.repeat(phase * np.float32(scale), scale, axis=0)  # (L, H)
-        sine = np.sin(phase) * np.float32(c["nsf_alpha"])
-        uv = (f0 > np.float32(c["nsf_voiced_threshold"])).astype(np.float32)
-        noise_amp = uv * np.float32(c["nsf_sigma"]) + (np.float32(1) - uv) * np.float32(c["nsf_alpha"] / 3)
+        sine = np.sin(phase) * np.float32(c.nsf_alpha)
+        uv = (f0 > np.float32(c.nsf_voiced_threshold)).astype(np.float32)
+        noise_amp = uv * np.float32(c.nsf_sigma) + (np.float32(1) - uv) * np.float32(c.nsf_alpha / 3)
         sine = sine * uv + noise_amp * sine_waves[:L].astype(np.float32)
         return np.tanh(sine @ self.w.reshape(-1) + self.b.reshape(-1)[0]).astype(np.float32)
+
+    def new_stream(self, whole: bool = True) -> _VocoderStream:
+        """A stream's state for :meth:`stream` (every call re-runs on the whole mel so far, as the reference)."""
+        return _VocoderStream()
+
+    def stream(
+        self,
+        state: _VocoderStream,
+        mel: np.ndarray,
+        finalize: bool,
+        *,
+        rand_ini: np.ndarray,
+        sine_waves: np.ndarray,
+        should_stop: ShouldStop | None = None,
+    ) -> np.ndarray:
+        """The torch vocoder's ``stream`` on the reference's rule: the mel so far (1, 80, n frames more) vocoded
+        whole, the samples after those emitted before returned (1, samples)."""
+        state.mel = mel if state.mel is None else np.concatenate([state.mel, mel], axis=2)
+        speech, _ = self.inference(state.mel, finalize, rand_ini, sine_waves, should_stop)
+        speech = speech[:, state.emitted :]
+        state.emitted += speech.shape[1]
+        return speech
 
     def inference(
         self,
@@ -152,24 +183,25 @@ class LiteCausalVocoder:
         sine_waves: np.ndarray,
         should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The torch vocoder's ``inference``: mel (80, T) -> (speech (T * 480,) finalizing, else
-        ((T - 8) * 480,); the source excitation (L,)). ``rand_ini`` (H,), ``sine_waves`` (>= L, H): the model's
-        fixed noise buffers."""
+        """The torch vocoder's ``inference``, the same shapes in numpy: mel (1, 80, T) -> (speech (1, T * 480)
+        finalizing, else (1, (T - 8) * 480); the source excitation (1, 1, L)). ``rand_ini`` (1, H),
+        ``sine_waves`` (1, >= L, H): the model's fixed noise buffers."""
         c = self.cfg
+        mel = mel[0]
         if not finalize and mel.shape[1] <= self.lookahead:
             raise ValueError(
                 f"a vocoder call that does not finalize needs more than {self.lookahead} mel frames, "
                 f"got {mel.shape[1]}"
             )
-        source = self._source(self._f0(mel, finalize, should_stop), rand_ini, sine_waves)
-        n_fft, hop, right = int(c["n_fft"]), int(c["hop_len"]), int(c["conv_pre_look_right"])
+        source = self._source(self._f0(mel, finalize, should_stop), rand_ini[0], sine_waves[0])
+        n_fft, hop, right = int(c.n_fft), int(c.hop_len), int(c.conv_pre_look_right)
         spec = dsp.stft(source, n_fft, hop)  # (n_fft/2+1, N)
         s_stft = np.concatenate([spec.real, spec.imag], axis=0).astype(np.float32)
         if finalize:
             mel = np.pad(mel, ((0, 0), (0, right)))  # conv_pre's lookahead sees zeros
         else:
-            mel = mel[:, : -int(c["f0_lookahead"])]
-            s_stft = s_stft[:, : -int(c["stft_per_frame"]) * right]
+            mel = mel[:, : -int(c.f0_lookahead)]
+            s_stft = s_stft[:, : -int(c.stft_per_frame) * right]
         feeds = {"mel": mel[None].astype(np.float32), "s_stft": s_stft[None]}
         (x,) = terminate.run(self.bundle.session("hift_decode"), feeds, should_stop)
         x = x[0]
@@ -178,5 +210,15 @@ class LiteCausalVocoder:
         speech = dsp.istft(magnitude * (np.cos(phase) + 1j * np.sin(phase)), n_fft, hop)
         if not finalize:
             speech = speech[: -self.upsample]
-        limit = np.float32(c["audio_limit"])
-        return np.clip(speech, -limit, limit).astype(np.float32), source
+        limit = np.float32(c.audio_limit)
+        return np.clip(speech, -limit, limit).astype(np.float32)[None], source[None, None]
+
+
+@dataclass
+class _VocoderStream:
+    mel: np.ndarray | None = None  # (1, 80, n) every frame so far
+    emitted: int = 0  # samples emitted
+
+    @property
+    def frames(self) -> int:
+        return 0 if self.mel is None else int(self.mel.shape[2])

@@ -109,25 +109,49 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
 def run_chunk_flow_inference(ctx: Any, inputs: dict) -> dict:
     # CosyVoice2/3: the flow reproduces the reference's fixed noise itself (flow_noise is not passed)
     mel = _lite(ctx)["chunk_flow"].inference(
-        _ids(inputs["token"]),
-        _ids(inputs["prompt_token"]),
-        _a(inputs["prompt_feat"])[0],
-        _a(inputs["embedding"]).reshape(-1),
+        *(_a(inputs[k]) for k in ("token", "prompt_token", "prompt_feat", "embedding")),
         streaming=bool(inputs["streaming"]),
         finalize=bool(inputs["finalize"]),
     )
-    return {"mel": mel[None]}
+    return {"mel": mel}
 
 
 def run_causal_hift_inference(ctx: Any, inputs: dict) -> dict:
     # CosyVoice3: the model's fixed noise buffers are inputs (rand_ini (1, H), sine_waves (1, L, H))
     speech, source = _lite(ctx)["causal_hift"].inference(
-        _a(inputs["speech_feat"])[0],
+        _a(inputs["speech_feat"]),
         bool(inputs["finalize"]),
-        _a(inputs["hift_rand_ini"])[0],
-        _a(inputs["hift_sine_waves"])[0],
+        _a(inputs["hift_rand_ini"]),
+        _a(inputs["hift_sine_waves"]),
     )
-    return {"speech": speech[None], "source": source[None, None]}
+    return {"speech": speech, "source": source}
+
+
+def run_token2wav3(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # CosyVoice3's own token2wav (the torch runtime's chunk rules, one code) over the lite flow and vocoder
+    import itertools
+
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+
+    lite = _lite(ctx)
+    t2w = Token2Wav3(
+        lite["chunk_flow"], lite["causal_hift"]
+    )  # the reference policy: hops 25 (+ pad), 50, 100
+    noise = {"rand_ini": _a(inputs["hift_rand_ini"]), "sine_waves": _a(inputs["hift_sine_waves"])}
+    chunks = list(
+        t2w(
+            _ids(inputs["source_speech_token"]),
+            embedding=_a(inputs["flow_embedding"]),
+            prompt_token=_a(inputs["flow_prompt_speech_token"]),
+            prompt_feat=_a(inputs["prompt_speech_feat"]),
+            stream=bool(inputs["stream"]),
+            speed=float(inputs["speed"]),
+            draws=itertools.repeat(noise),
+        )
+    )
+    out: dict[str, Any] = {f"chunk{i}": c for i, c in enumerate(chunks)}
+    out["num_chunks"] = len(chunks)
+    return out
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -248,9 +272,12 @@ KINDS = {
     "cross_lingual_frontend": run_cross_lingual_frontend,
     "instruct_frontend": run_instruct_frontend,
 }
-# CosyVoice2's and CosyVoice3's (Family.lite_kinds_table): their flow and vocoder kinds on the chunk flow's graphs
+# CosyVoice2's and CosyVoice3's (Family.lite_kinds_table): their flow, vocoder and token2wav kinds on the chunk
+# flow's graphs (the token2wav kinds and the vocoder's: CosyVoice3's, the family lists them in its lite_kinds)
 QWEN_KINDS = {
     **KINDS,
     "flow_inference": run_chunk_flow_inference,
     "hift_inference": run_causal_hift_inference,
+    "token2wav_stream": run_token2wav3,
+    "token2wav_full": run_token2wav3,
 }
