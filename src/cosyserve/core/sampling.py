@@ -200,8 +200,8 @@ class ArrayOps:
     def count(self, x: Any) -> Any:
         return x.sum(-1) if self.torch else x.sum(-1).astype(self.xp.int64)
 
-    def cat(self, xs: list[Any]) -> Any:
-        return self.xp.cat(xs) if self.torch else self.xp.concatenate(xs)
+    def cat(self, xs: list[Any], dim: int = 0) -> Any:
+        return self.xp.cat(xs, dim) if self.torch else self.xp.concatenate(xs, dim)
 
     def clone(self, x: Any) -> Any:
         return x.clone() if self.torch else x.copy()

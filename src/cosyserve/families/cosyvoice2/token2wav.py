@@ -98,6 +98,25 @@ class StreamPolicy2:
         return math.ceil(prompt_tokens / c) * c - prompt_tokens
 
 
+def stretch(mel: Any, size: int) -> Any:
+    """``mel`` (1, 80, T) linearly resampled to ``size`` frames (a speed change): a tensor, or the lite runtime's
+    numpy array."""
+    if isinstance(mel, torch.Tensor):
+        return F.interpolate(mel, size=size, mode="linear")
+    from cosyserve.models.lite_dsp import interp_linear
+
+    return interp_linear(mel[0], size)[None]
+
+
+def _fade(speech: Any, tail: Any, n: int) -> Any:
+    # the reference's cross-fade of a chunk's start with the previous chunk's held-back tail (Hamming window of n)
+    if isinstance(speech, torch.Tensor):
+        return fade_in_out(speech, tail, hamming(n))
+    from cosyserve.models import lite_dsp
+
+    return lite_dsp.fade_in_out(speech, tail, lite_dsp.hamming(n))
+
+
 @dataclass
 class _Cache:
     mel: torch.Tensor
@@ -212,19 +231,19 @@ class Token2Wav2:
         mel = self._flow(tokens, state, streaming, finalize, should_stop)
         cache: _Cache | None = state.vocoder
         if cache is not None:
-            mel = torch.cat([cache.mel, mel], dim=2)
+            mel = self.ops.cat([cache.mel, mel], dim=2)
             cache_source = cache.source
         else:
-            cache_source = torch.zeros(1, 1, 0, device=self.device)
+            cache_source = self.ops.zeros((1, 1, 0), "float32")
         if finalize and speed != 1.0:
             if cache is not None:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
         speech, source = self.hift.inference(
             mel, cache_source, generator=generator, should_stop=should_stop, **draws
         )
         if cache is not None:
-            speech = fade_in_out(speech, cache.speech, hamming(2 * p.source_cache_len))
+            speech = _fade(speech, cache.speech, 2 * p.source_cache_len)
         if finalize:
             state.vocoder = None
             return speech

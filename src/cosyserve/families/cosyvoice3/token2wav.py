@@ -20,10 +20,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cosyserve.core.stop import ShouldStop
-from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2, stretch
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
 
@@ -104,13 +103,7 @@ class Token2Wav3(Token2Wav2):
         if speed != 1.0:
             if state.offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            size = max(1, int(mel.shape[2] / speed))
-            if isinstance(mel, torch.Tensor):
-                mel = F.interpolate(mel, size=size, mode="linear")
-            else:  # the lite runtime's numpy mel
-                from cosyserve.models.lite_dsp import interp_linear
-
-                mel = interp_linear(mel[0], size)[None]
+            mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
         if state.vocoder is None:
             state.vocoder = self.hift.new_stream(whole=not self.incremental)
         vocoder = state.vocoder

@@ -22,8 +22,9 @@ from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
+from cosyserve.runtime.lite.models import LiteVocoder
 
-__all__ = ["LiteCausalVocoder", "LiteChunkFlow"]
+__all__ = ["LiteCausalVocoder", "LiteChunkFlow", "LiteVocoder2"]
 
 
 class LiteChunkFlow:
@@ -222,3 +223,64 @@ class _VocoderStream:
     @property
     def frames(self) -> int:
         return 0 if self.mel is None else int(self.mel.shape[2])
+
+
+class LiteVocoder2(LiteVocoder):
+    """CosyVoice2's 24 kHz HiFT (the reference's SineGen2 source) with the torch vocoder's shapes, for the shared
+    :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`."""
+
+    def inference(  # type: ignore[override]
+        self,
+        mel: np.ndarray,
+        cache_source: np.ndarray | None = None,
+        *,
+        generator: np.random.Generator | None = None,
+        sine_phase: np.ndarray | None = None,
+        sine_noise: np.ndarray | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The torch vocoder's ``inference``: mel (1, 80, T), cache_source (1, 1, S) -> (speech (1, L), source
+        (1, 1, L)), L = T * 480; the draws ``sine_phase`` (1, H) uniform in [0, 1) and ``sine_noise`` (1, L, H)
+        standard normal, or from ``generator``."""
+        H, L = self.harmonics, mel.shape[2] * self.upsample
+        if sine_phase is None or sine_noise is None:
+            if generator is None:
+                raise ValueError(
+                    "the vocoder draws random numbers: pass generator= or sine_phase= and sine_noise="
+                )
+            sine_phase = generator.random((1, H), dtype=np.float32) if sine_phase is None else sine_phase
+            sine_noise = (
+                generator.standard_normal((1, L, H), dtype=np.float32) if sine_noise is None else sine_noise
+            )
+        cache = None if cache_source is None else cache_source.reshape(-1)
+        speech, source = super().inference(mel[0], cache, sine_phase.reshape(-1), sine_noise[0], should_stop)
+        return speech[None], source[None, None]
+
+    def _source(self, f0: np.ndarray, phase: np.ndarray, noise: np.ndarray) -> np.ndarray:
+        # SineGen2 as the torch vocoder's _source2: the phase increments averaged down to the frame rate,
+        # integrated there and interpolated back up (linear); phase (H,) in cycles, noise (L, H)
+        c, scale, H = self.cfg, self.upsample, self.harmonics
+        f0 = np.repeat(f0.astype(np.float32), scale)[:, None]  # (L, 1) nearest
+        rad = (
+            f0 * np.arange(1, H + 1, dtype=np.float32)[None, :] / np.float32(c["sampling_rate"])
+        ) % np.float32(1)
+        rand_ini = phase.astype(np.float32).copy()
+        rand_ini[0] = 0  # no random phase for the fundamental
+        rad[0] = rad[0] + rand_ini
+        rad = _frame_mean(rad, scale)  # (T, H)
+        phase_t = (
+            np.cumsum(rad, axis=0, dtype=np.float64).astype(np.float32) * np.float32(2) * np.float32(math.pi)
+        )
+        up = dsp.interp_linear(phase_t.T * np.float32(scale), phase_t.shape[0] * scale).T  # (L, H)
+        sine = np.sin(up) * np.float32(c["nsf_alpha"])
+        uv = (f0 > np.float32(c["nsf_voiced_threshold"])).astype(np.float32)
+        noise_amp = uv * np.float32(c["nsf_sigma"]) + (np.float32(1) - uv) * np.float32(c["nsf_alpha"] / 3)
+        sine = sine * uv + noise_amp * noise.astype(np.float32)
+        return np.tanh(sine @ self.w.reshape(-1) + self.b.reshape(-1)[0]).astype(np.float32)
+
+
+def _frame_mean(rad: np.ndarray, scale: int) -> np.ndarray:
+    # (L, H) -> (L / scale, H): torch's linear interpolation by 1 / scale (align_corners False), which reads the
+    # two samples about each frame's centre (the middle one for an odd scale)
+    mid = scale // 2
+    return (rad[mid - 1 :: scale] + rad[mid::scale]) * np.float32(0.5) if scale % 2 == 0 else rad[mid::scale]
