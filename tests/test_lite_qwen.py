@@ -3,7 +3,8 @@ module, driven by the one decode loop on numpy.
 
 If these fail: the lite LM's tokens are not the torch runtime's for a seed (one-shot or streamed text), the export
 check lets a wrong graph through, the int8 graph's distance is not recorded, a stop does not reach a running
-ONNX Runtime step, or a CosyVoice2/3 bundle with the LM's graphs alone is served as if it were complete.
+ONNX Runtime step, a CosyVoice2/3 bundle is served before the lite runtime serves these families, or the shared
+token2wav needs torch to run the lite graphs.
 """
 
 from __future__ import annotations
@@ -217,3 +218,44 @@ def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) ->
         assert "flow.onnx.data" in manifest["files"] and "flow_estimator.onnx.data" not in manifest["files"]
     with pytest.raises(BundleError, match=r"CosyVoice3 one\): serve it on the torch runtime"):
         load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(warmup=False), runtime="lite")
+
+
+TORCH_FREE_TOKEN2WAV = """
+import importlib.abc, itertools, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch is blocked in this test: {name} was imported")
+sys.meta_path.insert(0, Block())
+import numpy as np
+from pathlib import Path
+from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow
+from cosyserve.runtime.lite.models import LiteBundle
+lb = LiteBundle(Path(sys.argv[1]), verify="none", threads=1)
+tables = lb.tables()
+t2w = Token2Wav3(LiteChunkFlow(lb, tables), LiteCausalVocoder(lb, tables))
+rng = np.random.default_rng(0)
+noise = {"rand_ini": rng.random((1, 9), dtype=np.float32), "sine_waves": rng.random((1, 60000, 9), dtype=np.float32)}
+emb = np.ones((1, 192), np.float32)
+chunks = list(t2w(list(range(10, 70)), embedding=emb, stream=True, draws=itertools.repeat(noise)))
+whole = list(t2w(list(range(10, 70)), embedding=emb, draws=itertools.repeat(noise)))
+print(len(chunks), sum(c.shape[1] for c in chunks), whole[0].shape[1])
+"""
+
+
+def test_cosyvoice3_token2wav_runs_on_the_lite_graphs_without_torch(cv3_lite_bundle: Path) -> None:
+    """The family's own token2wav (one code for both runtimes) streams a tiny CosyVoice3 bundle's lite graphs in
+    a process where torch cannot be imported: several chunks, as many samples as the one-shot call. If this
+    fails, the shared token2wav (or what it imports) needs torch, or the lite flow and vocoder lost its shapes."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_TOKEN2WAV, str(cv3_lite_bundle)],
+        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    n_chunks, streamed, whole = (int(x) for x in r.stdout.split())
+    assert n_chunks >= 2 and streamed == whole == 60 * 2 * 480, r.stdout

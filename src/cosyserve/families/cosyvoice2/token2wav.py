@@ -24,16 +24,18 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
-from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
-from cosyserve.models.flow_stream import FlowStream
 from cosyserve.system.device import module_device
+
+if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
+    import torch
+
+    from cosyserve.models.flow_stream import FlowStream
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +103,24 @@ class StreamPolicy2:
 def stretch(mel: Any, size: int) -> Any:
     """``mel`` (1, 80, T) linearly resampled to ``size`` frames (a speed change): a tensor, or the lite runtime's
     numpy array."""
-    if isinstance(mel, torch.Tensor):
-        return F.interpolate(mel, size=size, mode="linear")
-    from cosyserve.models.lite_dsp import interp_linear
+    if isinstance(mel, np.ndarray):
+        from cosyserve.models.lite_dsp import interp_linear
 
-    return interp_linear(mel[0], size)[None]
+        return interp_linear(mel[0], size)[None]
+    import torch.nn.functional as F
+
+    return F.interpolate(mel, size=size, mode="linear")
 
 
 def _fade(speech: Any, tail: Any, n: int) -> Any:
     # the reference's cross-fade of a chunk's start with the previous chunk's held-back tail (Hamming window of n)
-    if isinstance(speech, torch.Tensor):
-        return fade_in_out(speech, tail, hamming(n))
-    from cosyserve.models import lite_dsp
+    if isinstance(speech, np.ndarray):
+        from cosyserve.models import lite_dsp
 
-    return lite_dsp.fade_in_out(speech, tail, lite_dsp.hamming(n))
+        return lite_dsp.fade_in_out(speech, tail, lite_dsp.hamming(n))
+    from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
+
+    return fade_in_out(speech, tail, hamming(n))
 
 
 @dataclass
@@ -178,9 +184,13 @@ class Token2Wav2:
         self.voices = voices
         # where the modules compute: the request's tensors are made there, with the flow's array ops (torch's, or
         # numpy's for the lite runtime's flow, which has its own)
-        self.device = module_device(flow)
         ops = getattr(flow, "ops", None)
-        self.ops: ArrayOps = ops if ops is not None else ArrayOps(torch, self.device)
+        if ops is None:
+            import torch
+
+            ops = ArrayOps(torch, module_device(flow))
+        self.ops: ArrayOps = ops
+        self.device = ops.device  # None: host memory (numpy)
 
     def new_stream(
         self,
@@ -205,6 +215,8 @@ class Token2Wav2:
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
         """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
         returns the future state (see :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
+        import torch
+
         d = self.device
         return self.voices.keep(
             self.flow,
@@ -280,8 +292,21 @@ class Token2Wav2:
                 state.flow = None
         return mel[:, :, state.offset * self.policy.token_mel_ratio :]
 
-    @torch.inference_mode()
-    def __call__(
+    def __call__(self, tokens: Iterable[int], **kwargs: Any) -> Iterator[Any]:
+        """:meth:`chunks`, each step of it without autograd (the flow's array ops' ``no_grad``: torch's inference
+        mode, entered per step as a decorated generator's is)."""
+        steps = self.chunks(tokens, **kwargs)
+        try:
+            while True:
+                with self.ops.no_grad():
+                    chunk = next(steps, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            steps.close()
+
+    def chunks(
         self,
         tokens: Iterable[int],
         *,

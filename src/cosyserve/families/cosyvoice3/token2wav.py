@@ -17,12 +17,13 @@ Before vocoding, runs of the "silent" tokens (FSQ silence and breath codes) that
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.stop import ShouldStop
 from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2, stretch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
 

@@ -22,7 +22,7 @@ __all__ = ["CV3_KINDS", "KINDS", "QWEN_KINDS"]
 
 
 class _Lite:
-    """The set's lite models, each made on first use (a CosyVoice2/3 bundle holds the LM's graphs alone)."""
+    """The set's lite models, each made on first use (the 300M flow and vocoder, or the chunk flow and 24 kHz ones)."""
 
     def __init__(self, ctx: Any) -> None:
         from cosyserve.runtime.lite.models import LiteBundle
