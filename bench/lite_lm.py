@@ -7,9 +7,8 @@ Usage::
     python bench/lite_lm.py full3-bundle --model-dir full3 --rounds 3
     python bench/lite_lm.py --dry-run        # the same on a tiny random CosyVoice3 model (what the tests run)
 
-A CosyVoice2/3 bundle's lite graphs cover the LM alone so far (``convert --runtime lite`` refuses these families
-until the flow and vocoder graphs exist): the bundle's LM graphs (float and int8) are exported here when it has
-none, with ``--model-dir`` where the bundle stores an int8 LLM.
+A bundle converted without ``--runtime lite`` gets its LM graphs (float and int8) exported here, with
+``--model-dir`` where the bundle stores an int8 LLM (the flow's and vocoder's: bench/lite_token2wav.py).
 
 Each round runs, in alternating order, the floors (``python -c "import onnxruntime"`` and ``"import torch"``) and,
 for each ``--quantize``, one fresh process per runtime:

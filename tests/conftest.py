@@ -105,6 +105,27 @@ def tiny_lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     )
 
 
+def _qwen_lite_bundle(model_dir: Path, out: Path, int8: bool) -> Path:
+    from cosyserve.bundle.convert import convert
+    from cosyserve.bundle.lite.export import export_lite
+
+    bundle = convert(model_dir, out, progress=False)
+    export_lite(bundle, model_dir=model_dir, int8=int8)  # every part, as `convert --runtime lite` does
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def cv2_lite_bundle(cv2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CosyVoice2 model converted with ``--runtime lite`` (LM, flow and vocoder graphs)."""
+    return _qwen_lite_bundle(cv2_model_dir, tmp_path_factory.mktemp("lite") / "cv2", int8=False)
+
+
+@pytest.fixture(scope="session")
+def cv3_lite_bundle(cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny CosyVoice3 model converted with ``--runtime lite``, with the int8 LM step graph too."""
+    return _qwen_lite_bundle(cv3_model_dir, tmp_path_factory.mktemp("lite") / "cv3", int8=True)
+
+
 @pytest.fixture(autouse=True)
 def _close_openai_clients() -> Iterator[None]:
     """Close the openai clients a test made (server_util.openai_client): left open, their pooled sockets are

@@ -110,13 +110,14 @@ def test_fixture_set_passes_on_the_lite_runtime(
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
-def test_qwen_sets_lm_kinds_pass_on_the_lite_runtime(
+def test_qwen_sets_lite_kinds_pass_on_the_lite_runtime(
     conformance: Callable[..., Run], family: str, cv2_set_dir: Path, cv3_set_dir: Path
 ) -> None:
     """The CosyVoice2 and CosyVoice3 sets on the lite runtime: every LM case (one-shot and, for CosyVoice3,
-    streamed text) passes on the Qwen LM's ONNX graph within the torch runtime's tolerances; the kinds lite does not
-    compute yet are reported as not served (SKIP), never as passing. If an LM case fails, the lite Qwen LM computes
-    something other than the reference; if a SKIP turns into a PASS, a kind claims lite coverage it lacks."""
+    streamed text), every flow case (whole and streamed chunk) and CosyVoice3's vocoder cases pass on the ONNX
+    graphs within the torch runtime's tolerances; the kinds lite does not compute yet are reported as not served
+    (SKIP), never as passing. If a case fails, the lite graphs compute something other than the reference; if a
+    SKIP turns into a PASS, a kind claims lite coverage it lacks."""
     from cosyserve.families import family_named
 
     set_dir = cv2_set_dir if family == "cosyvoice2" else cv3_set_dir
@@ -131,7 +132,7 @@ def test_qwen_sets_lm_kinds_pass_on_the_lite_runtime(
             assert " PASS " in line, line
         else:
             assert " SKIP " in line and "not yet served by the lite runtime" in line, line
-    assert any(c["kind"] == "llm_logprobs" for c in doc["cases"])
+    assert {"llm_logprobs", "flow_inference"} <= {c["kind"] for c in doc["cases"]}
     served = sum(c["kind"] in lite_kinds for c in doc["cases"])
     assert f"{served} passed, 0 failed, {len(doc['cases']) - served} not yet served" in r.stdout
 

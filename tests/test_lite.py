@@ -231,10 +231,15 @@ def test_damaged_lite_files_are_refused(tiny_lite_bundle: Path, tmp_path: Path) 
         LiteBundle(copy)
 
 
-def test_convert_lite_refuses_cosyvoice2(cv2_model_dir: Path, tmp_path: Path) -> None:
+def test_convert_lite_refuses_a_family_whose_graphs_do_not_cover_every_part(
+    cv2_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A family whose lite export lacks a part is refused by name, and nothing is half-written."""
     from cosyserve.bundle.convert import convert
+    from cosyserve.families.cosyvoice2 import CosyVoice2
 
-    with pytest.raises(ConvertError, match="CosyVoice-300M"):
+    monkeypatch.setattr(CosyVoice2, "lite_parts", ("llm",))
+    with pytest.raises(ConvertError, match="CosyVoice2's lite graphs cover the llm so far"):
         convert(cv2_model_dir, tmp_path / "b", runtime="lite", progress=False)
     assert not (tmp_path / "b").exists()  # nothing half-written
 

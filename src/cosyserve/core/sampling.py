@@ -148,6 +148,12 @@ class ArrayOps:
 
         return contextlib.nullcontext()
 
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """Zeros of ``dtype`` (a name both namespaces know: ``int32``, ``float32``) where the arrays live."""
+        if self.torch:
+            return self.xp.zeros(shape, dtype=getattr(self.xp, dtype), device=self.device)
+        return self.xp.zeros(shape, dtype=dtype)
+
     def ints(self, values: Any) -> Any:
         """Host ints as an array where the rows live; to a device through pinned memory, without waiting for it
         (a plain copy from pageable memory would synchronise the stream)."""
@@ -194,8 +200,8 @@ class ArrayOps:
     def count(self, x: Any) -> Any:
         return x.sum(-1) if self.torch else x.sum(-1).astype(self.xp.int64)
 
-    def cat(self, xs: list[Any]) -> Any:
-        return self.xp.cat(xs) if self.torch else self.xp.concatenate(xs)
+    def cat(self, xs: list[Any], dim: int = 0) -> Any:
+        return self.xp.cat(xs, dim) if self.torch else self.xp.concatenate(xs, dim)
 
     def clone(self, x: Any) -> Any:
         return x.clone() if self.torch else x.copy()

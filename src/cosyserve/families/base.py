@@ -110,6 +110,7 @@ class Family:
             whose export covers all three (``lite``).
         lite_kinds: the conformance kinds the lite runtime computes for its sets (the others are reported as not
             yet served by it).
+        lite_kinds_table: ``module:attr`` of the table of those kinds' lite functions (kind -> function).
         reruns_flow: streaming calls the flow on every token so far (CosyVoice2/3: the reference's rule, which
             cosyserve computes keeping the final frames), instead of windows that carry a flow cache (CosyVoice-300M).
         prompt_mel_per_token: the prompt mel's frames per speech token its flow takes: a prompt's mel and tokens
@@ -140,6 +141,7 @@ class Family:
     lite_export: ClassVar[str | None] = None
     lite_parts: ClassVar[tuple[str, ...]] = ()
     lite_kinds: ClassVar[tuple[str, ...]] = ()
+    lite_kinds_table: ClassVar[str] = "cosyserve.tools.conformance.kinds_lite:KINDS"
     reruns_flow: ClassVar[bool] = True
     prompt_mel_per_token: ClassVar[int | None] = None
     random_vocoder: ClassVar[bool] = True

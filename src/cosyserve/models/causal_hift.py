@@ -121,6 +121,11 @@ class VocoderStream:
     emitted: int = 0  # samples emitted
     whole: bool = False
 
+    @property
+    def frames(self) -> int:
+        """Mel frames given so far."""
+        return self.start + (0 if self.mel is None else self.mel.shape[2])
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.mel, self.source, self.phase) if t is not None)
 
@@ -303,6 +308,10 @@ class CausalHiFTGenerator(HiFTGenerator):
         source, _ = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
         mel = speech_feat if finalize else speech_feat[:, :, :-F0_LOOKAHEAD]
         return self._causal_decode(mel, source, finalize, should_stop), source
+
+    def new_stream(self, whole: bool = False) -> VocoderStream:
+        """A stream's state for :meth:`stream` (``whole``: keep every frame, the reference's re-run)."""
+        return VocoderStream(whole=whole)
 
     @torch.inference_mode()
     def stream(

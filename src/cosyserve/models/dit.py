@@ -220,27 +220,28 @@ class _RotaryEmbedding(nn.Module):
         # positions past 256 and the angles (up to a few thousand radians) are off by whole radians, so the table
         # would be noise for most frames.
         t = torch.arange(offset, offset + n, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=-1).unsqueeze(0)
+        # dim=1, not -1: ONNX's export of repeat_interleave gets a negative dim wrong
+        freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=1).unsqueeze(0)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def _rotate_pairs(x: Tensor) -> Tensor:
     # (..., 2k) as pairs (x0, x1) -> (-x1, x0)
-    pairs = x.unflatten(-1, (-1, 2))
-    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    # (B, N, 2k); reshaped to x's shape, not flattened: ONNX's export then knows the result's rank
+    return torch.stack((-x[:, :, 1::2], x[:, :, 0::2]), dim=-1).reshape(x.shape)
 
 
 def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: (B, N, inner); only the first cos.shape[-1] features are rotated (the reference's order of operations)
     d = cos.shape[-1]
-    head, rest = x[..., :d], x[..., d:]
-    return torch.cat((head * cos + _rotate_pairs(head) * sin, rest), dim=-1)
+    head, rest = x[:, :, :d], x[:, :, d:]  # no Ellipsis: ONNX's export must know the slices' rank
+    return torch.cat((head * cos + _rotate_pairs(head) * sin, rest), dim=2)
 
 
 class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int):
         super().__init__()
-        self.heads = heads
+        self.heads, self.dim_head = heads, dim_head
         inner = heads * dim_head
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(dim, inner)
@@ -257,12 +258,13 @@ class _Attention(nn.Module):
         q = _apply_rotary(self.to_q(x), *rope)
         k = _apply_rotary(self.to_k(x), *rope)
         v = self.to_v(x)
-        q, k, v = (t.view(B, N, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, N, hs)
+        # (B, nh, N, hs); the head size named, not -1 (ONNX's export)
+        q, k, v = (t.view(B, N, self.heads, self.dim_head).transpose(1, 2) for t in (q, k, v))
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = attend(q, *cache.segments(k, v, dim=2), mask)
-        return self.to_out[0](y.transpose(1, 2).reshape(B, N, -1))
+        return self.to_out[0](y.transpose(1, 2).reshape(B, N, self.heads * self.dim_head))
 
 
 class _AdaLayerNorm(nn.Module):
@@ -278,7 +280,7 @@ class _AdaLayerNorm(nn.Module):
 
 
 def _norm(x: Tensor) -> Tensor:
-    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+    return F.layer_norm(x, (int(x.shape[-1]),), eps=1e-6)  # int: a constant width when traced for ONNX
 
 
 class _FeedForward(nn.Module):

@@ -289,11 +289,11 @@ class Exporter:
 
 
 def require_lite(family: Any) -> None:
-    """Refuse (ConvertError) ``convert --runtime lite`` of a family the lite runtime cannot serve yet."""
-    if not family.lite:
+    """Refuse (ConvertError) ``convert --runtime lite`` of a family whose lite graphs do not cover every part."""
+    if not set(LITE_PARTS) <= set(family.lite_parts):
         raise ConvertError(
-            f"--runtime lite serves the CosyVoice-300M family; this is a {family.title} model (use the torch "
-            f"runtime; its lite graphs cover the {', '.join(family.lite_parts) or 'nothing'} so far)"
+            f"--runtime lite exports every part of a model; {family.title}'s lite graphs cover the "
+            f"{', '.join(family.lite_parts) or 'nothing'} so far (use the torch runtime)"
         )
 
 

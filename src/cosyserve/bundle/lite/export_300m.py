@@ -20,7 +20,7 @@ from cosyserve.bundle.lite import MAX_TEXT_POSITIONS, POS_TABLE_ROWS
 from cosyserve.bundle.lite.export import Exporter
 from cosyserve.models.lite_dsp import distance_pe
 
-__all__ = ["export"]
+__all__ = ["export", "hift_config"]
 
 
 # --- graph wrappers (our modules' weights, one computation each) ---------------------------------------------
@@ -193,7 +193,6 @@ def _tables(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, np.nd
 
 def _config(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, Any]:
     a0 = llm.llm.encoders[0].self_attn
-    h = hift.cfg
     cfm = flow.decoder
     return {
         "llm": {
@@ -215,18 +214,24 @@ def _config(llm: nn.Module, flow: nn.Module, hift: nn.Module) -> dict[str, Any]:
             "t_scheduler": cfm.t_scheduler,
             "inference_cfg_rate": cfm.inference_cfg_rate,
         },
-        "hift": {
-            "sampling_rate": h.sampling_rate,
-            "nb_harmonics": h.nb_harmonics,
-            "upsample_factor": h.upsample_factor,
-            "nsf_alpha": h.nsf_alpha,
-            "nsf_sigma": h.nsf_sigma,
-            "nsf_voiced_threshold": h.nsf_voiced_threshold,
-            "n_fft": h.istft_params["n_fft"],
-            "hop_len": h.istft_params["hop_len"],
-            "audio_limit": h.audio_limit,
-            "in_channels": h.in_channels,
-        },
+        "hift": hift_config(hift),
+    }
+
+
+def hift_config(hift: nn.Module) -> dict[str, Any]:
+    """The vocoder's config numbers the lite runtime reads (every HiFT's; CosyVoice3's causal one adds more)."""
+    h = hift.cfg
+    return {
+        "sampling_rate": h.sampling_rate,
+        "nb_harmonics": h.nb_harmonics,
+        "upsample_factor": h.upsample_factor,
+        "nsf_alpha": h.nsf_alpha,
+        "nsf_sigma": h.nsf_sigma,
+        "nsf_voiced_threshold": h.nsf_voiced_threshold,
+        "n_fft": h.istft_params["n_fft"],
+        "hop_len": h.istft_params["hop_len"],
+        "audio_limit": h.audio_limit,
+        "in_channels": h.in_channels,
     }
 
 

@@ -14,7 +14,7 @@ the only one the LM opens.
 
 The graph is checked against the model's own code (:meth:`~cosyserve.models.llm.SpeechLM.extend` over its KV
 caches, filled with the case's past), not against the wrapper it was traced from. The flow and vocoder graphs of
-these families are not exported yet: a bundle with the LM alone serves the tools, not the lite runtime.
+these families are :mod:`cosyserve.bundle.lite.export_chunkflow`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from cosyserve.bundle.lite import qwen_cache_names
 from cosyserve.bundle.lite.export import Exporter
-from cosyserve.core.errors import ConvertError
 from cosyserve.models.qwen2lm import Qwen2LM
 
 __all__ = ["QwenStepGraph", "QwenStepReference", "export"]
@@ -167,12 +166,19 @@ def _tables(lm: Qwen2LM) -> dict[str, Any]:
 
 
 def export(ex: Exporter, modules: dict[str, nn.Module], parts: tuple[str, ...], int8: bool) -> None:
-    """Export and check the Qwen LM's step graph into ``ex`` (``int8``: its int8 variant too). The flow and
-    vocoder graphs of CosyVoice2/3 are not written yet (``parts`` must be the LM alone)."""
-    if set(parts) != {"llm"}:
-        raise ConvertError(
-            f"the lite export of CosyVoice2/3 writes the LM's graphs only so far, not {', '.join(parts)}"
-        )
+    """Export and check the graphs of ``parts`` into ``ex``: the Qwen LM's step graph (``int8``: its int8 variant
+    too), the chunk flow's and the vocoder's (:mod:`cosyserve.bundle.lite.export_chunkflow`)."""
+    from cosyserve.bundle.lite.export_chunkflow import export_flow, export_hift
+
+    if "flow" in parts:
+        export_flow(ex, modules["flow"])
+    if "hift" in parts:
+        export_hift(ex, modules["hift"])
+    if "llm" in parts:
+        _export_lm(ex, modules, int8)
+
+
+def _export_lm(ex: Exporter, modules: dict[str, nn.Module], int8: bool) -> None:
     lm = modules["llm"]
     assert isinstance(lm, Qwen2LM)
     a = lm.stack.layers[0].self_attn

@@ -84,10 +84,15 @@ class CosyVoice2(Family):
         ),
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
-    # the lite export covers the Qwen LM so far (its flow and vocoder: the incremental token2wav's graphs, next)
+    # every part exported (the flow re-runs over the tokens so far at each chunk, as the reference does); the lite
+    # runtime does not serve the family yet (lite False)
     lite_export = "cosyserve.bundle.lite.export_qwen:export"
-    lite_parts = ("llm",)
-    lite_kinds = ("tokenize", "llm_logprobs", "whisper_logmel", "resample")
+    lite_parts = ("llm", "flow", "hift")
+    lite_kinds = (
+        "tokenize", "llm_logprobs", "flow_inference", "hift_inference", "token2wav_stream", "token2wav_full",
+        "whisper_logmel", "resample",
+    )  # fmt: skip
+    lite_kinds_table = "cosyserve.tools.conformance.kinds_lite:QWEN_KINDS"
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
     # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)
     languages = ("zh", "en", "ja", "ko", "yue")

@@ -24,15 +24,18 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
+from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
-from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
-from cosyserve.models.flow_stream import FlowStream
 from cosyserve.system.device import module_device
+
+if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
+    import torch
+
+    from cosyserve.models.flow_stream import FlowStream
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,29 @@ class StreamPolicy2:
         """Tokens that top the prompt up to a whole attention chunk (added to the first hop)."""
         c = self.token_hop_len
         return math.ceil(prompt_tokens / c) * c - prompt_tokens
+
+
+def stretch(mel: Any, size: int) -> Any:
+    """``mel`` (1, 80, T) linearly resampled to ``size`` frames (a speed change): a tensor, or the lite runtime's
+    numpy array."""
+    if isinstance(mel, np.ndarray):
+        from cosyserve.models.lite_dsp import interp_linear
+
+        return interp_linear(mel[0], size)[None]
+    import torch.nn.functional as F
+
+    return F.interpolate(mel, size=size, mode="linear")
+
+
+def _fade(speech: Any, tail: Any, n: int) -> Any:
+    # the reference's cross-fade of a chunk's start with the previous chunk's held-back tail (Hamming window of n)
+    if isinstance(speech, np.ndarray):
+        from cosyserve.models import lite_dsp
+
+        return lite_dsp.fade_in_out(speech, tail, lite_dsp.hamming(n))
+    from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
+
+    return fade_in_out(speech, tail, hamming(n))
 
 
 @dataclass
@@ -160,8 +186,15 @@ class Token2Wav2:
         self.flow_steps = flow_steps
         self.incremental = incremental
         self.voices = voices
-        # where the modules compute: the request's tensors are made there
-        self.device = module_device(flow)
+        # where the modules compute: the request's tensors are made there, with the flow's array ops (torch's, or
+        # numpy's for the lite runtime's flow, which has its own)
+        ops = getattr(flow, "ops", None)
+        if ops is None:
+            import torch
+
+            ops = ArrayOps(torch, module_device(flow))
+        self.ops: ArrayOps = ops
+        self.device = ops.device  # None: host memory (numpy)
 
     def new_stream(
         self,
@@ -187,6 +220,8 @@ class Token2Wav2:
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
         """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
         returns the future state (see :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
+        import torch
+
         d = self.device
         return self.voices.keep(
             self.flow,
@@ -213,19 +248,19 @@ class Token2Wav2:
         mel = self._flow(tokens, state, streaming, finalize, should_stop)
         cache: _Cache | None = state.vocoder
         if cache is not None:
-            mel = torch.cat([cache.mel, mel], dim=2)
+            mel = self.ops.cat([cache.mel, mel], dim=2)
             cache_source = cache.source
         else:
-            cache_source = torch.zeros(1, 1, 0, device=self.device)
+            cache_source = self.ops.zeros((1, 1, 0), "float32")
         if finalize and speed != 1.0:
             if cache is not None:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
         speech, source = self.hift.inference(
             mel, cache_source, generator=generator, should_stop=should_stop, **draws
         )
         if cache is not None:
-            speech = fade_in_out(speech, cache.speech, hamming(2 * p.source_cache_len))
+            speech = _fade(speech, cache.speech, 2 * p.source_cache_len)
         if finalize:
             state.vocoder = None
             return speech
@@ -242,7 +277,7 @@ class Token2Wav2:
         should_stop: ShouldStop | None,
     ) -> torch.Tensor:
         # the mel of the tokens after the `offset` already spoken
-        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
+        token = self.ops.ints([tokens])  # (1, n)
         mel = self.flow.inference(
             token, state.prompt_token, state.prompt_feat, state.embedding, streaming=streaming, finalize=finalize,
             n_timesteps=self.flow_steps, should_stop=should_stop,
@@ -266,8 +301,21 @@ class Token2Wav2:
                 state.flow = None
         return mel[:, :, state.offset * self.policy.token_mel_ratio :]
 
-    @torch.inference_mode()
-    def __call__(
+    def __call__(self, tokens: Iterable[int], **kwargs: Any) -> Iterator[Any]:
+        """:meth:`chunks`, each step of it without autograd (the flow's array ops' ``no_grad``: torch's inference
+        mode, entered per step as a decorated generator's is)."""
+        steps = self.chunks(tokens, **kwargs)
+        try:
+            while True:
+                with self.ops.no_grad():
+                    chunk = next(steps, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            steps.close()
+
+    def chunks(
         self,
         tokens: Iterable[int],
         *,
@@ -302,11 +350,8 @@ class Token2Wav2:
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
         p = self.policy
-        d = self.device
-        prompt_token = (
-            torch.zeros(1, 0, dtype=torch.int32, device=d) if prompt_token is None else prompt_token
-        )
-        prompt_feat = torch.zeros(1, 0, 80, device=d) if prompt_feat is None else prompt_feat
+        prompt_token = self.ops.zeros((1, 0), "int32") if prompt_token is None else prompt_token
+        prompt_feat = self.ops.zeros((1, 0, 80), "float32") if prompt_feat is None else prompt_feat
         draws = draws if draws is not None else iter(())
         if not stream:
             all_tokens = list(tokens)

@@ -17,13 +17,13 @@ Before vocoding, runs of the "silent" tokens (FSQ silence and breath codes) that
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.stop import ShouldStop
-from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2, stretch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_SILENT_RUN", "SILENT_TOKENS", "Token2Wav3", "filter_silent_tokens"]
 
@@ -100,21 +100,19 @@ class Token2Wav3(Token2Wav2):
         should_stop: ShouldStop | None = None,
     ) -> torch.Tensor:
         # generator: unused, CosyVoice3's vocoder draws nothing
-        from cosyserve.models.causal_hift import VocoderStream
-
         mel = self._flow(tokens, state, streaming, finalize, should_stop)
         if speed != 1.0:
             if state.offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
         if state.vocoder is None:
-            state.vocoder = VocoderStream(whole=not self.incremental)
-        vocoder: VocoderStream = state.vocoder
+            state.vocoder = self.hift.new_stream(whole=not self.incremental)
+        vocoder = state.vocoder
         if not draws:
             if self.noise is None:
                 raise ValueError(
                     "CosyVoice3's vocoder needs its noise buffers: pass draws, or build with noise="
                 )
-            frames = vocoder.start + (0 if vocoder.mel is None else vocoder.mel.shape[2]) + mel.shape[2]
+            frames = vocoder.frames + mel.shape[2]
             draws = self.noise.draws(frames * self.hift.cfg.upsample_factor)
         return self.hift.stream(vocoder, mel, finalize, should_stop=should_stop, **draws)

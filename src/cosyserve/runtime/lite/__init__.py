@@ -295,13 +295,8 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         bundle = open_bundle(path)
         family = bundle.family
         if not family.lite:
-            has = (
-                f" (its lite graphs cover the {', '.join(family.lite_parts)} so far)"
-                if family.lite_parts
-                else ""
-            )
             raise BundleError(
-                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one{has}): serve "
+                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one): serve "
                 "it on the torch runtime"
             )
         bundle.verify = o.verify

@@ -338,19 +338,7 @@ class LiteVocoder:
         c = self.cfg
         mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
         (f0,) = terminate.run(self.bundle.session("hift_f0"), {"mel": mel}, should_stop)
-        source = dsp.sine_source(
-            f0[0],
-            upsample=self.upsample,
-            sampling_rate=int(c["sampling_rate"]),
-            nb_harmonics=int(c["nb_harmonics"]),
-            alpha=float(c["nsf_alpha"]),
-            sigma=float(c["nsf_sigma"]),
-            voiced_threshold=float(c["nsf_voiced_threshold"]),
-            weight=self.w,
-            bias=self.b,
-            phase=phase,
-            noise=noise,
-        )
+        source = self._source(f0[0], phase, noise)
         if cache_source is not None and cache_source.shape[0] > 0:
             source[: cache_source.shape[0]] = cache_source
         check(should_stop)
@@ -365,6 +353,23 @@ class LiteVocoder:
         speech = dsp.istft(magnitude * np.cos(ph) + 1j * (magnitude * np.sin(ph)), n_fft, hop)
         limit = np.float32(c["audio_limit"])
         return np.clip(speech, -limit, limit), source
+
+    def _source(self, f0: np.ndarray, phase: np.ndarray, noise: np.ndarray) -> np.ndarray:
+        # the excitation (T * upsample,) of f0 (T,): the 22.05 kHz SineGen
+        c = self.cfg
+        return dsp.sine_source(
+            f0,
+            upsample=self.upsample,
+            sampling_rate=int(c["sampling_rate"]),
+            nb_harmonics=int(c["nb_harmonics"]),
+            alpha=float(c["nsf_alpha"]),
+            sigma=float(c["nsf_sigma"]),
+            voiced_threshold=float(c["nsf_voiced_threshold"]),
+            weight=self.w,
+            bias=self.b,
+            phase=phase,
+            noise=noise,
+        )
 
 
 @dataclass

@@ -62,12 +62,13 @@ def _kind_function(
     # needs); on the lite runtime, the lite runtime's own where it has one, NOT_SERVED where the lite runtime does
     # not compute the kind for the family yet (its other kinds run torch-free code both runtimes share)
     if runtime == "lite":
-        from cosyserve.tools.conformance.kinds_lite import KINDS as LITE_KINDS
+        from cosyserve.families.base import import_string
 
         if kind in family.conformance_kinds and kind not in family.lite_kinds:
             return NOT_SERVED
-        if kind in LITE_KINDS:
-            return LITE_KINDS[kind]
+        lite_kinds = import_string(family.lite_kinds_table)
+        if kind in lite_kinds:
+            return lite_kinds[kind]  # type: ignore[no-any-return]
     module_name = family.conformance_kinds.get(kind)
     if module_name is None:
         return None

@@ -18,11 +18,11 @@ import numpy as np
 from cosyserve.frontend import features_np
 from cosyserve.frontend.audio import load_wav_np
 
-__all__ = ["KINDS"]
+__all__ = ["CV3_KINDS", "KINDS", "QWEN_KINDS"]
 
 
 class _Lite:
-    """The set's lite models, each made on first use (a CosyVoice2/3 bundle holds the LM's graphs alone)."""
+    """The set's lite models, each made on first use (the 300M flow and vocoder, or the chunk flow and 24 kHz ones)."""
 
     def __init__(self, ctx: Any) -> None:
         from cosyserve.runtime.lite.models import LiteBundle
@@ -34,10 +34,14 @@ class _Lite:
 
     def __getitem__(self, part: str) -> Any:
         if part not in self._made:
+            from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
             from cosyserve.runtime.lite.lm import lite_lm
             from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
-            make = {"llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder}[part]
+            make = {
+                "llm": lite_lm, "flow": LiteFlow, "hift": LiteVocoder, "chunk_flow": LiteChunkFlow,
+                "causal_hift": LiteCausalVocoder, "hift2": LiteVocoder2,
+            }[part]  # fmt: skip
             self._made[part] = make(self.bundle, self.tables)
         return self._made[part]
 
@@ -100,6 +104,81 @@ def run_hift_inference(ctx: Any, inputs: dict) -> dict:
         _a(inputs["speech_feat"])[0], cache, _a(inputs["sine_phase"])[0], _a(inputs["sine_noise"])[0]
     )
     return {"speech": speech[None], "source": source[None, None]}
+
+
+def run_chunk_flow_inference(ctx: Any, inputs: dict) -> dict:
+    # CosyVoice2/3: the flow reproduces the reference's fixed noise itself (flow_noise is not passed)
+    mel = _lite(ctx)["chunk_flow"].inference(
+        *(_a(inputs[k]) for k in ("token", "prompt_token", "prompt_feat", "embedding")),
+        streaming=bool(inputs["streaming"]),
+        finalize=bool(inputs["finalize"]),
+    )
+    return {"mel": mel}
+
+
+def run_causal_hift_inference(ctx: Any, inputs: dict) -> dict:
+    # CosyVoice3: the model's fixed noise buffers are inputs (rand_ini (1, H), sine_waves (1, L, H))
+    speech, source = _lite(ctx)["causal_hift"].inference(
+        _a(inputs["speech_feat"]),
+        bool(inputs["finalize"]),
+        _a(inputs["hift_rand_ini"]),
+        _a(inputs["hift_sine_waves"]),
+    )
+    return {"speech": speech, "source": source}
+
+
+def run_hift2_inference(ctx: Any, inputs: dict) -> dict:
+    # CosyVoice2: the recorded draws sine_rand_ini (1, H), sine_noise (1, L, H); source_noise feeds no output
+    speech, source = _lite(ctx)["hift2"].inference(
+        _a(inputs["speech_feat"]), _a(inputs["cache_source"]),
+        sine_phase=_a(inputs["sine_rand_ini"]), sine_noise=_a(inputs["sine_noise"]),
+    )  # fmt: skip
+    return {"speech": speech, "source": source}
+
+
+def run_token2wav2(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # CosyVoice2's own token2wav (the torch runtime's chunk rules, one code) over the lite flow and vocoder
+    from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
+
+    lite = _lite(ctx)
+    calls = sorted(
+        {int(k[1 : k.index("_")]) for k in inputs if k.startswith("c") and k.endswith("_sine_noise")}
+    )
+    draws = (
+        {"sine_phase": _a(inputs[f"c{c}_sine_rand_ini"]), "sine_noise": _a(inputs[f"c{c}_sine_noise"])}
+        for c in calls
+    )
+    return _chunks(Token2Wav2(lite["chunk_flow"], lite["hift2"]), inputs, draws)
+
+
+def run_token2wav3(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # CosyVoice3's own token2wav over the lite flow and vocoder; the model's fixed noise buffers at every call
+    import itertools
+
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+
+    lite = _lite(ctx)
+    noise = {"rand_ini": _a(inputs["hift_rand_ini"]), "sine_waves": _a(inputs["hift_sine_waves"])}
+    return _chunks(Token2Wav3(lite["chunk_flow"], lite["causal_hift"]), inputs, itertools.repeat(noise))
+
+
+def _chunks(t2w: Any, inputs: dict[str, Any], draws: Any) -> dict[str, Any]:
+    # the case's outputs: the shared token2wav ``t2w`` (the reference policy: hops 25 (+ prompt pad), 50, 100) on
+    # the vc branch's inputs, with ``draws``
+    chunks = list(
+        t2w(
+            _ids(inputs["source_speech_token"]),
+            embedding=_a(inputs["flow_embedding"]),
+            prompt_token=_a(inputs["flow_prompt_speech_token"]),
+            prompt_feat=_a(inputs["prompt_speech_feat"]),
+            stream=bool(inputs["stream"]),
+            speed=float(inputs["speed"]),
+            draws=draws,
+        )
+    )
+    out: dict[str, Any] = {f"chunk{i}": c for i, c in enumerate(chunks)}
+    out["num_chunks"] = len(chunks)
+    return out
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -219,4 +298,19 @@ KINDS = {
     "zero_shot_frontend": run_zero_shot_frontend,
     "cross_lingual_frontend": run_cross_lingual_frontend,
     "instruct_frontend": run_instruct_frontend,
+}
+# CosyVoice2's (Family.lite_kinds_table): its flow, vocoder and token2wav kinds on the chunk flow's graphs; and
+# CosyVoice3's, whose vocoder is the causal one
+QWEN_KINDS = {
+    **KINDS,
+    "flow_inference": run_chunk_flow_inference,
+    "hift_inference": run_hift2_inference,
+    "token2wav_stream": run_token2wav2,
+    "token2wav_full": run_token2wav2,
+}
+CV3_KINDS = {
+    **QWEN_KINDS,
+    "hift_inference": run_causal_hift_inference,
+    "token2wav_stream": run_token2wav3,
+    "token2wav_full": run_token2wav3,
 }
