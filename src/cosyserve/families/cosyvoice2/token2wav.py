@@ -301,10 +301,33 @@ class Token2Wav2:
                 state.flow = None
         return mel[:, :, state.offset * self.policy.token_mel_ratio :]
 
-    def __call__(self, tokens: Iterable[int], **kwargs: Any) -> Iterator[Any]:
-        """:meth:`chunks`, each step of it without autograd (the flow's array ops' ``no_grad``: torch's inference
-        mode, entered per step as a decorated generator's is)."""
-        steps = self.chunks(tokens, **kwargs)
+    def __call__(
+        self,
+        tokens: Iterable[int],
+        *,
+        embedding: torch.Tensor,
+        prompt_token: torch.Tensor | None = None,
+        prompt_feat: torch.Tensor | None = None,
+        stream: bool = False,
+        speed: float = 1.0,
+        generator: torch.Generator | None = None,
+        draws: Iterator[dict[str, torch.Tensor]] | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> Iterator[Any]:
+        """:meth:`chunks` (the Token2Wav protocol's call: its arguments named here, as every family's are), each
+        step of it without autograd (the flow's array ops' ``no_grad``: torch's inference mode, entered per step as a
+        decorated generator's is)."""
+        steps = self.chunks(
+            tokens,
+            embedding=embedding,
+            prompt_token=prompt_token,
+            prompt_feat=prompt_feat,
+            stream=stream,
+            speed=speed,
+            generator=generator,
+            draws=draws,
+            should_stop=should_stop,
+        )
         try:
             while True:
                 with self.ops.no_grad():
