@@ -93,7 +93,7 @@ class Recorder:
             text, text_len, prompt_text, prompt_text_len, tokens, tokens_len, embedding
         )
 
-    def generate(self, spec: Any, key: int) -> Any:
+    def generate(self, spec: Any, key: int, should_stop: Any = None) -> Any:
         return iter(range(100, 100 + self.n_tokens))
 
     def token2wav(self, tokens, **kwargs):  # type: ignore[no-untyped-def]
