@@ -44,6 +44,9 @@ from server_util import (
 
 # ~6 sentences: a stream that lasts a few seconds on the tiny model, long after its first chunk
 LONG_TEXT = "Hello there, this is a long sentence to speak. " * 6
+# 2 sentences: the stream a SIGTERM test drains, read whole twice (alone, then drained); it outlasts the signal's
+# handling (milliseconds) by the rest of its first sentence and all of its second
+DRAIN_TEXT = "Hello there, this is a long sentence to speak. " * 2
 GRACE_S = 120  # generous: the 2-core test machine is shared; the drain normally takes a few seconds
 
 
@@ -310,9 +313,11 @@ def test_sigterm_drains_the_in_flight_stream_and_exits_0(tiny_model_dir: Path, t
     server = start_server(tiny_model_dir, tmp_path, args=["--shutdown-grace", str(GRACE_S)])
     try:
         with server.client(timeout=GRACE_S) as c:
-            alone = c.post("/v1/audio/speech", json=speech_body())
+            alone = c.post("/v1/audio/speech", json=speech_body(DRAIN_TEXT))
             assert alone.status_code == 200 and len(alone.content) > 0
-            with sigterm_mid_stream(c, server, speech_body(), "shutting down: readiness is 503 now") as (
+            with sigterm_mid_stream(
+                c, server, speech_body(DRAIN_TEXT), "shutting down: readiness is 503 now"
+            ) as (
                 got,
                 chunks,
             ):
@@ -350,9 +355,12 @@ def test_sigterm_keeps_answering_503_during_the_drain_delay(tiny_model_dir: Path
     )
     try:
         with server.client(timeout=GRACE_S) as c:
-            alone = c.post("/v1/audio/speech", json=speech_body())
+            alone = c.post("/v1/audio/speech", json=speech_body(DRAIN_TEXT))
             speaker = c.get("/v1/audio/voices").json()["voices"][0]["voice_id"]
-            with sigterm_mid_stream(c, server, speech_body(), "the port stays open") as (got, chunks):
+            with sigterm_mid_stream(c, server, speech_body(DRAIN_TEXT), "the port stays open") as (
+                got,
+                chunks,
+            ):
                 with httpx.Client(base_url=server.base_url, timeout=10.0) as probe:
                     try:
                         ready = probe.get("/health/ready")
