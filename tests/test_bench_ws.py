@@ -2,7 +2,10 @@
 ``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
 send traffic off the machine.
 
-Both dry runs share one work folder, so the tiny CosyVoice-300M model is made once (~25 s for the two)."""
+The dry runs share one work folder, so each tiny model is made once: the CosyVoice-300M one by the first script
+that serves it (its ``make-test-model`` and ``convert`` commands, bench/ws_load.py ``made_bundle``), the CosyVoice2
+one here, in this process (the session's model dir converted: the same files the commands write, without two fresh
+interpreters importing torch)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ pytest.importorskip("websockets.asyncio.client")
 
 
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the servers a script starts inherit its environment: no 5 s drain delay when the script stops them (SIGTERM)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COSYSERVE_DRAIN_DELAY": "0"}
     return subprocess.run(
         [sys.executable, str(BENCH / script), *args],
         capture_output=True,
@@ -47,17 +51,24 @@ def rows_after(header: str, text: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ws-bench")
+def work(tmp_path_factory: pytest.TempPathFactory, cv2_model_dir: Path) -> Path:
+    """The scripts' ``--work`` folder, holding the CosyVoice2 bundle where ``made_bundle`` looks for it
+    (``make-test-model --size tiny --family cosyvoice2 --seed 0``, converted: conftest's ``cv2_model_dir``)."""
+    from cosyserve.bundle.convert import convert
+
+    work = tmp_path_factory.mktemp("ws-bench")
+    convert(cv2_model_dir, work / "cosyvoice2-tiny-bundle", progress=False)
+    return work
 
 
 def test_load_dry_run_reports_every_level_and_what_the_loop_left(work: Path, tmp_path: Path) -> None:
     """If this fails, bench/ws_load.py no longer runs end to end (make, serve, sessions at LLM pace, the loop of
     sessions, the server's /proc counts), or a level lost a figure, or it counts an error on a healthy server."""
     out = tmp_path / "load.json"
-    # the fewest utterances and loop sessions that run every path (the dry run's defaults: 2 and 15)
+    # the fewest utterances and loop sessions that run every path (the dry run's defaults: 2 and 15): the loop's
+    # three kinds of session (closed, spoken to the end, left at first audio) once in its warm-up, once counted
     r = run(
-        "ws_load.py", "--dry-run", "--utterances", "1", "--churn", "5", "--work", str(work), "--json", str(out),
+        "ws_load.py", "--dry-run", "--utterances", "1", "--churn", "3", "--work", str(work), "--json", str(out),
         cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -74,14 +85,14 @@ def test_load_dry_run_reports_every_level_and_what_the_loop_left(work: Path, tmp
         assert level["xrt"] > 0 and level["wall_s"] > 0 and level["audio_s"] > 0
         assert row[1] == str(n) and row[3] == "0", row  # the table shows the same figures
     loop = result["churn"]
-    assert loop["sessions"] == 5 and loop["errors"] == 0, loop
+    assert loop["sessions"] == 3 and loop["errors"] == 0, loop
     before, after = loop["before"], loop["after"]
     # nothing left behind in the server process: its threads and descriptors (its memory is reported: a few sessions
     # move RSS by less than its noise; tests/test_server_ws.py counts the Python heap and the sessions exactly)
     assert after["threads"] <= before["threads"] and after["fds"] <= before["fds"], loop
     assert before["rss_kib"] > 0 and after["rss_kib"] > 0
     assert re.search(
-        r"^5 sessions opened and closed .* server threads \d+ -> \d+, file descriptors", r.stdout, re.M
+        r"^3 sessions opened and closed .* server threads \d+ -> \d+, file descriptors", r.stdout, re.M
     )
 
 
@@ -90,9 +101,10 @@ def test_first_audio_dry_run_gives_the_target_ratio_of_each_family(work: Path, t
     WebSocket's first audio from the wrong moment for a family (the last word for the 300M family, the first text
     for CosyVoice2/3)."""
     out = tmp_path / "first.json"
+    # one round: each kind of measurement once per family (more rounds repeat the same code for the medians)
     r = run(
-        "ws_first_audio.py", "--dry-run", "--families", "cosyvoice,cosyvoice2", "--work", str(work), "--json",
-        str(out), cwd=tmp_path,
+        "ws_first_audio.py", "--dry-run", "--families", "cosyvoice,cosyvoice2", "--rounds", "1", "--work",
+        str(work), "--json", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [row[0] for row in rows_after("family", r.stdout)] == ["cosyvoice", "cosyvoice2"], r.stdout
@@ -106,7 +118,7 @@ def test_first_audio_dry_run_gives_the_target_ratio_of_each_family(work: Path, t
         assert f["ratio"] == pytest.approx(f[ws_key] / f["http_ms"]), f
         assert f["met"] == (f["ratio"] <= 1.2)
         samples = f["samples_ms"]
-        assert [len(samples[k]) for k in ("ws_first_text", "ws_last_word", "http")] == [2, 2, 2], samples
+        assert [len(samples[k]) for k in ("ws_first_text", "ws_last_word", "http")] == [1, 1, 1], samples
         assert all(x > 0 for x in samples["http"] + samples["ws_first_text"]), samples
         # the words take (6 - 1) x 20 ms to send: the first text comes at least that long before the last word
         gaps = [a - b for a, b in zip(samples["ws_first_text"], samples["ws_last_word"], strict=True)]
@@ -120,15 +132,15 @@ def test_wyoming_first_audio_dry_run_gives_one_shot_and_streamed_figures(work: P
     pytest.importorskip("wyoming")
     out = tmp_path / "wyoming.json"
     r = run(
-        "wyoming_first_audio.py", "--dry-run", "--families", "cosyvoice2", "--work", str(work), "--json",
-        str(out), cwd=tmp_path,
+        "wyoming_first_audio.py", "--dry-run", "--families", "cosyvoice2", "--rounds", "1", "--work", str(work),
+        "--json", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (f,) = json.loads(out.read_text())["families"]
     assert (f["family"], f["rate"], f["compare_from"]) == ("cosyvoice2", 24000, "first text"), f
     assert f["ratio"] == pytest.approx(f["streamed_first_text_ms"] / f["one_shot_ms"]), f
     samples = f["samples_ms"]
-    assert [len(v) for v in samples.values()] == [2, 2, 2], samples
+    assert [len(v) for v in samples.values()] == [1, 1, 1], samples
     assert all(x > 0 for x in samples["one_shot"] + samples["streamed_first_text"]), samples
     # the words take (6 - 1) x 20 ms to send: the first text comes at least that long before the last word
     gaps = [a - b for a, b in zip(samples["streamed_first_text"], samples["streamed_last_word"], strict=True)]
