@@ -392,9 +392,10 @@ def test_prompt_features_equal_torch_frontend(tiny_model_dir: Path, tmp_path: Pa
             np.testing.assert_array_equal(got[key], value.numpy(), err_msg=key)
 
 
-def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_int8_step_graph(tiny_model_dir: Path, tiny_lite_bundle: Path, tmp_path: Path) -> None:
     """convert --runtime lite --quantize llm=int8 writes the quantized step graph and records its distance from
-    the float one; llm_quantize=int8 serves it, and a bundle without it is refused by name."""
+    the float one; llm_quantize=int8 serves it, and a bundle without it (the session's lite bundle, converted
+    without --quantize) is refused by name."""
     from cosyserve.bundle.convert import convert
     from cosyserve.runtime.lite.lm import LiteLM
     from cosyserve.runtime.lite.models import LiteBundle
@@ -410,10 +411,9 @@ def test_int8_step_graph(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert not np.array_equal(q, ref)  # another graph ran ...
     np.testing.assert_allclose(q, ref, atol=0.5)  # ... computing nearly the same thing
     assert (out / "lite" / "llm_step.int8.onnx.data") in lb.data_files()
-    shutil.rmtree(out / "lite")
-    convert(tiny_model_dir, out, runtime="lite", progress=False, force=True)
+    assert "int8" not in json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     with pytest.raises(BundleError, match="--quantize llm=int8"):
-        LiteBundle(out, int8=True)
+        LiteBundle(tiny_lite_bundle, int8=True)
 
 
 def test_prefork_workers_on_lite_runtime(tiny_lite_bundle: Path, tmp_path: Path) -> None:

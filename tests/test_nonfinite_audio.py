@@ -10,9 +10,6 @@ request in the engine (an InternalError, 500 over HTTP) instead of being encoded
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,12 +19,12 @@ import pytest
 import soundfile
 from starlette.testclient import TestClient
 
+from cli_util import run_main
 from cosyserve.core.errors import AudioError, InternalError
 from cosyserve.core.request import SynthesisRequest
 from fake_runtime import FakeRuntime
 from server_util import in_process
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 NOT_FINITE = "is not finite: it has NaN or infinite samples"
 
 
@@ -96,28 +93,26 @@ def test_the_python_api_refuses_a_nonfinite_prompt_naming_it(
 # --- CLI ----------------------------------------------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONWARNINGS": "error::RuntimeWarning"}
-    return subprocess.run(
-        [sys.executable, "-m", "cosyserve", *args], capture_output=True, text=True, env=env, timeout=300
-    )
-
-
-def test_the_cli_refuses_a_nan_prompt_in_one_line(model_path: tuple[str, Path], tmp_path: Path) -> None:
+def test_the_cli_refuses_a_nan_prompt_in_one_line(
+    model_path: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``synth`` with a NaN prompt exits 1 with one line naming the file and writes no audio; ``speakers add``
-    registers nothing. If this fails, the CLI writes an all-zero WAV (with a numpy RuntimeWarning) as before."""
+    registers nothing. If this fails, the CLI writes an all-zero WAV (with a numpy RuntimeWarning, an error under
+    the suite's ``filterwarnings``) as before. In this process (tests/cli_util.py): nothing here is about the
+    process itself."""
     runtime, path = model_path
     bad = tmp_path / "nan.wav"
     bad.write_bytes(NAN_WAV)
     out = tmp_path / "out.wav"
     common = ["--model", str(path), "--runtime", runtime, "--registry-dir", str(tmp_path / "reg")]
-    r = cli("synth", *common, "--mode", "zero_shot", "--text", "Hi.", "--prompt-wav", str(bad),
+    r = run_main(capsys, "synth", *common, "--mode", "zero_shot", "--text", "Hi.", "--prompt-wav", str(bad),
             "--prompt-text", "A prompt.", "--out", str(out))  # fmt: skip
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and NOT_FINITE in lines[0] and str(bad) in lines[0], r.stderr
     assert not out.exists(), "no audio may be written for a refused prompt"
-    r = cli("speakers", "add", "nan_voice", *common, "--prompt-wav", str(bad), "--prompt-text", "A prompt.")
+    r = run_main(capsys, "speakers", "add", "nan_voice", *common, "--prompt-wav", str(bad), "--prompt-text",
+                 "A prompt.")  # fmt: skip
     assert r.returncode == 1 and NOT_FINITE in r.stderr, r.stderr
     assert not list((tmp_path / "reg").rglob("*.safetensors")), "nothing may be registered"
 
