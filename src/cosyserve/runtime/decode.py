@@ -19,12 +19,16 @@ for numpy). A stop is seen when read and the steps queued after it are dropped; 
 fill is rolled back when the fill is read (its position, token index and history put back): it went on speculating
 that the step was speech.
 
-The loop runs in one thread per model (it alone touches the LM's caches) or, for a one-off run
-(:mod:`cosyserve.runtime.oneoff`), in the caller's thread. A consumer (a request's worker) gets
-its row's tokens from its own queue; a streamed-text row asks its consumer for text, and the consumer reads its text
-iterator and hands the ids over (the loop never waits for a request's text). Closing the consumer's generator frees
-its row at the next step. On the CPU the loop steps on demand (when a consumer waits for a token), so a lone request
-alternates with its own token2wav as an unbatched one does; on a GPU it runs ahead.
+Where the loop steps: on a GPU it runs ahead of its consumers in one thread per model (it alone touches the LM's
+caches). On the CPU it steps on demand, in the threads of the consumers that wait for a token: one at a time (a
+lock), each step serving every ready row, so a lone request runs its LM steps and its own token2wav in one thread,
+as an unbatched one does. That is not only tidier: torch's OpenMP keeps one thread team per calling thread, and two
+teams on the same cores (a loop thread's and a request's) make libgomp put its workers to sleep after every parallel
+region (it spins only while its threads fit the cores), which cost a lone CosyVoice2 request ~1.6x its first audio
+(bench/lm_batching.py first-audio). A one-off run (:mod:`cosyserve.runtime.oneoff`) is the one-consumer case.
+A consumer (a request's worker) gets its row's tokens from its own queue; a streamed-text row asks its consumer for
+text, and the consumer reads its text iterator and hands the ids over (the loop never waits for a request's text).
+Closing the consumer's generator frees its row at the next step.
 """
 
 from __future__ import annotations
@@ -71,10 +75,10 @@ class DecodeLoop:
         demand: step only while some consumer waits for a token (None: where ``lag`` is 0, i.e. on the CPU, where
             the loop and the consumers share the cores); otherwise the loop runs ahead.
         ahead: tokens a row may be decoded ahead of its consumer.
-        before_step: called in the loop's thread before every step (the torch runtime sets the thread's share of
-            the cores there).
-        threaded: run in a thread of its own (serving); False: each consumer drives it in its own thread
-            (one-off runs, one consumer at a time).
+        before_step: called in the stepping thread before every step (the torch runtime sets the thread's share
+            of the cores there).
+        threaded: run in a thread of its own; False: the consumers that wait for a token step it in their own
+            threads, one at a time (None: a thread only where the loop runs ahead, i.e. not on demand).
         name: for the thread's name and logs.
     """
 
@@ -87,7 +91,7 @@ class DecodeLoop:
         demand: bool | None = None,
         ahead: int = RUN_AHEAD,
         before_step: Callable[[], Any] | None = None,
-        threaded: bool = True,
+        threaded: bool | None = None,
         name: str = "lm",
     ) -> None:
         if max_rows < 1:
@@ -102,7 +106,7 @@ class DecodeLoop:
         self.demand = self.lag == 0 if demand is None else demand
         self.ahead = ahead
         self.before_step = before_step
-        self.threaded = threaded
+        self.threaded = not self.demand if threaded is None else threaded
         self.name = name
         self.stats = DecodeStats()
         self.on_step: Callable[[int], None] | None = None  # told the rows of every decode step
@@ -121,6 +125,7 @@ class DecodeLoop:
         # ids on their way to the host: a ring of buffers, (lag + 2, R) int64
         self._reads = ReadBack(ops, self.lag, r)
         self._cv = threading.Condition()
+        self._stepping = threading.Lock()  # consumer-driven: held by the consumer thread running a step
         self._waiting: deque[Row] = deque()
         self._active: list[Row] = []
         self._free = list(range(max_rows))  # a heap: the lowest rows are reused first
@@ -180,21 +185,38 @@ class DecodeLoop:
         return row
 
     def _next_item(self, row: Row) -> Any:
-        if not self.threaded:
-            while row.out.empty():
-                if not self._step():  # nothing could run: the reads left, or a stall that no step can end
-                    if not self._flush() and row.out.empty():
-                        raise RuntimeError(f"decode loop ({self.name}): a row can make no progress")
-            return row.out.get_nowait()
         try:
             return row.out.get_nowait()
         except queue.Empty:
             pass
+        if not self.threaded:
+            return self._drive(row)
         with self._cv:  # items are put under this lock too: no demand is left standing once served
             if row.out.empty():
                 row.wants = True
                 self._cv.notify()
         return row.out.get()
+
+    def _drive(self, row: Row) -> Any:
+        # step in this thread until the row has an item; another consumer's step may serve it meanwhile
+        while True:
+            with self._stepping:
+                ran = True
+                if row.out.empty():
+                    ran = self._step() or self._flush()  # False: the reads left, or nothing could run
+            try:
+                return row.out.get_nowait()
+            except queue.Empty:
+                pass
+            if ran:
+                continue
+            with self._cv:
+                if not row.out.empty():
+                    continue
+                if row.slot >= 0 or self._closed or not self._waiting:
+                    raise RuntimeError(f"decode loop ({self.name}): a row can make no progress")
+                # it waits for a cache row held by rows whose consumers are busy: until one leaves
+                self._cv.wait(0.05)
 
     def _consume(self, row: Row) -> Iterator[int]:
         try:
@@ -224,7 +246,8 @@ class DecodeLoop:
                     row.cancelled = True
                     self._cv.notify()
             if not self.threaded:
-                self._step()  # frees the row now: the next one-off run may need it
+                with self._stepping:
+                    self._step()  # frees the row now: the next run may need it
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; rows still running get an error. Idempotent."""
@@ -234,8 +257,13 @@ class DecodeLoop:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        if thread is None:
-            self._fail_all(RuntimeError(f"decode loop ({self.name}) was closed"))
+        if thread is None:  # consumer-driven: after the step running now, if any
+            got = self._stepping.acquire(timeout=-1 if timeout is None else timeout)
+            try:
+                self._fail_all(RuntimeError(f"decode loop ({self.name}) was closed"))
+            finally:
+                if got:
+                    self._stepping.release()
 
     @property
     def active(self) -> int:
@@ -294,6 +322,7 @@ class DecodeLoop:
             row.slot = -1
             if row in self._active:
                 self._active.remove(row)
+            self._cv.notify_all()  # a consumer-driven row may wait for this cache row
         if not row.finished:
             row.finished = True
             if not row.cancelled:
