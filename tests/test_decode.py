@@ -185,6 +185,30 @@ def test_rows_joining_and_leaving_mid_run_keep_each_rows_tokens() -> None:
     assert loop.stats.rows_hist.get(3, 0) > 0, "the rows were not decoded together"
 
 
+def test_more_consumers_than_rows_wait_for_a_free_row_and_step_it_themselves() -> None:
+    """On the CPU the consumers step the loop in their own threads: three requests on one cache row each get their
+    tokens alone, the later ones waiting for the row (not failing, not spinning on a step that cannot run). If this
+    failed, a request arriving while the model's rows are taken would error or hang on a CPU server."""
+    lm = _lm300()
+    specs = [_one_shot(lm, s, n_text=t) for s, t in ((0, 3), (1, 2), (2, 4))]
+    keys = [row_key(30 + i) for i in range(3)]
+    want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
+    loop = DecodeLoop(lm, 1, name="test")
+    started = threading.Barrier(3)
+
+    def consume(i: int) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            started.wait(30)
+            return list(loop.generate(specs[i], keys[i]))
+
+        return run
+
+    got = _in_threads([consume(i) for i in range(3)])
+    loop.close()
+    assert got == want
+    assert loop._thread is None and loop.stats.prefills == 3 and loop.stats.peak_rows == 1
+
+
 def test_streamed_text_rows_batch_beside_a_one_shot_row() -> None:
     """Two rows whose text arrives in pieces (one with prompt speech to interleave) decode in the same steps as a
     one-shot row, and each gets its tokens alone. If this failed, streamed text would still need a loop of its own
@@ -243,11 +267,12 @@ def test_ids_read_late_give_the_tokens_of_ids_read_at_once(lm_name: str) -> None
 
 
 def test_the_cpu_reads_each_id_at_once_and_steps_on_demand() -> None:
-    """On the CPU the loop reads ids at once and steps only while a consumer waits, so a lone request alternates
-    with its own work (token2wav) as an unbatched one does; on a device it would run ahead."""
+    """On the CPU the loop reads ids at once and steps only while a consumer waits, in that consumer's thread (no
+    loop thread: its OpenMP team would slow the request's own), so a lone request alternates with its own work
+    (token2wav) as an unbatched one does; on a device it would run ahead in a thread of its own."""
     lm = _lm300()
     loop = DecodeLoop(lm, 2, name="test")
-    assert loop.lag == 0 and loop.demand
+    assert loop.lag == 0 and not loop.threaded
     spec = _one_shot(lm, 0, n_text=6)
     gen = loop.generate(spec, row_key(1))
     got = [next(gen) for _ in range(3)]
@@ -255,6 +280,7 @@ def test_the_cpu_reads_each_id_at_once_and_steps_on_demand() -> None:
     threading.Event().wait(0.2)  # the consumer is busy: the loop must not decode ahead of it
     assert row.steps == row.taken == 3
     got += list(gen)
+    assert loop._thread is None, "the CPU loop started a thread of its own"
     loop.close()
     assert got == _alone(lm, spec, row_key(1))
 

@@ -19,16 +19,13 @@ for numpy). A stop is seen when read and the steps queued after it are dropped; 
 fill is rolled back when the fill is read (its position, token index and history put back): it went on speculating
 that the step was speech.
 
-Where the loop steps: on a GPU it runs ahead of its consumers in one thread per model (it alone touches the LM's
-caches). On the CPU it steps on demand, in the threads of the consumers that wait for a token: one at a time (a
-lock), each step serving every ready row, so a lone request runs its LM steps and its own token2wav in one thread,
-as an unbatched one does. That is not only tidier: torch's OpenMP keeps one thread team per calling thread, and two
-teams on the same cores (a loop thread's and a request's) make libgomp put its workers to sleep after every parallel
-region (it spins only while its threads fit the cores), which cost a lone CosyVoice2 request ~1.6x its first audio
-(bench/lm_batching.py first-audio). A one-off run (:mod:`cosyserve.runtime.oneoff`) is the one-consumer case.
-A consumer (a request's worker) gets its row's tokens from its own queue; a streamed-text row asks its consumer for
-text, and the consumer reads its text iterator and hands the ids over (the loop never waits for a request's text).
-Closing the consumer's generator frees its row at the next step.
+Where it steps: on a GPU, in a thread of its own, ahead of its consumers; on the CPU, on demand, in the threads of
+the consumers that wait for a token (one step at a time, each serving every ready row), so a lone request runs its
+LM steps and token2wav in one thread as an unbatched one does (torch keeps an OpenMP team per calling thread: a loop
+thread's team beside a request's made libgomp sleep its workers after every region, 1.6x a lone first audio). A
+consumer gets its row's tokens from its own queue; a streamed-text row asks its consumer for text, which reads its
+text iterator and hands the ids over (the loop never waits for a request's text). Closing the consumer's generator
+frees its row at the next step.
 """
 
 from __future__ import annotations
@@ -72,13 +69,11 @@ class DecodeLoop:
         max_rows: rows decoded together (cache rows); more requests wait (FIFO) for a free row.
         lag: steps an id may be read back late (None: 0 where the ids live in host memory, else
             :data:`READ_AHEAD`).
-        demand: step only while some consumer waits for a token (None: where ``lag`` is 0, i.e. on the CPU, where
-            the loop and the consumers share the cores); otherwise the loop runs ahead.
         ahead: tokens a row may be decoded ahead of its consumer.
         before_step: called in the stepping thread before every step (the torch runtime sets the thread's share
             of the cores there).
-        threaded: run in a thread of its own; False: the consumers that wait for a token step it in their own
-            threads, one at a time (None: a thread only where the loop runs ahead, i.e. not on demand).
+        threaded: run ahead in a thread of its own; False: step on demand, in the threads of the consumers that
+            wait for a token, one at a time (None: a thread where ids are read back late, i.e. on a device).
         name: for the thread's name and logs.
     """
 
@@ -88,7 +83,6 @@ class DecodeLoop:
         max_rows: int = 1,
         *,
         lag: int | None = None,
-        demand: bool | None = None,
         ahead: int = RUN_AHEAD,
         before_step: Callable[[], Any] | None = None,
         threaded: bool | None = None,
@@ -103,10 +97,9 @@ class DecodeLoop:
         self.lag = (0 if ops.host else READ_AHEAD) if lag is None else lag
         if self.lag < 0 or ahead < 1:
             raise ValueError(f"lag must be >= 0 and ahead >= 1, got {self.lag} and {ahead}")
-        self.demand = self.lag == 0 if demand is None else demand
         self.ahead = ahead
         self.before_step = before_step
-        self.threaded = not self.demand if threaded is None else threaded
+        self.threaded = self.lag > 0 if threaded is None else threaded
         self.name = name
         self.stats = DecodeStats()
         self.on_step: Callable[[int], None] | None = None  # told the rows of every decode step
@@ -161,25 +154,17 @@ class DecodeLoop:
         """
         if isinstance(spec, OneShot) and spec.max_len <= 0:
             return iter(())
-        return self._consume(self._join(spec, key, teacher, record, should_stop))
+        forced = None if teacher is None else iter(teacher)
+        return self._consume(self._join(Row(spec, key, forced, record, should_stop)))
 
-    def _join(
-        self,
-        spec: OneShot | Streamed,
-        key: int,
-        teacher: Iterable[int] | None,
-        record: list | None,
-        should_stop: ShouldStop | None,
-    ) -> Row:
-        row = Row(spec, key, None if teacher is None else iter(teacher), record, should_stop)
+    def _join(self, row: Row) -> Row:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"decode loop ({self.name}) is closed")
             self._waiting.append(row)
             if self.threaded and self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._main, name=f"cosyserve-lm-{self.name}", daemon=True
-                )
+                name = f"cosyserve-lm-{self.name}"
+                self._thread = threading.Thread(target=self._main, name=name, daemon=True)
                 self._thread.start()
             self._cv.notify()
         return row
@@ -191,32 +176,23 @@ class DecodeLoop:
             pass
         if not self.threaded:
             return self._drive(row)
-        with self._cv:  # items are put under this lock too: no demand is left standing once served
-            if row.out.empty():
-                row.wants = True
-                self._cv.notify()
+        with self._cv:  # its consumer caught up: the row is back under its run-ahead bound
+            self._cv.notify()
         return row.out.get()
 
     def _drive(self, row: Row) -> Any:
-        # step in this thread until the row has an item; another consumer's step may serve it meanwhile
+        # step in this thread until the row has an item (only its consumer reads its queue); another consumer's
+        # step may serve it meanwhile
         while True:
             with self._stepping:
-                ran = True
-                if row.out.empty():
-                    ran = self._step() or self._flush()  # False: the reads left, or nothing could run
-            try:
+                ran = not row.out.empty() or self._step() or self._flush()  # False: nothing could run
+            if not row.out.empty():
                 return row.out.get_nowait()
-            except queue.Empty:
-                pass
-            if ran:
-                continue
             with self._cv:
-                if not row.out.empty():
-                    continue
-                if row.slot >= 0 or self._closed or not self._waiting:
-                    raise RuntimeError(f"decode loop ({self.name}): a row can make no progress")
-                # it waits for a cache row held by rows whose consumers are busy: until one leaves
-                self._cv.wait(0.05)
+                if not ran and row.out.empty():
+                    if row.slot >= 0 or self._closed or not self._waiting:
+                        raise RuntimeError(f"decode loop ({self.name}): a row can make no progress")
+                    self._cv.wait(0.05)  # a cache row held by rows whose consumers are busy: until one leaves
 
     def _consume(self, row: Row) -> Iterator[int]:
         try:
@@ -295,12 +271,10 @@ class DecodeLoop:
                 self._finish_locked(row, error)
 
     def _runnable_locked(self) -> bool:
-        # something for a step to do: joiners, text, cancelled rows, or a row to sample (on demand: and a consumer
-        # waiting)
+        # something for a step to do: joiners, text, cancelled rows, or a row to sample
         if (self._waiting and self._free) or any(r.cancelled or r.pieces for r in self._active):
             return True
-        rows = self._eligible()
-        return bool(rows) and (not self.demand or not self.threaded or any(r.wants for r in self._active))
+        return bool(self._eligible())
 
     def _eligible(self) -> list[Row]:
         return [
@@ -352,9 +326,6 @@ class DecodeLoop:
                 self._active.append(row)
                 joiners.append(row)
             texts = [(r, r.pieces.popleft()) for r in self._active if r.pieces]
-            if self.threaded and self.demand and not joiners and not texts:
-                if not any(r.wants for r in self._active):
-                    return False
         if self.before_step is not None:
             self.before_step()
         for row in joiners:

@@ -60,7 +60,6 @@ class Row:
         self.text = None if isinstance(spec, OneShot) else iter(spec.text)
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # under the loop's condition
-        self.wants = False  # the consumer waits for an item
         self.cancelled = False
         self.finished = False
         self.pieces: deque[list[int] | None] = deque()  # text handed over (None: the end), not yet taken
@@ -84,8 +83,7 @@ class Row:
         self.last = -1  # the last id read
 
     def put(self, item: Any) -> None:
-        """Hand ``item`` to the consumer (under the loop's lock): its demand is served."""
-        self.wants = False
+        """Hand ``item`` to the consumer (under the loop's lock)."""
         self.out.put(item)
 
     def limit(self) -> float:
