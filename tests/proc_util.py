@@ -22,6 +22,15 @@ def run_python(code: str, *args: str, timeout: float = 300, **env: str) -> subpr
     )
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: it holds no files; Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def killed_staging(out: Path, tag: str) -> Path:
     """The temporary a :class:`cosyserve.system.staging.Staging` writer of ``out`` leaves when it is killed with SIGKILL
     in the middle of its build (its lock file written, its lock gone with the process)."""
