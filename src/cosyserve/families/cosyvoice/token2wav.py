@@ -147,7 +147,6 @@ class Token2Wav:
             speech = speech[:, : -p.source_cache_len]
         return speech
 
-    @torch.inference_mode()
     def __call__(
         self,
         tokens: Iterable[int],
@@ -161,7 +160,11 @@ class Token2Wav:
         draws: Iterator[CallDraws] | None = None,
         should_stop: ShouldStop | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
+        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids: the Token2Wav
+        protocol's call.
+
+        Each window's flow and vocoder call runs in torch's inference mode, entered per call and left before the
+        chunk is yielded (as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` does).
 
         Args:
             tokens: speech token ids; may be a generator (the LLM's), consumed as it produces.
@@ -203,4 +206,6 @@ class Token2Wav:
             )
 
         for window, final in p.windows(tokens, stream):
-            yield run(window, final, speed)
+            with torch.inference_mode():
+                speech = run(window, final, speed)
+            yield speech
