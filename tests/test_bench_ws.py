@@ -3,7 +3,7 @@
 send traffic off the machine.
 
 The dry runs share one work folder, so each tiny model is made once: the CosyVoice-300M one by the first script
-that serves it (its ``make-test-model`` and ``convert`` commands, bench/ws_load.py ``made_bundle``), the CosyVoice2
+that serves it (its ``make-test-model`` and ``convert`` commands, bench/gpu.py ``made_bundle``), the CosyVoice2
 one here, in this process (the session's model dir converted: the same files the commands write, without two fresh
 interpreters importing torch)."""
 
