@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from cosyserve.core.stop import ShouldStop
+from cosyserve.families.base import CachedVocoder, WindowedFlow
 from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.system.device import module_device
 
@@ -70,14 +70,18 @@ class Token2Wav:
     """Turns speech tokens into audio with a flow model and a HiFT vocoder.
 
     Args:
-        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
-        hift: a :class:`cosyserve.models.hift.HiFTGenerator`.
+        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec` (or its stacked stand-in).
+        hift: a :class:`cosyserve.models.hift.HiFTGenerator` (or its stacked stand-in).
         policy: the streaming rules; defaults follow the reference.
         flow_steps: the flow's Euler steps (None: the model's own count).
     """
 
     def __init__(
-        self, flow: Any, hift: Any, policy: StreamPolicy | None = None, flow_steps: int | None = None
+        self,
+        flow: WindowedFlow,
+        hift: CachedVocoder,
+        policy: StreamPolicy | None = None,
+        flow_steps: int | None = None,
     ) -> None:
         self.flow = flow
         self.hift = hift

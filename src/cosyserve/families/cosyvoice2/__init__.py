@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family, Ids, StreamPolicy, Token2Wav, Tokenizer
+from cosyserve.families.base import Family, Flow, Ids, StreamPolicy, Token2Wav, Tokenizer, Vocoder
 
 if TYPE_CHECKING:
     import torch
@@ -157,8 +157,8 @@ class CosyVoice2(Family):
     def token2wav(
         self,
         config: ModelConfig,
-        flow: Any,
-        hift: Any,
+        flow: Flow,
+        hift: Vocoder,
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,

@@ -30,6 +30,7 @@ import numpy as np
 
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
+from cosyserve.families.base import CachedVocoder, ChunkedFlow, Vocoder
 from cosyserve.system.device import module_device
 
 if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
@@ -159,9 +160,10 @@ class Token2Wav2:
     """Turns speech tokens into audio with a CosyVoice2 causal flow and a 24 kHz HiFT vocoder.
 
     Args:
-        flow: the causal flow (``inference(token, prompt_token, prompt_feat, embedding, streaming, finalize,
-            stream=...)``, :class:`~cosyserve.models.causal_flow.ChunkFlow`).
-        hift: the vocoder (``inference(mel, cache_source, ...)`` -> ``(speech, source)``).
+        flow: the causal flow (:class:`~cosyserve.models.causal_flow.ChunkFlow`, the lite runtime's graphs); its
+            ``ops`` (:class:`~cosyserve.core.sampling.ArrayOps`) when it computes on numpy, else torch's are used.
+        hift: the vocoder (:class:`~cosyserve.models.hift.HiFTGenerator`, its stacked stand-in, the lite
+            runtime's graphs; a subclass's may be another kind).
         policy: the streaming rules; default the reference's.
         flow_steps: the flow's Euler steps (None: the model's own count).
         incremental: streamed chunks keep the flow's (and the vocoder's) state and compute their own frames; False
@@ -170,10 +172,13 @@ class Token2Wav2:
             (:class:`~cosyserve.voices.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
     """
 
+    flow: ChunkedFlow
+    hift: CachedVocoder
+
     def __init__(
         self,
-        flow: Any,
-        hift: Any,
+        flow: ChunkedFlow,
+        hift: Vocoder,
         policy: StreamPolicy2 | None = None,
         flow_steps: int | None = None,
         *,
