@@ -35,7 +35,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+
+from proc_util import stop_group
 
 if TYPE_CHECKING:
     from starlette.testclient import TestClient
@@ -166,17 +167,9 @@ class ServerProcess:
         workers) once it has exited or after ``grace_s``: a worker it left behind, or a wait cut short by an
         interrupt, never outlives the test. Returns the exit code (None if it had to be killed)."""
         try:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(grace_s)
-            return self.proc.returncode
+            return stop_group(self.proc, grace_s)
         finally:
             LIVE[:] = [s for s in LIVE if s is not self]
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the pgid is the server's pid (start_new_session)
-            self.proc.wait(10)
 
 
 LIVE: list[ServerProcess] = []  # started by start_server and not stopped yet, oldest first

@@ -215,3 +215,16 @@ def test_a_stopped_server_takes_its_whole_process_group(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGTERM, proc.returncode
     assert all(s.proc is not proc for s in LIVE), "a stopped server is still listed as running"
     wait_until(lambda: gone(worker), f"worker {worker} gone with its master's stop")
+
+
+def test_a_command_run_in_its_own_session_leaves_nothing_behind() -> None:
+    """proc_util.run_in_session (the bench scripts' dry runs, which start servers of their own): what the command
+    left running in its process group is killed when it returns. If this fails, a bench test that fails or is
+    interrupted leaves its script's servers behind."""
+    from proc_util import gone, run_in_session
+    from server_util import wait_until
+
+    r = run_in_session(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    left = int(r.stdout)
+    wait_until(lambda: gone(left), f"process {left}, left by the command, gone with its group")
