@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu import made_bundle
 from load_test import free_port, start_server, stop_server
-from ws_load import loopback_target, made_bundle
+from ws_load import loopback_target
 
 FAMILIES = ("cosyvoice", "cosyvoice2", "cosyvoice3")
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")

@@ -220,6 +220,23 @@ def cosyserve(python: str, work: Path, *args: str) -> float:
     return time.perf_counter() - t0
 
 
+def made_bundle(python: str, family: str, size: str, work: Path, times: dict[str, Any] | None = None) -> Path:
+    """A random-weight model of ``family`` at ``size`` (``make-test-model``), converted: made once in ``work``,
+    reused from there after (every bench script that serves a test model makes it here, so they share a
+    ``--work`` folder). ``times`` gets ``make_s`` and ``convert_s``: the commands' seconds, or ``"reused"``."""
+    times = {} if times is None else times
+    bundle = work / f"{family}-{size}-bundle"
+    if (bundle / "manifest.json").exists():
+        times["make_s"] = times["convert_s"] = "reused"
+        return bundle
+    model = work / f"{family}-{size}-model"
+    made = ["--size", size, "--family", family, "--seed", "0", "--force"]
+    times["make_s"] = cosyserve(python, work, "make-test-model", str(model), *made)
+    times["convert_s"] = cosyserve(python, work, "convert", str(model), str(bundle), "--force")
+    shutil.rmtree(model)  # the bundle is all the server reads
+    return bundle
+
+
 class GpuMemory:
     """Peak GPU memory of process ``pid`` from nvidia-smi, sampled every 0.5 s in a thread (None: no nvidia-smi).
     Where nvidia-smi does not list the process (a container's own pid namespace), the GPU's whole use above its
@@ -474,14 +491,7 @@ def _ms(xs: list[float], q: float) -> float | None:
 def bench_family(python: str, family: str, plan: Plan, work: Path, deadline: float) -> dict[str, Any]:
     """Every row of the table for ``family``; a level that would start after ``deadline`` is skipped."""
     row: dict[str, Any] = {k: SKIPPED for k, _ in ROWS}
-    model, bundle = work / f"{family}-{plan.size}-model", work / f"{family}-{plan.size}-bundle"
-    if (bundle / "manifest.json").exists():
-        row["make_s"] = row["convert_s"] = "reused"
-    else:
-        size = ["--size", plan.size, "--family", family, "--seed", "0", "--force"]
-        row["make_s"] = cosyserve(python, work, "make-test-model", str(model), *size)
-        row["convert_s"] = cosyserve(python, work, "convert", str(model), str(bundle), "--force")
-        shutil.rmtree(model)  # the bundle is all the server reads
+    bundle = made_bundle(python, family, plan.size, work, row)
     rate = _frame_rate(json.loads((bundle / "manifest.json").read_text()).get("config"))
     with serve(python, bundle, family, plan, work, timeout_s=max(deadline - time.perf_counter(), 60)) as srv:
         row["ready_client_s"] = srv.ready_client_s

@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu import made_bundle
 from load_test import free_port, get, start_server, stop_server
-from ws_load import Target, counts, loopback_target, made_bundle
+from ws_load import Target, counts, loopback_target
 
 MB = 1 << 20
 POLL_S = 0.05

@@ -48,12 +48,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu import made_bundle
 from ws_load import (
     TEXT,
     Session,
     Target,
     loopback_target,
-    made_bundle,
     one_shot,
     served,
     shared_options,

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import signal
 import sys
 import tempfile
@@ -70,7 +69,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpu import GPU, cosyserve, post_stream, serve
+from gpu import GPU, made_bundle, post_stream, serve
 from load_test import get, quantile
 
 WS_PATH = "/v1/audio/speech/stream"
@@ -118,20 +117,6 @@ def words(text: str) -> list[str]:
     if not parts:
         raise ValueError("the text has no word")
     return [w + " " for w in parts[:-1]] + [parts[-1]]
-
-
-def made_bundle(python: str, family: str, size: str, work: Path) -> Path:
-    """A random-weight model of ``family`` at ``size`` (``make-test-model``), converted: made once, reused from
-    ``work`` after (the same names as bench/gpu.py, so they share a ``--work`` folder)."""
-    bundle = work / f"{family}-{size}-bundle"
-    if (bundle / "manifest.json").exists():
-        return bundle
-    model = work / f"{family}-{size}-model"
-    made = ["--size", size, "--family", family, "--seed", "0", "--force"]
-    cosyserve(python, work, "make-test-model", str(model), *made)
-    cosyserve(python, work, "convert", str(model), str(bundle), "--force")
-    shutil.rmtree(model)  # the bundle is all the server reads
-    return bundle
 
 
 @contextmanager

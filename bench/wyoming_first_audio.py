@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpu import made_bundle
 from load_test import free_port
 from ws_load import (
     LOOPBACK,
     TEXT,
     Target,
     loopback_target,
-    made_bundle,
     served,
     shared_options,
     shared_values,

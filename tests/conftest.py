@@ -135,3 +135,42 @@ def _close_openai_clients() -> Iterator[None]:
 
     while OPENAI_CLIENTS:
         OPENAI_CLIENTS.pop().close()
+
+
+@pytest.fixture(autouse=True)
+def _stop_servers() -> Iterator[None]:
+    """Stop, with its process group, every ``cosyserve serve`` a test started (server_util.start_server) and left
+    running because it failed before its own stop: its prefork workers would outlive the run. The servers of
+    module fixtures were started before this and are theirs to stop."""
+    from server_util import LIVE, stop_servers
+
+    since = len(LIVE)
+    yield
+    stop_servers(since)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI job's timeout, a supervisor) ends the run as Ctrl-C does, through the teardowns and
+    :func:`pytest_sessionfinish`: by default it would kill pytest and leave the servers the tests started."""
+    import signal
+    import threading
+
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """After the last teardown: an interrupted run (Ctrl-C) may have skipped the stops of a test and of its
+    fixtures; what they started is stopped here, process groups and all."""
+    import sys
+
+    if "server_util" in sys.modules:
+        sys.modules["server_util"].stop_servers()

@@ -1,7 +1,9 @@
 """Servers for the tests, one module for every way a test starts one, and the one poll they all wait with.
 
-- :func:`running_server` / :func:`start_server`: a real ``python -m cosyserve serve`` process on 127.0.0.1, always
-  stopped. One per test module keeps runs short::
+- :func:`running_server` / :func:`start_server`: a real ``python -m cosyserve serve`` process on 127.0.0.1 in a
+  session of its own, always stopped with its whole process group (prefork workers included), by the test or, when
+  the test fails or the run is interrupted, by conftest's finalizers (:func:`stop_servers`). One per test module
+  keeps runs short::
 
       @pytest.fixture(scope="module")
       def server(tiny_model_dir, tmp_path_factory):
@@ -33,7 +35,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from proc_util import stop_group
+
 if TYPE_CHECKING:
     from starlette.testclient import TestClient
 
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from fake_runtime import FakeRuntime
 
 __all__ = [
+    "LIVE",
     "LOAD_S",
     "WAIT_S",
     "WS_PATH",
@@ -66,6 +70,7 @@ __all__ = [
     "running_server",
     "serve",
     "start_server",
+    "stop_servers",
     "wait_ready",
     "wait_until",
 ]
@@ -158,18 +163,24 @@ class ServerProcess:
         return httpx.Client(base_url=self.base_url, **kwargs)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code (None if it had to be killed)."""
-        if self.proc.poll() is not None:
-            return self.proc.returncode
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM to the server, then SIGKILL to its whole process group (its session: the server and any prefork
+        workers) once it has exited or after ``grace_s``: a worker it left behind, or a wait cut short by an
+        interrupt, never outlives the test. Returns the exit code (None if it had to be killed)."""
         try:
-            return self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the server and any workers
-            self.proc.wait(10)
-            return None
+            return stop_group(self.proc, grace_s)
+        finally:
+            LIVE[:] = [s for s in LIVE if s is not self]
+
+
+LIVE: list[ServerProcess] = []  # started by start_server and not stopped yet, oldest first
+
+
+def stop_servers(since: int = 0, grace_s: float = 2.0) -> None:
+    """Stop (:meth:`ServerProcess.stop`) every server still running that :func:`start_server` started after the
+    first ``since`` of :data:`LIVE`, newest first: conftest's finalizers, after each test (those the test
+    started) and at the end of the session (all of them, an interrupted run included)."""
+    while len(LIVE) > since:
+        LIVE[-1].stop(grace_s)
 
 
 def post_and_hold(
@@ -210,18 +221,22 @@ def start_server(
     args: Sequence[str] = (),
     ready_timeout_s: float = 90.0,
     wait_ready: bool = True,
+    port: int | None = None,
 ) -> ServerProcess:
-    """Spawn ``cosyserve serve`` (``model`` None: the demo model) and wait until ``/health/ready`` is 200.
+    """Spawn ``cosyserve serve`` (``model`` None: the demo model) in a session of its own and wait until
+    ``/health/ready`` is 200.
 
-    The caller must :meth:`ServerProcess.stop` it (or use :func:`running_server`). Raises RuntimeError with the
+    The caller stops it (:meth:`ServerProcess.stop`, or :func:`running_server`); one a test leaves running, failed
+    or interrupted, is stopped with its whole process group by conftest's finalizers (:func:`stop_servers`). Raises RuntimeError with the
     server's log when it exits or is not ready within ``ready_timeout_s``; a port taken between picking and
-    binding is retried with another one.
+    binding is retried with another one, unless ``port`` names the one to use.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    for attempt in range(3):
-        port = free_port()
-        log_path = workdir / f"server-{port}.log"
-        cmd = [sys.executable, "-m", "cosyserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    tries = 3 if port is None else 1
+    for attempt in range(tries):
+        at = free_port() if port is None else port
+        log_path = workdir / f"server-{at}.log"
+        cmd = [sys.executable, "-m", "cosyserve", "serve", "--host", "127.0.0.1", "--port", str(at)]
         if model is not None:
             cmd += ["--model", str(model)]
         cmd += list(args)
@@ -235,7 +250,8 @@ def start_server(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        server = ServerProcess(proc, port, log_path)
+        server = ServerProcess(proc, at, log_path)
+        LIVE.append(server)
         if not wait_ready:
             return server
         try:
@@ -244,7 +260,7 @@ def start_server(
         except BaseException as e:
             server.stop(grace_s=5)
             text = server.log()
-            if attempt < 2 and "address already in use" in text.lower():
+            if attempt < tries - 1 and "address already in use" in text.lower():
                 continue
             if isinstance(e, RuntimeError):
                 raise RuntimeError(f"{e}\n--- server log ({log_path}) ---\n{text[-6000:]}") from None

@@ -10,11 +10,12 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from proc_util import run_in_session
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"
@@ -56,9 +57,9 @@ def test_dry_run_prints_every_row_filled(tmp_path: Path) -> None:
     endpoints), or its table lost a measurement, or one came out empty."""
     out = tmp_path / "results.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
+    r = run_in_session(  # the servers it starts end with its process group, even if the test is interrupted
         [sys.executable, str(SCRIPT), "--dry-run", "--families", "cosyvoice", "--budget-s", "600", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()

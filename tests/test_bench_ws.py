@@ -3,7 +3,7 @@
 send traffic off the machine.
 
 The dry runs share one work folder, so each tiny model is made once: the CosyVoice-300M one by the first script
-that serves it (its ``make-test-model`` and ``convert`` commands, bench/ws_load.py ``made_bundle``), the CosyVoice2
+that serves it (its ``make-test-model`` and ``convert`` commands, bench/gpu.py ``made_bundle``), the CosyVoice2
 one here, in this process (the session's model dir converted: the same files the commands write, without two fresh
 interpreters importing torch)."""
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from proc_util import run_in_session
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 pytest.importorskip("websockets.asyncio.client")
@@ -27,14 +29,8 @@ pytest.importorskip("websockets.asyncio.client")
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     # the servers a script starts inherit its environment: no 5 s drain delay when the script stops them (SIGTERM)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COSYSERVE_DRAIN_DELAY": "0"}
-    return subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=cwd,
-    )
+    # in a session of its own, ended with its process group: the servers it starts never outlive the test
+    return run_in_session([sys.executable, str(BENCH / script), *args], timeout=300, env=env, cwd=cwd)
 
 
 def rows_after(header: str, text: str) -> list[list[str]]:

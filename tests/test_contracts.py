@@ -201,3 +201,45 @@ def test_every_token2wav_and_chunk_policy_implements_its_protocol() -> None:
     wanted = set(inspect.signature(Token2Wav.__call__).parameters)
     for cls in (Windowed, Token2Wav2, Token2Wav3, LiteToken2Wav):
         assert wanted <= set(inspect.signature(cls.__call__).parameters), cls
+
+
+def test_every_flow_and_vocoder_takes_what_its_protocol_passes() -> None:
+    """The torch modules, the runtime's stacked stand-ins for them and the lite runtime's graphs take every
+    argument a token2wav passes them (families.base's WindowedFlow, ChunkedFlow, CachedVocoder, StreamVocoder):
+    the positional ones in their places, the keyword ones by name. If this fails, one of them grew or lost an argument that a family's
+    token2wav relies on, and it breaks only on that runtime or with stacking on."""
+    import inspect
+
+    from cosyserve.families import base
+    from cosyserve.models.causal_flow import ChunkFlow
+    from cosyserve.models.causal_hift import CausalHiFTGenerator
+    from cosyserve.models.flow import MaskedDiffWithXvec
+    from cosyserve.models.hift import HiFTGenerator
+    from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
+    from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
+
+    implementations = {
+        base.WindowedFlow: (MaskedDiffWithXvec, FlowBatcher),
+        base.ChunkedFlow: (ChunkFlow, LiteChunkFlow),
+        base.CachedVocoder: (HiFTGenerator, VocoderBatcher, LiteVocoder2),
+        base.StreamVocoder: (CausalHiFTGenerator, LiteCausalVocoder),
+    }
+    wrong = []
+    for protocol, classes in implementations.items():
+        methods = [n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")]
+        for cls in classes:
+            for name in methods:
+                wanted = list(inspect.signature(getattr(protocol, name)).parameters.values())
+                got = list(inspect.signature(getattr(cls, name)).parameters.values())
+                places = [a for a in got if a.kind is a.POSITIONAL_OR_KEYWORD]
+                by_name = {a.name for a in got if a.kind in (a.POSITIONAL_OR_KEYWORD, a.KEYWORD_ONLY)}
+                for i, arg in enumerate(wanted):
+                    if arg.kind is arg.KEYWORD_ONLY:
+                        ok = arg.name in by_name
+                    else:
+                        ok = i < len(places) and (
+                            arg.default is arg.empty or places[i].default is not arg.empty
+                        )
+                    if not ok:
+                        wrong.append(f"{cls.__name__}.{name}: {arg.name} ({protocol.__name__})")
+    assert wrong == [], wrong

@@ -21,19 +21,10 @@ import pytest
 
 from cosyserve.system.staging import LOCK_NAME, LockedDir, clean_stale_dirs
 from cosyserve.voices.registry import SpeakerRegistry
-from proc_util import SRC, run_python
+from proc_util import SRC, gone, run_python
 from server_util import start_server, wait_until
 
 PREFIX = "cosyserve-metrics-"
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie counts: it holds no files)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 # -- the prefork master's metrics directory -----------------------------------------------------------------------
@@ -132,7 +123,7 @@ def test_a_prefork_master_killed_with_sigkill_leaves_a_directory_the_next_start_
 
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(30)
-        wait_until(lambda: all(_gone(p) for p in pids), "every worker gone after its master's death", 60)
+        wait_until(lambda: all(gone(p) for p in pids), "every worker gone after its master's death", 60)
         assert run_dir.is_dir()  # what the kill leaves
 
         again = start_server(bad, tmp_path / "c", env=env, args=["--workers", "2"], wait_ready=False)

@@ -191,3 +191,40 @@ def test_a_worker_not_ready_in_time_is_killed_and_counts_as_an_early_death(tmp_p
         for p in (stuck, ready):
             p.kill()
             p.wait()
+
+
+def test_a_stopped_server_takes_its_whole_process_group(tmp_path: Path) -> None:
+    """The tests' stop (server_util, also run by conftest's finalizers after a failed or interrupted test) kills
+    what the master left in its session, as an orphaned prefork worker. If this fails, a run of the prefork tests
+    that is cut short leaves workers serving after pytest has gone."""
+    import subprocess
+
+    from proc_util import gone
+    from server_util import LIVE, stop_servers, wait_until
+
+    log = tmp_path / "master.log"
+    # a stand-in master: dies of the SIGTERM at once and leaves its child (the "worker") running
+    proc = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert proc.stdout is not None
+    worker = int(proc.stdout.readline())
+    proc.stdout.close()
+    LIVE.append(ServerProcess(proc, 0, log))  # as start_server registers its servers
+    stop_servers(len(LIVE) - 1)
+    assert proc.returncode == -signal.SIGTERM, proc.returncode
+    assert all(s.proc is not proc for s in LIVE), "a stopped server is still listed as running"
+    wait_until(lambda: gone(worker), f"worker {worker} gone with its master's stop")
+
+
+def test_a_command_run_in_its_own_session_leaves_nothing_behind() -> None:
+    """proc_util.run_in_session (the bench scripts' dry runs, which start servers of their own): what the command
+    left running in its process group is killed when it returns. If this fails, a bench test that fails or is
+    interrupted leaves its script's servers behind."""
+    from proc_util import gone, run_in_session
+    from server_util import wait_until
+
+    r = run_in_session(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    left = int(r.stdout)
+    wait_until(lambda: gone(left), f"process {left}, left by the command, gone with its group")

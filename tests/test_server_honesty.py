@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ from cosyserve.server.app import create_app
 from cosyserve.server.metrics import OTHER_MODELS
 from cosyserve.server.run import EXIT_CODES
 from fake_runtime import FakeRuntime
-from server_util import ROOT, free_port, wait_until
+from server_util import start_server, wait_until
 
 SECRET_DIR = "/srv/secret-models/tenant-b"
 
@@ -333,19 +330,13 @@ def test_a_taken_port_exits_with_the_documented_code(tiny_model_dir: Path, tmp_p
     (it said 3 meant a preload model that failed), and a supervisor reads the wrong cause."""
     codes = dict(EXIT_CODES)
     assert sorted(codes) == [0, 1, 2, 3] and "port" in codes[3] and "model" in codes[3], codes
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COSYSERVE_")}
-    env |= {"PYTHONPATH": str(ROOT / "src"), "COSYSERVE_CACHE_DIR": os.environ["COSYSERVE_CACHE_DIR"]}
-    env |= {"COSYSERVE_REGISTRY_DIR": str(tmp_path / "registry"), "OMP_NUM_THREADS": "1"}
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port))
+        taken.bind(("127.0.0.1", 0))
         taken.listen()
-        proc = subprocess.run(
-            [sys.executable, "-m", "cosyserve", "serve", "--model", str(tiny_model_dir), "--port", str(port)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        port = taken.getsockname()[1]
+        server = start_server(
+            tiny_model_dir, tmp_path, env={"OMP_NUM_THREADS": "1"}, wait_ready=False, port=port
         )
-    assert proc.returncode == 3, f"exit {proc.returncode}:\n{proc.stderr[-2000:]}"
-    assert "address already in use" in proc.stderr.lower(), proc.stderr[-2000:]
+        code = server.proc.wait(300)
+    assert code == 3, f"exit {code}:\n{server.log()[-2000:]}"
+    assert "address already in use" in server.log().lower(), server.log()[-2000:]

@@ -113,3 +113,32 @@ def test_low_latency_policy_starts_with_a_shorter_hop() -> None:
 def test_a_first_hop_that_cannot_fill_the_vocoder_cache_is_refused(hop: int) -> None:
     with pytest.raises(ValueError, match="first_hop_len"):
         StreamPolicy2(first_hop_len=hop)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_each_step_runs_without_autograd_and_leaves_the_mode_to_its_caller(stream: bool) -> None:
+    """The flow and the vocoder compute in inference mode; the token source (the LM) and the code that consumes a
+    chunk run in their own mode. If this fails, either autograd records every flow step (memory and time), or
+    the mode leaks across a yield into the caller's code (its tensors become inference tensors it cannot train
+    or update in place outside the mode)."""
+    modes: dict[str, list[bool]] = {"flow": [], "tokens": [], "caller": []}
+    flow, hift = FakeFlow(), FakeHift()
+    inference = flow.inference
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        modes["flow"].append(torch.is_inference_mode_enabled())
+        return inference(*args, **kwargs)
+
+    flow.inference = recorded  # type: ignore[method-assign]
+
+    def tokens() -> Any:
+        for t in range(120):
+            modes["tokens"].append(torch.is_inference_mode_enabled())
+            yield t
+
+    for chunk in Token2Wav2(flow, hift)(tokens(), embedding=torch.zeros(1, 192), stream=stream):
+        modes["caller"].append(torch.is_inference_mode_enabled())
+        assert chunk.is_inference(), "a chunk computed with autograd on"
+    assert modes["flow"] and all(modes["flow"]), modes["flow"]
+    assert not any(modes["tokens"]) and not any(modes["caller"]), modes
+    assert len(modes["caller"]) == (3 if stream else 1), modes["caller"]

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from proc_util import run_in_session
+
 TESTS = Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(
@@ -211,9 +213,7 @@ def test_without_torch_a_command_that_needs_it_says_what_to_install_in_one_line(
         (["conformance", str(tmp_path), "--runtime", "lite"], "conformance reads the fixture tensors and converts"),
     ]  # fmt: skip
     for args, says in cases:
-        r = subprocess.run(
-            [sys.executable, "-m", "cosyserve", *args], capture_output=True, text=True, timeout=300, env=env
-        )
+        r = run_in_session([sys.executable, "-m", "cosyserve", *args], timeout=300, env=env)
         assert r.returncode == 1, (args, r.returncode, r.stderr[-3000:])
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0] and "torch" in lines[0], (args, r.stderr[-3000:])

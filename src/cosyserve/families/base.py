@@ -22,7 +22,19 @@ if TYPE_CHECKING:
 
 Ids = tuple[Any, Any]  # token ids [1, n] and their length [1] (torch tensors or numpy arrays)
 
-__all__ = ["Family", "Ids", "StreamPolicy", "Token2Wav", "Tokenizer"]
+__all__ = [
+    "CachedVocoder",
+    "ChunkedFlow",
+    "Family",
+    "Flow",
+    "Ids",
+    "StreamPolicy",
+    "StreamVocoder",
+    "Token2Wav",
+    "Tokenizer",
+    "Vocoder",
+    "WindowedFlow",
+]
 
 CAMPPLUS_FILE = "campplus.onnx"  # the speaker embedding model, the same in every family
 
@@ -52,13 +64,122 @@ class StreamPolicy(Protocol):
         ...
 
 
+# What a family's token2wav calls on its flow and vocoder: the torch modules (cosyserve.models), the runtime's
+# stacked stand-ins for them (cosyserve.runtime.stacking) and the lite runtime's graphs implement these. Arrays are
+# torch tensors or numpy arrays, as the implementation computes.
+
+
+class WindowedFlow(Protocol):
+    """CosyVoice-300M's flow: each window of tokens continues the previous window's ``flow_cache``
+    (:class:`~cosyserve.models.flow.MaskedDiffWithXvec`)."""
+
+    @property
+    def input_frame_rate(self) -> int:
+        """Speech tokens a second."""
+        ...
+
+    def inference(
+        self,
+        token: Any,
+        token_len: Any,
+        prompt_token: Any,
+        prompt_token_len: Any,
+        prompt_feat: Any,
+        prompt_feat_len: Any,
+        embedding: Any,
+        flow_cache: Any,
+        *,
+        noise: Any = None,
+        generator: Any = None,
+        n_timesteps: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> tuple[Any, Any]:
+        """(mel (1, 80, frames), the cache the next window continues) of ``token`` (1, T) after the prompt."""
+        ...
+
+
+class ChunkedFlow(Protocol):
+    """CosyVoice2/3's flow: every call covers all the tokens so far, a streamed chunk's last
+    ``pre_lookahead_len`` as lookahead (:class:`~cosyserve.models.causal_flow.ChunkFlow`)."""
+
+    @property
+    def streams(self) -> bool:
+        """Whether a stream can keep its final frames: then the flow also has ``new_stream(n_timesteps)`` and its
+        ``inference`` takes that state as ``stream=``, so that a chunk computes its own frames only."""
+        ...
+
+    def inference(
+        self,
+        token: Any,
+        prompt_token: Any,
+        prompt_feat: Any,
+        embedding: Any,
+        streaming: bool,
+        finalize: bool,
+        *,
+        n_timesteps: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Any:
+        """Mel (1, 80, frames) of ``token`` (1, T) after the prompt; ``streaming``: chunk attention,
+        ``finalize``: the utterance ends here (no lookahead)."""
+        ...
+
+
+class CachedVocoder(Protocol):
+    """HiFT (CosyVoice-300M, CosyVoice2): a chunk's source excitation starts with the previous chunk's tail
+    (:class:`~cosyserve.models.hift.HiFTGenerator`)."""
+
+    def inference(
+        self,
+        speech_feat: Any,
+        cache_source: Any = None,
+        *,
+        generator: Any = None,
+        sine_phase: Any = None,
+        sine_noise: Any = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> tuple[Any, Any]:
+        """(speech (1, L), source (1, 1, L)) of mel ``speech_feat`` (1, 80, T); the draws not given come from
+        ``generator``."""
+        ...
+
+
+class StreamVocoder(Protocol):
+    """CosyVoice3's causal vocoder: a stream's state carries what its next frames need
+    (:class:`~cosyserve.models.causal_hift.CausalHiFTGenerator`); ``cfg`` has its ``lookahead`` (mel frames a
+    call that does not finalize holds back) and ``upsample_factor`` (samples a frame)."""
+
+    cfg: Any
+
+    def new_stream(self, whole: bool = False) -> Any:
+        """A fresh stream's state (``whole``: re-run every frame so far at each call, as the reference)."""
+        ...
+
+    def stream(
+        self,
+        state: Any,
+        mel: Any,
+        finalize: bool,
+        *,
+        rand_ini: Any,
+        sine_waves: Any,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Any:
+        """The audio (1, samples) of the mel frames ``mel`` (1, 80, n) that follow the stream's."""
+        ...
+
+
+Flow = WindowedFlow | ChunkedFlow
+Vocoder = CachedVocoder | StreamVocoder
+
+
 @runtime_checkable
 class Token2Wav(Protocol):
     """A family's speech tokens to audio, over its ``flow`` and ``hift`` with its ``policy``: what a runtime
     calls for every text piece (the torch modules' or the lite runtime's graphs')."""
 
-    flow: Any
-    hift: Any
+    flow: Flow
+    hift: Vocoder
     policy: Any  # the family's StreamPolicy
 
     def __call__(
@@ -247,8 +368,8 @@ class Family:
     def token2wav(
         self,
         config: ModelConfig,
-        flow: Any,
-        hift: Any,
+        flow: Flow,
+        hift: Vocoder,
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,

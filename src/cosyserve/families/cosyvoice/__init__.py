@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family, StreamPolicy, Token2Wav
+from cosyserve.families.base import Family, Flow, StreamPolicy, Token2Wav, Vocoder
 
 if TYPE_CHECKING:
     from cosyserve.families.modelconfig import ModelConfig
@@ -102,8 +102,8 @@ class CosyVoice(Family):
     def token2wav(
         self,
         config: ModelConfig,
-        flow: Any,
-        hift: Any,
+        flow: Flow,
+        hift: Vocoder,
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,

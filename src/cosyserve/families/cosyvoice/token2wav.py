@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from cosyserve.core.stop import ShouldStop
+from cosyserve.families.base import CachedVocoder, WindowedFlow
 from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.system.device import module_device
 
@@ -70,14 +70,18 @@ class Token2Wav:
     """Turns speech tokens into audio with a flow model and a HiFT vocoder.
 
     Args:
-        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
-        hift: a :class:`cosyserve.models.hift.HiFTGenerator`.
+        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec` (or its stacked stand-in).
+        hift: a :class:`cosyserve.models.hift.HiFTGenerator` (or its stacked stand-in).
         policy: the streaming rules; defaults follow the reference.
         flow_steps: the flow's Euler steps (None: the model's own count).
     """
 
     def __init__(
-        self, flow: Any, hift: Any, policy: StreamPolicy | None = None, flow_steps: int | None = None
+        self,
+        flow: WindowedFlow,
+        hift: CachedVocoder,
+        policy: StreamPolicy | None = None,
+        flow_steps: int | None = None,
     ) -> None:
         self.flow = flow
         self.hift = hift
@@ -147,7 +151,6 @@ class Token2Wav:
             speech = speech[:, : -p.source_cache_len]
         return speech
 
-    @torch.inference_mode()
     def __call__(
         self,
         tokens: Iterable[int],
@@ -161,7 +164,11 @@ class Token2Wav:
         draws: Iterator[CallDraws] | None = None,
         should_stop: ShouldStop | None = None,
     ) -> Iterator[torch.Tensor]:
-        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
+        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids: the Token2Wav
+        protocol's call.
+
+        Each window's flow and vocoder call runs in torch's inference mode, entered per call and left before the
+        chunk is yielded (as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` does).
 
         Args:
             tokens: speech token ids; may be a generator (the LLM's), consumed as it produces.
@@ -203,4 +210,6 @@ class Token2Wav:
             )
 
         for window, final in p.windows(tokens, stream):
-            yield run(window, final, speed)
+            with torch.inference_mode():
+                speech = run(window, final, speed)
+            yield speech

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import Family, Ids, StreamPolicy, Token2Wav, Tokenizer
+from cosyserve.families.base import Family, Flow, Ids, StreamPolicy, Token2Wav, Tokenizer, Vocoder
+from cosyserve.families.cosyvoice2.config import QWEN_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ENDOFPROMPT", "QWEN_DIR", "QWEN_FILES", "SPECIALS", "CosyVoice2"]
 
-QWEN_DIR = "CosyVoice-BlankEN"
 # the Qwen tokenizer's files (CosyVoice-BlankEN/model.safetensors, ~1 GB, is never read: llm.pt holds every LM
 # weight); merges.txt is optional (the merges follow from the vocabulary's ranks)
 QWEN_FILES = tuple(
@@ -100,9 +100,9 @@ class CosyVoice2(Family):
     specials: ClassVar[tuple[str, ...]] = SPECIALS
 
     def read_config(self, model_dir: Path) -> ModelConfig:
-        from cosyserve.families.modelconfig import load_qwen_family_config
+        from cosyserve.families.cosyvoice2.config import read_config
 
-        return load_qwen_family_config(model_dir, self)
+        return read_config(model_dir, self)
 
     def check_model_dir(self, model_dir: Path) -> None:
         from cosyserve.core.errors import ModelDirError
@@ -157,8 +157,8 @@ class CosyVoice2(Family):
     def token2wav(
         self,
         config: ModelConfig,
-        flow: Any,
-        hift: Any,
+        flow: Flow,
+        hift: Vocoder,
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,

@@ -30,6 +30,7 @@ import numpy as np
 
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
+from cosyserve.families.base import CachedVocoder, ChunkedFlow, Vocoder
 from cosyserve.system.device import module_device
 
 if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
@@ -159,9 +160,10 @@ class Token2Wav2:
     """Turns speech tokens into audio with a CosyVoice2 causal flow and a 24 kHz HiFT vocoder.
 
     Args:
-        flow: the causal flow (``inference(token, prompt_token, prompt_feat, embedding, streaming, finalize,
-            stream=...)``, :class:`~cosyserve.models.causal_flow.ChunkFlow`).
-        hift: the vocoder (``inference(mel, cache_source, ...)`` -> ``(speech, source)``).
+        flow: the causal flow (:class:`~cosyserve.models.causal_flow.ChunkFlow`, the lite runtime's graphs); its
+            ``ops`` (:class:`~cosyserve.core.sampling.ArrayOps`) when it computes on numpy, else torch's are used.
+        hift: the vocoder (:class:`~cosyserve.models.hift.HiFTGenerator`, its stacked stand-in, the lite
+            runtime's graphs; a subclass's may be another kind).
         policy: the streaming rules; default the reference's.
         flow_steps: the flow's Euler steps (None: the model's own count).
         incremental: streamed chunks keep the flow's (and the vocoder's) state and compute their own frames; False
@@ -170,10 +172,13 @@ class Token2Wav2:
             (:class:`~cosyserve.voices.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
     """
 
+    flow: ChunkedFlow
+    hift: CachedVocoder
+
     def __init__(
         self,
-        flow: Any,
-        hift: Any,
+        flow: ChunkedFlow,
+        hift: Vocoder,
         policy: StreamPolicy2 | None = None,
         flow_steps: int | None = None,
         *,
@@ -314,44 +319,13 @@ class Token2Wav2:
         draws: Iterator[dict[str, torch.Tensor]] | None = None,
         should_stop: ShouldStop | None = None,
     ) -> Iterator[Any]:
-        """:meth:`chunks` (the Token2Wav protocol's call: its arguments named here, as every family's are), each
-        step of it without autograd (the flow's array ops' ``no_grad``: torch's inference mode, entered per step as a
-        decorated generator's is)."""
-        steps = self.chunks(
-            tokens,
-            embedding=embedding,
-            prompt_token=prompt_token,
-            prompt_feat=prompt_feat,
-            stream=stream,
-            speed=speed,
-            generator=generator,
-            draws=draws,
-            should_stop=should_stop,
-        )
-        try:
-            while True:
-                with self.ops.no_grad():
-                    chunk = next(steps, None)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            steps.close()
+        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids: the Token2Wav
+        protocol's call.
 
-    def chunks(
-        self,
-        tokens: Iterable[int],
-        *,
-        embedding: torch.Tensor,
-        prompt_token: torch.Tensor | None = None,
-        prompt_feat: torch.Tensor | None = None,
-        stream: bool = False,
-        speed: float = 1.0,
-        generator: torch.Generator | None = None,
-        draws: Iterator[dict[str, torch.Tensor]] | None = None,
-        should_stop: ShouldStop | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids.
+        Each step's work (a flow and vocoder call, a stream's prompt state) runs without autograd, in the flow's
+        array ops' ``no_grad`` (torch's inference mode; nothing for the lite runtime's numpy), entered per step
+        and left before the chunk is yielded: the consumer's code and the LM's steps that feed ``tokens`` keep
+        their own mode.
 
         Args:
             tokens: speech token ids; may be a generator (the LM's), consumed as it produces.
@@ -376,14 +350,17 @@ class Token2Wav2:
         prompt_token = self.ops.zeros((1, 0), "int32") if prompt_token is None else prompt_token
         prompt_feat = self.ops.zeros((1, 0, 80), "float32") if prompt_feat is None else prompt_feat
         draws = draws if draws is not None else iter(())
+        no_grad = self.ops.no_grad
         if not stream:
             all_tokens = list(tokens)
             if all_tokens:
-                yield self._call(
-                    all_tokens, StreamState(prompt_token, prompt_feat, embedding),
-                    streaming=False, finalize=True, speed=speed, draws=next(draws, {}), generator=generator,
-                    should_stop=should_stop,
-                )  # fmt: skip
+                with no_grad():
+                    speech = self._call(
+                        all_tokens, StreamState(prompt_token, prompt_feat, embedding),
+                        streaming=False, finalize=True, speed=speed, draws=next(draws, {}), generator=generator,
+                        should_stop=should_stop,
+                    )  # fmt: skip
+                yield speech
             return
         buffer: list[int] = []
         state: StreamState | None = None
@@ -393,24 +370,28 @@ class Token2Wav2:
                 buffer.append(tok)
                 if state is None:
                     # made when the first token arrives: a request that speaks nothing computes no prompt states
-                    state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
+                    with no_grad():
+                        state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
                 while True:
                     this_hop = state.hop + pad if state.offset == 0 else state.hop
                     if len(buffer) - state.offset < this_hop + p.pre_lookahead_len:
                         break
-                    speech = self._call(
-                        buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
-                        finalize=False, speed=1.0, draws=next(draws, {}), generator=generator,
-                        should_stop=should_stop,
-                    )  # fmt: skip
+                    with no_grad():
+                        speech = self._call(
+                            buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
+                            finalize=False, speed=1.0, draws=next(draws, {}), generator=generator,
+                            should_stop=should_stop,
+                        )  # fmt: skip
                     state.offset += this_hop
                     state.hop = p.next_hop(state.hop)
                     yield speech
             if state is not None:
-                yield self._call(
-                    buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}),
-                    generator=generator, should_stop=should_stop,
-                )  # fmt: skip
+                with no_grad():
+                    speech = self._call(
+                        buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}),
+                        generator=generator, should_stop=should_stop,
+                    )  # fmt: skip
+                yield speech
         finally:
             # ended, stopped or closed: its bytes leave the model's streams' account
             if state is not None and self.voices is not None:

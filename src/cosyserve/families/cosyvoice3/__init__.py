@@ -23,7 +23,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cosyserve.families.base import StreamPolicy, Token2Wav
+from cosyserve.families.base import Flow, StreamPolicy, Token2Wav, Vocoder
 from cosyserve.families.cosyvoice2 import ENDOFPROMPT, QWEN_FILES, CosyVoice2
 from cosyserve.families.cosyvoice2 import SPECIALS as COSYVOICE2_SPECIALS
 
@@ -109,8 +109,8 @@ class CosyVoice3(CosyVoice2):
     def token2wav(
         self,
         config: ModelConfig,
-        flow: Any,
-        hift: Any,
+        flow: Flow,
+        hift: Vocoder,
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,

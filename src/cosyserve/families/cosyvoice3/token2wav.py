@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.stop import ShouldStop
+from cosyserve.families.base import ChunkedFlow, StreamVocoder
 from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2, stretch
 
 if TYPE_CHECKING:
@@ -67,10 +68,12 @@ class Token2Wav3(Token2Wav2):
     (the model's own, :class:`~cosyserve.families.cosyvoice3.noise.VocoderNoise`).
     """
 
+    hift: StreamVocoder  # type: ignore[assignment]
+
     def __init__(
         self,
-        flow: Any,
-        hift: Any,
+        flow: ChunkedFlow,
+        hift: StreamVocoder,
         policy: StreamPolicy2 | None = None,
         flow_steps: int | None = None,
         noise: Any = None,
