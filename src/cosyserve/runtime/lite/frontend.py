@@ -195,3 +195,6 @@ class LiteFrontend:
             "prompt_speech_feat_len": np.asarray([feat.shape[1]], dtype=np.int32),
             "flow_embedding": self.embedding(prompt.speech_16k),
         }
+
+    # the torch Frontend's name for it, which the shared pipeline calls on either runtime's frontend
+    frontend_vc = vc

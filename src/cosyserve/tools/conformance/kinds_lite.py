@@ -301,7 +301,8 @@ def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_vc_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    return _frontend(ctx).vc(ctx.set_dir / inputs["source_wav"], ctx.set_dir / inputs["prompt_wav"])  # type: ignore[no-any-return]
+    # as the shared pipeline calls it (the torch Frontend's name)
+    return _frontend(ctx).frontend_vc(ctx.set_dir / inputs["source_wav"], ctx.set_dir / inputs["prompt_wav"])  # type: ignore[no-any-return]
 
 
 def run_speech_token(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
