@@ -110,31 +110,27 @@ def test_fixture_set_passes_on_the_lite_runtime(
 
 
 @pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
-def test_qwen_sets_lite_kinds_pass_on_the_lite_runtime(
+def test_qwen_sets_pass_on_the_lite_runtime(
     conformance: Callable[..., Run], family: str, cv2_set_dir: Path, cv3_set_dir: Path
 ) -> None:
-    """The CosyVoice2 and CosyVoice3 sets on the lite runtime: every LM case (one-shot and, for CosyVoice3,
-    streamed text), every flow case (whole and streamed chunk) and CosyVoice3's vocoder cases pass on the ONNX
-    graphs within the torch runtime's tolerances; the kinds lite does not compute yet are reported as not served
-    (SKIP), never as passing. If a case fails, the lite graphs compute something other than the reference; if a
-    SKIP turns into a PASS, a kind claims lite coverage it lacks."""
+    """The CosyVoice2 and CosyVoice3 sets on the lite runtime, every kind served: the LM cases (one-shot and, for
+    CosyVoice3, streamed text), the flow, vocoder and token2wav cases on the ONNX graphs, and the numpy audio
+    frontend (the 24 kHz prompt mel, speech tokens, the zero-shot, cross-lingual, instruct2 and vc frontends,
+    CosyVoice3's silent-token filter), within the torch runtime's tolerances. If a case fails, the lite runtime
+    computes something other than the reference; a kind the lite runtime stops serving shows as SKIP and fails
+    here."""
     from cosyserve.families import family_named
 
     set_dir = cv2_set_dir if family == "cosyvoice2" else cv3_set_dir
     lite_kinds = family_named(family).lite_kinds
     doc = json.loads((set_dir / "cases.json").read_text())
+    assert {c["kind"] for c in doc["cases"]} <= set(lite_kinds)
     r = conformance(str(set_dir), "--runtime", "lite")
     assert r.returncode == 0, r.stdout + r.stderr
     status = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.endswith(")") or "not yet served" in ln}
     for case in doc["cases"]:
-        line = status[case["name"]]
-        if case["kind"] in lite_kinds:
-            assert " PASS " in line, line
-        else:
-            assert " SKIP " in line and "not yet served by the lite runtime" in line, line
-    assert {"llm_logprobs", "flow_inference"} <= {c["kind"] for c in doc["cases"]}
-    served = sum(c["kind"] in lite_kinds for c in doc["cases"])
-    assert f"{served} passed, 0 failed, {len(doc['cases']) - served} not yet served" in r.stdout
+        assert " PASS " in status[case["name"]], status[case["name"]]
+    assert f"{len(doc['cases'])} passed, 0 failed" in r.stdout and "not yet served" not in r.stdout
 
 
 def test_cosyvoice3_fixture_set_passes(conformance: Callable[..., Run], cv3_set_dir: Path) -> None:

@@ -392,6 +392,33 @@ def test_prompt_features_equal_torch_frontend(tiny_model_dir: Path, tmp_path: Pa
             np.testing.assert_array_equal(got[key], value.numpy(), err_msg=key)
 
 
+def test_lite_frontend_takes_the_family_prompt_rules() -> None:
+    """A CosyVoice2/3 bundle's lite frontend computes the mel its manifest's feat_extractor names and trims
+    zero-shot prompts to 2 frames per token; a config without (or with an unusable) feat_extractor is refused
+    naming it, where the 300M default would silently give a 24 kHz model the wrong prompt mel."""
+    from cosyserve.families import family_named
+    from cosyserve.runtime.lite.frontend import LiteFrontend
+
+    family = family_named("cosyvoice3")
+    paths = {name: Path(name) for name in family.onnx_files}  # sessions open on first use: never here
+    mel = {
+        "n_fft": 1920,
+        "num_mels": 80,
+        "sampling_rate": 24000,
+        "hop_size": 480,
+        "win_size": 1920,
+        "fmax": None,
+    }
+    frontend = LiteFrontend.for_family(family, {"feat_extractor": mel}, paths, str.split)
+    assert frontend.mel.fmax is None and frontend.mel.sampling_rate == 24000 and frontend.mel_per_token == 2
+    with pytest.raises(BundleError, match="no feat_extractor"):
+        LiteFrontend.for_family(family, {}, paths, str.split)
+    with pytest.raises(BundleError, match=r"feat_extractor.*n_fft"):
+        LiteFrontend.for_family(family, {"feat_extractor": {**mel, "n_fft": 0}}, paths, str.split)
+    with pytest.raises(BundleError, match="speech_tokenizer_v3.onnx"):
+        LiteFrontend.for_family(family, {"feat_extractor": mel}, {"campplus.onnx": Path("c")}, str.split)
+
+
 def test_int8_step_graph(tiny_model_dir: Path, tiny_lite_bundle: Path, tmp_path: Path) -> None:
     """convert --runtime lite --quantize llm=int8 writes the quantized step graph and records its distance from
     the float one; llm_quantize=int8 serves it, and a bundle without it (the session's lite bundle, converted

@@ -11,13 +11,14 @@ arithmetic (and its float32 rounding points) and cached per device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from cosyserve.frontend.features_np import MelSettings
 from cosyserve.frontend.melbank import slaney_mel_filterbank  # shared with the numpy features
 
 
@@ -221,34 +222,17 @@ def whisper_log_mel(speech: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class MelSpectrogramConfig:
-    """A model yaml's ``feat_extractor`` (``!name:matcha.utils.audio.mel_spectrogram`` and its arguments); calling
-    it computes that mel: waveform [1, N] at ``sampling_rate`` -> [1, num_mels, frames]."""
+class MelSpectrogramConfig(MelSettings):
+    """A model yaml's ``feat_extractor`` (``!name:matcha.utils.audio.mel_spectrogram`` and its arguments, checked by
+    :class:`~cosyserve.frontend.features_np.MelSettings`); calling it computes that mel: waveform [1, N] at
+    ``sampling_rate`` -> [1, num_mels, frames], in torch for a tensor (numpy's for a numpy array)."""
 
     TARGET: ClassVar[str] = "matcha.utils.audio.mel_spectrogram"
 
-    n_fft: int
-    num_mels: int
-    sampling_rate: int
-    hop_size: int
-    win_size: int
-    fmin: float = 0
-    fmax: float | None = None
-    center: bool = False
-
-    def __post_init__(self) -> None:
-        if min(self.n_fft, self.num_mels, self.sampling_rate, self.hop_size, self.win_size) <= 0:
-            raise ValueError(
-                "feat_extractor n_fft, num_mels, sampling_rate, hop_size and win_size must be > 0"
-            )
-        if self.win_size > self.n_fft or self.hop_size > self.n_fft:
-            raise ValueError(f"feat_extractor win_size and hop_size must not exceed n_fft={self.n_fft}")
-
-    def __call__(self, speech: torch.Tensor) -> torch.Tensor:
-        return mel_spectrogram(
-            speech, n_fft=self.n_fft, num_mels=self.num_mels, sampling_rate=self.sampling_rate,
-            hop_size=self.hop_size, win_size=self.win_size, fmin=self.fmin, fmax=self.fmax, center=self.center,
-        )  # fmt: skip
+    def __call__(self, speech: Any) -> Any:
+        if not isinstance(speech, torch.Tensor):
+            return super().__call__(speech)
+        return mel_spectrogram(speech, **asdict(self))
 
 
 def mel_spectrogram_24k(speech: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,22 @@
 """The prompt features in numpy alone, for a runtime without torch (the lite runtime of ONNX Runtime + numpy).
 
 The same computations as :mod:`cosyserve.frontend.features` (the torch versions the torch runtime uses, equal to
-the reference's): Matcha-TTS's mel spectrogram (the flow's prompt mel) and whisper's log-mel (the speech
-tokenizer's input). The slaney filterbank is shared (it is numpy already); the STFT is framed and transformed
-with ``numpy.fft.rfft``. Importing this module imports numpy only.
+the reference's): Matcha-TTS's mel spectrogram (the flow's prompt mel, one function for every family, its settings
+a model's :class:`MelSettings`), whisper's log-mel (the input of every speech tokenizer, v1 to v3) and
+Kaldi's fbank (the speaker embedding's). The slaney filterbank is shared (it is numpy already); the STFT is framed
+and transformed with ``numpy.fft.rfft``. Importing this module imports numpy only.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 from cosyserve.frontend.melbank import slaney_mel_filterbank
 
-__all__ = ["kaldi_fbank", "mel_spectrogram", "mel_spectrogram_24k", "speaker_fbank", "whisper_log_mel"]
+__all__ = ["MelSettings", "kaldi_fbank", "mel_spectrogram", "speaker_fbank", "whisper_log_mel"]
 
 WHISPER_SAMPLE_RATE, WHISPER_N_FFT, WHISPER_HOP_LENGTH = 16000, 400, 160
 
@@ -53,22 +57,63 @@ def mel_spectrogram(
     win_size: int = 1024,
     fmin: float = 0,
     fmax: float | None = 8000,
+    center: bool = False,
 ) -> np.ndarray:
-    """Matcha-TTS's log-magnitude mel (center False): float32 [1, num_mels, frames] from float32 [1, N]."""
-    if win_size != n_fft:
-        raise ValueError(f"win_size {win_size} != n_fft {n_fft} is not supported")
+    """Matcha-TTS's log-magnitude mel, as :func:`cosyserve.frontend.features.mel_spectrogram` computes it with
+    torch: reflect-pad ``(n_fft - hop_size) // 2`` each side, STFT (periodic Hann of ``win_size`` centred in
+    ``n_fft``; ``center`` reflect-pads ``n_fft // 2`` more, as torch.stft does), magnitude
+    ``sqrt(re^2 + im^2 + 1e-9)``, slaney filterbank (``fmax`` None: the Nyquist rate), ``log(clamp(x, 1e-5))``.
+    The defaults are CosyVoice-300M's (22.05 kHz); a CosyVoice2/3 model's come from its yaml (:class:`MelSettings`).
+
+    Args:
+        speech: float32 waveform [1, N] at ``sampling_rate``.
+
+    Returns:
+        float32 [1, num_mels, frames] (``N // hop_size`` frames when ``center`` is False and hop divides n_fft).
+    """
+    if not 0 < win_size <= n_fft or not 0 < hop_size:
+        raise ValueError(
+            f"mel_spectrogram: win_size {win_size} must be in 1..n_fft ({n_fft}) and hop_size {hop_size} positive"
+        )
     pad = int((n_fft - hop_size) / 2)
     speech = _check(speech, pad + 1, "mel_spectrogram")
     y = np.pad(speech[0], (pad, pad), mode="reflect")
-    spec = _stft(y, n_fft, hop_size, _hann(win_size))
+    if center:
+        y = np.pad(y, (n_fft // 2, n_fft // 2), mode="reflect")
+    left = (n_fft - win_size) // 2  # torch.stft centres a shorter window in the frame
+    window = np.pad(_hann(win_size), (left, n_fft - win_size - left))
+    spec = _stft(y, n_fft, hop_size, window)
     magnitude = np.sqrt(spec.real**2 + spec.imag**2 + 1e-9)
     mel = slaney_mel_filterbank(sampling_rate, n_fft, num_mels, float(fmin), fmax) @ magnitude
     return np.log(np.maximum(mel, 1e-5)).astype(np.float32)[None]
 
 
-def mel_spectrogram_24k(speech: np.ndarray) -> np.ndarray:
-    """CosyVoice2's prompt mel (see :func:`cosyserve.frontend.features.mel_spectrogram_24k`)."""
-    return mel_spectrogram(speech, n_fft=1920, sampling_rate=24000, hop_size=480, win_size=1920)
+@dataclass(frozen=True)
+class MelSettings:
+    """A model's prompt mel settings: its yaml's ``feat_extractor`` (``matcha.utils.audio.mel_spectrogram``'s
+    arguments; a bundle's manifest stores them as plain data), checked. Calling it computes that mel in numpy:
+    float32 [1, N] at ``sampling_rate`` -> [1, num_mels, frames] (:func:`mel_spectrogram`). The torch runtime's
+    :class:`cosyserve.frontend.features.MelSpectrogramConfig` is the same settings computing in torch."""
+
+    n_fft: int
+    num_mels: int
+    sampling_rate: int
+    hop_size: int
+    win_size: int
+    fmin: float = 0
+    fmax: float | None = None
+    center: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.n_fft, self.num_mels, self.sampling_rate, self.hop_size, self.win_size) <= 0:
+            raise ValueError(
+                "feat_extractor n_fft, num_mels, sampling_rate, hop_size and win_size must be > 0"
+            )
+        if self.win_size > self.n_fft or self.hop_size > self.n_fft:
+            raise ValueError(f"feat_extractor win_size and hop_size must not exceed n_fft={self.n_fft}")
+
+    def __call__(self, speech: Any) -> Any:
+        return mel_spectrogram(speech, **asdict(self))
 
 
 def whisper_log_mel(speech: np.ndarray, n_mels: int = 128) -> np.ndarray:

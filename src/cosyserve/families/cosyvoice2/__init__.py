@@ -88,10 +88,7 @@ class CosyVoice2(Family):
     # runtime does not serve the family yet (lite False)
     lite_export = "cosyserve.bundle.lite.export_qwen:export"
     lite_parts = ("llm", "flow", "hift")
-    lite_kinds = (
-        "tokenize", "llm_logprobs", "flow_inference", "hift_inference", "token2wav_stream", "token2wav_full",
-        "whisper_logmel", "resample",
-    )  # fmt: skip
+    lite_kinds = tuple(conformance_kinds)  # every kind: the models' graphs and the numpy frontend
     lite_kinds_table = "cosyserve.tools.conformance.kinds_lite:QWEN_KINDS"
     hub_ids = ("FunAudioLLM/CosyVoice2-0.5B", "iic/CosyVoice2-0.5B")
     # the model card's: Chinese, English, Japanese, Korean and Chinese dialects (Cantonese among them)

@@ -87,10 +87,7 @@ class CosyVoice3(CosyVoice2):
         ),
         "cosyserve.families.cosyvoice3.conformance",
     )  # fmt: skip
-    lite_kinds = (
-        "tokenize", "llm_logprobs", "llm_bistream_logprobs", "flow_inference", "hift_inference", "token2wav_stream",
-        "token2wav_full", "whisper_logmel", "resample",
-    )  # fmt: skip
+    lite_kinds = tuple(conformance_kinds)  # every kind: the models' graphs and the numpy frontend
     lite_kinds_table = "cosyserve.tools.conformance.kinds_lite:CV3_KINDS"
     hub_ids = ("FunAudioLLM/Fun-CosyVoice3-0.5B-2512",)
     # the model card's nine languages, and Chinese dialects (Cantonese among them)

@@ -1,10 +1,12 @@
 """Conformance kinds on the lite runtime (``cosyserve conformance DIR --runtime lite``).
 
 The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
-with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm` and :mod:`cosyserve.runtime.lite.models` (the
-LM kinds of every family; the flow, vocoder and prompt kinds of CosyVoice-300M), and the numpy audio front end
-(:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
-:class:`cosyserve.runtime.lite.frontend.LiteFrontend`). The runner still loads fixtures and compares with torch; the
+with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm`, :mod:`cosyserve.runtime.lite.models` and
+:mod:`cosyserve.runtime.lite.chunkflow` (the LM, flow, vocoder and token2wav kinds of every family), and the numpy
+audio front end (:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
+:class:`cosyserve.runtime.lite.frontend.LiteFrontend` as a bundle of the set's family makes it: the prompt mel,
+speech token and prompt frontend kinds; CosyVoice3's silent-token filter is the one torch-free filter both
+runtimes run). The runner still loads fixtures and compares with torch; the
 computations under test import none. Text kinds (``tokenize``, ``text_frontend``) are torch-free code both
 runtimes share, so the torch kinds' functions run them.
 """
@@ -217,7 +219,8 @@ def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_mel(ctx: Any, inputs: dict) -> dict:
-    return {"mel": features_np.mel_spectrogram(_a(inputs["speech"]))}
+    # the model's prompt mel: the frontend's settings (the manifest's feat_extractor; CosyVoice-300M's default)
+    return {"mel": _frontend(ctx).mel(_a(inputs["speech"]))}
 
 
 def run_fbank(ctx: Any, inputs: dict) -> dict:
@@ -233,15 +236,27 @@ def run_resample(ctx: Any, inputs: dict) -> dict:
 
 
 def _frontend(ctx: Any) -> Any:
+    # the lite runtime's frontend as a bundle of the set's family makes it: the family's tokenizer and ONNX files,
+    # the prompt mel's settings from the bundle's manifest (the config as plain data, as the lite runtime reads it)
     frontend = ctx.cache.get("lite_frontend")
     if frontend is None:
-        from cosyserve.frontend.tokenizer import get_tokenizer
+        from cosyserve.bundle.loader import open_bundle
         from cosyserve.runtime.lite.frontend import LiteFrontend
 
-        frontend = LiteFrontend(
-            ctx.model_dir / "campplus.onnx",
-            ctx.model_dir / "speech_tokenizer_v1.onnx",
-            get_tokenizer().encode,
+        assert ctx.bundle_dir is not None, "the lite kinds need the set converted with --runtime lite"
+        family = ctx.family
+        build = family.tokenizer(ctx.model_dir)
+        if build is None:
+            from cosyserve.frontend.tokenizer import get_tokenizer
+
+            tokenizer = get_tokenizer()
+        else:
+            tokenizer = build()
+        frontend = LiteFrontend.for_family(
+            family,
+            open_bundle(ctx.bundle_dir).manifest["config"],
+            {name: ctx.model_dir / name for name in family.onnx_files},
+            tokenizer.encode,
         )
         ctx.cache["lite_frontend"] = frontend
     return frontend
@@ -276,6 +291,36 @@ def run_cross_lingual_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, An
     return prompt_input(_text(ctx, inputs["tts_text"]), entry, "cross_lingual")
 
 
+def run_instruct2_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # the family's instruct2 input (what serving assembles) over the prompt's features: the instruction becomes the
+    # LLM's prompt text, which gets no prompt speech tokens
+    entry = _frontend(ctx).prompt_features("", ctx.set_dir / inputs["prompt_wav"])
+    return ctx.family.model_input(  # type: ignore[no-any-return]
+        "instruct2", _text(ctx, inputs["tts_text"]), entry, _text(ctx, inputs["instruct_text"])
+    )
+
+
+def run_vc_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # as the shared pipeline calls it (the torch Frontend's name)
+    return _frontend(ctx).frontend_vc(ctx.set_dir / inputs["source_wav"], ctx.set_dir / inputs["prompt_wav"])  # type: ignore[no-any-return]
+
+
+def run_speech_token(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    tokens = _frontend(ctx).speech_tokens(load_wav_np(ctx.set_dir / inputs["wav"], 16000))
+    return {
+        "speech_token": np.asarray([tokens], dtype=np.int32),
+        "speech_token_len": np.asarray([len(tokens)], np.int32),
+    }
+
+
+def run_silent_token_filter(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    # the one filter both runtimes run (torch-free), over the case's list of silent tokens
+    from cosyserve.families.cosyvoice3.token2wav import filter_silent_tokens
+
+    kept = filter_silent_tokens(_ids(inputs["tokens"]), inputs["silent_tokens"])
+    return {"speech_tokens": np.asarray(list(kept), dtype=np.int32)}
+
+
 def run_instruct_frontend(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     from cosyserve.frontend.prompt import instruct_input
 
@@ -303,6 +348,7 @@ KINDS = {
 # CosyVoice3's, whose vocoder is the causal one
 QWEN_KINDS = {
     **KINDS,
+    "instruct2_frontend": run_instruct2_frontend,
     "flow_inference": run_chunk_flow_inference,
     "hift_inference": run_hift2_inference,
     "token2wav_stream": run_token2wav2,
@@ -310,6 +356,9 @@ QWEN_KINDS = {
 }
 CV3_KINDS = {
     **QWEN_KINDS,
+    "speech_token": run_speech_token,
+    "vc_frontend": run_vc_frontend,
+    "silent_token_filter": run_silent_token_filter,
     "hift_inference": run_causal_hift_inference,
     "token2wav_stream": run_token2wav3,
     "token2wav_full": run_token2wav3,
