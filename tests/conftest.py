@@ -1,5 +1,7 @@
+import fcntl
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,26 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """What ``build(dir)`` makes, made once per test run: xdist's workers share it (the first to ask builds it under a
+    lock, the others wait and reuse it), so a tiny model or its conversion is not made once per worker. Tests read
+    it and never write into it."""
+    root = factory.getbasetemp()
+    root = (
+        root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    )  # the run's folder, above the workers'
+    shared = root / "shared"
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a worker dies
+        if not done.is_file():
+            target = shared / name
+            shutil.rmtree(target, ignore_errors=True)  # a worker that died while building it
+            done.write_text(str(build(target)))
+        return Path(done.read_text())
 
 
 def _fixtures_root() -> Path:
@@ -58,9 +80,11 @@ def cv3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (make-test-model --family cosyvoice3)."""
     from cosyserve.families.testmodel import make_test_model
 
-    out = tmp_path_factory.mktemp("models") / "tiny-cv3"
-    make_test_model(out, size="tiny", seed=0, family="cosyvoice3")
-    return out
+    def build(out: Path) -> Path:
+        make_test_model(out, size="tiny", seed=0, family="cosyvoice3")
+        return out
+
+    return _once(tmp_path_factory, "tiny-cv3", build)
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +92,11 @@ def cv2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight CosyVoice2 model dir in the official layout (make-test-model --family cosyvoice2)."""
     from cosyserve.families.testmodel import make_test_model
 
-    out = tmp_path_factory.mktemp("models") / "tiny-cv2"
-    make_test_model(out, size="tiny", seed=0, family="cosyvoice2")
-    return out
+    def build(out: Path) -> Path:
+        make_test_model(out, size="tiny", seed=0, family="cosyvoice2")
+        return out
+
+    return _once(tmp_path_factory, "tiny-cv2", build)
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +106,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     :func:`plain_model_dir` is the same files under a name that is not."""
     from cosyserve.families.testmodel import make_test_model
 
-    out = tmp_path_factory.mktemp("models") / "tiny-Instruct"
-    make_test_model(out, size="tiny", seed=0)
-    return out
+    def build(out: Path) -> Path:
+        out = out / "tiny-Instruct"  # the name is what makes it an instruct model
+        make_test_model(out, size="tiny", seed=0)
+        return out
+
+    return _once(tmp_path_factory, "tiny-300m", build)
 
 
 @pytest.fixture(scope="session")
@@ -100,9 +129,10 @@ def tiny_lite_bundle(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     """The tiny model converted with ``--runtime lite`` (its ONNX graphs beside the torch runtime's files)."""
     from cosyserve.bundle.convert import convert
 
-    return convert(
-        tiny_model_dir, tmp_path_factory.mktemp("lite") / "tiny-Instruct", runtime="lite", progress=False
-    )
+    def build(out: Path) -> Path:
+        return convert(tiny_model_dir, out / "tiny-Instruct", runtime="lite", progress=False)
+
+    return _once(tmp_path_factory, "lite-300m", build)
 
 
 def _qwen_lite_bundle(model_dir: Path, out: Path, int8: bool) -> Path:
@@ -117,13 +147,13 @@ def _qwen_lite_bundle(model_dir: Path, out: Path, int8: bool) -> Path:
 @pytest.fixture(scope="session")
 def cv2_lite_bundle(cv2_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny CosyVoice2 model converted with ``--runtime lite`` (LM, flow and vocoder graphs)."""
-    return _qwen_lite_bundle(cv2_model_dir, tmp_path_factory.mktemp("lite") / "cv2", int8=False)
+    return _once(tmp_path_factory, "lite-cv2", lambda out: _qwen_lite_bundle(cv2_model_dir, out, int8=False))
 
 
 @pytest.fixture(scope="session")
 def cv3_lite_bundle(cv3_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny CosyVoice3 model converted with ``--runtime lite``, with the int8 LM step graph too."""
-    return _qwen_lite_bundle(cv3_model_dir, tmp_path_factory.mktemp("lite") / "cv3", int8=True)
+    return _once(tmp_path_factory, "lite-cv3", lambda out: _qwen_lite_bundle(cv3_model_dir, out, int8=True))
 
 
 @pytest.fixture(autouse=True)
