@@ -136,7 +136,11 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=40, help="text ids in the prefill")
     ap.add_argument("--tokens", type=int, default=100, help="decode steps timed")
     ap.add_argument("--quantize", default="none,int8", help="llm_quantize values to run, comma-separated")
-    ap.add_argument("--dry-run", action="store_true", help="a tiny CosyVoice3 model, one round, few tokens")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="one round, few tokens, on a tiny CosyVoice3 model (made, or the bundle given)",
+    )
     ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()
     quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
@@ -144,8 +148,11 @@ def main() -> None:
         ap.error(f"--quantize takes none and int8, got {args.quantize!r}")
     tmp = None
     if args.dry_run:
-        tmp = tempfile.TemporaryDirectory(prefix="bench-lite-lm-")
-        bundle, model_dir = _tiny_bundle(Path(tmp.name))
+        if args.bundle is None:
+            tmp = tempfile.TemporaryDirectory(prefix="bench-lite-lm-")
+            bundle, model_dir = _tiny_bundle(Path(tmp.name))
+        else:  # a tiny bundle already made (the tests')
+            bundle, model_dir = Path(args.bundle), args.model_dir
         args.rounds, args.tokens, args.text_tokens = 1, 12, 8
     elif args.bundle is None:
         ap.error("give a bundle, or --dry-run")

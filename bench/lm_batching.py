@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", default=None, help="the text of every request")
     ap.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument(
-        "--dry-run", action="store_true", help="both measurements on a tiny CosyVoice2 model (CI)"
+        "--dry-run",
+        action="store_true",
+        help="both measurements, 2 pairs, on a tiny CosyVoice2 model (CI; --model: this one)",
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="cosyserve-lm-batching-") as tmp:
         model = args.model
-        if args.dry_run:
+        if args.dry_run and model is None:
             from cosyserve.families.testmodel import make_test_model
 
             model = str(Path(tmp) / "cv2")
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             base = args.baseline_src or (SRC if args.dry_run else None)
             if base is None:
                 ap.error("first-audio needs --baseline-src (the src folder of the tree to compare with)")
-            results["first_audio"] = first_audio(model, base, 3 if args.dry_run else args.rounds, text)
+            results["first_audio"] = first_audio(model, base, 2 if args.dry_run else args.rounds, text)
         if args.what in (None, "throughput"):
             results["throughput"] = throughput(model, 2 if args.dry_run else args.concurrency, text)
     if args.json is not None:

@@ -12,13 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_lite_lm_bench_dry_run_gives_every_figure(tmp_path: Path) -> None:
+def test_lite_lm_bench_dry_run_gives_every_figure(
+    tmp_path: Path, cv3_lite_bundle: Path, cv3_model_dir: Path
+) -> None:
     """If this fails, the side-by-side bench of the lite Qwen LM (READY, prefill, ms/token, peak RSS) no longer
     runs end to end, lost a figure, or the lite process imported torch."""
     out = tmp_path / "figures.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "lite_lm.py"), "--dry-run", "--threads", "1", "--quantize", "int8",
+        [sys.executable, str(ROOT / "bench" / "lite_lm.py"), str(cv3_lite_bundle), "--model-dir", str(cv3_model_dir),
+         "--dry-run", "--threads", "1", "--quantize", "int8",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
