@@ -328,15 +328,7 @@ class Token2Wav2:
             draws=draws,
             should_stop=should_stop,
         )
-        try:
-            while True:
-                with self.ops.no_grad():
-                    chunk = next(steps, None)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            steps.close()
+        yield from self.ops.each_without_grad(steps)
 
     def chunks(
         self,

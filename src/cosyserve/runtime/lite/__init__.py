@@ -173,24 +173,32 @@ class LiteRuntime(RuntimeVoices):
         )  # the exported graphs' (ONNX Runtime)
         tables = lite.tables()
         self.llm = lite_lm(lite, tables)
-        flow = LiteFlow(lite, tables)
-        policy = StreamPolicy.named(
-            options.chunk_policy,
-            options.first_hop,
-            input_frame_rate=flow.input_frame_rate,
-            sample_rate=self.sample_rate,
-        )
-        self.token2wav = LiteToken2Wav(flow, LiteVocoder(lite, tables), policy, options.flow_steps)
-        self.pipeline = LitePipeline(
-            self.llm,
-            self.token2wav,
-            speakers,
-            registry=SpeakerRegistry(registry_root, arrays="numpy"),
-            model_dir=bundle.path,
-            family=bundle.family,
-            instruct=bundle.instruct,
-            default_voice=options.default_voice,
-        )
+        family = bundle.family
+        token_rate = int(lite.config["flow"]["input_frame_rate"])
+        registry = SpeakerRegistry(registry_root, arrays="numpy", token_rate=token_rate)
+        self.pipeline: Any
+        if CHUNK_FLOW_GRAPH in lite.graphs:
+            # CosyVoice2/3: the shared pipeline and the family's own token2wav over the chunk flow's graphs
+            self.pipeline = _pipeline(bundle, lite, tables, self.llm, speakers, options, registry)
+        else:
+            flow = LiteFlow(lite, tables)
+            policy = StreamPolicy.named(
+                options.chunk_policy,
+                options.first_hop,
+                input_frame_rate=flow.input_frame_rate,
+                sample_rate=self.sample_rate,
+            )
+            self.pipeline = LitePipeline(
+                self.llm,
+                LiteToken2Wav(flow, LiteVocoder(lite, tables), policy, options.flow_steps),
+                speakers,
+                registry=registry,
+                model_dir=bundle.path,
+                family=family,
+                instruct=bundle.instruct,
+                default_voice=options.default_voice,
+            )
+        self.token2wav = self.pipeline.token2wav
         self.pipeline.set_onnx_paths(
             {name: bundle.onnx_path(name) for name in self.pipeline.onnx_files},
             check=lambda p: bundle.check_onnx(p.name),
@@ -200,7 +208,8 @@ class LiteRuntime(RuntimeVoices):
         self.background: threading.Thread | None = None
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
-        return self.pipeline.run(request, should_stop)
+        # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
+        return self.pipeline.run(request, latched(should_stop))  # type: ignore[no-any-return]
 
     def on_lm_step(self, record: Callable[[int], None]) -> None:
         self.pipeline.decoder.on_step = record
@@ -235,6 +244,83 @@ class LiteRuntime(RuntimeVoices):
     def close(self) -> None:
         self.pipeline.decoder.close()
         self.lite.sessions.clear()
+
+
+CHUNK_FLOW_GRAPH = (
+    "flow_mu"  # a bundle whose flow is CosyVoice2/3's chunk flow (its token2wav is the family's)
+)
+
+
+def _config_view(config: Any) -> Any:
+    # the manifest's stored model config (JSON) read as a ModelConfig is, by attribute: what the family reads of it
+    # to build its stream policy and token2wav (chunk_size, the flow's and vocoder's fields)
+    from types import SimpleNamespace
+
+    if isinstance(config, dict):
+        return SimpleNamespace(**{k: _config_view(v) for k, v in config.items()})
+    return config
+
+
+def lite_frontend_serves(family: Any) -> bool:
+    """Whether the lite runtime's numpy frontend analyses this family's prompt audio (its conformance covers the
+    prompt frontend kinds)."""
+    return "zero_shot_frontend" in family.lite_kinds
+
+
+def _pipeline(
+    bundle: Any,
+    lite: Any,
+    tables: dict[str, np.ndarray],
+    llm: Any,
+    speakers: dict[str, dict[str, Any]],
+    o: RuntimeOptions,
+    registry: Any,
+) -> Any:
+    """The shared :class:`~cosyserve.runtime.pipeline.Pipeline` over the lite LM and the chunk flow's and
+    vocoder's graphs (numpy arrays throughout), the family's stream policy and token2wav."""
+    from cosyserve.core.errors import ModeUnavailableError
+    from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
+    from cosyserve.runtime.pipeline import Pipeline
+
+    family = bundle.family
+    config = _config_view(bundle.manifest["config"])
+    flow = LiteChunkFlow(lite, tables)
+    hift = (LiteCausalVocoder if lite.config["hift"].get("causal") else LiteVocoder2)(lite, tables)
+    pipeline: Pipeline
+
+    def frontend() -> Any:
+        # a new prompt recording's features: the numpy frontend, where it serves the family
+        if not lite_frontend_serves(family):
+            raise ModeUnavailableError(
+                f"the lite runtime cannot analyse prompt audio for {family.title} yet (its numpy prompt frontend "
+                "serves CosyVoice-300M only): speak with a pre-defined speaker or a voice registered by name "
+                "(registered on the torch runtime), or serve this model on the torch runtime",
+                param="prompt_wav",
+            )
+        from cosyserve.runtime.lite.frontend import LiteFrontend
+
+        campplus, tokenizer = (pipeline.onnx_paths[n] for n in pipeline.onnx_files)
+        assert campplus is not None and tokenizer is not None, "require() the prompt modes first"
+        return LiteFrontend(campplus, tokenizer, pipeline.tokenizer.encode, pipeline.onnx_check)
+
+    pipeline = Pipeline(
+        llm,
+        flow,
+        hift,
+        speakers,
+        int(lite.config["sample_rate"]),
+        family.stream_policy(config, flow, o.chunk_policy, o.first_hop),
+        registry=registry,
+        model_dir=bundle.path,
+        instruct=bundle.instruct,
+        default_voice=o.default_voice,
+        flow_steps=o.flow_steps,
+        family=family,
+        tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
+        config=config,
+        frontend=frontend,
+    )
+    return pipeline
 
 
 def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
@@ -296,8 +382,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         family = bundle.family
         if not family.lite:
             raise BundleError(
-                f"{path}: the lite runtime serves CosyVoice-300M bundles (this is a {family.title} one): serve "
-                "it on the torch runtime"
+                f"{path}: the lite runtime does not serve {family.title} bundles: serve it on the torch runtime"
             )
         bundle.verify = o.verify
         threads = o.threads or default_threads()
@@ -311,9 +396,14 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
                 "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)
             )
         speakers = _read_speakers(bundle)
+        # one registry folder for every model (registry_dir) keeps each family's voices apart, as the torch
+        # runtime's: a voice registered there serves here
+        shared = o.registry_dir
+        if shared is not None and family.registry_folder:
+            shared = Path(shared) / family.registry_folder
         registry_root = (
-            Path(o.registry_dir)
-            if o.registry_dir is not None
+            Path(shared)
+            if shared is not None
             else default_registry_dir(bundle.path, bundle.model_key, registry_dir=None, cache_dir=cache_dir)
         )
     with clock.phase("construct"):
@@ -330,9 +420,6 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         "lite runtime ready in %.0f ms since process start (%s)", clock.points["ready"], clock.durations
     )
     return runtime
-
-
-TOKEN2WAV_GRAPHS = ("flow_encoder", "flow_regulator", "flow_estimator", "hift_f0", "hift_decode")
 
 
 def _open_lm(runtime: LiteRuntime) -> None:
@@ -372,11 +459,18 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     steps: list[tuple[str, Callable[[], Any]]] = []
     if o.text_tier == "background" and not o.fork_template:
         steps.append(("text_tier", _load_text_tier))
-    steps.append(("sessions_llm_text", lambda: runtime.lite.session("llm_text")))
+    graphs = runtime.lite.graphs
+    if "llm_text" in graphs:  # CosyVoice-300M's text encoder (the Qwen LM's text embedding is a table)
+        steps.append(("sessions_llm_text", lambda: runtime.lite.session("llm_text")))
     # no flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would take the
     # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
-    steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in TOKEN2WAV_GRAPHS]))
-    if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
+    token2wav = [n for n in graphs if not n.startswith("llm_")]
+    steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in token2wav]))
+    if (
+        o.zero_shot_tier == "background"
+        and "zero_shot" in runtime.pipeline.available_modes()
+        and lite_frontend_serves(runtime.bundle.family)
+    ):
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
