@@ -4,12 +4,23 @@
 step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
 READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
 binding holds the GIL while a session opens (~1.7 s for the flow and vocoder graphs at full size on 2 cores):
-a request that arrives in that window waits for it, later ones do not. It serves every
-CosyVoice-300M mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot, cross_lingual, vc),
-with the same chunking and the same voice registry (numpy arrays; importing or exporting a reference
-``spk2info.pt`` needs torch). Its speech tokens are the torch runtime's for a seed (one sampler, one decode loop:
-:mod:`cosyserve.runtime.decode`), and its audio equals the torch runtime's up to float32 rounding when both get the
-same random draws; the flow's and vocoder's noise is numpy's, so a seed's audio differs from the torch runtime's.
+a request that arrives in that window waits for it, later ones do not.
+
+CosyVoice2 and CosyVoice3 bundles are served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline`
+(numpy arrays through its :class:`~cosyserve.core.sampling.ArrayOps`) over
+:class:`~cosyserve.runtime.lite.lm.LiteQwenLM` and the chunk flow's and vocoder's graphs
+(:mod:`cosyserve.runtime.lite.chunkflow`) under the family's own token2wav: every mode that needs no new
+prompt audio analysed (sft, and zero_shot, cross_lingual, instruct2 with a registered voice), one-shot,
+streamed and with streamed text; a prompt recording is refused with a client error until the numpy frontend
+serves these families (:func:`lite_frontend_serves`). CosyVoice-300M bundles are served by
+:class:`LitePipeline` (still a pipeline of its own, over
+:class:`~cosyserve.runtime.lite.models.LiteToken2Wav`) in every mode the torch runtime serves (sft, instruct
+on an -Instruct model, zero_shot, cross_lingual, vc). Both keep the same chunking and the same voice registry
+as the torch runtime (numpy arrays; importing or exporting a reference ``spk2info.pt`` needs torch). Speech
+tokens are the torch runtime's for a seed (one sampler, one decode loop: :mod:`cosyserve.runtime.decode`), and
+audio equals the torch runtime's up to float32 rounding when both get the same random draws: CosyVoice3 draws
+none (its fixed noise replayed), the others' flow and vocoder noise is numpy's, so a seed's audio differs from
+the torch runtime's.
 """
 
 from __future__ import annotations
