@@ -72,7 +72,9 @@ def _uniform(bg: np.random.MT19937, n: int) -> np.ndarray:
     out = np.empty(n, np.float32)
     for i in range(0, n, 1 << 22):
         raw = bg.random_raw(min(1 << 22, n - i))
-        out[i : i + raw.shape[0]] = (raw & 0xFFFFFF).astype(np.float32) * np.float32(2.0**-24)
+        np.bitwise_and(raw, 0xFFFFFF, out=raw)
+        out[i : i + raw.shape[0]] = raw  # exact: 24 bits fit a float32
+    out *= np.float32(2.0**-24)  # exact: a power of two
     return out
 
 
