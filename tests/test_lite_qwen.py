@@ -365,3 +365,23 @@ def test_cosyvoice3_token2wav_runs_on_the_lite_graphs_without_torch(cv3_lite_bun
     assert r.returncode == 0, r.stderr[-3000:]
     n_chunks, streamed, whole = (int(x) for x in r.stdout.split())
     assert n_chunks >= 2 and streamed == whole == 60 * 2 * 480, r.stdout
+
+
+def test_a_stop_ends_a_running_lite_flow(served: Any) -> None:
+    """A flow call on the lite graphs (its Euler steps over the estimator graph) ends once its stop signal says so,
+    between steps or inside an ONNX Runtime run, instead of running to its end: a stopped request's flow does not
+    hold the cores."""
+    flow = served["cosyvoice3", "lite"].pipeline.token2wav.flow
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(Stopped):
+        flow.inference(
+            np.arange(10, 70)[None], np.zeros((1, 0), np.int64), np.zeros((1, 0, 80), np.float32),
+            np.ones((1, 192), np.float32), streaming=False, finalize=True, n_timesteps=10, should_stop=stop,
+        )  # fmt: skip
+    # asked during the call's work (a check at its end alone says False and would let it return)
+    assert len(asked) >= 3, len(asked)
