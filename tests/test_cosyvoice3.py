@@ -12,6 +12,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -276,3 +277,26 @@ def test_bistream_sampling_repeats_with_a_seed(parts: dict) -> None:
     first = run(11)
     assert first and first == run(11) and len(first) <= 12
     assert first != run(12), "another seed should draw other tokens"
+
+
+def test_the_numpy_noise_replay_is_the_references_buffers(cv3_set_dir: Path) -> None:
+    """The vocoder's fixed noise, replayed in numpy without torch (both runtimes read it; a lite bundle carries
+    only the shapes it is counted from), equals the buffers the reference recorded in the fixture set, bit for
+    bit. A difference: the count of the generator's draws before them, or torch's uniform conversion, is wrong,
+    and a served model's audio is not the reference's."""
+    from safetensors.numpy import load_file
+
+    from cosyserve.families import family_named
+    from cosyserve.families.cosyvoice3.noise import VocoderNoise
+
+    fixtures = cv3_set_dir
+    recorded = load_file(str(fixtures / "tensors.safetensors"))
+    rand_ini, sine_waves = (
+        recorded["token2wav_full.hift_rand_ini"],
+        recorded["token2wav_full.hift_sine_waves"],
+    )
+    noise = VocoderNoise(family_named("cosyvoice3").read_config(fixtures / "model")).draws(
+        sine_waves.shape[1]
+    )
+    assert np.array_equal(noise["rand_ini"], rand_ini)
+    assert np.array_equal(noise["sine_waves"][:, : sine_waves.shape[1]], sine_waves)

@@ -3,8 +3,9 @@ module, driven by the one decode loop on numpy.
 
 If these fail: the lite LM's tokens are not the torch runtime's for a seed (one-shot or streamed text), the export
 check lets a wrong graph through, the int8 graph's distance is not recorded, a stop does not reach a running
-ONNX Runtime step, a CosyVoice2/3 bundle is served before the lite runtime serves these families, or the shared
-token2wav needs torch to run the lite graphs.
+ONNX Runtime step, the shared token2wav needs torch to run the lite graphs, or the lite runtime serves these
+families otherwise than the torch runtime (the same pipeline, tokens and, for CosyVoice3, audio), or lets a request
+that needs new prompt audio analysed crash instead of refusing it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyserve.core.errors import BundleError, ConvertError
+from cosyserve.core.errors import ConvertError
 from cosyserve.core.stop import Stopped
 
 ENDOFPROMPT = 151646
@@ -203,10 +204,8 @@ def test_a_stopped_row_ends_and_its_neighbour_goes_on(qwen_bundles: dict) -> Non
 
 def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) -> None:
     """`convert --runtime lite` writes CosyVoice2's and CosyVoice3's LM, flow and vocoder graphs, each checked
-    against its torch module at conversion (the manifest records how far), the flow variants' weights stored once;
-    the lite runtime still refuses to serve them (its token2wav for these families is not built yet)."""
+    against its torch module at conversion (the manifest records how far), the flow variants' weights stored once."""
     from cosyserve.bundle.lite.export import CHECK_ATOL
-    from cosyserve.runtime import RuntimeOptions, load_runtime
 
     for bundle in qwen_bundles.values():
         manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
@@ -216,8 +215,115 @@ def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) ->
         assert max(manifest["checked"].values()) <= CHECK_ATOL
         # the four flow graphs read one data file (what the streaming and whole variants share, stored once)
         assert "flow.onnx.data" in manifest["files"] and "flow_estimator.onnx.data" not in manifest["files"]
-    with pytest.raises(BundleError, match=r"CosyVoice3 one\): serve it on the torch runtime"):
-        load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(warmup=False), runtime="lite")
+
+
+# -- served: the lite runtime over the shared pipeline, beside the torch runtime on the same bundle ------------------
+
+
+@pytest.fixture(scope="module")
+def served(qwen_bundles: dict, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(family, runtime) -> that runtime serving the family's tiny bundle; one registry folder for all, where a
+    voice ``kept`` is registered (by the torch runtime, from a recording: the lite one analyses no CosyVoice2/3
+    prompt audio yet)."""
+    import soundfile as sf
+
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+
+    tmp = tmp_path_factory.mktemp("served")
+    wav = tmp / "prompt.wav"
+    t = np.arange(24000) / 16000
+    sf.write(
+        wav, (0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32), 16000
+    )
+    options = RuntimeOptions(warmup=False, threads=1, flow_steps=2, registry_dir=str(tmp / "voices"))
+    out = {}
+    for family, bundle in qwen_bundles.items():
+        for name in ("torch", "lite"):
+            out[family, name] = load_runtime(bundle, options, runtime=name)
+        out[family, "torch"].add_voice("kept", wav, "A short prompt.")
+    yield out
+    for runtime in out.values():
+        runtime.close()
+
+
+def _speak(runtime: Any, **fields: Any) -> list[np.ndarray]:
+    from cosyserve.core.request import SynthesisRequest
+
+    fields = {"text": "Hi there.", "seed": 5, **fields}
+    return list(runtime.start(SynthesisRequest(**fields), lambda: False))
+
+
+SERVED_CASES = [
+    {"speaker": "中文女"},
+    {"speaker": "中文女", "stream": True},
+    {"speaker": "kept"},  # zero_shot with a registered voice
+    {"speaker": "kept", "mode": "instruct2", "instruct_text": "Speak slowly.", "stream": True},
+]
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_lite_serves_what_the_torch_runtime_serves(served: Any, family: str) -> None:
+    """The lite runtime serves CosyVoice2/3 through the shared pipeline, decode loop and family token2wav: for a
+    seed, every mode without new prompt audio (sft, zero_shot and instruct2 with a registered voice, one-shot and
+    streamed) gives chunks of the torch runtime's lengths (the same speech tokens and chunk schedule); CosyVoice3,
+    which draws no noise (its fixed noise replayed in numpy), the same audio. A difference: the lite pipeline's
+    inputs, tokens or noise are not the torch one's."""
+    lite = type(served[family, "lite"].pipeline)
+    assert lite.__module__ == "cosyserve.runtime.pipeline", lite  # the one pipeline, not a copy
+    # CosyVoice2's audio differs by its vocoder's draws (numpy's): its tokens are checked in fewer cases
+    for fields in SERVED_CASES if family == "cosyvoice3" else SERVED_CASES[1::2]:
+        got, want = _speak(served[family, "lite"], **fields), _speak(served[family, "torch"], **fields)
+        assert [len(c) for c in got] == [len(c) for c in want] and len(got) >= 1, fields
+        if fields == {"speaker": "中文女", "stream": True}:
+            assert len(got) >= 2, [len(c) for c in got]  # it streamed
+        if family == "cosyvoice3":
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(got, want, strict=True))
+            assert diff < 1e-3, (fields, diff)
+
+
+def test_lite_streamed_text_runs_the_bistream_rows(served: Any) -> None:
+    """Text given as pieces (the WebSocket's) feeds the lite LM as it arrives (CosyVoice3's bistream rules), the
+    same tokens as the torch runtime's."""
+
+    def pieces() -> Any:
+        yield from ("Hi ", "there, ", "you.")
+
+    got = _speak(served["cosyvoice3", "lite"], speaker="中文女", stream=True, text=pieces())
+    want = _speak(served["cosyvoice3", "torch"], speaker="中文女", stream=True, text=pieces())
+    assert [len(c) for c in got] == [len(c) for c in want] and len(got) >= 2
+
+
+def test_prompt_audio_on_lite_cosyvoice3_is_a_client_error(served: Any, tmp_path: Path) -> None:
+    """A request whose prompt recording must be analysed is refused with a client error naming prompt_wav and
+    saying why (the numpy frontend does not serve these families yet), before any audio; not a crash."""
+    from cosyserve.core.errors import ModeUnavailableError
+    from cosyserve.core.request import SynthesisRequest
+
+    runtime = served["cosyvoice3", "lite"]
+    for fields in (
+        {"mode": "zero_shot", "prompt_text": "Hi.", "text": "Hi."},
+        {"mode": "vc", "source_wav": b"RIFF"},
+    ):
+        request = SynthesisRequest(prompt_wav=b"RIFF0000WAVE", seed=1, **fields)
+        with pytest.raises(ModeUnavailableError, match="cannot analyse prompt audio for CosyVoice3") as e:
+            runtime.start(request, lambda: False)
+        assert e.value.param == "prompt_wav"
+
+
+def test_a_stop_ends_a_running_lite_request(served: Any) -> None:
+    """The request's stop signal reaches the lite decode loop and token2wav: asked to stop after its first chunk,
+    a streamed request yields nothing more (the loop ends its row)."""
+    from cosyserve.core.request import SynthesisRequest
+
+    stop = threading.Event()
+    runtime = served["cosyvoice3", "lite"]
+    chunks = runtime.start(
+        SynthesisRequest(text="Hello there. How are you? " * 4, speaker="中文女", seed=2, stream=True),
+        stop.is_set,
+    )
+    first = next(chunks)
+    stop.set()
+    assert len(first) > 0 and list(chunks) == []
 
 
 TORCH_FREE_TOKEN2WAV = """
@@ -259,3 +365,23 @@ def test_cosyvoice3_token2wav_runs_on_the_lite_graphs_without_torch(cv3_lite_bun
     assert r.returncode == 0, r.stderr[-3000:]
     n_chunks, streamed, whole = (int(x) for x in r.stdout.split())
     assert n_chunks >= 2 and streamed == whole == 60 * 2 * 480, r.stdout
+
+
+def test_a_stop_ends_a_running_lite_flow(served: Any) -> None:
+    """A flow call on the lite graphs (its Euler steps over the estimator graph) ends once its stop signal says so,
+    between steps or inside an ONNX Runtime run, instead of running to its end: a stopped request's flow does not
+    hold the cores."""
+    flow = served["cosyvoice3", "lite"].pipeline.token2wav.flow
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(Stopped):
+        flow.inference(
+            np.arange(10, 70)[None], np.zeros((1, 0), np.int64), np.zeros((1, 0, 80), np.float32),
+            np.ones((1, 192), np.float32), streaming=False, finalize=True, n_timesteps=10, should_stop=stop,
+        )  # fmt: skip
+    # asked during the call's work (a check at its end alone says False and would let it return)
+    assert len(asked) >= 3, len(asked)

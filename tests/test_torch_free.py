@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 from proc_util import run_in_session
 
 TESTS = Path(__file__).resolve().parent
@@ -217,3 +218,83 @@ def test_without_torch_a_command_that_needs_it_says_what_to_install_in_one_line(
         assert r.returncode == 1, (args, r.returncode, r.stderr[-3000:])
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0] and "torch" in lines[0], (args, r.stderr[-3000:])
+
+
+def _register_stored_voice(registry: Path) -> None:
+    """A CosyVoice3 voice registered from stored features (numpy, as a torch runtime's registration writes them),
+    in the shared registry folder's CosyVoice3 part: what a torch-free server clones without analysing audio."""
+    from cosyserve.voices.registry import SpeakerRegistry
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6561, (1, 30), dtype=np.int32)
+    embedding = rng.standard_normal((1, 192), dtype=np.float32)
+    features = {
+        "prompt_text": np.asarray([[9707, 13]], np.int32),
+        "prompt_text_len": np.asarray([2], np.int32),
+        "llm_prompt_speech_token": tokens,
+        "llm_prompt_speech_token_len": np.asarray([30], np.int32),
+        "flow_prompt_speech_token": tokens,
+        "flow_prompt_speech_token_len": np.asarray([30], np.int32),
+        "prompt_speech_feat": rng.standard_normal((1, 60, 80), dtype=np.float32),
+        "prompt_speech_feat_len": np.asarray([60], np.int32),
+        "llm_embedding": embedding,
+        "flow_embedding": embedding,
+    }
+    SpeakerRegistry(registry / "cosyvoice3", arrays="numpy", token_rate=25).add(
+        "kept", features, prompt_text="Hi."
+    )
+
+
+def test_a_torch_free_server_serves_a_cosyvoice3_lite_bundle_over_http_and_the_websocket(
+    cv3_lite_bundle: Path, tmp_path: Path
+) -> None:
+    """`cosyserve serve` on a CosyVoice3 lite bundle where torch is not installed picks the lite runtime by itself
+    and serves a model speaker (one-shot and streamed), a registered voice (zero_shot) and text streamed over the
+    WebSocket; a voice to clone from new audio is refused with a 4xx naming why. If this fails, serving
+    CosyVoice3 without torch is broken somewhere between the picker, the pipeline and the transports."""
+    import base64
+    import io
+    import json
+
+    import soundfile as sf
+    from websockets.sync.client import connect
+
+    from server_util import running_server
+
+    env = _no_torch_env(tmp_path)
+    _register_stored_voice(Path(env["COSYSERVE_REGISTRY_DIR"]))
+    with running_server(cv3_lite_bundle, tmp_path / "srv", env={**env, "COSYSERVE_THREADS": "1"}) as s:
+        with s.client(timeout=120) as c:
+            for body in (
+                {"input": "Hi there.", "voice": "中文女", "response_format": "pcm"},
+                {"input": "Hi there.", "voice": "中文女", "response_format": "pcm", "stream": True},
+                {"input": "Hi there.", "voice": "kept", "response_format": "pcm"},
+            ):
+                r = c.post("/v1/audio/speech", json={**body, "seed": 0})  # seed 1: the random LM ends at once
+                assert r.status_code == 200 and len(r.content) > 0, (body, r.status_code, r.text[:500])
+            wav = io.BytesIO()
+            sf.write(wav, np.zeros(16000, np.float32), 16000, format="WAV")
+            ref = base64.b64encode(wav.getvalue()).decode()
+            r = c.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": ref, "ref_text": "Hi."})
+            assert 400 <= r.status_code < 500 and "cannot analyse prompt audio" in r.text, (
+                r.status_code,
+                r.text,
+            )
+        with connect(s.base_url.replace("http", "ws", 1) + "/v1/audio/speech/stream", open_timeout=30) as ws:
+            ws.send(
+                json.dumps({"type": "session.config", "voice": "中文女", "seed": 1, "response_format": "pcm"})
+            )
+            for piece in ("Hi ", "there, ", "you."):
+                ws.send(json.dumps({"type": "input.text", "text": piece}))
+            ws.send(json.dumps({"type": "input.done"}))
+            events, audio = [], 0
+            while not events or events[-1]["type"] not in ("session.done", "error"):
+                msg = ws.recv(timeout=120)
+                if isinstance(msg, bytes):
+                    audio += len(msg)
+                else:
+                    events.append(json.loads(msg))
+            kinds = [e["type"] for e in events]
+            assert kinds == ["audio.start", "audio.done", "session.done"] and audio > 0, (kinds, events[-1])
+        log = s.log()
+        assert "torch is not installed" in log and "lite runtime ready" in log, log[-3000:]

@@ -144,7 +144,7 @@ def _convert_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--runtime",
         choices=("torch", "lite"),
         default="torch",
-        help="`lite`: also export and check the ONNX graphs the lite runtime serves (CosyVoice-300M; ONNX Runtime "
+        help="`lite`: also export and check the ONNX graphs the lite runtime serves (every family; ONNX Runtime "
         "and numpy, no torch where it serves); `torch`: the torch runtime's bundle only",
     )
 

@@ -21,6 +21,7 @@ torch-free): :func:`array_ops` picks the namespace of an array.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ __all__ = ["ArrayOps", "PromptRuleError", "Sampler", "SamplingConfig", "StopRule
 _M = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _TWO32 = float(2**32)
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,20 @@ class ArrayOps:
 
         return contextlib.nullcontext()
 
+    def each_without_grad(self, steps: Iterator[Any]) -> Iterator[Any]:
+        """The items of generator ``steps``, each step of it run in :meth:`no_grad` (as a generator decorated with
+        torch's inference mode is): the consumer's code between steps runs outside it. Closing this closes
+        ``steps``."""
+        try:
+            while True:
+                with self.no_grad():
+                    item = next(steps, _END)
+                if item is _END:
+                    return
+                yield item
+        finally:
+            steps.close()  # type: ignore[attr-defined]
+
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
         """Zeros of ``dtype`` (a name both namespaces know: ``int32``, ``float32``) where the arrays live."""
         if self.torch:
@@ -163,6 +179,32 @@ class ArrayOps:
         if self.host:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    def asarray(self, values: Any, dtype: str) -> Any:
+        """Host values (nested lists of numbers) as an array of ``dtype`` (``int32``, ``float32`` ...) on the host
+        (a request's inputs are made there: the pipeline moves them to the device once)."""
+        if self.torch:
+            return self.xp.tensor(values, dtype=getattr(self.xp, dtype))
+        return self.xp.asarray(values, dtype=dtype)
+
+    def from_host(self, a: Any) -> Any:
+        """A numpy array as this namespace's array on the host, without a copy (torch shares its memory)."""
+        return self.xp.from_numpy(a) if self.torch else a
+
+    def to_host(self, x: Any) -> Any:
+        """An array as a numpy array in host memory (one device-to-host copy for a device tensor)."""
+        return x.detach().cpu().numpy() if self.torch else x
+
+    def generator(self, seed: int) -> Any:
+        """A random generator seeded with ``seed`` (torch's on the device, or numpy's): the flow's and vocoder's
+        draws of a request."""
+        if self.torch:
+            g = self.xp.Generator(device=self.device if self.device is not None else "cpu")
+            g.manual_seed(seed)
+            return g
+        import numpy
+
+        return numpy.random.default_rng(seed)
 
     def full(self, shape: tuple[int, ...], value: int) -> Any:
         if self.torch:

@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from cosyserve.core.request import Mode, SynthesisRequest, is_text_iterable
-from cosyserve.core.sampling import row_key
+from cosyserve.core.sampling import ArrayOps, row_key
 from cosyserve.core.stop import Stopped, check
 from cosyserve.families import DEFAULT_FAMILY, family_named
 from cosyserve.families.base import Family
@@ -47,7 +46,6 @@ from cosyserve.runtime import PIECE_SECONDS_MAX
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import Streamed, one_shot
 from cosyserve.runtime.modes import ModelModes
-from cosyserve.system.device import module_device
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +64,22 @@ class PreparedRequest:
     pieces: list[str] = field(default_factory=list)
 
 
-def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.tensor([ids], dtype=torch.int32)  # [1, n]
-    return tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32)
+def _ids(ops: ArrayOps, ids: list[int]) -> tuple[Any, Any]:
+    tokens = ops.asarray([ids], "int32").reshape(1, -1)  # [1, n]
+    return tokens, ops.asarray([tokens.shape[1]], "int32")
 
 
 class Pipeline(ModelModes):
-    """Synthesis in every CosyVoice-300M mode over loaded modules.
+    """Synthesis in every mode of a model's family over its loaded LM, flow and vocoder: the torch runtime's
+    modules, or the lite runtime's graphs (:mod:`cosyserve.runtime.lite`). Arrays are the token2wav's namespace
+    (its :class:`~cosyserve.core.sampling.ArrayOps`: torch on the modules' device, or numpy): nothing here imports
+    torch.
 
     Args:
-        llm: :class:`cosyserve.models.llm.TransformerLM`.
-        flow: :class:`cosyserve.models.flow.MaskedDiffWithXvec`.
-        hift: :class:`cosyserve.models.hift.HiFTGenerator`.
+        llm: the LM the decode loop drives (:class:`~cosyserve.runtime.lm.DecodeLM`: a torch
+            :class:`~cosyserve.models.llm.SpeechLM`, or the lite :class:`~cosyserve.runtime.lite.lm.StepLM`).
+        flow: the family's flow (a torch module, or the lite graphs' runner; ``flow.cfg.input_frame_rate``).
+        hift: the family's vocoder.
         speakers: pre-defined speaker id -> ``{"embedding": [1, 192], ...}`` (spk2info).
         sample_rate: output rate in Hz (22050 for CosyVoice-300M).
         policy: streaming rules; default the reference's.
@@ -91,6 +93,10 @@ class Pipeline(ModelModes):
         flow_steps: the flow's Euler steps (default: the model's own count).
         voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates` for a flow that streams by keeping its
             frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
+        frontend: makes the zero-shot tier's frontend on first use (default: the family's
+            :meth:`~cosyserve.families.base.Family.frontend`, torch's; the lite runtime gives its numpy one).
+        token2wav: the token2wav over ``flow`` and ``hift`` (default: the family's
+            :meth:`~cosyserve.families.base.Family.token2wav`; the lite runtime's CosyVoice-300M gives its own).
     """
 
     def __init__(
@@ -98,7 +104,7 @@ class Pipeline(ModelModes):
         llm: Any,
         flow: Any,
         hift: Any,
-        speakers: dict[str, dict[str, torch.Tensor]],
+        speakers: dict[str, dict[str, Any]],
         sample_rate: int,
         policy: StreamPolicy | None = None,
         *,
@@ -112,6 +118,8 @@ class Pipeline(ModelModes):
         tokenizer: Any = None,
         config: Any = None,
         voice_states: Any = None,
+        frontend: Callable[[], Any] | None = None,
+        token2wav: Any = None,
     ) -> None:
         self.llm = llm
         # the LM's decode loop: one row unless the runtime gives it more (TorchRuntime, batch_size)
@@ -119,12 +127,16 @@ class Pipeline(ModelModes):
         # one piece's speech tokens at most (its LM run, and its flow and vocoder passes without streaming)
         self.max_piece_tokens = PIECE_SECONDS_MAX * int(flow.cfg.input_frame_rate)
         family = family_named(family) if isinstance(family, str) else family
-        self.config = config  # the model's ModelConfig (what the family builds its parts from)
-        self.device = module_device(flow)  # where the modules compute: every request tensor goes there
+        # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
+        self.config = config
         self.voice_states = voice_states if getattr(flow, "streams", False) else None
-        self.token2wav: Any = family.token2wav(
+        self.token2wav: Any = token2wav or family.token2wav(
             config, flow, hift, policy, flow_steps, voices=self.voice_states
         )
+        # the arrays' namespace and device (the token2wav's: torch on the modules' device, or numpy)
+        self.ops: ArrayOps = self.token2wav.ops
+        self.device = self.ops.device  # where the modules compute: every request tensor goes there
+        self._make_frontend = frontend
         ModelModes.__init__(
             self,
             speakers,
@@ -151,7 +163,9 @@ class Pipeline(ModelModes):
         sessions are created on their first run)."""
         if self._frontend is None:
             with self._frontend_lock:
-                if self._frontend is None:
+                if self._frontend is None and self._make_frontend is not None:
+                    self._frontend = self._make_frontend()
+                elif self._frontend is None:
                     self._frontend = self.family.frontend(
                         self.model_dir or Path("."),
                         self.config,
@@ -162,14 +176,12 @@ class Pipeline(ModelModes):
                     )
         return self._frontend
 
-    def _text_ids(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _ids(self.tokenizer.encode(text))
+    def _text_ids(self, text: str) -> tuple[Any, Any]:
+        return _ids(self.ops, self.tokenizer.encode(text))
 
     # --- speakers -------------------------------------------------------------------------------------------------
 
-    def extract_prompt(
-        self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot"
-    ) -> dict[str, torch.Tensor]:
+    def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:
         """The zero-shot prompt features of a recording and its transcript: the entry the reference's
         ``add_zero_shot_spk`` stores.
 
@@ -189,7 +201,6 @@ class Pipeline(ModelModes):
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prepare(self, request: SynthesisRequest) -> PreparedRequest:
         """Build the model inputs of a request that passed :meth:`SynthesisRequest.verify` (extracting prompt
         features where needed); what only the model can tell is checked here.
@@ -200,10 +211,11 @@ class Pipeline(ModelModes):
             UnknownVoiceError: no such speaker; ModeUnavailableError: the model cannot run the mode;
             AudioError: unusable prompt or source audio; ClientError: nothing to speak in the text.
         """
-        prepared = self._prepare(request)
-        if prepared.mode != "vc":
-            completed = self.family.complete_inputs(prepared.inputs, self.tokenizer.encode)
-            prepared.inputs = list(completed) if isinstance(prepared.inputs, list) else completed
+        with self.ops.no_grad():
+            prepared = self._prepare(request)
+            if prepared.mode != "vc":
+                completed = self.family.complete_inputs(prepared.inputs, self.tokenizer.encode)
+                prepared.inputs = list(completed) if isinstance(prepared.inputs, list) else completed
         return prepared
 
     def _prepare(self, request: SynthesisRequest) -> PreparedRequest:
@@ -229,13 +241,11 @@ class Pipeline(ModelModes):
             prepared.inputs = (make(self._text_ids(piece)) for piece in self.text_pieces(r))
         return prepared
 
-    def _id_stream(self, pieces: Iterator[str]) -> tuple[Iterator[torch.Tensor], torch.Tensor]:
+    def _id_stream(self, pieces: Iterator[str]) -> tuple[Iterator[Any], Any]:
         # a text stream as the LM's bistream takes it: each piece's ids as it arrives, tokenized on its own (as
         # the reference does); the length is unknown (-1)
-        encode = self.tokenizer.encode
-        return (torch.tensor([encode(p)], dtype=torch.int32).reshape(1, -1) for p in pieces), torch.tensor(
-            [-1]
-        )
+        encode, ops = self.tokenizer.encode, self.ops
+        return (_ids(ops, encode(p))[0] for p in pieces), ops.asarray([-1], "int32")
 
     def run(
         self, request: SynthesisRequest, should_stop: Callable[[], bool] | None = None
@@ -244,9 +254,9 @@ class Pipeline(ModelModes):
         mono audio chunks (1-D numpy arrays at ``sample_rate``). ``should_stop`` is asked after every speech
         token; once it says True the generator ends."""
         prepared = self.prepare(request)
-        return self._generate(prepared, should_stop)
+        # each step in the array ops' no_grad (torch's inference mode), as a decorated generator's
+        return self.ops.each_without_grad(self._generate(prepared, should_stop))  # type: ignore[no-any-return]
 
-    @torch.inference_mode()
     def _generate(
         self, prepared: PreparedRequest, should_stop: Callable[[], bool] | None
     ) -> Iterator[np.ndarray]:
@@ -255,8 +265,7 @@ class Pipeline(ModelModes):
         # the seed keys the LM's sampler (each text piece its own key) and seeds the generator of the flow's and
         # vocoder's noise
         seed = r.seed if r.seed is not None else secrets.randbits(63)
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
+        generator = self.ops.generator(seed)
         try:
             for n, model_input in enumerate(prepared.inputs):
                 yield from self._tts(
@@ -272,25 +281,25 @@ class Pipeline(ModelModes):
 
     def _tts(
         self,
-        model_input: dict[str, torch.Tensor],
+        model_input: dict[str, Any],
         *,
         stream: bool,
         speed: float,
         key: int,
-        generator: torch.Generator,
+        generator: Any,
         should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[np.ndarray]:
         # the reference's CosyVoiceModel.tts: absent keys are its defaults; lengths come from the shapes. The
         # frontend and the registry make their tensors on the CPU: they move to the modules' device here, once
-        d = self.device
-        if d.type != "cpu":
-            model_input = {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in model_input.items()}
-        empty_ids = torch.zeros(1, 0, dtype=torch.int32, device=d)
-        empty_embedding = torch.zeros(0, 192, device=d)
+        ops = self.ops
+        if not ops.host:
+            model_input = {k: v.to(ops.device) if _is_array(v) else v for k, v in model_input.items()}
+        empty_ids = ops.zeros((1, 0), "int32")
+        empty_embedding = ops.zeros((0, 192), "float32")
         source = model_input.get("source_speech_token", empty_ids)
         if source.shape[1] == 0:
             text = model_input["text"]
-            if not isinstance(text, torch.Tensor):  # text still arriving: the LM takes its ids as they come
+            if not _is_array(text):  # text still arriving: the LM takes its ids as they come
                 spec: Any = Streamed(
                     text,
                     model_input.get("prompt_text", empty_ids).reshape(-1).tolist(),
@@ -308,11 +317,17 @@ class Pipeline(ModelModes):
             tokens,
             embedding=model_input.get("flow_embedding", empty_embedding),
             prompt_token=model_input.get("flow_prompt_speech_token", empty_ids),
-            prompt_feat=model_input.get("prompt_speech_feat", torch.zeros(1, 0, 80, device=d)),
+            prompt_feat=model_input.get("prompt_speech_feat", ops.zeros((1, 0, 80), "float32")),
             stream=stream,
             speed=speed,
             generator=generator,
             should_stop=should_stop,
         ):
-            yield chunk[0].cpu().numpy().astype(np.float32, copy=False)  # one device-to-host copy per chunk
+            # one device-to-host copy per chunk ([1, samples], or the 300M lite token2wav's 1-D samples)
+            yield ops.to_host(chunk.reshape(-1)).astype(np.float32, copy=False)
             check(should_stop)
+
+
+def _is_array(x: Any) -> bool:
+    # a tensor or numpy array (text still arriving is an iterator of them)
+    return hasattr(x, "shape")

@@ -34,7 +34,7 @@ INT8_STEP = (
     "llm_step.int8.onnx"  # the step graph with ORT's dynamic int8 matmuls (convert --quantize llm=int8)
 )
 # the parts a bundle's lite graphs cover: a bundle serves on the lite runtime with all of them (its manifest lists
-# the ones it holds; the lite runtime serves the CosyVoice-300M family's, the tools run every family's)
+# the ones it holds)
 LITE_PARTS = ("llm", "flow", "hift")
 # CosyVoice-300M's graphs (a manifest lists its own)
 GRAPHS = {

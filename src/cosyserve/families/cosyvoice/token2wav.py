@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
 from cosyserve.families.base import CachedVocoder, WindowedFlow
 from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
@@ -89,6 +90,7 @@ class Token2Wav:
         self.flow_steps = flow_steps
         # where the modules compute: the request's tensors are made there
         self.device = module_device(flow)
+        self.ops = ArrayOps(torch, self.device)  # the arrays the pipeline gives it and gets from it
 
     def _call(
         self,

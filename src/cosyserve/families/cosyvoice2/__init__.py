@@ -85,7 +85,8 @@ class CosyVoice2(Family):
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
     # every part exported (the flow re-runs over the tokens so far at each chunk, as the reference does); the lite
-    # runtime does not serve the family yet (lite False)
+    # runtime serves it through the shared pipeline and this family's token2wav
+    lite = True
     lite_export = "cosyserve.bundle.lite.export_qwen:export"
     lite_parts = ("llm", "flow", "hift")
     lite_kinds = tuple(conformance_kinds)  # every kind: the models' graphs and the numpy frontend

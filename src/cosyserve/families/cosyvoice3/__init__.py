@@ -133,8 +133,9 @@ class CosyVoice3(CosyVoice2):
         # Each piece is one LM run: its prompt text or text must hold the marker. A piece without it gets the first
         # piece's own prefix (a text that began with one) or the default: in its prompt text when it has one
         # (zero-shot: the transcript; instruct2: the instruction), else in its text. Text that arrives as a stream
-        # (the LM's bistream) needs the marker in the prompt text: the default goes there.
-        import torch
+        # (the LM's bistream) needs the marker in the prompt text: the default goes there. Ids are torch tensors or
+        # numpy arrays (the runtime's): what is added is made in the same kind.
+        from cosyserve.core.sampling import array_ops
 
         (marker,) = encode(ENDOFPROMPT)
         prefix = encode(DEFAULT_PREFIX)
@@ -143,15 +144,15 @@ class CosyVoice3(CosyVoice2):
             text = x.get("text")
             prompt = x.get("prompt_text")
             has_prompt = prompt is not None and prompt.shape[1] > 0
-            streamed = not isinstance(text, torch.Tensor)
-            if streamed:
+            ops = array_ops(x["text_len"])
+            if not hasattr(text, "shape"):  # streamed: an iterator of each piece's ids
                 if has_prompt and bool((prompt == marker).any()):
                     yield x
                     continue
-                head = torch.tensor([prefix], dtype=torch.int32)
+                head = ops.asarray([prefix], "int32")
                 x = dict(x)
-                x["prompt_text"] = torch.cat([head, prompt.to(torch.int32)], 1) if has_prompt else head
-                x["prompt_text_len"] = torch.tensor([x["prompt_text"].shape[1]], dtype=torch.int32)
+                x["prompt_text"] = ops.cat([head, _int32(prompt)], 1) if has_prompt else head
+                x["prompt_text_len"] = ops.asarray([x["prompt_text"].shape[1]], "int32")
                 yield x
                 continue
             ids = text[0].tolist()
@@ -163,11 +164,16 @@ class CosyVoice3(CosyVoice2):
             x = dict(x)
             key = "prompt_text" if has_prompt and own is None else "text"
             head_ids = prefix if key == "prompt_text" or own is None else own
-            ids_t = torch.cat([torch.tensor([head_ids], dtype=x[key].dtype), x[key]], 1)
-            x[key], x[f"{key}_len"] = ids_t, torch.tensor([ids_t.shape[1]], dtype=torch.int32)
+            ids_t = ops.cat([ops.asarray([head_ids], "int32"), _int32(x[key])], 1)
+            x[key], x[f"{key}_len"] = ids_t, ops.asarray([ids_t.shape[1]], "int32")
             yield x
 
     def speech_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
         from cosyserve.families.cosyvoice3.token2wav import filter_silent_tokens
 
         return filter_silent_tokens(tokens)
+
+
+def _int32(ids: Any) -> Any:
+    # token ids as int32: a torch tensor or a numpy array
+    return ids.int() if hasattr(ids, "int") else ids.astype("int32")

@@ -9,30 +9,88 @@ and speaker projection and of the vocoder's f0 predictor, in that order (KINDS-c
 same buffers, bit for bit (checked against the fixtures' recorded buffers), so a served model speaks as the
 reference's does. Only a prefix of ``sine_waves`` is ever read (one sample row per output sample of a vocoder
 call): it is made as long as calls need, and no longer.
+
+The replay is numpy's, without torch (both runtimes use it; a lite bundle carries no noise, only the shapes in its
+manifest's config): torch's CPU generator is a 32-bit Mersenne Twister seeded as ``init_genrand(seed)``; a float32
+``uniform_`` / ``rand`` takes one 32-bit output per element, its low 24 bits times 2**-24; ``normal_`` of a
+contiguous float32 tensor of n >= 16 elements takes n outputs, and 16 more when n is not a multiple of 16 (its last
+16 values are drawn again). So the outputs before ``rand_ini`` are counted from the shapes and skipped.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REFERENCE_SAMPLES", "VocoderNoise"]
+import numpy as np
+
+__all__ = ["REFERENCE_SAMPLES", "VocoderNoise", "draws_before"]
 
 REFERENCE_SAMPLES = 7_200_000  # the reference's buffer: a vocoder call over more samples fails there
+FLOW_NOISE = 80 * 15000  # the flow's fixed noise, randn(1, 80, 15000)
+SEED = 0
+
+
+def _get(config: Any, name: str) -> Any:
+    # a ModelConfig's field (an attribute) or a manifest config's (a key)
+    return config[name] if isinstance(config, Mapping) else getattr(config, name)
+
+
+def _normal(n: int) -> int:
+    return n + (16 if n % 16 else 0)
+
+
+def draws_before(config: Any) -> int:
+    """The generator outputs the reference's construction draws before ``rand_ini``, for a model ``config`` (a
+    :class:`~cosyserve.families.modelconfig.ModelConfig`, or a bundle manifest's ``config``): the flow's noise, its
+    token embedding (normal) and speaker projection (kaiming uniform weight, uniform bias), the vocoder's f0
+    predictor (5 convs, then its linear head)."""
+    flow, hift = _get(config, "flow"), _get(config, "hift")
+    f0 = _get(hift, "f0_predictor")
+    inp, cond, classes = _get(f0, "in_channels"), _get(f0, "cond_channels"), _get(f0, "num_class")
+    n = FLOW_NOISE + _normal(_get(flow, "vocab_size") * _get(flow, "input_size"))
+    n += _get(flow, "spk_embed_dim") * _get(flow, "output_size") + _get(flow, "output_size")
+    n += inp * cond * 4 + cond + 4 * (cond * cond * 3 + cond)
+    return n + cond * classes + classes
+
+
+def _mt19937(seed: int) -> np.random.MT19937:
+    # torch's CPU generator after manual_seed(seed): the reference init_genrand (not numpy's SeedSequence)
+    key = np.zeros(624, np.uint32)
+    s = seed & 0xFFFFFFFF
+    for i in range(624):
+        key[i] = s
+        s = (1812433253 * (s ^ (s >> 30)) + i + 1) & 0xFFFFFFFF
+    bg = np.random.MT19937()
+    bg.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": 624}}
+    return bg
+
+
+def _uniform(bg: np.random.MT19937, n: int) -> np.ndarray:
+    # n float32 in [0, 1) as torch's rand draws them, in blocks (bounded temporary memory)
+    out = np.empty(n, np.float32)
+    for i in range(0, n, 1 << 22):
+        raw = bg.random_raw(min(1 << 22, n - i))
+        np.bitwise_and(raw, 0xFFFFFF, out=raw)
+        out[i : i + raw.shape[0]] = raw  # exact: 24 bits fit a float32
+    out *= np.float32(2.0**-24)  # exact: a power of two
+    return out
 
 
 class VocoderNoise:
     """The vocoder noise buffers of a CosyVoice3 model with ``config`` (a
-    :class:`~cosyserve.families.modelconfig.ModelConfig`), made on first use and grown on demand; thread-safe."""
+    :class:`~cosyserve.families.modelconfig.ModelConfig`, or a bundle manifest's ``config``), made on first use and
+    grown on demand; thread-safe. Numpy arrays (the torch runtime shares their memory)."""
 
     def __init__(self, config: Any) -> None:
-        self.flow, self.f0 = config.flow, config.hift.f0_predictor
-        self.harmonics = config.hift.nb_harmonics + 1
+        self.skip = draws_before(config)
+        self.harmonics = int(_get(_get(config, "hift"), "nb_harmonics")) + 1
         self._lock = threading.Lock()
-        self._buffers: dict[str, Any] | None = None
+        self._buffers: dict[str, np.ndarray] | None = None
 
-    def draws(self, samples: int) -> dict[str, Any]:
-        """``{"rand_ini": [1, H], "sine_waves": [1, >= samples, H]}`` for a vocoder call of ``samples``."""
+    def draws(self, samples: int) -> dict[str, np.ndarray]:
+        """``{"rand_ini": [1, H], "sine_waves": [1, >= samples, H]}`` float32 for a vocoder call of ``samples``."""
         if samples > REFERENCE_SAMPLES:
             raise ValueError(
                 f"a vocoder call over {samples} samples exceeds the reference's noise buffer "
@@ -49,22 +107,10 @@ class VocoderNoise:
                 self._buffers = have = self._replay(n)
         return have
 
-    def _replay(self, samples: int) -> dict[str, Any]:
-        import torch
-        from torch import nn
-
-        with torch.random.fork_rng(devices=[]):  # the process's own generator is left as it was
-            torch.manual_seed(0)
-            torch.randn(1, 80, 15000)  # the flow's fixed noise
-            flow = self.flow
-            nn.Embedding(flow.vocab_size, flow.input_size)
-            nn.Linear(flow.spk_embed_dim, flow.output_size)
-            f0 = self.f0
-            nn.Conv1d(f0.in_channels, f0.cond_channels, 4)  # CausalConvRNNF0Predictor: 5 convs, then its head
-            for _ in range(4):
-                nn.Conv1d(f0.cond_channels, f0.cond_channels, 3)
-            nn.Linear(f0.cond_channels, f0.num_class)
-            rand_ini = torch.rand(1, self.harmonics)
-            rand_ini[:, 0] = 0
-            sine_waves = torch.rand(1, samples, self.harmonics)
-        return {"rand_ini": rand_ini, "sine_waves": sine_waves}
+    def _replay(self, samples: int) -> dict[str, np.ndarray]:
+        bg, h = _mt19937(SEED), self.harmonics
+        for i in range(0, self.skip, 1 << 22):
+            bg.random_raw(min(1 << 22, self.skip - i))
+        rand_ini = _uniform(bg, h).reshape(1, h)
+        rand_ini[:, 0] = 0
+        return {"rand_ini": rand_ini, "sine_waves": _uniform(bg, samples * h).reshape(1, samples, h)}

@@ -117,5 +117,6 @@ class Token2Wav3(Token2Wav2):
                     "CosyVoice3's vocoder needs its noise buffers: pass draws, or build with noise="
                 )
             frames = vocoder.frames + mel.shape[2]
-            draws = self.noise.draws(frames * self.hift.cfg.upsample_factor)
+            noise = self.noise.draws(frames * self.hift.cfg.upsample_factor)  # numpy: shared, not copied
+            draws = {k: self.ops.from_host(v) for k, v in noise.items()}
         return self.hift.stream(vocoder, mel, finalize, should_stop=should_stop, **draws)

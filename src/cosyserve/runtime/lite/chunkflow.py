@@ -33,6 +33,7 @@ class LiteChunkFlow:
     def __init__(self, bundle: Any, tables: dict[str, np.ndarray], n_timesteps: int | None = None) -> None:
         c = bundle.config["flow"]
         self.bundle = bundle
+        self.cfg = SimpleNamespace(**c)  # attributes, as the torch flow's config
         self.input_frame_rate = int(c["input_frame_rate"])
         self.output_size = int(c["output_size"])
         self.in_channels = int(c["in_channels"])

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from cosyserve.bundle.lite import (
     TABLES_FILE,
 )
 from cosyserve.core.errors import BundleError
+from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.models import lite_dsp as dsp
@@ -232,6 +234,7 @@ class LiteFlow:
     def __init__(self, bundle: LiteBundle, tables: dict[str, np.ndarray], n_timesteps: int | None = None):
         c = bundle.config["flow"]
         self.bundle = bundle
+        self.cfg = SimpleNamespace(**c)  # attributes, as the torch flow's config
         self.input_frame_rate = int(c["input_frame_rate"])
         self.output_size = int(c["output_size"])
         self.in_channels = int(c["in_channels"])
@@ -391,6 +394,8 @@ class LiteToken2Wav:
     ):
         self.flow, self.hift, self.policy, self.flow_steps = flow, hift, policy, flow_steps
 
+    ops = ArrayOps(np)  # the arrays it takes and gives (the shared pipeline's, numpy's)
+
     def _call(
         self,
         tokens: list[int],
@@ -450,7 +455,7 @@ class LiteToken2Wav:
         tokens: Iterable[int],
         *,
         embedding: np.ndarray,
-        prompt_token: list[int] | None = None,
+        prompt_token: Any = None,
         prompt_feat: np.ndarray | None = None,
         stream: bool = False,
         speed: float = 1.0,
@@ -459,14 +464,18 @@ class LiteToken2Wav:
         should_stop: ShouldStop | None = None,
     ) -> Iterator[np.ndarray]:
         """Yield float32 audio chunks (1-D) for a stream of speech token ids; ``should_stop`` is asked between
-        the pieces of every call's work (:class:`cosyserve.core.stop.Stopped`)."""
+        the pieces of every call's work (:class:`cosyserve.core.stop.Stopped`). ``embedding`` (192,) or (1, 192),
+        ``prompt_token`` ids (a list, or (1, P)), ``prompt_feat`` (F, 80) or (1, F, 80): the shared pipeline's
+        shapes are the torch token2wav's."""
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
         p = self.policy
-        prompt_token = list(prompt_token or [])
+        embedding = np.asarray(embedding, dtype=np.float32).reshape(-1)
+        prompt_token = [] if prompt_token is None else [int(t) for t in np.asarray(prompt_token).reshape(-1)]
         prompt_feat = np.zeros((0, 80), np.float32) if prompt_feat is None else prompt_feat
+        prompt_feat = np.asarray(prompt_feat, dtype=np.float32).reshape(-1, 80)
         state = _State()
 
         def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
