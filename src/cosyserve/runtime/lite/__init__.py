@@ -10,11 +10,10 @@ Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipelin
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
 and vocoder's graphs: CosyVoice2's and CosyVoice3's chunk flow (:mod:`cosyserve.runtime.lite.chunkflow`) under
 the family's own token2wav, CosyVoice-300M's flow under :class:`~cosyserve.runtime.lite.models.LiteToken2Wav`.
-CosyVoice-300M: every mode the torch runtime serves (sft, instruct on an -Instruct model, zero_shot,
-cross_lingual, vc). CosyVoice2/3: every mode that needs no new prompt audio analysed (sft, and zero_shot,
-cross_lingual, instruct2 with a registered voice), one-shot, streamed and with streamed text; a prompt
-recording is refused with a client error until the numpy frontend serves these families
-(:func:`lite_frontend_serves`). The same chunking and the same voice registry as the torch runtime (numpy
+Every mode the torch runtime serves (sft, instruct on a 300M -Instruct model, zero_shot, cross_lingual,
+instruct2, vc; a new prompt recording analysed by the numpy frontend,
+:class:`~cosyserve.runtime.lite.frontend.LiteFrontend`, with the family's prompt mel), one-shot, streamed and
+with streamed text. The same chunking and the same voice registry as the torch runtime (numpy
 arrays; importing or exporting a reference ``spk2info.pt`` needs torch). Speech tokens are the torch runtime's
 for a seed (one sampler, one decode loop: :mod:`cosyserve.runtime.decode`), and audio equals the torch
 runtime's up to float32 rounding when both get the same random draws: CosyVoice3 draws none (its fixed noise
@@ -45,7 +44,7 @@ from cosyserve.system.cpus import default_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LiteRuntime", "lite_frontend_serves", "load"]
+__all__ = ["LiteRuntime", "load"]
 
 
 class LiteRuntime(RuntimeVoices):
@@ -141,12 +140,6 @@ def _config_view(config: Any) -> Any:
     return config
 
 
-def lite_frontend_serves(family: Any) -> bool:
-    """Whether the lite runtime's numpy frontend analyses this family's prompt audio (its conformance covers the
-    prompt frontend kinds)."""
-    return "zero_shot_frontend" in family.lite_kinds
-
-
 def _pipeline(
     bundle: Any,
     lite: Any,
@@ -159,7 +152,6 @@ def _pipeline(
     """The shared :class:`~cosyserve.runtime.pipeline.Pipeline` over the lite LM and the flow's and vocoder's
     graphs (numpy arrays throughout), the family's stream policy and token2wav: CosyVoice2/3's chunk flow under
     the family's own token2wav, CosyVoice-300M's flow under :class:`~cosyserve.runtime.lite.models.LiteToken2Wav`."""
-    from cosyserve.core.errors import ModeUnavailableError
     from cosyserve.runtime.pipeline import Pipeline
 
     family = bundle.family
@@ -182,23 +174,16 @@ def _pipeline(
     pipeline: Pipeline
 
     def frontend() -> Any:
-        # a new prompt recording's features: the numpy frontend, where it serves the family
-        if not lite_frontend_serves(family):
-            raise ModeUnavailableError(
-                f"the lite runtime cannot analyse prompt audio for {family.title} yet (its numpy prompt frontend "
-                "serves CosyVoice-300M only): speak with a pre-defined speaker or a voice registered by name "
-                "(registered on the torch runtime), or serve this model on the torch runtime",
-                param="prompt_wav",
-            )
+        # a new prompt recording's features: the numpy frontend with the family's prompt mel and trim
         from cosyserve.runtime.lite.frontend import LiteFrontend
 
-        class PromptFrontend(LiteFrontend):
-            def frontend_vc(self, source_wav: Any, prompt_wav: Any) -> dict[str, Any]:
-                return self.vc(source_wav, prompt_wav)  # the torch frontend's name of it
-
-        campplus, tokenizer = (pipeline.onnx_paths[n] for n in pipeline.onnx_files)
-        assert campplus is not None and tokenizer is not None, "require() the prompt modes first"
-        return PromptFrontend(campplus, tokenizer, pipeline.tokenizer.encode, pipeline.onnx_check)
+        return LiteFrontend.for_family(
+            family,
+            bundle.manifest["config"],
+            pipeline.onnx_paths,
+            pipeline.tokenizer.encode,
+            pipeline.onnx_check,
+        )
 
     factory = family.tokenizer(bundle.path, check=bundle.check_onnx)
     pipeline = Pipeline(
@@ -370,11 +355,7 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
         noise is not None
     ):  # CosyVoice3's fixed vocoder noise, replayed once (~0.1-0.3 s), not by a first request
         steps.append(("vocoder_noise", lambda: noise.draws(1)))
-    if (
-        o.zero_shot_tier == "background"
-        and "zero_shot" in runtime.pipeline.available_modes()
-        and lite_frontend_serves(runtime.bundle.family)
-    ):
+    if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
