@@ -6,6 +6,9 @@ source tree, and the audio of N concurrent one-shot requests against one.
     python bench/lm_batching.py first-audio --model CV2_BUNDLE --baseline-src /tmp/base/src [--rounds 15]
     # audio seconds per wall second, 8 concurrent one-shot requests vs 1 (default settings)
     python bench/lm_batching.py throughput --model CV2_BUNDLE [--concurrency 8]
+    # the same for streamed requests with token2wav stacked across them (batch_flow): how many flow and vocoder
+    # calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one
+    python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow [--concurrency 4] [--gather-ms 50]
     python bench/lm_batching.py --dry-run      # both, on a tiny CosyVoice2 model made here (CI: tests/test_bench_lm)
 
 first-audio: two worker processes, one per source tree (``PYTHONPATH``), each loads the model once (warm-up on)
@@ -19,6 +22,10 @@ this tree / baseline <= 1.05).
 throughput: one process of this tree, the model loaded with default settings; one request alone, then
 ``--concurrency`` requests at once (threads, each its own seed, the same text): audio seconds over wall seconds
 for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
+``--stream`` makes every request streamed (chunks as the model's chunk policy cuts them); ``--batch-flow`` loads
+with ``batch_flow=True`` and prints, per token2wav part the family stacks, its calls in the concurrent run, how
+many of them ran stacked, and the mean calls per run (``--gather-ms``: how long a call waits for partners while
+another stream runs; a lone stream never waits).
 
 Random weights never draw a stop id: every request runs its LM to its length limit, so all make the same amount of
 audio. The figures share the machine's cores with everything else on it: run on a quiet machine, name the CPU.
@@ -44,12 +51,14 @@ TEXT = "Hello there, this is a test of the first audio of a lone request."
 DRY_TEXT = "Hello there."
 
 
-def _load(model: str, batch_size: int | None) -> Any:
+def _load(model: str, batch_size: int | None, batch_flow: bool = False) -> Any:
     import cosyserve
 
     options: dict[str, Any] = {"warmup": True}
     if batch_size is not None:
         options["batch_size"] = batch_size
+    if batch_flow:
+        options["batch_flow"] = True
     return cosyserve.load(model, **options)
 
 
@@ -120,17 +129,38 @@ def first_audio(model: str, baseline_src: Path, rounds: int, text: str) -> dict[
     return out
 
 
-def throughput(model: str, concurrency: int, text: str) -> dict[str, Any]:
-    m = _load(model, None)
+def _stackers(m: Any) -> dict[str, Any]:
+    # the token2wav parts that batch_flow stacked (runtime.stacking), by part
+    t2w = m.runtime.pipeline.token2wav
+    return {part: getattr(t2w, part) for part in ("flow", "hift") if hasattr(getattr(t2w, part), "stats")}
+
+
+def throughput(
+    model: str,
+    concurrency: int,
+    text: str,
+    stream: bool = False,
+    batch_flow: bool = False,
+    gather_ms: float | None = None,
+) -> dict[str, Any]:
+    import dataclasses
+
+    m = _load(model, None, batch_flow)
     speaker = m.speakers[0] if m.speakers else None
     decoder = m.runtime.pipeline.decoder
-    m.synthesize_all(text, speaker=speaker, seed=0)  # the paths warm
+    m.synthesize_all(text, speaker=speaker, seed=0, stream=stream)  # the paths warm
+    stackers = _stackers(m)
+    for b in stackers.values():
+        if gather_ms is not None:
+            b.gather_s = gather_ms / 1000
 
     def run(n: int) -> tuple[float, float]:
         audio = [0.0] * n
 
         def one(i: int) -> None:
-            audio[i] = m.synthesize_all(text, speaker=speaker, seed=100 + i).size / m.sample_rate
+            audio[i] = (
+                m.synthesize_all(text, speaker=speaker, seed=100 + i, stream=stream).size / m.sample_rate
+            )
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         t = time.perf_counter()
@@ -143,20 +173,39 @@ def throughput(model: str, concurrency: int, text: str) -> dict[str, Any]:
 
     a1, w1 = run(1)
     steps0, rows0 = decoder.stats.steps, decoder.stats.rows
+    before = {part: dataclasses.replace(b.stats) for part, b in stackers.items()}
     an, wn = run(concurrency)
     steps, rows = decoder.stats.steps - steps0, decoder.stats.rows - rows0
+    stacked = {}
+    for part, b in stackers.items():
+        calls = b.stats.calls - before[part].calls
+        batched = b.stats.batched_calls - before[part].batched_calls
+        runs = calls - batched + b.stats.batches - before[part].batches
+        stacked[part] = {
+            "calls": calls,
+            "stacked_calls": batched,
+            "mean_batch": calls / runs if runs else 0.0,
+        }
     out = {
         "batch_size": decoder.max_rows,
+        "stream": stream,
         "one": a1 / w1,
         "concurrent": an / wn,
         "ratio": (an / wn) / (a1 / w1),
         "mean_rows": rows / steps if steps else 0.0,
+        "stacked": stacked,
     }
-    print(f"audio s per wall s (batch_size {out['batch_size']}, the default):")
-    print(f"  1 request           {out['one']:.3f}")
+    what = "streams" if stream else "requests"
+    print(f"audio s per wall s (batch_size {out['batch_size']}, the default; batch_flow {batch_flow}):")
+    print(f"  1 of the {what:<8}    {out['one']:.3f}")
     print(f"  {concurrency} concurrent        {out['concurrent']:.3f}")
     print(f"  ratio               {out['ratio']:.2f} (target >= 2 at 8)")
     print(f"  LM rows per step    {out['mean_rows']:.2f}")
+    for part, st in stacked.items():
+        print(
+            f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
+            f"(mean {st['mean_batch']:.2f} calls per run)"
+        )
     m.close()
     return out
 
@@ -171,11 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15, help="first-audio: interleaved pairs (default 15)")
     ap.add_argument("--concurrency", type=int, default=8, help="throughput: requests at once (default 8)")
     ap.add_argument("--text", default=None, help="the text of every request")
+    ap.add_argument("--stream", action="store_true", help="throughput: streamed requests")
+    ap.add_argument(
+        "--batch-flow", action="store_true", help="throughput: stack token2wav calls across requests"
+    )
     ap.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument(
         "--dry-run",
         action="store_true",
         help="both measurements, 2 pairs, on a tiny CosyVoice2 model (CI; --model: this one)",
+    )
+    ap.add_argument(
+        "--gather-ms",
+        type=float,
+        default=None,
+        help="throughput --batch-flow: how long a stacked call waits for partners (default: the runtime's)",
     )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -199,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error("first-audio needs --baseline-src (the src folder of the tree to compare with)")
             results["first_audio"] = first_audio(model, base, 2 if args.dry_run else args.rounds, text)
         if args.what in (None, "throughput"):
-            results["throughput"] = throughput(model, 2 if args.dry_run else args.concurrency, text)
+            n = 2 if args.dry_run else args.concurrency
+            results["throughput"] = throughput(model, n, text, args.stream, args.batch_flow, args.gather_ms)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

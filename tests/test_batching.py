@@ -317,3 +317,68 @@ def test_cosyvoice2_streams_stack_their_vocoder_calls(cv2_model_dir: Path) -> No
             torch.testing.assert_close(got, want, atol=AUDIO_ATOL, rtol=0)
     finally:
         rt.close()
+
+
+def _cv3_streams(n: int) -> list[dict[str, Any]]:
+    # prompts of 7, 33 and 20 tokens: first hops of different lengths (28, 17 and 15 tokens on the tiny
+    # policy), aligned to the same hops after them (the 20-token prompt's from its third chunk)
+    g = torch.Generator().manual_seed(5)
+    return [
+        dict(
+            tokens=torch.randint(0, 6561, (200,), generator=g).tolist(),
+            prompt_token=torch.randint(0, 6561, (1, p), generator=g, dtype=torch.int32),
+            prompt_feat=torch.randn(1, 2 * p, 80, generator=g),
+            embedding=torch.randn(1, 192, generator=g),
+        )
+        for p in (7, 33, 20)[:n]
+    ]
+
+
+def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path) -> None:
+    """``batch_flow`` on a CosyVoice3 model stacks the causal vocoder's calls of concurrent streams whose kept
+    frames, new frames and output place match (each row keeps its stream's kept mel, phase and place in the
+    fixed noise): two streams of different prompt lengths stack from their second chunk, and each speaks what
+    it speaks alone."""
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+
+    options = RuntimeOptions(warmup=False, batch_size=2, batch_flow=True, flow_steps=2)  # steps: only time
+    rt = load_runtime(cv3_model_dir, options)
+    try:
+        t2w = rt.pipeline.token2wav
+        assert isinstance(t2w.hift, VocoderBatcher)
+        # a pair runs once both calls are in, a call runs alone once the other stream waits elsewhere or is
+        # done: the wait only bounds a failure
+        t2w.hift.gather_s = 60.0
+        streams = _cv3_streams(2)
+
+        def speak(t2w: Any, i: int) -> torch.Tensor:
+            s = streams[i]
+            out = t2w(
+                iter(s["tokens"]),
+                embedding=s["embedding"],
+                prompt_token=s["prompt_token"],
+                prompt_feat=s["prompt_feat"],
+                stream=True,
+            )
+            return torch.cat(list(out), dim=1)
+
+        # one torch thread each: three OpenMP teams of the machine's width would contend on a small CPU
+        with concurrent.futures.ThreadPoolExecutor(
+            2, initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
+            batched = list(pool.map(lambda i: speak(t2w, i), range(2), timeout=120))
+        stats = t2w.hift.stats
+        # the tiny policy's hops after the first (20, 40, 80 tokens) line up: the second, third and fourth
+        # chunks pair (a full pair runs at once); the first and last chunks differ and run alone
+        assert stats.batches == 3 and stats.batched_calls == 6, f"the vocoder calls were not stacked: {stats}"
+        alone = Token2Wav3(t2w.flow, t2w.hift.module, t2w.policy, t2w.flow_steps, noise=t2w.noise)
+        diff = 0.0
+        for i, got in enumerate(batched):
+            want = speak(alone, i)
+            assert got.shape == want.shape
+            diff = max(diff, float((got - want).abs().max()))
+            # the fixtures' vocoder tolerance (hift_stream: atol 2e-4)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+        print(f"max abs audio diff, stacked vs alone: {diff:.2e}; {stats}")
+    finally:
+        rt.close()

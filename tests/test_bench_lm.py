@@ -25,6 +25,8 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
             str(cv2_model_dir),
             "--json",
             str(out),
+            "--stream",
+            "--batch-flow",
         ],
         capture_output=True,
         text=True,
@@ -40,4 +42,8 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
     t = figures["throughput"]
     assert t["batch_size"] >= 2, "batching is the default"
     assert t["one"] > 0 and t["concurrent"] > 0 and t["mean_rows"] >= 1.0
-    assert "this tree / baseline" in r.stdout and "LM rows per step" in r.stdout
+    # streamed, token2wav stacked where the family allows (CosyVoice2: the vocoder): its calls are counted
+    assert t["stream"] and set(t["stacked"]) == {"hift"} and t["stacked"]["hift"]["calls"] > 0, t["stacked"]
+    assert (
+        "this tree / baseline" in r.stdout and "LM rows per step" in r.stdout and "calls stacked" in r.stdout
+    )

@@ -176,6 +176,13 @@ class CausalConvRNNF0Predictor(ConvRNNF0Predictor):
         return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
 
 
+def _noise_rows(sine_waves: Tensor, at: int, n: int) -> Tensor:
+    # rows at .. at+n-1 of a (1 or B, >= at+n, H) noise buffer
+    if sine_waves.dim() != 3 or sine_waves.shape[1] < at + n:
+        raise ValueError(f"sine_waves must be (1, >= {at + n}, H), got {tuple(sine_waves.shape)}")
+    return sine_waves[:, at : at + n]
+
+
 class CausalHiFTGenerator(HiFTGenerator):
     # in a lower-precision vocoder the source module stays float32 and the f0 predictor float64 (see _f0): a
     # bundle stores the f0 predictor as folded in float64
@@ -305,7 +312,9 @@ class CausalHiFTGenerator(HiFTGenerator):
                 f"got {speech_feat.shape[2]}"
             )
         f0 = self._f0(speech_feat, finalize)  # (B, T')
-        source, _ = self._causal_source(f0, rand_ini, sine_waves)  # (B, 1, L)
+        source, _ = self._causal_source(
+            f0, rand_ini, _noise_rows(sine_waves, 0, f0.shape[1] * self.cfg.upsample_factor)
+        )
         mel = speech_feat if finalize else speech_feat[:, :, :-F0_LOOKAHEAD]
         return self._causal_decode(mel, source, finalize, should_stop), source
 
@@ -329,44 +338,79 @@ class CausalHiFTGenerator(HiFTGenerator):
 
         Args:
             state: the stream's :class:`VocoderStream` (a fresh one for its first call).
-            mel: (B, 80, n) the frames after every frame given before.
+            mel: (1, 80, n) the frames after every frame given before.
             finalize: the stream ends here (else the last 8 frames so far are held back, see :meth:`inference`).
             rand_ini, sine_waves: the noise buffers, the same at every call of a stream (as :meth:`inference`).
             should_stop: as :meth:`inference`.
         Returns:
-            (B, samples) float32 audio after the samples emitted before.
+            (1, samples) float32 audio after the samples emitted before.
         """
-        if state.mel is not None:
-            mel = torch.cat([state.mel, mel], dim=2)
-        start, total = state.start, state.start + mel.shape[2]
-        if not finalize and total <= self.cfg.lookahead:
+        return self.stream_rows([state], [mel], finalize, [rand_ini], [sine_waves], should_stop)[0]
+
+    def stream_shape(self, state: VocoderStream, mel: Tensor, finalize: bool) -> tuple[int, ...]:
+        """What must match for calls of several streams to run as one batch (:meth:`stream_rows`): the frames
+        the call sees, its excitation and its first output sample, each counted from the first frame its stream
+        keeps (streams past their first chunks that give the same new frames keep the same frames)."""
+        kept = 0 if state.mel is None else state.mel.shape[2]
+        emitted = state.emitted - state.start * self.cfg.upsample_factor
+        return (kept, mel.shape[2], int(finalize), state.f0_frames - state.start, emitted, int(state.whole))
+
+    @torch.inference_mode()
+    def stream_rows(
+        self,
+        states: list[VocoderStream],
+        mels: list[Tensor],
+        finalize: bool,
+        rand_ini: list[Tensor],
+        sine_waves: list[Tensor],
+        should_stop: ShouldStop | None = None,
+    ) -> list[Tensor]:
+        """:meth:`stream` for several streams at once, as one batch: their calls must have equal
+        :meth:`stream_shape` (each row keeps its own frames, phase and place in its noise). Returns each
+        stream's (1, samples) audio."""
+        shape = self.stream_shape(states[0], mels[0], finalize)
+        if any(self.stream_shape(s, m, finalize) != shape for s, m in zip(states, mels, strict=True)):
+            raise ValueError("stream_rows takes calls of equal stream_shape only")
+        scale, (_, _, _, known, emitted, _) = self.cfg.upsample_factor, shape
+        mel = torch.cat(
+            [m if s.mel is None else torch.cat([s.mel, m], dim=2) for s, m in zip(states, mels, strict=True)]
+        )
+        n = mel.shape[2]  # (B, 80, n) every row from its stream's first kept frame
+        if not finalize and min(s.start for s in states) + n <= self.cfg.lookahead:
             raise ValueError(
-                f"a vocoder call that does not finalize needs more than {self.cfg.lookahead} mel frames, got {total}"
+                f"a vocoder call that does not finalize needs more than {self.cfg.lookahead} mel frames, got {n}"
             )
-        known = state.f0_frames
-        until = total if finalize else total - F0_LOOKAHEAD  # frames whose excitation this call makes
+        until = n if finalize else n - F0_LOOKAHEAD  # frames whose excitation this call makes
+        source = None if states[0].source is None else torch.cat([s.source for s in states])
+        phase = None if states[0].phase is None else torch.cat([s.phase for s in states])
         if until > known:
             # the f0 of frames known .. until-1, from their predictor context on
-            read = max(start, known - self.f0_context)
-            f0 = self._f0(mel[:, :, read - start :], finalize)[:, known - read :]
-            new, state.phase = self._causal_source(f0, rand_ini, sine_waves, known, state.phase)
-            state.source = new if state.source is None else torch.cat([state.source, new], dim=2)
-            state.f0_frames = until
-        assert state.source is not None
-        speech = self._causal_decode(mel[:, :, : until - start], state.source, finalize, should_stop)
-        speech = speech[:, state.emitted - start * self.cfg.upsample_factor :]
-        state.emitted += speech.shape[1]
-        # what the next call re-reads: the decoder's context before its first new frame, the f0 predictor's
-        if not state.whole:
-            keep = max(
-                start, min(state.emitted // self.cfg.upsample_factor - self.context, until - self.f0_context)
+            read = max(0, known - self.f0_context)
+            f0 = self._f0(mel[:, :, read:], finalize)[:, known - read :]
+            at = [(s.start + known) * scale for s in states]  # each row's place in its noise
+            noise = torch.cat(
+                [_noise_rows(w, i, f0.shape[1] * scale) for w, i in zip(sine_waves, at, strict=True)]
             )
-            state.mel = mel[:, :, keep - start :]
-            state.source = state.source[:, :, (keep - start) * self.cfg.upsample_factor :]
-            state.start = keep
-        else:
-            state.mel = mel
-        return speech
+            new, phase = self._causal_source(f0, torch.cat(rand_ini), noise, phase)
+            source = new if source is None else torch.cat([source, new], dim=2)
+        assert source is not None and phase is not None
+        speech = self._causal_decode(mel[:, :, :until], source, finalize, should_stop)[:, emitted:]
+        # what the next call re-reads: the decoder's context before its first new frame, the f0 predictor's
+        keep = 0
+        if not states[0].whole:
+            keep = max(0, min((emitted + speech.shape[1]) // scale - self.context, until - self.f0_context))
+        out = []
+        for i, s in enumerate(states):
+            s.f0_frames = s.start + max(until, known)
+            s.emitted += speech.shape[1]
+            s.mel, s.source, s.phase = (
+                mel[i : i + 1, :, keep:],
+                source[i : i + 1, :, keep * scale :],
+                phase[i : i + 1],
+            )
+            s.start += keep
+            out.append(speech[i : i + 1])
+        return out
 
     def _f0(self, speech_feat: Tensor, finalize: bool) -> Tensor:
         if next(self.f0_predictor.parameters()).dtype != torch.float64:
@@ -375,37 +419,36 @@ class CausalHiFTGenerator(HiFTGenerator):
         return self.f0_predictor(speech_feat.to(torch.float64), finalize).to(torch.float32)
 
     def _causal_source(
-        self, f0: Tensor, rand_ini: Tensor, sine_waves: Tensor, first: int = 0, carry: Tensor | None = None
+        self, f0: Tensor, rand_ini: Tensor, noise: Tensor, carry: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         # SineGen2 in the reference's (B, L, H) layout and op order; the frame-rate phase is upsampled by
-        # repetition. f0 (B, T') of frames first .. first+T'-1: ``carry`` (B, 1, H) float64 is the sum of the
-        # earlier frames' phase increments, returned updated; the noise is read from sample first * 480 on
+        # repetition. f0 (B, T'); ``noise`` (1 or B, L, H) the noise of its samples; ``carry`` (B, 1, H) float64
+        # is the sum of the earlier frames' phase increments (None: these are the first frames, which take
+        # ``rand_ini``), returned updated
         cfg = self.cfg
         B, H, device = f0.shape[0], cfg.nb_harmonics + 1, f0.device
         scale = cfg.upsample_factor
         f0 = F.interpolate(f0[:, None], scale_factor=float(scale), mode="nearest")
         f0 = f0.transpose(1, 2)  # (B, L, 1)
-        L, at = f0.shape[1], first * scale
         if rand_ini.dim() != 2 or rand_ini.shape[1] != H or rand_ini.shape[0] not in (1, B):
             raise ValueError(f"rand_ini must be (1, {H}) or ({B}, {H}), got {tuple(rand_ini.shape)}")
-        if sine_waves.dim() != 3 or sine_waves.shape[1] < at + L or sine_waves.shape[2] != H:
-            raise ValueError(f"sine_waves must be (1, >= {at + L}, {H}), got {tuple(sine_waves.shape)}")
+        if noise.shape[0] not in (1, B) or noise.shape[2] != H:
+            raise ValueError(f"sine_waves must be (1, L, {H}), got (..., {noise.shape[2]})")
         harmonics = torch.arange(1, H + 1, device=device, dtype=torch.float32).view(1, 1, H)
         rad = (f0 * harmonics / cfg.sampling_rate) % 1  # (B, L, H) cycles per sample
-        if first == 0:
+        if carry is None:
             rad[:, 0, :] = rad[:, 0, :] + rand_ini.to(device=device, dtype=torch.float32)
+            carry = torch.zeros(B, 1, H, device=device, dtype=torch.float64)
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
         # torch's CPU cumsum of float32 sums in float64 and rounds each element: carrying the float64 sum gives
         # the whole sequence's values
-        if carry is None:
-            carry = torch.zeros(B, 1, H, device=device, dtype=torch.float64)
         sums = torch.cumsum(torch.cat([carry, rad.double()], dim=1), dim=1)
         phase = sums[:, 1:].float() * 2 * math.pi  # (B, T', H)
         phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=float(scale), mode="nearest")
         sine = torch.sin(phase.transpose(1, 2)) * cfg.nsf_alpha  # (B, L, H)
         uv = (f0 > cfg.nsf_voiced_threshold).float()  # (B, L, 1)
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
-        sine = sine * uv + noise_amp * sine_waves[:, at : at + L].to(device=device, dtype=torch.float32)
+        sine = sine * uv + noise_amp * noise.to(device=device, dtype=torch.float32)
         return self.m_source(sine.transpose(1, 2)), sums[:, -1:]
 
     def _causal_decode(

@@ -8,15 +8,20 @@ The first caller of a group runs the stacked batch in its own thread and every c
 that finds no partner runs alone, exactly as unbatched; a batched row equals its unbatched call up to float
 rounding (the decoder's matrix products over 2B rows instead of 2; tests/test_batching.py states the bound).
 :class:`VocoderBatcher` does the same for HiFT calls (same mel frames and cached source length), each call
-drawing its sine phase and noise from its own generator before it waits. The stacked run borrows the
+drawing its sine phase and noise from its own generator before it waits, and for the calls of CosyVoice3's causal
+vocoder streams (``stream``: same kept and new mel frames, excitation and output place counted from each stream's
+first kept frame, :meth:`~cosyserve.models.causal_hift.CausalHiFTGenerator.stream_shape`; each row keeps its
+stream's mel, phase and place in the fixed noise). A stream's call waits for partners only while another live
+stream runs (streams are known from ``new_stream`` until their finalizing call): a lone stream never waits, and
+when every live stream waits in some group, all the groups run at once. The stacked run borrows the
 waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
 (hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
 lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
 per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``). A family names the parts
 it stacks (``Family.stacks``): CosyVoice-300M's flow and vocoder; CosyVoice2's vocoder (its streamed calls carry
-their cached mel and source in their arguments, and reach equal shapes once the hops reach their longest), not its
-flow, whose streamed calls keep each request's attention state (a FlowStream of the request's own length);
-CosyVoice3's neither (its causal vocoder keeps per-stream state too).
+their cached mel and source in their arguments, and reach equal shapes once the hops reach their longest) and
+CosyVoice3's (its streams' calls reach equal shapes from the first hop after the prompt's), not their flows,
+whose streamed calls keep each request's attention state (a FlowStream of the request's own length).
 
 The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,13 +61,19 @@ class StackStats:
         return self.calls / self.runs if self.runs else 0.0
 
 
+def _shape_key(call: tuple[Tensor, ...]) -> tuple[Any, ...] | None:
+    # a call already batched, or with one row shorter than its tensor (padding), runs alone
+    return None if call[0].shape[0] != 1 else tuple((tuple(x.shape), x.dtype, x.device) for x in call)
+
+
 class _Group:
     def __init__(self) -> None:
-        self.calls: list[tuple[Tensor, ...]] = []
+        self.calls: list[tuple[Any, ...]] = []
         self.stops: list[ShouldStop | None] = []  # each call's stop signal
         self.closed = False  # no more joiners
         self.done = threading.Event()
-        self.results: list[tuple[Tensor, Tensor]] = []
+        self.results: list[Any] = []
+        self.streams: list[int] = []  # ids of the streams whose calls wait here
         self.error: BaseException | None = None
 
 
@@ -81,28 +93,34 @@ class _Stacker:
         self.lend_threads = True
         self._cv = threading.Condition()
         self._open: dict[tuple[Any, ...], _Group] = {}
+        # streams (stateful calls, VocoderBatcher.new_stream) until their last call, and those waiting in a group:
+        # a stream call's group closes early once no other live stream could still join it
+        self._streams: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._parked: set[int] = set()
 
     def __getattr__(self, name: str) -> Any:
         if name == "module":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self.module, name)
 
-    def _run(
-        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
-    ) -> list[tuple[Tensor, Tensor]]:
+    def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
         raise NotImplementedError
 
     def _submit(
-        self, call: tuple[Tensor, ...], *extra: Any, should_stop: ShouldStop | None = None
-    ) -> tuple[Tensor, Tensor]:
-        # a call already batched, or with one row shorter than its tensor (padding), runs alone
-        key = (
-            None if call[0].shape[0] != 1 else (*extra, *((tuple(x.shape), x.dtype, x.device) for x in call))
-        )
+        self,
+        call: tuple[Any, ...],
+        *extra: Any,
+        key: tuple[Any, ...] | None,
+        should_stop: ShouldStop | None = None,
+        stream: Any = None,
+    ) -> Any:
+        # calls with equal keys (and extras) stack; a key of None runs alone. A call of a stream (``stream``, its
+        # state) waits for partners only while another live stream is running (not waiting in a group itself)
         if key is None or self.max_batch_size == 1:
             with self._cv:
                 self.stats.calls += 1
             return self._run([call], should_stop, *extra)[0]
+        key = (*extra, *key)
         with self._cv:
             self.stats.calls += 1
             group = self._open.get(key)
@@ -112,6 +130,10 @@ class _Stacker:
             index = len(group.calls)
             group.calls.append(call)
             group.stops.append(should_stop)
+            if stream is not None:
+                group.streams.append(id(stream))
+                self._parked.add(id(stream))
+                self._cv.notify_all()  # a leader may wait for this stream only
             if len(group.calls) >= self.max_batch_size:
                 self._close_locked(key, group)
             if leader:
@@ -120,6 +142,12 @@ class _Stacker:
                     left = end - time.monotonic()
                     if left <= 0:
                         self._close_locked(key, group)
+                        break
+                    if stream is not None and self._parked.issuperset(self._streams.keys()):
+                        # every live stream waits in a group: none can join another, so all of them run now
+                        for k, g in list(self._open.items()):
+                            if g.streams:
+                                self._close_locked(k, g)
                         break
                     self._cv.wait(left)
                 n = len(group.calls)
@@ -145,8 +173,8 @@ class _Stacker:
         return group.results[index]
 
     def _run_group(
-        self, calls: list[tuple[Tensor, ...]], stops: list[ShouldStop | None], extra: tuple[Any, ...]
-    ) -> list[tuple[Tensor, Tensor]]:
+        self, calls: list[tuple[Any, ...]], stops: list[ShouldStop | None], extra: tuple[Any, ...]
+    ) -> list[Any]:
         # The callers' threads wait idle while this one runs them all: lend their torch threads (per-thread
         # setting) to the stacked run, or a CPU with one torch thread per worker runs the batch on one core.
         threads = torch.get_num_threads()
@@ -164,8 +192,15 @@ class _Stacker:
             if lend > threads:
                 torch.set_num_threads(threads)
 
+    def _forget(self, stream: Any) -> None:
+        # a stream's last call is done: no group waits for it any more
+        with self._cv:
+            self._streams.pop(id(stream), None)
+            self._cv.notify_all()
+
     def _close_locked(self, key: tuple[Any, ...], group: _Group) -> None:
         group.closed = True
+        self._parked.difference_update(group.streams)
         if self._open.get(key) is group:
             del self._open[key]
         self._cv.notify_all()
@@ -231,11 +266,9 @@ class FlowBatcher(_Stacker):
             return self.module.inference(  # type: ignore[no-any-return]
                 *call[:-1], noise=noise, n_timesteps=n_timesteps, should_stop=should_stop
             )
-        return self._submit(call, n_timesteps, should_stop=should_stop)
+        return self._submit(call, n_timesteps, key=_shape_key(call), should_stop=should_stop)  # type: ignore[no-any-return]
 
-    def _run(
-        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
-    ) -> list[tuple[Tensor, Tensor]]:
+    def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
         (n_timesteps,) = extra
         if len(calls) == 1:
             *args, noise = calls[0]
@@ -282,11 +315,49 @@ class VocoderBatcher(_Stacker):
         )
         if cache_source is None:
             cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
-        return self._submit((speech_feat, cache_source, sine_phase, sine_noise), should_stop=should_stop)
+        call = (speech_feat, cache_source, sine_phase, sine_noise)
+        return self._submit(call, key=_shape_key(call), should_stop=should_stop)  # type: ignore[no-any-return]
 
-    def _run(
-        self, calls: list[tuple[Tensor, ...]], should_stop: ShouldStop | None, *extra: Any
-    ) -> list[tuple[Tensor, Tensor]]:
+    @torch.inference_mode()
+    def stream(
+        self,
+        state: Any,
+        mel: Tensor,
+        finalize: bool,
+        *,
+        rand_ini: Tensor,
+        sine_waves: Tensor,
+        should_stop: ShouldStop | None = None,
+    ) -> Tensor:
+        """Same arguments and result as a causal vocoder's ``stream`` (CosyVoice3's); runs stacked with other
+        streams' calls of the same :meth:`~cosyserve.models.causal_hift.CausalHiFTGenerator.stream_shape` (each
+        row keeps its stream's kept frames, phase and place in its noise)."""
+        key = None
+        if mel.shape[0] == 1:
+            key = (*self.module.stream_shape(state, mel, finalize), mel.dtype, mel.device)
+        call = (state, mel, rand_ini, sine_waves)
+        try:
+            return self._submit(  # type: ignore[no-any-return]
+                call, "stream", finalize, key=key, should_stop=should_stop, stream=state
+            )
+        finally:
+            if finalize:
+                self._forget(state)
+
+    def new_stream(self, whole: bool = False) -> Any:
+        """The vocoder's fresh stream state (see its ``new_stream``), live here until its finalizing call: a
+        stream call waits for partners only while another live stream runs (a lone stream never waits)."""
+        state = self.module.new_stream(whole)
+        with self._cv:
+            self._streams[id(state)] = state
+        return state
+
+    def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
+        if extra:  # "stream", finalize
+            states, mels, rand_ini, sine_waves = (list(xs) for xs in zip(*calls, strict=True))
+            return self.module.stream_rows(  # type: ignore[no-any-return]
+                states, mels, extra[1], rand_ini, sine_waves, should_stop
+            )
         mel, cache_source, sine_phase, sine_noise = (torch.cat(xs) for xs in zip(*calls, strict=True))
         out = self.module.inference(
             mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise, should_stop=should_stop

@@ -201,6 +201,10 @@ class Token2Wav2:
         self.ops: ArrayOps = ops
         self.device = ops.device  # None: host memory (numpy)
 
+    def _vocoder_stream(self) -> Any:
+        # a streamed request's vocoder state at its start (CosyVoice2's cache starts with its first chunk)
+        return None
+
     def new_stream(
         self,
         prompt_token: torch.Tensor,
@@ -210,7 +214,9 @@ class Token2Wav2:
     ) -> StreamState:
         """A streamed request's state: its flow state starts from its prompt's (a registered voice's, or computed
         now by the same code), when the flow can keep frames."""
-        state = StreamState(prompt_token, prompt_feat, embedding, hop=self.policy.first_hop)
+        state = StreamState(
+            prompt_token, prompt_feat, embedding, vocoder=self._vocoder_stream(), hop=self.policy.first_hop
+        )
         if not (self.incremental and getattr(self.flow, "streams", False)):
             return state
         if self.voices is not None and prompt_token.shape[1]:

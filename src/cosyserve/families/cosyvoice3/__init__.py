@@ -76,7 +76,7 @@ class CosyVoice3(CosyVoice2):
     bundle_files = ("campplus.onnx", "speech_tokenizer_v3.onnx", *QWEN_FILES)
     registry_folder = "cosyvoice3"
     random_vocoder = False
-    stacks = ()  # its causal vocoder keeps each stream's state (conv tails, phase) in a VocoderStream
+    stacks = ("hift",)  # its flow keeps each stream's attention state (a FlowStream of its own length)
     test_model = "cosyserve.families.cosyvoice3.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
         (

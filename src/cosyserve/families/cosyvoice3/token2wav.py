@@ -90,6 +90,11 @@ class Token2Wav3(Token2Wav2):
                 f"back {need} mel frames), got {p.first_hop}"
             )
 
+    def _vocoder_stream(self) -> Any:
+        # made at the stream's first token: a vocoder that stacks streams' calls
+        # (cosyserve.runtime.stacking.VocoderBatcher) knows every live stream from then on
+        return self.hift.new_stream(whole=not self.incremental)
+
     def _call(
         self,
         tokens: list[int],
@@ -108,8 +113,8 @@ class Token2Wav3(Token2Wav2):
             if state.offset != 0 or not finalize:
                 raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
             mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
-        if state.vocoder is None:
-            state.vocoder = self.hift.new_stream(whole=not self.incremental)
+        if state.vocoder is None:  # one-shot
+            state.vocoder = self._vocoder_stream()
         vocoder = state.vocoder
         if not draws:
             if self.noise is None:
