@@ -228,34 +228,20 @@ class _VocoderStream:
 
 class LiteVocoder2(LiteVocoder):
     """CosyVoice2's 24 kHz HiFT (the reference's SineGen2 source) with the torch vocoder's shapes, for the shared
-    :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`."""
+    :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`: its draws ``sine_phase`` (1, H) uniform in
+    [0, 1) and ``sine_noise`` (1, L, H) standard normal."""
 
-    def inference(  # type: ignore[override]
-        self,
-        mel: np.ndarray,
-        cache_source: np.ndarray | None = None,
-        *,
-        generator: np.random.Generator | None = None,
-        sine_phase: np.ndarray | None = None,
-        sine_noise: np.ndarray | None = None,
-        should_stop: ShouldStop | None = None,
+    def _draws(
+        self, frames: int, generator: Any, sine_phase: np.ndarray | None, sine_noise: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The torch vocoder's ``inference``: mel (1, 80, T), cache_source (1, 1, S) -> (speech (1, L), source
-        (1, 1, L)), L = T * 480; the draws ``sine_phase`` (1, H) uniform in [0, 1) and ``sine_noise`` (1, L, H)
-        standard normal, or from ``generator``."""
-        H, L = self.harmonics, mel.shape[2] * self.upsample
-        if sine_phase is None or sine_noise is None:
-            if generator is None:
-                raise ValueError(
-                    "the vocoder draws random numbers: pass generator= or sine_phase= and sine_noise="
-                )
-            sine_phase = generator.random((1, H), dtype=np.float32) if sine_phase is None else sine_phase
-            sine_noise = (
-                generator.standard_normal((1, L, H), dtype=np.float32) if sine_noise is None else sine_noise
-            )
-        cache = None if cache_source is None else cache_source.reshape(-1)
-        speech, source = super().inference(mel[0], cache, sine_phase.reshape(-1), sine_noise[0], should_stop)
-        return speech[None], source[None, None]
+        # its draws: sine_phase (1, H) uniform in [0, 1), sine_noise (1, L, H) standard normal, given or drawn in
+        # that order -> the source's (phase (H,), noise (L, H))
+        H, L = self.harmonics, frames * self.upsample
+        if sine_phase is None:
+            sine_phase = generator.random((1, H), dtype=np.float32)
+        if sine_noise is None:
+            sine_noise = generator.standard_normal((1, L, H), dtype=np.float32)
+        return sine_phase.reshape(-1), sine_noise[0]
 
     def _source(self, f0: np.ndarray, phase: np.ndarray, noise: np.ndarray) -> np.ndarray:
         # SineGen2 as the torch vocoder's _source2: the phase increments averaged down to the frame rate,
