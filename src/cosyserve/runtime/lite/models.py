@@ -383,14 +383,9 @@ class LiteVocoder:
             source[: cache.shape[0]] = cache
         check(should_stop)
         n_fft, hop = int(c["n_fft"]), int(c["hop_len"])
-        spec = dsp.stft(source, n_fft, hop)
-        s_stft = np.concatenate([spec.real, spec.imag]).astype(np.float32)[None]
+        s_stft = dsp.source_stft(source, n_fft, hop)[None]
         (x,) = terminate.run(self.bundle.session("hift_decode"), {"mel": mel, "s_stft": s_stft}, should_stop)
-        x = x[0]
-        half = n_fft // 2 + 1
-        magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
-        ph = np.sin(x[half:])  # the reference's (redundant) sin
-        speech = dsp.istft(magnitude * np.cos(ph) + 1j * (magnitude * np.sin(ph)), n_fft, hop)
+        speech = dsp.spectrum_wave(x[0], n_fft, hop)
         limit = np.float32(c["audio_limit"])
         return np.clip(speech, -limit, limit)[None], source[None, None]
 
