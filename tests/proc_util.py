@@ -26,6 +26,22 @@ def run_python(code: str, *args: str, timeout: float = 300, **env: str) -> subpr
     )
 
 
+def run_bench(script: str, *args: str, cwd: Path) -> tuple[str, dict[str, Any]]:
+    """``python bench/SCRIPT args... --threads 1 --json FIGURES`` (one OpenMP thread, in ``cwd``): its stdout and
+    the figures it wrote; a failed run fails the test with its output's tail."""
+    import json
+
+    out = cwd / "figures.json"
+    bench = Path(SRC).parent / "bench" / script
+    r = subprocess.run(
+        [sys.executable, str(bench), *args, "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout, json.loads(out.read_text())
+
+
 def stop_group(proc: subprocess.Popen[Any], grace_s: float) -> int | None:
     """SIGTERM to ``proc`` (started in a session of its own), then SIGKILL to its whole process group once it has
     exited or after ``grace_s``: what it started (a server's prefork workers, a script's servers) never outlives

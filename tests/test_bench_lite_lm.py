@@ -3,13 +3,9 @@ process per runtime) prints and writes every figure the lead's full-size run rep
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from proc_util import run_bench
 
 
 def test_lite_lm_bench_dry_run_gives_every_figure(
@@ -17,16 +13,16 @@ def test_lite_lm_bench_dry_run_gives_every_figure(
 ) -> None:
     """If this fails, the side-by-side bench of the lite Qwen LM (READY, prefill, ms/token, peak RSS) no longer
     runs end to end, lost a figure, or the lite process imported torch."""
-    out = tmp_path / "figures.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "lite_lm.py"), str(cv3_lite_bundle), "--model-dir", str(cv3_model_dir),
-         "--dry-run", "--threads", "1", "--quantize", "int8",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    figures = json.loads(out.read_text())
+    stdout, figures = run_bench(
+        "lite_lm.py",
+        str(cv3_lite_bundle),
+        "--model-dir",
+        str(cv3_model_dir),
+        "--dry-run",
+        "--quantize",
+        "int8",
+        cwd=tmp_path,
+    )
     assert figures["floor_onnxruntime_ms"] > 0 and figures["floor_torch_ms"] > 0
     f = figures["quantize"]["int8"]
     for key in ("lite_lm_ready_ms", "torch_ready_ms", "lite_prefill_ms", "torch_prefill_ms", "lite_ms_per_token",
@@ -34,4 +30,4 @@ def test_lite_lm_bench_dry_run_gives_every_figure(
                 "ready_vs_onnxruntime_floor", "ms_per_token_vs_torch"):  # fmt: skip
         assert f[key] > 0, key
     assert f["torch_in_lite_process"] is False
-    assert "LM ms/token" in r.stdout and "`import onnxruntime`" in r.stdout
+    assert "LM ms/token" in stdout and "`import onnxruntime`" in stdout

@@ -185,7 +185,7 @@ def test_the_family_check_sees_names_and_rates() -> None:
 
 
 def test_every_token2wav_and_chunk_policy_implements_its_protocol() -> None:
-    """The families' token2wav classes (and the lite runtime's) take what the Token2Wav protocol passes, and their
+    """The families' token2wav classes (both runtimes run them) take what the Token2Wav protocol passes, and their
     chunk policies are StreamPolicy instances: a runtime calls any of them the same way. If this fails, one
     family's token2wav grew a call the others lack (or lost one), and a runtime would need to tell them apart."""
     import inspect
@@ -195,11 +195,10 @@ def test_every_token2wav_and_chunk_policy_implements_its_protocol() -> None:
     from cosyserve.families.cosyvoice.token2wav import Token2Wav as Windowed
     from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
     from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
-    from cosyserve.runtime.lite.models import LiteToken2Wav
 
     assert isinstance(Windows(), StreamPolicy) and isinstance(StreamPolicy2(), StreamPolicy)
     wanted = set(inspect.signature(Token2Wav.__call__).parameters)
-    for cls in (Windowed, Token2Wav2, Token2Wav3, LiteToken2Wav):
+    for cls in (Windowed, Token2Wav2, Token2Wav3):
         assert wanted <= set(inspect.signature(cls.__call__).parameters), cls
 
 
@@ -216,12 +215,13 @@ def test_every_flow_and_vocoder_takes_what_its_protocol_passes() -> None:
     from cosyserve.models.flow import MaskedDiffWithXvec
     from cosyserve.models.hift import HiFTGenerator
     from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
+    from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
     from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
 
     implementations = {
-        base.WindowedFlow: (MaskedDiffWithXvec, FlowBatcher),
+        base.WindowedFlow: (MaskedDiffWithXvec, FlowBatcher, LiteFlow),
         base.ChunkedFlow: (ChunkFlow, LiteChunkFlow),
-        base.CachedVocoder: (HiFTGenerator, VocoderBatcher, LiteVocoder2),
+        base.CachedVocoder: (HiFTGenerator, VocoderBatcher, LiteVocoder, LiteVocoder2),
         base.StreamVocoder: (CausalHiFTGenerator, LiteCausalVocoder),
     }
     wrong = []

@@ -131,9 +131,12 @@ def test_flow_equals_torch(both: tuple[dict, dict], n_tokens: int) -> None:
         *_t(toks), *_t(ptok), torch.from_numpy(pfeat)[None], torch.tensor([6]), torch.from_numpy(emb)[None],
         torch.zeros(1, 80, 0, 2), noise=torch.from_numpy(noise)[None],
     )  # fmt: skip
-    mel_l, cache_l = lite["flow"].inference(toks, ptok, pfeat, emb, None, noise)
-    np.testing.assert_allclose(mel_l, mel_t[0].numpy(), atol=1e-4)
-    np.testing.assert_allclose(cache_l, cache_t[0].numpy(), atol=1e-5)
+    mel_l, cache_l = lite["flow"].inference(
+        np.asarray([toks]), [n_tokens], np.asarray([ptok]), [3], pfeat[None], [6], emb[None],
+        np.zeros((1, 80, 0, 2), np.float32), noise=noise[None],
+    )  # fmt: skip
+    np.testing.assert_allclose(mel_l, mel_t.numpy(), atol=1e-4)
+    np.testing.assert_allclose(cache_l, cache_t.numpy(), atol=1e-5)
 
 
 def test_vocoder_equals_torch(both: tuple[dict, dict]) -> None:
@@ -143,12 +146,12 @@ def test_vocoder_equals_torch(both: tuple[dict, dict]) -> None:
     cache = np.random.default_rng(7).standard_normal(100).astype(np.float32) * 0.01
     sp_t, so_t = torch_m["hift"].inference(
         torch.from_numpy(mel)[None], torch.from_numpy(cache)[None, None],
-        sine_phase=torch.from_numpy(phase)[None], sine_noise=torch.from_numpy(noise)[None],
+        sine_phase=torch.from_numpy(phase), sine_noise=torch.from_numpy(noise),
     )  # fmt: skip
-    sp_l, so_l = lite["hift"].inference(mel, cache, phase, noise)
-    assert sp_l.shape == (sp_t.shape[1],)
-    np.testing.assert_allclose(so_l, so_t[0, 0].numpy(), atol=2e-4)
-    np.testing.assert_allclose(sp_l, sp_t[0].numpy(), atol=2e-4)
+    sp_l, so_l = lite["hift"].inference(mel[None], cache[None, None], sine_phase=phase, sine_noise=noise)
+    assert sp_l.shape == tuple(sp_t.shape)
+    np.testing.assert_allclose(so_l, so_t.numpy(), atol=2e-4)
+    np.testing.assert_allclose(sp_l, sp_t.numpy(), atol=2e-4)
 
 
 def test_dsp_matches_torch_ops() -> None:
@@ -169,15 +172,16 @@ def test_dsp_matches_torch_ops() -> None:
 
 
 def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
-    """Streaming windows, caches and fades: the same draws give the torch runtime's chunks."""
+    """The family's one token2wav over the torch modules and over the lite graphs: the same draws give the same
+    chunks (streaming windows, caches and fades are one code, its arrays torch's or numpy's)."""
     from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
     from cosyserve.families.cosyvoice.token2wav import CallDraws, Token2Wav
-    from cosyserve.runtime.lite.models import LiteToken2Wav, mel_length
+    from cosyserve.runtime.lite.models import mel_length
 
     torch_m, lite = both
     policy = StreamPolicy.named("low-latency", 21)
     tokens = [int(t) for t in np.random.default_rng(2).integers(0, 4096, 130)]
-    emb = np.random.default_rng(3).standard_normal(192).astype(np.float32)
+    emb = np.random.default_rng(3).standard_normal((1, 192)).astype(np.float32)
     # the windows the policy cuts: draws made for each in advance, fed to both
     windows = [(len(w), final) for w, final in policy.windows(tokens, stream=True)]
     rng = np.random.default_rng(4)
@@ -186,20 +190,19 @@ def test_token2wav_stream_equals_torch(both: tuple[dict, dict]) -> None:
         frames = mel_length(n, 50)
         mel_in = frames + mel_cache - (0 if final else policy.mel_overlap_len)
         phase, noise = lite["hift"].draws(mel_in, rng)
-        draws.append((rng.standard_normal((80, frames), dtype=np.float32), phase, noise))
+        draws.append((rng.standard_normal((1, 80, frames), dtype=np.float32), phase, noise))
         mel_cache = policy.mel_cache_len if i == 0 or mel_cache else 0
-    t2w = Token2Wav(torch_m["flow"], torch_m["hift"], policy)
     want = list(
-        t2w(
-            iter(tokens), embedding=torch.from_numpy(emb)[None], stream=True,
-            draws=iter(CallDraws(torch.from_numpy(f)[None], torch.from_numpy(p)[None], torch.from_numpy(z)[None])
-                       for f, p, z in draws),
+        Token2Wav(torch_m["flow"], torch_m["hift"], policy)(
+            iter(tokens), embedding=torch.from_numpy(emb), stream=True,
+            draws=iter(CallDraws(*(torch.from_numpy(a) for a in d)) for d in draws),
         )
     )  # fmt: skip
-    got = list(LiteToken2Wav(lite["flow"], lite["hift"], policy)(iter(tokens), embedding=emb, stream=True,
-                                                                 draws=iter(draws)))  # fmt: skip
-    assert [len(c) for c in got] == [c.shape[1] for c in want]
-    np.testing.assert_allclose(np.concatenate(got), torch.cat(want, dim=1)[0].numpy(), atol=5e-4)
+    t2w = Token2Wav(lite["flow"], lite["hift"], policy)
+    got = list(t2w(iter(tokens), embedding=emb, stream=True, draws=iter(CallDraws(*d) for d in draws)))
+    assert t2w.ops.xp is np and all(isinstance(c, np.ndarray) for c in got)
+    assert [c.shape for c in got] == [tuple(c.shape) for c in want]
+    np.testing.assert_allclose(np.concatenate(got, 1), torch.cat(want, dim=1).numpy(), atol=5e-4)
 
 
 def test_export_check_refuses_a_graph_that_differs(tiny_lite_bundle: Path) -> None:

@@ -176,6 +176,25 @@ def load_prompt(
     return PromptAudio(speech_16k, speech_24k, info.samplerate, info.channels, seconds)
 
 
+def prompt_audio(
+    wav: AudioSource | PromptAudio,
+    limits: PromptLimits,
+    what: str = "prompt audio",
+    param: str = "prompt_wav",
+    *,
+    loader: Callable[..., Any] | None = None,
+) -> PromptAudio:
+    """A request's recording decoded and checked (:func:`load_prompt`; one already analysed passes through); an
+    :class:`AudioError` names ``param``, the request field that gave the audio (a server names it in its error)."""
+    if isinstance(wav, PromptAudio):
+        return wav
+    try:
+        return load_prompt(wav, limits, what, loader=loader)
+    except AudioError as e:
+        e.param = param
+        raise
+
+
 def _check_finite(wave: Any, name: str) -> None:
     # NaN passes every level check (each comparison is False) and becomes NaN features, NaN speaker embeddings and
     # silent output; a float file can hold NaN or infinity, and resampling spreads one such sample to its neighbours
@@ -316,3 +335,53 @@ def prompt_input(
             model_input.pop(key, None)
     model_input["text"], model_input["text_len"] = text
     return model_input
+
+
+def prompt_entry(
+    text: Ids, feat: Any, tokens: Any, embedding: Any, mel_per_token: int | None
+) -> dict[str, Any]:
+    """The entry the reference's ``add_zero_shot_spk`` stores for a prompt recording, from its features (torch
+    tensors or numpy arrays, either frontend's): the transcript's ids ``text``, the prompt mel ``feat``
+    [1, F, 80], its speech tokens ``tokens`` [1, P] and campplus ``embedding`` [1, 192]. Where
+    ``mel_per_token`` is set (the family's :attr:`~cosyserve.families.base.Family.prompt_mel_per_token`) mel and
+    tokens are trimmed to exactly that many frames per token (the reference's ``frontend_zero_shot`` at
+    ``resample_rate`` 24000)."""
+    from cosyserve.core.sampling import array_ops
+
+    r = mel_per_token
+    if r is not None:
+        n = min(feat.shape[1] // r, tokens.shape[1])
+        feat, tokens = feat[:, : r * n], tokens[:, :n]
+    ops = array_ops(feat)
+    tokens_len = ops.asarray([tokens.shape[1]], "int32")
+    return {
+        "prompt_text": text[0],
+        "prompt_text_len": text[1],
+        "llm_prompt_speech_token": tokens,
+        "llm_prompt_speech_token_len": tokens_len,
+        "flow_prompt_speech_token": tokens,
+        "flow_prompt_speech_token_len": tokens_len,
+        "prompt_speech_feat": feat,
+        "prompt_speech_feat_len": ops.asarray([feat.shape[1]], "int32"),
+        "llm_embedding": embedding,
+        "flow_embedding": embedding,
+    }
+
+
+def vc_input(source_tokens: Any, prompt_tokens: Any, feat: Any, embedding: Any) -> dict[str, Any]:
+    """Voice conversion's model input (the reference's ``frontend_vc``) from either frontend's features: the
+    source's speech tokens [1, S], the prompt's tokens [1, P], mel [1, F, 80] and embedding [1, 192], each with its
+    ``_len``. Nothing is trimmed: with 25 Hz tokens F is 2P, 2P - 1 or 2P - 2, and the causal flow's output then
+    starts with the 2P - F frames of the last prompt tokens, as the reference's does."""
+    from cosyserve.core.sampling import array_ops
+
+    ops = array_ops(feat)
+    return {
+        "source_speech_token": source_tokens,
+        "source_speech_token_len": ops.asarray([source_tokens.shape[1]], "int32"),
+        "flow_prompt_speech_token": prompt_tokens,
+        "flow_prompt_speech_token_len": ops.asarray([prompt_tokens.shape[1]], "int32"),
+        "prompt_speech_feat": feat,
+        "prompt_speech_feat_len": ops.asarray([feat.shape[1]], "int32"),
+        "flow_embedding": embedding,
+    }

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cosyserve.core.errors import AudioError, ClientError, ModeUnavailableError, UnknownVoiceError, shown
+from cosyserve.core.errors import ClientError, ModeUnavailableError, UnknownVoiceError, shown
 from cosyserve.core.modes import PROMPT_MODES  # the modes that need both ONNX models
 from cosyserve.frontend.features import mel_spectrogram, speaker_fbank, whisper_log_mel
 from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-exported
@@ -40,8 +40,11 @@ from cosyserve.frontend.prompt import (  # noqa: F401 - the builders are re-expo
     check_token_seconds,
     instruct_input,
     load_prompt,
+    prompt_audio,
+    prompt_entry,
     prompt_input,
     sft_input,
+    vc_input,
 )
 
 __all__ = [
@@ -170,13 +173,7 @@ class Frontend:
     def _prompt(
         self, prompt_wav: AudioSource | PromptAudio, what: str = "prompt audio", param: str = "prompt_wav"
     ) -> PromptAudio:
-        if isinstance(prompt_wav, PromptAudio):
-            return prompt_wav
-        try:
-            return load_prompt(prompt_wav, self.limits, what)
-        except AudioError as e:
-            e.param = param  # the request field that gave this audio (a server names it in its error)
-            raise
+        return prompt_audio(prompt_wav, self.limits, what, param)
 
     # --- modes ------------------------------------------------------------------------------------------------------
 
@@ -233,27 +230,12 @@ class Frontend:
         self.require("zero_shot")
         with torch.inference_mode():
             prompt = self._prompt(prompt_wav)
-            prompt_ids, prompt_len = self.extract_text_token(prompt_text)
-            feat, feat_len = self.extract_speech_feat(prompt.speech_24k)
-            tokens, tokens_len = self.extract_speech_token(prompt.speech_16k)
-            r = self.mel_per_token
-            if r is not None:
-                n = min(feat.shape[1] // r, tokens.shape[1])
-                feat, feat_len = feat[:, : r * n], torch.tensor([r * n], dtype=torch.int32)
-                tokens, tokens_len = tokens[:, :n], torch.tensor([n], dtype=torch.int32)
+            feat, _ = self.extract_speech_feat(prompt.speech_24k)
+            tokens, _ = self.extract_speech_token(prompt.speech_16k)
             embedding = self.extract_spk_embedding(prompt.speech_16k)
-        return {
-            "prompt_text": prompt_ids,
-            "prompt_text_len": prompt_len,
-            "llm_prompt_speech_token": tokens,
-            "llm_prompt_speech_token_len": tokens_len,
-            "flow_prompt_speech_token": tokens,
-            "flow_prompt_speech_token_len": tokens_len,
-            "prompt_speech_feat": feat,
-            "prompt_speech_feat_len": feat_len,
-            "llm_embedding": embedding,
-            "flow_embedding": embedding,
-        }
+            return prompt_entry(
+                self.extract_text_token(prompt_text), feat, tokens, embedding, self.mel_per_token
+            )
 
     def frontend_cross_lingual(
         self,
@@ -303,16 +285,8 @@ class Frontend:
         self.require("vc")
         prompt = self._prompt(prompt_wav)
         source = self._prompt(source_wav, "source audio", "source_wav")
-        prompt_tokens, prompt_tokens_len = self.extract_speech_token(prompt.speech_16k)
-        feat, feat_len = self.extract_speech_feat(prompt.speech_24k)
+        prompt_tokens, _ = self.extract_speech_token(prompt.speech_16k)
+        feat, _ = self.extract_speech_feat(prompt.speech_24k)
         embedding = self.extract_spk_embedding(prompt.speech_16k)
-        source_tokens, source_tokens_len = self.extract_speech_token(source.speech_16k)
-        return {
-            "source_speech_token": source_tokens,
-            "source_speech_token_len": source_tokens_len,
-            "flow_prompt_speech_token": prompt_tokens,
-            "flow_prompt_speech_token_len": prompt_tokens_len,
-            "prompt_speech_feat": feat,
-            "prompt_speech_feat_len": feat_len,
-            "flow_embedding": embedding,
-        }
+        source_tokens, _ = self.extract_speech_token(source.speech_16k)
+        return vc_input(source_tokens, prompt_tokens, feat, embedding)

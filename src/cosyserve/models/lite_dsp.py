@@ -105,6 +105,22 @@ def stft(x: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
     return np.fft.rfft(frames, axis=1).T.astype(np.complex64)
 
 
+def source_stft(source: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
+    """HiFT's source spectrum: the :func:`stft` of the excitation ``source`` (L,) as (n_fft + 2, N) float32, real
+    parts over imaginary ones (its decoder graph's ``s_stft``)."""
+    spec = stft(source, n_fft, hop)
+    return np.concatenate([spec.real, spec.imag]).astype(np.float32)
+
+
+def spectrum_wave(x: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
+    """HiFT's waveform from its decoder's output ``x`` (n_fft + 2, N): log-magnitudes (capped at 1e2) over phases
+    (through the reference's redundant ``sin``), inverted by :func:`istft`."""
+    half = n_fft // 2 + 1
+    magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
+    phase = np.sin(x[half:])
+    return istft(magnitude * np.cos(phase) + 1j * (magnitude * np.sin(phase)), n_fft, hop)
+
+
 def istft(spec: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
     """Inverse of :func:`stft` (``torch.istft`` with center=True, a periodic hann window): (hop * (N-1),)."""
     window = _hann(n_fft)

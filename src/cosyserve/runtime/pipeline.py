@@ -95,8 +95,6 @@ class Pipeline(ModelModes):
             frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
         frontend: makes the zero-shot tier's frontend on first use (default: the family's
             :meth:`~cosyserve.families.base.Family.frontend`, torch's; the lite runtime gives its numpy one).
-        token2wav: the token2wav over ``flow`` and ``hift`` (default: the family's
-            :meth:`~cosyserve.families.base.Family.token2wav`; the lite runtime's CosyVoice-300M gives its own).
     """
 
     def __init__(
@@ -119,7 +117,6 @@ class Pipeline(ModelModes):
         config: Any = None,
         voice_states: Any = None,
         frontend: Callable[[], Any] | None = None,
-        token2wav: Any = None,
     ) -> None:
         self.llm = llm
         # the LM's decode loop: one row unless the runtime gives it more (TorchRuntime, batch_size)
@@ -130,7 +127,8 @@ class Pipeline(ModelModes):
         # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
         self.config = config
         self.voice_states = voice_states if getattr(flow, "streams", False) else None
-        self.token2wav: Any = token2wav or family.token2wav(
+        # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
+        self.token2wav: Any = family.token2wav(
             config, flow, hift, policy, flow_steps, voices=self.voice_states
         )
         # the arrays' namespace and device (the token2wav's: torch on the modules' device, or numpy)
@@ -323,7 +321,7 @@ class Pipeline(ModelModes):
             generator=generator,
             should_stop=should_stop,
         ):
-            # one device-to-host copy per chunk ([1, samples], or the 300M lite token2wav's 1-D samples)
+            # one device-to-host copy per chunk ([1, samples])
             yield ops.to_host(chunk.reshape(-1)).astype(np.float32, copy=False)
             check(should_stop)
 

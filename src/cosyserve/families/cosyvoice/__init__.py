@@ -3,7 +3,8 @@
 The modules are :mod:`cosyserve.models.llm` (the transformer LM), :mod:`cosyserve.models.flow` (the conformer +
 U-Net flow) and :mod:`cosyserve.models.hift` (HiFT at 22.05 kHz); the whisper tokenizer; 50 Hz speech tokens
 from ``speech_tokenizer_v1.onnx``; token2wav in windows with a flow cache, mel and audio cross-fades
-(:mod:`cosyserve.families.cosyvoice.token2wav`). The lite runtime serves it with a pipeline of its own (:mod:`cosyserve.runtime.lite`).
+(:mod:`cosyserve.families.cosyvoice.token2wav`), which both runtimes run (the lite one over its graphs,
+:mod:`cosyserve.runtime.lite.models`).
 """
 
 from __future__ import annotations

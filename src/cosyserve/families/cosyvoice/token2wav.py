@@ -6,6 +6,10 @@ kept, the vocoder runs with the previous call's last mel frames and source sampl
 are cross-faded with the previous speech tail, and the window slides by ``hop``. Whatever is left at the end
 goes through one finalizing call. All per-request state lives in a :class:`_StreamState` owned by the generator.
 
+It computes on the arrays of its flow's :class:`~cosyserve.core.sampling.ArrayOps`: torch tensors (the torch
+modules, on their device) or numpy arrays (the lite runtime's graphs, :mod:`cosyserve.runtime.lite.models`, whose
+flow has its own ``ops``); importing it imports no torch.
+
 The hops are the :class:`StreamPolicy`'s: ``reference`` (the reference's rule: a constant 2 s hop, so the first
 audio needs 120 tokens) or ``low-latency`` (a short first hop that doubles per chunk up to the reference's
 longest); the overlap, the fades and the caches are the same for both.
@@ -14,12 +18,11 @@ longest); the overlap, the fades and the caches are the same for both.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
@@ -27,30 +30,37 @@ from cosyserve.families.base import CachedVocoder, WindowedFlow
 from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.system.device import module_device
 
-__all__ = ["CallDraws", "StreamPolicy", "Token2Wav", "fade_in_out", "hamming"]
+if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
+    import torch
+
+__all__ = ["CallDraws", "StreamPolicy", "Token2Wav", "crossfade", "fade_in_out", "hamming", "stretch"]
 
 
 @dataclass
 class CallDraws:
-    """Random draws for one token2wav call, injected (fixtures, reproducible audio) instead of drawn."""
+    """Random draws for one token2wav call, injected (fixtures, reproducible audio) instead of drawn: arrays of the
+    token2wav's namespace in the torch modules' shapes (flow_noise (1, 80, F + M), sine_phase (1, H, 1),
+    sine_noise (1, H, L))."""
 
-    flow_noise: torch.Tensor | None = None
-    sine_phase: torch.Tensor | None = None
-    sine_noise: torch.Tensor | None = None
+    flow_noise: Any = None
+    sine_phase: Any = None
+    sine_noise: Any = None
 
 
 @dataclass
 class _StreamState:
-    flow_cache: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 80, 0, 2))
-    mel_overlap: torch.Tensor | None = None  # last mel frames of the previous call, faded into the next
-    cache_mel: torch.Tensor | None = None  # vocoder context: last mel frames ...
-    cache_source: torch.Tensor | None = None  # ... their source excitation ...
-    cache_speech: torch.Tensor | None = None  # ... and their audio, cross-faded into the next chunk
+    flow_cache: Any  # (1, 80, C, 2) what the next window's flow call continues
+    mel_overlap: Any = None  # last mel frames of the previous call, faded into the next
+    cache_mel: Any = None  # vocoder context: last mel frames ...
+    cache_source: Any = None  # ... their source excitation ...
+    cache_speech: Any = None  # ... and their audio, cross-faded into the next chunk
 
 
 @lru_cache(maxsize=8)
 def hamming(n: int) -> torch.Tensor:
-    """The reference's cross-fade window (``np.hamming``, float64), ``n`` samples or frames."""
+    """The reference's cross-fade window (``np.hamming``, float64), ``n`` samples or frames, as a tensor."""
+    import torch
+
     return torch.from_numpy(np.hamming(n))  # float64, as the reference multiplies
 
 
@@ -67,12 +77,35 @@ def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Ten
     return out
 
 
+def crossfade(fade_in: Any, fade_out: Any, n: int) -> Any:
+    """:func:`fade_in_out` over a Hamming window of ``n``, on tensors or the lite runtime's numpy arrays."""
+    if isinstance(fade_in, np.ndarray):
+        from cosyserve.models import lite_dsp
+
+        return lite_dsp.fade_in_out(fade_in, fade_out, lite_dsp.hamming(n))
+    return fade_in_out(fade_in, fade_out, hamming(n))
+
+
+def stretch(mel: Any, size: int) -> Any:
+    """``mel`` (1, 80, T) linearly resampled to ``size`` frames (a speed change): a tensor, or a numpy array."""
+    if isinstance(mel, np.ndarray):
+        from cosyserve.models.lite_dsp import interp_linear
+
+        return interp_linear(mel[0], size)[None]
+    import torch.nn.functional as F
+
+    return F.interpolate(mel, size=size, mode="linear")
+
+
 class Token2Wav:
     """Turns speech tokens into audio with a flow model and a HiFT vocoder.
 
     Args:
-        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec` (or its stacked stand-in).
-        hift: a :class:`cosyserve.models.hift.HiFTGenerator` (or its stacked stand-in).
+        flow: a :class:`cosyserve.models.flow.MaskedDiffWithXvec` (or its stacked stand-in), or the lite
+            runtime's :class:`~cosyserve.runtime.lite.models.LiteFlow`; its ``ops`` when it computes on numpy,
+            else torch's are used.
+        hift: a :class:`cosyserve.models.hift.HiFTGenerator` (or its stacked stand-in), or the lite runtime's
+            :class:`~cosyserve.runtime.lite.models.LiteVocoder`.
         policy: the streaming rules; defaults follow the reference.
         flow_steps: the flow's Euler steps (None: the model's own count).
     """
@@ -88,32 +121,38 @@ class Token2Wav:
         self.hift = hift
         self.policy = policy or StreamPolicy(input_frame_rate=int(flow.input_frame_rate))
         self.flow_steps = flow_steps
-        # where the modules compute: the request's tensors are made there
-        self.device = module_device(flow)
-        self.ops = ArrayOps(torch, self.device)  # the arrays the pipeline gives it and gets from it
+        # the arrays the pipeline gives it and gets from it: torch's on the modules' device, or the lite flow's
+        # (numpy's)
+        ops = getattr(flow, "ops", None)
+        if ops is None:
+            import torch
+
+            ops = ArrayOps(torch, module_device(flow))
+        self.ops: ArrayOps = ops
+        self.device = ops.device  # None: host memory (numpy)
 
     def _call(
         self,
         tokens: list[int],
         state: _StreamState,
-        prompt_token: torch.Tensor,
-        prompt_feat: torch.Tensor,
-        embedding: torch.Tensor,
+        prompt_token: Any,
+        prompt_feat: Any,
+        embedding: Any,
         finalize: bool,
         speed: float,
         draws: CallDraws,
-        generator: torch.Generator | None,
+        generator: Any,
         should_stop: ShouldStop | None,
-    ) -> torch.Tensor:
-        p = self.policy
-        token = torch.tensor(tokens, dtype=torch.int32, device=self.device).unsqueeze(0)
+    ) -> Any:
+        p, ops = self.policy, self.ops
+        token = ops.ints([tokens])  # (1, T)
         mel, state.flow_cache = self.flow.inference(
             token,
-            torch.tensor([token.shape[1]], dtype=torch.int32),
+            ops.asarray([token.shape[1]], "int32"),
             prompt_token,
-            torch.tensor([prompt_token.shape[1]], dtype=torch.int32),
+            ops.asarray([prompt_token.shape[1]], "int32"),
             prompt_feat,
-            torch.tensor([prompt_feat.shape[1]], dtype=torch.int32),
+            ops.asarray([prompt_feat.shape[1]], "int32"),
             embedding,
             state.flow_cache,
             noise=draws.flow_noise,
@@ -122,7 +161,7 @@ class Token2Wav:
             should_stop=should_stop,
         )
         if state.mel_overlap is not None:
-            mel = fade_in_out(mel, state.mel_overlap, hamming(2 * p.mel_overlap_len))
+            mel = crossfade(mel, state.mel_overlap, 2 * p.mel_overlap_len)
         if not finalize:
             state.mel_overlap = mel[:, :, -p.mel_overlap_len :]
             mel = mel[:, :, : -p.mel_overlap_len]
@@ -130,12 +169,12 @@ class Token2Wav:
             # the reference stretches the one-shot mel before the vocoder; a long piece's windows (see
             # StreamPolicy.windows) each stretch their new frames. At least one frame: a very short piece at a high
             # speed would otherwise stretch to nothing
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            mel = stretch(mel, max(1, int(mel.shape[2] / speed)))
         if state.cache_mel is not None:
-            mel = torch.cat([state.cache_mel, mel], dim=2)
+            mel = ops.cat([state.cache_mel, mel], dim=2)
             cache_source = state.cache_source
         else:
-            cache_source = torch.zeros(1, 1, 0, device=self.device)
+            cache_source = ops.zeros((1, 1, 0), "float32")
         speech, source = self.hift.inference(
             mel,
             cache_source,
@@ -145,7 +184,7 @@ class Token2Wav:
             should_stop=should_stop,
         )
         if state.cache_speech is not None:
-            speech = fade_in_out(speech, state.cache_speech, hamming(2 * p.source_cache_len))
+            speech = crossfade(speech, state.cache_speech, 2 * p.source_cache_len)
         if not finalize:
             state.cache_mel = mel[:, :, -p.mel_cache_len :]
             state.cache_source = source[:, :, -p.source_cache_len :]
@@ -157,20 +196,21 @@ class Token2Wav:
         self,
         tokens: Iterable[int],
         *,
-        embedding: torch.Tensor,
-        prompt_token: torch.Tensor | None = None,
-        prompt_feat: torch.Tensor | None = None,
+        embedding: Any,
+        prompt_token: Any = None,
+        prompt_feat: Any = None,
         stream: bool = False,
         speed: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: Any = None,
         draws: Iterator[CallDraws] | None = None,
         should_stop: ShouldStop | None = None,
-    ) -> Iterator[torch.Tensor]:
+    ) -> Iterator[Any]:
         """Yield audio chunks ``[1, samples]`` (float32) for a stream of speech token ids: the Token2Wav
         protocol's call.
 
-        Each window's flow and vocoder call runs in torch's inference mode, entered per call and left before the
-        chunk is yielded (as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` does).
+        Each window's flow and vocoder call runs without autograd, in the array ops' ``no_grad`` (torch's
+        inference mode; nothing for numpy), entered per call and left before the chunk is yielded (as
+        :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` does).
 
         Args:
             tokens: speech token ids; may be a generator (the LLM's), consumed as it produces.
@@ -179,7 +219,8 @@ class Token2Wav:
             prompt_feat: ``[1, F, 80]`` prompt mel, default none.
             stream: chunk as tokens arrive (True) or synthesize once at the end (False).
             speed: tempo factor, one-shot mode only (the reference's rule).
-            generator: source of random draws not injected through ``draws``.
+            generator: source of random draws not injected through ``draws`` (torch's, or numpy's for numpy
+                arrays).
             draws: per-call injected draws, in call order.
             should_stop: asked between the flow's Euler steps and the vocoder's stages of every call
                 (:class:`cosyserve.core.stop.Stopped` once it says True).
@@ -188,16 +229,13 @@ class Token2Wav:
             raise ValueError(f"speed must be > 0, got {speed}")
         if stream and speed != 1.0:
             raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-        p = self.policy
-        d = self.device
-        prompt_token = (
-            torch.zeros(1, 0, dtype=torch.int32, device=d) if prompt_token is None else prompt_token
-        )
-        prompt_feat = torch.zeros(1, 0, 80, device=d) if prompt_feat is None else prompt_feat
-        state = _StreamState()
+        p, ops = self.policy, self.ops
+        prompt_token = ops.zeros((1, 0), "int32") if prompt_token is None else prompt_token
+        prompt_feat = ops.zeros((1, 0, 80), "float32") if prompt_feat is None else prompt_feat
+        state = _StreamState(ops.zeros((1, 80, 0, 2), "float32"))
         draws = draws if draws is not None else iter(())
 
-        def run(window: list[int], finalize: bool, speed: float = 1.0) -> torch.Tensor:
+        def run(window: list[int], finalize: bool, speed: float = 1.0) -> Any:
             return self._call(
                 window,
                 state,
@@ -212,6 +250,6 @@ class Token2Wav:
             )
 
         for window, final in p.windows(tokens, stream):
-            with torch.inference_mode():
+            with ops.no_grad():
                 speech = run(window, final, speed)
             yield speech

@@ -9,8 +9,8 @@ a request that arrives in that window waits for it, later ones do not.
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
 and vocoder's graphs: CosyVoice2's and CosyVoice3's chunk flow (:mod:`cosyserve.runtime.lite.chunkflow`) under
-the family's own token2wav, CosyVoice-300M's flow under :class:`~cosyserve.runtime.lite.models.LiteToken2Wav`.
-Every mode the torch runtime serves (sft, instruct on a 300M -Instruct model, zero_shot, cross_lingual,
+the family's own token2wav, CosyVoice-300M's flow and vocoder (:mod:`cosyserve.runtime.lite.models`) under its
+family's windowed :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav`. Every mode the torch runtime serves (sft, instruct on a 300M -Instruct model, zero_shot, cross_lingual,
 instruct2, vc; a new prompt recording analysed by the numpy frontend,
 :class:`~cosyserve.runtime.lite.frontend.LiteFrontend`, with the family's prompt mel), one-shot, streamed and
 with streamed text. The same chunking and the same voice registry as the torch runtime (numpy
@@ -150,8 +150,8 @@ def _pipeline(
     registry: Any,
 ) -> Any:
     """The shared :class:`~cosyserve.runtime.pipeline.Pipeline` over the lite LM and the flow's and vocoder's
-    graphs (numpy arrays throughout), the family's stream policy and token2wav: CosyVoice2/3's chunk flow under
-    the family's own token2wav, CosyVoice-300M's flow under :class:`~cosyserve.runtime.lite.models.LiteToken2Wav`."""
+    graphs (numpy arrays throughout), the family's stream policy and token2wav (CosyVoice2/3's over the chunk
+    flow's graphs, CosyVoice-300M's over its flow's and vocoder's)."""
     from cosyserve.runtime.pipeline import Pipeline
 
     family = bundle.family
@@ -165,12 +165,10 @@ def _pipeline(
         flow = LiteChunkFlow(lite, tables)
         hift = (LiteCausalVocoder if lite.config["hift"].get("causal") else LiteVocoder2)(lite, tables)
     else:
-        from cosyserve.runtime.lite.models import LiteFlow, LiteToken2Wav, LiteVocoder
+        from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
         flow, hift = LiteFlow(lite, tables), LiteVocoder(lite, tables)
     policy = family.stream_policy(config, flow, o.chunk_policy, o.first_hop)
-    # CosyVoice-300M's token2wav on the graphs is the lite runtime's own (the family's is torch's)
-    token2wav = None if chunk_flow else LiteToken2Wav(flow, hift, policy, o.flow_steps)
     pipeline: Pipeline
 
     def frontend() -> Any:
@@ -202,7 +200,6 @@ def _pipeline(
         tokenizer=factory,
         config=config,
         frontend=frontend,
-        token2wav=token2wav,
     )
     return pipeline
 

@@ -140,11 +140,7 @@ class LiteCausalVocoder:
         harmonics = np.arange(1, H + 1, dtype=np.float32)[None, :]
         rad = (f0 * harmonics / np.float32(c.sampling_rate)) % np.float32(1)  # (L, H)
         rad[0] = rad[0] + rand_ini.reshape(-1).astype(np.float32)
-        # linear downsampling by `scale` (align_corners False): the mean of each frame's two middle samples
-        mid = scale // 2
-        rad = (
-            (rad[mid - 1 :: scale] + rad[mid::scale]) * np.float32(0.5) if scale % 2 == 0 else rad[mid::scale]
-        )
+        rad = _frame_mean(rad, scale)  # (T, H): linear downsampling by `scale`
         phase = np.cumsum(rad, axis=0, dtype=np.float64).astype(np.float32) * np.float32(
             2 * math.pi
         )  # (T, H)
@@ -197,8 +193,7 @@ class LiteCausalVocoder:
             )
         source = self._source(self._f0(mel, finalize, should_stop), rand_ini[0], sine_waves[0])
         n_fft, hop, right = int(c.n_fft), int(c.hop_len), int(c.conv_pre_look_right)
-        spec = dsp.stft(source, n_fft, hop)  # (n_fft/2+1, N)
-        s_stft = np.concatenate([spec.real, spec.imag], axis=0).astype(np.float32)
+        s_stft = dsp.source_stft(source, n_fft, hop)  # (n_fft + 2, N)
         if finalize:
             mel = np.pad(mel, ((0, 0), (0, right)))  # conv_pre's lookahead sees zeros
         else:
@@ -206,10 +201,7 @@ class LiteCausalVocoder:
             s_stft = s_stft[:, : -int(c.stft_per_frame) * right]
         feeds = {"mel": mel[None].astype(np.float32), "s_stft": s_stft[None]}
         (x,) = terminate.run(self.bundle.session("hift_decode"), feeds, should_stop)
-        x = x[0]
-        magnitude = np.minimum(np.exp(x[: n_fft // 2 + 1]), np.float32(1e2))
-        phase = np.sin(x[n_fft // 2 + 1 :])  # the reference's (redundant) sin, kept for equality
-        speech = dsp.istft(magnitude * (np.cos(phase) + 1j * np.sin(phase)), n_fft, hop)
+        speech = dsp.spectrum_wave(x[0], n_fft, hop)
         if not finalize:
             speech = speech[: -self.upsample]
         limit = np.float32(c.audio_limit)
@@ -228,34 +220,20 @@ class _VocoderStream:
 
 class LiteVocoder2(LiteVocoder):
     """CosyVoice2's 24 kHz HiFT (the reference's SineGen2 source) with the torch vocoder's shapes, for the shared
-    :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`."""
+    :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`: its draws ``sine_phase`` (1, H) uniform in
+    [0, 1) and ``sine_noise`` (1, L, H) standard normal."""
 
-    def inference(  # type: ignore[override]
-        self,
-        mel: np.ndarray,
-        cache_source: np.ndarray | None = None,
-        *,
-        generator: np.random.Generator | None = None,
-        sine_phase: np.ndarray | None = None,
-        sine_noise: np.ndarray | None = None,
-        should_stop: ShouldStop | None = None,
+    def _draws(
+        self, frames: int, generator: Any, sine_phase: np.ndarray | None, sine_noise: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The torch vocoder's ``inference``: mel (1, 80, T), cache_source (1, 1, S) -> (speech (1, L), source
-        (1, 1, L)), L = T * 480; the draws ``sine_phase`` (1, H) uniform in [0, 1) and ``sine_noise`` (1, L, H)
-        standard normal, or from ``generator``."""
-        H, L = self.harmonics, mel.shape[2] * self.upsample
-        if sine_phase is None or sine_noise is None:
-            if generator is None:
-                raise ValueError(
-                    "the vocoder draws random numbers: pass generator= or sine_phase= and sine_noise="
-                )
-            sine_phase = generator.random((1, H), dtype=np.float32) if sine_phase is None else sine_phase
-            sine_noise = (
-                generator.standard_normal((1, L, H), dtype=np.float32) if sine_noise is None else sine_noise
-            )
-        cache = None if cache_source is None else cache_source.reshape(-1)
-        speech, source = super().inference(mel[0], cache, sine_phase.reshape(-1), sine_noise[0], should_stop)
-        return speech[None], source[None, None]
+        # its draws: sine_phase (1, H) uniform in [0, 1), sine_noise (1, L, H) standard normal, given or drawn in
+        # that order -> the source's (phase (H,), noise (L, H))
+        H, L = self.harmonics, frames * self.upsample
+        if sine_phase is None:
+            sine_phase = generator.random((1, H), dtype=np.float32)
+        if sine_noise is None:
+            sine_noise = generator.standard_normal((1, L, H), dtype=np.float32)
+        return sine_phase.reshape(-1), sine_noise[0]
 
     def _source(self, f0: np.ndarray, phase: np.ndarray, noise: np.ndarray) -> np.ndarray:
         # SineGen2 as the torch vocoder's _source2: the phase increments averaged down to the frame rate,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.core.errors import AudioError, BundleError
+from cosyserve.core.errors import BundleError
 from cosyserve.frontend import features_np
 from cosyserve.frontend.audio import load_wav_np
 from cosyserve.frontend.features_np import MelSettings
@@ -26,7 +26,9 @@ from cosyserve.frontend.prompt import (
     PromptAudio,
     PromptLimits,
     check_token_seconds,
-    load_prompt,
+    prompt_audio,
+    prompt_entry,
+    vc_input,
 )
 
 __all__ = ["LiteFrontend"]
@@ -125,13 +127,7 @@ class LiteFrontend:
     def prompt(
         self, wav: AudioSource | PromptAudio, what: str = "prompt audio", param: str = "prompt_wav"
     ) -> PromptAudio:
-        if isinstance(wav, PromptAudio):
-            return wav
-        try:
-            return load_prompt(wav, self.limits, what, loader=load_wav_np)
-        except AudioError as e:
-            e.param = param
-            raise
+        return prompt_audio(wav, self.limits, what, param, loader=load_wav_np)
 
     def speech_tokens(self, speech_16k: np.ndarray) -> list[int]:
         """16 kHz waveform [1, N] (at most 30 s) -> speech token ids (the speech tokenizer's rate)."""
@@ -150,51 +146,26 @@ class LiteFrontend:
         return np.ascontiguousarray(self.mel(speech_24k).transpose(0, 2, 1))
 
     def prompt_features(self, prompt_text: str, wav: AudioSource | PromptAudio) -> dict[str, Any]:
-        """The entry the reference's ``add_zero_shot_spk`` stores (numpy arrays, the registry's layout): the
-        prompt's mel and speech tokens trimmed to ``mel_per_token`` frames per token where that is set."""
+        """The entry the reference's ``add_zero_shot_spk`` stores (numpy arrays, the registry's layout;
+        :func:`cosyserve.frontend.prompt.prompt_entry`)."""
         prompt = self.prompt(wav)
-        text, text_len = _ids(self.tokenize(prompt_text))
         feat = self.speech_feat(prompt.speech_24k)
-        ids = self.speech_tokens(prompt.speech_16k)
-        r = self.mel_per_token
-        if r is not None:  # the reference's frontend_zero_shot at resample_rate 24000
-            n = min(feat.shape[1] // r, len(ids))
-            feat, ids = feat[:, : r * n], ids[:n]
-        tokens, tokens_len = _ids(ids)
+        tokens = _ids(self.speech_tokens(prompt.speech_16k))[0]
         embedding = self.embedding(prompt.speech_16k)
-        return {
-            "prompt_text": text,
-            "prompt_text_len": text_len,
-            "llm_prompt_speech_token": tokens,
-            "llm_prompt_speech_token_len": tokens_len,
-            "flow_prompt_speech_token": tokens,
-            "flow_prompt_speech_token_len": tokens_len,
-            "prompt_speech_feat": feat,
-            "prompt_speech_feat_len": np.asarray([feat.shape[1]], dtype=np.int32),
-            "llm_embedding": embedding,
-            "flow_embedding": embedding,
-        }
+        return prompt_entry(_ids(self.tokenize(prompt_text)), feat, tokens, embedding, self.mel_per_token)
 
     def vc(
         self, source_wav: AudioSource | PromptAudio, prompt_wav: AudioSource | PromptAudio
     ) -> dict[str, Any]:
-        """Voice conversion's inputs (the reference's ``frontend_vc``): the source's speech tokens, the prompt's
-        tokens, mel and embedding, each with its ``_len``. Nothing is trimmed: the prompt's mel (F frames) and
-        tokens (P) keep their extracted lengths (with 25 Hz tokens F is 2P, 2P - 1 or 2P - 2)."""
+        """Voice conversion's inputs (:func:`cosyserve.frontend.prompt.vc_input`, the reference's ``frontend_vc``)."""
         prompt = self.prompt(prompt_wav)
         source = self.prompt(source_wav, "source audio", "source_wav")
-        feat = self.speech_feat(prompt.speech_24k)
-        source_tokens, source_len = _ids(self.speech_tokens(source.speech_16k))
-        prompt_tokens, prompt_len = _ids(self.speech_tokens(prompt.speech_16k))
-        return {
-            "source_speech_token": source_tokens,
-            "source_speech_token_len": source_len,
-            "flow_prompt_speech_token": prompt_tokens,
-            "flow_prompt_speech_token_len": prompt_len,
-            "prompt_speech_feat": feat,
-            "prompt_speech_feat_len": np.asarray([feat.shape[1]], dtype=np.int32),
-            "flow_embedding": self.embedding(prompt.speech_16k),
-        }
+        return vc_input(
+            _ids(self.speech_tokens(source.speech_16k))[0],
+            _ids(self.speech_tokens(prompt.speech_16k))[0],
+            self.speech_feat(prompt.speech_24k),
+            self.embedding(prompt.speech_16k),
+        )
 
     # the torch Frontend's name for it, which the shared pipeline calls on either runtime's frontend
     frontend_vc = vc

@@ -1,18 +1,17 @@
 """The lite runtime's models: ONNX Runtime sessions over a bundle's ``lite/`` graphs, driven by numpy.
 
 :class:`LiteBundle` checks a bundle's ``lite/`` files and opens their sessions; the LMs are in
-:mod:`cosyserve.runtime.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's interpolation, the Euler loop over the estimator graph), :class:`LiteVocoder` turns mel into audio
-(f0 graph, the sine source, STFT, the decoder graph, iSTFT) and :class:`LiteToken2Wav` streams as the torch
-runtime's :class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` does. Sessions are thread-safe: requests
-share them and own only their caches and random generators. Nothing here imports torch.
+:mod:`cosyserve.runtime.lite.lm`. :class:`LiteFlow` turns tokens into mel (encoder graph, the length regulator's
+interpolation, the Euler loop over the estimator graph) and :class:`LiteVocoder` turns mel into audio (f0 graph,
+the sine source, STFT, the decoder graph, iSTFT), each with the torch module's call and shapes: the family's
+:class:`~cosyserve.families.cosyvoice.token2wav.Token2Wav` streams over them as over the torch modules. Sessions
+are thread-safe: requests share them and own only their caches and random generators. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,11 +29,10 @@ from cosyserve.bundle.lite import (
 from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
-from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 
-__all__ = ["LiteBundle", "LiteFlow", "LiteToken2Wav", "LiteVocoder", "map_safetensors", "session_options"]
+__all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "map_safetensors", "session_options"]
 
 OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
 CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
@@ -263,28 +261,54 @@ class LiteFlow:
         (mu,) = self.bundle.session("flow_regulator").run(None, {"x": x2[None].astype(np.float32)})
         return mu[0]
 
+    ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
+
     def inference(
         self,
-        tokens: list[int],
-        prompt_token: list[int],
+        token: np.ndarray,
+        token_len: Any,
+        prompt_token: np.ndarray,
+        prompt_token_len: Any,
         prompt_feat: np.ndarray,
+        prompt_feat_len: Any,
         embedding: np.ndarray,
-        cache: np.ndarray | None,
-        noise: np.ndarray,
+        flow_cache: np.ndarray,
+        *,
+        noise: np.ndarray | None = None,
+        generator: np.random.Generator | None = None,
         n_timesteps: int | None = None,
         should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(mel (80, M), new cache (80, F + 34, 2)); ``noise`` (80, F + M) is the starting sample. ``should_stop``
-        is asked before each Euler step and ends a graph's run early (:class:`cosyserve.core.stop.Stopped`)."""
-        p, t = len(prompt_token), len(tokens)
-        ids = np.asarray([list(prompt_token) + list(tokens)], dtype=np.int64)
+        """The torch flow's ``inference`` (:meth:`cosyserve.models.flow.MaskedDiffWithXvec.inference`, one row),
+        the same shapes in numpy: (mel (1, 80, M), the cache the next window continues (1, 80, F + 34, 2)).
+
+        Args:
+            token, prompt_token: (1, T), (1, P) speech token ids (the lengths are their shapes'; the ``*_len``
+                arguments are the protocol's).
+            prompt_feat: (1, F, 80) prompt mel.
+            embedding: (1, 192) speaker x-vector.
+            flow_cache: (1, 80, C, 2) the previous window's cache (C may be 0).
+            noise: (1, 80, F + M) the starting sample; drawn from ``generator`` (numpy's) when None.
+            should_stop: asked before each Euler step; it also ends a graph's run early
+                (:class:`cosyserve.core.stop.Stopped`).
+        """
+        prompt = np.asarray(prompt_token).reshape(-1)
+        ids = np.concatenate([prompt, np.asarray(token).reshape(-1)]).astype(np.int64)[None]
+        p, t = prompt.shape[0], ids.shape[1] - prompt.shape[0]
         (h,) = terminate.run(self.bundle.session("flow_encoder"), {"tokens": ids}, should_stop)
-        f, m = prompt_feat.shape[0], mel_length(t, self.input_frame_rate)
+        feat = np.asarray(prompt_feat, dtype=np.float32).reshape(-1, self.output_size)  # (F, 80)
+        f, m = feat.shape[0], mel_length(t, self.input_frame_rate)
         mu = self.regulate(h[0], p, f, m)  # (80, f + m)
         total = f + m
-        spks = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
-        z = noise.astype(np.float32).copy()
-        if cache is not None and cache.shape[1] > 0:
+        spks = (dsp.normalize(np.asarray(embedding).reshape(-1)) @ self.spk_w.T + self.spk_b)[0]  # (80,)
+        if noise is None:
+            if generator is None:
+                raise ValueError("the flow draws its starting noise: pass generator= or noise=")
+            z = generator.standard_normal((self.output_size, total), dtype=np.float32)
+        else:
+            z = np.asarray(noise, dtype=np.float32)[0].copy()
+        cache = flow_cache[0]  # (80, C, 2)
+        if cache.shape[1] > 0:
             c = cache.shape[1]
             z[:, :c], mu = cache[:, :, 0], mu.copy()
             mu[:, :c] = cache[:, :, 1]
@@ -297,7 +321,7 @@ class LiteFlow:
         h_in[0, n : 2 * n] = mu
         h_in[0, 2 * n : 3 * n] = spks[:, None]
         if f:
-            h_in[0, 3 * n : 4 * n, :f] = prompt_feat.T
+            h_in[0, 3 * n : 4 * n, :f] = feat.T
         est = self.bundle.session("flow_estimator")
         x = z
         rate = np.float32(self.cfg_rate)
@@ -307,7 +331,7 @@ class LiteFlow:
             (vel,) = terminate.run(est, {"h": h_in, "t": np.full(2, t_, np.float32)}, should_stop)
             vel = (np.float32(1.0) + rate) * vel[0] - rate * vel[1]
             x = x + dt * vel
-        return x[:, f:].astype(np.float32), new_cache
+        return x[None, :, f:].astype(np.float32), new_cache[None]
 
 
 class LiteVocoder:
@@ -321,41 +345,59 @@ class LiteVocoder:
         self.upsample = int(self.cfg["upsample_factor"])
 
     def draws(self, frames: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """(phase (H, 1) uniform in [-pi, pi), noise (H, L) standard normal) for ``frames`` mel frames."""
+        """(sine_phase (1, H, 1) uniform in [-pi, pi), sine_noise (1, H, L) standard normal) for ``frames`` mel
+        frames, drawn from ``rng`` in that order: what :meth:`inference` draws when none are given."""
         h, n = self.harmonics, frames * self.upsample
-        phase = (rng.random((h, 1), dtype=np.float32) * np.float32(2 * np.pi) - np.float32(np.pi)).astype(
+        phase = (rng.random((1, h, 1), dtype=np.float32) * np.float32(2 * np.pi) - np.float32(np.pi)).astype(
             np.float32
         )
-        return phase, rng.standard_normal((h, n), dtype=np.float32)
+        return phase, rng.standard_normal((1, h, n), dtype=np.float32)
 
     def inference(
         self,
-        mel: np.ndarray,
-        cache_source: np.ndarray | None,
-        phase: np.ndarray,
-        noise: np.ndarray,
+        speech_feat: np.ndarray,
+        cache_source: np.ndarray | None = None,
+        *,
+        generator: np.random.Generator | None = None,
+        sine_phase: np.ndarray | None = None,
+        sine_noise: np.ndarray | None = None,
         should_stop: ShouldStop | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(speech (L,), source (L,)) for mel (80, T); the first samples of the source are ``cache_source``.
-        ``should_stop`` ends its graphs' runs early (:class:`cosyserve.core.stop.Stopped`)."""
+        """The torch vocoder's ``inference`` (:meth:`cosyserve.models.hift.HiFTGenerator.inference`, one row), the
+        same shapes in numpy: mel (1, 80, T), cache_source (1, 1, S) -> (speech (1, L), source (1, 1, L)),
+        L = T * upsample; the source's first S samples are ``cache_source``. The draws ``sine_phase`` and
+        ``sine_noise`` (:meth:`draws`'s shapes) come from ``generator`` (numpy's) when not given. ``should_stop``
+        ends its graphs' runs early (:class:`cosyserve.core.stop.Stopped`)."""
+        if sine_phase is None or sine_noise is None:
+            if generator is None:
+                raise ValueError(
+                    "the vocoder draws random numbers: pass generator= or sine_phase= and sine_noise="
+                )
+        phase, noise = self._draws(speech_feat.shape[2], generator, sine_phase, sine_noise)
         c = self.cfg
-        mel = np.ascontiguousarray(mel, dtype=np.float32)[None]
+        mel = np.ascontiguousarray(speech_feat[0], dtype=np.float32)[None]  # (1, 80, T)
         (f0,) = terminate.run(self.bundle.session("hift_f0"), {"mel": mel}, should_stop)
         source = self._source(f0[0], phase, noise)
-        if cache_source is not None and cache_source.shape[0] > 0:
-            source[: cache_source.shape[0]] = cache_source
+        if cache_source is not None and cache_source.size > 0:
+            cache = np.asarray(cache_source).reshape(-1)
+            source[: cache.shape[0]] = cache
         check(should_stop)
         n_fft, hop = int(c["n_fft"]), int(c["hop_len"])
-        spec = dsp.stft(source, n_fft, hop)
-        s_stft = np.concatenate([spec.real, spec.imag]).astype(np.float32)[None]
+        s_stft = dsp.source_stft(source, n_fft, hop)[None]
         (x,) = terminate.run(self.bundle.session("hift_decode"), {"mel": mel, "s_stft": s_stft}, should_stop)
-        x = x[0]
-        half = n_fft // 2 + 1
-        magnitude = np.minimum(np.exp(x[:half]), np.float32(1e2))
-        ph = np.sin(x[half:])  # the reference's (redundant) sin
-        speech = dsp.istft(magnitude * np.cos(ph) + 1j * (magnitude * np.sin(ph)), n_fft, hop)
+        speech = dsp.spectrum_wave(x[0], n_fft, hop)
         limit = np.float32(c["audio_limit"])
-        return np.clip(speech, -limit, limit), source
+        return np.clip(speech, -limit, limit)[None], source[None, None]
+
+    def _draws(
+        self, frames: int, generator: Any, sine_phase: np.ndarray | None, sine_noise: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # the source's (phase (H, 1), noise (H, L)): the given draws, or drawn in the torch vocoder's order
+        if sine_phase is None or sine_noise is None:
+            drawn = self.draws(frames, generator)
+            sine_phase = drawn[0] if sine_phase is None else sine_phase
+            sine_noise = drawn[1] if sine_noise is None else sine_noise
+        return np.asarray(sine_phase)[0], np.asarray(sine_noise)[0]
 
     def _source(self, f0: np.ndarray, phase: np.ndarray, noise: np.ndarray) -> np.ndarray:
         # the excitation (T * upsample,) of f0 (T,): the 22.05 kHz SineGen
@@ -373,125 +415,3 @@ class LiteVocoder:
             phase=phase,
             noise=noise,
         )
-
-
-@dataclass
-class _State:
-    flow_cache: np.ndarray = field(default_factory=lambda: np.zeros((80, 0, 2), np.float32))
-    mel_overlap: np.ndarray | None = None
-    cache_mel: np.ndarray | None = None
-    cache_source: np.ndarray | None = None
-    cache_speech: np.ndarray | None = None
-
-
-class LiteToken2Wav:
-    """Speech tokens -> audio chunks, one-shot or streaming, with the torch runtime's chunking, overlap and fade
-    rules (:class:`cosyserve.families.cosyvoice.token2wav.Token2Wav`). Random draws (flow noise, then the
-    source's phase and noise) come from the request's generator, or from ``draws`` (one (flow_noise, phase, noise) per call)."""
-
-    def __init__(
-        self, flow: LiteFlow, hift: LiteVocoder, policy: StreamPolicy, flow_steps: int | None = None
-    ):
-        self.flow, self.hift, self.policy, self.flow_steps = flow, hift, policy, flow_steps
-
-    ops = ArrayOps(np)  # the arrays it takes and gives (the shared pipeline's, numpy's)
-
-    def _call(
-        self,
-        tokens: list[int],
-        state: _State,
-        prompt_token: list[int],
-        prompt_feat: np.ndarray,
-        embedding: np.ndarray,
-        finalize: bool,
-        speed: float,
-        rng: np.random.Generator | None,
-        draws: tuple[Any, Any, Any] | None,
-        should_stop: ShouldStop | None = None,
-    ) -> np.ndarray:
-        p = self.policy
-        flow_noise, phase, noise = draws if draws is not None else (None, None, None)
-        total = prompt_feat.shape[0] + mel_length(len(tokens), self.flow.input_frame_rate)
-        if flow_noise is None:
-            assert rng is not None
-            flow_noise = rng.standard_normal((self.flow.output_size, total), dtype=np.float32)
-        mel, state.flow_cache = self.flow.inference(
-            tokens,
-            prompt_token,
-            prompt_feat,
-            embedding,
-            state.flow_cache,
-            flow_noise,
-            self.flow_steps,
-            should_stop,
-        )
-        if state.mel_overlap is not None:
-            mel = dsp.fade_in_out(mel, state.mel_overlap, dsp.hamming(2 * p.mel_overlap_len))
-        if not finalize:
-            state.mel_overlap = mel[:, -p.mel_overlap_len :]
-            mel = mel[:, : -p.mel_overlap_len]
-        if speed != 1.0:  # as the torch runtime's Token2Wav
-            mel = dsp.interp_linear(mel, max(1, int(mel.shape[1] / speed)))
-        cache_source = None
-        if state.cache_mel is not None:
-            mel = np.concatenate([state.cache_mel, mel], axis=1)
-            cache_source = state.cache_source
-        if phase is None or noise is None:
-            assert rng is not None
-            phase, noise = self.hift.draws(mel.shape[1], rng)
-        check(should_stop)
-        speech, source = self.hift.inference(mel, cache_source, phase, noise, should_stop)
-        if state.cache_speech is not None:
-            speech = dsp.fade_in_out(speech, state.cache_speech, dsp.hamming(2 * p.source_cache_len))
-        if not finalize:
-            state.cache_mel = mel[:, -p.mel_cache_len :]
-            state.cache_source = source[-p.source_cache_len :]
-            state.cache_speech = speech[-p.source_cache_len :]
-            speech = speech[: -p.source_cache_len]
-        return speech
-
-    def __call__(
-        self,
-        tokens: Iterable[int],
-        *,
-        embedding: np.ndarray,
-        prompt_token: Any = None,
-        prompt_feat: np.ndarray | None = None,
-        stream: bool = False,
-        speed: float = 1.0,
-        generator: np.random.Generator | None = None,
-        draws: Iterator[tuple[Any, Any, Any]] | None = None,
-        should_stop: ShouldStop | None = None,
-    ) -> Iterator[np.ndarray]:
-        """Yield float32 audio chunks (1-D) for a stream of speech token ids; ``should_stop`` is asked between
-        the pieces of every call's work (:class:`cosyserve.core.stop.Stopped`). ``embedding`` (192,) or (1, 192),
-        ``prompt_token`` ids (a list, or (1, P)), ``prompt_feat`` (F, 80) or (1, F, 80): the shared pipeline's
-        shapes are the torch token2wav's."""
-        if speed <= 0:
-            raise ValueError(f"speed must be > 0, got {speed}")
-        if stream and speed != 1.0:
-            raise ValueError("speed change is only supported in one-shot (non-streaming) synthesis")
-        p = self.policy
-        embedding = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        prompt_token = [] if prompt_token is None else [int(t) for t in np.asarray(prompt_token).reshape(-1)]
-        prompt_feat = np.zeros((0, 80), np.float32) if prompt_feat is None else prompt_feat
-        prompt_feat = np.asarray(prompt_feat, dtype=np.float32).reshape(-1, 80)
-        state = _State()
-
-        def run(window: list[int], finalize: bool, speed: float = 1.0) -> np.ndarray:
-            d = next(draws, None) if draws is not None else None
-            return self._call(
-                window,
-                state,
-                prompt_token,
-                prompt_feat,
-                embedding,
-                finalize,
-                speed,
-                generator,
-                d,
-                should_stop,
-            )
-
-        for window, final in p.windows(tokens, stream):
-            yield run(window, final, speed)

@@ -2,7 +2,8 @@
 
 The same cases as the torch kinds, computed by what the lite runtime runs: the ONNX graphs of a bundle converted
 with ``--runtime lite`` driven by :mod:`cosyserve.runtime.lite.lm`, :mod:`cosyserve.runtime.lite.models` and
-:mod:`cosyserve.runtime.lite.chunkflow` (the LM, flow, vocoder and token2wav kinds of every family), and the numpy
+:mod:`cosyserve.runtime.lite.chunkflow` (the LM, flow and vocoder kinds of every family; the token2wav kinds run
+the family's own token2wav over them), and the numpy
 audio front end (:mod:`cosyserve.frontend.features_np`, :func:`cosyserve.frontend.audio.load_wav_np`,
 :class:`cosyserve.runtime.lite.frontend.LiteFrontend` as a bundle of the set's family makes it: the prompt mel,
 speech token and prompt frontend kinds; CosyVoice3's silent-token filter is the one torch-free filter both
@@ -87,25 +88,21 @@ def run_llm_bistream_logprobs(ctx: Any, inputs: dict) -> dict:
 
 
 def run_flow_inference(ctx: Any, inputs: dict) -> dict:
-    cache = _a(inputs["flow_cache"])[0]  # (80, C, 2)
-    mel, new_cache = _lite(ctx)["flow"].inference(
-        _ids(inputs["token"]),
-        _ids(inputs["prompt_token"]),
-        _a(inputs["prompt_feat"])[0],
-        _a(inputs["embedding"]).reshape(-1),
-        cache,
-        _a(inputs["flow_noise"])[0],
-    )
-    return {"mel": mel[None], "flow_cache": new_cache[None]}
+    token, prompt_token, prompt_feat = (_a(inputs[k]) for k in ("token", "prompt_token", "prompt_feat"))
+    mel, cache = _lite(ctx)["flow"].inference(
+        token, [token.shape[1]], prompt_token, [prompt_token.shape[1]], prompt_feat, [prompt_feat.shape[1]],
+        _a(inputs["embedding"]), _a(inputs["flow_cache"]), noise=_a(inputs["flow_noise"]),
+    )  # fmt: skip
+    return {"mel": mel, "flow_cache": cache}
 
 
 def run_hift_inference(ctx: Any, inputs: dict) -> dict:
     # the recorded draws: sine_phase (1, H, 1), sine_noise (1, H, L); source_noise feeds no output
-    cache = _a(inputs["cache_source"]).reshape(-1)
     speech, source = _lite(ctx)["hift"].inference(
-        _a(inputs["speech_feat"])[0], cache, _a(inputs["sine_phase"])[0], _a(inputs["sine_noise"])[0]
-    )
-    return {"speech": speech[None], "source": source[None, None]}
+        _a(inputs["speech_feat"]), _a(inputs["cache_source"]),
+        sine_phase=_a(inputs["sine_phase"]), sine_noise=_a(inputs["sine_noise"]),
+    )  # fmt: skip
+    return {"speech": speech, "source": source}
 
 
 def run_chunk_flow_inference(ctx: Any, inputs: dict) -> dict:
@@ -184,38 +181,19 @@ def _chunks(t2w: Any, inputs: dict[str, Any], draws: Any) -> dict[str, Any]:
 
 
 def run_token2wav(ctx: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    from cosyserve.families.cosyvoice.streampolicy import StreamPolicy
-    from cosyserve.runtime.lite.models import LiteToken2Wav
+    # CosyVoice-300M's own token2wav (the torch runtime's windows, caches and fades, one code) over the lite flow
+    # and vocoder, with the recorded draws
+    from cosyserve.families.cosyvoice.token2wav import CallDraws, Token2Wav
 
     lite = _lite(ctx)
     calls = sorted(
         {int(k[1 : k.index("_")]) for k in inputs if k.startswith("c") and k.endswith("_flow_noise")}
     )
-    draws = iter(
-        (
-            _a(inputs[f"c{c}_flow_noise"])[0],
-            _a(inputs[f"c{c}_sine_phase"])[0],
-            _a(inputs[f"c{c}_sine_noise"])[0],
-        )
+    draws = (
+        CallDraws(*(_a(inputs[f"c{c}_{k}"]) for k in ("flow_noise", "sine_phase", "sine_noise")))
         for c in calls
     )
-    t2w = LiteToken2Wav(
-        lite["flow"], lite["hift"], StreamPolicy(input_frame_rate=lite["flow"].input_frame_rate)
-    )
-    chunks = list(
-        t2w(
-            _ids(inputs["source_speech_token"]),
-            embedding=_a(inputs["flow_embedding"]).reshape(-1),
-            prompt_token=_ids(inputs["flow_prompt_speech_token"]),
-            prompt_feat=_a(inputs["prompt_speech_feat"])[0],
-            stream=bool(inputs["stream"]),
-            speed=float(inputs["speed"]),
-            draws=draws,
-        )
-    )
-    out: dict[str, Any] = {f"chunk{i}": c[None] for i, c in enumerate(chunks)}
-    out["num_chunks"] = len(chunks)
-    return out
+    return _chunks(Token2Wav(lite["flow"], lite["hift"]), inputs, draws)
 
 
 def run_mel(ctx: Any, inputs: dict) -> dict:
