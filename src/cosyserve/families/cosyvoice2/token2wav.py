@@ -26,11 +26,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop
 from cosyserve.families.base import CachedVocoder, ChunkedFlow, Vocoder
+from cosyserve.families.cosyvoice.token2wav import crossfade, stretch
 from cosyserve.system.device import module_device
 
 if TYPE_CHECKING:  # torch is imported where a torch flow runs: the lite runtime's process has none
@@ -99,29 +98,6 @@ class StreamPolicy2:
         """Tokens that top the prompt up to a whole attention chunk (added to the first hop)."""
         c = self.token_hop_len
         return math.ceil(prompt_tokens / c) * c - prompt_tokens
-
-
-def stretch(mel: Any, size: int) -> Any:
-    """``mel`` (1, 80, T) linearly resampled to ``size`` frames (a speed change): a tensor, or the lite runtime's
-    numpy array."""
-    if isinstance(mel, np.ndarray):
-        from cosyserve.models.lite_dsp import interp_linear
-
-        return interp_linear(mel[0], size)[None]
-    import torch.nn.functional as F
-
-    return F.interpolate(mel, size=size, mode="linear")
-
-
-def _fade(speech: Any, tail: Any, n: int) -> Any:
-    # the reference's cross-fade of a chunk's start with the previous chunk's held-back tail (Hamming window of n)
-    if isinstance(speech, np.ndarray):
-        from cosyserve.models import lite_dsp
-
-        return lite_dsp.fade_in_out(speech, tail, lite_dsp.hamming(n))
-    from cosyserve.families.cosyvoice.token2wav import fade_in_out, hamming
-
-    return fade_in_out(speech, tail, hamming(n))
 
 
 @dataclass
@@ -271,7 +247,7 @@ class Token2Wav2:
             mel, cache_source, generator=generator, should_stop=should_stop, **draws
         )
         if cache is not None:
-            speech = _fade(speech, cache.speech, 2 * p.source_cache_len)
+            speech = crossfade(speech, cache.speech, 2 * p.source_cache_len)
         if finalize:
             state.vocoder = None
             return speech

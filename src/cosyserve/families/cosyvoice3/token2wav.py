@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from cosyserve.core.stop import ShouldStop
 from cosyserve.families.base import ChunkedFlow, StreamVocoder
-from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2, stretch
+from cosyserve.families.cosyvoice.token2wav import stretch
+from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, StreamState, Token2Wav2
 
 if TYPE_CHECKING:
     import torch
