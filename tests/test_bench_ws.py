@@ -2,10 +2,9 @@
 ``cosyserve serve`` of tiny random-weight models) print every figure, filled and consistent, and they refuse to
 send traffic off the machine.
 
-The dry runs share one work folder, so each tiny model is made once: the CosyVoice-300M one by the first script
-that serves it (its ``make-test-model`` and ``convert`` commands, bench/gpu.py ``made_bundle``), the CosyVoice2
-one here, in this process (the session's model dir converted: the same files the commands write, without two fresh
-interpreters importing torch)."""
+The dry runs share one work folder, where bench/gpu.py ``made_bundle`` finds each tiny model's bundle: both are
+made here, in this process (the files its ``make-test-model --size tiny --seed 0`` and ``convert`` commands write,
+without two fresh interpreters importing torch per family)."""
 
 from __future__ import annotations
 
@@ -48,12 +47,17 @@ def rows_after(header: str, text: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory, cv2_model_dir: Path) -> Path:
-    """The scripts' ``--work`` folder, holding the CosyVoice2 bundle where ``made_bundle`` looks for it
-    (``make-test-model --size tiny --family cosyvoice2 --seed 0``, converted: conftest's ``cv2_model_dir``)."""
+    """The scripts' ``--work`` folder, holding the bundles where ``made_bundle`` looks for them: CosyVoice2's from
+    conftest's ``cv2_model_dir`` (``make-test-model --size tiny --family cosyvoice2 --seed 0``), CosyVoice-300M's
+    made as its command makes it, both converted."""
     from cosyserve.bundle.convert import convert
+    from cosyserve.families.testmodel import make_test_model
 
     work = tmp_path_factory.mktemp("ws-bench")
     convert(cv2_model_dir, work / "cosyvoice2-tiny-bundle", progress=False)
+    model = work / "cosyvoice-tiny-model"  # the name made_bundle gives it: a plain (not -Instruct) model
+    make_test_model(model, size="tiny", seed=0, family="cosyvoice")
+    convert(model, work / "cosyvoice-tiny-bundle", progress=False)
     return work
 
 

@@ -70,7 +70,7 @@ def test_served_document_is_the_fuzzed_one(server: ServerProcess) -> None:
 
 
 @schema.parametrize()
-@settings(max_examples=20, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_schema(case: Any, server: ServerProcess) -> None:
     response = case.call(base_url=server.base_url, timeout=60)
     case.validate_response(response, excluded_checks=[positive_data_acceptance])
