@@ -105,6 +105,20 @@ def _in_threads(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[An
 # -- the sampler ---------------------------------------------------------------------------------------------------
 
 
+def _together(loop: DecodeLoop, specs: list[Any], keys: list[int]) -> list[list[int]]:
+    # each row's whole run, every consumer in its own thread, all starting at once
+    started = threading.Barrier(len(specs))
+
+    def consume(i: int) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            started.wait(30)
+            return list(loop.generate(specs[i], keys[i]))
+
+        return run
+
+    return _in_threads([consume(i) for i in range(len(specs))])
+
+
 def test_sampler_nucleus_and_repetition_fallback() -> None:
     """Ids 0..2 make the nucleus (mass before id 3 is 0.9 >= 0.8); a pick seen in the window is redrawn from the
     rest, so id 3 becomes reachable. If this failed, the sampler would not be the reference's ras_sampling."""
@@ -167,6 +181,8 @@ def test_rows_joining_and_leaving_mid_run_keep_each_rows_tokens() -> None:
                 out.append(token)
                 if len(out) == 5:
                     joined[i].set()
+                    if i < 2:  # rows 0 and 1 stay until row 2 has joined: three rows decode together
+                        assert joined[2].wait(60)
                 if i == 1 and len(out) == 7:
                     gen.close()  # its consumer leaves: the row is freed at the next step
                     break
@@ -194,16 +210,7 @@ def test_more_consumers_than_rows_wait_for_a_free_row_and_step_it_themselves() -
     keys = [row_key(30 + i) for i in range(3)]
     want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
     loop = DecodeLoop(lm, 1, name="test")
-    started = threading.Barrier(3)
-
-    def consume(i: int) -> Callable[[], list[int]]:
-        def run() -> list[int]:
-            started.wait(30)
-            return list(loop.generate(specs[i], keys[i]))
-
-        return run
-
-    got = _in_threads([consume(i) for i in range(3)])
+    got = _together(loop, specs, keys)
     loop.close()
     assert got == want
     assert loop._thread is None and loop.stats.prefills == 3 and loop.stats.peak_rows == 1
@@ -219,16 +226,7 @@ def test_streamed_text_rows_batch_beside_a_one_shot_row() -> None:
     keys = [row_key(20 + i) for i in range(3)]
     want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
     loop = DecodeLoop(lm, 3, name="test")
-    started = threading.Barrier(3)
-
-    def consume(i: int) -> Callable[[], list[int]]:
-        def run() -> list[int]:
-            started.wait(30)
-            return list(loop.generate(_fresh(specs[i]), keys[i]))
-
-        return run
-
-    got = _in_threads([consume(i) for i in range(3)])
+    got = _together(loop, [_fresh(sp) for sp in specs], keys)
     loop.close()
     assert got == want
     assert all(len(w) > 10 for w in want)

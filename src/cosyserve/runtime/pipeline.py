@@ -161,18 +161,19 @@ class Pipeline(ModelModes):
         sessions are created on their first run)."""
         if self._frontend is None:
             with self._frontend_lock:
-                if self._frontend is None and self._make_frontend is not None:
-                    self._frontend = self._make_frontend()
-                elif self._frontend is None:
-                    self._frontend = self.family.frontend(
-                        self.model_dir or Path("."),
-                        self.config,
-                        self.speakers,
-                        tokenizer=self.tokenizer,
-                        paths=self.onnx_paths,
-                        check=self.onnx_check,
-                    )
+                if self._frontend is None:
+                    self._frontend = self._make_frontend() if self._make_frontend else self._family_frontend()
         return self._frontend
+
+    def _family_frontend(self) -> Any:
+        return self.family.frontend(
+            self.model_dir or Path("."),
+            self.config,
+            self.speakers,
+            tokenizer=self.tokenizer,
+            paths=self.onnx_paths,
+            check=self.onnx_check,
+        )
 
     def _text_ids(self, text: str) -> tuple[Any, Any]:
         return _ids(self.ops, self.tokenizer.encode(text))
