@@ -106,7 +106,7 @@ def counted(fn):
 
 t2w.flow.inference = timed("flow", t2w.flow.inference)
 t2w.hift.inference = timed("hift", t2w.hift.inference)
-pipe.llm.inference = counted(pipe.llm.inference)
+pipe.decoder.generate = counted(pipe.decoder.generate)
 t = time.perf_counter()
 audio = model.synthesize_all(args["text"], speaker, seed=0)
 wall = time.perf_counter() - t

@@ -86,6 +86,15 @@ def test_prompt_pad_tops_the_first_hop_up_to_a_whole_chunk() -> None:
     assert [c["tokens"] for c in calls][:2] == [25 + 20 + 3, 45 + 50 + 3]
 
 
+def test_low_latency_hops_end_on_whole_attention_chunks() -> None:
+    """After a short first hop the hops end on 25-token chunks (from the padded prompt): the flow keeps whole
+    chunks only, so a hop ending mid-chunk would compute up to 24 tokens' frames twice. A 21-token first hop
+    after a 30-token prompt (pad 20): ends at 21, 50, 100, 200 tokens past the padded prompt, not 21, 63, 147."""
+    calls, _, _ = run(260, prompt=30, policy=StreamPolicy2.named("low-latency", 21))
+    ends = [c["tokens"] - 3 - 20 for c in calls[:-1]]
+    assert ends == [21, 50, 100, 200], ends
+
+
 def test_every_request_starts_at_the_first_hop() -> None:
     """The reference doubles its hop on the model object, so its second streaming request starts at 50 or 100
     tokens; here the second request's schedule equals the first's."""
@@ -105,8 +114,9 @@ def test_one_shot_is_one_full_attention_call() -> None:
 
 
 def test_low_latency_policy_starts_with_a_shorter_hop() -> None:
+    """A 10-token first hop, then hops that end on whole 25-token chunks (25, 50)."""
     calls, _, _ = run(100, policy=StreamPolicy2.named("low-latency", 10))
-    assert [c["tokens"] for c in calls][:3] == [13, 33, 73]
+    assert [c["tokens"] for c in calls][:3] == [13, 28, 53]
 
 
 @pytest.mark.parametrize("hop", [0, 3, 101])

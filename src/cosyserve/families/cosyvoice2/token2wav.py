@@ -13,9 +13,10 @@ samples (a Hamming window of 7680).
 Hops: the first chunk advances by ``hop + pad`` tokens, where ``pad`` tops the prompt's tokens up to a whole
 chunk (``ceil(P / 25) * 25 - P``), so that chunk boundaries line up with the flow's 25-token attention chunks;
 each chunk needs ``pre_lookahead_len`` more tokens than its hop. After each chunk the hop doubles up to 100
-tokens (4 s). The last call runs on every token with full attention (``streaming=False``). The reference keeps the
-doubled hop on the model object, so its second streaming request starts at 50 or 100 tokens: here every request
-starts afresh (the hop is the generator's own state).
+tokens (4 s), moved to end on a whole chunk where a shorter first hop (the low-latency policy) left it
+mid-chunk (:meth:`StreamPolicy2.aligned_hop`). The last call runs on every token with full attention
+(``streaming=False``). The reference keeps the doubled hop on the model object, so its second streaming request
+starts at 50 or 100 tokens: here every request starts afresh (the hop is the generator's own state).
 """
 
 from __future__ import annotations
@@ -93,6 +94,18 @@ class StreamPolicy2:
 
     def next_hop(self, hop: int) -> int:
         return min(self.token_max_hop_len, hop * self.stream_scale_factor)
+
+    def aligned_hop(self, hop: int, spoken: int) -> int:
+        """The hop after one of ``hop`` tokens that ended ``spoken`` tokens past the padded prompt: doubled (up
+        to ``token_max_hop_len``), then moved to the nearest end on a whole attention chunk that does not shrink
+        the hop (shrinking it only where the largest would be passed): the flow keeps whole chunks only and computes a partial chunk's frames
+        again at the next call, so a hop that ends mid-chunk costs up to 24 tokens of flow twice. The reference's
+        hops (25 + pad, 50, 100) always end on a chunk: unchanged."""
+        c = self.token_hop_len
+        want = self.next_hop(hop)
+        lower = want - (spoken + want) % c
+        upper = lower + c
+        return lower if lower >= hop or upper > self.token_max_hop_len else upper
 
     def prompt_pad(self, prompt_tokens: int) -> int:
         """Tokens that top the prompt up to a whole attention chunk (added to the first hop)."""
@@ -365,7 +378,7 @@ class Token2Wav2:
                             should_stop=should_stop,
                         )  # fmt: skip
                     state.offset += this_hop
-                    state.hop = p.next_hop(state.hop)
+                    state.hop = p.aligned_hop(state.hop, state.offset - pad)
                     yield speech
             if state is not None:
                 with no_grad():
