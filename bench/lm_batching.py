@@ -112,21 +112,42 @@ def first_audio(model: str, baseline_src: Path, rounds: int, text: str) -> dict[
         "this tree": _Worker(SRC, model, text, None),
     }
     times: dict[str, list[float]] = {name: [] for name in workers}
+    # CPU the other (idle) worker used while one spoke: a worker that spins or works in the background between
+    # its requests slows the other's, which would make the pair unfair
+    idle_cpu: dict[str, list[float]] = {name: [] for name in workers}
     try:
         for r in range(rounds):
             order = list(workers) if r % 2 == 0 else list(reversed(workers))
             for name in order:
+                (other,) = (n for n in workers if n != name)
+                before = _cpu_s(workers[other].proc.pid)
                 times[name].append(workers[name].ask(seed=r)["first_audio_s"])
+                idle_cpu[other].append(_cpu_s(workers[other].proc.pid) - before)
     finally:
         for w in workers.values():
             w.close()
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    out = {"rounds": rounds, "median_s": med, "ratio": med["this tree"] / med["baseline"]}
+    out = {
+        "rounds": rounds,
+        "median_s": med,
+        "samples_s": times,
+        "idle_cpu_s": {name: statistics.mean(v) for name, v in idle_cpu.items()},
+        "ratio": med["this tree"] / med["baseline"],
+    }
     print(f"first audio of a lone request, median of {rounds} interleaved pairs:")
     for name, s in med.items():
-        print(f"  {name:10s} {s * 1e3:8.0f} ms")
+        samples = " ".join(f"{t * 1e3:.0f}" for t in times[name])
+        print(f"  {name:10s} {s * 1e3:8.0f} ms   (each: {samples})")
+    for name, cpu in out["idle_cpu_s"].items():
+        print(f"  {name:10s} used {cpu * 1e3:6.0f} ms of CPU on average while idle (the other's request)")
     print(f"  this tree / baseline: {out['ratio']:.3f} (target <= 1.05)")
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    # user + system CPU seconds of a process, all its threads (/proc/PID/stat fields 14 and 15)
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stackers(m: Any) -> dict[str, Any]:
@@ -142,10 +163,11 @@ def throughput(
     stream: bool = False,
     batch_flow: bool = False,
     gather_ms: float | None = None,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     import dataclasses
 
-    m = _load(model, None, batch_flow)
+    m = _load(model, batch_size, batch_flow)
     speaker = m.speakers[0] if m.speakers else None
     decoder = m.runtime.pipeline.decoder
     m.synthesize_all(text, speaker=speaker, seed=0, stream=stream)  # the paths warm
@@ -196,7 +218,8 @@ def throughput(
         "stacked": stacked,
     }
     what = "streams" if stream else "requests"
-    print(f"audio s per wall s (batch_size {out['batch_size']}, the default; batch_flow {batch_flow}):")
+    which = "the default" if batch_size is None else "--batch-size"
+    print(f"audio s per wall s (batch_size {out['batch_size']}, {which}; batch_flow {batch_flow}):")
     print(f"  1 of the {what:<8}    {out['one']:.3f}")
     print(f"  {concurrency} concurrent        {out['concurrent']:.3f}")
     print(f"  ratio               {out['ratio']:.2f} (target >= 2 at 8)")
@@ -224,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--batch-flow", action="store_true", help="throughput: stack token2wav calls across requests"
     )
-    ap.add_argument("--batch-size", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="throughput: the LM's rows per step (default: the runtime's)",
+    )
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -259,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             results["first_audio"] = first_audio(model, base, 2 if args.dry_run else args.rounds, text)
         if args.what in (None, "throughput"):
             n = 2 if args.dry_run else args.concurrency
-            results["throughput"] = throughput(model, n, text, args.stream, args.batch_flow, args.gather_ms)
+            results["throughput"] = throughput(
+                model, n, text, args.stream, args.batch_flow, args.gather_ms, args.batch_size
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
