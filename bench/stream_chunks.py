@@ -6,6 +6,7 @@ every chunk), interleaved in the same run.
     python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference --pipeline   # target 1
     python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference              # its token2wav
     python bench/stream_chunks.py --family cosyvoice3 --seconds 60 --compare                        # target 5
+    python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference --flow-context 8  # bounded
     python bench/stream_chunks.py --dry-run                                                         # tiny (CI)
 
 Random-weight models of the release's dimensions (``make-test-model --size full``, made once under ``--work``), or
@@ -20,8 +21,11 @@ Random-weight models of the release's dimensions (``make-test-model --size full`
 
 The table has one row per chunk; below it, the figures the targets name: the cost per audio second of the two
 chunks before the final (full-attention) one over that of chunks 2-3 (target <= 1.3 on CosyVoice2, reference
-chunks), and each path's total (``--compare``). The flow's state bytes per audio second are printed too. The
-machine's load is printed: figures from a busy machine are not figures.
+chunks), and each path's total (``--compare``). The flow's state bytes per audio second are printed too, and the
+state each chunk left (MiB, measured). ``--flow-context S`` bounds the flow's attention to the prompt and the last
+S seconds of speech (the ``flow_context_seconds`` setting: no longer the reference's audio beyond the window; the
+final call then chunk-causal through the state too). The machine's load is printed: figures from a busy machine
+are not figures.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ def model_dir(family: str, size: str, work: Path) -> Path:
     return out
 
 
-def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool) -> Any:
-    """The family's token2wav over the dir's flow and vocoder (loaded once per process), with ``policy_name``."""
+def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool, flow_context: float = 0.0) -> Any:
+    """The family's token2wav over the dir's flow and vocoder (loaded once per process), with ``policy_name`` and
+    ``flow_context`` seconds of bounded flow context (0: unbounded)."""
     from cosyserve.bundle.official import load_component
     from cosyserve.families.modelconfig import load_model_config
     from cosyserve.models.precision import cast_floating
@@ -69,7 +74,7 @@ def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool) -> An
     cfg, parts = _LOADED[key]
     family = cfg.family_spec
     policy = family.stream_policy(cfg, parts["flow"], policy_name, FIRST_HOP_DEFAULT)
-    t2w = family.token2wav(cfg, parts["flow"], parts["hift"], policy, None)
+    t2w = family.token2wav(cfg, parts["flow"], parts["hift"], policy, None, flow_context=flow_context)
     t2w.incremental = incremental
     return t2w
 
@@ -78,7 +83,7 @@ _LOADED: dict[tuple[str, str], Any] = {}
 
 
 def stream(t2w: Any, seconds: float, prompt_seconds: float, seed: int) -> list[dict[str, float]]:
-    """One streamed utterance: per chunk, its wall seconds and audio seconds."""
+    """One streamed utterance: per chunk, its wall seconds, audio seconds and the MiB its state held after it."""
     g = torch.Generator().manual_seed(seed)
     rate = int(t2w.flow.cfg.input_frame_rate)
     p = int(prompt_seconds * rate)
@@ -90,14 +95,27 @@ def stream(t2w: Any, seconds: float, prompt_seconds: float, seed: int) -> list[d
         stream=True,
         generator=torch.Generator().manual_seed(seed),
     )
+    states: list[Any] = []
+    made = t2w.new_stream  # a bench may reach in: the request's state is watched here
+
+    def new_stream(*a: Any, **k: Any) -> Any:
+        states.append(made(*a, **k))
+        return states[-1]
+
+    t2w.new_stream = new_stream
     rows, it = [], iter(t2w(iter(tokens), **kw))
-    while True:
-        t = time.perf_counter()
-        try:
-            chunk = next(it)
-        except StopIteration:
-            return rows
-        rows.append({"wall_s": time.perf_counter() - t, "audio_s": chunk.shape[1] / 24000})
+    try:
+        while True:
+            t = time.perf_counter()
+            try:
+                chunk = next(it)
+            except StopIteration:
+                return rows
+            wall = time.perf_counter() - t
+            held = states[0].nbytes() if states else 0
+            rows.append({"wall_s": wall, "audio_s": chunk.shape[1] / 24000, "state_mib": held / 2**20})
+    finally:
+        del t2w.new_stream
 
 
 def pipeline_stream(model: Any, seconds: float, incremental: bool) -> list[dict[str, float]]:
@@ -147,6 +165,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--compare", action="store_true", help="also the cumulative path, interleaved")
     ap.add_argument("--pipeline", action="store_true", help="the served path, LM included (see above)")
+    ap.add_argument(
+        "--flow-context",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="bounded flow context: seconds of speech the flow attends to beyond the prompt (0: every frame)",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
@@ -165,31 +190,39 @@ def main() -> None:
         import cosyserve
 
         dtypes = {f"{c}_dtype": args.dtype for c in ("llm", "flow", "hift")}
-        model = cosyserve.load(str(path), chunk_policy=args.policy, threads=args.threads, **dtypes)
+        model = cosyserve.load(
+            str(path), chunk_policy=args.policy, threads=args.threads, flow_context_seconds=args.flow_context,
+            **dtypes,
+        )  # fmt: skip
         model.runtime.join_background()
         pipeline_stream(model, 2.0, True)  # warm-up
     else:
-        stream(token2wav(path, args.policy, args.dtype, True), 2.0, args.prompt_seconds, 0)  # warm-up
+        stream(token2wav(path, args.policy, args.dtype, True, args.flow_context), 2.0, args.prompt_seconds, 0)
     for _ in range(args.rounds):
         for name, incremental in paths.items():
             if args.pipeline:
                 runs[name].append(pipeline_stream(model, seconds, incremental))
             else:
-                t2w = token2wav(path, args.policy, args.dtype, incremental)
+                t2w = token2wav(path, args.policy, args.dtype, incremental, args.flow_context)
                 runs[name].append(stream(t2w, seconds, args.prompt_seconds, 1))
     load = os.getloadavg()
     what = (
         "sft, words streamed, LM included" if args.pipeline else f"after a {args.prompt_seconds:.0f} s prompt"
     )
+    context = f"flow context {args.flow_context:g} s" if args.flow_context else "exact flow context"
     print(
-        f"{path} ({size}), {args.policy} chunks, {args.dtype}, {seconds:.0f} s {what}, {torch.get_num_threads()} "
-        f"threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
+        f"{path} ({size}), {args.policy} chunks, {args.dtype}, {context}, {seconds:.0f} s {what}, "
+        f"{torch.get_num_threads()} threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
     )
     best = {name: min(rs, key=lambda r: sum(x["wall_s"] for x in r)) for name, rs in runs.items()}
-    print(f"{'chunk':>5} {'audio s':>8}" + "".join(f" {name + ' s/s':>16}" for name in best))
+    print(
+        f"{'chunk':>5} {'audio s':>8}"
+        + "".join(f" {name + ' s/s':>16}" for name in best)
+        + f" {'state MiB':>10}"
+    )
     for i, row in enumerate(best["incremental"]):
         cells = "".join(f" {best[n][i]['wall_s'] / best[n][i]['audio_s']:>16.3f}" for n in best)
-        print(f"{i + 1:>5} {row['audio_s']:>8.2f}" + cells)
+        print(f"{i + 1:>5} {row['audio_s']:>8.2f}" + cells + f" {row.get('state_mib', 0.0):>10.1f}")
     result: dict[str, Any] = {}
     for name, rows in best.items():
         s = summary(rows)
@@ -200,7 +233,8 @@ def main() -> None:
                 f"; chunks 2-3 {s['early_s_per_s']:.3f} s/s, the two before the final {s['late_s_per_s']:.3f} "
                 f"s/s: {s['late_over_early']:.2f}x (target <= 1.3)"
             )
-        print(line + f"; final (full attention) {s['final_s_per_s']:.3f} s/s")
+        final = "chunk-causal" if args.flow_context and name == "incremental" else "full attention"
+        print(line + f"; final ({final}) {s['final_s_per_s']:.3f} s/s")
     if args.compare:
         a, b = result["incremental"]["summary"]["total_s"], result["cumulative"]["summary"]["total_s"]
         totals = [sum(x["wall_s"] for x in r) for r in runs["incremental"]]
@@ -210,9 +244,16 @@ def main() -> None:
 
     flow = token2wav(path, args.policy, args.dtype, True).flow
     per_s = bytes_per_second(flow)
-    print(
-        f"flow state: {per_s / 2**20:.1f} MiB per audio second ({per_s * seconds / 2**30:.2f} GiB at the end)"
-    )
+    if args.flow_context:
+        peak = max(r.get("state_mib", 0.0) for r in best["incremental"])
+        print(
+            f"flow state: {per_s / 2**20:.1f} MiB per audio second kept, the window's {args.flow_context:g} s (+ "
+            f"a chunk) and the prompt's; measured peak {peak:.0f} MiB (unbounded: {per_s * seconds / 2**30:.2f} GiB)"
+        )
+    else:
+        print(
+            f"flow state: {per_s / 2**20:.1f} MiB per audio second ({per_s * seconds / 2**30:.2f} GiB at the end)"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -30,6 +30,7 @@ def test_stream_chunks_dry_run_reports_each_chunk_and_the_targets_ratios(
     out = tmp_path / "chunks.json"
     argv = ["stream_chunks.py", "--dry-run", "--family", "cosyvoice3", "--model", str(cv3_model_dir)]
     argv += ["--policy", "low-latency", "--seconds", "8", "--prompt-seconds", "1", "--json", str(out)]
+    argv += ["--flow-context", "2"]  # the bounded flow context (exact otherwise: the same code, other calls)
     monkeypatch.setattr(sys, "argv", argv)
     _script("stream_chunks").main()
     result = json.loads(out.read_text())
@@ -42,6 +43,8 @@ def test_stream_chunks_dry_run_reports_each_chunk_and_the_targets_ratios(
         "the two before the final" in printed
         and "incremental" in printed
         and "MiB per audio second" in printed
+        and "flow context 2 s" in printed
+        and "measured peak" in printed
     )
 
 

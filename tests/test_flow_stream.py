@@ -4,7 +4,8 @@ fixtures' tolerances; a registered voice's precomputed state speaks as the same 
 
 The models are the fixture sets' (their tolerances are the fixtures'); the utterances are longer than any case's,
 with a prompt whose frames end inside an attention chunk and the low-latency policy's short first hop, so chunks
-end inside attention chunks too (the frames computed again)."""
+end inside attention chunks too (the frames computed again). The opt-in bounded flow context
+(``flow_context_seconds``) is checked here too: what it keeps, what it changes and where it is set."""
 
 from __future__ import annotations
 
@@ -340,3 +341,148 @@ def test_a_request_waits_for_its_voice_being_registered() -> None:
     assert voices.stream(flow, *p).n == 7 and future.result().n == 7
     assert computed == [7]  # once, by the registration
     voices.close()
+
+
+# -- a bounded flow context (flow_context_seconds, opt-in) -----------------------------------------------------------
+
+
+def _watched(t2w: Token2Wav2) -> list[Any]:
+    """The request states ``t2w`` makes, as it makes them."""
+    made, states = t2w.new_stream, []
+
+    def new_stream(*a: Any, **k: Any) -> Any:
+        states.append(made(*a, **k))
+        return states[-1]
+
+    t2w.new_stream = new_stream  # type: ignore[method-assign]
+    return states
+
+
+@pytest.mark.parametrize("family", ["cv2", "cv3"])
+def test_a_window_longer_than_the_utterance_changes_only_the_final_call(family: str, request) -> None:
+    """With a flow context longer than the utterance nothing is dropped: every streamed call's mel equals the
+    exact stream's bit for bit (the kept keys split per chunk concatenate to the same tensors). The final call,
+    asked with ``streaming=False``, goes through the stream (the stream decides): only the frames after the kept
+    ones are computed (the exact stream's final call re-runs all 474 with full attention), and the result is the
+    whole sequence's chunk-causal final call (``streaming=True, finalize=True``: the lookahead sees zeros) within
+    the fixture's flow tolerance. A final call still recomputed whole breaks the widths; a wrong lookahead, lead
+    or offset in it breaks the last equality; a window that drops frames breaks the first. One Euler step: the
+    state is per step alike."""
+    parts = request.getfixturevalue(family)
+    flow = parts["flow"]
+    x = _inputs(200, 37)
+    tokens = torch.tensor([x["tokens"]], dtype=torch.int32)
+    prompt = (x["prompt_token"], x["prompt_feat"], x["embedding"])
+
+    def run(context: int) -> list[torch.Tensor]:
+        stream = flow.new_stream(1)
+        stream.context = context
+        out = [
+            flow.inference(tokens[:, :n], *prompt, True, False, n_timesteps=1, stream=stream)
+            for n in (21, 71)
+        ]
+        return [*out, flow.inference(tokens, *prompt, False, True, n_timesteps=1, stream=stream)]
+
+    with _Widths(flow) as widths:
+        bounded = run(10**6)
+    assert widths == [110, 110, 474 - 200]
+    exact = run(0)
+    assert all(torch.equal(a, b) for a, b in zip(bounded[:-1], exact[:-1], strict=True))
+    whole = flow.inference(tokens, *prompt, True, True, n_timesteps=1)
+    assert bounded[-1].shape == exact[-1].shape == whole.shape == (1, 80, 2 * 200)
+    atol = parts["atol"]["flow_prompt_stream"]
+    assert torch.allclose(bounded[-1], whole, atol=atol), (bounded[-1] - whole).abs().max()
+    assert not torch.allclose(exact[-1], whole, atol=atol), "full attention should differ from chunk-causal"
+
+
+def test_a_small_window_bounds_the_keys_attended_and_the_state(
+    cv2: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 s flow context (one 50-frame chunk) over an 8 s CosyVoice2 stream forked from its voice's state: every estimator
+    pass attends to its own frames plus at most the prompt's two chunks and one chunk of speech (the exact path's
+    keys grow with the utterance), the flow's per-step state holds the same bytes after every chunk, the model's
+    stream accounting (``VoiceStates.hold``) counts what the trimmed state holds (less than the exact path's; the
+    CosyVoice2 encoder's own caches still grow, and on the tiny model, whose encoder is full width, they dominate),
+    and the audio stays finite and near the exact path's. A window that never drops, drops the prompt or leaves
+    dropped keys referenced (or counted) fails."""
+    import cosyserve.models.dit as dit
+    import cosyserve.models.flow_decoder as flow_decoder
+
+    parts = cv2
+    seen: list[tuple[int, int]] = []
+    for module in (dit, flow_decoder):
+        inner = module.attend
+
+        def attend(q: torch.Tensor, keys: list, values: list, mask: Any, inner: Any = inner) -> torch.Tensor:
+            seen.append((q.shape[2], sum(k.shape[2] for k in keys)))
+            return inner(q, keys, values, mask)
+
+        monkeypatch.setattr(module, "attend", attend)
+    x = _inputs(200, 37)
+    voices = VoiceStates(1 << 30)
+    t2w = _t2w(parts, flow_steps=1, flow_context=1.0, voices=voices)
+    states = _watched(t2w)
+    steps_bytes, accounted, bounded = [], [], []
+    for chunk in _speak_lazily(t2w, x):
+        bounded.append(chunk)
+        flow = states[0].flow
+        if flow is not None:  # None after the final call
+            steps_bytes.append(sum(t.numel() * t.element_size() for s in flow.steps for t in s.tensors()))
+            accounted.append((voices.stream_bytes, flow.nbytes() - states[0].shared))
+    context = [keys - queries for queries, keys in seen]
+    seen.clear()
+    exact_voices = VoiceStates(1 << 30)
+    exact = _speak(_t2w(parts, flow_steps=1, voices=exact_voices), x)
+    # reference hops 38 (25 + the prompt's pad), 50, 100, then the final call
+    assert len(bounded) == len(exact) == 4 and len(steps_bytes) == 3
+    assert max(context) <= 150, "prompt (74 frames: 2 chunks) + a 1 s window (1 chunk)"
+    assert max(k - q for q, k in seen) >= 2 * (37 + 88) // 50 * 50, "the exact path's context should grow"
+    assert len(set(steps_bytes)) == 1, steps_bytes
+    assert all(held == own for held, own in accounted), accounted
+    assert voices.stream_peak < exact_voices.stream_peak and voices.stream_bytes == 0
+    for i, (a, b) in enumerate(zip(bounded, exact, strict=True)):
+        assert a.shape == b.shape and bool(torch.isfinite(a).all()), i
+        # random weights: the audio is noise-like, so its relative RMS distance is the figure (two unrelated
+        # chunks: ~1.4); the first chunk sees no dropped frame
+        assert float((a - b).norm() / b.norm()) < (1e-5 if i == 0 else 0.5), i
+
+
+def test_the_flow_context_setting_is_checked_on_every_entry(
+    cv2_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``flow_context_seconds`` (a number of seconds in [0, 600], 0 the exact default) is checked wherever it
+    enters, naming it as given (environment, flag, pool file, ``cosyserve.load``, RuntimeOptions), and a good
+    value reaches the model's token2wav; else a bad window would be taken silently or a good one lost."""
+    import cosyserve
+    from cosyserve.cli.parser import build_parser, flags_of
+    from cosyserve.core.settings import Settings, SettingsError
+    from cosyserve.engine.poolfile import load_pool_config
+    from cosyserve.runtime import RuntimeOptions
+
+    assert Settings.load(env={}).flow_context_seconds == 0.0
+    with pytest.raises(
+        SettingsError, match=r"COSYSERVE_FLOW_CONTEXT_SECONDS='-1': must be between 0 and 600"
+    ):
+        Settings.load(env={"COSYSERVE_FLOW_CONTEXT_SECONDS": "-1"})
+    with pytest.raises(SettingsError, match=r"COSYSERVE_FLOW_CONTEXT_SECONDS='nan'"):
+        Settings.load(env={"COSYSERVE_FLOW_CONTEXT_SECONDS": "nan"})
+    for command in ("serve", "synth"):
+        argv = [command, "--flow-context-seconds", "abc"]
+        argv += ["--text", "x", "--out", "x.wav"] if command == "synth" else []
+        with pytest.raises(SettingsError, match=r"--flow-context-seconds"):
+            Settings.load(flags=flags_of(build_parser().parse_args(argv)), env={})
+    pool = tmp_path / "pool.toml"
+    pool.write_text("[models.a]\npath='x'\nload={flow_context_seconds=-2}\n")
+    with pytest.raises(SettingsError, match=r"\[models.a\] load.flow_context_seconds = -2: must be between"):
+        load_pool_config(Settings.load(env={}, file=pool))
+    pool.write_text("[models.a]\npath='x'\nload={flow_context_seconds=4}\n")
+    options = load_pool_config(Settings.load(env={}, file=pool)).models["a"].load_options
+    assert RuntimeOptions(**options).flow_context_seconds == 4.0
+    monkeypatch.delenv("COSYSERVE_FLOW_CONTEXT_SECONDS", raising=False)
+    with pytest.raises(SettingsError, match=r"cosyserve.load\(flow_context_seconds=-1\)"):
+        cosyserve.load(tmp_path / "absent", flow_context_seconds=-1)
+    for bad in (-1, float("inf"), "8"):
+        with pytest.raises(ValueError, match="flow_context_seconds must be a number between 0 and 600"):
+            RuntimeOptions(flow_context_seconds=bad)  # type: ignore[arg-type]
+    model = cosyserve.load(cv2_model_dir, flow_context_seconds=8, warmup=False, text_tier="lazy")
+    assert model.runtime.pipeline.token2wav.flow_context == 8.0

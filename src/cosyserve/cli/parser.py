@@ -18,7 +18,9 @@ from cosyserve.families import DEFAULT_FAMILY, FAMILIES
 __all__ = ["build_parser", "flags_of"]
 _SETTINGS = {s.name: s for s in declared()}
 # the compute settings `synth` and `serve` take as flags
-_PRECISION = ("device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps")
+_PRECISION = (
+    "device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps", "flow_context_seconds"
+)  # fmt: skip
 
 
 def _setting(p: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:

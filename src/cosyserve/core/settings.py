@@ -410,6 +410,17 @@ class Settings:
         doc="Euler steps of the flow (fewer: faster, further from the model's output)",
         shown="the model's (10)",
     )
+    flow_context_seconds: float = _loading(
+        0.0,
+        env="COSYSERVE_FLOW_CONTEXT_SECONDS",
+        flag="--flow-context-seconds",
+        cast=Float(0, 600),
+        doc="opt-in: a streamed CosyVoice2/3 request's flow attends to its prompt and only the most recent this "
+        "many seconds of its speech (whole 1 s attention chunks), so that each chunk costs the same and its state "
+        "stops growing (about 230 MB per second of window in float32 for CosyVoice2), and its last chunk is "
+        "computed chunk-causally through the same state instead of the reference's full-attention pass; audio "
+        "beyond the window is no longer the reference's (torch runtime); 0: every frame, the reference's result",
+    )
     voice_cache_mb: int = _loading(
         4096,
         env="COSYSERVE_VOICE_CACHE_MB",

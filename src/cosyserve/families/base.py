@@ -373,12 +373,15 @@ class Family:
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> Token2Wav:
         """The speech-token-to-audio pipeline over ``flow`` and ``hift`` (of a model with ``config``) with
         ``policy``: called as
         ``t2w(tokens, embedding=, prompt_token=, prompt_feat=, stream=, speed=, generator=, should_stop=)``,
         yielding ``[1, samples]`` chunks. ``voices``: precomputed voice states
-        (:class:`~cosyserve.voices.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``)."""
+        (:class:`~cosyserve.voices.voicestates.VoiceStates`) for a token2wav whose flow keeps them (``flow.streams``).
+        ``flow_context``: seconds of generated speech such a flow's streams attend to beyond the prompt (0: every
+        frame, the reference's result; the ``flow_context_seconds`` setting); no effect on a flow without streams."""
         raise NotImplementedError
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:

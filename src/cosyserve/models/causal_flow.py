@@ -219,6 +219,11 @@ class ChunkFlow(nn.Module):
         """Frames a stream keeps at a time: the estimator's attention chunk (and the encoder's, at mel rate)."""
         return int(self.decoder.estimator.static_chunk_size)
 
+    @property
+    def frame_rate(self) -> int:
+        """Mel frames per second of speech."""
+        return int(self.cfg.input_frame_rate) * self.token_mel_ratio
+
     def new_stream(self, n_timesteps: int | None = None) -> FlowStream | None:
         """An empty :class:`FlowStream` for a request's chunks (None when this flow cannot keep frames)."""
         if not self.streams:
@@ -272,8 +277,10 @@ class ChunkFlow(nn.Module):
             should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
             stream: the request's :class:`FlowStream` (:meth:`new_stream`), for a chunk that streams and does not
                 finalize: only the frames after the ones it keeps are computed, and it keeps the new final ones.
-                The same prompt, embedding and steps at every call. Ignored by other calls (the last call's full
-                attention changes every frame: it is computed whole, as the reference does).
+                The same prompt, embedding and steps at every call. An unbounded stream ignores other calls (the
+                last call's full attention changes every frame: it is computed whole, as the reference does); a
+                bounded one (``stream.context``) takes the last call too, whatever ``streaming`` says: its frames
+                after the kept ones, chunk-causal, no lookahead (it no longer holds every frame to attend to).
         Returns:
             (B, n_mels, M) float32 mel with M = 2(P + T) - F (finalize) or 2(P + T - 3) - F.
         """
@@ -291,10 +298,12 @@ class ChunkFlow(nn.Module):
         frames = self.token_mel_ratio * (tokens.shape[1] - lookahead)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        if stream is not None and streaming and not finalize:
-            return self._chunk(stream, tokens, prompt_feat, embedding, frames, n_timesteps, should_stop)[
-                :, :, f:
-            ]
+        if stream is not None and (streaming and not finalize or stream.context):
+            stream.prompt = self.token_mel_ratio * prompt_token.shape[1]
+            mel = self._chunk(
+                stream, tokens, prompt_feat, embedding, frames, n_timesteps, should_stop, lookahead
+            )
+            return mel[:, :, f:]
         spks, cond = self._conditions(embedding, prompt_feat, 0, frames)
         device = spks.device
         x = self.input_embedding(tokens.to(device).clamp(min=0))  # (B, P+T, C)
@@ -330,30 +339,32 @@ class ChunkFlow(nn.Module):
         frames: int,
         n_timesteps: int,
         should_stop: ShouldStop | None,
+        lookahead: int,
     ) -> Tensor:
-        # a stream's call: frames stream.frames .. frames-1 computed, the whole chunks among them kept; returns the
-        # mel of every frame (the kept ones' as they were computed)
+        # a stream's call: frames stream.frames .. frames-1 computed, the whole chunks among them kept (none by the
+        # last call, lookahead 0); returns the mel of every frame (the kept ones' as they were computed)
         if n_timesteps != stream.n_timesteps:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {n_timesteps}")
         start, ratio = stream.frames, self.token_mel_ratio
         if frames <= start:
             raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
-        keep = stream.kept_until(frames)
+        keep = stream.kept_until(frames) if lookahead else start
         spks, cond = self._conditions(embedding, prompt_feat, start, frames)
         device = spks.device
         first = start // ratio
         lead = min(first, self.LEAD)
         x = self.input_embedding(tokens[:, first - lead :].to(device).clamp(min=0))
         self._begin_encoder(stream, start, keep)
-        mu = self._mu(x, self.pre_lookahead_len, True, stream, lead)
+        mu = self._mu(x, lookahead, True, stream, lead)
         noise = fixed_noise(frames, device, spks.dtype, start)
         for cache in stream.steps:
-            cache.begin(start, keep - start)
+            cache.begin(start, keep - start, stream.split)
         mel = self.decoder(mu, spks, cond, noise, n_timesteps, True, should_stop, stream.steps)
         kept = mel[:, :, : keep - start]
         stream.mel = kept if stream.mel is None else torch.cat([stream.mel, kept], dim=2)
         whole = mel if start == 0 else torch.cat([stream.mel[:, :, :start], mel], dim=2)
         stream.frames = keep
+        stream.trim()
         return whole
 
     @torch.inference_mode()
@@ -375,7 +386,9 @@ class ChunkFlow(nn.Module):
         keep = stream.kept_until(ratio * (prompt_token.shape[1] - lookahead))
         if keep > 0:
             tokens = prompt_token[:, : keep // ratio + lookahead]
-            self._chunk(stream, tokens, prompt_feat, embedding, keep, stream.n_timesteps, should_stop)
+            self._chunk(
+                stream, tokens, prompt_feat, embedding, keep, stream.n_timesteps, should_stop, lookahead
+            )
         return stream
 
 

@@ -17,6 +17,15 @@ batch.
 
 Memory: per kept frame, 2 (CFG rows) x Euler steps x every attention layer's keys and values, in the flow's
 dtype: ~4.6 MB for a full-size CosyVoice2 flow in float32, ~3.6 MB for CosyVoice3 (50 frames a second).
+
+A bounded stream (``context`` > 0 frames, the ``flow_context_seconds`` setting; opt-in, no longer the reference's
+result) keeps each call's committed frames as one segment per attention chunk and, after each call
+(:meth:`FlowStream.trim`), drops the oldest segments of generated speech while the ones after them still hold
+``context`` frames: the estimator then attends to the prompt's frames (never dropped, to the end of the chunk the
+prompt ends in), the most recent ``context`` to ``context + chunk`` generated frames and the call's own, so a
+call's cost and the state's memory stop growing with the utterance. Conv tails, the encoder's caches (CosyVoice2's
+conformer: ~1.4 MB per second of speech in float32, ~0.6% of the estimator's) and rotary positions (absolute,
+from ``start``) are unaffected.
 """
 
 from __future__ import annotations
@@ -43,12 +52,14 @@ class StepCache:
     values: list[list[Tensor]] = field(default_factory=list)
     start: int = 0
     commit: int = 0
+    split: int = 0
     _conv: int = 0
     _attn: int = 0
 
-    def begin(self, start: int, commit: int) -> None:
-        """A call over frames ``start ..`` of which the first ``commit`` are final; slots are taken in order."""
-        self.start, self.commit, self._conv, self._attn = start, commit, 0, 0
+    def begin(self, start: int, commit: int, split: int = 0) -> None:
+        """A call over frames ``start ..`` of which the first ``commit`` are final, kept as segments of ``split``
+        frames each (0: one segment); slots are taken in order."""
+        self.start, self.commit, self.split, self._conv, self._attn = start, commit, split, 0, 0
 
     def left(self, x: Tensor, n: int) -> Tensor:
         """``x`` (B, C, T) with ``n`` frames of left context prepended: the kept frames before it (zeros at the
@@ -74,9 +85,20 @@ class StepCache:
         ks, vs = self.keys[i], self.values[i]
         if self.commit:
             # new lists: a fork shares the old ones (see FlowStream.fork)
-            self.keys[i] = ks + [k.narrow(dim, 0, self.commit).contiguous()]
-            self.values[i] = vs + [v.narrow(dim, 0, self.commit).contiguous()]
+            self.keys[i] = ks + self._kept(k, dim)
+            self.values[i] = vs + self._kept(v, dim)
         return [*ks, k], [*vs, v]
+
+    def _kept(self, x: Tensor, dim: int) -> list[Tensor]:
+        if not self.split:
+            return [x.narrow(dim, 0, self.commit).contiguous()]
+        # clones: a segment dropped later frees its own bytes, not a view's share of the call's tensor
+        return [t.clone() for t in x.narrow(dim, 0, self.commit).split(self.split, dim)]
+
+    def drop(self, first: int, n: int) -> None:
+        """Forget segments ``first .. first + n - 1`` of every attention layer (new lists: a fork shares the old)."""
+        self.keys = [seg[:first] + seg[first + n :] for seg in self.keys]
+        self.values = [seg[:first] + seg[first + n :] for seg in self.values]
 
     def extend(self, k: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
         """:meth:`segments` as one tensor each (for small layers: the CosyVoice2 encoder's)."""
@@ -96,8 +118,10 @@ class FlowStream:
     ``mel`` (1, 80, frames), and per Euler step a :class:`StepCache`; ``encoder`` holds the caches of a flow
     encoder that has attention of its own (CosyVoice2's: token rate, then mel rate).
 
-    ``key`` names what the state depends on besides the prompt (Euler steps); a state is only ever continued with
-    the same prompt, speaker embedding and steps.
+    ``context`` bounds the generated frames the estimator attends to (0: every frame, the reference's result; see
+    the module docstring) and ``prompt`` is the frames never dropped (the prompt's, set by the flow's calls).
+
+    A state is only ever continued with the same prompt, speaker embedding and steps.
     """
 
     granularity: int
@@ -106,6 +130,8 @@ class FlowStream:
     encoder: list[StepCache] = field(default_factory=list)
     frames: int = 0
     mel: Tensor | None = None
+    context: int = 0
+    prompt: int = 0
 
     @classmethod
     def empty(cls, granularity: int, n_timesteps: int, encoder_caches: int = 0) -> FlowStream:
@@ -125,11 +151,36 @@ class FlowStream:
             [s.fork() for s in self.encoder],
             self.frames,
             self.mel,
+            self.context,
+            self.prompt,
         )
 
     def kept_until(self, frames: int) -> int:
         """The frames final after a call that computes up to ``frames``: whole attention chunks only."""
         return frames // self.granularity * self.granularity
+
+    @property
+    def split(self) -> int:
+        """Frames per kept segment: one attention chunk when bounded (the unit :meth:`trim` drops), else a call's."""
+        return self.granularity if self.context else 0
+
+    def trim(self) -> None:
+        """A bounded stream's kept generated frames cut to the most recent ``context`` or more (whole segments,
+        the oldest first); the segments that start within the prompt's frames are never dropped."""
+        if not self.context or not self.steps or not self.steps[0].keys:
+            return
+        spans = [t.shape[2] for t in self.steps[0].keys[0]]  # frames of each kept segment (every layer alike)
+        pinned, end = 0, 0
+        while pinned < len(spans) and end < self.prompt:
+            end += spans[pinned]
+            pinned += 1
+        left, n = sum(spans[pinned:]), 0
+        while pinned + n < len(spans) and left - spans[pinned + n] >= self.context:
+            left -= spans[pinned + n]
+            n += 1
+        if n:
+            for cache in self.steps:
+                cache.drop(pinned, n)
 
     def tensors(self) -> list[Tensor]:
         out = [t for s in (*self.steps, *self.encoder) for t in s.tensors()]

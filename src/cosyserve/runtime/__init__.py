@@ -100,6 +100,9 @@ class RuntimeOptions:
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
+        flow_context_seconds: seconds of generated speech a streamed CosyVoice2/3 request's flow attends to beyond
+            its prompt, so that a chunk's cost and its state's memory stop growing (the last call then chunk-causal
+            too); 0: every frame, the reference's result. The torch runtime's incremental flow only.
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
             :mod:`cosyserve.voices.voicestates`); 0 keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
@@ -141,6 +144,7 @@ class RuntimeOptions:
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
     flow_steps: int | None = None
+    flow_context_seconds: float = 0.0
     voice_cache_mb: int = 4096
     voice_cache_disk: bool = False
     stream_state_mb: int = 8192
@@ -172,6 +176,7 @@ class RuntimeOptions:
             hift_dtype=s.hift_dtype,
             llm_quantize=s.llm_quantize,
             flow_steps=s.flow_steps,
+            flow_context_seconds=s.flow_context_seconds,
             voice_cache_mb=s.voice_cache_mb,
             voice_cache_disk=s.voice_cache_disk,
             stream_state_mb=s.stream_state_mb,
@@ -207,6 +212,9 @@ class RuntimeOptions:
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
+        context = self.flow_context_seconds
+        if isinstance(context, bool) or not isinstance(context, int | float) or not 0 <= context <= 600:
+            raise ValueError(f"flow_context_seconds must be a number between 0 and 600, got {context!r}")
         shares = self.stream_state_shares
         if isinstance(shares, bool) or not isinstance(shares, int) or shares < 1:
             raise ValueError(f"stream_state_shares must be an integer >= 1, got {self.stream_state_shares!r}")

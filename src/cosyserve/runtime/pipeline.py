@@ -91,6 +91,8 @@ class Pipeline(ModelModes):
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
         flow_steps: the flow's Euler steps (default: the model's own count).
+        flow_context: seconds of generated speech a CosyVoice2/3 stream's flow attends to beyond its prompt (0:
+            every frame, the reference's result; see the family's ``token2wav``).
         voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates` for a flow that streams by keeping its
             frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
         frontend: makes the zero-shot tier's frontend on first use (default: the family's
@@ -112,6 +114,7 @@ class Pipeline(ModelModes):
         instruct: bool = True,
         default_voice: str | None = None,
         flow_steps: int | None = None,
+        flow_context: float = 0.0,
         family: Family | str = DEFAULT_FAMILY,
         tokenizer: Any = None,
         config: Any = None,
@@ -129,7 +132,7 @@ class Pipeline(ModelModes):
         self.voice_states = voice_states if getattr(flow, "streams", False) else None
         # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
         self.token2wav: Any = family.token2wav(
-            config, flow, hift, policy, flow_steps, voices=self.voice_states
+            config, flow, hift, policy, flow_steps, voices=self.voice_states, flow_context=flow_context
         )
         # the arrays' namespace and device (the token2wav's: torch on the modules' device, or numpy)
         self.ops: ArrayOps = self.token2wav.ops

@@ -400,6 +400,7 @@ def _pipeline(
         instruct=bundle.instruct,
         default_voice=o.default_voice,
         flow_steps=o.flow_steps,
+        flow_context=o.flow_context_seconds,
         family=family,
         tokenizer=family.tokenizer(bundle.path, check=bundle.check_onnx),
         config=cfg,

@@ -23,7 +23,9 @@ stream's of the model together (``streams_max_bytes``). A stream whose next chun
 state and continues on the cumulative path (each later chunk re-runs the flow on all its tokens, as the reference
 does, exact, holding no state between chunks). It is not refused or paused: its audio has started, and its length
 is not known in advance (streamed text), so no admission rule could reserve its bytes; what it loses is the
-incremental path's speed, for its own later chunks only, while every other stream keeps its state.
+incremental path's speed, for its own later chunks only, while every other stream keeps its state. A stream with
+a bounded flow context (``flow_context_seconds``) drops its older frames as it goes: what it holds, and is charged,
+stops growing at its prompt's, its window's and one chunk's frames (plus CosyVoice2's small encoder caches).
 """
 
 from __future__ import annotations

@@ -108,6 +108,7 @@ class CosyVoice(Family):
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> Token2Wav:
         from cosyserve.families.cosyvoice.token2wav import Token2Wav as WindowedToken2Wav
 

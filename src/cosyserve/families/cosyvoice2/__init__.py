@@ -160,10 +160,11 @@ class CosyVoice2(Family):
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> Token2Wav:
         from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
-        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices)
+        return Token2Wav2(flow, hift, policy, flow_steps=flow_steps, voices=voices, flow_context=flow_context)
 
     def unavailable_modes(self, instruct: bool) -> dict[str, str]:
         return super().unavailable_modes(instruct) | {

@@ -15,7 +15,8 @@ chunk (``ceil(P / 25) * 25 - P``), so that chunk boundaries line up with the flo
 each chunk needs ``pre_lookahead_len`` more tokens than its hop. After each chunk the hop doubles up to 100
 tokens (4 s), moved to end on a whole chunk where a shorter first hop (the low-latency policy) left it
 mid-chunk (:meth:`StreamPolicy2.aligned_hop`). The last call runs on every token with full attention
-(``streaming=False``). The reference keeps the doubled hop on the model object, so its second streaming request
+(``streaming=False``), unless ``flow_context`` bounds the flow's attention (opt-in): then it goes through the
+stream, chunk-causal, as the chunks before it. The reference keeps the doubled hop on the model object, so its second streaming request
 starts at 50 or 100 tokens: here every request starts afresh (the hop is the generator's own state).
 """
 
@@ -159,6 +160,10 @@ class Token2Wav2:
             re-runs them on everything so far at every chunk, as the reference does (for comparisons).
         voices: the registered voices' precomputed flow states
             (:class:`~cosyserve.voices.voicestates.VoiceStates`), asked for each streamed request's prompt; None: none.
+        flow_context: seconds of generated speech a streamed request's flow attends to beyond its prompt (a
+            bounded :class:`~cosyserve.models.flow_stream.FlowStream`: each chunk's cost and the state's memory stop
+            growing, and the last call goes through the stream too, chunk-causal); 0: every frame, the
+            reference's result. Only where the flow keeps frames (incremental, ``flow.streams``).
     """
 
     flow: ChunkedFlow
@@ -173,13 +178,17 @@ class Token2Wav2:
         *,
         incremental: bool = True,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> None:
+        if not (isinstance(flow_context, int | float) and 0 <= flow_context < math.inf):
+            raise ValueError(f"flow_context must be a number of seconds >= 0, got {flow_context!r}")
         self.flow = flow
         self.hift = hift
         self.policy = policy or StreamPolicy2()
         self.flow_steps = flow_steps
         self.incremental = incremental
         self.voices = voices
+        self.flow_context = flow_context
         # where the modules compute: the request's tensors are made there, with the flow's array ops (torch's, or
         # numpy's for the lite runtime's flow, which has its own)
         ops = getattr(flow, "ops", None)
@@ -215,6 +224,8 @@ class Token2Wav2:
             state.shared = state.flow.nbytes()
         else:
             state.flow = self.flow.new_stream(self.flow_steps)
+        if self.flow_context and state.flow is not None:
+            state.flow.context = math.ceil(self.flow_context * self.flow.frame_rate)
         return state
 
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
@@ -284,7 +295,7 @@ class Token2Wav2:
             **({"stream": state.flow} if state.flow is not None else {}),
         )  # fmt: skip
         if finalize:
-            state.flow = None  # the last call's full attention changes every frame: nothing kept serves again
+            state.flow = None  # the last call: nothing kept serves again
             if self.voices is not None:
                 self.voices.release(state)
         elif state.flow is not None and self.voices is not None:

@@ -111,13 +111,15 @@ class CosyVoice3(CosyVoice2):
         policy: StreamPolicy,
         flow_steps: int | None,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> Token2Wav:
         from cosyserve.families.cosyvoice3.noise import VocoderNoise
         from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
         return Token2Wav3(
-            flow, hift, policy, flow_steps=flow_steps, noise=VocoderNoise(config), voices=voices
-        )
+            flow, hift, policy, flow_steps=flow_steps, noise=VocoderNoise(config), voices=voices,
+            flow_context=flow_context,
+        )  # fmt: skip
 
     def instruction(self, text: str) -> str:
         # the official examples: "You are a helpful assistant. <instruction><|endofprompt|>"

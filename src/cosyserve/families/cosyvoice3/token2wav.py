@@ -60,8 +60,8 @@ class Token2Wav3(Token2Wav2):
         policy: the chunking (CosyVoice2's rules); default the reference's.
         flow_steps: the flow's Euler steps (None: the model's own count).
         noise: the model's fixed vocoder noise, for calls given no ``draws`` (see below).
-        incremental, voices: as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` (incremental False
-            also re-runs the vocoder on the whole mel at each chunk, as the reference does).
+        incremental, voices, flow_context: as :class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2`
+            (incremental False also re-runs the vocoder on the whole mel at each chunk, as the reference does).
 
     Calling it (see :meth:`Token2Wav2.__call__`) takes the vocoder's noise buffers as ``draws``: an iterator of
     ``{"rand_ini": ..., "sine_waves": ...}`` per call, which must be the same buffers for every call of a request
@@ -81,8 +81,11 @@ class Token2Wav3(Token2Wav2):
         *,
         incremental: bool = True,
         voices: Any = None,
+        flow_context: float = 0.0,
     ) -> None:
-        super().__init__(flow, hift, policy, flow_steps, incremental=incremental, voices=voices)
+        super().__init__(
+            flow, hift, policy, flow_steps, incremental=incremental, voices=voices, flow_context=flow_context
+        )
         self.noise = noise  # the model's fixed vocoder noise (.noise.VocoderNoise), for calls given no draws
         p, need = self.policy, hift.cfg.lookahead
         if p.first_hop * p.token_mel_ratio <= need:

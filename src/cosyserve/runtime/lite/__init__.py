@@ -276,6 +276,12 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
             logger.warning(
                 "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)
             )
+        if o.flow_context_seconds:
+            logger.warning(
+                "the lite runtime's flow keeps no stream state (each chunk re-runs it on every token, exact): "
+                "ignored flow_context_seconds=%g",
+                o.flow_context_seconds,
+            )
         speakers = _read_speakers(bundle)
         # one registry folder for every model (registry_dir) keeps each family's voices apart, as the torch
         # runtime's: a voice registered there serves here
