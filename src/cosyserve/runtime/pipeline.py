@@ -178,6 +178,13 @@ class Pipeline(ModelModes):
     def _text_ids(self, text: str) -> tuple[Any, Any]:
         return _ids(self.ops, self.tokenizer.encode(text))
 
+    def after_ready(self) -> list[tuple[str, Callable[[], Any]]]:
+        """The one-time work of this model's requests that a runtime runs after READY (each runtime in its
+        after-READY thread), so that no first request pays it: ``(phase, work)`` pairs. CosyVoice3's fixed
+        vocoder noise is replayed once here (numpy, ~0.1 s at full size; its token2wav's ``noise``)."""
+        noise = getattr(self.token2wav, "noise", None)
+        return [] if noise is None else [("vocoder_noise", lambda: noise.draws(1))]
+
     # --- speakers -------------------------------------------------------------------------------------------------
 
     def extract_prompt(self, prompt_wav: Any, prompt_text: str, *, mode: str = "zero_shot") -> dict[str, Any]:

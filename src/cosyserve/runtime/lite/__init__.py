@@ -347,11 +347,7 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     token2wav = [n for n in graphs if not n.startswith("llm_")]
     steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in token2wav]))
-    noise = getattr(runtime.token2wav, "noise", None)
-    if (
-        noise is not None
-    ):  # CosyVoice3's fixed vocoder noise, replayed once (~0.1-0.3 s), not by a first request
-        steps.append(("vocoder_noise", lambda: noise.draws(1)))
+    steps += runtime.pipeline.after_ready()  # CosyVoice3's fixed vocoder noise, not by a first request
     if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
     thread = threading.Thread(
