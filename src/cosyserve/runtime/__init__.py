@@ -101,7 +101,8 @@ class RuntimeOptions:
             memory when the bundle holds float weights) or ``none`` (as stored).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
-            :mod:`cosyserve.voices.voicestates`); 0 keeps none.
+            :mod:`cosyserve.voices.voicestates`) and LM prompt prefixes (:class:`cosyserve.runtime.lm.Prefix`); 0
+            keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
         stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
             re-run the flow on everything so far (0: no bound).

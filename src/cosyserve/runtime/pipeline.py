@@ -91,8 +91,9 @@ class Pipeline(ModelModes):
             :attr:`cosyserve.bundle.loader.Bundle.instruct`); instruct mode is refused otherwise.
         default_voice: the speaker of sft/instruct requests that name none (default: the first pre-defined one).
         flow_steps: the flow's Euler steps (default: the model's own count).
-        voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates` for a flow that streams by keeping its
-            frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
+        voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates`: registered voices' and recent prompts'
+            flow states, computed once, for a flow that streams by keeping its frames (CosyVoice2/3), and their
+            LM prompt prefixes (:class:`~cosyserve.runtime.lm.Prefix`), for every LM whose input order allows one.
         frontend: makes the zero-shot tier's frontend on first use (default: the family's
             :meth:`~cosyserve.families.base.Family.frontend`, torch's; the lite runtime gives its numpy one).
     """
@@ -126,6 +127,7 @@ class Pipeline(ModelModes):
         family = family_named(family) if isinstance(family, str) else family
         # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
         self.config = config
+        self.prompt_prefixes = voice_states
         self.voice_states = voice_states if getattr(flow, "streams", False) else None
         # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
         self.token2wav: Any = family.token2wav(
@@ -313,7 +315,9 @@ class Pipeline(ModelModes):
                     max_len=self.max_piece_tokens,
                 )
             else:
-                spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
+                spec = one_shot(
+                    self.llm, model_input, max_tokens=self.max_piece_tokens, prefixes=self.prompt_prefixes
+                )
             # the loop asks the stop signal before the row joins, between its prefill's layers and its steps
             tokens: Iterator[int] = self.decoder.generate(spec, key, should_stop=should_stop)
             tokens = self.family.speech_tokens(tokens)

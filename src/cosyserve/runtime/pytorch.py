@@ -166,8 +166,8 @@ class TorchRuntime(RuntimeVoices):
         for batcher in self._batchers:
             batcher.close()
         self._batchers = []
-        if self.pipeline.voice_states is not None:
-            self.pipeline.voice_states.close()
+        if self.pipeline.prompt_prefixes is not None:
+            self.pipeline.prompt_prefixes.close()  # the voice states (flow and LM)
         self._parts = None
 
 

@@ -153,6 +153,7 @@ def _pipeline(
     graphs (numpy arrays throughout), the family's stream policy and token2wav (CosyVoice2/3's over the chunk
     flow's graphs, CosyVoice-300M's over its flow's and vocoder's)."""
     from cosyserve.runtime.pipeline import Pipeline
+    from cosyserve.voices.voicestates import VoiceStates
 
     family = bundle.family
     config = _config_view(bundle.manifest["config"])
@@ -200,6 +201,7 @@ def _pipeline(
         tokenizer=factory,
         config=config,
         frontend=frontend,
+        voice_states=VoiceStates(o.voice_cache_mb << 20),  # the LM's prompt prefixes (no flow states)
     )
     return pipeline
 
