@@ -239,9 +239,9 @@ def test_streamed_text_rows_batch_beside_a_one_shot_row() -> None:
 @pytest.mark.parametrize("lm_name", ["300m", "qwen2"])
 def test_a_kept_prompt_prefix_gives_the_tokens_of_a_whole_prefill(lm_name: str) -> None:
     """A one-shot row whose prompt prefix (sos, [speaker,] prompt text) another row left in the voice cache
-    prefills only the rest (new text, task_id, prompt speech) from where the prefix ends: the same tokens for
-    the same key as a whole prefill, and log-probabilities within float32 rounding, for new texts of other lengths.
-    If this failed, a registered voice's requests would speak otherwise than its first (a position off, a cache
+    prefills only the rest (new text, task_id, prompt speech) from where the prefix ends, in any cache row: the
+    same tokens for the same key as a whole prefill, and log-probabilities within float32 rounding, for new texts
+    of other lengths. If this failed, a registered voice's requests would speak otherwise than its first (a position off, a cache
     row not restored). A 300M text encoder that is not causal gets no prefix (the new text would change it)."""
     import dataclasses
 
@@ -273,6 +273,15 @@ def test_a_kept_prompt_prefix_gives_the_tokens_of_a_whole_prefill(lm_name: str) 
         assert cached[0] == whole[0] and len(cached[0]) > 0, (i, cached[0], whole[0])
         torch.testing.assert_close(cached[1], whole[1], rtol=0, atol=1e-4)
         assert loop.stats.prefix_positions == (i + 1) * positions, "the kept prefix was not used"
+    # loaded into cache row 1 while another row holds row 0 (it was kept from row 0)
+    loop2 = DecodeLoop(lm, 2, threaded=False)
+    with torch.inference_mode():
+        other = loop2.generate(one_shot(lm, {**voice, "text": texts[1]}), row_key(5))
+        next(other)  # holds cache row 0
+        spec = one_shot(lm, {**voice, "text": texts[0]}, prefixes=store)
+    assert list(loop2.generate(spec, row_key(0))) == run(texts[0], None, row_key(0))[0]
+    other.close()
+    assert loop2.stats.prefix_positions == positions
     if isinstance(lm, TransformerLM):
         lm.text_encoder.cfg = dataclasses.replace(lm.text_encoder.cfg, static_chunk_size=0)
         assert lm.prefix_positions({**voice, "text": texts[0]}) == 0
