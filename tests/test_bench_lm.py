@@ -47,3 +47,25 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
     assert (
         "this tree / baseline" in r.stdout and "LM rows per step" in r.stdout and "calls stacked" in r.stdout
     )
+
+
+def test_lm_prefix_dry_run_prints_every_figure(tmp_path: Path) -> None:
+    """If this fails, bench/lm_prefix.py (what a voice's kept LM prompt prefix saves, both LM architectures) no
+    longer runs end to end, lost a figure, or keeps a prefix other than sos, [speaker,] prompt text."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_lm_prefix", ROOT / "bench" / "lm_prefix.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--dry-run", "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["family"], r["voice_s"]) for r in rows] == [
+        ("cosyvoice2", 2.0), ("cosyvoice2", 12.0), ("cosyvoice", 2.0), ("cosyvoice", 12.0)
+    ]  # fmt: skip
+    for r in rows:
+        speaker = r["family"] == "cosyvoice"  # the 300M LM's prefix holds the speaker embedding too
+        assert r["prefix_positions"] == 1 + speaker + round(r["voice_s"] * 3.5), r
+        assert r["positions"] > r["prefix_positions"] and r["prefix_kib"] > 0, r
+        assert r["whole_ms"] > 0 and r["kept_ms"] > 0 and r["cpu_whole_ms"] > 0, r

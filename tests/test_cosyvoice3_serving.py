@@ -103,6 +103,24 @@ def test_a_stream_shorter_than_the_first_hop_is_the_one_shot_audio(model: Any) -
     assert len(streamed) == 1 and np.array_equal(streamed[0], one)
 
 
+def test_the_vocoder_noise_is_replayed_after_ready_not_by_the_first_request(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch runtime replays CosyVoice3's fixed vocoder noise in its after-READY thread (the pipeline's
+    ``after_ready``, as the lite runtime does): once that thread is done, a request makes no replay. If this
+    failed, the first request after READY would pay the replay (~110 ms at full size) before its first audio."""
+    runtime = model.runtime
+    runtime.join_background()
+    assert "vocoder_noise" in runtime.clock.durations, runtime.clock.durations
+    noise = runtime.pipeline.token2wav.noise
+
+    def replay(samples: int) -> Any:
+        raise AssertionError(f"a request replayed the vocoder noise ({samples} samples)")
+
+    monkeypatch.setattr(noise, "_replay", replay)
+    assert len(model.synthesize_all("Hello world.", SPK, seed=4)) > 0
+
+
 def test_text_without_endofprompt_gets_the_documented_default(model: Any, prompt: Path) -> None:
     """CosyVoice3's LM needs <|endofprompt|> in its prompt text or text. A request without one is completed with
     'You are a helpful assistant.<|endofprompt|>' (in the prompt text when the mode has one, else before the text;

@@ -233,6 +233,60 @@ def test_streamed_text_rows_batch_beside_a_one_shot_row() -> None:
     assert loop.stats.peak_rows >= 2, "streamed and one-shot rows never shared a step"
 
 
+# -- a voice's prompt prefix ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lm_name", ["300m", "qwen2"])
+def test_a_kept_prompt_prefix_gives_the_tokens_of_a_whole_prefill(lm_name: str) -> None:
+    """A one-shot row whose prompt prefix (sos, [speaker,] prompt text) another row left in the voice cache
+    prefills only the rest (new text, task_id, prompt speech) from where the prefix ends, in any cache row: the
+    same tokens for the same key as a whole prefill, and log-probabilities within float32 rounding, for new texts
+    of other lengths. If this failed, a registered voice's requests would speak otherwise than its first (a position off, a cache
+    row not restored). A 300M text encoder that is not causal gets no prefix (the new text would change it)."""
+    import dataclasses
+
+    from cosyserve.voices.voicestates import VoiceStates
+
+    lm = _lm300() if lm_name == "300m" else _qwen()
+    g = torch.Generator().manual_seed(3)
+    n_vocab = lm.stack.embed_tokens.num_embeddings if isinstance(lm, Qwen2LM) else lm.cfg.text_token_size
+    voice = {
+        "prompt_text": torch.randint(0, n_vocab, (1, 7), generator=g, dtype=torch.int32),
+        "llm_prompt_speech_token": torch.randint(0, 40, (1, 9), generator=g, dtype=torch.int32),
+    }
+    if isinstance(lm, TransformerLM):
+        voice["llm_embedding"] = torch.randn(1, lm.cfg.spk_embed_dim, generator=g)
+    texts = [torch.randint(0, n_vocab, (1, n), generator=g, dtype=torch.int32) for n in (3, 6)]
+    store, loop = VoiceStates(1 << 30), DecodeLoop(lm, 1, threaded=False)
+
+    def run(text: torch.Tensor, prefixes: Any, key: int) -> tuple[list[int], torch.Tensor]:
+        with torch.inference_mode():
+            row = one_shot(lm, {**voice, "text": text}, prefixes=prefixes)
+        record: list[Any] = []
+        return list(loop.generate(row, key, record=record)), torch.stack([lp for lp, _ in record])
+
+    run(texts[0], store, row_key(9))  # keeps the prefix
+    assert loop.stats.prefix_positions == 0 and len(store) == 1
+    positions = 1 + int(lm_name == "300m") + 7  # sos, [speaker,] the prompt text
+    for i, text in enumerate(texts):
+        cached, whole = run(text, store, row_key(i)), run(text, None, row_key(i))
+        assert cached[0] == whole[0] and len(cached[0]) > 0, (i, cached[0], whole[0])
+        torch.testing.assert_close(cached[1], whole[1], rtol=0, atol=1e-4)
+        assert loop.stats.prefix_positions == (i + 1) * positions, "the kept prefix was not used"
+    # loaded into cache row 1 while another row holds row 0 (it was kept from row 0)
+    loop2 = DecodeLoop(lm, 2, threaded=False)
+    with torch.inference_mode():
+        other = loop2.generate(one_shot(lm, {**voice, "text": texts[1]}), row_key(5))
+        next(other)  # holds cache row 0
+        spec = one_shot(lm, {**voice, "text": texts[0]}, prefixes=store)
+    assert list(loop2.generate(spec, row_key(0))) == run(texts[0], None, row_key(0))[0]
+    other.close()
+    assert loop2.stats.prefix_positions == positions
+    if isinstance(lm, TransformerLM):
+        lm.text_encoder.cfg = dataclasses.replace(lm.text_encoder.cfg, static_chunk_size=0)
+        assert lm.prefix_positions({**voice, "text": texts[0]}) == 0
+
+
 # -- ids read back late ---------------------------------------------------------------------------------------------
 
 

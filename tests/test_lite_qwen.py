@@ -81,6 +81,15 @@ def test_lite_and_torch_give_equal_tokens_for_a_seed(qwen_bundles: dict, family:
     assert runs[1] == runs[0]
     lengths.append(len(runs[0]))
     assert min(lengths) >= 3 and max(lengths) >= 20, lengths  # the runs decoded something to compare
+    # a kept prompt prefix (sos, the prompt text: runtime.lm.Prefix) on the lite LM's caches: the same tokens
+    from cosyserve.runtime.decode import DecodeLoop
+    from cosyserve.voices.voicestates import VoiceStates
+
+    want = list(generate(torch_lm, one_shot(torch_lm, inputs["torch"]), row_key(2)))
+    store, loop = VoiceStates(1 << 30), DecodeLoop(lite_lm, 1, threaded=False)
+    for _ in range(2):  # the first keeps the prefix, the second starts from it
+        assert list(loop.generate(one_shot(lite_lm, inputs["lite"], prefixes=store), row_key(2))) == want
+    assert loop.stats.prefix_positions == 1 + 2, "the second run did not start from the kept prefix"
 
 
 def test_cosyvoice3_prompt_rule_holds_on_lite(qwen_bundles: dict) -> None:

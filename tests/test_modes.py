@@ -310,11 +310,15 @@ def test_registered_voice_gives_the_same_audio_as_its_prompt(
     model: Any, audio: dict[str, Path], tmp_path: Path
 ) -> None:
     model.add_speaker("same-voice", audio["prompt"], PROMPT_TEXT, overwrite=True)
+    stats = model.runtime.pipeline.decoder.stats
+    kept = stats.prefix_positions
     inline = model.synthesize_all(
         "Hello world.", mode="zero_shot", prompt_wav=audio["prompt"], prompt_text=PROMPT_TEXT, seed=5
     )
     registered = model.synthesize_all("Hello world.", "same-voice", seed=5)
     assert np.array_equal(inline, registered)
+    # the LM's prompt prefix (sos, speaker, prompt text) the inline request left served the registered one
+    assert stats.prefix_positions > kept, "a voice's second request prefilled its prompt text again"
     # persisted: a fresh registry over the same folder (a restart) serves the voice
     from cosyserve.voices.registry import SpeakerRegistry
 

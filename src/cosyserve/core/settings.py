@@ -428,7 +428,9 @@ class Settings:
         cast=Int(0, 1 << 24),
         doc="memory for the flow states of registered voices and recent prompts (CosyVoice2/3 streaming: what "
         "depends on the voice sample alone, computed once), least recently used out; about 230 MB per second of "
-        "sample for a CosyVoice2 flow in float32, 180 MB for CosyVoice3; 0 keeps none",
+        "sample for a CosyVoice2 flow in float32, 180 MB for CosyVoice3; also the LM's prompt prefixes (its keys "
+        "and values of sos, speaker and prompt text, kept by a voice's first request: about 1 MB for a 12 s "
+        "CosyVoice2 voice in float32); 0 keeps none",
     )
     stream_state_mb: int = _loading(
         8192,

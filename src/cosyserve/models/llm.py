@@ -21,6 +21,7 @@ from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.models.transformer import (
     ConformerEncoder,
     ConformerEncoderConfig,
+    KVCache,
     TransformerEncoder,
     TransformerEncoderConfig,
     cache_dtype,
@@ -150,6 +151,24 @@ class SpeechLM(nn.Module):
     def release(self) -> None:
         self.stack.release_caches()
 
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        """Leading prompt positions that depend on the prompt text (and speaker) alone (see
+        :class:`~cosyserve.runtime.lm.Prefix`): none here; a subclass whose input order allows it says how many."""
+        return 0
+
+    def _caches(self) -> list[KVCache]:
+        return [m for m in self.stack.modules() if isinstance(m, KVCache)]
+
+    def save_prefix(self, row: int, positions: int) -> list[Tensor]:
+        """Copies of cache row ``row``'s keys and values at positions ``[0, positions)``, every layer's."""
+        return [c[row, :, :positions].clone() for kv in self._caches() for c in (kv.k_cache, kv.v_cache)]
+
+    def load_prefix(self, arrays: list[Tensor], row: int) -> None:
+        """:meth:`save_prefix`'s copies back at the start of cache row ``row``."""
+        caches = [c for kv in self._caches() for c in (kv.k_cache, kv.v_cache)]
+        for cache, a in zip(caches, arrays, strict=True):
+            cache[row, :, : a.shape[1]] = a
+
     def extend(self, x: Tensor, row: int, start: int, stop: Any = None) -> Tensor:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``: (1, V) float32 log-probabilities of
         the token after it. ``stop`` is asked before each layer (a prompt's prefill is the longest run of the LM:
@@ -253,6 +272,18 @@ class TransformerLM(SpeechLM):
         if int(prompt_speech_token_len.reshape(-1)[0]) != 0:
             parts.append(self.speech_embedding(prompt_speech_token))
         return torch.cat(parts, dim=1)
+
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        """sos, the speaker (when the input has one) and the prompt text's encoded frames, when there is prompt text
+        and the text encoder is causal (``static_chunk_size: 1``, as CosyVoice-300M's: a frame of the prompt text
+        sees no frame after it, so the new text leaves it as it is)."""
+        enc = self.text_encoder.cfg
+        prompt_text = model_input.get("prompt_text")
+        p = 0 if prompt_text is None else int(prompt_text.shape[1])
+        if p == 0 or enc.use_dynamic_chunk or enc.static_chunk_size != 1:
+            return 0
+        embedding = model_input.get("llm_embedding")
+        return 1 + int(embedding is not None and embedding.shape[0] != 0) + p
 
     def warmup_input(self) -> dict[str, Tensor]:
         # a speaker embedding too (float32, as speakers' are): the speaker projection runs

@@ -18,6 +18,7 @@ same interface as the CosyVoice-300M LM (:mod:`cosyserve.models.llm`), so the ru
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -358,6 +359,12 @@ class Qwen2LM(SpeechLM):
         if int(prompt_speech_token_len.reshape(-1)[0]) != 0:
             parts.append(self.speech_embedding(prompt_speech_token.to(torch.int64)))
         return torch.cat(parts, dim=1)
+
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        """sos and the prompt text (the text follows it, then task_id and the prompt speech), when there is one."""
+        prompt_text = model_input.get("prompt_text")
+        p = 0 if prompt_text is None else int(prompt_text.shape[1])
+        return 1 + p if p else 0
 
     def _first_cache(self) -> Any:
         return self.stack.layers[0].self_attn.kv_cache

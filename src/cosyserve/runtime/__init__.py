@@ -104,7 +104,8 @@ class RuntimeOptions:
             its prompt, so that a chunk's cost and its state's memory stop growing (the last call then chunk-causal
             too); 0: every frame, the reference's result. The torch runtime's incremental flow only.
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
-            :mod:`cosyserve.voices.voicestates`); 0 keeps none.
+            :mod:`cosyserve.voices.voicestates`) and LM prompt prefixes (:class:`cosyserve.runtime.lm.Prefix`); 0
+            keeps none.
         voice_cache_disk: also store registered voices' flow states beside the registry.
         stream_state_mb: the most one streamed request's flow state may hold; past it, the request's next chunks
             re-run the flow on everything so far (0: no bound).

@@ -41,13 +41,7 @@ from typing import Any
 
 from cosyserve.core.sampling import Sampler
 from cosyserve.core.stop import ShouldStop, Stopped, check
-from cosyserve.runtime.lm import (
-    DecodeLM,
-    OneShot,
-    Part,
-    Streamed,
-    StreamedText,
-)
+from cosyserve.runtime.lm import DecodeLM, OneShot, Part, Streamed, StreamedText
 from cosyserve.runtime.readback import ReadBack
 from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row
 
@@ -277,14 +271,7 @@ class DecodeLoop:
         return bool(self._eligible())
 
     def _eligible(self) -> list[Row]:
-        return [
-            r
-            for r in self._active
-            if r.ready
-            and not r.stalled
-            and not r.finished
-            and r.steps - r.read + r.delivered - r.taken < self.ahead
-        ]
+        return [r for r in self._active if r.ready and not (r.stalled or r.finished) and r.lead < self.ahead]
 
     def _put(self, row: Row, item: Any) -> None:
         with self._cv:
@@ -367,7 +354,7 @@ class DecodeLoop:
         spec = row.spec
         if isinstance(spec, OneShot):
             self._set(row, rules.eos_token, rules.eos_token, -1, spec.min_len)
-            self._extend(row, spec.prompt, [], spec.prompt.shape[1] + spec.max_len)
+            self._prefill(row, spec)
             return
         if rules.fill is None:
             raise ValueError(f"decode loop ({self.name}): this LM takes no streamed text")
@@ -375,6 +362,19 @@ class DecodeLoop:
         row.arriving = True
         self._set(row, rules.eos_token, rules.vocab - 1, rules.fill, _ALWAYS)
         self._ask_text(row)
+
+    def _prefill(self, row: Row, spec: OneShot) -> None:
+        # a prompt whose prefix (its voice's) a row ran before starts from that row's keys and values
+        positions, prefix = spec.prompt.shape[1] + spec.max_len, spec.prefix
+        kept = prefix.kept() if prefix is not None else None
+        if kept is not None:
+            self._reserve(row.slot + 1, positions)
+            self.lm.load_prefix(kept.arrays, row.slot)
+            row.pos = kept.positions
+            self.stats.prefix_positions += kept.positions
+        self._extend(row, spec.prompt[:, row.pos :], [], positions)
+        if prefix is not None and kept is None:
+            prefix.keep(self.lm, row.slot)  # for the next row with it
 
     def _ask_text(self, row: Row) -> None:
         row.stalled, row.ready = True, False
@@ -470,9 +470,8 @@ class DecodeLoop:
         self._read()
         going = [j for j in going if not ready[j].finished and not ready[j].stalled]
         if going:
-            self._decode(
-                [ready[j] for j in going], tokens if len(going) == len(ready) else tokens[ops.ints(going)]
-            )
+            picked = tokens if len(going) == len(ready) else tokens[ops.ints(going)]
+            self._decode([ready[j] for j in going], picked)
 
     def _forced(self, row: Row) -> int | None:
         # the id of this step when the host decides it: a forced fill, or the teacher's token
@@ -491,9 +490,8 @@ class DecodeLoop:
         sl = self._index_of(slots)
         kv_len = max(r.pos for r in rows) + 1
         self._reserve(max(slots) + 1, kv_len)
-        fed = xp.where(
-            tokens < self.rules.eos_token, tokens, 0
-        )  # a stop id (read later) has no embedding row
+        # a stop id (read later) has no embedding row
+        fed = xp.where(tokens < self.rules.eos_token, tokens, 0)
         pos = self._pos[sl]
         stops = [r.should_stop for r in rows]
         watched = any(s is not None for s in stops)

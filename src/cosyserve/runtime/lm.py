@@ -6,6 +6,10 @@ its subclasses) and the lite runtime's :class:`~cosyserve.runtime.lite.lm.StepLM
 ``inference_bistream``, whose text rules :class:`StreamedText` keeps, one piece at a time):
 
 - one-shot: a prompt, ``min_len`` (before it id ``eos_token`` is masked), ``max_len``;
+- a one-shot prompt's leading positions that depend on its voice alone (sos, [speaker,] the prompt text: the LM reads
+  the new text after them) are its :class:`Prefix`: the first row with that prefix leaves their keys and values in
+  a store (the model's :class:`~cosyserve.voices.voicestates.VoiceStates`), and every later row starts from them
+  and prefills only the rest (causal attention: the same keys and values; positions continue where they end);
 - streamed text: the prompt split after its head (:meth:`~cosyserve.core.sampling.StopRules.prompt_head`),
   prompt speech interleaved 15 : 5 with the text, a fill token forced 15 steps after the last one (or sampled),
   after which the row waits for 5 more text tokens; when the text ends, the rest of it and ``task_id`` follow and
@@ -15,9 +19,12 @@ its subclasses) and the lite runtime's :class:`~cosyserve.runtime.lite.lm.StepLM
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.core.stop import ShouldStop
@@ -26,6 +33,8 @@ __all__ = [
     "DecodeLM",
     "OneShot",
     "Part",
+    "Prefix",
+    "PromptPrefix",
     "Streamed",
     "StreamedText",
     "TeacherForced",
@@ -68,6 +77,20 @@ class DecodeLM(Protocol):
         """Drop the caches."""
         ...
 
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        """How many leading positions of ``model_input``'s one-shot prompt depend on its prompt text (and speaker)
+        alone, whatever its text: sos, [speaker,] prompt text; 0 when there is no prompt text or the model's input
+        order does not allow it."""
+        ...
+
+    def save_prefix(self, row: int, positions: int) -> list[Any]:
+        """Copies of what cache row ``row`` holds at positions ``[0, positions)``."""
+        ...
+
+    def load_prefix(self, arrays: list[Any], row: int) -> None:
+        """Put :meth:`save_prefix`'s ``arrays`` back at the start of cache row ``row`` (reserved for them)."""
+        ...
+
     def extend(self, x: Any, row: int, start: int, stop: ShouldStop | None = None) -> Any:
         """Run ``x`` (1, T, C) into cache row ``row`` from position ``start``; (1, V) float32 log-probabilities
         of the next token. ``stop`` (the row's request's stop signal) may end the run early by raising
@@ -90,12 +113,43 @@ class DecodeLM(Protocol):
 
 
 @dataclass
+class PromptPrefix:
+    """What a cache row held at the start of a prompt (:meth:`DecodeLM.save_prefix`): ``positions`` positions."""
+
+    positions: int
+    arrays: list[Any]
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A one-shot prompt's first ``positions`` positions, kept in ``store`` under ``key`` (a digest of what they
+    are made of): ``store.prompt_prefix(key)`` gives a :class:`PromptPrefix` or None,
+    ``store.keep_prompt_prefix(key, prefix)`` keeps one."""
+
+    key: str
+    positions: int
+    store: Any
+
+    def kept(self) -> PromptPrefix | None:
+        return self.store.prompt_prefix(self.key)  # type: ignore[no-any-return]
+
+    def keep(self, lm: DecodeLM, row: int) -> None:
+        """Keep what cache row ``row`` holds at the prefix's positions."""
+        arrays = lm.save_prefix(row, self.positions)
+        self.store.keep_prompt_prefix(self.key, PromptPrefix(self.positions, arrays))
+
+
+@dataclass
 class OneShot:
     """A row whose text is known: the reference's ``inference``."""
 
     prompt: Any  # (1, T0, C)
     min_len: int  # no eos_token before this many tokens
     max_len: int  # at most this many tokens
+    prefix: Prefix | None = None  # its leading positions, kept for the next row with the same
 
 
 @dataclass
@@ -132,14 +186,32 @@ def one_shot(
     max_tokens: int | None = None,
     min_ratio: float = 2.0,
     max_ratio: float = 20.0,
+    prefixes: Any = None,
 ) -> OneShot:
-    """The one-shot row of a model-input dict; ``max_tokens`` caps ``max_len`` (and ``min_len`` with it)."""
+    """The one-shot row of a model-input dict; ``max_tokens`` caps ``max_len`` (and ``min_len`` with it).
+    ``prefixes``: where its prompt's :class:`Prefix` is kept (None: it is prefilled whole)."""
     prompt, text_len = lm.prompt(model_input)
     min_len, max_len = length_limits(text_len, min_ratio, max_ratio)
     if max_tokens is not None:
         max_len = min(max_len, max_tokens)
         min_len = min(min_len, max_len)
-    return OneShot(prompt, min_len, max_len)
+    n = lm.prefix_positions(model_input) if prefixes is not None else 0
+    prefix = Prefix(prefix_key(lm.ops, model_input, n), n, prefixes) if n else None
+    return OneShot(prompt, min_len, max_len, prefix)
+
+
+def prefix_key(ops: ArrayOps, model_input: Mapping[str, Any], positions: int) -> str:
+    """The digest a prompt's :class:`Prefix` is kept under: its positions, prompt text ids and speaker embedding
+    (the LM's, whether or not its prefix holds it)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"positions={positions};".encode())
+    for name, dtype in (("prompt_text", np.int64), ("llm_embedding", np.float32)):
+        a = model_input.get(name)
+        if a is not None:
+            a = np.ascontiguousarray(ops.to_host(a) if hasattr(a, "shape") else np.asarray(a), dtype=dtype)
+            h.update(f"{name}{a.shape};".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
 
 
 class StreamedText:

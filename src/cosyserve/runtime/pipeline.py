@@ -93,8 +93,9 @@ class Pipeline(ModelModes):
         flow_steps: the flow's Euler steps (default: the model's own count).
         flow_context: seconds of generated speech a CosyVoice2/3 stream's flow attends to beyond its prompt (0:
             every frame, the reference's result; see the family's ``token2wav``).
-        voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates` for a flow that streams by keeping its
-            frames (CosyVoice2/3): registered voices' and recent prompts' flow states, computed once.
+        voice_states: a :class:`~cosyserve.voices.voicestates.VoiceStates`: registered voices' and recent prompts'
+            flow states, computed once, for a flow that streams by keeping its frames (CosyVoice2/3), and their
+            LM prompt prefixes (:class:`~cosyserve.runtime.lm.Prefix`), for every LM whose input order allows one.
         frontend: makes the zero-shot tier's frontend on first use (default: the family's
             :meth:`~cosyserve.families.base.Family.frontend`, torch's; the lite runtime gives its numpy one).
     """
@@ -129,6 +130,7 @@ class Pipeline(ModelModes):
         family = family_named(family) if isinstance(family, str) else family
         # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
         self.config = config
+        self.prompt_prefixes = voice_states
         self.voice_states = voice_states if getattr(flow, "streams", False) else None
         # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
         self.token2wav: Any = family.token2wav(
@@ -180,6 +182,13 @@ class Pipeline(ModelModes):
 
     def _text_ids(self, text: str) -> tuple[Any, Any]:
         return _ids(self.ops, self.tokenizer.encode(text))
+
+    def after_ready(self) -> list[tuple[str, Callable[[], Any]]]:
+        """The one-time work of this model's requests that a runtime runs after READY (each runtime in its
+        after-READY thread), so that no first request pays it: ``(phase, work)`` pairs. CosyVoice3's fixed
+        vocoder noise is replayed once here (numpy, ~0.1 s at full size; its token2wav's ``noise``)."""
+        noise = getattr(self.token2wav, "noise", None)
+        return [] if noise is None else [("vocoder_noise", lambda: noise.draws(1))]
 
     # --- speakers -------------------------------------------------------------------------------------------------
 
@@ -309,7 +318,9 @@ class Pipeline(ModelModes):
                     max_len=self.max_piece_tokens,
                 )
             else:
-                spec = one_shot(self.llm, model_input, max_tokens=self.max_piece_tokens)
+                spec = one_shot(
+                    self.llm, model_input, max_tokens=self.max_piece_tokens, prefixes=self.prompt_prefixes
+                )
             # the loop asks the stop signal before the row joins, between its prefill's layers and its steps
             tokens: Iterator[int] = self.decoder.generate(spec, key, should_stop=should_stop)
             tokens = self.family.speech_tokens(tokens)

@@ -65,6 +65,7 @@ class TorchRuntime(RuntimeVoices):
         self._after_fork: list[tuple[str, Callable[[], None]]] = []
         self.text_thread: threading.Thread | None = None  # the text tier, when it loads after READY
         self.warmup_thread: threading.Thread | None = None  # the flow and vocoder warm-up after READY
+        self.background: threading.Thread | None = None  # the thread of both (and pipeline.after_ready)
         self.zero_shot_thread: threading.Thread | None = None  # the ONNX sessions, when they load after READY
         name = self.bundle.path.name if self.bundle is not None else "model"
         # the runtime's slots share one model: their LM steps run as one batch in the model's decode loop, whose
@@ -149,7 +150,7 @@ class TorchRuntime(RuntimeVoices):
 
     def join_background(self, timeout: float | None = None) -> None:
         """Wait for the work that runs after READY (text tier, warm-up, zero-shot tier)."""
-        for t in (self.text_thread, self.warmup_thread, self.zero_shot_thread):
+        for t in (self.background, self.zero_shot_thread):
             if t is not None:
                 t.join(timeout)
 
@@ -165,8 +166,8 @@ class TorchRuntime(RuntimeVoices):
         for batcher in self._batchers:
             batcher.close()
         self._batchers = []
-        if self.pipeline.voice_states is not None:
-            self.pipeline.voice_states.close()
+        if self.pipeline.prompt_prefixes is not None:
+            self.pipeline.prompt_prefixes.close()  # the voice states (flow and LM)
         self._parts = None
 
 
@@ -425,6 +426,9 @@ def _after_ready_steps(
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
         # warm-up runs on token ids)
         after.append(("text_tier", lambda: _load_text_tier(pipeline)))
+    # what a first request would pay once (CosyVoice3's vocoder noise), as the lite runtime runs it: before the
+    # warm-up, which no request waits for
+    after += pipeline.after_ready()
     if o.warmup:
         after.append(("warmup_token2wav", runtime.warm_up_token2wav))
     # the ONNX sessions (speaker embedding, speech tokenizer) never delay an SFT start
@@ -443,7 +447,7 @@ def _after_ready_steps(
     if o.strategy == "prefetch" and o.use_mmap:
         start_prefetch(parts)
     if after:
-        thread = _after_ready(after, clock)
+        runtime.background = thread = _after_ready(after, clock)
         runtime.text_thread = thread if o.text_tier == "background" else None
         runtime.warmup_thread = thread if o.warmup else None
     if zero_shot:

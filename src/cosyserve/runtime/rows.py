@@ -23,6 +23,7 @@ class DecodeStats:
     steps: int = 0
     rows: int = 0
     prefills: int = 0  # rows admitted
+    prefix_positions: int = 0  # prompt positions taken from a kept prefix (not prefilled)
     tokens: int = 0  # speech tokens handed out
     peak_rows: int = 0
     rollbacks: int = 0  # streamed-text rows put back after a fill read late
@@ -85,6 +86,11 @@ class Row:
     def put(self, item: Any) -> None:
         """Hand ``item`` to the consumer (under the loop's lock)."""
         self.out.put(item)
+
+    @property
+    def lead(self) -> int:
+        """Tokens sampled ahead of its consumer (read or not)."""
+        return self.steps - self.read + self.delivered - self.taken
 
     def limit(self) -> float:
         """Steps the row may take."""

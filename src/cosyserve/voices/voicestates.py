@@ -17,6 +17,9 @@ safetensors file named by the prompt's digest and the model's tag (its weights' 
 steps), and mapped from there (zero copy, page cache) by a later process; a file of another tag means the model
 changed since: it is recomputed, written anew and the old one removed.
 
+The LM's prompt prefixes are kept here too (:class:`~cosyserve.runtime.lm.Prefix`: the keys and values of a
+one-shot prompt's sos, speaker and prompt text, which the new text follows), under the same bound, in memory only.
+
 The streams' own states (what each streamed request adds to its voice's state as it speaks, the same bytes per
 second of speech) are accounted here too, under two bounds: one request's (``stream_max_bytes``) and every
 stream's of the model together (``streams_max_bytes``). A stream whose next chunk would pass either drops its
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["VoiceStates", "bytes_per_second", "prompt_key"]
 
 FOLDER = ".flow-states"
+_LM = "lm:"  # the LM's prompt prefixes' keys (runtime.lm.Prefix), beside the flow states' digests
 FORMAT = "cosyserve-flow-state"
 VERSION = "1"
 
@@ -166,6 +170,23 @@ class VoiceStates:
                 self._store(key, state)
         self._put(key, state, registered)
         return state.fork()
+
+    def prompt_prefix(self, key: str) -> Any:
+        """The LM's kept :class:`~cosyserve.runtime.lm.PromptPrefix` under ``key`` (a
+        :class:`~cosyserve.runtime.lm.Prefix`'s), or None."""
+        with self._lock:
+            entry = self._entries.get(_LM + key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(_LM + key)
+            return entry.state
+
+    def keep_prompt_prefix(self, key: str, prefix: Any) -> None:
+        """Keep the LM's ``prefix`` (a :class:`~cosyserve.runtime.lm.PromptPrefix`) under ``key``, in memory only
+        (a few hundred KB per voice at full size), as an unregistered prompt's state; not kept (and not said, as a
+        flow state's is) when the cache is off or smaller."""
+        if prefix.nbytes() <= self.max_bytes:
+            self._put(_LM + key, prefix, registered=False)
 
     def hold(self, stream: Any, nbytes: int) -> str | None:
         """Account ``nbytes`` as what ``stream`` (a request's stream state: its charge is its ``charged``) holds

@@ -153,6 +153,7 @@ def _pipeline(
     graphs (numpy arrays throughout), the family's stream policy and token2wav (CosyVoice2/3's over the chunk
     flow's graphs, CosyVoice-300M's over its flow's and vocoder's)."""
     from cosyserve.runtime.pipeline import Pipeline
+    from cosyserve.voices.voicestates import VoiceStates
 
     family = bundle.family
     config = _config_view(bundle.manifest["config"])
@@ -200,6 +201,7 @@ def _pipeline(
         tokenizer=factory,
         config=config,
         frontend=frontend,
+        voice_states=VoiceStates(o.voice_cache_mb << 20),  # the LM's prompt prefixes (no flow states)
     )
     return pipeline
 
@@ -353,11 +355,7 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     token2wav = [n for n in graphs if not n.startswith("llm_")]
     steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in token2wav]))
-    noise = getattr(runtime.token2wav, "noise", None)
-    if (
-        noise is not None
-    ):  # CosyVoice3's fixed vocoder noise, replayed once (~0.1-0.3 s), not by a first request
-        steps.append(("vocoder_noise", lambda: noise.draws(1)))
+    steps += runtime.pipeline.after_ready()  # CosyVoice3's fixed vocoder noise, not by a first request
     if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
     thread = threading.Thread(

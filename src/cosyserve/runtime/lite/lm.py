@@ -117,6 +117,16 @@ class StepLM:
     def release(self) -> None:
         self._caches = []
 
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        return 0  # a subclass whose input order allows a prefix says how many positions
+
+    def save_prefix(self, row: int, positions: int) -> list[np.ndarray]:
+        return [buf[:positions].copy() for buf in self._caches[row]]
+
+    def load_prefix(self, arrays: list[np.ndarray], row: int) -> None:
+        for buf, a in zip(self._caches[row], arrays, strict=True):
+            buf[: a.shape[0]] = a
+
     def extend(self, x: np.ndarray, row: int, start: int, stop: ShouldStop | None = None) -> np.ndarray:
         return self._run_step(x, row, start, stop)[None]
 
@@ -287,6 +297,11 @@ class LiteQwenLM(StepLM):
             ]
         )
         return x, len(text)
+
+    def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
+        # sos and the prompt text (as the torch Qwen2LM's)
+        p = len(_flat(model_input.get("prompt_text", [])))
+        return 1 + p if p else 0
 
     def embed(self, parts: list[Part]) -> np.ndarray:
         out = []
