@@ -11,10 +11,11 @@ One process (the torch side needs torch; the lite side's computations import non
 ids, ``--tokens`` of them, no prompt) and the same vocoder noise go through the family's shared token2wav
 (:class:`~cosyserve.families.cosyvoice2.token2wav.Token2Wav2` / ``Token2Wav3``, the reference's chunk policy) over:
 
-- ``lite``: the bundle's ``lite/`` graphs (:mod:`cosyserve.runtime.lite.chunkflow`), each streamed chunk re-running
-  the flow (and CosyVoice3's vocoder) over every token so far, as the reference does;
-- ``torch``: the bundle's torch modules as the torch runtime serves them (the flow keeps its frames between chunks);
-- ``torch_cumulative``: the torch modules on the reference's rule, the lite path's like for like.
+- ``lite``: the bundle's ``lite/`` graphs (:mod:`cosyserve.runtime.lite.chunkflow`) as the lite runtime serves them
+  (a streamed chunk computes its own frames: the flow keeps its per-step caches, CosyVoice3's vocoder its state);
+- ``torch``: the bundle's torch modules as the torch runtime serves them (the same rule), the lite path's like for
+  like;
+- ``torch_cumulative``: the torch modules on the reference's rule (each chunk re-runs on everything so far).
 
 Figures (medians over the rounds, rounds alternate the order): ``open_ms`` (lite: opening the flow and vocoder
 sessions; torch: loading the flow and vocoder modules from the bundle), then after one short warm-up call:
@@ -48,14 +49,7 @@ def _t2w(bundle: Path, runtime: str, threads: int) -> tuple[Any, float, bool]:
         lb = LiteBundle(bundle, verify="none", threads=threads)
         tables = lb.tables()
         causal = bool(lb.config["hift"].get("causal"))
-        for name in (
-            "flow_mu",
-            "flow_mu_stream",
-            "flow_estimator",
-            "flow_estimator_stream",
-            "hift_f0",
-            "hift_decode",
-        ):
+        for name in ("flow_mu", "flow_mu_stream", "flow_estimator", "hift_f0", "hift_decode"):
             lb.session(name)
         flow, hift = LiteChunkFlow(lb, tables), (LiteCausalVocoder if causal else LiteVocoder2)(lb, tables)
     else:
@@ -68,7 +62,7 @@ def _t2w(bundle: Path, runtime: str, threads: int) -> tuple[Any, float, bool]:
         flow, hift = modules["flow"].float().eval(), modules["hift"].float().eval()
         causal = hasattr(hift, "causal_spectrum")
     ms = (time.perf_counter() - t) * 1e3
-    incremental = runtime == "torch"
+    incremental = runtime != "torch_cumulative"
     cls = Token2Wav3 if causal else Token2Wav2
     return cls(flow, hift, incremental=incremental), ms, causal
 

@@ -8,6 +8,7 @@ every chunk), interleaved in the same run.
     python bench/stream_chunks.py --family cosyvoice3 --seconds 60 --compare                        # target 5
     python bench/stream_chunks.py --family cosyvoice2 --seconds 32 --policy reference --flow-context 8  # bounded
     python bench/stream_chunks.py --dry-run                                                         # tiny (CI)
+    python bench/stream_chunks.py --family cosyvoice3 --seconds 60 --runtime lite --compare         # lite runtime
 
 Random-weight models of the release's dimensions (``make-test-model --size full``, made once under ``--work``), or
 ``--model DIR`` (an official-layout dir), float32 unless ``--dtype``. Two modes:
@@ -18,6 +19,10 @@ Random-weight models of the release's dimensions (``make-test-model --size full`
   text (words given one by one, as an LLM writes them: the LM's bistream) makes ``--seconds`` of speech (a random
   LM runs to its limit of 20 speech tokens per text token); a chunk's time is then from the previous chunk's
   arrival to its own, the LM's decoding of its tokens included, as a client sees it.
+
+``--runtime lite`` runs the same on the lite runtime (ONNX Runtime + numpy): the dir converted with ``--runtime
+lite`` once under ``--work`` (or ``--bundle``, such a bundle), the family's token2wav over its flow and vocoder
+graphs (the lite runtime's own, as ``cosyserve.load`` builds them).
 
 The table has one row per chunk; below it, the figures the targets name: the cost per audio second of the two
 chunks before the final (full-attention) one over that of chunks 2-3 (target <= 1.3 on CosyVoice2, reference
@@ -56,9 +61,40 @@ def model_dir(family: str, size: str, work: Path) -> Path:
     return out
 
 
-def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool, flow_context: float = 0.0) -> Any:
+def lite_bundle(path: Path, work: Path) -> Path:
+    """The model dir ``path`` converted with ``--runtime lite``, once, under ``work``."""
+    from cosyserve.bundle.convert import convert
+
+    out = work / f"{path.name}-lite"
+    if not (out / "lite" / "manifest.json").is_file():
+        t = time.perf_counter()
+        convert(path, out, runtime="lite", progress=False)
+        print(f"converted {out} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    return out
+
+
+def token2wav(
+    path: Path,
+    policy_name: str,
+    dtype: str,
+    incremental: bool,
+    flow_context: float = 0.0,
+    runtime: str = "torch",
+) -> Any:
     """The family's token2wav over the dir's flow and vocoder (loaded once per process), with ``policy_name`` and
-    ``flow_context`` seconds of bounded flow context (0: unbounded)."""
+    ``flow_context`` seconds of bounded flow context (0: unbounded); ``runtime`` lite: over a lite bundle's graphs
+    (``path`` the bundle), as the lite runtime builds it (which has no bounded context)."""
+    if runtime == "lite":
+        key = (str(path), policy_name)
+        if key not in _LOADED:
+            import cosyserve
+
+            _LOADED[key] = cosyserve.load(
+                str(path), runtime="lite", chunk_policy=policy_name, threads=THREADS[0], warmup=False
+            )
+        t2w = _LOADED[key].runtime.pipeline.token2wav  # a bench may reach in: the path under test is switched
+        t2w.incremental = incremental
+        return t2w
     from cosyserve.bundle.official import load_component
     from cosyserve.families.modelconfig import load_model_config
     from cosyserve.models.precision import cast_floating
@@ -80,6 +116,7 @@ def token2wav(path: Path, policy_name: str, dtype: str, incremental: bool, flow_
 
 
 _LOADED: dict[tuple[str, str], Any] = {}
+THREADS: list[int | None] = [None]  # --threads, for the lite runtime's sessions
 
 
 def stream(t2w: Any, seconds: float, prompt_seconds: float, seed: int) -> list[dict[str, float]]:
@@ -88,13 +125,19 @@ def stream(t2w: Any, seconds: float, prompt_seconds: float, seed: int) -> list[d
     rate = int(t2w.flow.cfg.input_frame_rate)
     p = int(prompt_seconds * rate)
     tokens = torch.randint(0, 4096, (int(seconds * rate),), generator=g).tolist()
-    kw = dict(
+    kw: dict[str, Any] = dict(
         embedding=torch.randn(1, 192, generator=g),
         prompt_token=torch.randint(0, 4096, (1, p), generator=g).to(torch.int32),
         prompt_feat=torch.randn(1, 2 * p, 80, generator=g) * 0.5 - 5,
-        stream=True,
-        generator=torch.Generator().manual_seed(seed),
     )
+    if isinstance(t2w.flow, torch.nn.Module):
+        kw["generator"] = torch.Generator().manual_seed(seed)
+    else:  # the lite runtime's: numpy arrays, numpy's generator
+        import numpy as np
+
+        kw = {k: v.numpy() for k, v in kw.items()}
+        kw["generator"] = np.random.default_rng(seed)
+    kw["stream"] = True
     states: list[Any] = []
     made = t2w.new_stream  # a bench may reach in: the request's state is watched here
 
@@ -134,6 +177,11 @@ def pipeline_stream(model: Any, seconds: float, incremental: bool) -> list[dict[
     return rows
 
 
+def rate_of(flow: Any) -> int:
+    """Mel frames a second of ``flow``'s output."""
+    return int(flow.cfg.input_frame_rate) * int(flow.cfg.token_mel_ratio)
+
+
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     per = [r["wall_s"] / r["audio_s"] for r in rows]
     out = {"total_s": sum(r["wall_s"] for r in rows), "audio_s": sum(r["audio_s"] for r in rows)}
@@ -163,6 +211,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     stream_args(ap, 32.0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--runtime", default="torch", choices=("torch", "lite"), help="the runtime that streams")
+    ap.add_argument("--bundle", type=Path, help="with --runtime lite: a bundle converted with --runtime lite")
     ap.add_argument("--compare", action="store_true", help="also the cumulative path, interleaved")
     ap.add_argument("--pipeline", action="store_true", help="the served path, LM included (see above)")
     ap.add_argument(
@@ -181,29 +231,43 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+        THREADS[0] = args.threads
     size = "tiny" if args.dry_run else "full"
     seconds = min(args.seconds, 12.0) if args.dry_run else args.seconds
-    path = args.model or model_dir(args.family, size, args.work)
+    if args.runtime == "lite" and args.dtype != "float32":
+        ap.error("--runtime lite computes in float32 (the bundle's graphs)")
+    if args.runtime == "lite" and args.bundle:
+        path = args.bundle
+    else:
+        path = args.model or model_dir(args.family, size, args.work)
+        path = lite_bundle(path, args.work) if args.runtime == "lite" else path
     paths = {"incremental": True, **({"cumulative": False} if args.compare else {})}
     runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in paths}
     if args.pipeline:
         import cosyserve
 
         dtypes = {f"{c}_dtype": args.dtype for c in ("llm", "flow", "hift")}
+        if args.runtime == "lite":
+            dtypes = {}
         model = cosyserve.load(
-            str(path), chunk_policy=args.policy, threads=args.threads, flow_context_seconds=args.flow_context,
-            **dtypes,
+            str(path), runtime=args.runtime, chunk_policy=args.policy, threads=args.threads,
+            flow_context_seconds=args.flow_context, **dtypes,
         )  # fmt: skip
         model.runtime.join_background()
         pipeline_stream(model, 2.0, True)  # warm-up
     else:
-        stream(token2wav(path, args.policy, args.dtype, True, args.flow_context), 2.0, args.prompt_seconds, 0)
+        stream(
+            token2wav(path, args.policy, args.dtype, True, args.flow_context, args.runtime),
+            2.0,
+            args.prompt_seconds,
+            0,
+        )  # fmt: skip  (warm-up)
     for _ in range(args.rounds):
         for name, incremental in paths.items():
             if args.pipeline:
                 runs[name].append(pipeline_stream(model, seconds, incremental))
             else:
-                t2w = token2wav(path, args.policy, args.dtype, incremental, args.flow_context)
+                t2w = token2wav(path, args.policy, args.dtype, incremental, args.flow_context, args.runtime)
                 runs[name].append(stream(t2w, seconds, args.prompt_seconds, 1))
     load = os.getloadavg()
     what = (
@@ -211,8 +275,8 @@ def main() -> None:
     )
     context = f"flow context {args.flow_context:g} s" if args.flow_context else "exact flow context"
     print(
-        f"{path} ({size}), {args.policy} chunks, {args.dtype}, {context}, {seconds:.0f} s {what}, "
-        f"{torch.get_num_threads()} threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
+        f"{path} ({size}, {args.runtime}), {args.policy} chunks, {args.dtype}, {context}, {seconds:.0f} s {what}, "
+        f"{torch.get_num_threads()} torch threads, {args.rounds} round(s); load {load[0]:.2f} {load[1]:.2f}"
     )
     best = {name: min(rs, key=lambda r: sum(x["wall_s"] for x in r)) for name, rs in runs.items()}
     print(
@@ -240,10 +304,15 @@ def main() -> None:
         totals = [sum(x["wall_s"] for x in r) for r in runs["incremental"]]
         print(f"total: incremental {a:.1f} s vs cumulative {b:.1f} s ({a / b:.2f}x; median incr. "
               f"{statistics.median(totals):.1f} s)")  # fmt: skip
-    from cosyserve.voices.voicestates import bytes_per_second
+    flow = token2wav(path, args.policy, args.dtype, True, args.flow_context, args.runtime).flow
+    if args.runtime == "lite":
+        # per kept frame: keys and values of both CFG rows at every layer and Euler step, float32
+        layers, heads, head_dim = flow.kv_shape
+        per_s = 2 * 2 * layers * heads * head_dim * 4 * flow.n_timesteps * rate_of(flow)
+    else:
+        from cosyserve.voices.voicestates import bytes_per_second
 
-    flow = token2wav(path, args.policy, args.dtype, True).flow
-    per_s = bytes_per_second(flow)
+        per_s = bytes_per_second(flow)
     if args.flow_context:
         peak = max(r.get("state_mib", 0.0) for r in best["incremental"])
         print(

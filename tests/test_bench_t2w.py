@@ -48,6 +48,30 @@ def test_stream_chunks_dry_run_reports_each_chunk_and_the_targets_ratios(
     )
 
 
+def test_stream_chunks_runs_on_the_lite_runtime(
+    cv3_lite_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--runtime lite`` streams through the lite runtime's token2wav (its flow and vocoder graphs) and reports
+    the same figures; if this fails the lead cannot measure a lite chunk's cost on a full-size bundle."""
+    out = tmp_path / "chunks.json"
+    argv = [
+        "stream_chunks.py",
+        "--dry-run",
+        "--runtime",
+        "lite",
+        "--bundle",
+        str(cv3_lite_bundle),
+        "--compare",
+    ]
+    argv += ["--policy", "low-latency", "--seconds", "8", "--prompt-seconds", "1", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    _script("stream_chunks").main()
+    result = json.loads(out.read_text())
+    for path in ("incremental", "cumulative"):
+        s = result[path]["summary"]
+        assert s["audio_s"] == pytest.approx(8.0) and s["total_s"] > 0 and s["late_over_early"] > 0, (path, s)
+
+
 def test_voice_states_dry_run_reports_first_audio_ratios_and_bytes_per_voice(
     cv3_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -219,7 +219,7 @@ def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) ->
     for bundle in qwen_bundles.values():
         manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
         assert manifest["parts"] == ["llm", "flow", "hift"]
-        graphs = {"llm_step", "flow_mu", "flow_mu_stream", "flow_estimator", "flow_estimator_stream"}
+        graphs = {"llm_step", "flow_mu", "flow_mu_stream", "flow_estimator"}
         assert graphs | {"hift_f0", "hift_decode"} == set(manifest["checked"]), manifest["checked"]
         assert max(manifest["checked"].values()) <= CHECK_ATOL
         # the four flow graphs read one data file (what the streaming and whole variants share, stored once)

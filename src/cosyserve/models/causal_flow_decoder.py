@@ -18,6 +18,7 @@ Inference inputs never contain padding (one utterance, or a batch of equal lengt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -112,14 +113,13 @@ class CausalConditionalDecoder(ConditionalDecoder):
         return len(self.down_blocks) == 1 and self.static_chunk_size > 0
 
     def _attend(
-        self, blocks: nn.ModuleList, x: Tensor, streaming: bool, cache: StepCache | None = None
+        self, blocks: nn.ModuleList, x: Tensor, mask: Callable[[int], Tensor | None], cache: StepCache | None
     ) -> Tensor:
-        # x: (B, C, T) -> (B, T, C) for the blocks and back; a stream's call starts at a chunk boundary, so the
-        # mask of its own frames is the same
-        mask = subsequent_chunk_mask(x.size(2), self.static_chunk_size, x.device) if streaming else None
+        # x: (B, C, T) -> (B, T, C) for the blocks and back; `mask` gives the attention mask of T frames
+        mask_t = mask(x.size(2))
         h = x.transpose(1, 2)
         for block in blocks:
-            h = block(h, mask, cache)
+            h = block(h, mask_t, cache)
         return h.transpose(1, 2).contiguous()
 
     def forward(  # type: ignore[override]
@@ -153,20 +153,49 @@ class CausalConditionalDecoder(ConditionalDecoder):
             streaming = False  # the reference's chunk mask of size 0 is full attention
         if cache is not None and not (streaming and self.streams):
             raise ValueError("a flow stream's chunk needs a one-level decoder with static chunk attention")
+        # a stream's call starts at a chunk boundary, so the mask of its own frames is the same
+        c = self.static_chunk_size
+        return self._forward(
+            h, t, lambda n: subsequent_chunk_mask(n, c, h.device) if streaming else None, should_stop, cache
+        )
+
+    def forward_masked(
+        self,
+        h: Tensor,
+        t: Tensor,
+        mask: Tensor | None,
+        should_stop: ShouldStop | None = None,
+        cache: StepCache | None = None,
+    ) -> Tensor:
+        """:meth:`forward_packed` with the attention mask of the call's own frames given: ``mask`` (T, T) bool
+        (True = attend; None: full attention), the kept frames of ``cache`` seen whole; a one-level decoder only
+        (every level has the call's T frames). What the lite runtime's one estimator graph traces."""
+        if len(self.down_blocks) != 1:
+            raise ValueError("forward_masked needs a one-level decoder (every level the same frames)")
+        return self._forward(h, t, lambda n: mask, should_stop, cache)
+
+    def _forward(
+        self,
+        h: Tensor,
+        t: Tensor,
+        mask: Callable[[int], Tensor | None],
+        should_stop: ShouldStop | None,
+        cache: StepCache | None,
+    ) -> Tensor:
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []
         for resnet, blocks, downsample in self.down_blocks:
             check(should_stop)
-            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
+            h = self._attend(blocks, resnet(h, None, temb, cache), mask, cache)
             hiddens.append(h)
             h = downsample(h, cache) if isinstance(downsample, CausalConv1d) else downsample(h)
         for resnet, blocks in self.mid_blocks:
             check(should_stop)
-            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
+            h = self._attend(blocks, resnet(h, None, temb, cache), mask, cache)
         for resnet, blocks, upsample in self.up_blocks:
             check(should_stop)
             skip = hiddens.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)  # (B, 2C, T_level)
-            h = self._attend(blocks, resnet(h, None, temb, cache), streaming, cache)
+            h = self._attend(blocks, resnet(h, None, temb, cache), mask, cache)
             h = upsample(h, cache) if isinstance(upsample, CausalConv1d) else upsample(h)
         return self.final_proj(self.final_block(h, None, cache))

@@ -214,12 +214,13 @@ class _RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (ROTARY_THETA ** (steps / dim_head))
         self.register_buffer("inv_freq", inv_freq)  # persistent: the official flow.pt holds it
 
-    def forward(self, n: int, dtype: torch.dtype, offset: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(self, n: int, dtype: torch.dtype, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         # (1, N, dim_head) cos and sin of positions offset .. offset+N-1 in ``dtype``, frequencies repeated in
         # interleaved pairs (f0, f0, f1, f1, ...). Computed in float32 whatever the flow's dtype: in bfloat16 the
         # positions past 256 and the angles (up to a few thousand radians) are off by whole radians, so the table
         # would be noise for most frames.
-        t = torch.arange(offset, offset + n, device=self.inv_freq.device, dtype=torch.float32)
+        # arange(n) + offset, not arange(offset, ...): the lite graph's offset is an input (a tensor)
+        t = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32) + offset
         # dim=1, not -1: ONNX's export of repeat_interleave gets a negative dim wrong
         freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=1).unsqueeze(0)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
@@ -366,6 +367,25 @@ class DiT(nn.Module):
         Returns:
             (B, mel_dim, N) velocity.
         """
+        mask = None
+        if streaming and self.static_chunk_size > 0:
+            # a stream's call starts at a chunk boundary: the mask of its own frames is the same
+            mask = subsequent_chunk_mask(h.shape[2], self.static_chunk_size, h.device)
+        elif cache is not None:
+            raise ValueError("a flow stream's chunk needs static chunk attention (streaming with chunks > 0)")
+        return self.forward_masked(h, t, mask, should_stop, cache)
+
+    def forward_masked(
+        self,
+        h: Tensor,
+        t: Tensor,
+        mask: Tensor | None,
+        should_stop: ShouldStop | None = None,
+        cache: StepCache | None = None,
+    ) -> Tensor:
+        """:meth:`forward_packed` with the attention mask of the call's own frames given: ``mask`` (N, N) bool
+        (True = attend; None: full attention), the kept frames of ``cache`` seen whole. What the lite runtime's
+        one estimator graph traces (the mask an input: chunk attention or full, one graph)."""
         n_mel, c, n = self.mel_dim, h.shape[1], h.shape[2]
         # the reference's proj input order is x, cond, mu, spks (mu and spks are adjacent in the packed h)
         x, mu_spks, cond = h[:, :n_mel], h[:, n_mel : c - n_mel], h[:, c - n_mel :]
@@ -373,12 +393,6 @@ class DiT(nn.Module):
         temb = self.time_embed(t)  # (B, dim)
         y = self.input_embed(inp, cache)
         rope = self.rotary_embed(n, y.dtype, 0 if cache is None else cache.start)
-        mask = None
-        if streaming and self.static_chunk_size > 0:
-            # a stream's call starts at a chunk boundary: the mask of its own frames is the same
-            mask = subsequent_chunk_mask(n, self.static_chunk_size, h.device)
-        elif cache is not None:
-            raise ValueError("a flow stream's chunk needs static chunk attention (streaming with chunks > 0)")
         for block in self.transformer_blocks:
             check(should_stop)
             y = block(y, temb, rope, mask, cache)

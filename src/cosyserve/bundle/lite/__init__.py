@@ -23,7 +23,7 @@ __all__ = [
 
 LITE_DIR = "lite"
 LITE_FORMAT = "cosyserve-lite"
-LITE_VERSION = 1
+LITE_VERSION = 2  # 2: CosyVoice2/3's one flow estimator graph, its stream caches as inputs and outputs
 TABLES_FILE = "tables.safetensors"
 # the longest sequence a graph's relative-position table covers (text, prompt + speech tokens)
 MAX_TEXT_POSITIONS = 4096

@@ -3,21 +3,23 @@
 Flow (:class:`~cosyserve.models.causal_flow.ChunkFlow`: CosyVoice2's conformer encoder and U-Net estimator,
 CosyVoice3's lookahead layer and DiT): ``flow_mu`` (speech tokens, prompt then target -> ``mu`` at mel rate, the
 utterance's end: no lookahead, full attention), ``flow_mu_stream`` (the same for a streamed chunk: the last
-``pre_lookahead_len`` tokens are lookahead only, static chunk attention), ``flow_estimator`` and
-``flow_estimator_stream`` (the velocity of the packed CFG batch, full or chunk attention). The two variants of a
-graph are traced from the same module with the attention rule fixed (a Python branch in the module), and their
-weights are stored once: :func:`share_weights` writes the flow graphs' tensors into one data file, each distinct
-tensor once. What is cheap stays numpy: the token embedding lookup happens inside the graphs (a tiny table), the
-speaker affine, the fixed noise (a table), the Euler loop and classifier-free guidance.
+``pre_lookahead_len`` tokens are lookahead only, static chunk attention; the two traced from the same module with
+the attention rule fixed) and ONE ``flow_estimator`` for every call (:class:`EstimatorGraph`: the velocity of the
+packed CFG batch, the attention mask of the call's own frames an input, chunk attention or full, and a stream's
+per-Euler-step state of :mod:`cosyserve.models.flow_stream` as inputs and outputs: the kept frames' keys and
+values, the causal convs' tails, the position offset). A streamed chunk thus computes its own frames only, as the
+torch flow's; the last call (full attention) passes no kept frames. The flow graphs' weights are stored once:
+:func:`share_weights` writes their tensors into one data file, each distinct tensor once. What is cheap stays
+numpy: the token embedding lookup happens inside the graphs (a tiny table), the speaker affine, the fixed noise
+(a table), the Euler loop, classifier-free guidance and the stream's state (:mod:`cosyserve.runtime.lite.chunkflow`).
+CosyVoice2's encoder keeps no caches here: a chunk's ``mu`` comes from every token so far (the encoder is a small
+part of a chunk's work; its frames equal the cached encoder's, its attention being chunk-causal too).
 
 Vocoder: CosyVoice2's :class:`~cosyserve.models.hift.HiFTGenerator` as CosyVoice-300M's (``hift_f0``,
 ``hift_decode``: :mod:`cosyserve.bundle.lite.export_300m`); CosyVoice3's causal one as ``hift_f0`` (mel with its 3
 lookahead frames -> f0 of the others, float32 where the module computes in float64: checked against it) and
 ``hift_decode`` (mel with conv_pre's lookahead frames and the source's STFT -> the spectrum before the iSTFT). The
 finalizing calls' zero padding is numpy's; so are the sine source, the STFT and the iSTFT.
-
-This first version serves the reference's streaming rule (each chunk re-runs the flow over every token so far);
-the incremental caches of :mod:`cosyserve.models.flow_stream` as graph inputs and outputs are not exported yet.
 """
 
 from __future__ import annotations
@@ -50,16 +52,92 @@ class MuGraph(nn.Module):
         return f._mu(x, f.pre_lookahead_len if self.streaming else 0, self.streaming, None, 0)
 
 
-class EstimatorGraph(nn.Module):
-    """the packed CFG batch h (2, C_in, T) and times t (2,) -> the velocity (2, 80, T)."""
+class GraphStepCache:
+    """One Euler step's stream state as graph inputs and outputs, with the interface and the rule of
+    :class:`~cosyserve.models.flow_stream.StepCache` that the estimator calls: in, the kept frames' keys and values
+    ``kv`` (S, layers, 2, B, H, D: frames first, so that the runtime's buffer passes its first S rows as they
+    are), each causal conv's left frames ``tails`` (B, C, kernel - 1), the first frame's position ``start`` and
+    how many of the call's frames become final, ``commit``; out, those frames' keys and values (:meth:`kv_new`,
+    (commit, layers, 2, B, H, D), the rows the runtime's buffer takes next) and each conv's tail at the new
+    boundary (``new_tails``)."""
 
-    def __init__(self, flow: nn.Module, streaming: bool) -> None:
+    def __init__(self, start: Tensor, commit: Tensor, kv: Tensor, tails: tuple[Tensor, ...]) -> None:
+        self.start, self.commit, self.kv, self.tails = start, commit, kv, tails
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.new_tails: list[Tensor] = []
+
+    def left(self, x: Tensor, n: int) -> Tensor:
+        padded = torch.cat([self.tails[len(self.new_tails)].to(x.dtype), x], dim=2)
+        self.new_tails.append(padded.index_select(2, self.commit + torch.arange(n)))
+        return padded
+
+    def segments(self, k: Tensor, v: Tensor, dim: int) -> tuple[list[Tensor], list[Tensor]]:
+        i, rows = len(self.keys), torch.arange(self.commit)
+        self.keys.append(k.movedim(dim, 0).index_select(0, rows))
+        self.values.append(v.movedim(dim, 0).index_select(0, rows))
+        return [self.kv[:, i, 0].movedim(0, dim), k], [self.kv[:, i, 1].movedim(0, dim), v]
+
+    def kv_new(self) -> Tensor:
+        # (commit, layers, 2, B, H, D)
+        return torch.stack([torch.stack(kv, dim=1) for kv in zip(self.keys, self.values, strict=True)], dim=1)
+
+
+class EstimatorGraph(nn.Module):
+    """The one estimator graph, for every call: the packed CFG batch h (B, C_in, n), times t (B,), the attention
+    mask of the call's own frames (n, n) bool (chunk attention or all True), the position ``offset`` (int64) of
+    its first frame, ``commit`` (int64) and a stream's kept state (:class:`GraphStepCache`: ``kv`` with S = 0
+    rows, zero ``tail{i}`` and commit 0 for a call that keeps nothing) -> the velocity (B, 80, n), ``kv_new`` and
+    ``new_tail{i}``."""
+
+    def __init__(self, flow: nn.Module) -> None:
         super().__init__()
         self.estimator = flow.decoder.estimator
-        self.streaming = streaming
 
-    def forward(self, h: Tensor, t: Tensor) -> Tensor:
-        return self.estimator.forward_packed(h, t, self.streaming)
+    def forward(
+        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv: Tensor, *tails: Tensor
+    ) -> tuple[Tensor, ...]:
+        cache = GraphStepCache(offset.to(torch.float32), commit, kv, tails)
+        v = self.estimator.forward_masked(h, t, mask, None, cache)
+        return (v, cache.kv_new(), *cache.new_tails)
+
+    def reference(
+        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv: Tensor, *tails: Tensor
+    ) -> tuple[Tensor, ...]:
+        """The same through the torch flow's own stream state (:class:`~cosyserve.models.flow_stream.StepCache`):
+        what the graph is checked against at conversion."""
+        from cosyserve.models.flow_stream import StepCache
+
+        layers = range(kv.shape[1])
+        cache = StepCache(
+            list(tails),
+            [[kv[:, i, 0].movedim(0, 2)] for i in layers],
+            [[kv[:, i, 1].movedim(0, 2)] for i in layers],
+        )
+        cache.begin(int(offset), int(commit))
+        v = self.estimator.forward_masked(h, t, mask, None, cache)
+        new = kv[:0]
+        if int(commit):
+            pairs = zip(cache.keys, cache.values, strict=True)
+            new = torch.stack(
+                [torch.stack([ks[-1].movedim(2, 0), vs[-1].movedim(2, 0)], dim=1) for ks, vs in pairs], dim=1
+            )
+        return (v, new, *cache.tails)
+
+
+def _state_shapes(
+    estimator: nn.Module, cin: int, chunk: int
+) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
+    # ([(channels, kernel - 1) per causal conv], (layers, heads, head_dim)): the stream state the estimator keeps,
+    # read off one call that keeps its frames (the torch StepCache)
+    from cosyserve.models.flow_stream import StepCache
+
+    cache = StepCache()
+    cache.begin(0, chunk)
+    estimator.forward_masked(torch.zeros(2, cin, chunk), torch.zeros(2), None, None, cache)
+    tails = [(int(t.shape[1]), int(t.shape[2])) for t in cache.tails]
+    _, heads, _, head_dim = cache.keys[0][0].shape
+    return tails, (len(cache.keys), int(heads), int(head_dim))
 
 
 class CausalF0Graph(nn.Module):
@@ -88,8 +166,8 @@ class CausalSpectrumGraph(nn.Module):
 def share_weights(out: Path, graphs: list[str], data: str) -> None:
     """Rewrite the graph files ``graphs`` in ``out`` so that their weights live in one data file ``data``, each
     distinct tensor (by its bytes) once at a page-aligned offset; their own data files are removed. Why: the
-    streaming and the whole-utterance variants of a graph hold the same weights (a full-size CosyVoice3
-    estimator is 1.3 GB), and ORT maps what they share once."""
+    streaming and the whole-utterance variants of a graph hold the same weights, and ORT maps what they share
+    once."""
     import onnx
     from onnx.external_data_helper import set_external_data
 
@@ -135,20 +213,41 @@ def export_flow(ex: Exporter, flow: nn.Module) -> None:
             name, MuGraph(flow, streaming), (ex.ints(vocab, short + 4),), ["tokens"], ["mu"],
             {"tokens": {1: "n"}, "mu": {2: "m"}}, [(ex.ints(vocab, short),), (ex.ints(vocab, long),)],
         )  # fmt: skip
-    cin = flow.decoder.estimator.in_channels
+    estimator = flow.decoder.estimator
+    cin, attention = estimator.in_channels, int(estimator.static_chunk_size)
+    tails, (layers, heads, head_dim) = _state_shapes(estimator, cin, max(attention, 1))
 
-    def est_case(m: int) -> tuple[Tensor, Tensor]:
-        return ex.randn(2, cin, m), torch.rand(2, generator=ex.gen)
+    def est_case(m: int, kept: int, commit: int, streaming: bool) -> tuple[Tensor, ...]:
+        # m new frames after `kept` kept ones, the first `commit` of them final; chunk attention or whole (all True)
+        from cosyserve.models.attention import subsequent_chunk_mask
 
-    for streaming, name in ((False, "flow_estimator"), (True, "flow_estimator_stream")):
-        ex.step(f"lite: {name}")
-        ex.graph(
-            name, EstimatorGraph(flow, streaming), est_case(16), ["h", "t"], ["v"],
-            {"h": {0: "b", 2: "m"}, "t": {0: "b"}, "v": {0: "b", 2: "m"}}, [est_case(9), est_case(2 * chunk + 6)],
-            optimize=True,
+        mask = torch.ones(m, m, dtype=torch.bool)
+        if streaming and attention > 0:
+            mask = subsequent_chunk_mask(m, attention)
+        kv = ex.randn(kept, layers, 2, 2, heads, head_dim)
+        return (
+            ex.randn(2, cin, m), torch.rand(2, generator=ex.gen), mask, torch.tensor(kept), torch.tensor(commit),
+            kv, *(ex.randn(2, c, k) for c, k in tails),
         )  # fmt: skip
+
+    ex.step("lite: flow_estimator")
+    n_tails = range(len(tails))
+    names = ["h", "t", "mask", "offset", "commit", "kv", *(f"tail{i}" for i in n_tails)]
+    outs = ["v", "kv_new", *(f"new_tail{i}" for i in n_tails)]
+    dynamic = {
+        "h": {0: "b", 2: "n"}, "t": {0: "b"}, "mask": {0: "n", 1: "n"}, "kv": {0: "s", 3: "b"},
+        "v": {0: "b", 2: "n"}, "kv_new": {0: "c", 3: "b"},
+        **{f"tail{i}": {0: "b"} for i in n_tails}, **{f"new_tail{i}": {0: "b"} for i in n_tails},
+    }  # fmt: skip
+    graph = EstimatorGraph(flow)
+    a = max(attention, 1)
+    ex.graph(
+        "flow_estimator", graph, est_case(2 * a + 5, a, a, True), names, outs, dynamic,
+        [est_case(9, 0, 0, False), est_case(2 * chunk + 6, 0, 2 * chunk, True), est_case(a + 7, 2 * a, a, True)],
+        optimize=True, reference=graph.reference,
+    )  # fmt: skip
     ex.step("lite: flow graphs' weights, stored once")
-    names = ["flow_mu", "flow_mu_stream", "flow_estimator", "flow_estimator_stream"]
+    names = ["flow_mu", "flow_mu_stream", "flow_estimator"]
     share_weights(ex.out, [ex.graphs[n] for n in names], "flow.onnx.data")
     w = flow.spk_embed_affine_layer
     ex.tables.update(
@@ -166,6 +265,14 @@ def export_flow(ex: Exporter, flow: nn.Module) -> None:
         "token_mel_ratio": int(flow.token_mel_ratio),
         "pre_lookahead_len": int(look),
         "chunk_frames": int(chunk),
+        # the estimator's attention chunk; a stream's state per Euler step (flow_estimator's kv and tails)
+        "attention_chunk": attention,
+        "kv_shape": [layers, heads, head_dim],
+        "tails": [list(t) for t in tails],
+        # whether a stream keeps its final frames (the torch flow's streams): its mu then needs the tokens from
+        # `mu_lead` before its first new one (None: every token, the encoder attends to them)
+        "streams": bool(flow.streams),
+        "mu_lead": None if encoder is not None else int(flow.LEAD),
         "n_timesteps": int(flow.N_TIMESTEPS),
         "t_scheduler": cfm.t_scheduler,
         "inference_cfg_rate": float(cfm.inference_cfg_rate),

@@ -84,8 +84,8 @@ class CosyVoice2(Family):
         ),
         "cosyserve.families.cosyvoice2.conformance",
     )  # fmt: skip
-    # every part exported (the flow re-runs over the tokens so far at each chunk, as the reference does); the lite
-    # runtime serves it through the shared pipeline and this family's token2wav
+    # every part exported (the flow's estimator with its stream caches as inputs and outputs); the lite runtime
+    # serves it through the shared pipeline and this family's token2wav
     lite = True
     lite_export = "cosyserve.bundle.lite.export_qwen:export"
     lite_parts = ("llm", "flow", "hift")

@@ -1,12 +1,16 @@
 """CosyVoice2's and CosyVoice3's token2wav models on the lite graphs (:mod:`cosyserve.bundle.lite.export_chunkflow`),
 driven by numpy; nothing here imports torch.
 
-:class:`LiteChunkFlow` is :meth:`cosyserve.models.causal_flow.ChunkFlow.inference` without a stream (each call
-over every token so far, as the reference's): ``mu`` from the ``flow_mu`` graph (``flow_mu_stream`` for a
-streamed chunk), the speaker affine and the prompt condition, then the Euler steps over the estimator graph from
-the fixed noise (a table). :class:`LiteCausalVocoder` is
-:meth:`cosyserve.models.causal_hift.CausalHiFTGenerator.inference`: the f0 graph, the causal sine source in numpy
-(the reference's SineGen2, the model's fixed noise buffers given), the STFT, the spectrum graph and the iSTFT.
+:class:`LiteChunkFlow` is :class:`cosyserve.models.causal_flow.ChunkFlow` in numpy: ``mu`` from the ``flow_mu``
+graph (``flow_mu_stream`` for a streamed chunk), the speaker affine and the prompt condition, then the Euler steps
+over the one ``flow_estimator`` graph from the fixed noise (a table). A request's :class:`LiteFlowStream` keeps,
+per Euler step, the final frames' attention keys and values and the causal convs' tails (the torch
+:class:`~cosyserve.models.flow_stream.FlowStream`'s), so that a streamed chunk computes its own frames only: the
+graph takes the kept rows as an input (the first rows of a buffer, bound without a copy) and writes the new final
+ones after them. :class:`LiteCausalVocoder` is :class:`cosyserve.models.causal_hift.CausalHiFTGenerator`:
+the f0 graph, the causal sine source in numpy (the reference's SineGen2, the model's fixed noise buffers given),
+the STFT, the spectrum graph and the iSTFT; a :class:`LiteVocoderStream` keeps the mel of its receptive field, the
+source's phase and its place in the noise, so a chunk vocodes its new frames (plus that context) only.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 from cosyserve.runtime.lite.models import LiteVocoder
 
-__all__ = ["LiteCausalVocoder", "LiteChunkFlow", "LiteVocoder2"]
+__all__ = ["LiteCausalVocoder", "LiteChunkFlow", "LiteFlowStream", "LiteVocoder2", "LiteVocoderStream"]
 
 
 class LiteChunkFlow:
-    """Speech tokens after a prompt -> mel over the ``flow_mu*`` and ``flow_estimator*`` graphs."""
+    """Speech tokens after a prompt -> mel over the ``flow_mu*`` graphs and the one ``flow_estimator`` graph."""
 
     def __init__(self, bundle: Any, tables: dict[str, np.ndarray], n_timesteps: int | None = None) -> None:
         c = bundle.config["flow"]
@@ -42,11 +46,29 @@ class LiteChunkFlow:
         self.n_timesteps = int(n_timesteps or c["n_timesteps"])
         self.scheduler = str(c["t_scheduler"])
         self.cfg_rate = np.float32(c["inference_cfg_rate"])
+        self.granularity = int(c["chunk_frames"])
+        self.attention = int(c["attention_chunk"])
+        self.kv_shape = tuple(int(n) for n in c["kv_shape"])  # (layers, heads, head_dim)
+        self.tails = [tuple(int(n) for n in t) for t in c["tails"]]  # (channels, frames) per causal conv
+        self.streams = bool(c["streams"])  # whether a stream keeps its final frames (the torch flow's rule)
+        self.mu_lead = c["mu_lead"]  # tokens of left context a chunk's mu needs (None: every token)
         self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
         self.noise = tables["flow.noise"]  # (80, frames): the reference's fixed noise
+        self._reads: set[str] | None = None  # the estimator graph's inputs
 
     ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
-    streams = False  # each streamed chunk re-runs the flow over every token so far (no kept frames yet)
+
+    def new_stream(self, n_timesteps: int | None = None) -> LiteFlowStream | None:
+        """An empty :class:`LiteFlowStream` for a request's chunks (None when this flow cannot keep frames), as
+        :meth:`cosyserve.models.causal_flow.ChunkFlow.new_stream`."""
+        if not self.streams:
+            return None
+        steps = self.n_timesteps if n_timesteps is None else n_timesteps
+        return LiteFlowStream(self.granularity, steps, [self._empty_step() for _ in range(steps)])
+
+    def _empty_step(self) -> _StepState:
+        kv = np.zeros((0, self.kv_shape[0], 2, 2, *self.kv_shape[1:]), np.float32)
+        return _StepState(kv, [np.zeros((2, c, k), np.float32) for c, k in self.tails])
 
     def inference(
         self,
@@ -59,9 +81,10 @@ class LiteChunkFlow:
         *,
         n_timesteps: int | None = None,
         should_stop: ShouldStop | None = None,
+        stream: LiteFlowStream | None = None,
     ) -> np.ndarray:
-        """The torch flow's ``inference`` (:meth:`cosyserve.models.causal_flow.ChunkFlow.inference`, no stream),
-        the same shapes in numpy: mel (1, 80, M) float32 of ``token`` after the prompt.
+        """The torch flow's ``inference`` (:meth:`cosyserve.models.causal_flow.ChunkFlow.inference`), the same
+        shapes in numpy: mel (1, 80, M) float32 of ``token`` after the prompt.
 
         Args:
             token, prompt_token: (1, T), (1, P) speech token ids.
@@ -70,12 +93,16 @@ class LiteChunkFlow:
             streaming, finalize: a streamed chunk (chunk attention, the last ``pre_lookahead_len`` tokens
                 lookahead only) or the utterance's end (full attention, no lookahead): the two calls the
                 reference's token2wav makes.
+            stream: the request's :class:`LiteFlowStream` (:meth:`new_stream`), for a streamed chunk: only the
+                frames after the ones it keeps are computed, and it keeps the new final ones; ignored by the last
+                call (its full attention changes every frame: computed whole, as the reference does).
         """
         if streaming == finalize:
             raise ValueError(
                 "the lite flow runs a streamed chunk (streaming, not finalize) or the utterance's end (finalize, "
                 f"not streaming); got streaming={streaming}, finalize={finalize}"
             )
+        steps = n_timesteps or self.n_timesteps
         look = 0 if finalize else self.pre_lookahead_len
         if token.shape[1] <= look:
             raise ValueError(
@@ -83,8 +110,7 @@ class LiteChunkFlow:
                 f"lookahead), got {token.shape[1]}"
             )
         ids = np.concatenate([prompt_token, token], axis=1).astype(np.int64)
-        prompt_feat = prompt_feat[0]
-        f, n = prompt_feat.shape[0], self.output_size
+        f = prompt_feat.shape[1]
         frames = self.token_mel_ratio * (ids.shape[1] - look)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
@@ -92,21 +118,158 @@ class LiteChunkFlow:
             raise ValueError(
                 f"the flow's fixed noise has {self.noise.shape[1]} frames; {frames} were asked for"
             )
+        if stream is None or finalize:
+            scratch = self._empty_step()  # a whole call keeps nothing: its steps share one state, left empty
+            whole = LiteFlowStream(self.granularity, steps, [scratch] * steps)
+            return self._chunk(whole, 0, ids, prompt_feat[0], embedding, frames, streaming, should_stop)[
+                :, :, f:
+            ]
+        if steps != stream.n_timesteps:
+            raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {steps}")
+        keep = stream.kept_until(frames)
+        return self._chunk(stream, keep, ids, prompt_feat[0], embedding, frames, True, should_stop)[:, :, f:]
+
+    def _chunk(
+        self,
+        stream: LiteFlowStream,
+        keep: int,
+        ids: np.ndarray,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        frames: int,
+        streaming: bool,
+        should_stop: ShouldStop | None,
+    ) -> np.ndarray:
+        # frames stream.frames .. frames-1 computed (ChunkFlow._chunk's rule), those before `keep` kept; returns
+        # the mel (1, 80, frames) of every frame (the kept ones' as they were computed)
+        start, ratio, n = stream.frames, self.token_mel_ratio, self.output_size
+        if frames <= start:
+            raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
+        first = start // ratio
+        lead = first if self.mu_lead is None else min(first, int(self.mu_lead))
         suffix = "_stream" if streaming else ""
-        (mu,) = terminate.run(self.bundle.session("flow_mu" + suffix), {"tokens": ids}, should_stop)
-        spks = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0]  # (80,)
-        h = np.zeros((2, self.in_channels, frames), np.float32)  # rows: conditioned, unconditioned
-        h[0, n : 2 * n] = mu[0]
-        h[0, 2 * n : 3 * n] = spks[:, None]
-        h[0, 3 * n :, :f] = prompt_feat.T
-        x = self.noise[:, :frames].astype(np.float32)
-        est, rate = self.bundle.session("flow_estimator" + suffix), self.cfg_rate
-        for t, dt in dsp.euler_schedule(n_timesteps or self.n_timesteps, self.scheduler):
+        (mu,) = terminate.run(
+            self.bundle.session("flow_mu" + suffix), {"tokens": ids[:, first - lead :]}, should_stop
+        )
+        m = frames - start
+        h = np.zeros((2, self.in_channels, m), np.float32)  # rows: conditioned, unconditioned
+        h[0, n : 2 * n] = mu[0, :, lead * ratio :]
+        h[0, 2 * n : 3 * n] = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0][:, None]
+        f = min(prompt_feat.shape[0], frames)  # a prompt's prefill stops before its last frames
+        if f > start:
+            h[0, 3 * n :, : f - start] = prompt_feat[start:f].T
+        mask = np.ones((m, m), bool)  # full attention (the torch estimators' rule for a chunk size of 0 too)
+        if streaming and self.attention > 0:
+            i = np.arange(m)  # a call starts at a chunk boundary: its own frames' chunk mask is the same
+            mask = i[None, :] < (i // self.attention + 1)[:, None] * self.attention
+        x = self.noise[:, start:frames].astype(np.float32)
+        rate, commit, offset = self.cfg_rate, keep - start, np.array(start, np.int64)
+        for step, (t, dt) in zip(
+            stream.steps, dsp.euler_schedule(stream.n_timesteps, self.scheduler), strict=True
+        ):
             check(should_stop)
             h[:, :n] = x
-            (v,) = terminate.run(est, {"h": h, "t": np.full(2, t, np.float32)}, should_stop)
+            v = self._estimate(h, np.full(2, t, np.float32), mask, offset, step, commit, should_stop)
             x = x + dt * ((np.float32(1.0) + rate) * v[0] - rate * v[1])
-        return x[None, :, f:].astype(np.float32)
+        mel = x[None]
+        if commit:
+            stream.mel = (
+                mel[:, :, :commit]
+                if stream.mel is None
+                else np.concatenate([stream.mel, mel[:, :, :commit]], axis=2)
+            )
+        whole = mel if start == 0 else np.concatenate([stream.mel[:, :, :start], mel], axis=2)
+        stream.frames = keep
+        return whole.astype(np.float32)
+
+    def _estimate(
+        self,
+        h: np.ndarray,
+        t: np.ndarray,
+        mask: np.ndarray,
+        offset: np.ndarray,
+        step: _StepState,
+        commit: int,
+        should_stop: ShouldStop | None,
+    ) -> np.ndarray:
+        # one estimator run over the call's frames after the ones the step keeps: its kept rows bound as the input,
+        # the keys and values of the first `commit` frames written into the rows after them in the same buffer
+        # (ONNX Runtime's IO binding: nothing copied), the convs' tails at the new boundary; -> v (2, 80, m)
+        import onnxruntime as ort
+
+        start = step.kept
+        step.reserve(start + commit)
+        v = np.empty((2, self.output_size, h.shape[2]), np.float32)
+        tails = [np.empty_like(tail) for tail in step.tails]
+        sess = self.bundle.session("flow_estimator")
+        io = sess.io_binding()
+        keep = []  # the OrtValues over the arrays live until the run ends
+        inputs = {"h": h, "t": t, "mask": mask, "offset": offset, "commit": np.array(commit, np.int64)}
+        inputs["kv"] = step.kv[:start]
+        outputs = {"v": v}
+        if commit:
+            outputs["kv_new"] = step.kv[start : start + commit]
+        else:
+            io.bind_output("kv_new")  # no rows (ORT's own empty output)
+        for j, (old, new) in enumerate(zip(step.tails, tails, strict=True)):
+            inputs[f"tail{j}"], outputs[f"new_tail{j}"] = old, new
+        if self._reads is None:  # CosyVoice2's estimator reads no offset (no positions)
+            self._reads = {i.name for i in sess.get_inputs()}
+        inputs = {name: arr for name, arr in inputs.items() if name in self._reads}
+        for arrays, bind in ((inputs, io.bind_ortvalue_input), (outputs, io.bind_ortvalue_output)):
+            for name, arr in arrays.items():
+                val = ort.OrtValue.ortvalue_from_numpy(arr)
+                keep.append(val)
+                bind(name, val)
+        terminate.run_bound(sess, io, should_stop)
+        if commit:
+            step.kept, step.tails = start + commit, tails
+        return v
+
+
+@dataclass
+class _StepState:
+    """One Euler step's kept state (:class:`~cosyserve.models.flow_stream.StepCache`'s, in numpy): ``kv``
+    (capacity, layers, 2, B, H, D) whose first ``kept`` rows (the stream's frames) are the kept frames' attention
+    keys and values, frames first so that those rows are the graph's input as they are and the rows after them
+    its output; each causal conv's last input frames before the kept boundary ``tails`` (B, C, kernel - 1)."""
+
+    kv: np.ndarray
+    tails: list[np.ndarray]
+    kept: int = 0  # rows of kv that are kept frames
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows of keys and values, the kept ones where they were (grown by half again: they are
+        copied once in a while, not at every call)."""
+        if rows > self.kv.shape[0]:
+            grown = np.empty((max(rows, self.kv.shape[0] * 3 // 2), *self.kv.shape[1:]), self.kv.dtype)
+            grown[: self.kept] = self.kv[: self.kept]
+            self.kv = grown
+
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.tails)
+
+
+@dataclass
+class LiteFlowStream:
+    """A stream's flow state in numpy (:class:`~cosyserve.models.flow_stream.FlowStream`'s): ``frames`` mel frames
+    are final (a multiple of ``granularity``), their mel in ``mel`` (1, 80, frames), and per Euler step a
+    :class:`_StepState`."""
+
+    granularity: int
+    n_timesteps: int
+    steps: list[_StepState]
+    frames: int = 0
+    mel: np.ndarray | None = None
+
+    def kept_until(self, frames: int) -> int:
+        """The frames final after a call that computes up to ``frames``: whole attention chunks only."""
+        return frames // self.granularity * self.granularity if self.granularity else 0
+
+    def nbytes(self) -> int:
+        """Bytes held (each step's buffer, the tails and the mel)."""
+        mel = 0 if self.mel is None else int(self.mel.nbytes)
+        return sum(s.nbytes() for s in self.steps) + mel
 
 
 class LiteCausalVocoder:
@@ -130,34 +293,40 @@ class LiteCausalVocoder:
         )
         return f0[0]
 
-    def _source(self, f0: np.ndarray, rand_ini: np.ndarray, sine_waves: np.ndarray) -> np.ndarray:
-        # SineGen2 as the torch vocoder's _causal_source (first frame 0, no carry): f0 (T,) -> (T * 480,)
+    def _source(
+        self, f0: np.ndarray, rand_ini: np.ndarray, noise: np.ndarray, carry: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # SineGen2 as the torch vocoder's _causal_source: f0 (T,) -> (excitation (T * 480,), the phase carry (H,)
+        # float64); `noise` (>= T * 480, H) the noise of its samples; `carry` the sum of the earlier frames' phase
+        # increments (None: these are the first frames, which take rand_ini)
         c, scale, H = self.cfg, self.upsample, self.harmonics
         f0 = np.repeat(f0.astype(np.float32), scale)[:, None]  # (L, 1) nearest
         L = f0.shape[0]
-        if sine_waves.shape[0] < L or sine_waves.shape[1] != H or rand_ini.shape[-1] != H:
+        if noise.shape[0] < L or noise.shape[1] != H or rand_ini.shape[-1] != H:
             raise ValueError(f"sine_waves must be (>= {L}, {H}) and rand_ini ({H},)")
         harmonics = np.arange(1, H + 1, dtype=np.float32)[None, :]
         rad = (f0 * harmonics / np.float32(c.sampling_rate)) % np.float32(1)  # (L, H)
-        rad[0] = rad[0] + rand_ini.reshape(-1).astype(np.float32)
+        if carry is None:
+            rad[0] = rad[0] + rand_ini.reshape(-1).astype(np.float32)
+            carry = np.zeros(H, np.float64)
         rad = _frame_mean(rad, scale)  # (T, H): linear downsampling by `scale`
-        phase = np.cumsum(rad, axis=0, dtype=np.float64).astype(np.float32) * np.float32(
-            2 * math.pi
-        )  # (T, H)
+        # the float64 sum carried over from the earlier frames, as the torch vocoder's (the whole sequence's values)
+        sums = np.cumsum(np.concatenate([carry[None], rad.astype(np.float64)]), axis=0)[1:]
+        phase = sums.astype(np.float32) * np.float32(2 * math.pi)  # (T, H)
         phase = np.repeat(phase * np.float32(scale), scale, axis=0)  # (L, H)
         sine = np.sin(phase) * np.float32(c.nsf_alpha)
         uv = (f0 > np.float32(c.nsf_voiced_threshold)).astype(np.float32)
         noise_amp = uv * np.float32(c.nsf_sigma) + (np.float32(1) - uv) * np.float32(c.nsf_alpha / 3)
-        sine = sine * uv + noise_amp * sine_waves[:L].astype(np.float32)
-        return np.tanh(sine @ self.w.reshape(-1) + self.b.reshape(-1)[0]).astype(np.float32)
+        sine = sine * uv + noise_amp * noise[:L].astype(np.float32)
+        return np.tanh(sine @ self.w.reshape(-1) + self.b.reshape(-1)[0]).astype(np.float32), sums[-1]
 
-    def new_stream(self, whole: bool = True) -> _VocoderStream:
-        """A stream's state for :meth:`stream` (every call re-runs on the whole mel so far, as the reference)."""
-        return _VocoderStream()
+    def new_stream(self, whole: bool = False) -> LiteVocoderStream:
+        """A stream's state for :meth:`stream` (``whole``: keep every frame, the reference's re-run)."""
+        return LiteVocoderStream(whole=whole)
 
     def stream(
         self,
-        state: _VocoderStream,
+        state: LiteVocoderStream,
         mel: np.ndarray,
         finalize: bool,
         *,
@@ -165,13 +334,43 @@ class LiteCausalVocoder:
         sine_waves: np.ndarray,
         should_stop: ShouldStop | None = None,
     ) -> np.ndarray:
-        """The torch vocoder's ``stream`` on the reference's rule: the mel so far (1, 80, n frames more) vocoded
-        whole, the samples after those emitted before returned (1, samples)."""
-        state.mel = mel if state.mel is None else np.concatenate([state.mel, mel], axis=2)
-        speech, _ = self.inference(state.mel, finalize, rand_ini, sine_waves, should_stop)
-        speech = speech[:, state.emitted :]
-        state.emitted += speech.shape[1]
-        return speech
+        """The torch vocoder's ``stream`` (:meth:`cosyserve.models.causal_hift.CausalHiFTGenerator.stream_rows`
+        for one stream): the samples that :meth:`inference` on every frame so far would give after those already
+        emitted, from the frames ``state`` keeps (the decoder's and the f0 predictor's left context), the phase
+        it carries and ``mel`` (1, 80, n more frames); returns (1, samples)."""
+        scale = self.upsample
+        mel = mel[0] if state.mel is None else np.concatenate([state.mel, mel[0]], axis=1)
+        n = mel.shape[1]  # (80, n) from the stream's first kept frame
+        if not finalize and state.start + n <= self.lookahead:
+            raise ValueError(
+                f"a vocoder call that does not finalize needs more than {self.lookahead} mel frames, got {n}"
+            )
+        known, emitted = state.f0_frames - state.start, state.emitted - state.start * scale
+        until = n if finalize else n - int(self.cfg.f0_lookahead)  # frames whose excitation this call makes
+        source, phase = state.source, state.phase
+        if until > known:
+            read = max(0, known - int(self.cfg.f0_context))  # the f0 predictor's context of the new frames
+            f0 = self._f0(mel[:, read:], finalize, should_stop)[known - read :]
+            at = (state.start + known) * scale  # the new frames' place in the noise
+            new, phase = self._source(f0, rand_ini[0], sine_waves[0][at:], phase)
+            source = new if source is None else np.concatenate([source, new])
+        assert source is not None and phase is not None
+        speech = self._decode(mel[:, :until], source, finalize, should_stop)[emitted:]
+        # what the next call re-reads: the decoder's context before its first new frame, the f0 predictor's
+        keep = 0
+        if not state.whole:
+            keep = max(
+                0,
+                min(
+                    (emitted + speech.shape[0]) // scale - int(self.cfg.context),
+                    until - int(self.cfg.f0_context),
+                ),
+            )
+        state.f0_frames = state.start + max(until, known)
+        state.emitted += speech.shape[0]
+        state.mel, state.source, state.phase = mel[:, keep:], source[keep * scale :], phase
+        state.start += keep
+        return speech[None]
 
     def inference(
         self,
@@ -184,20 +383,28 @@ class LiteCausalVocoder:
         """The torch vocoder's ``inference``, the same shapes in numpy: mel (1, 80, T) -> (speech (1, T * 480)
         finalizing, else (1, (T - 8) * 480); the source excitation (1, 1, L)). ``rand_ini`` (1, H),
         ``sine_waves`` (1, >= L, H): the model's fixed noise buffers."""
-        c = self.cfg
         mel = mel[0]
         if not finalize and mel.shape[1] <= self.lookahead:
             raise ValueError(
                 f"a vocoder call that does not finalize needs more than {self.lookahead} mel frames, "
                 f"got {mel.shape[1]}"
             )
-        source = self._source(self._f0(mel, finalize, should_stop), rand_ini[0], sine_waves[0])
+        source, _ = self._source(self._f0(mel, finalize, should_stop), rand_ini[0], sine_waves[0])
+        if not finalize:
+            mel = mel[:, : -int(self.cfg.f0_lookahead)]
+        return self._decode(mel, source, finalize, should_stop)[None], source[None, None]
+
+    def _decode(
+        self, mel: np.ndarray, source: np.ndarray, finalize: bool, should_stop: ShouldStop | None
+    ) -> np.ndarray:
+        # the torch vocoder's _causal_decode: mel (80, T) of the frames with an excitation, source (T * 480,) ->
+        # speech (T * 480,) finalizing, else ((T - 5) * 480,) (conv_pre's lookahead frames are context)
+        c = self.cfg
         n_fft, hop, right = int(c.n_fft), int(c.hop_len), int(c.conv_pre_look_right)
         s_stft = dsp.source_stft(source, n_fft, hop)  # (n_fft + 2, N)
         if finalize:
             mel = np.pad(mel, ((0, 0), (0, right)))  # conv_pre's lookahead sees zeros
         else:
-            mel = mel[:, : -int(c.f0_lookahead)]
             s_stft = s_stft[:, : -int(c.stft_per_frame) * right]
         feeds = {"mel": mel[None].astype(np.float32), "s_stft": s_stft[None]}
         (x,) = terminate.run(self.bundle.session("hift_decode"), feeds, should_stop)
@@ -205,17 +412,29 @@ class LiteCausalVocoder:
         if not finalize:
             speech = speech[: -self.upsample]
         limit = np.float32(c.audio_limit)
-        return np.clip(speech, -limit, limit).astype(np.float32)[None], source[None, None]
+        return np.clip(speech, -limit, limit).astype(np.float32)
 
 
 @dataclass
-class _VocoderStream:
-    mel: np.ndarray | None = None  # (1, 80, n) every frame so far
+class LiteVocoderStream:
+    """What a stream's causal vocoder keeps between calls (:class:`~cosyserve.models.causal_hift.VocoderStream`'s,
+    in numpy); ``whole`` keeps every frame instead (the reference's re-run, for comparisons)."""
+
+    mel: np.ndarray | None = None  # (80, n) the kept mel frames, from frame `start` on
+    source: np.ndarray | None = None  # ((f0_frames - start) * 480,) their excitation
+    phase: np.ndarray | None = None  # (H,) float64: the phase increments summed over frames < f0_frames
+    start: int = 0
+    f0_frames: int = 0  # frames whose excitation is known (a call holds back the f0 predictor's lookahead)
     emitted: int = 0  # samples emitted
+    whole: bool = False
 
     @property
     def frames(self) -> int:
-        return 0 if self.mel is None else int(self.mel.shape[2])
+        """Mel frames given so far."""
+        return self.start + (0 if self.mel is None else int(self.mel.shape[1]))
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.mel, self.source, self.phase) if a is not None)
 
 
 class LiteVocoder2(LiteVocoder):

@@ -1,0 +1,148 @@
+"""The lite runtime's incremental token2wav (CosyVoice2 and CosyVoice3): a streamed chunk computes its own frames
+against the flow's kept per-Euler-step caches (the one ``flow_estimator`` graph's inputs and outputs) and, for
+CosyVoice3, the causal vocoder's kept state, as the torch runtime's.
+
+If these fail: the lite flow's or vocoder's stream state is not the torch one's (chunks differ beyond the
+fixtures' tolerance), or a lite chunk's work grows with the utterance again (the estimator or the vocoder is
+given every frame so far).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cosyserve.runtime.lite.chunkflow import LiteChunkFlow
+
+ATOL = 2e-3  # the fixtures' token2wav_stream tolerance (CosyVoice3's; CosyVoice2's is 5e-3)
+# a 0.4 s prompt, then 6 s of speech in hops of 25 tokens (the first topped up to a whole chunk): 6 streamed chunks,
+# each one attention chunk (50 frames at the tiny models' size) after more kept ones than the last
+PROMPT, TOKENS, HOP = 10, 150, 25
+STEPS = 2  # Euler steps: each keeps its own state, two show it as well as ten (the test's cost)
+
+
+def _sides(bundle: Path) -> dict[str, Any]:
+    """{"torch": (flow, hift), "lite": (flow, hift, bundle)} over the same converted bundle."""
+    from cosyserve.bundle.loader import LoadOptions, open_bundle
+    from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
+    from cosyserve.runtime.lite.models import LiteBundle
+
+    modules = open_bundle(bundle).load(LoadOptions(strategy="lazy", verify="none")).modules
+    lb = LiteBundle(bundle, verify="none", threads=1)
+    tables = lb.tables()
+    vocoder = LiteCausalVocoder if lb.config["hift"].get("causal") else LiteVocoder2
+    return {
+        "torch": (modules["flow"].float().eval(), modules["hift"].float().eval()),
+        "lite": (LiteChunkFlow(lb, tables), vocoder(lb, tables), lb),
+    }
+
+
+def _inputs(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "token": torch.randint(0, 4096, (1, TOKENS), generator=g, dtype=torch.int32),
+        "prompt_token": torch.randint(0, 4096, (1, PROMPT), generator=g, dtype=torch.int32),
+        "prompt_feat": torch.randn(1, 2 * PROMPT, 80, generator=g) * 0.5 - 5,
+        "embedding": torch.randn(1, 192, generator=g),
+    }
+
+
+def _record(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
+    # every graph run of the lite side: (session, feeds)
+    from cosyserve.runtime.lite import terminate
+
+    runs: list[tuple[Any, dict[str, Any]]] = []
+    run = terminate.run
+
+    def recorded(session: Any, feeds: dict[str, Any], should_stop: Any) -> list[Any]:
+        runs.append((session, feeds))
+        return run(session, feeds, should_stop)
+
+    monkeypatch.setattr(terminate, "run", recorded)
+    return runs
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
+    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long streamed utterance's flow calls (the reference's hops, then the final full-attention call) give the
+    torch flow's mel chunk by chunk, and each streamed call runs the estimator over its new frames only, against
+    the rows its stream keeps: the estimator's input never grows past a hop and an attention chunk."""
+    bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
+    sides = _sides(bundle)
+    (tflow, _), (lflow, _, _) = sides["torch"], sides["lite"]
+    x = _inputs(0)
+    xl = {k: v.numpy() for k, v in x.items()}
+    assert lflow.streams and tflow.streams
+    look, ratio, g = lflow.pre_lookahead_len, lflow.token_mel_ratio, lflow.granularity
+    # Token2Wav2's chunks: the first hop tops the prompt up to a whole chunk
+    ends = [n + look for n in range(HOP + (-PROMPT) % HOP, TOKENS - look, HOP)]
+    assert len(ends) >= 5, ends
+    runs: list[tuple[int, int]] = []  # per estimator run: (frames given, kept rows it attends to)
+    estimate = LiteChunkFlow._estimate
+
+    def spy(self: Any, h: Any, t: Any, mask: Any, offset: Any, step: Any, commit: int, stop: Any) -> Any:
+        runs.append((h.shape[2], step.kept))
+        return estimate(self, h, t, mask, offset, step, commit, stop)
+
+    monkeypatch.setattr(LiteChunkFlow, "_estimate", spy)
+    ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
+    kept = 0
+    for end in ends:
+        want = tflow.inference(x["token"][:, :end], x["prompt_token"], x["prompt_feat"], x["embedding"],
+                               streaming=True, finalize=False, stream=ts, n_timesteps=STEPS)  # fmt: skip
+        del runs[:]
+        got = lflow.inference(xl["token"][:, :end], xl["prompt_token"], xl["prompt_feat"], xl["embedding"],
+                              streaming=True, finalize=False, stream=ls, n_timesteps=STEPS)  # fmt: skip
+        np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk ending at token {end}")
+        frames = ratio * (PROMPT + end - look)
+        assert runs == [(frames - kept, kept)] * STEPS, (end, kept)
+        assert frames - kept <= ratio * HOP + g  # a hop's frames and an incomplete chunk at most
+        kept = frames // g * g
+    assert kept >= 4 * g  # the later chunks ran against many kept frames
+    want = tflow.inference(x["token"], x["prompt_token"], x["prompt_feat"], x["embedding"], streaming=False,
+                           finalize=True, stream=ts, n_timesteps=STEPS)  # fmt: skip
+    got = lflow.inference(xl["token"], xl["prompt_token"], xl["prompt_feat"], xl["embedding"], streaming=False,
+                          finalize=True, stream=ls, n_timesteps=STEPS)  # fmt: skip
+    np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg="the final full-attention call")
+
+
+def test_lite_cosyvoice3_token2wav_streams_torch_chunks_with_a_bounded_vocoder(
+    cv3_lite_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The family's one Token2Wav3 over the lite flow and causal vocoder gives the torch runtime's audio chunk by
+    chunk for a long utterance (both incremental), and the lite vocoder's spectrum graph sees a bounded window of
+    mel (its kept receptive field and the new frames), not the utterance so far."""
+    from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+    from cosyserve.models.causal_hift import source_noise
+
+    sides = _sides(cv3_lite_bundle)
+    (tflow, thift), (lflow, lhift, lb) = sides["torch"], sides["lite"]
+    x = _inputs(1)
+    rand_ini, sine_waves = source_noise(2 * (PROMPT + TOKENS) * 480, torch.Generator().manual_seed(2))
+    runs = _record(monkeypatch)
+    chunks = {}
+    for name, (flow, hift), conv in (("torch", (tflow, thift), lambda t: t),
+                                     ("lite", (lflow, lhift), lambda t: t.numpy())):  # fmt: skip
+        t2w = Token2Wav3(
+            flow, hift, StreamPolicy2(token_hop_len=HOP, token_max_hop_len=HOP), flow_steps=STEPS
+        )
+        noise = {"rand_ini": conv(rand_ini), "sine_waves": conv(sine_waves)}
+        chunks[name] = list(
+            t2w(x["token"][0].tolist(), embedding=conv(x["embedding"]), prompt_token=conv(x["prompt_token"]),
+                prompt_feat=conv(x["prompt_feat"]), stream=True, draws=itertools.repeat(noise))
+        )  # fmt: skip
+    assert len(chunks["lite"]) == len(chunks["torch"]) >= 5
+    for i, (got, want) in enumerate(zip(chunks["lite"], chunks["torch"], strict=True)):
+        np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk {i}")
+    decode = lb.session("hift_decode")
+    widths = [feeds["mel"].shape[2] for session, feeds in runs if session is decode]
+    bound = 2 * HOP + lhift.cfg.context + lhift.lookahead + lhift.cfg.conv_pre_look_right
+    assert len(widths) == len(chunks["lite"]) and max(widths[:-1]) <= bound, (widths, bound)
