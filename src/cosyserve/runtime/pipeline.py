@@ -131,7 +131,10 @@ class Pipeline(ModelModes):
         # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
         self.config = config
         self.prompt_prefixes = voice_states
-        self.voice_states = voice_states if getattr(flow, "streams", False) else None
+        # flow states for a flow that keeps its frames and can compute a voice's once (torch's ChunkFlow.prefill);
+        # the lite flow keeps a stream's frames but not a voice's: its streams are not in the voices' account
+        keeps_voices = getattr(flow, "streams", False) and hasattr(flow, "prefill")
+        self.voice_states = voice_states if keeps_voices else None
         # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
         self.token2wav: Any = family.token2wav(
             config, flow, hift, policy, flow_steps, voices=self.voice_states, flow_context=flow_context
