@@ -165,8 +165,8 @@ def test_a_stop_ends_a_running_onnx_runtime_step(qwen_bundles: dict) -> None:
 
 
 def test_a_stopped_row_ends_and_its_neighbour_goes_on(qwen_bundles: dict) -> None:
-    """Two rows share the decode loop's steps; one request stops mid-run: its consumer gets Stopped (its next
-    ONNX Runtime run terminated), the other row's tokens are the ones it gets alone."""
+    """Two rows share the decode loop's steps; one request stops mid-run: its consumer gets Stopped (the loop ends
+    its row after the batch step it shares), the other row's tokens are the ones it gets alone."""
     from cosyserve.runtime.decode import DecodeLoop
     from cosyserve.runtime.lm import OneShot, one_shot
     from cosyserve.runtime.oneoff import generate
@@ -239,6 +239,13 @@ def test_lite_rows_share_batch_steps_and_keep_their_tokens(qwen_bundles: dict) -
     loop.close()
     assert got == want and all(len(w) > 10 for w in want)
     assert lm.batch_steps > steps, "streamed-text rows never shared a batch step"
+    # one run for every row: ended early (ORT's terminate) only when every row's request stopped
+    lm.reserve(2, 8)
+    tokens, pos = np.array([1, 2]), np.array([0, 3])
+    steps = lm.batch_steps
+    assert not lm.decode(tokens, pos, 4, None, [lambda: True, lambda: True]).any()
+    assert lm.batch_steps == steps, "a step of rows that all stopped ran to its end"
+    assert lm.decode(tokens, pos, 4, None, [lambda: True, None]).any() and lm.batch_steps == steps + 1
 
 
 def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) -> None:
