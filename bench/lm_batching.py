@@ -75,9 +75,9 @@ def worker(model: str, text: str, batch_size: int | None, runtime: str | None = 
         seed = int(line)
         t = time.perf_counter()
         chunks = m.synthesize(text, speaker=speaker, stream=True, seed=seed)
-        first = next(chunks)
+        first = next(chunks, None)  # None: the LM drew its stop id at once (random CosyVoice3 weights can)
         first_s = time.perf_counter() - t
-        samples = first.size + sum(c.size for c in chunks)
+        samples = (0 if first is None else first.size) + sum(c.size for c in chunks)
         print(json.dumps({"first_audio_s": first_s, "audio_s": samples / m.sample_rate}), flush=True)
 
 
