@@ -10,6 +10,10 @@ source tree, and the audio of N concurrent one-shot requests against one.
     # calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one
     python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow [--concurrency 4] [--gather-ms 50]
     python bench/lm_batching.py --dry-run      # both, on a tiny CosyVoice2 model made here (CI: tests/test_bench_lm)
+    # the lite runtime (a bundle converted with --runtime lite): the same, --runtime lite (the baseline tree's lite
+    # rows stepped one after another; this tree's share the batch graph's runs)
+    python bench/lm_batching.py first-audio --runtime lite --model CV3_LITE_BUNDLE --baseline-src /tmp/base/src
+    python bench/lm_batching.py throughput --runtime lite --model CV3_LITE_BUNDLE [--concurrency 4]
 
 first-audio: two worker processes, one per source tree (``PYTHONPATH``), each loads the model once (warm-up on)
 and then speaks one streamed request at a time when asked; the requests alternate between them (interleaved pairs,
@@ -51,10 +55,10 @@ TEXT = "Hello there, this is a test of the first audio of a lone request."
 DRY_TEXT = "Hello there."
 
 
-def _load(model: str, batch_size: int | None, batch_flow: bool = False) -> Any:
+def _load(model: str, batch_size: int | None, batch_flow: bool = False, runtime: str | None = None) -> Any:
     import cosyserve
 
-    options: dict[str, Any] = {"warmup": True}
+    options: dict[str, Any] = {"warmup": True, "runtime": runtime}
     if batch_size is not None:
         options["batch_size"] = batch_size
     if batch_flow:
@@ -62,26 +66,30 @@ def _load(model: str, batch_size: int | None, batch_flow: bool = False) -> Any:
     return cosyserve.load(model, **options)
 
 
-def worker(model: str, text: str, batch_size: int | None) -> None:
+def worker(model: str, text: str, batch_size: int | None, runtime: str | None = None) -> None:
     """Answer each seed read from stdin with one JSON line: the request's first audio and its audio seconds."""
-    m = _load(model, batch_size)
+    m = _load(model, batch_size, runtime=runtime)
     speaker = m.speakers[0] if m.speakers else None
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         seed = int(line)
         t = time.perf_counter()
         chunks = m.synthesize(text, speaker=speaker, stream=True, seed=seed)
-        first = next(chunks)
+        first = next(chunks, None)  # None: the LM drew its stop id at once (random CosyVoice3 weights can)
         first_s = time.perf_counter() - t
-        samples = first.size + sum(c.size for c in chunks)
+        samples = (0 if first is None else first.size) + sum(c.size for c in chunks)
         print(json.dumps({"first_audio_s": first_s, "audio_s": samples / m.sample_rate}), flush=True)
 
 
 class _Worker:
-    def __init__(self, src: Path, model: str, text: str, batch_size: int | None) -> None:
+    def __init__(
+        self, src: Path, model: str, text: str, batch_size: int | None, runtime: str | None = None
+    ) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "_worker", "--model", model, "--text", text]
         if batch_size is not None:
             cmd += ["--batch-size", str(batch_size)]
+        if runtime is not None:
+            cmd += ["--runtime", runtime]
         env = {**os.environ, "PYTHONPATH": str(src)}
         env.pop("COSYSERVE_BATCH_SIZE", None)  # each tree's own default, or the batch given
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -106,10 +114,12 @@ class _Worker:
         self.proc.wait(60)
 
 
-def first_audio(model: str, baseline_src: Path, rounds: int, text: str) -> dict[str, Any]:
+def first_audio(
+    model: str, baseline_src: Path, rounds: int, text: str, runtime: str | None = None
+) -> dict[str, Any]:
     workers = {
-        "baseline": _Worker(baseline_src, model, text, 1),
-        "this tree": _Worker(SRC, model, text, None),
+        "baseline": _Worker(baseline_src, model, text, 1, runtime),
+        "this tree": _Worker(SRC, model, text, None, runtime),
     }
     times: dict[str, list[float]] = {name: [] for name in workers}
     # CPU the other (idle) worker used while one spoke: a worker that spins or works in the background between
@@ -164,10 +174,11 @@ def throughput(
     batch_flow: bool = False,
     gather_ms: float | None = None,
     batch_size: int | None = None,
+    runtime: str | None = None,
 ) -> dict[str, Any]:
     import dataclasses
 
-    m = _load(model, batch_size, batch_flow)
+    m = _load(model, batch_size, batch_flow, runtime)
     speaker = m.speakers[0] if m.speakers else None
     decoder = m.runtime.pipeline.decoder
     m.synthesize_all(text, speaker=speaker, seed=0, stream=stream)  # the paths warm
@@ -195,6 +206,7 @@ def throughput(
 
     a1, w1 = run(1)
     steps0, rows0 = decoder.stats.steps, decoder.stats.rows
+    graph0 = getattr(decoder.lm, "batch_steps", 0)  # the lite LM's steps run by its batch graph
     before = {part: dataclasses.replace(b.stats) for part, b in stackers.items()}
     an, wn = run(concurrency)
     steps, rows = decoder.stats.steps - steps0, decoder.stats.rows - rows0
@@ -215,6 +227,7 @@ def throughput(
         "concurrent": an / wn,
         "ratio": (an / wn) / (a1 / w1),
         "mean_rows": rows / steps if steps else 0.0,
+        "batch_graph_steps": getattr(decoder.lm, "batch_steps", 0) - graph0,
         "stacked": stacked,
     }
     what = "streams" if stream else "requests"
@@ -224,6 +237,8 @@ def throughput(
     print(f"  {concurrency} concurrent        {out['concurrent']:.3f}")
     print(f"  ratio               {out['ratio']:.2f} (target >= 2 at 8)")
     print(f"  LM rows per step    {out['mean_rows']:.2f}")
+    if hasattr(decoder.lm, "batch_steps"):
+        print(f"  lite batch steps    {out['batch_graph_steps']} of {steps}")
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
@@ -254,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         help="throughput: the LM's rows per step (default: the runtime's)",
     )
     ap.add_argument(
+        "--runtime",
+        choices=["torch", "lite"],
+        default=None,
+        help="the runtime (default: the runtime setting)",
+    )
+    ap.add_argument(
         "--dry-run",
         action="store_true",
         help="both measurements, 2 pairs, on a tiny CosyVoice2 model (CI; --model: this one)",
@@ -268,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     text = args.text or (DRY_TEXT if args.dry_run else TEXT)
     if args.what == "_worker":
-        worker(args.model, text, args.batch_size)
+        worker(args.model, text, args.batch_size, args.runtime)
         return 0
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="cosyserve-lm-batching-") as tmp:
@@ -284,11 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             base = args.baseline_src or (SRC if args.dry_run else None)
             if base is None:
                 ap.error("first-audio needs --baseline-src (the src folder of the tree to compare with)")
-            results["first_audio"] = first_audio(model, base, 2 if args.dry_run else args.rounds, text)
+            rounds = 2 if args.dry_run else args.rounds
+            results["first_audio"] = first_audio(model, base, rounds, text, args.runtime)
         if args.what in (None, "throughput"):
             n = 2 if args.dry_run else args.concurrency
             results["throughput"] = throughput(
-                model, n, text, args.stream, args.batch_flow, args.gather_ms, args.batch_size
+                model, n, text, args.stream, args.batch_flow, args.gather_ms, args.batch_size, args.runtime
             )
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,13 +1,18 @@
 """The decode loop's one-off runs in the argument order the LM tests keep their inputs in: (text, text_len,
-prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding)."""
+prompt_text, prompt_text_len, prompt_speech_token, prompt_speech_token_len, embedding); concurrent consumers of one
+loop, and the rows-joining-and-leaving run every LM's loop is tested with."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from cosyserve.core.sampling import row_key
+from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import one_shot
 from cosyserve.runtime.oneoff import generate, teacher_forced
 
@@ -48,3 +53,80 @@ def sample(
         max_ratio=max_token_text_ratio,
     )
     return list(generate(lm, row, row_key(seed), lag=lag))
+
+
+def in_threads(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
+    # each in a thread of one torch thread; a hang fails the test instead of hanging it
+    out: list[Any] = [None] * len(fns)
+
+    def main(i: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            out[i] = e
+
+    threads = [threading.Thread(target=main, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a row never finished (not freed, or stalled)"
+    for x in out:
+        if isinstance(x, BaseException):
+            raise x
+    return out
+
+
+def together(loop: DecodeLoop, specs: list[Any], keys: list[int]) -> list[list[int]]:
+    # each row's whole run, every consumer in its own thread, all starting at once
+    started = threading.Barrier(len(specs))
+
+    def consume(i: int) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            started.wait(30)
+            return list(loop.generate(specs[i], keys[i]))
+
+        return run
+
+    return in_threads([consume(i) for i in range(len(specs))])
+
+
+def join_and_leave(lm: Any, specs: list[Any], keys: list[int]) -> DecodeLoop:
+    """Four one-shot rows on a loop of three cache rows: row i joins once row i-1 has had 5 tokens, rows 0 and 1 stay
+    until row 2 has joined (three rows decode together), row 3 waits for a free row, row 1's consumer leaves after
+    7 tokens. Asserts each row's tokens are those it gets alone (same key); returns the closed loop."""
+    want = [list(generate(lm, sp, k)) for sp, k in zip(specs, keys, strict=True)]
+    assert len({len(w) for w in want}) > 1, "the rows should have different lengths"
+    loop = DecodeLoop(lm, 3, name="test")
+    joined = [threading.Event() for _ in specs]
+
+    def consume(i: int) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            if i > 0:  # row i joins once row i-1 has had 5 tokens
+                assert joined[i - 1].wait(60)
+            out = []
+            gen = loop.generate(specs[i], keys[i])
+            for token in gen:
+                out.append(token)
+                if len(out) == 5:
+                    joined[i].set()
+                    if i < 2:  # rows 0 and 1 stay until row 2 has joined: three rows decode together
+                        assert joined[2].wait(60)
+                if i == 1 and len(out) == 7:
+                    gen.close()  # its consumer leaves: the row is freed at the next step
+                    break
+            joined[i].set()
+            return out
+
+        return run
+
+    got = in_threads([consume(i) for i in range(4)])
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        next(loop.generate(specs[0], keys[0]))
+    assert got[1] == want[1][:7]
+    assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    assert loop.stats.peak_rows == 3 and loop.stats.prefills == 4 and loop.active == 0
+    assert loop.stats.rows_hist.get(3, 0) > 0, "the rows were not decoded together"
+    return loop

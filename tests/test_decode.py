@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import inspect
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from cosyserve.runtime import decode, lm, readback, rows
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot, Streamed, one_shot
 from cosyserve.runtime.oneoff import generate
+from lm_util import join_and_leave, together
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,44 +79,7 @@ def _alone(lm: Any, spec: Any, key: int, lag: int = 0) -> list[int]:
     return list(generate(lm, _fresh(spec), key, lag=lag))
 
 
-def _in_threads(fns: list[Callable[[], Any]], timeout: float = 120.0) -> list[Any]:
-    # each in a thread of one torch thread; a hang fails the test instead of hanging it
-    out: list[Any] = [None] * len(fns)
-
-    def main(i: int) -> None:
-        torch.set_num_threads(1)
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            out[i] = e
-
-    threads = [threading.Thread(target=main, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a row never finished (not freed, or stalled)"
-    for x in out:
-        if isinstance(x, BaseException):
-            raise x
-    return out
-
-
 # -- the sampler ---------------------------------------------------------------------------------------------------
-
-
-def _together(loop: DecodeLoop, specs: list[Any], keys: list[int]) -> list[list[int]]:
-    # each row's whole run, every consumer in its own thread, all starting at once
-    started = threading.Barrier(len(specs))
-
-    def consume(i: int) -> Callable[[], list[int]]:
-        def run() -> list[int]:
-            started.wait(30)
-            return list(loop.generate(specs[i], keys[i]))
-
-        return run
-
-    return _in_threads([consume(i) for i in range(len(specs))])
 
 
 def test_sampler_nucleus_and_repetition_fallback() -> None:
@@ -165,40 +128,7 @@ def test_rows_joining_and_leaving_mid_run_keep_each_rows_tokens() -> None:
     failed, a row's neighbours, its cache row or its join step would change its speech."""
     lm = _lm300()
     specs = [_one_shot(lm, s, n_text=t) for s, t in ((0, 4), (1, 2), (2, 5), (3, 3))]
-    keys = [row_key(10 + i) for i in range(4)]
-    want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
-    assert len({len(w) for w in want}) > 1, "the rows should have different lengths"
-    loop = DecodeLoop(lm, 3, name="test")
-    joined = [threading.Event() for _ in specs]
-
-    def consume(i: int) -> Callable[[], list[int]]:
-        def run() -> list[int]:
-            if i > 0:  # row i joins once row i-1 has had 5 tokens
-                assert joined[i - 1].wait(60)
-            out = []
-            gen = loop.generate(specs[i], keys[i])
-            for token in gen:
-                out.append(token)
-                if len(out) == 5:
-                    joined[i].set()
-                    if i < 2:  # rows 0 and 1 stay until row 2 has joined: three rows decode together
-                        assert joined[2].wait(60)
-                if i == 1 and len(out) == 7:
-                    gen.close()  # its consumer leaves: the row is freed at the next step
-                    break
-            joined[i].set()
-            return out
-
-        return run
-
-    got = _in_threads([consume(i) for i in range(4)])
-    loop.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        next(loop.generate(specs[0], keys[0]))
-    assert got[1] == want[1][:7]
-    assert [g for i, g in enumerate(got) if i != 1] == [w for i, w in enumerate(want) if i != 1]
-    assert loop.stats.peak_rows == 3 and loop.stats.prefills == 4 and loop.active == 0
-    assert loop.stats.rows_hist.get(3, 0) > 0, "the rows were not decoded together"
+    join_and_leave(lm, specs, [row_key(10 + i) for i in range(4)])
 
 
 def test_more_consumers_than_rows_wait_for_a_free_row_and_step_it_themselves() -> None:
@@ -210,7 +140,7 @@ def test_more_consumers_than_rows_wait_for_a_free_row_and_step_it_themselves() -
     keys = [row_key(30 + i) for i in range(3)]
     want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
     loop = DecodeLoop(lm, 1, name="test")
-    got = _together(loop, specs, keys)
+    got = together(loop, specs, keys)
     loop.close()
     assert got == want
     assert loop._thread is None and loop.stats.prefills == 3 and loop.stats.peak_rows == 1
@@ -226,7 +156,7 @@ def test_streamed_text_rows_batch_beside_a_one_shot_row() -> None:
     keys = [row_key(20 + i) for i in range(3)]
     want = [_alone(lm, sp, k) for sp, k in zip(specs, keys, strict=True)]
     loop = DecodeLoop(lm, 3, name="test")
-    got = _together(loop, [_fresh(sp) for sp in specs], keys)
+    got = together(loop, [_fresh(sp) for sp in specs], keys)
     loop.close()
     assert got == want
     assert all(len(w) > 10 for w in want)

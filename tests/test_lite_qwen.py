@@ -174,8 +174,8 @@ def test_a_stop_ends_a_running_onnx_runtime_step(qwen_bundles: dict) -> None:
 
 
 def test_a_stopped_row_ends_and_its_neighbour_goes_on(qwen_bundles: dict) -> None:
-    """Two rows share the decode loop's steps; one request stops mid-run: its consumer gets Stopped (its next
-    ONNX Runtime run terminated), the other row's tokens are the ones it gets alone."""
+    """Two rows share the decode loop's steps; one request stops mid-run: its consumer gets Stopped (the loop ends
+    its row after the batch step it shares), the other row's tokens are the ones it gets alone."""
     from cosyserve.runtime.decode import DecodeLoop
     from cosyserve.runtime.lm import OneShot, one_shot
     from cosyserve.runtime.oneoff import generate
@@ -211,6 +211,52 @@ def test_a_stopped_row_ends_and_its_neighbour_goes_on(qwen_bundles: dict) -> Non
     assert got["second"] == alone and len(alone) >= 10
 
 
+def test_lite_rows_share_batch_steps_and_keep_their_tokens(qwen_bundles: dict) -> None:
+    """Lite rows share decode steps through the batch graph (one run per step, each row at its own position, the
+    cache rows of rows that do not step fed padding; its session opened by the first step of two rows): rows joining and leaving mid-run, and streamed-text rows
+    beside a one-shot one (fills and rollbacks), get the tokens each gets alone (the step graph). If this failed,
+    the batch graph's mask, positions or cache writes would change a row's speech with its neighbours; if no batch
+    step ran, lite rows would still step one after another."""
+    from cosyserve.core.sampling import row_key
+    from cosyserve.runtime.decode import DecodeLoop
+    from cosyserve.runtime.lm import OneShot, Streamed, one_shot
+    from cosyserve.runtime.oneoff import generate
+    from lm_util import join_and_leave, together
+
+    _, lm = _lms(qwen_bundles["cosyvoice3"])  # CosyVoice2's graphs are the same code
+    assert lm.batch_graph == "llm_batch"
+    marker = [ENDOFPROMPT]
+    specs = []
+    for i, n in enumerate((20, 12, 25, 15)):  # prompts of different lengths: the rows' positions differ
+        row = one_shot(
+            lm, _inputs(marker + list(range(5, 7 + 2 * i)), [11, 12][: i % 3], [3, 4, 5][:i])["lite"]
+        )
+        specs.append(OneShot(row.prompt, n, n))
+    join_and_leave(lm, specs, [row_key(40 + i) for i in range(4)])
+    assert lm.batch_steps > 0, "no step ran the batch graph"
+
+    def streamed(seed: int, speech: int) -> Streamed:
+        text = ([t] for t in range(5 + seed, 17 + seed))
+        return Streamed(text, marker + [11, 12], list(range(30, 30 + speech)), max_len=60)
+
+    makers = [lambda: streamed(0, 0), lambda: streamed(1, 20), lambda: specs[2]]
+    keys = [row_key(50 + i) for i in range(3)]
+    want = [list(generate(lm, make(), k)) for make, k in zip(makers, keys, strict=True)]
+    steps = lm.batch_steps
+    loop = DecodeLoop(lm, 3, name="test")
+    got = together(loop, [make() for make in makers], keys)
+    loop.close()
+    assert got == want and all(len(w) > 10 for w in want)
+    assert lm.batch_steps > steps, "streamed-text rows never shared a batch step"
+    # one run for every row: ended early (ORT's terminate) only when every row's request stopped
+    lm.reserve(2, 8)
+    tokens, pos = np.array([1, 2]), np.array([0, 3])
+    steps = lm.batch_steps
+    assert not lm.decode(tokens, pos, 4, None, [lambda: True, lambda: True]).any()
+    assert lm.batch_steps == steps, "a step of rows that all stopped ran to its end"
+    assert lm.decode(tokens, pos, 4, None, [lambda: True, None]).any() and lm.batch_steps == steps + 1
+
+
 def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) -> None:
     """`convert --runtime lite` writes CosyVoice2's and CosyVoice3's LM, flow and vocoder graphs, each checked
     against its torch module at conversion (the manifest records how far), the flow variants' weights stored once."""
@@ -219,11 +265,14 @@ def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) ->
     for bundle in qwen_bundles.values():
         manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
         assert manifest["parts"] == ["llm", "flow", "hift"]
-        graphs = {"llm_step", "flow_mu", "flow_mu_stream", "flow_estimator"}
+        graphs = {"llm_step", "llm_batch", "flow_mu", "flow_mu_stream", "flow_estimator"}
         assert graphs | {"hift_f0", "hift_decode"} == set(manifest["checked"]), manifest["checked"]
         assert max(manifest["checked"].values()) <= CHECK_ATOL
         # the four flow graphs read one data file (what the streaming and whole variants share, stored once)
         assert "flow.onnx.data" in manifest["files"] and "flow_estimator.onnx.data" not in manifest["files"]
+        # the LM's batch graph reads the step graph's weights from its data file (stored and mapped once)
+        own = manifest["files"].get("llm_batch.onnx.data", {"bytes": 0})["bytes"]
+        assert own < 0.05 * manifest["files"]["llm_step.onnx.data"]["bytes"], own
 
 
 # -- served: the lite runtime over the shared pipeline, beside the torch runtime on the same bundle ------------------

@@ -128,12 +128,19 @@ def ray_app(tiny_model_dir: Path) -> Iterator[int]:
         ray.shutdown()
 
 
-def _speech(port: int, stream: bool, text: str = "Hello there.", timeout: float = 60) -> tuple[int, bytes]:
+def _speech(
+    port: int,
+    stream: bool,
+    text: str = "Hello there.",
+    timeout: float = 60,
+    prefix: str = "",
+    voice: str = "英文女",
+) -> tuple[int, bytes]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    body = {"input": text, "voice": "英文女", "response_format": "pcm" if stream else "wav", "seed": 1}
+    body = {"input": text, "voice": voice, "response_format": "pcm" if stream else "wav", "seed": 1}
     c.request(
         "POST",
-        "/v1/audio/speech",
+        prefix + "/v1/audio/speech",
         json.dumps({**body, "stream": stream}),
         {"Content-Type": "application/json"},
     )
@@ -239,3 +246,21 @@ def test_a_killed_replica_is_replaced(ray_app: int) -> None:
         time.sleep(0.5)
     assert victim not in now and len(now) == 2 and running == 2, (now, running)
     assert all(_speech(ray_app, stream=True)[0] == 200 for _ in range(4))
+
+
+def test_a_replica_serves_a_cosyvoice3_lite_bundle(ray_app: int, cv3_lite_bundle: Path) -> None:
+    """The deployment serves a CosyVoice3 bundle on the lite runtime (``runtime=lite``) as a second application
+    beside the torch one: READY, and a streamed answer. If this fails, the Ray Serve route of issue 35 lost the
+    lite runtime (the settings refuse it, or a replica cannot load or serve the bundle)."""
+    from cosyserve.deploy.ray_serve import app_builder
+
+    serve = _serve()
+    app = app_builder({"model": str(cv3_lite_bundle), "runtime": "lite", "num_cpus": "0.5"})
+    serve.run(app, name="lite", route_prefix="/lite")  # ready once its model is (the replica's start waits)
+    try:
+        status, body = _get(ray_app, "/lite/health/ready")
+        assert status == 200 and body["status"] == "ready", body
+        status, pcm = _speech(ray_app, stream=True, prefix="/lite", voice="中文女")
+        assert status == 200 and len(pcm) > 1000 and len(pcm) % 2 == 0, (status, pcm[:200])
+    finally:
+        serve.delete("lite")

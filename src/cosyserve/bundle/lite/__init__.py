@@ -10,6 +10,7 @@ imports neither torch nor onnxruntime.
 from __future__ import annotations
 
 __all__ = [
+    "BATCH_STEP",
     "GRAPHS",
     "LITE_DIR",
     "LITE_PARTS",
@@ -33,6 +34,10 @@ POS_TABLE_ROWS = 1024
 INT8_STEP = (
     "llm_step.int8.onnx"  # the step graph with ORT's dynamic int8 matmuls (convert --quantize llm=int8)
 )
+# the Qwen LM's batched decode step: one token for each of B rows, each at its own position (a padded cache and a
+# mask); its weights are the step graph's, read from the step graph's data file (a bundle may lack it, and the int8
+# LM has none: rows then step one after another)
+BATCH_STEP = "llm_batch"
 # the parts a bundle's lite graphs cover: a bundle serves on the lite runtime with all of them (its manifest lists
 # the ones it holds)
 LITE_PARTS = ("llm", "flow", "hift")

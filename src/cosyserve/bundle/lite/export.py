@@ -227,6 +227,49 @@ def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str])
     return {"max_abs_logp": worst, "mean_kl": float(np.mean(kls)), "top1_agree": float(np.mean(agree))}
 
 
+def _share_data(out: Path, name: str, base: str) -> int:
+    """Point every initializer of graph ``name`` that equals one of graph ``base``'s (dtype, shape and bytes) at
+    ``base``'s copy in its data file, and keep only the others in ``name``'s own data file: two graphs over the same
+    weights (the LM's step and batch graphs) store and map them once. Returns the bytes shared."""
+    import hashlib
+
+    import onnx
+
+    def key(t: Any, data: bytes) -> tuple[int, tuple[int, ...], bytes]:
+        return t.data_type, tuple(t.dims), hashlib.sha256(data).digest()
+
+    index: dict[tuple[int, tuple[int, ...], bytes], list[tuple[str, str]]] = {}
+    for t in onnx.load(str(out / f"{base}.onnx"), load_external_data=False).graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        with open(out / info["location"], "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            index[key(t, f.read(int(info["length"])))] = [(e.key, e.value) for e in t.external_data]
+    path = out / f"{name}.onnx"
+    model = onnx.load(str(path), load_external_data=True)
+    shared = 0
+    for t in model.graph.initializer:
+        where = index.get(key(t, t.raw_data)) if len(t.raw_data) >= 1024 else None
+        if where is None:
+            continue
+        shared += len(t.raw_data)
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+        del t.external_data[:]
+        for k, v in where:
+            t.external_data.add(key=k, value=v)
+    data = out / (path.name + ".data")
+    data.unlink()
+    onnx.save_model(
+        model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+        size_threshold=1024, convert_attribute=False,
+    )  # fmt: skip
+    if data.exists():
+        data.chmod(0o644)
+    return shared
+
+
 class Exporter:
     """What a family's lite export writes into (``lite/``): its graphs, each exported and checked, the int8 step
     graph's distance from the float one, its numpy tables and the config numbers the runtime reads.
@@ -288,6 +331,15 @@ class Exporter:
     def quantize_step(self, cases: list[tuple[Tensor, ...]], names: list[str]) -> None:
         """Write ``llm_step.int8.onnx`` (see :func:`_quantize_step`) and record its distance from the float one."""
         self.int8 = _quantize_step(self.out, cases, names)
+
+    def share(self, name: str, base: str) -> int:
+        """Graph ``name`` reads the weights it shares with graph ``base`` from ``base``'s data file
+        (:func:`_share_data`), and is checked again as it will be read; the bytes shared."""
+        shared = _share_data(self.out, name, base)
+        reference, cases, inputs = self._checks[name]  # the graph as it will be read, checked again
+        path = self.out / self.graphs[name]
+        self.errors[name] = max(self.errors[name], _check(name, path, reference, cases, inputs, CHECK_ATOL))
+        return shared
 
 
 def require_lite(family: Any) -> None:

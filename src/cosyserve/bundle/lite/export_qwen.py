@@ -20,6 +20,7 @@ these families are :mod:`cosyserve.bundle.lite.export_chunkflow`'s.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -27,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyserve.bundle.lite import qwen_cache_names
+from cosyserve.bundle.lite import BATCH_STEP, qwen_cache_names
 from cosyserve.bundle.lite.export import Exporter
 from cosyserve.models.qwen2lm import Qwen2LM
 
-__all__ = ["QwenStepGraph", "QwenStepReference", "export"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["QwenBatchGraph", "QwenBatchReference", "QwenStepGraph", "QwenStepReference", "export"]
 
 
 class QwenStepGraph(nn.Module):
@@ -60,6 +63,18 @@ class QwenStepGraph(nn.Module):
         # Qwen2RMSNorm in float32: the statistics, then the weight
         return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
 
+    def _qkv(self, layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # (N, H, D) q, scaled, and (N, n_kv, D) k, both rotated, and v of the N inputs h (1, N, C) or (N, 1, C); q is
+        # scaled before its products, not the scores after: the same bits where sqrt(D) is a power of two (Qwen2's 64)
+        a, d = layer.self_attn, self.head_dim
+        hn = self._norm(layer.input_layernorm, h)
+        q = a.q_proj(hn).view(-1, self.heads, d)
+        k = a.k_proj(hn).view(-1, self.kv_heads, d)
+        v = a.v_proj(hn).view(-1, self.kv_heads, d)
+        q = (q * cos + (q @ self.rot) * sin) * (1.0 / math.sqrt(d))
+        k = k * cos + (k @ self.rot) * sin
+        return q, k, v
+
     def forward(self, x: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         stack, n_kv, d, heads = self.stack, self.kv_heads, self.head_dim, self.heads
         groups = heads // n_kv
@@ -71,19 +86,11 @@ class QwenStepGraph(nn.Module):
         no_bias = torch.zeros(
             p
         )  # linear() with a bias exports as one Gemm(transB): the cache is not transposed
-        # q is scaled before its products, not the (G*T, P + T) scores after: the same bits where sqrt(D) is a
-        # power of two (Qwen2's 64)
-        scale = 1.0 / math.sqrt(d)
         h = x  # (1, T, C): the projections stay 3-D (MatMul, which int8 quantizes; a 2-D one would be Gemm)
         new: list[Tensor] = []
         for i, layer in enumerate(stack.layers):
             a = layer.self_attn
-            hn = self._norm(layer.input_layernorm, h)
-            q = a.q_proj(hn).view(-1, heads, d)  # (T, H, D)
-            k = a.k_proj(hn).view(-1, n_kv, d)
-            v = a.v_proj(hn).view(-1, n_kv, d)
-            q = (q * cos + (q @ self.rot) * sin) * scale
-            k = k * cos + (k @ self.rot) * sin
+            q, k, v = self._qkv(layer, h, cos, sin)  # (T, H, D), (T, n_kv, D) twice
             # each KV head's group of query heads as rows (group, position): (n_kv, G*T, D)
             qg = q.view(-1, n_kv, groups, d).permute(1, 2, 0, 3).reshape(n_kv, -1, d)
             s_new = (qg @ k.permute(1, 2, 0)).masked_fill(ahead, -math.inf)  # (n_kv, G*T, T)
@@ -102,6 +109,49 @@ class QwenStepGraph(nn.Module):
                 new += [k_new[g], v_new[g]]
         h = self._norm(stack.norm, h)
         logp = self.decoder(h[:, -1:]).float().log_softmax(dim=-1).reshape(1, -1)  # (1, V)
+        return (logp, *new)
+
+
+class QwenBatchGraph(QwenStepGraph):
+    """x (B, 1, C), pos (B,) int64 and every cache's past (B, L, D) -> logp (B, V) and every cache's new row (B, D):
+    one decode step of B rows, row b's token at position pos[b] after the pos[b] positions its cache rows hold
+    (L >= every pos: a row's positions from pos[b] on are padding, masked out). The runtime binds the first B rows
+    of its caches as they are (no copy) and writes the new rows into them after the run.
+
+    The step graph's computation per row; the past's scores as ``past_k @ q.T`` (B, L, G) and the output as
+    ``attn.T @ past_v``, so only q and the scores are transposed, never a cache."""
+
+    def forward(self, x: Tensor, pos: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        stack, n_kv, d, heads = self.stack, self.kv_heads, self.head_dim, self.heads
+        groups = heads // n_kv
+        cos, sin = stack._rotary(pos)  # (B, D)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # (B, L, 1): a row's positions past its own are padding
+        pad = (torch.arange(past[0].shape[1]).unsqueeze(0) >= pos.unsqueeze(1)).unsqueeze(-1)
+        h = x  # (B, 1, C)
+        new: list[Tensor] = []
+        for i, layer in enumerate(stack.layers):
+            a = layer.self_attn
+            q, k, v = self._qkv(layer, h, cos, sin)  # (B, H, D), (B, n_kv, D) twice
+            qg = q.view(-1, n_kv, groups, d)  # (B, n_kv, G, D): query head g*G + j
+            s_new = (qg * k.unsqueeze(2)).sum(-1, keepdim=True)  # (B, n_kv, G, 1)
+            outs = []
+            for g in range(n_kv):
+                pk, pv = past[2 * (i * n_kv + g)], past[2 * (i * n_kv + g) + 1]  # (B, L, D)
+                s_past = (pk @ qg[:, g].transpose(1, 2)).masked_fill(pad, -math.inf)  # (B, L, G)
+                attn = torch.cat([s_past, s_new[:, g].transpose(1, 2)], dim=1).softmax(dim=1)  # (B, L + 1, G)
+                a_past, a_new = attn[:, :-1], attn[:, -1:]
+                outs.append(
+                    a_past.transpose(1, 2) @ pv + a_new.transpose(1, 2) * v[:, g].unsqueeze(1)
+                )  # (B, G, D)
+                new += [k[:, g], v[:, g]]
+            out = torch.stack(outs, dim=1).reshape(-1, 1, heads * d)  # (B, 1, H*D)
+            h = h + a.o_proj(out)
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+        h = self._norm(stack.norm, h)
+        logp = (
+            self.decoder(h).float().log_softmax(dim=-1).flatten(1)
+        )  # (B, V): squeeze() of a traced dim exports an If
         return (logp, *new)
 
 
@@ -133,6 +183,18 @@ class QwenStepReference:
             return (logp, *new)
         finally:
             lm.release()
+
+
+class QwenBatchReference:
+    """The batch graph's outputs computed by the model's own code: each row alone (:class:`QwenStepReference` of its
+    token after the ``pos[b]`` positions of its past), stacked."""
+
+    def __init__(self, lm: Qwen2LM) -> None:
+        self.step = QwenStepReference(lm)
+
+    def __call__(self, x: Tensor, pos: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        rows = [self.step(x[b : b + 1], *[c[b, :p] for c in past]) for b, p in enumerate(pos.tolist())]
+        return tuple(torch.cat([r[j].reshape(1, -1) for r in rows]) for j in range(len(rows[0])))
 
 
 def _config(lm: Qwen2LM) -> dict[str, Any]:
@@ -205,5 +267,38 @@ def _export_lm(ex: Exporter, modules: dict[str, nn.Module], int8: bool) -> None:
     ex.optimize(
         "llm_step"
     )  # after the quantizer read the traced graph; the int8 one is optimized when opened
+    _export_batch(ex, lm)
     ex.tables.update(_tables(lm))
     ex.config.update(_config(lm))
+
+
+def _export_batch(ex: Exporter, lm: Qwen2LM) -> None:
+    # the batched decode step (BATCH_STEP), its weights read from the step graph's data file; float only: ORT's
+    # dynamic int8 quantizes activations with one scale per tensor, so a row's tokens would depend on its neighbours
+    a = lm.stack.layers[0].self_attn
+    layers, n_kv, d, c = len(lm.stack.layers), a.n_kv, a.head_dim, lm.cfg.llm_input_size
+    names = qwen_cache_names(layers, n_kv)
+    inputs = ["x", "pos"] + [past for past, _ in names]
+    outputs = ["logp"] + [new for _, new in names]
+    dynamic: dict[str, dict[int, str]] = {"x": {0: "b"}, "pos": {0: "b"}, "logp": {0: "b"}}
+    dynamic.update({past: {0: "b", 1: "l"} for past, _ in names})
+    dynamic.update({new: {0: "b"} for _, new in names})
+
+    def case(length: int, *pos: int) -> tuple[Tensor, ...]:
+        # the padding past each row's positions random too: the check sees it masked
+        b = len(pos)
+        return (
+            ex.randn(b, 1, c),
+            torch.tensor(pos, dtype=torch.int64),
+            *[ex.randn(b, length, d) for _ in names],
+        )
+
+    ex.step("lite: LM batch step")
+    cases = [case(9, 9, 3), case(30, 0, 30, 17, 1), case(5, 2)]
+    ex.graph(
+        BATCH_STEP, QwenBatchGraph(lm), case(7, 5, 0, 7), inputs, outputs, dynamic, cases,
+        optimize=True, reference=QwenBatchReference(lm),
+    )  # fmt: skip
+    ex.step("lite: LM batch step, its weights read from the step graph's")
+    shared = ex.share(BATCH_STEP, "llm_step")
+    logger.info("lite: the LM batch step reads %.1f MB of the step graph's weights", shared / 1e6)

@@ -82,7 +82,7 @@ class LiteRuntime(RuntimeVoices):
             {name: bundle.onnx_path(name) for name in self.pipeline.onnx_files},
             check=lambda p: bundle.check_onnx(p.name),
         )
-        # the LM's decode loop: batch_size rows (the step graph runs a step's rows one after another)
+        # the LM's decode loop: batch_size rows (one batch graph run per step where the bundle has it)
         self.pipeline.decoder = DecodeLoop(self.llm, options.batch_size, name=self.path.name)
         self.background: threading.Thread | None = None
 

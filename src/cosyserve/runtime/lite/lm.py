@@ -1,12 +1,23 @@
 """The lite runtime's LMs: the decode loop's :class:`~cosyserve.runtime.lm.DecodeLM` over a bundle's ``llm_step``
-graph, with numpy tables for what is a lookup (embeddings, sos and task rows).
+graph (and, for the Qwen LM, its ``llm_batch`` graph), with numpy tables for what is a lookup (embeddings, sos and
+task rows).
 
 One step graph per LM runs T new inputs against the P positions a cache row holds: its caches are graph inputs
-(the past) and outputs (the new positions' keys and values). :class:`StepLM` keeps each cache row as numpy
-buffers whose first axis is the position: the past is the contiguous prefix ``buf[:P]``, bound as the input, and
-the output is bound to ``buf[P:P+T]`` of the same buffer (ONNX Runtime's IO binding), so no cache is copied
-between steps. The step graph takes one row: a batch step runs its rows one after another, each run ended early
-by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`).
+(the past) and outputs (the new positions' keys and values). :class:`StepLM` keeps the caches as one numpy array
+(buffers, rows, positions, ...): a row's past is the contiguous prefix ``cache[i, row, :P]``, bound as the input,
+and the output is bound to ``cache[i, row, P:P+T]`` of the same array (ONNX Runtime's IO binding), so no cache is
+copied between steps. A prefill, and a decode step of one row, run the step graph.
+
+A decode step of B > 1 rows runs the batch graph once where the bundle has it (the Qwen LM's
+:data:`~cosyserve.bundle.lite.BATCH_STEP`, its session opened by the first such step: a server whose requests never
+overlap never opens it): one token per row, each at its own position, against the first rows of the
+cache array bound as they are (rows 0..n-1: a row that does not step is fed padding; each row's positions from
+its own on are masked in the graph). Its new keys and values go to a small staging array and are written into
+each row's next position after the run (B rows x buffers x head_dim floats). Its bindings over the cache array are
+kept between steps. Without the batch graph (CosyVoice-300M's LM, an older bundle) a step's rows run one after
+another, each run ended early by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`); a
+batched run is ended early when every row's signal says stop (a step is one token's work: the loop ends a stopped
+row after it).
 
 - :class:`LiteLM`: CosyVoice-300M's (a conformer text encoder graph, relative positions as projections
   computed by the ``llm_pos`` graph and kept, caches (positions, heads, head_dim) per layer).
@@ -26,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from cosyserve.bundle.lite import qwen_cache_names
+from cosyserve.bundle.lite import BATCH_STEP, qwen_cache_names
 from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps, SamplingConfig, StopRules
 from cosyserve.core.stop import ShouldStop, Stopped
@@ -41,6 +52,15 @@ POS_BLOCK = 256  # positional projections are computed in blocks of this many di
 
 def _flat(a: Any) -> list[int]:
     return [int(x) for x in np.asarray(a).reshape(-1)]
+
+
+def _all_stopped(stops: Sequence[ShouldStop | None]) -> ShouldStop | None:
+    # one run for every row of a step: ended early only when all of them stopped (the loop ends each stopped row
+    # after the step)
+    signals = [s for s in stops if s is not None]
+    if len(signals) < len(stops):
+        return None
+    return lambda: all(s() for s in signals)
 
 
 def _sampling(c: Mapping[str, Any]) -> SamplingConfig:
@@ -58,11 +78,13 @@ class StepLM:
     sampling: SamplingConfig
     cache_names: list[tuple[str, str]]  # (past input, new output) of each cache buffer, in one order
     cache_shape: tuple[int, ...]  # one position of one buffer
+    batch_graph: str | None = None  # the graph of a batched decode step (B rows, one token each), if any
 
     def __init__(self, bundle: Any) -> None:
         self.bundle = bundle
         self.ops = ArrayOps(np)
-        self._caches: list[list[np.ndarray]] = []  # per cache row: each buffer (positions, *cache_shape)
+        self.batch_steps = 0  # decode steps run by the batch graph
+        self.release()
 
     def _view(self, a: np.ndarray) -> np.ndarray:
         return a
@@ -83,7 +105,8 @@ class StepLM:
         io = sess.io_binding()
         io.bind_cpu_input("x", np.ascontiguousarray(x, dtype=np.float32))
         keep = []  # the OrtValues over the buffers live until the run ends
-        for (past, new), buf in zip(self.cache_names, self._caches[row], strict=True):
+        assert self._cache is not None, "reserve() first"
+        for (past, new), buf in zip(self.cache_names, self._cache[:, row], strict=True):
             for name, arr, bind in (
                 (past, buf[:p], io.bind_ortvalue_input),
                 (new, buf[p : p + t], io.bind_ortvalue_output),
@@ -98,24 +121,88 @@ class StepLM:
         terminate.run_bound(sess, io, stop)
         return logp[0]
 
+    def _batch_binding(self, sess: Any, n: int) -> Any:
+        # an IO binding of cache rows 0..n-1 (inputs) and staging rows 0..n-1 (outputs), kept until the arrays change
+        import onnxruntime as ort
+
+        bound = self._bound.get(n)
+        if bound is None:
+            assert self._cache is not None and self._stage is not None, "reserve() first"
+            io = sess.io_binding()
+            keep = []
+            for i, (past, new) in enumerate(self.cache_names):
+                for name, arr, bind in (
+                    (past, self._cache[i, :n], io.bind_ortvalue_input),
+                    (new, self._stage[i, :n], io.bind_ortvalue_output),
+                ):
+                    val = ort.OrtValue.ortvalue_from_numpy(arr)
+                    keep.append(val)
+                    bind(name, val)
+            bound = self._bound[n] = (io, keep)  # the OrtValues over the arrays live as long as the binding
+        return bound[0]
+
+    def _run_batch(
+        self,
+        sess: Any,
+        tokens: np.ndarray,
+        pos: np.ndarray,
+        rows: np.ndarray,
+        stops: Sequence[ShouldStop | None],
+    ) -> np.ndarray:
+        """One batch graph run: token ``tokens[b]`` at position ``pos[b]`` of cache row ``rows[b]``; (B, V)."""
+        import onnxruntime as ort
+
+        assert self._cache is not None and self._stage is not None
+        n = (
+            int(rows.max()) + 1
+        )  # cache rows 0..n-1 are bound as they are; the rows not in the step get padding
+        emb = self._embed_tokens(tokens)  # (B, C)
+        x = np.zeros((n, 1, emb.shape[1]), np.float32)
+        x[rows, 0] = emb
+        p = np.zeros(n, np.int64)
+        p[rows] = pos
+        io = self._batch_binding(sess, n)
+        io.bind_cpu_input("x", x)
+        io.bind_cpu_input("pos", p)
+        logp = np.empty((n, self.rules.vocab), np.float32)
+        io.bind_ortvalue_output("logp", ort.OrtValue.ortvalue_from_numpy(logp))
+        try:
+            terminate.run_bound(sess, io, _all_stopped(stops))
+        except Stopped:
+            self._bound.pop(n, None)
+            return np.zeros((len(rows), self.rules.vocab), np.float32)
+        self._cache[:, rows, pos] = self._stage[:, rows]  # each row's new keys and values at its position
+        self.batch_steps += 1
+        return logp[rows]
+
+    def _embed_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """(B, C) the inputs of a batch step that feeds speech tokens ``tokens`` (B,)."""
+        raise NotImplementedError
+
     # --- the decode loop's LM (cosyserve.runtime.lm.DecodeLM) -----------------------------------------------------
 
     def reserve(self, rows: int, positions: int) -> None:
-        shape = (positions, *self.cache_shape)
-        for r in range(rows):
-            if r == len(self._caches):
-                self._caches.append([])
-            old = self._caches[r]
-            if old and old[0].shape[0] >= positions:
-                continue
-            # np.zeros maps untouched pages: a row costs memory only for the positions it reaches
-            new = [np.zeros(shape, np.float32) for _ in self.cache_names]
-            for a, b in zip(new, old, strict=False):
-                a[: b.shape[0]] = b
-            self._caches[r] = new
+        old = self._cache
+        have = (0, 0) if old is None else old.shape[1:3]
+        if rows <= have[0] and positions <= have[1]:
+            return
+        r, p = max(rows, have[0]), max(positions, have[1])
+        # np.zeros maps untouched pages: a row costs memory only for the positions it reaches
+        cache = np.zeros((len(self.cache_names), r, p, *self.cache_shape), np.float32)
+        if old is not None:
+            cache[:, : have[0], : have[1]] = old
+        self._cache = cache
+        self._stage = np.zeros((len(self.cache_names), r, *self.cache_shape), np.float32)
+        self._bound = {}
 
     def release(self) -> None:
-        self._caches = []
+        self._cache: np.ndarray | None = None  # (buffers, rows, positions, *cache_shape)
+        self._stage: np.ndarray | None = (
+            None  # (buffers, rows, *cache_shape): a batch step's new keys and values
+        )
+        self._bound: dict[
+            int, tuple[Any, list[Any]]
+        ] = {}  # rows bound -> the batch graph's IO binding, its values
 
     def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
         return 0  # a subclass whose input order allows a prefix says how many positions
@@ -138,8 +225,11 @@ class StepLM:
         rows: np.ndarray | None,
         stops: Sequence[ShouldStop | None] | None = None,
     ) -> np.ndarray:
-        rows = np.arange(len(tokens)) if rows is None else rows
+        rows = np.arange(len(tokens)) if rows is None else np.asarray(rows)
         stops = [None] * len(tokens) if stops is None else stops
+        if len(tokens) > 1 and self.batch_graph is not None:
+            sess = self.bundle.session(self.batch_graph)  # opened by the first step of two rows or more
+            return self._run_batch(sess, np.asarray(tokens), np.asarray(pos), rows, stops)
         out = np.zeros((len(tokens), self.rules.vocab), np.float32)
         for b, (token, p, r) in enumerate(zip(tokens.tolist(), pos.tolist(), rows.tolist(), strict=True)):
             try:
@@ -271,6 +361,10 @@ class LiteQwenLM(StepLM):
         self.text_embedding = tables["llm.text_embedding"]  # (text vocabulary, C): rows read as used
         self.speech_embedding = tables["llm.speech_embedding"]
         self.special = {self.rules.sos: tables["llm.sos"], self.rules.task_id: tables["llm.task"]}
+        # the batch graph where the bundle has it; not for the int8 step graph (ORT's dynamic int8 quantizes a
+        # step's activations with one scale for all its rows: a row's tokens would depend on its neighbours)
+        if BATCH_STEP in bundle.graphs and not bundle.int8:
+            self.batch_graph = BATCH_STEP
 
     def _rows(self, table: np.ndarray, ids: list[int], what: str) -> np.ndarray:
         a = np.asarray(ids, dtype=np.int64)
@@ -280,6 +374,9 @@ class LiteQwenLM(StepLM):
 
     def _embed_token(self, token: int) -> np.ndarray:
         return self.speech_embedding[token].reshape(1, 1, -1)
+
+    def _embed_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        return self.speech_embedding[tokens]
 
     def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
         """The one-shot prompt (1, T0, C): sos, the text embeddings of prompt text + text, task_id, the prompt
