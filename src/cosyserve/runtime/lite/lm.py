@@ -197,22 +197,22 @@ class StepLM:
 
     def release(self) -> None:
         self._cache: np.ndarray | None = None  # (buffers, rows, positions, *cache_shape)
-        self._stage: np.ndarray | None = (
-            None  # (buffers, rows, *cache_shape): a batch step's new keys and values
-        )
+        self._stage: np.ndarray | None = None  # (buffers, rows, *cache_shape): a batch step's new keys/values
         self._bound: dict[
             int, tuple[Any, list[Any]]
-        ] = {}  # rows bound -> the batch graph's IO binding, its values
+        ] = {}  # rows bound -> the batch graph's IO binding, values
 
     def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
         return 0  # a subclass whose input order allows a prefix says how many positions
 
     def save_prefix(self, row: int, positions: int) -> list[np.ndarray]:
-        return [buf[:positions].copy() for buf in self._caches[row]]
+        assert self._cache is not None, "reserve() first"
+        return [buf[row, :positions].copy() for buf in self._cache]
 
     def load_prefix(self, arrays: list[np.ndarray], row: int) -> None:
-        for buf, a in zip(self._caches[row], arrays, strict=True):
-            buf[: a.shape[0]] = a
+        assert self._cache is not None, "reserve() first"
+        for buf, a in zip(self._cache, arrays, strict=True):
+            buf[row, : a.shape[0]] = a
 
     def extend(self, x: np.ndarray, row: int, start: int, stop: ShouldStop | None = None) -> np.ndarray:
         return self._run_step(x, row, start, stop)[None]
