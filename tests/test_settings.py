@@ -240,3 +240,24 @@ def test_docs_list_every_declared_variable_and_declare_every_named_one() -> None
         )
     listed = set(re.findall(pattern, (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")))
     assert declared_vars <= listed, f"docs/settings.md leaves out {declared_vars - listed}"
+
+
+def test_every_declared_flag_is_taken_by_a_command() -> None:
+    """A setting declared with a flag that no command registers is documented (docs/settings.md, the error
+    messages) but refused on the command line: `serve --voice-cache-mb 0` was 'unrecognized arguments'."""
+    import argparse
+
+    from cosyserve.cli.parser import build_parser
+
+    taken: set[str] = set()
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            taken.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    walk(build_parser())
+    missing = [s.flag for s in declared() if s.flag and s.flag not in taken]
+    assert not missing, missing

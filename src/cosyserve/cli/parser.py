@@ -17,9 +17,10 @@ from cosyserve.families import DEFAULT_FAMILY, FAMILIES
 
 __all__ = ["build_parser", "flags_of"]
 _SETTINGS = {s.name: s for s in declared()}
-# the compute settings `synth` and `serve` take as flags
+# the compute and memory settings `synth` and `serve` take as flags
 _PRECISION = (
-    "device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps", "flow_context_seconds"
+    "device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps", "flow_context_seconds",
+    "voice_cache_mb", "stream_state_mb", "stream_state_budget_mb",
 )  # fmt: skip
 
 
@@ -241,6 +242,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "host",
         "port",
         "workers",
+        "worker_ready_timeout_s",
         "api_keys_file",
         "cors_origins",
         "max_text_chars",
