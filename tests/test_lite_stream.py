@@ -118,10 +118,12 @@ def test_lite_cosyvoice3_token2wav_streams_torch_chunks_with_a_bounded_vocoder(
 ) -> None:
     """The family's one Token2Wav3 over the lite flow and causal vocoder gives the torch runtime's audio chunk by
     chunk for a long utterance (both incremental), and the lite vocoder's spectrum graph sees a bounded window of
-    mel (its kept receptive field and the new frames), not the utterance so far."""
+    mel (its kept receptive field and the new frames), not the utterance so far; and past the streams' state bound
+    (``stream_state_mb``) a lite stream drops its flow state and goes on cumulatively with the same audio."""
     from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
     from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
     from cosyserve.models.causal_hift import source_noise
+    from cosyserve.voices.voicestates import VoiceStates
 
     sides = _sides(cv3_lite_bundle)
     (tflow, thift), (lflow, lhift, lb) = sides["torch"], sides["lite"]
@@ -129,10 +131,16 @@ def test_lite_cosyvoice3_token2wav_streams_torch_chunks_with_a_bounded_vocoder(
     rand_ini, sine_waves = source_noise(2 * (PROMPT + TOKENS) * 480, torch.Generator().manual_seed(2))
     runs = _record(monkeypatch)
     chunks = {}
-    for name, (flow, hift), conv in (("torch", (tflow, thift), lambda t: t),
-                                     ("lite", (lflow, lhift), lambda t: t.numpy())):  # fmt: skip
+    bounded = VoiceStates(1 << 30, stream_max_bytes=1)  # the lite stream's state past stream_state_mb at once
+    sides_run = (("torch", (tflow, thift), lambda t: t, None), ("lite", (lflow, lhift), lambda t: t.numpy(), None),
+                 ("lite bounded", (lflow, lhift), lambda t: t.numpy(), bounded))  # fmt: skip
+    for name, (flow, hift), conv, voices in sides_run:
         t2w = Token2Wav3(
-            flow, hift, StreamPolicy2(token_hop_len=HOP, token_max_hop_len=HOP), flow_steps=STEPS
+            flow,
+            hift,
+            StreamPolicy2(token_hop_len=HOP, token_max_hop_len=HOP),
+            flow_steps=STEPS,
+            voices=voices,
         )
         noise = {"rand_ini": conv(rand_ini), "sine_waves": conv(sine_waves)}
         chunks[name] = list(
@@ -142,7 +150,14 @@ def test_lite_cosyvoice3_token2wav_streams_torch_chunks_with_a_bounded_vocoder(
     assert len(chunks["lite"]) == len(chunks["torch"]) >= 5
     for i, (got, want) in enumerate(zip(chunks["lite"], chunks["torch"], strict=True)):
         np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk {i}")
+    # a lite stream's flow state is in the model's account as a torch one's: past its bound it is dropped and the
+    # later chunks run on the cumulative path, with the same audio (else a long lite stream's memory grows without
+    # a bound: ~180 MB per second of CosyVoice3 speech)
+    assert bounded.stream_drops == 1 and bounded.stream_bytes == 0
+    for i, (got, want) in enumerate(zip(chunks["lite bounded"], chunks["lite"], strict=True)):
+        np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"bounded chunk {i}")
     decode = lb.session("hift_decode")
-    widths = [feeds["mel"].shape[2] for session, feeds in runs if session is decode]
+    n = len(chunks["lite"])
+    widths = [feeds["mel"].shape[2] for session, feeds in runs if session is decode][:n]  # the unbounded run
     bound = 2 * HOP + lhift.cfg.context + lhift.lookahead + lhift.cfg.conv_pre_look_right
     assert len(widths) == len(chunks["lite"]) and max(widths[:-1]) <= bound, (widths, bound)

@@ -131,10 +131,7 @@ class Pipeline(ModelModes):
         # the model's ModelConfig (what the family builds its parts from; the lite runtime: its manifest's config)
         self.config = config
         self.prompt_prefixes = voice_states
-        # flow states for a flow that keeps its frames and can compute a voice's once (torch's ChunkFlow.prefill);
-        # the lite flow keeps a stream's frames but not a voice's: its streams are not in the voices' account
-        keeps_voices = getattr(flow, "streams", False) and hasattr(flow, "prefill")
-        self.voice_states = voice_states if keeps_voices else None
+        self.voice_states = voice_states if getattr(flow, "streams", False) else None
         # the family's token2wav over the flow and vocoder (torch modules or the lite graphs)
         self.token2wav: Any = family.token2wav(
             config, flow, hift, policy, flow_steps, voices=self.voice_states, flow_context=flow_context
@@ -209,7 +206,7 @@ class Pipeline(ModelModes):
         """:meth:`ModelModes.add_speaker`, and the voice's flow state computed when the model keeps voice states
         (registration pays for it, not the voice's first request: in the background, one voice at a time)."""
         speaker = super().add_speaker(name, prompt_wav, prompt_text, **kwargs)
-        if self.voice_states is not None and speaker.kind == "zero_shot":
+        if getattr(self.token2wav, "keeps_voices", False) and speaker.kind == "zero_shot":
             self.token2wav.keep_voice(speaker.features)
         return speaker
 

@@ -217,7 +217,7 @@ class Token2Wav2:
         )
         if not (self.incremental and getattr(self.flow, "streams", False)):
             return state
-        if self.voices is not None and prompt_token.shape[1]:
+        if self.keeps_voices and prompt_token.shape[1]:
             state.flow = self.voices.stream(
                 self.flow, prompt_token, prompt_feat, embedding, self.flow_steps, should_stop
             )
@@ -227,6 +227,13 @@ class Token2Wav2:
         if self.flow_context and state.flow is not None:
             state.flow.context = math.ceil(self.flow_context * self.flow.frame_rate)
         return state
+
+    @property
+    def keeps_voices(self) -> bool:
+        """Whether a voice's flow state is computed once and forked by its requests (``voices`` given and a flow
+        that computes a prompt's frames alone: torch's ``ChunkFlow.prefill``). The lite flow keeps a stream's
+        frames but not a voice's: its streams are still in ``voices``' account (their bounds)."""
+        return self.voices is not None and self.incremental and hasattr(self.flow, "prefill")
 
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
         """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;

@@ -201,7 +201,10 @@ def _pipeline(
         tokenizer=factory,
         config=config,
         frontend=frontend,
-        voice_states=VoiceStates(o.voice_cache_mb << 20),  # the LM's prompt prefixes (no flow states)
+        # the LM's prompt prefixes, and the streams' flow states' account (their bounds; no voice flow states)
+        voice_states=VoiceStates(
+            o.voice_cache_mb << 20, None, "", (o.stream_state_mb << 20) or None, o.stream_state_budget()
+        ),
     )
     return pipeline
 
