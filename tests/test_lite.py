@@ -440,6 +440,16 @@ def test_int8_step_graph(tiny_model_dir: Path, tiny_lite_bundle: Path, tmp_path:
     ref = _teacher_forced(LiteLM(f, f.tables()), model_input, [1, 2, 3])
     assert not np.array_equal(q, ref)  # another graph ran ...
     np.testing.assert_allclose(q, ref, atol=0.5)  # ... computing nearly the same thing
+    # READY opens the int8 step graph unprepacked, the after-READY thread swaps the prepacked one in: the same
+    # numbers from both (a request's tokens do not depend on when it ran); the float graph has no quick form
+    quick = LiteBundle(out, int8=True, threads=1)
+    assert quick.open_quick("llm_step") and not f.open_quick("llm_step")
+    before = quick.session("llm_step")
+    np.testing.assert_allclose(
+        _teacher_forced(LiteLM(quick, quick.tables()), model_input, [1, 2, 3]), q, atol=1e-5
+    )
+    quick.upgrade("llm_step")
+    assert quick.session("llm_step") is not before
     assert (out / "lite" / "llm_step.int8.onnx.data") in lb.data_files()
     assert "int8" not in json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     with pytest.raises(BundleError, match="--quantize llm=int8"):

@@ -183,6 +183,15 @@ class Pipeline(ModelModes):
     def _text_ids(self, text: str) -> tuple[Any, Any]:
         return _ids(self.ops, self.tokenizer.encode(text))
 
+    def load_text_tier(self) -> None:
+        """Build what a first request's text needs, once: the model's tokenizer (the whisper one, or the model's
+        Qwen one: ~0.3 s to read its 151k-entry vocabulary at full size) and wetext's normalisers (~0.3 s). Each
+        runtime calls it in its after-READY thread (a fork template: before forking) unless the text tier is lazy."""
+        from cosyserve.frontend.text import load_normalizers
+
+        _ = self.tokenizer
+        load_normalizers()
+
     def after_ready(self) -> list[tuple[str, Callable[[], Any]]]:
         """The one-time work of this model's requests that a runtime runs after READY (each runtime in its
         after-READY thread), so that no first request pays it: ``(phase, work)`` pairs. CosyVoice3's fixed

@@ -181,13 +181,6 @@ def _warm_up_lm(lm: Any, n_tokens: int) -> None:
     warm_up(one_layer_per_stack(lm), lm.warmup_input(), n_tokens)
 
 
-def _load_text_tier(pipeline: Pipeline) -> None:
-    from cosyserve.frontend.text import load_normalizers
-
-    _ = pipeline.tokenizer  # the whisper tokenizer, or the model's Qwen tokenizer (built once)
-    load_normalizers()
-
-
 def _run_steps(steps: list[tuple[str, Callable[[], None]]], clock: Any) -> None:
     """Run each ``(phase, work)`` of ``steps`` in turn, timed as ``phase``; a failure is logged and the next step
     runs (the first request that needs a failed tier raises the same error with its context)."""
@@ -425,7 +418,7 @@ def _after_ready_steps(
     if o.text_tier == "background":
         # the tokenizer and wetext's normalisers: the first request's text needs them, a start does not (the
         # warm-up runs on token ids)
-        after.append(("text_tier", lambda: _load_text_tier(pipeline)))
+        after.append(("text_tier", pipeline.load_text_tier))
     # what a first request would pay once (CosyVoice3's vocoder noise), as the lite runtime runs it: before the
     # warm-up, which no request waits for
     after += pipeline.after_ready()

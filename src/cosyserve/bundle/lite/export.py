@@ -216,6 +216,8 @@ def _quantize_step(out: Path, cases: list[tuple[Tensor, ...]], names: list[str])
         location=dst.name + ".data", size_threshold=0,
     )  # fmt: skip
     (out / (dst.name + ".data")).chmod(0o644)
+    # ORT's own rewrite (its int8 matrix products fused): 3497 -> fewer nodes at full size, 0.19 s less to open
+    _optimize_offline(dst)
     base, q = _session(src), _session(dst)
     worst, kls, agree = 0.0, [], []
     for case in cases:

@@ -266,7 +266,7 @@ def _export_lm(ex: Exporter, modules: dict[str, nn.Module], int8: bool) -> None:
     ex.step("lite: LM step, rewritten by ONNX Runtime")
     ex.optimize(
         "llm_step"
-    )  # after the quantizer read the traced graph; the int8 one is optimized when opened
+    )  # after the quantizer read the traced graph (the int8 one is rewritten by the quantizer's step)
     _export_batch(ex, lm)
     ex.tables.update(_tables(lm))
     ex.config.update(_config(lm))

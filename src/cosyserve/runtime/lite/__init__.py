@@ -3,7 +3,7 @@
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
 step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
 READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
-binding holds the GIL while a session opens (~1.7 s for the flow and vocoder graphs at full size on 2 cores):
+binding holds the GIL while a session opens (~1.4 s for the flow and vocoder graphs at full size on 2 cores):
 a request that arrives in that window waits for it, later ones do not.
 
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
@@ -85,6 +85,8 @@ class LiteRuntime(RuntimeVoices):
         # the LM's decode loop: batch_size rows (one batch graph run per step where the bundle has it)
         self.pipeline.decoder = DecodeLoop(self.llm, options.batch_size, name=self.path.name)
         self.background: threading.Thread | None = None
+        # graphs serving their quick form until the after-READY thread upgrades them
+        self.quick: list[str] = []
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
@@ -302,7 +304,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         runtime = LiteRuntime(bundle, lite, speakers, o, clock, registry_root)
     if o.fork_template:
         if o.text_tier == "background":
-            _run_steps([("text_tier", _load_text_tier)], clock)  # pure Python: shared by the children
+            _run_steps([("text_tier", runtime.pipeline.load_text_tier)], clock)  # shared by the children
         clock.mark("ready")
         return runtime
     _open_lm(runtime)
@@ -317,7 +319,9 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
 def _open_lm(runtime: LiteRuntime) -> None:
     clock, o = runtime.clock, runtime.options
     with clock.phase("sessions"):
-        runtime.lite.session("llm_step")  # the text encoder's and the rest open after READY
+        # the step graph's serving form when it is quick to open, else a quick form upgraded after READY; the
+        # text encoder's and the rest open after READY
+        runtime.quick = ["llm_step"] if runtime.lite.open_quick("llm_step") else []
     if o.warmup:
         with clock.phase("warmup"):
             _warm_up_lm(runtime.llm)
@@ -349,8 +353,10 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     and vocoder's sessions (and the zero-shot tier's when asked)."""
     o = runtime.options
     steps: list[tuple[str, Callable[[], Any]]] = []
+    for name in runtime.quick:  # first: a first request's LM steps run on it
+        steps.append((f"upgrade_{name}", lambda name=name: runtime.lite.upgrade(name)))
     if o.text_tier == "background" and not o.fork_template:
-        steps.append(("text_tier", _load_text_tier))
+        steps.append(("text_tier", runtime.pipeline.load_text_tier))
     graphs = runtime.lite.graphs
     if "llm_text" in graphs:  # CosyVoice-300M's text encoder (the Qwen LM's text embedding is a table)
         steps.append(("sessions_llm_text", lambda: runtime.lite.session("llm_text")))
@@ -366,11 +372,3 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     )
     thread.start()
     return thread
-
-
-def _load_text_tier() -> None:
-    from cosyserve.frontend.text import load_normalizers
-    from cosyserve.frontend.tokenizer import get_tokenizer
-
-    get_tokenizer()
-    load_normalizers()

@@ -151,40 +151,62 @@ class LiteBundle:
             )
 
     def session(self, name: str) -> Any:
-        """The ORT session of graph ``name`` (opened once, on first use)."""
+        """The ORT session of graph ``name`` (opened once, on first use, in its serving form; or the quick form
+        that :meth:`open_quick` opened, until :meth:`upgrade` replaces it)."""
         s = self.sessions.get(name)
         if s is None:
             with self._lock:
                 s = self.sessions.get(name)
                 if s is None:
-                    import onnxruntime as ort
-
-                    int8 = self.int8 and name == "llm_step"
-                    if name not in self.graphs:
-                        raise BundleError(
-                            f"{self.path}: its lite graphs ({', '.join(self.parts)}) hold no {name!r} graph"
-                        )
-                    path = self.dir / (INT8_STEP if int8 else self.graphs[name])
-                    try:
-                        # the LM's graphs open before READY: no prepacking, no rewrites, no buffer-reuse plan;
-                        # flow and vocoder open after it, prepacked and fully optimized (their convolutions run
-                        # ~30% faster so); the int8 step graph prepacked (0.4 s to open; its steps ~40% faster)
-                        lm = name.startswith("llm_")
-                        options = session_options(
-                            self.threads,
-                            prepack=self.prepack or int8 or not lm,
-                            optimize=int8 or not lm,
-                            plan_reuse=not lm,
-                        )
-                        s = ort.InferenceSession(
-                            str(path),
-                            options,
-                            providers=["CPUExecutionProvider"],
-                        )
-                    except Exception as e:  # noqa: BLE001 - ORT raises its own types; the file is what is wrong
-                        raise BundleError(f"{path}: ONNX Runtime cannot open it ({e})") from e
-                    self.sessions[name] = s
+                    s = self.sessions[name] = self._open(name, quick=False)
         return s
+
+    def open_quick(self, name: str) -> bool:
+        """Open graph ``name`` now in a quick form where its serving form prepacks its weights, and serve it so
+        until :meth:`upgrade`; returns whether it did (False: the serving form opens as fast and is open now).
+        Why: the int8 LM step graph prepacked takes 0.36 s to open at full size (2-core Xeon), 0.05 s not
+        prepacked, and READY waits for the LM's step graph; its steps run 2.3x slower until the upgrade."""
+        int8 = self.int8 and name == "llm_step"
+        if not (int8 or self.prepack or not name.startswith("llm_")):
+            self.session(name)
+            return False
+        with self._lock:
+            if name not in self.sessions:
+                self.sessions[name] = self._open(name, quick=True)
+        return True
+
+    def upgrade(self, name: str) -> None:
+        """Replace graph ``name``'s quick session by its serving form (a run in flight finishes on the one it
+        holds: every run asks :meth:`session` for its session)."""
+        s = self._open(name, quick=False)
+        with self._lock:
+            self.sessions[name] = s
+
+    def _open(self, name: str, quick: bool) -> Any:
+        import onnxruntime as ort
+
+        int8 = self.int8 and name == "llm_step"
+        if name not in self.graphs:
+            raise BundleError(
+                f"{self.path}: its lite graphs ({', '.join(self.parts)}) hold no {name!r} graph"
+            )
+        path = self.dir / (INT8_STEP if int8 else self.graphs[name])
+        # the LM's float graphs: no prepacking, no rewrites (they open before READY); flow and vocoder (after
+        # READY) prepacked and fully optimized (their convolutions run ~30% faster so, the estimator's 50-frame
+        # step 250 ms instead of 310); the int8 step graph prepacked (its steps 2.3x faster). No graph gets the
+        # buffer-reuse plan: it took 0.9 of the full-size estimator's 2.2 s open and 0.1 of the vocoder's 0.24
+        # (2-core Xeon), its runs and peak RSS the same without it (the arena reuses freed blocks anyway)
+        lm = name.startswith("llm_")
+        options = session_options(
+            self.threads,
+            prepack=not quick and (self.prepack or int8 or not lm),
+            optimize=int8 or not lm,
+            plan_reuse=False,
+        )
+        try:
+            return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types; the file is what is wrong
+            raise BundleError(f"{path}: ONNX Runtime cannot open it ({e})") from e
 
     def tables(self) -> dict[str, np.ndarray]:
         """The tables file's arrays, mapped read-only (a page costs memory once read)."""
