@@ -19,7 +19,8 @@ first-audio: two worker processes, one per source tree (``PYTHONPATH``), each lo
 and then speaks one streamed request at a time when asked; the requests alternate between them (interleaved pairs,
 the order swapped every round) so both see the same machine. The baseline runs with ``batch_size=1`` (the
 unbatched path of a tree from before batching was the default), this tree with no batch setting (its default). A
-request's first audio: ``synthesize(stream=True)`` called until its first chunk, in the worker (the engine, HTTP
+request's first audio: ``synthesize(stream=True)`` called until its first chunk, in the worker, then closed
+(random weights speak to the length limit: the rest would take minutes per request) (the engine, HTTP
 and encoding are the same code in both trees and left out). Printed: the median of each and their ratio (target:
 this tree / baseline <= 1.05).
 
@@ -80,8 +81,9 @@ def worker(model: str, text: str, batch_size: int | None, runtime: str | None = 
         chunks = m.synthesize(text, speaker=speaker, stream=True, seed=seed)
         first = next(chunks, None)  # None: the LM drew its stop id at once (random CosyVoice3 weights can)
         first_s = time.perf_counter() - t
-        samples = (0 if first is None else first.size) + sum(c.size for c in chunks)
-        print(json.dumps({"first_audio_s": first_s, "audio_s": samples / m.sample_rate}), flush=True)
+        chunks.close()  # the rest is not measured: the request ends here (its cache row freed)
+        samples = 0 if first is None else first.size
+        print(json.dumps({"first_audio_s": first_s, "first_chunk_s": samples / m.sample_rate}), flush=True)
 
 
 class _Worker:
@@ -214,7 +216,18 @@ def throughput(
     steps0, rows0 = decoder.stats.steps, decoder.stats.rows
     graph0 = getattr(decoder.lm, "batch_steps", 0)  # the lite LM's steps run by its batch graph
     before = {part: dataclasses.replace(b.stats) for part, b in stackers.items()}
+    trace: list[tuple[float, int]] = []  # (time, rows) of each decode step of the concurrent run
+    told = decoder.on_step
+
+    def on_step(rows: int) -> None:
+        trace.append((time.perf_counter(), rows))
+        if told is not None:
+            told(rows)
+
+    decoder.on_step = on_step
+    t0 = time.perf_counter()
     an, wn = run(concurrency)
+    decoder.on_step = told
     steps, rows = decoder.stats.steps - steps0, decoder.stats.rows - rows0
     stacked = {}
     for part, b in stackers.items():
@@ -245,6 +258,11 @@ def throughput(
     print(f"  LM rows per step    {out['mean_rows']:.2f}")
     if hasattr(decoder.lm, "batch_steps"):
         print(f"  lite batch steps    {out['batch_graph_steps']} of {steps}")
+    # when the steps ran, and with how many rows: tenths of the concurrent run's wall time
+    print("  timeline (tenths of the run): steps / mean rows per step")
+    tenths = [[r for t, r in trace if k * wn / 10 <= t - t0 < (k + 1) * wn / 10] for k in range(10)]
+    print("   " + "  ".join(f"{len(b)}/{(sum(b) / len(b) if b else 0):.1f}" for b in tenths))
+    out["timeline"] = [[len(b), sum(b)] for b in tenths]
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
