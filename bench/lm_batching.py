@@ -14,6 +14,11 @@ source tree, and the audio of N concurrent one-shot requests against one.
     # rows stepped one after another; this tree's share the batch graph's runs)
     python bench/lm_batching.py first-audio --runtime lite --model CV3_LITE_BUNDLE --baseline-src /tmp/base/src
     python bench/lm_batching.py throughput --runtime lite --model CV3_LITE_BUNDLE [--concurrency 4]
+    # CosyVoice-300M's lite LM batches the same way: a 300M-SFT bundle (its speakers speak; convert it again with
+    # --runtime lite so it has llm_batch); the same run on a tree from before (e28b58e: its 300M rows stepped one
+    # after another, "lite batch steps 0") imports that tree's cosyserve
+    python bench/lm_batching.py throughput --runtime lite --model SFT_LITE_BUNDLE [--concurrency 4]
+    PYTHONPATH=/tmp/base/src python bench/lm_batching.py throughput --runtime lite --model SFT_LITE_BUNDLE
 
 first-audio: two worker processes, one per source tree (``PYTHONPATH``), each loads the model once (warm-up on)
 and then speaks one streamed request at a time when asked; the requests alternate between them (interleaved pairs,

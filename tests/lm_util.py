@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,14 @@ def join_and_leave(lm: Any, specs: list[Any], keys: list[int]) -> DecodeLoop:
     assert loop.stats.peak_rows == 3 and loop.stats.prefills == 4 and loop.active == 0
     assert loop.stats.rows_hist.get(3, 0) > 0, "the rows were not decoded together"
     return loop
+
+
+def batch_run_ends_when_every_row_stopped(lm: Any) -> None:
+    """A lite LM's batch graph runs once for every row of a step: ended early (ORT's terminate) only when every row's
+    request stopped; a row that goes on gets its log-probabilities."""
+    lm.reserve(2, 8)
+    tokens, pos = np.array([1, 2]), np.array([0, 3])
+    steps = lm.batch_steps
+    assert not lm.decode(tokens, pos, 4, None, [lambda: True, lambda: True]).any()
+    assert lm.batch_steps == steps, "a step of rows that all stopped ran to its end"
+    assert lm.decode(tokens, pos, 4, None, [lambda: True, None]).any() and lm.batch_steps == steps + 1

@@ -46,15 +46,19 @@ def _t(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_manifest_lists_every_graph_and_its_check(tiny_lite_bundle: Path) -> None:
-    from cosyserve.bundle.lite import GRAPHS
+    """Every graph is written, checked (the batch step too) and keeps its weights outside the graph, which ORT maps;
+    the batch step's are the step graph's, read from its data file (stored and mapped once)."""
+    from cosyserve.bundle.lite import BATCH_STEP, GRAPHS
 
     m = json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     assert set(m["checked"]) == set(GRAPHS)
     assert max(m["checked"].values()) < 1e-4
-    for name in GRAPHS.values():
+    for graph, name in GRAPHS.items():
         assert m["files"][name]["bytes"] == (tiny_lite_bundle / "lite" / name).stat().st_size
-        # weights outside the graph: mapped by ORT
-        assert (tiny_lite_bundle / "lite" / (name + ".data")).is_file()
+        if graph != BATCH_STEP:
+            assert (tiny_lite_bundle / "lite" / (name + ".data")).is_file()
+    own = m["files"].get("llm_batch.onnx.data", {"bytes": 0})["bytes"]
+    assert own < 0.05 * m["files"]["llm_step.onnx.data"]["bytes"], own
 
 
 def _inputs(
@@ -113,6 +117,60 @@ def test_lite_and_torch_sample_the_same_tokens_for_a_seed(both: tuple[dict, dict
             for name, lm in (("torch", torch_m["llm"]), ("lite", lite["llm"]))
         }
         assert len(runs["torch"]) >= 12 and runs["lite"] == runs["torch"], seed
+
+
+def test_lite_rows_share_batch_steps_and_keep_their_tokens(both: tuple[dict, dict]) -> None:
+    """CosyVoice-300M's lite rows share decode steps through its batch graph (one run per step, each row at its own
+    position with its own relative distances, the cache rows of rows that do not step fed padding): rows joining
+    and leaving mid-run get the tokens each gets alone (the step graph); a step of rows that all stopped is ended
+    early. If this failed, the batch graph's mask, distances or cache writes would change a row's speech with its
+    neighbours; if no batch step ran, the rows would still step one after another. (The 300M LM takes no streamed
+    text: its rows are one-shot.)"""
+    from cosyserve.core.sampling import row_key
+    from cosyserve.runtime.lm import OneShot, one_shot
+    from lm_util import batch_run_ends_when_every_row_stopped, join_and_leave
+
+    lm = both[1]["llm"]
+    assert lm.batch_graph == "llm_batch" and lm.unbatched is None
+    emb = np.random.default_rng(2).standard_normal(192).astype(np.float32)
+    specs = []
+    for i, n in enumerate((20, 12, 25, 15)):  # prompts of different lengths: the rows' positions differ
+        inputs = _inputs(list(range(5, 7 + 2 * i)), [11, 12][: i % 3], [3, 4, 5][:i], emb if i % 2 else None)
+        row = one_shot(lm, inputs["lite"])
+        specs.append(OneShot(row.prompt, n, n))
+    join_and_leave(lm, specs, [row_key(40 + i) for i in range(4)])
+    assert lm.batch_steps > 0, "no step ran the batch graph"
+    batch_run_ends_when_every_row_stopped(lm)
+    lm.release()
+
+
+def test_a_bundle_without_the_batch_graph_steps_rows_one_by_one(tiny_lite_bundle: Path) -> None:
+    """A lite bundle converted before its LM had a batch graph still serves: its rows step one after another through
+    the step graph, with the same log-probabilities as a batch step's, and the LM says why (the runtime logs it
+    once). If this failed, an older bundle would be refused or would fail at its first step of two rows."""
+    from cosyserve.bundle.lite import BATCH_STEP
+    from cosyserve.runtime.lite.lm import LiteLM
+    from cosyserve.runtime.lite.models import LiteBundle
+
+    lms = []
+    for drop in (False, True):
+        lb = LiteBundle(tiny_lite_bundle, verify="none", threads=1)
+        if drop:  # as an older manifest lists its graphs
+            del lb.graphs[BATCH_STEP]
+        lms.append(LiteLM(lb, lb.tables()))
+    batched, older = lms
+    assert older.batch_graph is None and "convert it again" in (older.unbatched or "")
+    prompt = batched.prompt(_inputs([5, 6, 7], [11], [3, 4], None)["lite"])[0]
+    for lm in lms:
+        lm.reserve(2, 16)
+        lm.extend(prompt, 0, 0)
+        lm.extend(prompt[:, :4], 1, 0)
+    tokens, pos = np.array([7, 9]), np.array([prompt.shape[1], 4])
+    np.testing.assert_allclose(
+        older.decode(tokens, pos, 16, None), batched.decode(tokens, pos, 16, None), atol=1e-4
+    )
+    assert (older.batch_steps, batched.batch_steps) == (0, 1)
+    assert "llm_batch" not in older.bundle.sessions
 
 
 @pytest.mark.parametrize(
@@ -451,6 +509,8 @@ def test_int8_step_graph(tiny_model_dir: Path, tiny_lite_bundle: Path, tmp_path:
     quick.upgrade("llm_step")
     assert quick.session("llm_step") is not before
     assert (out / "lite" / "llm_step.int8.onnx.data") in lb.data_files()
+    # its rows step one by one: ORT's dynamic int8 scales a run's activations across its rows
+    assert LiteLM(lb, lb.tables()).batch_graph is None and "int8" in (LiteLM(lb, lb.tables()).unbatched or "")
     assert "int8" not in json.loads((tiny_lite_bundle / "lite" / "manifest.json").read_text())
     with pytest.raises(BundleError, match="--quantize llm=int8"):
         LiteBundle(tiny_lite_bundle, int8=True)

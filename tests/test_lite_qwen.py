@@ -151,7 +151,7 @@ def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bund
     (here the module with one weight changed after export) is refused, the unchanged module is accepted."""
     from cosyserve.bundle.lite import qwen_cache_names
     from cosyserve.bundle.lite.export import _check
-    from cosyserve.bundle.lite.export_qwen import QwenStepReference
+    from cosyserve.bundle.lite.export_qwen import references
 
     bundle = qwen_bundles["cosyvoice2"]
     torch_lm, _ = _lms(bundle)
@@ -162,12 +162,12 @@ def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bund
     c = torch_lm.cfg.llm_input_size
     cases = [(torch.randn(1, 3, c), *[torch.randn(7, a.head_dim) for _ in names])]
     graph = bundle / "lite" / "llm_step.onnx"
-    assert _check("llm_step", graph, QwenStepReference(torch_lm), cases, inputs, 1e-4) < 1e-4
+    assert _check("llm_step", graph, references(torch_lm)[0], cases, inputs, 1e-4) < 1e-4
     wrong = copy.deepcopy(torch_lm)
     with torch.no_grad():
         wrong.stack.layers[1].mlp.down_proj.weight.mul_(1.5)
     with pytest.raises(ConvertError, match="differs from the torch module"):
-        _check("llm_step", graph, QwenStepReference(wrong), cases, inputs, 1e-4)
+        _check("llm_step", graph, references(wrong)[0], cases, inputs, 1e-4)
 
 
 def test_a_stop_ends_a_running_onnx_runtime_step(qwen_bundles: dict) -> None:
@@ -238,7 +238,7 @@ def test_lite_rows_share_batch_steps_and_keep_their_tokens(qwen_bundles: dict) -
     from cosyserve.runtime.decode import DecodeLoop
     from cosyserve.runtime.lm import OneShot, Streamed, one_shot
     from cosyserve.runtime.oneoff import generate
-    from lm_util import join_and_leave, together
+    from lm_util import batch_run_ends_when_every_row_stopped, join_and_leave, together
 
     _, lm = _lms(qwen_bundles["cosyvoice3"])  # CosyVoice2's graphs are the same code
     assert lm.batch_graph == "llm_batch"
@@ -265,13 +265,7 @@ def test_lite_rows_share_batch_steps_and_keep_their_tokens(qwen_bundles: dict) -
     loop.close()
     assert got == want and all(len(w) > 10 for w in want)
     assert lm.batch_steps > steps, "streamed-text rows never shared a batch step"
-    # one run for every row: ended early (ORT's terminate) only when every row's request stopped
-    lm.reserve(2, 8)
-    tokens, pos = np.array([1, 2]), np.array([0, 3])
-    steps = lm.batch_steps
-    assert not lm.decode(tokens, pos, 4, None, [lambda: True, lambda: True]).any()
-    assert lm.batch_steps == steps, "a step of rows that all stopped ran to its end"
-    assert lm.decode(tokens, pos, 4, None, [lambda: True, None]).any() and lm.batch_steps == steps + 1
+    batch_run_ends_when_every_row_stopped(lm)
 
 
 def test_convert_lite_exports_every_part_of_both_families(qwen_bundles: dict) -> None:

@@ -34,9 +34,11 @@ POS_TABLE_ROWS = 1024
 INT8_STEP = (
     "llm_step.int8.onnx"  # the step graph with ORT's dynamic int8 matmuls (convert --quantize llm=int8)
 )
-# the Qwen LM's batched decode step: one token for each of B rows, each at its own position (a padded cache and a
-# mask); its weights are the step graph's, read from the step graph's data file (a bundle may lack it, and the int8
-# LM has none: rows then step one after another)
+# an LM's batched decode step (CosyVoice-300M's and the Qwen LM's): one token for each of B rows, each at its own
+# position (a padded cache and a mask); its weights are the step graph's, read from the step graph's data file. A
+# bundle converted before its LM had one lacks it and still serves, its rows stepping one after another (an added
+# graph: no version change). The int8 step graph has none: ORT's dynamic int8 quantizes a run's activations with one
+# scale per tensor, across its rows, so a row's tokens would depend on its neighbours; its rows step one by one
 BATCH_STEP = "llm_batch"
 # the parts a bundle's lite graphs cover: a bundle serves on the lite runtime with all of them (its manifest lists
 # the ones it holds)
@@ -46,6 +48,7 @@ GRAPHS = {
     "llm_text": "llm_text.onnx",
     "llm_pos": "llm_pos.onnx",
     "llm_step": "llm_step.onnx",
+    BATCH_STEP: "llm_batch.onnx",  # its weights in llm_step.onnx.data
     "flow_encoder": "flow_encoder.onnx",
     "flow_regulator": "flow_regulator.onnx",
     "flow_estimator": "flow_estimator.onnx",

@@ -34,7 +34,7 @@ from cosyserve.core.errors import ConvertError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Exporter", "export_lite", "require_lite"]
+__all__ = ["BatchReference", "Exporter", "StepReference", "export_lite", "require_lite"]
 
 OPSET = 17
 CHECK_ATOL = 1e-4  # a graph's largest difference from its module, relative to 1 + |x|
@@ -272,6 +272,58 @@ def _share_data(out: Path, name: str, base: str) -> int:
     return shared
 
 
+class StepReference:
+    """An LM step graph's outputs computed by the model's own code (a :class:`~cosyserve.models.llm.SpeechLM`):
+    its KV caches set up for one row holding the case's past, then
+    :meth:`~cosyserve.models.llm.SpeechLM.extend` of x from position P, the new positions' keys and values read
+    back. What is the family's is how its graph lays the caches out.
+
+    Args:
+        lm: the torch LM.
+        to_model: the graph's inputs after x (one row's) -> the model's caches' past, each (heads, P, head_dim),
+            in :meth:`~cosyserve.models.llm.SpeechLM.save_prefix` order (per layer, keys then values); inputs the
+            model computes itself (the 300M LM's projected distances) are not read.
+        to_graph: the model's new positions, each (heads, T, head_dim) in that order -> the graph's cache outputs.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        to_model: Callable[[tuple[Tensor, ...]], list[Tensor]],
+        to_graph: Callable[[list[Tensor]], list[Tensor]],
+    ) -> None:
+        self.lm, self.to_model, self.to_graph = lm, to_model, to_graph
+
+    def __call__(self, x: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+        lm = self.lm
+        past = self.to_model(inputs)
+        p, t = past[0].shape[1], x.shape[1]
+        lm.release()
+        lm.reserve(1, p + t)
+        try:
+            lm.load_prefix(past, 0)
+            logp = lm.extend(x, 0, p)
+            new = [c[:, p:] for c in lm.save_prefix(0, p + t)]
+            return (logp, *self.to_graph(new))
+        finally:
+            lm.release()
+
+
+class BatchReference:
+    """An LM batch graph's outputs (one token for each of B rows, row b's at position ``pos[b]``) computed by the
+    model's own code: each row alone (a :class:`StepReference` of its token after the first ``pos[b]`` positions of
+    its past, ``row(inputs, b, pos[b])`` its inputs after x), its outputs concatenated along their first axis."""
+
+    def __init__(
+        self, step: StepReference, row: Callable[[tuple[Tensor, ...], int, int], list[Tensor]]
+    ) -> None:
+        self.step, self.row = step, row
+
+    def __call__(self, x: Tensor, pos: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+        rows = [self.step(x[b : b + 1], *self.row(inputs, b, p)) for b, p in enumerate(pos.tolist())]
+        return tuple(torch.cat([r[j] for r in rows]) for j in range(len(rows[0])))
+
+
 class Exporter:
     """What a family's lite export writes into (``lite/``): its graphs, each exported and checked, the int8 step
     graph's distance from the float one, its numpy tables and the config numbers the runtime reads.
@@ -310,10 +362,13 @@ class Exporter:
         *,
         optimize: bool = False,
         reference: Callable[..., Any] | None = None,
+        shares: str | None = None,
     ) -> None:
         """Export ``module`` as graph ``name`` (traced on ``example``; ``optimize``: rewritten by ONNX Runtime,
         :func:`_optimize_offline`) and check it on ``cases`` against ``reference`` (default: ``module`` itself; a
-        graph wrapper that re-states a computation is checked against the model's own code)."""
+        graph wrapper that re-states a computation is checked against the model's own code). ``shares``: a graph
+        over the same weights (an LM's batch step over its step graph's), whose data file it reads them from
+        (:meth:`share`)."""
         path = self.out / f"{name}.onnx"
         _export(module, example, path, inputs, outputs, dynamic)
         if optimize:
@@ -321,6 +376,10 @@ class Exporter:
         self._checks[name] = (reference or module, cases, inputs)
         self.errors[name] = _check(name, path, reference or module, cases, inputs, CHECK_ATOL)
         self.graphs[name] = path.name
+        if shares is not None:
+            self.step(f"lite: {name}, the weights it shares read from {shares}'s")
+            shared = self.share(name, shares)
+            logger.info("lite: graph %s reads %.1f MB of graph %s's weights", name, shared / 1e6, shares)
 
     def optimize(self, name: str) -> None:
         """Rewrite graph ``name`` by ONNX Runtime (:func:`_optimize_offline`) after what needed the traced graph

@@ -1,6 +1,8 @@
 """CosyVoice-300M's lite graphs (``Family.lite_export`` of :class:`~cosyserve.families.cosyvoice.CosyVoice`).
 
-LM text encoder, LM positional projections, one LM step (T new positions against P cached ones), flow encoder,
+LM text encoder, LM positional projections, one LM step (T new positions against P cached ones), one LM decode
+step of B rows each at its own position (``llm_batch``, its weights read from the step graph's data file; both LM
+graphs checked against the model's own cached attention, :func:`references`), flow encoder,
 length-regulator convolutions, flow estimator, f0 predictor, vocoder up to the iSTFT; numpy tables of what is a
 lookup or an affine (sos/task rows, speaker affines, speech embedding, source merge, the LM's positional
 projections for the first distances). See :mod:`cosyserve.bundle.lite.export`.
@@ -10,17 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cosyserve.bundle.lite import MAX_TEXT_POSITIONS, POS_TABLE_ROWS
-from cosyserve.bundle.lite.export import Exporter
+from cosyserve.bundle.lite import BATCH_STEP, MAX_TEXT_POSITIONS, POS_TABLE_ROWS
+from cosyserve.bundle.lite.export import BatchReference, Exporter, StepReference
 from cosyserve.models.lite_dsp import distance_pe
 
-__all__ = ["export", "hift_config"]
+__all__ = ["BatchGraph", "StepGraph", "export", "hift_config", "references"]
 
 
 # --- graph wrappers (our modules' weights, one computation each) ---------------------------------------------
@@ -69,20 +72,38 @@ class StepGraph(nn.Module):
         self.stack = llm.llm
         self.decoder = llm.llm_decoder
 
-    def forward(self, x: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+    def _layers(self, x: Tensor, attend: Callable[[int, nn.Module, Tensor], Tensor]) -> Tensor:
+        # the stack over x (B, T, C) -> (B, T, C): ``attend(i, attention, h)`` gives layer i's heads' output
+        # (B, T, H*D) before linear_out (and keeps the new keys and values it made)
         stack = self.stack
-        n_layers = len(stack.encoders)
-        past_k, past_v, pos = caches[:n_layers], caches[n_layers : 2 * n_layers], caches[2 * n_layers :]
-        p, t = past_k[0].shape[1], x.shape[1]
         x, _ = stack.embed(x)
-        positions = torch.arange(t) + p  # (T,)
-        dist = positions.unsqueeze(1) - torch.arange(p + t).unsqueeze(0)  # (T, K)
-        rel, masked = dist.clamp(min=0), dist < 0
-        new: list[Tensor] = []
         for i, layer in enumerate(stack.encoders):
             a = layer.self_attn
             residual = x
             h = layer.norm_attn(x) if layer.normalize_before else x
+            x = residual + a.linear_out(attend(i, a, h))
+            if not layer.normalize_before:
+                x = layer.norm_attn(x)
+            residual = x
+            h = layer.norm_ffn(x) if layer.normalize_before else x
+            x = residual + layer.feed_forward(h)
+            if not layer.normalize_before:
+                x = layer.norm_ffn(x)
+        if stack.cfg.normalize_before:
+            x = stack.after_norm(x)
+        return x
+
+    def forward(self, x: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        n_layers = len(self.stack.encoders)
+        past_k, past_v, pos = caches[:n_layers], caches[n_layers : 2 * n_layers], caches[2 * n_layers :]
+        p, t = past_k[0].shape[1], x.shape[1]
+        positions = torch.arange(t) + p  # (T,)
+        dist = positions.unsqueeze(1) - torch.arange(p + t).unsqueeze(0)  # (T, K)
+        rel, masked = dist.clamp(min=0), dist < 0
+        new_k: list[Tensor] = []
+        new_v: list[Tensor] = []
+
+        def attend(i: int, a: nn.Module, h: Tensor) -> Tensor:
             q, k, v = a._qkv(h)  # (1, T, H, D)
             q_u = (q + a.pos_bias_u).transpose(1, 2)  # (1, H, T, D)
             q_v = (q + a.pos_bias_v).transpose(1, 2)
@@ -96,20 +117,77 @@ class StepGraph(nn.Module):
             out = attn[..., :p] @ past_v[i].transpose(1, 2) + attn[..., p:] @ v.transpose(
                 1, 2
             )  # (1, H, T, D)
-            out = a.linear_out(out.transpose(1, 2).reshape(1, t, a.h * a.d_k))
-            x = residual + out
-            if not layer.normalize_before:
-                x = layer.norm_attn(x)
-            residual = x
-            h = layer.norm_ffn(x) if layer.normalize_before else x
-            x = residual + layer.feed_forward(h)
-            if not layer.normalize_before:
-                x = layer.norm_ffn(x)
-            new += [k, v]
-        if stack.cfg.normalize_before:
-            x = stack.after_norm(x)
+            new_k.append(k)
+            new_v.append(v)
+            return out.transpose(1, 2).reshape(1, t, a.h * a.d_k)
+
+        x = self._layers(x, attend)
         logp = self.decoder(x[:, -1]).float().log_softmax(dim=-1)
-        return (logp, *new[0::2], *new[1::2])
+        return (logp, *new_k, *new_v)
+
+
+class BatchGraph(StepGraph):
+    """One decode step of B rows: x (B, 1, C), pos (B,) int64, per layer past_k, past_v (B, L, H, D) and per layer
+    the projected distances (K, H, D), K >= L -> logp (B, V) and per layer new_k, new_v (B, H, D). Row b's token is
+    at position pos[b] after the pos[b] positions its cache rows hold (L > every pos: a row's positions from
+    pos[b] on are padding, masked out). The runtime binds the first B rows of its caches as they are (no copy) and
+    writes the new keys and values into them after the run. The step graph's computation per row, the row's own
+    position (distance 0) scored apart from its past, as the step graph scores its new positions."""
+
+    def forward(self, x: Tensor, pos: Tensor, *caches: Tensor) -> tuple[Tensor, ...]:
+        n_layers = len(self.stack.encoders)
+        past_k, past_v, proj = caches[:n_layers], caches[n_layers : 2 * n_layers], caches[2 * n_layers :]
+        length = past_k[0].shape[1]
+        dist = pos.unsqueeze(1) - torch.arange(length)  # (B, L)
+        rel = dist.clamp(min=0).unsqueeze(1).unsqueeze(1)  # (B, 1, 1, L)
+        pad = (dist <= 0).unsqueeze(1).unsqueeze(1)  # (B, 1, 1, L): a row's positions from its own on
+        new_k: list[Tensor] = []
+        new_v: list[Tensor] = []
+
+        def attend(i: int, a: nn.Module, h: Tensor) -> Tensor:
+            q, k, v = a._qkv(h)  # (B, 1, H, D)
+            q_u = (q + a.pos_bias_u).transpose(1, 2)  # (B, H, 1, D)
+            q_v = (q + a.pos_bias_v).transpose(1, 2)
+            by_dist = q_v @ proj[i].permute(1, 2, 0)  # (B, H, 1, K)
+            bd = by_dist.gather(-1, rel.expand(-1, a.h, 1, length))  # (B, H, 1, L)
+            s_past = ((q_u @ past_k[i].permute(0, 2, 3, 1) + bd) / math.sqrt(a.d_k)).masked_fill(
+                pad, -float("inf")
+            )
+            k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (B, H, 1, D)
+            s_new = ((q_u * k_t).sum(-1, keepdim=True) + by_dist[..., :1]) / math.sqrt(a.d_k)  # (B, H, 1, 1)
+            attn = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # (B, H, 1, L + 1)
+            out = attn[..., :length] @ past_v[i].transpose(1, 2) + attn[..., length:] * v_t  # (B, H, 1, D)
+            new_k.append(k[:, 0])
+            new_v.append(v[:, 0])
+            return out.transpose(1, 2).reshape(-1, 1, a.h * a.d_k)
+
+        x = self._layers(x, attend)
+        logp = self.decoder(x[:, -1]).float().log_softmax(dim=-1)  # (B, V)
+        return (logp, *new_k, *new_v)
+
+
+def references(llm: nn.Module) -> tuple[StepReference, BatchReference]:
+    """The step and batch graphs' outputs computed by the model's own code (its KV caches (H, positions, D) per
+    layer set from the graph's (1, P, H, D), then its extend; the projected distances are its own)."""
+    n = len(llm.llm.encoders)
+
+    def to_model(inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        # per layer: keys, values (H, P, D)
+        return [inputs[i + kv * n][0].transpose(0, 1) for i in range(n) for kv in (0, 1)]
+
+    def to_graph(per_row: bool) -> Callable[[list[Tensor]], list[Tensor]]:
+        # the step graph's new keys, then values (1, T, H, D); a batch row's (T = 1, H, D)
+        def out(new: list[Tensor]) -> list[Tensor]:
+            t = [c.transpose(0, 1) for c in new[0::2] + new[1::2]]
+            return t if per_row else [c.unsqueeze(0) for c in t]
+
+        return out
+
+    def row(inputs: tuple[Tensor, ...], b: int, p: int) -> list[Tensor]:
+        return [c[b : b + 1, :p] for c in inputs[: 2 * n]]
+
+    batch = BatchReference(StepReference(llm, to_model, to_graph(True)), row)
+    return StepReference(llm, to_model, to_graph(False)), batch
 
 
 class FlowEncoderGraph(nn.Module):
@@ -243,48 +321,8 @@ def export(ex: Exporter, modules: dict[str, nn.Module], parts: tuple[str, ...], 
     # every length a request can have
     for enc in (llm.text_encoder, flow.encoder, llm.llm):
         enc.embed.pos_enc._table(MAX_TEXT_POSITIONS, torch.zeros(1))
-    n_layers = len(llm.llm.encoders)
-    a0 = llm.llm.encoders[0].self_attn
-    heads, head_dim, c = a0.h, a0.d_k, llm.cfg.llm_input_size
+    _export_lm(ex, llm, int8)
     randn, ints, graph, step = ex.randn, ex.ints, ex.graph, ex.step
-
-    def pe_rows(n: int) -> Tensor:
-        return torch.from_numpy(distance_pe(c, 0, n))
-
-    step("lite: LM text encoder")
-    graph(
-        "llm_text", TextEncoderGraph(llm), (ints(100, 7),), ["text"], ["encoded"],
-        {"text": {1: "n"}, "encoded": {1: "n"}}, [(ints(1000, 5),), (ints(1000, 23),)],
-    )  # fmt: skip
-
-    step("lite: LM positions")
-    pp = PosProjGraph(llm)
-    graph(
-        "llm_pos", pp, (pe_rows(9),), ["pe"], ["proj"], {"pe": {0: "n"}, "proj": {1: "n"}},
-        [(pe_rows(4),), (pe_rows(33),)],
-    )  # fmt: skip
-
-    step("lite: LM step")
-    names = ["x"] + [f"past_k{i}" for i in range(n_layers)] + [f"past_v{i}" for i in range(n_layers)]
-    names += [f"pos{i}" for i in range(n_layers)]
-    outs = ["logp"] + [f"new_k{i}" for i in range(n_layers)] + [f"new_v{i}" for i in range(n_layers)]
-    dyn: dict[str, dict[int, str]] = {"x": {1: "t"}}
-    dyn.update({n: {1: "p"} for n in names if n.startswith("past")})
-    dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
-    dyn.update({n: {1: "t"} for n in outs if n.startswith("new")})
-
-    def step_case(p: int, t: int) -> tuple[Tensor, ...]:
-        proj = pp(pe_rows(p + t))
-        return (
-            randn(1, t, c),
-            *[randn(1, p, heads, head_dim) for _ in range(2 * n_layers)],
-            *[proj[i] for i in range(n_layers)],
-        )
-
-    graph(
-        "llm_step", StepGraph(llm), step_case(5, 3), names, outs, dyn,
-        [step_case(0, 9), step_case(9, 1), step_case(30, 1)],
-    )  # fmt: skip
 
     step("lite: flow encoder")
     vocab = flow.input_embedding.num_embeddings
@@ -327,8 +365,79 @@ def export(ex: Exporter, modules: dict[str, nn.Module], parts: tuple[str, ...], 
         {"mel": {2: "t"}, "s_stft": {2: "n"}, "spec": {2: "n"}}, [voc_case(3), voc_case(25)],
     )  # fmt: skip
 
+    ex.tables.update(_tables(llm, flow, hift))
+    ex.config.update(_config(llm, flow, hift))
+
+
+def _export_lm(ex: Exporter, llm: nn.Module, int8: bool) -> None:
+    # the LM's graphs: text encoder, positional projections, step, batch step (and the int8 step)
+    n_layers = len(llm.llm.encoders)
+    a0 = llm.llm.encoders[0].self_attn
+    heads, head_dim, c = a0.h, a0.d_k, llm.cfg.llm_input_size
+    randn, ints, graph, step = ex.randn, ex.ints, ex.graph, ex.step
+
+    def pe_rows(n: int) -> Tensor:
+        return torch.from_numpy(distance_pe(c, 0, n))
+
+    step("lite: LM text encoder")
+    graph(
+        "llm_text", TextEncoderGraph(llm), (ints(100, 7),), ["text"], ["encoded"],
+        {"text": {1: "n"}, "encoded": {1: "n"}}, [(ints(1000, 5),), (ints(1000, 23),)],
+    )  # fmt: skip
+
+    step("lite: LM positions")
+    pp = PosProjGraph(llm)
+    graph(
+        "llm_pos", pp, (pe_rows(9),), ["pe"], ["proj"], {"pe": {0: "n"}, "proj": {1: "n"}},
+        [(pe_rows(4),), (pe_rows(33),)],
+    )  # fmt: skip
+
+    step("lite: LM step")
+    names = ["x"] + [f"past_k{i}" for i in range(n_layers)] + [f"past_v{i}" for i in range(n_layers)]
+    names += [f"pos{i}" for i in range(n_layers)]
+    outs = ["logp"] + [f"new_k{i}" for i in range(n_layers)] + [f"new_v{i}" for i in range(n_layers)]
+    dyn: dict[str, dict[int, str]] = {"x": {1: "t"}}
+    dyn.update({n: {1: "p"} for n in names if n.startswith("past")})
+    dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
+    dyn.update({n: {1: "t"} for n in outs if n.startswith("new")})
+
+    def step_case(p: int, t: int) -> tuple[Tensor, ...]:
+        proj = pp(pe_rows(p + t))
+        return (
+            randn(1, t, c),
+            *[randn(1, p, heads, head_dim) for _ in range(2 * n_layers)],
+            *[proj[i] for i in range(n_layers)],
+        )
+
+    step_reference, batch_reference = references(llm)
+    graph(
+        "llm_step", StepGraph(llm), step_case(5, 3), names, outs, dyn,
+        [step_case(0, 9), step_case(9, 1), step_case(30, 1)], reference=step_reference,
+    )  # fmt: skip
+
+    def batch_case(length: int, *pos: int) -> tuple[Tensor, ...]:
+        # the padding past each row's positions random too: the check sees it masked
+        proj = pp(pe_rows(length))
+        b = len(pos)
+        return (
+            randn(b, 1, c),
+            torch.tensor(pos, dtype=torch.int64),
+            *[randn(b, length, heads, head_dim) for _ in range(2 * n_layers)],
+            *[proj[i] for i in range(n_layers)],
+        )
+
+    caches = names[1 : 1 + 2 * n_layers]
+    batch_dyn = {"x": {0: "b"}, "pos": {0: "b"}, "logp": {0: "b"}, **{n: {0: "b", 1: "l"} for n in caches}}
+    batch_dyn.update({n: {0: "k"} for n in names if n.startswith("pos")})
+    batch_dyn.update({n: {0: "b"} for n in outs if n.startswith("new")})
+    # the batched decode step, its weights read from the step graph's data file; no int8 one (BATCH_STEP says why)
+    step("lite: LM batch step")
+    graph(
+        BATCH_STEP, BatchGraph(llm), batch_case(7, 5, 0, 6), ["x", "pos", *names[1:]], outs, batch_dyn,
+        [batch_case(9, 8, 3), batch_case(30, 0, 29, 17, 1), batch_case(5, 2)], reference=batch_reference,
+        shares="llm_step",
+    )  # fmt: skip
+
     if int8:
         step("lite: LM step, int8")
         ex.quantize_step([step_case(0, 9), step_case(30, 1)], names)
-    ex.tables.update(_tables(llm, flow, hift))
-    ex.config.update(_config(llm, flow, hift))

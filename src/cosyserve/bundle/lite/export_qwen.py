@@ -20,7 +20,6 @@ these families are :mod:`cosyserve.bundle.lite.export_chunkflow`'s.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any
 
@@ -29,12 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyserve.bundle.lite import BATCH_STEP, qwen_cache_names
-from cosyserve.bundle.lite.export import Exporter
+from cosyserve.bundle.lite.export import BatchReference, Exporter, StepReference
 from cosyserve.models.qwen2lm import Qwen2LM
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["QwenBatchGraph", "QwenBatchReference", "QwenStepGraph", "QwenStepReference", "export"]
+__all__ = ["QwenBatchGraph", "QwenStepGraph", "export", "references"]
 
 
 class QwenStepGraph(nn.Module):
@@ -155,46 +152,25 @@ class QwenBatchGraph(QwenStepGraph):
         return (logp, *new)
 
 
-class QwenStepReference:
-    """The step graph's outputs computed by the model's own code: its KV caches set up for one row holding the
-    case's past, then :meth:`~cosyserve.models.llm.SpeechLM.extend` of x from position P."""
+def references(lm: Qwen2LM) -> tuple[StepReference, BatchReference]:
+    """The step and batch graphs' outputs computed by the model's own code (its KV caches, one (n_kv, positions,
+    head_dim) pair per layer, set from the graph's (positions, head_dim) matrices, then its extend)."""
+    n_kv, layers = lm.stack.layers[0].self_attn.n_kv, len(lm.stack.layers)
 
-    def __init__(self, lm: Qwen2LM) -> None:
-        self.lm = lm
-        a = lm.stack.layers[0].self_attn
-        self.kv_heads = a.n_kv
+    def to_model(past: tuple[Tensor, ...]) -> list[Tensor]:
+        # per layer: its KV heads' keys (n_kv, P, D), then their values
+        return [
+            torch.stack([past[2 * (i * n_kv + g) + kv] for g in range(n_kv)])
+            for i in range(layers)
+            for kv in (0, 1)
+        ]
 
-    def __call__(self, x: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        lm, n_kv = self.lm, self.kv_heads
-        p, t = past[0].shape[0], x.shape[1]
-        lm.release()
-        lm.reserve(1, p + t)
-        try:
-            caches = [layer.self_attn.kv_cache for layer in lm.stack.layers]
-            for i, kv in enumerate(caches):
-                for g in range(n_kv):
-                    kv.k_cache[0, g, :p] = past[2 * (i * n_kv + g)]
-                    kv.v_cache[0, g, :p] = past[2 * (i * n_kv + g) + 1]
-            logp = lm.extend(x, 0, p)
-            new = []
-            for kv in caches:
-                for g in range(n_kv):
-                    new += [kv.k_cache[0, g, p : p + t].clone(), kv.v_cache[0, g, p : p + t].clone()]
-            return (logp, *new)
-        finally:
-            lm.release()
+    def to_graph(new: list[Tensor]) -> list[Tensor]:
+        # qwen_cache_names' order: per layer, per KV head, keys then values (T, D)
+        return [new[2 * i + kv][g] for i in range(layers) for g in range(n_kv) for kv in (0, 1)]
 
-
-class QwenBatchReference:
-    """The batch graph's outputs computed by the model's own code: each row alone (:class:`QwenStepReference` of its
-    token after the ``pos[b]`` positions of its past), stacked."""
-
-    def __init__(self, lm: Qwen2LM) -> None:
-        self.step = QwenStepReference(lm)
-
-    def __call__(self, x: Tensor, pos: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        rows = [self.step(x[b : b + 1], *[c[b, :p] for c in past]) for b, p in enumerate(pos.tolist())]
-        return tuple(torch.cat([r[j].reshape(1, -1) for r in rows]) for j in range(len(rows[0])))
+    step = StepReference(lm, to_model, to_graph)
+    return step, BatchReference(step, lambda past, b, p: [c[b, :p] for c in past])
 
 
 def _config(lm: Qwen2LM) -> dict[str, Any]:
@@ -255,10 +231,11 @@ def _export_lm(ex: Exporter, modules: dict[str, nn.Module], int8: bool) -> None:
     def case(p: int, t: int) -> tuple[Tensor, ...]:
         return (ex.randn(1, t, c), *[ex.randn(p, d) for _ in names])
 
+    step_reference, batch_reference = references(lm)
     ex.step("lite: LM step")
     ex.graph(
         "llm_step", QwenStepGraph(lm), case(5, 3), inputs, outputs, dynamic,
-        [case(0, 9), case(9, 1), case(30, 1), case(17, 4)], reference=QwenStepReference(lm),
+        [case(0, 9), case(9, 1), case(30, 1), case(17, 4)], reference=step_reference,
     )  # fmt: skip
     if int8:
         ex.step("lite: LM step, int8")
@@ -267,14 +244,13 @@ def _export_lm(ex: Exporter, modules: dict[str, nn.Module], int8: bool) -> None:
     ex.optimize(
         "llm_step"
     )  # after the quantizer read the traced graph (the int8 one is rewritten by the quantizer's step)
-    _export_batch(ex, lm)
+    _export_batch(ex, lm, batch_reference)
     ex.tables.update(_tables(lm))
     ex.config.update(_config(lm))
 
 
-def _export_batch(ex: Exporter, lm: Qwen2LM) -> None:
-    # the batched decode step (BATCH_STEP), its weights read from the step graph's data file; float only: ORT's
-    # dynamic int8 quantizes activations with one scale per tensor, so a row's tokens would depend on its neighbours
+def _export_batch(ex: Exporter, lm: Qwen2LM, reference: BatchReference) -> None:
+    # the batched decode step, its weights read from the step graph's data file; no int8 one (BATCH_STEP says why)
     a = lm.stack.layers[0].self_attn
     layers, n_kv, d, c = len(lm.stack.layers), a.n_kv, a.head_dim, lm.cfg.llm_input_size
     names = qwen_cache_names(layers, n_kv)
@@ -293,12 +269,9 @@ def _export_batch(ex: Exporter, lm: Qwen2LM) -> None:
             *[ex.randn(b, length, d) for _ in names],
         )
 
-    ex.step("lite: LM batch step")
     cases = [case(9, 9, 3), case(30, 0, 30, 17, 1), case(5, 2)]
+    ex.step("lite: LM batch step")
     ex.graph(
         BATCH_STEP, QwenBatchGraph(lm), case(7, 5, 0, 7), inputs, outputs, dynamic, cases,
-        optimize=True, reference=QwenBatchReference(lm),
+        optimize=True, reference=reference, shares="llm_step",
     )  # fmt: skip
-    ex.step("lite: LM batch step, its weights read from the step graph's")
-    shared = ex.share(BATCH_STEP, "llm_step")
-    logger.info("lite: the LM batch step reads %.1f MB of the step graph's weights", shared / 1e6)

@@ -84,6 +84,10 @@ class LiteRuntime(RuntimeVoices):
         )
         # the LM's decode loop: batch_size rows (one batch graph run per step where the bundle has it)
         self.pipeline.decoder = DecodeLoop(self.llm, options.batch_size, name=self.path.name)
+        if options.batch_size > 1 and self.llm.unbatched:
+            logger.info(
+                "%s: concurrent requests' LM rows step one after another: %s", self.path, self.llm.unbatched
+            )
         self.background: threading.Thread | None = None
         # graphs serving their quick form until the after-READY thread upgrades them
         self.quick: list[str] = []

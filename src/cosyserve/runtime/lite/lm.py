@@ -1,5 +1,5 @@
 """The lite runtime's LMs: the decode loop's :class:`~cosyserve.runtime.lm.DecodeLM` over a bundle's ``llm_step``
-graph (and, for the Qwen LM, its ``llm_batch`` graph), with numpy tables for what is a lookup (embeddings, sos and
+and ``llm_batch`` graphs, with numpy tables for what is a lookup (embeddings, sos and
 task rows).
 
 One step graph per LM runs T new inputs against the P positions a cache row holds: its caches are graph inputs
@@ -8,16 +8,19 @@ One step graph per LM runs T new inputs against the P positions a cache row hold
 and the output is bound to ``cache[i, row, P:P+T]`` of the same array (ONNX Runtime's IO binding), so no cache is
 copied between steps. A prefill, and a decode step of one row, run the step graph.
 
-A decode step of B > 1 rows runs the batch graph once where the bundle has it (the Qwen LM's
+A decode step of B > 1 rows runs the batch graph once where the bundle has it (both LMs'
 :data:`~cosyserve.bundle.lite.BATCH_STEP`, its session opened by the first such step: a server whose requests never
 overlap never opens it): one token per row, each at its own position, against the first rows of the
 cache array bound as they are (rows 0..n-1: a row that does not step is fed padding; each row's positions from
 its own on are masked in the graph). Its new keys and values go to a small staging array and are written into
-each row's next position after the run (B rows x buffers x head_dim floats). Its bindings over the cache array are
-kept between steps. Without the batch graph (CosyVoice-300M's LM, an older bundle) a step's rows run one after
-another, each run ended early by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`); a
-batched run is ended early when every row's signal says stop (a step is one token's work: the loop ends a stopped
-row after it).
+each row's next position after the run (B rows x buffers x one position's floats). Its bindings over the cache
+array are kept between steps. Without it a step's rows run one after another through the step graph, each run
+ended early by its row's stop signal (:func:`cosyserve.runtime.lite.terminate.run_bound`), and
+:attr:`StepLM.unbatched` says why (the runtime logs it once): the int8 step graph, whose ONNX Runtime dynamic
+quantization scales a run's activations with one scale per tensor, i.e. across its rows, so a row's tokens would
+depend on its neighbours (rows of one run must each get their tokens as alone); or a bundle converted before its
+LM had a batch graph (it still serves; converting it again batches its rows). A batched run is ended early when
+every row's signal says stop (a step is one token's work: the loop ends a stopped row after it).
 
 - :class:`LiteLM`: CosyVoice-300M's (a conformer text encoder graph, relative positions as projections
   computed by the ``llm_pos`` graph and kept, caches (positions, heads, head_dim) per layer).
@@ -78,23 +81,44 @@ class StepLM:
     sampling: SamplingConfig
     cache_names: list[tuple[str, str]]  # (past input, new output) of each cache buffer, in one order
     cache_shape: tuple[int, ...]  # one position of one buffer
-    batch_graph: str | None = None  # the graph of a batched decode step (B rows, one token each), if any
+    speech_embedding: np.ndarray  # (speech vocabulary, C): a decode step's input
 
     def __init__(self, bundle: Any) -> None:
         self.bundle = bundle
         self.ops = ArrayOps(np)
         self.batch_steps = 0  # decode steps run by the batch graph
+        # the batch graph (B rows, one token each) where the bundle has it, not for the int8 step graph (see the
+        # module docstring); ``unbatched`` says why rows step one after another otherwise
+        self.batch_graph: str | None = None
+        self.unbatched: str | None = None
+        if bundle.int8:
+            self.unbatched = (
+                "the int8 LM has no batch step (ONNX Runtime's dynamic int8 scales a run's activations across its "
+                "rows: a row's tokens would depend on its neighbours)"
+            )
+        elif BATCH_STEP not in bundle.graphs:
+            self.unbatched = (
+                f"its lite graphs have no {BATCH_STEP!r} graph (converted by an older cosyserve); convert it again "
+                "with --runtime lite and they share decode steps"
+            )
+        else:
+            self.batch_graph = BATCH_STEP
         self.release()
 
     def _view(self, a: np.ndarray) -> np.ndarray:
         return a
 
-    def _bind_extra(self, io: Any, p: int, t: int, keep: list[Any]) -> None:
-        """Bind inputs besides ``x`` and the caches for ``t`` inputs after ``p`` cached positions."""
+    def _bind_extra(self, io: Any, positions: int, keep: list[Any]) -> None:
+        """Bind inputs besides ``x``, ``pos`` and the caches, for a run that reads ``positions`` positions (a step:
+        its past's and its new inputs'; a batch step: every position of the cache rows bound)."""
 
     def _embed_token(self, token: int) -> np.ndarray:
         """(1, 1, C) the input of a decode step that feeds speech token ``token``."""
-        raise NotImplementedError
+        return self.speech_embedding[token].reshape(1, 1, -1)
+
+    def _embed_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """(B, C) the inputs of a batch step that feeds speech tokens ``tokens`` (B,)."""
+        return self.speech_embedding[tokens]
 
     def _run_step(self, x: np.ndarray, row: int, p: int, stop: ShouldStop | None) -> np.ndarray:
         """Run ``x`` (1, T, C) at positions p.. of cache row ``row`` (positions p..p+T written in place); (V,)."""
@@ -114,7 +138,7 @@ class StepLM:
                 val = ort.OrtValue.ortvalue_from_numpy(self._view(arr))
                 keep.append(val)
                 bind(name, val)
-        self._bind_extra(io, p, t, keep)
+        self._bind_extra(io, p + t, keep)
         logp = np.empty((1, self.rules.vocab), np.float32)
         out = ort.OrtValue.ortvalue_from_numpy(logp)
         io.bind_ortvalue_output("logp", out)
@@ -138,6 +162,7 @@ class StepLM:
                     val = ort.OrtValue.ortvalue_from_numpy(arr)
                     keep.append(val)
                     bind(name, val)
+            self._bind_extra(io, self._cache.shape[2], keep)
             bound = self._bound[n] = (io, keep)  # the OrtValues over the arrays live as long as the binding
         return bound[0]
 
@@ -174,10 +199,6 @@ class StepLM:
         self._cache[:, rows, pos] = self._stage[:, rows]  # each row's new keys and values at its position
         self.batch_steps += 1
         return logp[rows]
-
-    def _embed_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """(B, C) the inputs of a batch step that feeds speech tokens ``tokens`` (B,)."""
-        raise NotImplementedError
 
     # --- the decode loop's LM (cosyserve.runtime.lm.DecodeLM) -----------------------------------------------------
 
@@ -249,7 +270,7 @@ class StepLM:
 
 
 class LiteLM(StepLM):
-    """CosyVoice-300M's LM over the ``llm_text``, ``llm_pos`` and ``llm_step`` graphs."""
+    """CosyVoice-300M's LM over the ``llm_text``, ``llm_pos``, ``llm_step`` and ``llm_batch`` graphs."""
 
     def __init__(self, bundle: Any, tables: dict[str, np.ndarray]) -> None:
         super().__init__(bundle)
@@ -293,16 +314,13 @@ class LiteLM(StepLM):
                 self._pos = pos = [np.concatenate([pos[i], proj[i]]) for i in range(self.layers)]
         return pos
 
-    def _bind_extra(self, io: Any, p: int, t: int, keep: list[Any]) -> None:
+    def _bind_extra(self, io: Any, positions: int, keep: list[Any]) -> None:
         import onnxruntime as ort
 
-        for i, arr in enumerate(self._positions(p + t)):
-            val = ort.OrtValue.ortvalue_from_numpy(arr[: p + t])
+        for i, arr in enumerate(self._positions(positions)):
+            val = ort.OrtValue.ortvalue_from_numpy(arr[:positions])
             keep.append(val)
             io.bind_ortvalue_input(f"pos{i}", val)
-
-    def _embed_token(self, token: int) -> np.ndarray:
-        return self.speech_embedding[token].reshape(1, 1, -1)
 
     def _prompt(
         self, text: list[int], prompt_text: list[int], prompt_speech: list[int], embedding: np.ndarray | None
@@ -344,7 +362,8 @@ class LiteLM(StepLM):
 
 
 class LiteQwenLM(StepLM):
-    """CosyVoice2's and CosyVoice3's Qwen2 LM over the ``llm_step`` graph; embeddings from the tables."""
+    """CosyVoice2's and CosyVoice3's Qwen2 LM over the ``llm_step`` and ``llm_batch`` graphs; embeddings from the
+    tables."""
 
     def __init__(self, bundle: Any, tables: dict[str, np.ndarray]) -> None:
         super().__init__(bundle)
@@ -361,22 +380,12 @@ class LiteQwenLM(StepLM):
         self.text_embedding = tables["llm.text_embedding"]  # (text vocabulary, C): rows read as used
         self.speech_embedding = tables["llm.speech_embedding"]
         self.special = {self.rules.sos: tables["llm.sos"], self.rules.task_id: tables["llm.task"]}
-        # the batch graph where the bundle has it; not for the int8 step graph (ORT's dynamic int8 quantizes a
-        # step's activations with one scale for all its rows: a row's tokens would depend on its neighbours)
-        if BATCH_STEP in bundle.graphs and not bundle.int8:
-            self.batch_graph = BATCH_STEP
 
     def _rows(self, table: np.ndarray, ids: list[int], what: str) -> np.ndarray:
         a = np.asarray(ids, dtype=np.int64)
         if a.size and (a.min() < 0 or a.max() >= table.shape[0]):
             raise ValueError(f"{what} ids must be in [0, {table.shape[0]}), got {a.min()}..{a.max()}")
         return table[a].astype(np.float32, copy=False)
-
-    def _embed_token(self, token: int) -> np.ndarray:
-        return self.speech_embedding[token].reshape(1, 1, -1)
-
-    def _embed_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        return self.speech_embedding[tokens]
 
     def prompt(self, model_input: Mapping[str, Any]) -> tuple[np.ndarray, int]:
         """The one-shot prompt (1, T0, C): sos, the text embeddings of prompt text + text, task_id, the prompt

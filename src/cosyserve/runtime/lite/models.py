@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from cosyserve.bundle.lite import (
+    BATCH_STEP,
     INT8_STEP,
     LITE_DIR,
     LITE_FORMAT,
@@ -213,9 +214,14 @@ class LiteBundle:
         return map_safetensors(self.dir / TABLES_FILE)
 
     def data_files(self) -> list[Path]:
-        """The weight files this runtime maps (the int8 or the float step graph's, not both)."""
-        skip = (self.graphs["llm_step"] if self.int8 else INT8_STEP) + ".data"
-        return [f for f in sorted(self.dir.glob("*.data")) if f.name != skip] + [self.dir / TABLES_FILE]
+        """The weight files this runtime maps (the int8 or the float step graph's, not both; the int8 LM opens no
+        batch graph)."""
+        if self.int8:  # not the float step graph's weights (which the batch graph reads)
+            unused = [self.graphs[g] for g in ("llm_step", BATCH_STEP) if g in self.graphs]
+        else:
+            unused = [INT8_STEP]
+        skip = {name + ".data" for name in unused}
+        return [f for f in sorted(self.dir.glob("*.data")) if f.name not in skip] + [self.dir / TABLES_FILE]
 
 
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
