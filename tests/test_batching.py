@@ -18,7 +18,7 @@ import cosyserve
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.engine.engine import Engine
 from cosyserve.runtime import RuntimeOptions, load_runtime
-from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
+from cosyserve.runtime.stacking import ChunkFlowBatcher, FlowBatcher, VocoderBatcher
 
 TEXTS = (
     "one two three four five six seven",
@@ -282,15 +282,15 @@ def test_engine_batch_flow_streaming_sft_equals_unbatched(tiny_model_dir: Path) 
 
 def test_cosyvoice2_streams_stack_their_vocoder_calls(cv2_model_dir: Path) -> None:
     """``batch_flow`` on a CosyVoice2 model stacks what its family stacks (the vocoder: its streamed calls carry
-    their cached mel and source in their arguments) and leaves the flow alone (each request's FlowStream): two
-    concurrent streams of equal length stack every vocoder call and speak what each speaks unbatched."""
+    their cached mel and source in their arguments; the flow's streamed chunks, each against its own FlowStream):
+    two concurrent streams of equal length stack every vocoder call and speak what each speaks unbatched."""
     from cosyserve.families.cosyvoice2.token2wav import Token2Wav2
 
     options = RuntimeOptions(warmup=False, batch_size=2, batch_flow=True, flow_steps=2)  # steps: only time
     rt = load_runtime(cv2_model_dir, options)
     try:
         t2w = rt.pipeline.token2wav
-        assert isinstance(t2w.hift, VocoderBatcher) and not isinstance(t2w.flow, FlowBatcher)
+        assert isinstance(t2w.hift, VocoderBatcher) and isinstance(t2w.flow, ChunkFlowBatcher)
         t2w.hift.gather_s = 60.0  # a pair runs as soon as both calls are in: the wait only bounds a failure
         g = torch.Generator().manual_seed(0)
         inputs = [
@@ -310,7 +310,7 @@ def test_cosyvoice2_streams_stack_their_vocoder_calls(cv2_model_dir: Path) -> No
         stats = t2w.hift.stats
         # every call of both streams ran in a pair (each stream's chunks and its last call)
         assert stats.calls >= 4 and stats.batched_calls == stats.calls == 2 * stats.batches, stats
-        alone = Token2Wav2(t2w.flow, t2w.hift.module, t2w.policy, t2w.flow_steps)
+        alone = Token2Wav2(t2w.flow.module, t2w.hift.module, t2w.policy, t2w.flow_steps)
         for i, got in enumerate(batched):
             want = speak(alone, i)
             assert got.shape == want.shape
@@ -337,8 +337,9 @@ def _cv3_streams(n: int) -> list[dict[str, Any]]:
 def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path) -> None:
     """``batch_flow`` on a CosyVoice3 model stacks the causal vocoder's calls of concurrent streams whose kept
     frames, new frames and output place match (each row keeps its stream's kept mel, phase and place in the
-    fixed noise): two streams of different prompt lengths stack from their second chunk, and each speaks what
-    it speaks alone."""
+    fixed noise), and their flow chunks of as many frames (each against its own FlowStream): two streams of
+    different prompt lengths stack their vocoder calls from their second chunk, and each speaks what it speaks
+    alone."""
     from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
     options = RuntimeOptions(warmup=False, batch_size=2, batch_flow=True, flow_steps=2)  # steps: only time
@@ -371,14 +372,16 @@ def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path
         # the tiny policy's hops after the first (20, 40, 80 tokens) line up: the second, third and fourth
         # chunks pair (a full pair runs at once); the first and last chunks differ and run alone
         assert stats.batches == 3 and stats.batched_calls == 6, f"the vocoder calls were not stacked: {stats}"
-        alone = Token2Wav3(t2w.flow, t2w.hift.module, t2w.policy, t2w.flow_steps, noise=t2w.noise)
+        alone = Token2Wav3(t2w.flow.module, t2w.hift.module, t2w.policy, t2w.flow_steps, noise=t2w.noise)
         diff = 0.0
         for i, got in enumerate(batched):
             want = speak(alone, i)
             assert got.shape == want.shape
             diff = max(diff, float((got - want).abs().max()))
-            # the fixtures' vocoder tolerance (hift_stream: atol 2e-4)
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
-        print(f"max abs audio diff, stacked vs alone: {diff:.2e}; {stats}")
+            # the fixtures' token2wav tolerance (token2wav_stream: atol 2e-3): flow and vocoder both stack (the
+            # vocoder alone was within hift_stream's 2e-4; the flow's float rounding, within
+            # flow_prompt_stream's 1e-5 in the mel, is amplified by the random-weight vocoder)
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+        print(f"max abs audio diff, stacked vs alone: {diff:.2e}; vocoder {stats}; flow {t2w.flow.stats}")
     finally:
         rt.close()

@@ -8,6 +8,7 @@ end inside attention chunks too (the frames computed again)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 from pathlib import Path
@@ -155,6 +156,80 @@ def test_stream_mel_equals_the_whole_sequence_flow(cv2: dict) -> None:
         want = flow.inference(*args)
         assert got.shape == want.shape and torch.allclose(got, want, atol=cv2["atol"]["flow_prompt_stream"])
         assert stream.frames == 2 * (21 + n - 3) // 50 * 50
+
+
+def _chunk_args(flow: Any, x: dict[str, Any], stream: Any, n: int) -> tuple[Any, ...]:
+    # a streamed call whose frames end n after the ones the stream keeps (the last 3 tokens lookahead)
+    t = (stream.frames + n) // flow.token_mel_ratio - x["prompt_token"].shape[1] + flow.pre_lookahead_len
+    token = torch.tensor([x["tokens"][:t]], dtype=torch.int32)
+    return token, x["prompt_token"], x["prompt_feat"], x["embedding"]
+
+
+def _offset_streams(flow: Any, steps: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    # streams at three offsets: prompts of 0, 33 and 60 tokens keep 0, 50 and 100 frames after their prefill
+    inputs = [_inputs(160, p, seed=p) for p in (0, 33, 60)]
+    streams = [
+        flow.prefill(flow.new_stream(steps), x["prompt_token"], x["prompt_feat"], x["embedding"])
+        for x in inputs
+    ]
+    assert len({s.frames for s in streams}) == 3, [s.frames for s in streams]
+    return inputs, streams
+
+
+@pytest.mark.parametrize("family", ["cv3", "cv2"])
+def test_stacked_stream_chunks_equal_each_stream_alone(family: str, request) -> None:
+    """Three streams at different offsets (0, 50 and 100 frames kept: rotary positions, conv tails, noise columns
+    and attention over kept frames of different lengths) run two rounds of chunks as one batch
+    (ChunkFlow.run_chunks: every stream's rows in one estimator call per Euler step; CosyVoice2's encoder per
+    stream) and get the mel each gets alone, within the fixture's flow tolerance, keeping what it keeps. A row
+    computed at another's offset, or attending to another's frames or to a pad, breaks the equality."""
+    parts = request.getfixturevalue(family)
+    flow, steps, atol = parts["flow"], 2, parts["atol"]["flow_prompt_stream"]  # steps: only time
+    inputs, base = _offset_streams(flow, steps)
+    stacked = [s.fork() for s in base]
+    alone = [s.fork() for s in base]
+    for _ in range(2):
+        chunks, want = [], []
+        for x, s, a in zip(inputs, stacked, alone, strict=True):
+            args = _chunk_args(flow, x, s, 50)
+            chunks.append(flow.chunk(*args, stream=s, n_timesteps=steps))
+            want.append(flow.inference(*args, True, False, n_timesteps=steps, stream=a))
+        got = flow.run_chunks(chunks)
+        for g, w, s, a in zip(got, want, stacked, alone, strict=True):
+            assert g.shape == w.shape and torch.allclose(g, w, atol=atol, rtol=0), (g - w).abs().max().item()
+            assert s.frames == a.frames and torch.allclose(s.mel, a.mel, atol=atol, rtol=0)
+
+
+def test_concurrent_streams_chunks_run_stacked_and_a_lone_stream_never_waits(cv3: dict) -> None:
+    """ChunkFlowBatcher (batch_flow's flow for CosyVoice2/3) gathers the chunks of three concurrent streams at
+    different offsets into one run per round (each stream equal to itself alone), and a lone stream's chunks
+    run at once through the same batcher with a 60 s gather (waiting for a partner would take minutes)."""
+    from cosyserve.runtime.stacking import ChunkFlowBatcher
+
+    flow, steps, atol = cv3["flow"], 2, cv3["atol"]["flow_prompt_stream"]
+    batcher = ChunkFlowBatcher(flow, 3, gather_s=60.0)
+    inputs, base = _offset_streams(flow, steps)
+    streams = [s.fork() for s in base]
+    for s in streams:  # live before their first chunk: each round's three chunks meet
+        batcher.track(s)
+
+    def speak(model: Any, x: dict[str, Any], s: Any) -> list[torch.Tensor]:
+        out = [model.inference(*_chunk_args(flow, x, s, 50), True, False, n_timesteps=steps, stream=s)]
+        out.append(model.inference(*_chunk_args(flow, x, s, 50), True, False, n_timesteps=steps, stream=s))
+        last = _chunk_args(flow, x, s, 50)  # the last call: full attention, the stream done
+        model.inference(*last, False, True, n_timesteps=steps, stream=s)
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(3, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        got = list(pool.map(lambda i: speak(batcher, inputs[i], streams[i]), range(3), timeout=120))
+    stats = batcher.stats
+    assert (stats.calls, stats.batches, stats.batched_calls, stats.peak) == (6, 2, 6, 3), stats
+    alone = [s.fork() for s in base]
+    for x, a, g in zip(inputs, alone, got, strict=True):
+        for gi, wi in zip(g, speak(flow, x, a), strict=True):
+            assert gi.shape == wi.shape and torch.allclose(gi, wi, atol=atol, rtol=0)
+    speak(batcher, inputs[0], base[0].fork())
+    assert (stats.calls, stats.batches) == (8, 2), stats
 
 
 def test_vocoder_stream_equals_the_whole_mel(cv3: dict) -> None:

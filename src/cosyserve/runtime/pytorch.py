@@ -90,13 +90,17 @@ class TorchRuntime(RuntimeVoices):
     def _install_batchers(self, options: RuntimeOptions, name: str) -> None:
         # flow and vocoder run concurrently in the request threads (they keep no per-call state on the modules),
         # or stacked where shapes match
-        from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
+        from cosyserve.runtime.stacking import ChunkFlowBatcher, FlowBatcher, VocoderBatcher
 
         if not options.batch_flow:
             return
-        t2w, stacks = self.pipeline.token2wav, self.pipeline.family.stacks
+        family = self.pipeline.family
+        t2w, stacks = self.pipeline.token2wav, family.stacks
         if "flow" in stacks:
-            t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
+            # a flow that streams by re-running on every token so far keeps its frames in per-stream states: its
+            # streams' chunks stack; a windowed flow's calls carry their cache in their arguments
+            stacker = ChunkFlowBatcher if family.reruns_flow else FlowBatcher
+            t2w.flow = stacker(t2w.flow, options.batch_size, name=f"{name} flow")
         if "hift" in stacks:
             t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
         alone = [part for part in ("flow", "hift") if part not in stacks]

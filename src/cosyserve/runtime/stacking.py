@@ -20,8 +20,9 @@ lose the overlap of one's LM steps with another's flow. It is meant for accelera
 per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``). A family names the parts
 it stacks (``Family.stacks``): CosyVoice-300M's flow and vocoder; CosyVoice2's vocoder (its streamed calls carry
 their cached mel and source in their arguments, and reach equal shapes once the hops reach their longest) and
-CosyVoice3's (its streams' calls reach equal shapes from the first hop after the prompt's), not their flows,
-whose streamed calls keep each request's attention state (a FlowStream of the request's own length).
+CosyVoice3's (its streams' calls reach equal shapes from the first hop after the prompt's); and both families'
+streamed chunk flow (:class:`ChunkFlowBatcher`: chunks that compute as many frames, each stream's rows at its own
+offset against its own kept attention state; their one-shot and last calls run alone).
 
 The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 """
@@ -40,7 +41,7 @@ from torch import Tensor
 from cosyserve.core.stop import ShouldStop, Stopped
 from cosyserve.system.cpus import usable_cpus
 
-__all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
+__all__ = ["ChunkFlowBatcher", "FlowBatcher", "StackStats", "VocoderBatcher"]
 
 
 @dataclass
@@ -191,6 +192,13 @@ class _Stacker:
         finally:
             if lend > threads:
                 torch.set_num_threads(threads)
+
+    def track(self, stream: Any) -> None:
+        """Make ``stream`` live here until its finalizing call (or until it is dropped: a weak reference): a stream
+        call waits for partners only while another live stream runs. A stream's calls track it; a caller that
+        knows its streams earlier may track them at once."""
+        with self._cv:
+            self._streams[id(stream)] = stream
 
     def _forget(self, stream: Any) -> None:
         # a stream's last call is done: no group waits for it any more
@@ -348,8 +356,7 @@ class VocoderBatcher(_Stacker):
         """The vocoder's fresh stream state (see its ``new_stream``), live here until its finalizing call: a
         stream call waits for partners only while another live stream runs (a lone stream never waits)."""
         state = self.module.new_stream(whole)
-        with self._cv:
-            self._streams[id(state)] = state
+        self.track(state)
         return state
 
     def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
@@ -363,3 +370,61 @@ class VocoderBatcher(_Stacker):
             mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise, should_stop=should_stop
         )
         return [out] if len(calls) == 1 else _rows(out, len(calls))
+
+
+class ChunkFlowBatcher(_Stacker):
+    """A :class:`~cosyserve.models.causal_flow.ChunkFlow` (CosyVoice2's, CosyVoice3's) whose concurrent streams'
+    chunks run stacked.
+
+    A stream's streamed call that does not finalize (``inference(..., stream=...)``) is a
+    :class:`~cosyserve.models.causal_flow.Chunk`; chunks of the same shape (frames computed, Euler steps) run as
+    one batch (:meth:`~cosyserve.models.causal_flow.ChunkFlow.run_chunks`: one estimator call per Euler step over
+    every stream's rows, each at its own offset against its own kept frames; CosyVoice2's encoder runs per
+    stream before it). A stream is live here from its first chunk until its finalizing call (or until it is
+    dropped): a chunk waits for partners only while another live stream runs, so a lone stream never waits. Other
+    calls (one-shot, the last call's full attention, a stream on the cumulative path) run alone, as unbatched.
+    Other attributes are the flow's (``streams``, ``new_stream``, ``prefill``, ...).
+
+    Args: as :class:`FlowBatcher`'s.
+    """
+
+    def __init__(
+        self, flow: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "flow"
+    ) -> None:
+        super().__init__(flow, max_batch_size, gather_s, name)
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        streaming: bool,
+        finalize: bool,
+        *,
+        n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
+        stream: Any = None,
+    ) -> Tensor:
+        """Same arguments and result as the flow's ``inference``; a stream's chunk may run stacked with other
+        streams' (a stacked run stops once every request in it asks to stop)."""
+        if stream is None or not streaming or finalize:
+            try:
+                return self.module.inference(  # type: ignore[no-any-return]
+                    token, prompt_token, prompt_feat, embedding, streaming, finalize,
+                    n_timesteps=n_timesteps, should_stop=should_stop, stream=stream,
+                )  # fmt: skip
+            finally:
+                if stream is not None and finalize:
+                    self._forget(stream)
+        chunk = self.module.chunk(
+            token, prompt_token, prompt_feat, embedding, stream=stream, n_timesteps=n_timesteps
+        )
+        self.track(stream)
+        return self._submit(  # type: ignore[no-any-return]
+            (chunk,), "chunk", key=chunk.shape, should_stop=should_stop, stream=stream
+        )
+
+    def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
+        return self.module.run_chunks([chunk for (chunk,) in calls], should_stop)  # type: ignore[no-any-return]
