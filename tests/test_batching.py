@@ -339,7 +339,7 @@ def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path
     frames, new frames and output place match (each row keeps its stream's kept mel, phase and place in the
     fixed noise), and their flow chunks of as many frames (each against its own FlowStream): two streams of
     different prompt lengths stack their vocoder calls from their second chunk, and each speaks what it speaks
-    alone."""
+    alone. Neither stacker waits for a stream whose thread waits in the other."""
     from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
 
     options = RuntimeOptions(warmup=False, batch_size=2, batch_flow=True, flow_steps=2)  # steps: only time
@@ -347,9 +347,10 @@ def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path
     try:
         t2w = rt.pipeline.token2wav
         assert isinstance(t2w.hift, VocoderBatcher)
-        # a pair runs once both calls are in, a call runs alone once the other stream waits elsewhere or is
-        # done: the wait only bounds a failure
-        t2w.hift.gather_s = 60.0
+        # a pair runs once both calls are in, a call runs alone once the other stream waits elsewhere (in a group
+        # of either stacker: their Gathering) or is done: the waits only bound a failure (a flow chunk waiting for
+        # a stream that waits in the vocoder's stacker, or the reverse, would take minutes)
+        t2w.hift.gather_s = t2w.flow.gather_s = 60.0
         streams = _cv3_streams(2)
 
         def speak(t2w: Any, i: int) -> torch.Tensor:

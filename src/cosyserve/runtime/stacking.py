@@ -13,7 +13,8 @@ vocoder streams (``stream``: same kept and new mel frames, excitation and output
 first kept frame, :meth:`~cosyserve.models.causal_hift.CausalHiFTGenerator.stream_shape`; each row keeps its
 stream's mel, phase and place in the fixed noise). A stream's call waits for partners only while another live
 stream runs (streams are known from ``new_stream`` until their finalizing call): a lone stream never waits, and
-when every live stream waits in some group, all the groups run at once. The stacked run borrows the
+when every live stream waits in some group (of any stacker of the model: :class:`Gathering`), all the groups run at
+once. The stacked run borrows the
 waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
 (hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
 lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
@@ -41,7 +42,7 @@ from torch import Tensor
 from cosyserve.core.stop import ShouldStop, Stopped
 from cosyserve.system.cpus import usable_cpus
 
-__all__ = ["ChunkFlowBatcher", "FlowBatcher", "StackStats", "VocoderBatcher"]
+__all__ = ["ChunkFlowBatcher", "FlowBatcher", "Gathering", "StackStats", "VocoderBatcher"]
 
 
 @dataclass
@@ -67,6 +68,18 @@ def _shape_key(call: tuple[Tensor, ...]) -> tuple[Any, ...] | None:
     return None if call[0].shape[0] != 1 else tuple((tuple(x.shape), x.dtype, x.device) for x in call)
 
 
+class Gathering:
+    """What the stackers of one model share: their lock, and the threads waiting in a group of any of them. A
+    stream's call waits for partners only while another live stream's thread runs, in none of their groups: a
+    flow chunk does not wait for a stream whose thread waits in the vocoder's stacker, nor the reverse (each
+    would wait out its gather). A stream's calls come from its request's thread (the one that consumes its audio).
+    """
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.parked: set[int] = set()  # idents of the threads waiting in a group
+
+
 class _Group:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
@@ -74,14 +87,24 @@ class _Group:
         self.closed = False  # no more joiners
         self.done = threading.Event()
         self.results: list[Any] = []
-        self.streams: list[int] = []  # ids of the streams whose calls wait here
+        self.threads: list[int] = []  # the threads of the stream calls waiting here
         self.error: BaseException | None = None
 
 
 class _Stacker:
     """Groups concurrent calls by a shape key; the first call of a group runs them stacked (``_run``)."""
 
-    def __init__(self, module: Any, max_batch_size: int, gather_s: float, name: str) -> None:
+    NAME = "stacker"  # for logs and errors, unless a name is given
+
+    def __init__(
+        self,
+        module: Any,
+        max_batch_size: int,
+        *,
+        gather_s: float = 0.005,
+        name: str | None = None,
+        gathering: Gathering | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gather_s < 0:
@@ -89,15 +112,17 @@ class _Stacker:
         self.module = module
         self.max_batch_size = max_batch_size
         self.gather_s = gather_s
-        self.name = name
+        self.name = self.NAME if name is None else name
         self.stats = StackStats()
         self.lend_threads = True
-        self._cv = threading.Condition()
+        self.gathering = Gathering() if gathering is None else gathering
+        self._cv = self.gathering.cv
         self._open: dict[tuple[Any, ...], _Group] = {}
-        # streams (stateful calls, VocoderBatcher.new_stream) until their last call, and those waiting in a group:
-        # a stream call's group closes early once no other live stream could still join it
+        # streams (stateful calls: VocoderBatcher.new_stream, ChunkFlowBatcher's) until their last call, and the
+        # thread of each one's latest call: a stream call's group closes early once no other live stream's thread
+        # runs (each waits in a group here or in another stacker of the gathering), so none could still join it
         self._streams: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._parked: set[int] = set()
+        self._threads: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name == "module":  # not set yet (copy, pickle): no recursion
@@ -132,9 +157,11 @@ class _Stacker:
             group.calls.append(call)
             group.stops.append(should_stop)
             if stream is not None:
-                group.streams.append(id(stream))
-                self._parked.add(id(stream))
-                self._cv.notify_all()  # a leader may wait for this stream only
+                thread = threading.get_ident()
+                self._threads[id(stream)] = thread
+                group.threads.append(thread)
+                self.gathering.parked.add(thread)
+                self._cv.notify_all()  # a leader (here or in another stacker) may wait for this stream only
             if len(group.calls) >= self.max_batch_size:
                 self._close_locked(key, group)
             if leader:
@@ -144,10 +171,10 @@ class _Stacker:
                     if left <= 0:
                         self._close_locked(key, group)
                         break
-                    if stream is not None and self._parked.issuperset(self._streams.keys()):
+                    if stream is not None and self._all_parked():
                         # every live stream waits in a group: none can join another, so all of them run now
                         for k, g in list(self._open.items()):
-                            if g.streams:
+                            if g.threads:
                                 self._close_locked(k, g)
                         break
                     self._cv.wait(left)
@@ -198,17 +225,25 @@ class _Stacker:
         call waits for partners only while another live stream runs. A stream's calls track it; a caller that
         knows its streams earlier may track them at once."""
         with self._cv:
+            if id(stream) not in self._streams:
+                self._threads.pop(id(stream), None)  # an earlier stream's, at the same address
             self._streams[id(stream)] = stream
 
     def _forget(self, stream: Any) -> None:
         # a stream's last call is done: no group waits for it any more
         with self._cv:
             self._streams.pop(id(stream), None)
+            self._threads.pop(id(stream), None)
             self._cv.notify_all()
+
+    def _all_parked(self) -> bool:
+        # every live stream's thread waits in a group (a stream not called yet runs: it may still come)
+        parked = self.gathering.parked
+        return all(self._threads.get(s) in parked for s in self._streams.keys())
 
     def _close_locked(self, key: tuple[Any, ...], group: _Group) -> None:
         group.closed = True
-        self._parked.difference_update(group.streams)
+        self.gathering.parked.difference_update(group.threads)
         if self._open.get(key) is group:
             del self._open[key]
         self._cv.notify_all()
@@ -231,12 +266,10 @@ class FlowBatcher(_Stacker):
         max_batch_size: most calls run together (a full group runs at once, without waiting).
         gather_s: how long the first call of a group waits for partners.
         name: for logs and errors.
+        gathering: shared with the model's other stackers (:class:`Gathering`); None: its own.
     """
 
-    def __init__(
-        self, flow: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "flow"
-    ) -> None:
-        super().__init__(flow, max_batch_size, gather_s, name)
+    NAME = "flow"
 
     @property
     def flow(self) -> Any:
@@ -299,10 +332,7 @@ class VocoderBatcher(_Stacker):
     Args: as :class:`FlowBatcher`'s, with the vocoder as the model.
     """
 
-    def __init__(
-        self, hift: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "vocoder"
-    ) -> None:
-        super().__init__(hift, max_batch_size, gather_s, name)
+    NAME = "vocoder"
 
     @torch.inference_mode()
     def inference(
@@ -388,10 +418,7 @@ class ChunkFlowBatcher(_Stacker):
     Args: as :class:`FlowBatcher`'s.
     """
 
-    def __init__(
-        self, flow: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "flow"
-    ) -> None:
-        super().__init__(flow, max_batch_size, gather_s, name)
+    NAME = "flow"
 
     @torch.inference_mode()
     def inference(
