@@ -26,8 +26,8 @@ throughput: one process of this tree, the model loaded with default settings; on
 for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
 ``--stream`` makes every request streamed (chunks as the model's chunk policy cuts them); ``--batch-flow`` loads
 with ``batch_flow=True`` and prints, per token2wav part the family stacks, its calls in the concurrent run, how
-many of them ran stacked, and the mean calls per run (``--gather-ms``: how long a call waits for partners while
-another stream runs; a lone stream never waits). The flow of CosyVoice2/3 counts its streamed chunks (the calls
+many of them ran stacked, the mean calls per run and how many gathers ran out (``--gather-ms``: how long a call
+waits for partners while another stream runs; a lone stream never waits). The flow of CosyVoice2/3 counts its streamed chunks (the calls
 that stack: every stream's rows in one estimator call per Euler step; a stream's last call, full attention over
 every frame, runs alone). On a GPU (``COSYSERVE_DEVICE=cuda``) run it with and without ``--batch-flow``: the
 ratio of the two concurrent figures is what stacking gains.
@@ -190,6 +190,7 @@ def throughput(
             "calls": calls,
             "stacked_calls": batched,
             "mean_batch": calls / runs if runs else 0.0,
+            "timed_out": b.stats.timed_out - before[part].timed_out,
         }
     out = {
         "batch_size": decoder.max_rows,
@@ -209,7 +210,7 @@ def throughput(
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
-            f"(mean {st['mean_batch']:.2f} calls per run)"
+            f"(mean {st['mean_batch']:.2f} calls per run; {st['timed_out']} gathers ran out)"
         )
     m.close()
     return out

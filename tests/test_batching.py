@@ -370,6 +370,9 @@ def test_cosyvoice3_streams_stack_their_causal_vocoder_calls(cv3_model_dir: Path
         ) as pool:
             batched = list(pool.map(lambda i: speak(t2w, i), range(2), timeout=120))
         stats = t2w.hift.stats
+        # no gather ran out (60 s: a wait across the stackers would): each call ran once its partner came or no
+        # live stream could come
+        assert stats.timed_out == t2w.flow.stats.timed_out == 0, (stats, t2w.flow.stats)
         # the tiny policy's hops after the first (20, 40, 80 tokens) line up: the second, third and fourth
         # chunks pair (a full pair runs at once); the first and last chunks differ and run alone
         assert stats.batches == 3 and stats.batched_calls == 6, f"the vocoder calls were not stacked: {stats}"

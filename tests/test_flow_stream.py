@@ -223,13 +223,19 @@ def test_concurrent_streams_chunks_run_stacked_and_a_lone_stream_never_waits(cv3
     with concurrent.futures.ThreadPoolExecutor(3, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         got = list(pool.map(lambda i: speak(batcher, inputs[i], streams[i]), range(3), timeout=120))
     stats = batcher.stats
-    assert (stats.calls, stats.batches, stats.batched_calls, stats.peak) == (6, 2, 6, 3), stats
+    assert (stats.calls, stats.batches, stats.batched_calls, stats.peak, stats.timed_out) == (
+        6,
+        2,
+        6,
+        3,
+        0,
+    ), stats
     alone = [s.fork() for s in base]
     for x, a, g in zip(inputs, alone, got, strict=True):
         for gi, wi in zip(g, speak(flow, x, a), strict=True):
             assert gi.shape == wi.shape and torch.allclose(gi, wi, atol=atol, rtol=0)
     speak(batcher, inputs[0], base[0].fork())
-    assert (stats.calls, stats.batches) == (8, 2), stats
+    assert (stats.calls, stats.batches, stats.timed_out) == (8, 2, 0), stats
 
 
 def test_vocoder_stream_equals_the_whole_mel(cv3: dict) -> None:

@@ -53,6 +53,7 @@ class StackStats:
     batches: int = 0  # stacked runs of more than one call
     batched_calls: int = 0  # calls that ran in such a run
     peak: int = 0  # largest run
+    timed_out: int = 0  # groups whose gather ran out (a partner still awaited)
 
     @property
     def runs(self) -> int:
@@ -169,6 +170,7 @@ class _Stacker:
                 while not group.closed:
                     left = end - time.monotonic()
                     if left <= 0:
+                        self.stats.timed_out += 1
                         self._close_locked(key, group)
                         break
                     if stream is not None and self._all_parked():
