@@ -6,9 +6,11 @@ source tree, and the audio of N concurrent one-shot requests against one.
     python bench/lm_batching.py first-audio --model CV2_BUNDLE --baseline-src /tmp/base/src [--rounds 15]
     # audio seconds per wall second, 8 concurrent one-shot requests vs 1 (default settings)
     python bench/lm_batching.py throughput --model CV2_BUNDLE [--concurrency 8]
-    # the same for streamed requests with token2wav stacked across them (batch_flow): how many flow and vocoder
-    # calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one
-    python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow [--concurrency 4] [--gather-ms 50]
+    # the same for streamed requests with token2wav stacked across them (batch_flow): how many flow (streamed
+    # chunks) and vocoder calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one;
+    # on a GPU, with and without --batch-flow (same machine, one after the other)
+    COSYSERVE_DEVICE=cuda python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow --concurrency 4
+    COSYSERVE_DEVICE=cuda python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --concurrency 4
     python bench/lm_batching.py --dry-run      # both, on a tiny CosyVoice2 model made here (CI: tests/test_bench_lm)
     # the lite runtime (a bundle converted with --runtime lite): the same, --runtime lite (the baseline tree's lite
     # rows stepped one after another; this tree's share the batch graph's runs)
@@ -28,8 +30,11 @@ throughput: one process of this tree, the model loaded with default settings; on
 for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
 ``--stream`` makes every request streamed (chunks as the model's chunk policy cuts them); ``--batch-flow`` loads
 with ``batch_flow=True`` and prints, per token2wav part the family stacks, its calls in the concurrent run, how
-many of them ran stacked, and the mean calls per run (``--gather-ms``: how long a call waits for partners while
-another stream runs; a lone stream never waits).
+many of them ran stacked, the mean calls per run and how many gathers ran out (``--gather-ms``: how long a call
+waits for partners while another stream runs; a lone stream never waits). The flow of CosyVoice2/3 counts its streamed chunks (the calls
+that stack: every stream's rows in one estimator call per Euler step; a stream's last call, full attention over
+every frame, runs alone). On a GPU (``COSYSERVE_DEVICE=cuda``) run it with and without ``--batch-flow``: the
+ratio of the two concurrent figures is what stacking gains.
 
 Random weights never draw a stop id: every request runs its LM to its length limit, so all make the same amount of
 audio. The figures share the machine's cores with everything else on it: run on a quiet machine, name the CPU.
@@ -225,6 +230,7 @@ def throughput(
             "calls": calls,
             "stacked_calls": batched,
             "mean_batch": calls / runs if runs else 0.0,
+            "timed_out": b.stats.timed_out - before[part].timed_out,
         }
     out = {
         "batch_size": decoder.max_rows,
@@ -248,7 +254,7 @@ def throughput(
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
-            f"(mean {st['mean_batch']:.2f} calls per run)"
+            f"(mean {st['mean_batch']:.2f} calls per run; {st['timed_out']} gathers ran out)"
         )
     m.close()
     return out
