@@ -6,9 +6,13 @@ source tree, and the audio of N concurrent one-shot requests against one.
     python bench/lm_batching.py first-audio --model CV2_BUNDLE --baseline-src /tmp/base/src [--rounds 15]
     # audio seconds per wall second, 8 concurrent one-shot requests vs 1 (default settings)
     python bench/lm_batching.py throughput --model CV2_BUNDLE [--concurrency 8]
-    # the same for streamed requests with token2wav stacked across them (batch_flow): how many flow and vocoder
-    # calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one
-    python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow [--concurrency 4] [--gather-ms 50]
+    # the same for streamed requests with token2wav stacked across them (batch_flow): how many flow (streamed
+    # chunks) and vocoder calls ran stacked, and the audio seconds per wall second of N concurrent streams vs one;
+    # on a GPU, with and without --batch-flow (same machine, one after the other)
+    COSYSERVE_DEVICE=cuda python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --batch-flow --concurrency 4
+    COSYSERVE_DEVICE=cuda python bench/lm_batching.py throughput --model CV3_BUNDLE --stream --concurrency 4
+    # the same with bounded flow contexts (--flow-context 8: a stream's last call is a chunk too, and stacks)
+    python bench/lm_batching.py throughput --model CV2_BUNDLE --stream --batch-flow --flow-context 8
     python bench/lm_batching.py --dry-run      # both, on a tiny CosyVoice2 model made here (CI: tests/test_bench_lm)
     # the lite runtime (a bundle converted with --runtime lite): the same, --runtime lite (the baseline tree's lite
     # rows stepped one after another; this tree's share the batch graph's runs)
@@ -34,8 +38,11 @@ throughput: one process of this tree, the model loaded with default settings; on
 for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
 ``--stream`` makes every request streamed (chunks as the model's chunk policy cuts them); ``--batch-flow`` loads
 with ``batch_flow=True`` and prints, per token2wav part the family stacks, its calls in the concurrent run, how
-many of them ran stacked, and the mean calls per run (``--gather-ms``: how long a call waits for partners while
-another stream runs; a lone stream never waits).
+many of them ran stacked, the mean calls per run and how many gathers ran out (``--gather-ms``: how long a call
+waits for partners while another stream runs; a lone stream never waits). The flow of CosyVoice2/3 counts its streamed chunks (the calls
+that stack: every stream's rows in one estimator call per Euler step; a stream's last call, full attention over
+every frame, runs alone unless ``--flow-context`` bounds the streams: then it is a chunk too). On a GPU (``COSYSERVE_DEVICE=cuda``) run it with and without ``--batch-flow``: the
+ratio of the two concurrent figures is what stacking gains.
 
 Random weights never draw a stop id: every request runs its LM to its length limit, so all make the same amount of
 audio. The figures share the machine's cores with everything else on it: run on a quiet machine, name the CPU.
@@ -61,7 +68,13 @@ TEXT = "Hello there, this is a test of the first audio of a lone request."
 DRY_TEXT = "Hello there."
 
 
-def _load(model: str, batch_size: int | None, batch_flow: bool = False, runtime: str | None = None) -> Any:
+def _load(
+    model: str,
+    batch_size: int | None,
+    batch_flow: bool = False,
+    runtime: str | None = None,
+    flow_context: float = 0.0,
+) -> Any:
     import cosyserve
 
     options: dict[str, Any] = {"warmup": True, "runtime": runtime}
@@ -69,6 +82,8 @@ def _load(model: str, batch_size: int | None, batch_flow: bool = False, runtime:
         options["batch_size"] = batch_size
     if batch_flow:
         options["batch_flow"] = True
+    if flow_context:
+        options["flow_context_seconds"] = flow_context
     return cosyserve.load(model, **options)
 
 
@@ -188,10 +203,11 @@ def throughput(
     gather_ms: float | None = None,
     batch_size: int | None = None,
     runtime: str | None = None,
+    flow_context: float = 0.0,
 ) -> dict[str, Any]:
     import dataclasses
 
-    m = _load(model, batch_size, batch_flow, runtime)
+    m = _load(model, batch_size, batch_flow, runtime, flow_context)
     speaker = m.speakers[0] if m.speakers else None
     decoder = m.runtime.pipeline.decoder
     m.synthesize_all(text, speaker=speaker, seed=0, stream=stream)  # the paths warm
@@ -243,10 +259,12 @@ def throughput(
             "calls": calls,
             "stacked_calls": batched,
             "mean_batch": calls / runs if runs else 0.0,
+            "timed_out": b.stats.timed_out - before[part].timed_out,
         }
     out = {
         "batch_size": decoder.max_rows,
         "stream": stream,
+        "flow_context_seconds": flow_context,
         "one": a1 / w1,
         "concurrent": an / wn,
         "ratio": (an / wn) / (a1 / w1),
@@ -256,7 +274,10 @@ def throughput(
     }
     what = "streams" if stream else "requests"
     which = "the default" if batch_size is None else "--batch-size"
-    print(f"audio s per wall s (batch_size {out['batch_size']}, {which}; batch_flow {batch_flow}):")
+    print(
+        f"audio s per wall s (batch_size {out['batch_size']}, {which}; batch_flow {batch_flow}; "
+        f"flow_context_seconds {flow_context:g}):"
+    )
     print(f"  1 of the {what:<8}    {out['one']:.3f}")
     print(f"  {concurrency} concurrent        {out['concurrent']:.3f}")
     print(f"  ratio               {out['ratio']:.2f} (target >= 2 at 8)")
@@ -271,7 +292,7 @@ def throughput(
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "
-            f"(mean {st['mean_batch']:.2f} calls per run)"
+            f"(mean {st['mean_batch']:.2f} calls per run; {st['timed_out']} gathers ran out)"
         )
     m.close()
     return out
@@ -314,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="throughput --batch-flow: how long a stacked call waits for partners (default: the runtime's)",
     )
+    ap.add_argument(
+        "--flow-context",
+        type=float,
+        default=0.0,
+        help="throughput: flow_context_seconds, the streams' bounded flow context (default 0: exact)",
+    )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     text = args.text or (DRY_TEXT if args.dry_run else TEXT)
@@ -339,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.what in (None, "throughput"):
             n = 2 if args.dry_run else args.concurrency
             results["throughput"] = throughput(
-                model, n, text, args.stream, args.batch_flow, args.gather_ms, args.batch_size, args.runtime
-            )
+                model, n, text, args.stream, args.batch_flow, args.gather_ms, args.batch_size, args.runtime,
+                args.flow_context,
+            )  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

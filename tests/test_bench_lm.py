@@ -27,6 +27,8 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
             str(out),
             "--stream",
             "--batch-flow",
+            "--flow-context",
+            "0.5",
         ],
         capture_output=True,
         text=True,
@@ -42,8 +44,11 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
     t = figures["throughput"]
     assert t["batch_size"] >= 2, "batching is the default"
     assert t["one"] > 0 and t["concurrent"] > 0 and t["mean_rows"] >= 1.0
-    # streamed, token2wav stacked where the family allows (CosyVoice2: the vocoder): its calls are counted
-    assert t["stream"] and set(t["stacked"]) == {"hift"} and t["stacked"]["hift"]["calls"] > 0, t["stacked"]
+    # streamed, token2wav stacked where the family allows (CosyVoice2: the flow's streamed chunks, bounded streams'
+    # last calls among them, and the vocoder): their calls are counted
+    stacked = t["stacked"]
+    assert t["stream"] and t["flow_context_seconds"] == 0.5 and set(stacked) == {"flow", "hift"}, stacked
+    assert stacked["flow"]["calls"] > 0 and stacked["hift"]["calls"] > 0, stacked
     assert (
         "this tree / baseline" in r.stdout and "LM rows per step" in r.stdout and "calls stacked" in r.stdout
     )

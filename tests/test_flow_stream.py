@@ -9,6 +9,7 @@ end inside attention chunks too (the frames computed again). The opt-in bounded 
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 from pathlib import Path
@@ -157,6 +158,102 @@ def test_stream_mel_equals_the_whole_sequence_flow(cv2: dict) -> None:
         want = flow.inference(*args)
         assert got.shape == want.shape and torch.allclose(got, want, atol=cv2["atol"]["flow_prompt_stream"])
         assert stream.frames == 2 * (21 + n - 3) // 50 * 50
+
+
+def _chunk_args(flow: Any, x: dict[str, Any], stream: Any, n: int, last: bool = False) -> tuple[Any, ...]:
+    # a streamed call whose frames end n after the ones the stream keeps (the last 3 tokens lookahead, but in a
+    # bounded stream's last call)
+    look = 0 if last else flow.pre_lookahead_len
+    t = (stream.frames + n) // flow.token_mel_ratio - x["prompt_token"].shape[1] + look
+    token = torch.tensor([x["tokens"][:t]], dtype=torch.int32)
+    return token, x["prompt_token"], x["prompt_feat"], x["embedding"]
+
+
+def _offset_streams(flow: Any, steps: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    # streams at three offsets: prompts of 0, 33 and 60 tokens keep 0, 50 and 100 frames after their prefill
+    inputs = [_inputs(160, p, seed=p) for p in (0, 33, 60)]
+    streams = [
+        flow.prefill(flow.new_stream(steps), x["prompt_token"], x["prompt_feat"], x["embedding"])
+        for x in inputs
+    ]
+    assert len({s.frames for s in streams}) == 3, [s.frames for s in streams]
+    return inputs, streams
+
+
+def _kept_keys(stream: Any) -> int:
+    # the frames whose keys a stream's estimator attends to (every layer and step alike)
+    return sum(k.shape[2] for k in stream.steps[0].keys[0])
+
+
+@pytest.mark.parametrize("family", ["cv3", "cv2"])
+def test_stacked_stream_chunks_equal_each_stream_alone(family: str, request) -> None:
+    """Three streams at different offsets (0, 50 and 100 frames kept: rotary positions, conv tails, noise columns
+    and attention over kept frames of different lengths), two of them bounded by different flow contexts (100 and
+    50 frames: each drops its oldest chunks of speech as it goes, so the rows attend to 100, 150 and 250 kept
+    frames in the last round) run four rounds of chunks as one batch (ChunkFlow.run_chunks: every stream's rows
+    in one estimator call per Euler step; CosyVoice2's encoder per stream), the 50-frame stream's last call (no
+    lookahead, chunk-causal) in the last round beside the others' chunks, and get the mel each gets alone within
+    the fixture's flow tolerance, keeping (and dropping) what it keeps alone. A row computed at another's offset
+    or lookahead, attending to another's frames, to a pad or to a dropped chunk, breaks the equality."""
+    parts = request.getfixturevalue(family)
+    flow, steps, atol = parts["flow"], 2, parts["atol"]["flow_prompt_stream"]  # steps: only time
+    inputs, base = _offset_streams(flow, steps)
+    stacked = [s.fork() for s in base]
+    alone = [s.fork() for s in base]
+    for s, context in zip(stacked + alone, (100, 50, 0) * 2, strict=True):
+        s.context = context
+    for last in (False, False, False, True):
+        chunks, want = [], []
+        for x, s, a in zip(inputs, stacked, alone, strict=True):
+            final = last and s.context == 50
+            args = _chunk_args(flow, x, s, 50, final)
+            chunks.append(flow.chunk(*args, stream=s, finalize=final, n_timesteps=steps))
+            want.append(flow.inference(*args, not final, final, n_timesteps=steps, stream=a))
+        got = flow.run_chunks(chunks)
+        for g, w, s, a in zip(got, want, stacked, alone, strict=True):
+            assert g.shape == w.shape and torch.allclose(g, w, atol=atol, rtol=0), (g - w).abs().max().item()
+            assert s.frames == a.frames and torch.allclose(s.mel, a.mel, atol=atol, rtol=0)
+            assert _kept_keys(s) == _kept_keys(a)
+    assert [s.frames for s in stacked] == [200, 200, 300]
+    assert [_kept_keys(s) for s in stacked] == [100, 150, 300], "the bounded streams drop their oldest speech"
+
+
+def test_concurrent_streams_chunks_run_stacked_and_a_lone_stream_never_waits(cv3: dict) -> None:
+    """ChunkFlowBatcher (batch_flow's flow for CosyVoice2/3) gathers the chunks of three concurrent streams at
+    different offsets into one run per round (each stream equal to itself alone), and a lone stream's chunks
+    run at once through the same batcher with a 60 s gather (waiting for a partner would take minutes)."""
+    from cosyserve.runtime.stacking import ChunkFlowBatcher
+
+    flow, steps, atol = cv3["flow"], 2, cv3["atol"]["flow_prompt_stream"]
+    batcher = ChunkFlowBatcher(flow, 3, gather_s=60.0)
+    inputs, base = _offset_streams(flow, steps)
+    streams = [s.fork() for s in base]
+    for s in streams:  # live before their first chunk: each round's three chunks meet
+        batcher.track(s)
+
+    def speak(model: Any, x: dict[str, Any], s: Any) -> list[torch.Tensor]:
+        out = [model.inference(*_chunk_args(flow, x, s, 50), True, False, n_timesteps=steps, stream=s)]
+        out.append(model.inference(*_chunk_args(flow, x, s, 50), True, False, n_timesteps=steps, stream=s))
+        last = _chunk_args(flow, x, s, 50)  # the last call: full attention, the stream done
+        model.inference(*last, False, True, n_timesteps=steps, stream=s)
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(3, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        got = list(pool.map(lambda i: speak(batcher, inputs[i], streams[i]), range(3), timeout=120))
+    stats = batcher.stats
+    assert (stats.calls, stats.batches, stats.batched_calls, stats.peak, stats.timed_out) == (
+        6,
+        2,
+        6,
+        3,
+        0,
+    ), stats
+    alone = [s.fork() for s in base]
+    for x, a, g in zip(inputs, alone, got, strict=True):
+        for gi, wi in zip(g, speak(flow, x, a), strict=True):
+            assert gi.shape == wi.shape and torch.allclose(gi, wi, atol=atol, rtol=0)
+    speak(batcher, inputs[0], base[0].fork())
+    assert (stats.calls, stats.batches, stats.timed_out) == (8, 2, 0), stats
 
 
 def test_vocoder_stream_equals_the_whole_mel(cv3: dict) -> None:
@@ -405,19 +502,18 @@ def test_a_small_window_bounds_the_keys_attended_and_the_state(
     CosyVoice2 encoder's own caches still grow, and on the tiny model, whose encoder is full width, they dominate),
     and the audio stays finite and near the exact path's. A window that never drops, drops the prompt or leaves
     dropped keys referenced (or counted) fails."""
-    import cosyserve.models.dit as dit
-    import cosyserve.models.flow_decoder as flow_decoder
+    import cosyserve.models.flow_stream as flow_stream
 
     parts = cv2
     seen: list[tuple[int, int]] = []
-    for module in (dit, flow_decoder):
-        inner = module.attend
+    inner = flow_stream.attend
 
-        def attend(q: torch.Tensor, keys: list, values: list, mask: Any, inner: Any = inner) -> torch.Tensor:
-            seen.append((q.shape[2], sum(k.shape[2] for k in keys)))
-            return inner(q, keys, values, mask)
+    def attend(q: torch.Tensor, keys: list, values: list, mask: Any) -> torch.Tensor:
+        # every estimator attention of a lone stream's call (StepCache.attend)
+        seen.append((q.shape[2], sum(k.shape[2] for k in keys)))
+        return inner(q, keys, values, mask)
 
-        monkeypatch.setattr(module, "attend", attend)
+    monkeypatch.setattr(flow_stream, "attend", attend)
     x = _inputs(200, 37)
     voices = VoiceStates(1 << 30)
     t2w = _t2w(parts, flow_steps=1, flow_context=1.0, voices=voices)

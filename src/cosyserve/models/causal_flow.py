@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
 from cosyserve.models.flow import CFMParams, _euler_schedule
-from cosyserve.models.flow_stream import FlowStream, StepCache
+from cosyserve.models.flow_stream import FlowStream, StepRows, StepState
 from cosyserve.models.upsample_encoder import (
     PRE_LOOKAHEAD_LEN,
     UPSAMPLE_STRIDE,
@@ -38,6 +39,7 @@ __all__ = [
     "CausalConditionalCFMConfig",
     "CausalFlowConfig",
     "CausalMaskedDiffWithXvec",
+    "Chunk",
     "ChunkFlow",
     "fixed_noise",
 ]
@@ -145,7 +147,7 @@ class CausalConditionalCFM(nn.Module):
         n_timesteps: int,
         streaming: bool,
         should_stop: ShouldStop | None = None,
-        caches: list[StepCache] | None = None,
+        caches: Sequence[StepState] | None = None,
     ) -> Tensor:
         """Integrate from ``noise`` to a mel: fixed-step Euler, classifier-free guidance as one batch of 2B.
 
@@ -157,7 +159,8 @@ class CausalConditionalCFM(nn.Module):
             n_timesteps: Euler steps.
             streaming: chunk attention masks in the estimator.
             should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
-            caches: a stream's state per Euler step (see :class:`ChunkFlow`): the frames here follow its kept ones.
+            caches: a stream's state per Euler step (see :class:`ChunkFlow`), or several streams' (rows :B/B: stream
+                by stream, :class:`~cosyserve.models.flow_stream.StepRows`): the frames here follow the kept ones.
         Returns:
             (B, n, T) float32 mel.
         """
@@ -181,6 +184,33 @@ class CausalConditionalCFM(nn.Module):
         return x.float()
 
 
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """A stream's streamed call over the frames after those it keeps (:meth:`ChunkFlow.chunk`), run alone or
+    stacked with other streams' (:meth:`ChunkFlow.run_chunks`)."""
+
+    stream: FlowStream
+    tokens: Tensor  # (1, P + T) the prompt's and the utterance's so far, the last `lookahead` context only
+    prompt_feat: Tensor  # (1, F, n_mels)
+    embedding: Tensor  # (1, spk_embed_dim)
+    frames: int  # the frames the tokens make, the kept ones included
+    skip: int  # the leading frames left out of the result (the prompt's)
+    lookahead: int  # context-only last tokens: pre_lookahead_len, 0 for a bounded stream's last call
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """What must match for chunks of several streams to run as one batch: the frames computed and the Euler
+        steps (each stream keeps its own start, kept frames, context, caches, prompt, tokens and lookahead: a
+        bounded stream's last call stacks with other streams' chunks)."""
+        return self.frames - self.stream.frames, self.stream.n_timesteps
+
+    @property
+    def keep(self) -> int:
+        """The frames final once the call is done (before it runs): its whole attention chunks, or with no
+        lookahead (a bounded stream's last call) none of its own."""
+        return self.stream.kept_until(self.frames) if self.lookahead else self.stream.frames
+
+
 class ChunkFlow(nn.Module):
     """What CosyVoice2's and CosyVoice3's flows share: tokens (after a prompt) -> ``mu`` at mel rate (the
     subclass's :meth:`_mu`) -> the CFM from the fixed noise, with the prompt mel as condition; and streams that
@@ -191,6 +221,8 @@ class ChunkFlow(nn.Module):
     conv, :attr:`LEAD`), then every Euler step over them against the kept states. Its output equals the whole
     sequence's (:meth:`inference` without a stream) within float rounding, because streaming attention is
     chunk-causal and every conv causal; the frames of a chunk still incomplete are computed again next time.
+    Concurrent streams' calls that compute as many frames run as one batch (:meth:`chunk`, :meth:`run_chunks`; the
+    torch runtime's :class:`~cosyserve.runtime.stacking.ChunkFlowBatcher` gathers them).
     """
 
     N_TIMESTEPS = 10  # Euler steps of the reference's flow inference (fixed there; the yaml has no count)
@@ -284,6 +316,38 @@ class ChunkFlow(nn.Module):
         Returns:
             (B, n_mels, M) float32 mel with M = 2(P + T) - F (finalize) or 2(P + T - 3) - F.
         """
+        if self.takes_chunk(stream, streaming, finalize):
+            assert stream is not None
+            chunk = self.chunk(
+                token, prompt_token, prompt_feat, embedding, stream=stream, finalize=finalize,
+                n_timesteps=n_timesteps,
+            )  # fmt: skip
+            return self.run_chunks([chunk], should_stop)[0]
+        n_timesteps, tokens, frames = self._plan(token, prompt_token, prompt_feat, finalize, n_timesteps)
+        spks, cond = self._conditions(embedding, prompt_feat, 0, frames)
+        device = spks.device
+        x = self.input_embedding(tokens.to(device).clamp(min=0))  # (B, P+T, C)
+        lookahead = 0 if finalize else self.pre_lookahead_len
+        mu = self._mu(x, lookahead, streaming, None, 0)  # (B, n_mels, N), N = frames
+        noise = fixed_noise(frames, device, spks.dtype)
+        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
+        return mel[:, :, prompt_feat.shape[1] :]
+
+    @staticmethod
+    def takes_chunk(stream: FlowStream | None, streaming: bool, finalize: bool) -> bool:
+        """Whether :meth:`inference` runs a call through its ``stream`` (a :class:`Chunk`): a streamed call that
+        does not finalize, or any call of a bounded stream (``stream.context``: its last call too, chunk-causal)."""
+        return stream is not None and (streaming and not finalize or bool(stream.context))
+
+    def _plan(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        finalize: bool,
+        n_timesteps: int | None,
+    ) -> tuple[int, Tensor, int]:
+        # a call's checked Euler steps, its prompt and utterance tokens (B, P+T) and the frames they make
         n_timesteps = self.N_TIMESTEPS if n_timesteps is None else n_timesteps
         if n_timesteps < 1:
             raise ValueError(f"n_timesteps must be >= 1, got {n_timesteps}")
@@ -298,19 +362,7 @@ class ChunkFlow(nn.Module):
         frames = self.token_mel_ratio * (tokens.shape[1] - lookahead)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        if stream is not None and (streaming and not finalize or stream.context):
-            stream.prompt = self.token_mel_ratio * prompt_token.shape[1]
-            mel = self._chunk(
-                stream, tokens, prompt_feat, embedding, frames, n_timesteps, should_stop, lookahead
-            )
-            return mel[:, :, f:]
-        spks, cond = self._conditions(embedding, prompt_feat, 0, frames)
-        device = spks.device
-        x = self.input_embedding(tokens.to(device).clamp(min=0))  # (B, P+T, C)
-        mu = self._mu(x, lookahead, streaming, None, 0)  # (B, n_mels, N), N = frames
-        noise = fixed_noise(frames, device, spks.dtype)
-        mel = self.decoder(mu, spks, cond, noise, n_timesteps, streaming, should_stop)
-        return mel[:, :, f:]
+        return n_timesteps, tokens, frames
 
     def _conditions(
         self, embedding: Tensor, prompt_feat: Tensor, start: int, frames: int
@@ -330,42 +382,111 @@ class ChunkFlow(nn.Module):
             )
         return spks, cond
 
-    def _chunk(
+    def chunk(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        stream: FlowStream,
+        finalize: bool = False,
+        n_timesteps: int | None = None,
+    ) -> Chunk:
+        """A stream's call (:meth:`inference`'s arguments for one row, checked; :meth:`takes_chunk`), for
+        :meth:`run_chunks`: alone, or stacked with other streams' chunks of the same :attr:`Chunk.shape`. Only a
+        bounded stream's call may finalize (chunk-causal, no lookahead)."""
+        if finalize and not stream.context:
+            raise ValueError(
+                "an unbounded stream's last call is computed whole: inference without the stream"
+            )
+        n_timesteps, tokens, frames = self._plan(token, prompt_token, prompt_feat, finalize, n_timesteps)
+        stream.prompt = self.token_mel_ratio * prompt_token.shape[1]
+        lookahead = 0 if finalize else self.pre_lookahead_len
+        return self._new_chunk(
+            stream, tokens, prompt_feat, embedding, frames, prompt_feat.shape[1], n_timesteps, lookahead
+        )
+
+    def _new_chunk(
         self,
         stream: FlowStream,
         tokens: Tensor,
         prompt_feat: Tensor,
         embedding: Tensor,
         frames: int,
+        skip: int,
         n_timesteps: int,
-        should_stop: ShouldStop | None,
         lookahead: int,
-    ) -> Tensor:
-        # a stream's call: frames stream.frames .. frames-1 computed, the whole chunks among them kept (none by the
-        # last call, lookahead 0); returns the mel of every frame (the kept ones' as they were computed)
+    ) -> Chunk:
         if n_timesteps != stream.n_timesteps:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {n_timesteps}")
-        start, ratio = stream.frames, self.token_mel_ratio
-        if frames <= start:
-            raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
-        keep = stream.kept_until(frames) if lookahead else start
-        spks, cond = self._conditions(embedding, prompt_feat, start, frames)
+        if frames <= stream.frames:
+            raise ValueError(
+                f"a stream's call must add frames: it keeps {stream.frames}, this call makes {frames}"
+            )
+        if tokens.shape[0] != 1:
+            raise ValueError(f"a stream's call is one row, got {tokens.shape[0]}")
+        return Chunk(stream, tokens, prompt_feat, embedding, frames, skip, lookahead)
+
+    @torch.inference_mode()
+    def run_chunks(self, chunks: Sequence[Chunk], should_stop: ShouldStop | None = None) -> list[Tensor]:
+        """Run streams' chunks (:meth:`chunk`) as one batch: one estimator call per Euler step over every
+        stream's rows (both CFG rows of each), each row at its own offset (rotary positions, convolution tails)
+        against its own kept frames (bounded streams' included: each keeps what its context leaves, the rows
+        right-aligned and masked). A chunk computes the frames after those its stream keeps, keeps the new whole
+        attention chunks (none by a bounded stream's last call) and trims a bounded stream's oldest.
+
+        Args:
+            chunks: of distinct streams, all of the same :attr:`Chunk.shape` (one chunk: exactly the unstacked call).
+            should_stop: asked before each Euler step (:class:`cosyserve.core.stop.Stopped` once it says True).
+        Returns:
+            each chunk's (1, n_mels, M) float32 mel after its prompt (the kept frames' as they were computed): what
+            :meth:`inference` gives for it alone, within float rounding.
+        """
+        shape = chunks[0].shape
+        if any(c.shape != shape for c in chunks) or len({id(c.stream) for c in chunks}) < len(chunks):
+            raise ValueError(
+                f"run_chunks takes chunks of distinct streams and equal shapes, got {len(chunks)}"
+            )
+        parts = [self._chunk_inputs(c) for c in chunks]  # each: mu (1, n_mels, n), spks, cond, noise
+        steps = shape[1]
+        caches: Sequence[StepState]
+        if len(chunks) == 1:
+            (mu, spks, cond, noise), caches = parts[0], chunks[0].stream.steps
+        else:
+            mu, spks, cond, noise = (torch.cat(xs) for xs in zip(*parts, strict=True))  # (B, ...)
+            caches = [StepRows([c.stream.steps[i] for c in chunks]) for i in range(steps)]
+        mel = self.decoder(mu, spks, cond, noise, steps, True, should_stop, caches)  # (B, n_mels, n)
+        rows = [mel] if len(chunks) == 1 else [m.clone() for m in mel.split(1)]
+        return [self._chunk_done(c, m) for c, m in zip(chunks, rows, strict=True)]
+
+    def _chunk_inputs(self, c: Chunk) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # a chunk's mu, spks, cond and noise of frames stream.frames .. c.frames-1; the stream's caches set for
+        # the call (its encoder's run here, per stream)
+        stream, ratio = c.stream, self.token_mel_ratio
+        start, keep = stream.frames, c.keep
+        spks, cond = self._conditions(c.embedding, c.prompt_feat, start, c.frames)
         device = spks.device
         first = start // ratio
         lead = min(first, self.LEAD)
-        x = self.input_embedding(tokens[:, first - lead :].to(device).clamp(min=0))
+        x = self.input_embedding(c.tokens[:, first - lead :].to(device).clamp(min=0))
         self._begin_encoder(stream, start, keep)
-        mu = self._mu(x, lookahead, True, stream, lead)
-        noise = fixed_noise(frames, device, spks.dtype, start)
+        mu = self._mu(x, c.lookahead, True, stream, lead)
         for cache in stream.steps:
             cache.begin(start, keep - start, stream.split)
-        mel = self.decoder(mu, spks, cond, noise, n_timesteps, True, should_stop, stream.steps)
+        return mu, spks, cond, fixed_noise(c.frames, device, spks.dtype, start)
+
+    def _chunk_done(self, c: Chunk, mel: Tensor) -> Tensor:
+        # keep the whole attention chunks of a chunk's new frames (mel: (1, n_mels, n)) and trim a bounded stream;
+        # every frame's mel after the prompt (the kept ones' as they were computed)
+        stream = c.stream
+        start, keep = stream.frames, c.keep
         kept = mel[:, :, : keep - start]
         stream.mel = kept if stream.mel is None else torch.cat([stream.mel, kept], dim=2)
         whole = mel if start == 0 else torch.cat([stream.mel[:, :, :start], mel], dim=2)
         stream.frames = keep
         stream.trim()
-        return whole
+        return whole[:, :, c.skip :]
 
     @torch.inference_mode()
     def prefill(
@@ -386,9 +507,10 @@ class ChunkFlow(nn.Module):
         keep = stream.kept_until(ratio * (prompt_token.shape[1] - lookahead))
         if keep > 0:
             tokens = prompt_token[:, : keep // ratio + lookahead]
-            self._chunk(
-                stream, tokens, prompt_feat, embedding, keep, stream.n_timesteps, should_stop, lookahead
+            chunk = self._new_chunk(
+                stream, tokens, prompt_feat, embedding, keep, 0, stream.n_timesteps, lookahead
             )
+            self.run_chunks([chunk], should_stop)
         return stream
 
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.flow_decoder import ConditionalDecoder, ConditionalDecoderConfig, ResnetBlock1D
-from cosyserve.models.flow_stream import StepCache
+from cosyserve.models.flow_stream import StepState
 from cosyserve.models.transformer import subsequent_chunk_mask
 
 __all__ = ["CausalBlock1D", "CausalConditionalDecoder", "CausalConditionalDecoderConfig", "CausalConv1d"]
@@ -50,7 +50,7 @@ class CausalConv1d(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size)
         self.causal_padding = kernel_size - 1
 
-    def forward(self, x: Tensor, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: StepState | None = None) -> Tensor:
         # a stream's kept frames before x are the left context (zeros at its start)
         n = self.causal_padding
         return super().forward(F.pad(x, (n, 0)) if cache is None else cache.left(x, n))
@@ -69,7 +69,7 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None, cache: StepState | None = None) -> Tensor:
         # mask is always None here (no padding); the argument keeps ResnetBlock1D's call signature
         conv, *rest = self.block
         x = conv(x, cache)
@@ -86,7 +86,7 @@ class CausalResnetBlock1D(ResnetBlock1D):
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
 
-    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, cache: StepState | None = None) -> Tensor:
         h = self.block1(x, None, cache) + self.mlp(temb).unsqueeze(-1)
         return self.block2(h, None, cache) + self.res_conv(x)
 
@@ -113,7 +113,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
         return len(self.down_blocks) == 1 and self.static_chunk_size > 0
 
     def _attend(
-        self, blocks: nn.ModuleList, x: Tensor, mask: Callable[[int], Tensor | None], cache: StepCache | None
+        self, blocks: nn.ModuleList, x: Tensor, mask: Callable[[int], Tensor | None], cache: StepState | None
     ) -> Tensor:
         # x: (B, C, T) -> (B, T, C) for the blocks and back; `mask` gives the attention mask of T frames
         mask_t = mask(x.size(2))
@@ -135,7 +135,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
         t: Tensor,
         streaming: bool = False,
         should_stop: ShouldStop | None = None,
-        cache: StepCache | None = None,
+        cache: StepState | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -165,7 +165,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
         t: Tensor,
         mask: Tensor | None,
         should_stop: ShouldStop | None = None,
-        cache: StepCache | None = None,
+        cache: StepState | None = None,
     ) -> Tensor:
         """:meth:`forward_packed` with the attention mask of the call's own frames given: ``mask`` (T, T) bool
         (True = attend; None: full attention), the kept frames of ``cache`` seen whole; a one-level decoder only
@@ -180,7 +180,7 @@ class CausalConditionalDecoder(ConditionalDecoder):
         t: Tensor,
         mask: Callable[[int], Tensor | None],
         should_stop: ShouldStop | None,
-        cache: StepCache | None,
+        cache: StepState | None,
     ) -> Tensor:
         temb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         hiddens = []

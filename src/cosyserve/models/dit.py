@@ -35,7 +35,7 @@ from cosyserve.models.causal_flow import (
     ChunkFlow,
 )
 from cosyserve.models.flow_decoder import SinusoidalPosEmb
-from cosyserve.models.flow_stream import FlowStream, StepCache, attend
+from cosyserve.models.flow_stream import FlowStream, StepState
 from cosyserve.models.transformer import subsequent_chunk_mask
 from cosyserve.models.upsample_encoder import PreLookaheadLayer as _PreLookahead
 
@@ -185,7 +185,7 @@ class _CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, POS_KERNEL, groups=POS_GROUPS), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, POS_KERNEL, groups=POS_GROUPS), nn.Mish())
 
-    def forward(self, x: Tensor, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: StepState | None = None) -> Tensor:
         # x: (B, N, C) -> (B, N, C); each conv sees the current and the 30 previous frames (a stream's kept ones)
         h = x.transpose(1, 2)
         for conv in (self.conv1, self.conv2):
@@ -199,7 +199,7 @@ class _InputEmbedding(nn.Module):
         self.proj = nn.Linear(in_features, dim)
         self.conv_pos_embed = _CausalConvPositionEmbedding(dim)
 
-    def forward(self, h: Tensor, cache: StepCache | None = None) -> Tensor:
+    def forward(self, h: Tensor, cache: StepState | None = None) -> Tensor:
         # h: (B, N, in_features) = cat([x, cond, mu, spks]) -> (B, N, dim)
         x = self.proj(h)
         return self.conv_pos_embed(x, cache) + x
@@ -215,14 +215,18 @@ class _RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq)  # persistent: the official flow.pt holds it
 
     def forward(self, n: int, dtype: torch.dtype, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
-        # (1, N, dim_head) cos and sin of positions offset .. offset+N-1 in ``dtype``, frequencies repeated in
-        # interleaved pairs (f0, f0, f1, f1, ...). Computed in float32 whatever the flow's dtype: in bfloat16 the
-        # positions past 256 and the angles (up to a few thousand radians) are off by whole radians, so the table
-        # would be noise for most frames.
-        # arange(n) + offset, not arange(offset, ...): the lite graph's offset is an input (a tensor)
-        t = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32) + offset
-        # dim=1, not -1: ONNX's export of repeat_interleave gets a negative dim wrong
-        freqs = (t.unsqueeze(1) * self.inv_freq.float()).repeat_interleave(2, dim=1).unsqueeze(0)
+        # (R, N, dim_head) cos and sin of positions offset .. offset+N-1 in ``dtype``, frequencies repeated in
+        # interleaved pairs (f0, f0, f1, f1, ...): R = 1 for an int or a 0-d tensor (the lite graph's offset, an
+        # input), else a row per offset (R,) (streams stacked, each row at its own). Computed in float32 whatever
+        # the flow's dtype: in bfloat16 the positions past 256 and the angles (up to a few thousand radians) are
+        # off by whole radians, so the table would be noise for most frames.
+        t = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        if isinstance(offset, Tensor):  # exact integers in float32, as arange's
+            t = offset.to(t.device, torch.float32).reshape(-1, 1) + t  # (R, N)
+        else:
+            t = (t + offset).unsqueeze(0)  # (1, N)
+        # dim=2, not -1: ONNX's export of repeat_interleave gets a negative dim wrong
+        freqs = (t.unsqueeze(2) * self.inv_freq.float()).repeat_interleave(2, dim=2)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
@@ -233,7 +237,8 @@ def _rotate_pairs(x: Tensor) -> Tensor:
 
 
 def _apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, N, inner); only the first cos.shape[-1] features are rotated (the reference's order of operations)
+    # x: (B, N, inner), cos and sin (1 or B, N, d); only the first d features are rotated (the reference's order of
+    # operations)
     d = cos.shape[-1]
     head, rest = x[:, :, :d], x[:, :, d:]  # no Ellipsis: ONNX's export must know the slices' rank
     return torch.cat((head * cos + _rotate_pairs(head) * sin, rest), dim=2)
@@ -251,7 +256,7 @@ class _Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: StepCache | None = None
+        self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache: StepState | None = None
     ) -> Tensor:
         # x: (B, N, dim); mask: (N, N) bool, True = attend, or None for full attention; a stream's cache adds the
         # kept frames' keys and values (seen whole)
@@ -264,7 +269,7 @@ class _Attention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            y = attend(q, *cache.segments(k, v, dim=2), mask)
+            y = cache.attend(q, k, v, mask)
         return self.to_out[0](y.transpose(1, 2).reshape(B, N, self.heads * self.dim_head))
 
 
@@ -312,7 +317,7 @@ class _DiTBlock(nn.Module):
         t: Tensor,
         rope: tuple[Tensor, Tensor],
         mask: Tensor | None,
-        cache: StepCache | None = None,
+        cache: StepState | None = None,
     ) -> Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
         x = x + gate_msa * self.attn(_norm(x) * (1 + scale_msa) + shift_msa, rope, mask, cache)
@@ -353,7 +358,7 @@ class DiT(nn.Module):
         t: Tensor,
         streaming: bool = False,
         should_stop: ShouldStop | None = None,
-        cache: StepCache | None = None,
+        cache: StepState | None = None,
     ) -> Tensor:
         """Predict the flow velocity.
 
@@ -363,7 +368,8 @@ class DiT(nn.Module):
             streaming: static chunk attention masks instead of full attention.
             should_stop: asked before each block (:class:`cosyserve.core.stop.Stopped` once it says True).
             cache: a stream's state at this Euler step (streaming only): h holds the frames after the
-                ``cache.start`` it keeps (a multiple of the attention chunk), which it adds as left context.
+                ``cache.start`` it keeps (a multiple of the attention chunk), which it adds as left context; or
+                several streams' (:class:`~cosyserve.models.flow_stream.StepRows`: each row at its own start).
         Returns:
             (B, mel_dim, N) velocity.
         """
@@ -381,7 +387,7 @@ class DiT(nn.Module):
         t: Tensor,
         mask: Tensor | None,
         should_stop: ShouldStop | None = None,
-        cache: StepCache | None = None,
+        cache: StepState | None = None,
     ) -> Tensor:
         """:meth:`forward_packed` with the attention mask of the call's own frames given: ``mask`` (N, N) bool
         (True = attend; None: full attention), the kept frames of ``cache`` seen whole. What the lite runtime's

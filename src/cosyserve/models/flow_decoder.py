@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyserve.core.stop import ShouldStop, check
-from cosyserve.models.flow_stream import StepCache, attend
+from cosyserve.models.flow_stream import StepState
 
 __all__ = ["ConditionalDecoder", "ConditionalDecoderConfig"]
 
@@ -135,7 +135,7 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
 
-    def forward(self, x: Tensor, bias: Tensor | None, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, bias: Tensor | None, cache: StepState | None = None) -> Tensor:
         # x: [B, T, C]; bias: [B, 1, 1, T] additive key mask, a bool mask (True = attend), or None; a flow stream's
         # cache adds the keys and values of the frames it keeps before x (seen whole; bias then a (T, T) bool mask)
         B, T, _ = x.shape
@@ -145,7 +145,7 @@ class Attention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         else:
-            y = attend(q, *cache.segments(k, v, dim=2), bias)
+            y = cache.attend(q, k, v, bias)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)  # (B, T, nh*hs)
         return self.to_out[0](y)
 
@@ -179,7 +179,7 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, approximate)
 
-    def forward(self, x: Tensor, bias: Tensor | None, cache: StepCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, bias: Tensor | None, cache: StepState | None = None) -> Tensor:
         x = x + self.attn1(self.norm1(x), bias, cache)
         return x + self.ff(self.norm3(x))
 

@@ -12,8 +12,8 @@ its input's last ``kernel - 1`` frames before the kept boundary; for each attent
 of every kept frame, as a list of segments (one per call that added frames), never written to: a request forked
 from a registered voice (:meth:`FlowStream.fork`) shares the voice's segments and appends its own (a call's
 attention concatenates them for one fused kernel, :func:`attend`). Both CFG rows (conditioned and not) are kept,
-batch first. The object is separate from the modules, so several requests' states can later be stepped as one
-batch.
+batch first. The object is separate from the modules, so several streams' states step as one batch
+(:class:`StepRows`: one estimator call per Euler step over every stream's rows, each at its own offset).
 
 Memory: per kept frame, 2 (CFG rows) x Euler steps x every attention layer's keys and values, in the flow's
 dtype: ~4.6 MB for a full-size CosyVoice2 flow in float32, ~3.6 MB for CosyVoice3 (50 frames a second).
@@ -25,7 +25,8 @@ result) keeps each call's committed frames as one segment per attention chunk an
 prompt ends in), the most recent ``context`` to ``context + chunk`` generated frames and the call's own, so a
 call's cost and the state's memory stop growing with the utterance. Conv tails, the encoder's caches (CosyVoice2's
 conformer: ~1.4 MB per second of speech in float32, ~0.6% of the estimator's) and rotary positions (absolute,
-from ``start``) are unaffected.
+from ``start``) are unaffected. Bounded streams stack as any (:class:`StepRows`: each row attends to what its own
+stream keeps, whatever its context, right-aligned and masked), a bounded stream's last call included.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["FlowStream", "StepCache", "attend"]
+__all__ = ["FlowStream", "StepCache", "StepRows", "StepState", "attend"]
 
 
 @dataclass
@@ -65,14 +66,30 @@ class StepCache:
         """``x`` (B, C, T) with ``n`` frames of left context prepended: the kept frames before it (zeros at the
         start of the stream), as a causal convolution's zero padding would give over the whole sequence. Keeps
         the ``n`` frames before the new boundary for the next call."""
+        padded = torch.cat([self.tail(x, x.shape[0], n).to(x.dtype), x], dim=2)
+        self.keep_tail(padded, n)
+        return padded
+
+    def tail(self, x: Tensor, rows: int, n: int) -> Tensor:
+        """The next causal convolution's kept input tail (rows, C, n), zeros at the stream's start (``x``: the
+        call's input, for its width and device)."""
+        i = self._conv
+        if i == len(self.tails):
+            self.tails.append(x.new_zeros(rows, x.shape[1], n))
+        return self.tails[i]
+
+    def keep_tail(self, padded: Tensor, n: int) -> None:
+        """Keep the ``n`` frames of ``padded`` (this stream's rows: its tail, then the call's frames) before the
+        new boundary for the next call; moves to the next convolution."""
         i = self._conv
         self._conv += 1
-        if i == len(self.tails):
-            self.tails.append(x.new_zeros(x.shape[0], x.shape[1], n))
-        padded = torch.cat([self.tails[i].to(x.dtype), x], dim=2)
         if self.commit:
             self.tails[i] = padded[:, :, self.commit : self.commit + n].clone()
-        return padded
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """The next attention layer's output for the call's queries, keys and values (B, H, n, D): over the kept
+        frames' keys and values (seen whole) and the call's own (``mask``: (n, n) bool, True = attend)."""
+        return attend(q, *self.segments(k, v, dim=2), mask)
 
     def segments(self, k: Tensor, v: Tensor, dim: int) -> tuple[list[Tensor], list[Tensor]]:
         """The next attention layer's keys and values: the kept segments followed by ``k``, ``v`` (the call's
@@ -110,6 +127,81 @@ class StepCache:
 
     def tensors(self) -> list[Tensor]:
         return [*self.tails, *(t for seg in self.keys for t in seg), *(t for seg in self.values for t in seg)]
+
+
+class StepRows:
+    """Several streams' :class:`StepCache` of one Euler step, for one estimator call over all their rows: the
+    CFM's layout, every stream's conditioned row first (stream order), then every unconditioned row, so stream
+    ``j``'s two rows are ``x[j::B]``. Each stream has its own start (``start``: per row, the rotary positions), its
+    convolutions' tails and its attention over its own kept frames; the calls must add the same frames.
+    """
+
+    def __init__(self, caches: list[StepCache]) -> None:
+        self.caches = caches
+        starts = [c.start for c in caches]
+        self.start = torch.tensor(starts + starts)  # (2B,) each row's first frame
+        # what every attention layer of the step shares: the left pads and the mask (see attend)
+        self._pads: dict[tuple[int, int, int], Tensor] = {}
+        self._seen: tuple[tuple[int, int, bool], Tensor] | None = None
+
+    def left(self, x: Tensor, n: int) -> Tensor:
+        """:meth:`StepCache.left` of every stream's rows of ``x`` (2B, C, T)."""
+        b = len(self.caches)
+        rows = x.shape[0] // b
+        tails = torch.stack([c.tail(x, rows, n) for c in self.caches], dim=1).flatten(0, 1)  # (2B, C, n)
+        padded = torch.cat([tails.to(x.dtype), x], dim=2)
+        for j, c in enumerate(self.caches):
+            c.keep_tail(padded[j::b], n)
+        return padded
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """:meth:`StepCache.attend` of every stream's rows (q, k, v: (2B, H, n, D)) as one attention: each row's
+        kept keys and values right-aligned before the call's own, the rows that keep fewer frames padded on the
+        left with zeros and masked there (``mask``: the estimators' chunk mask of n frames, or None)."""
+        b = len(self.caches)
+        kept = [c.segments(k[j::b], v[j::b], dim=2) for j, c in enumerate(self.caches)]
+        lengths = [sum(s.shape[2] for s in ks[:-1]) for ks, _ in kept]
+        longest = max(lengths)
+        if longest == 0:  # no stream keeps a frame yet
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # per stream (2, H, longest + n, D), stacked to the rows' order (2, B, ...) -> (2B, H, longest + n, D)
+        keys = torch.stack(
+            [self._row(ks, longest - m) for (ks, _), m in zip(kept, lengths, strict=True)], dim=1
+        )
+        values = torch.stack(
+            [self._row(vs, longest - m) for (_, vs), m in zip(kept, lengths, strict=True)], dim=1
+        )
+        seen = self._mask(lengths, k.shape[2], mask, q.device)
+        return F.scaled_dot_product_attention(q, keys.flatten(0, 1), values.flatten(0, 1), attn_mask=seen)
+
+    def _row(self, segments: list[Tensor], pad: int) -> Tensor:
+        # one stream's kept segments and the call's own after `pad` zero frames
+        if not pad:
+            return torch.cat(segments, dim=2)
+        last = segments[-1]
+        key = (pad, last.shape[1], last.shape[3])
+        zeros = self._pads.get(key)
+        if zeros is None:
+            zeros = self._pads[key] = last.new_zeros(last.shape[0], last.shape[1], pad, last.shape[3])
+        return torch.cat([zeros, *segments], dim=2)
+
+    def _mask(self, lengths: list[int], n: int, mask: Tensor | None, device: torch.device) -> Tensor:
+        # (2B, 1, n, longest + n), True = attend: each row's kept frames and, by `mask`, the call's own; the same
+        # for every attention layer of the step (their kept frames and chunk masks are)
+        longest = max(lengths)
+        key = (n, longest, mask is None)
+        if self._seen is None or self._seen[0] != key:
+            b = len(lengths)
+            seen = torch.zeros(2 * b, 1, n, longest + n, dtype=torch.bool, device=device)
+            seen[..., longest:] = True if mask is None else mask
+            for j, length in enumerate(lengths):
+                seen[j::b, :, :, longest - length : longest] = True
+            self._seen = (key, seen)
+        return self._seen[1]
+
+
+# what an estimator's call takes: one stream's step, or several streams' rows
+StepState = StepCache | StepRows
 
 
 @dataclass

@@ -84,7 +84,8 @@ class RuntimeOptions:
         batch_size: requests served at once, their LM steps batched in the model's one decode loop (its rows); 1
             serves one at a time.
         batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes (the
-            parts the family stacks: CosyVoice-300M's flow and vocoder, CosyVoice2's and CosyVoice3's vocoders).
+            parts the family stacks: CosyVoice-300M's flow and vocoder, CosyVoice2's and CosyVoice3's vocoders and
+            streamed flow chunks).
         text_tier: the text normalisers and tokenizer: ``background`` (built after READY) or ``lazy``.
         zero_shot_tier: the prompt modes' ONNX sessions: ``lazy`` (first request) or ``background``.
         registry_dir: where registered voices live (None: the cache dir, per model).

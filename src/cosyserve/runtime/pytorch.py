@@ -91,15 +91,22 @@ class TorchRuntime(RuntimeVoices):
     def _install_batchers(self, options: RuntimeOptions, name: str) -> None:
         # flow and vocoder run concurrently in the request threads (they keep no per-call state on the modules),
         # or stacked where shapes match
-        from cosyserve.runtime.stacking import FlowBatcher, VocoderBatcher
+        from cosyserve.runtime.stacking import ChunkFlowBatcher, FlowBatcher, Gathering, VocoderBatcher
 
         if not options.batch_flow:
             return
-        t2w, stacks = self.pipeline.token2wav, self.pipeline.family.stacks
+        family = self.pipeline.family
+        t2w, stacks = self.pipeline.token2wav, family.stacks
+        gathering = Gathering()  # a stream waiting in one stacker is not waited for in the other
         if "flow" in stacks:
-            t2w.flow = FlowBatcher(t2w.flow, options.batch_size, name=f"{name} flow")
+            # a flow that streams by re-running on every token so far keeps its frames in per-stream states: its
+            # streams' chunks stack; a windowed flow's calls carry their cache in their arguments
+            stacker = ChunkFlowBatcher if family.reruns_flow else FlowBatcher
+            t2w.flow = stacker(t2w.flow, options.batch_size, name=f"{name} flow", gathering=gathering)
         if "hift" in stacks:
-            t2w.hift = VocoderBatcher(t2w.hift, options.batch_size, name=f"{name} vocoder")
+            t2w.hift = VocoderBatcher(
+                t2w.hift, options.batch_size, name=f"{name} vocoder", gathering=gathering
+            )
         alone = [part for part in ("flow", "hift") if part not in stacks]
         if alone:
             logger.warning(

@@ -13,15 +13,18 @@ vocoder streams (``stream``: same kept and new mel frames, excitation and output
 first kept frame, :meth:`~cosyserve.models.causal_hift.CausalHiFTGenerator.stream_shape`; each row keeps its
 stream's mel, phase and place in the fixed noise). A stream's call waits for partners only while another live
 stream runs (streams are known from ``new_stream`` until their finalizing call): a lone stream never waits, and
-when every live stream waits in some group, all the groups run at once. The stacked run borrows the
+when every live stream waits in some group (of any stacker of the model: :class:`Gathering`), all the groups run at
+once. The stacked run borrows the
 waiting callers' torch threads. On CPU this saves little: the flow's and HiFT's products are already wide
 (hundreds of frames), so a stack of full-size calls costs about what the single calls do, while the requests
 lose the overlap of one's LM steps with another's flow. It is meant for accelerators, where
 per-call overheads dominate, and is off by default (``RuntimeOptions(batch_flow=...)``). A family names the parts
 it stacks (``Family.stacks``): CosyVoice-300M's flow and vocoder; CosyVoice2's vocoder (its streamed calls carry
 their cached mel and source in their arguments, and reach equal shapes once the hops reach their longest) and
-CosyVoice3's (its streams' calls reach equal shapes from the first hop after the prompt's), not their flows,
-whose streamed calls keep each request's attention state (a FlowStream of the request's own length).
+CosyVoice3's (its streams' calls reach equal shapes from the first hop after the prompt's); and both families'
+streamed chunk flow (:class:`ChunkFlowBatcher`: chunks that compute as many frames, each stream's rows at its own
+offset against its own kept attention state, bounded (``flow_context_seconds``) or not, a bounded stream's last
+call too; their one-shot calls and an unbounded stream's last call, full attention over every frame, run alone).
 
 The LM's continuous batching is :mod:`cosyserve.runtime.decode`'s loop.
 """
@@ -40,7 +43,7 @@ from torch import Tensor
 from cosyserve.core.stop import ShouldStop, Stopped
 from cosyserve.system.cpus import usable_cpus
 
-__all__ = ["FlowBatcher", "StackStats", "VocoderBatcher"]
+__all__ = ["ChunkFlowBatcher", "FlowBatcher", "Gathering", "StackStats", "VocoderBatcher"]
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StackStats:
     batches: int = 0  # stacked runs of more than one call
     batched_calls: int = 0  # calls that ran in such a run
     peak: int = 0  # largest run
+    timed_out: int = 0  # groups whose gather ran out (a partner still awaited)
 
     @property
     def runs(self) -> int:
@@ -66,6 +70,18 @@ def _shape_key(call: tuple[Tensor, ...]) -> tuple[Any, ...] | None:
     return None if call[0].shape[0] != 1 else tuple((tuple(x.shape), x.dtype, x.device) for x in call)
 
 
+class Gathering:
+    """What the stackers of one model share: their lock, and the threads waiting in a group of any of them. A
+    stream's call waits for partners only while another live stream's thread runs, in none of their groups: a
+    flow chunk does not wait for a stream whose thread waits in the vocoder's stacker, nor the reverse (each
+    would wait out its gather). A stream's calls come from its request's thread (the one that consumes its audio).
+    """
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.parked: set[int] = set()  # idents of the threads waiting in a group
+
+
 class _Group:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
@@ -73,14 +89,24 @@ class _Group:
         self.closed = False  # no more joiners
         self.done = threading.Event()
         self.results: list[Any] = []
-        self.streams: list[int] = []  # ids of the streams whose calls wait here
+        self.threads: list[int] = []  # the threads of the stream calls waiting here
         self.error: BaseException | None = None
 
 
 class _Stacker:
     """Groups concurrent calls by a shape key; the first call of a group runs them stacked (``_run``)."""
 
-    def __init__(self, module: Any, max_batch_size: int, gather_s: float, name: str) -> None:
+    NAME = "stacker"  # for logs and errors, unless a name is given
+
+    def __init__(
+        self,
+        module: Any,
+        max_batch_size: int,
+        *,
+        gather_s: float = 0.005,
+        name: str | None = None,
+        gathering: Gathering | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gather_s < 0:
@@ -88,15 +114,17 @@ class _Stacker:
         self.module = module
         self.max_batch_size = max_batch_size
         self.gather_s = gather_s
-        self.name = name
+        self.name = self.NAME if name is None else name
         self.stats = StackStats()
         self.lend_threads = True
-        self._cv = threading.Condition()
+        self.gathering = Gathering() if gathering is None else gathering
+        self._cv = self.gathering.cv
         self._open: dict[tuple[Any, ...], _Group] = {}
-        # streams (stateful calls, VocoderBatcher.new_stream) until their last call, and those waiting in a group:
-        # a stream call's group closes early once no other live stream could still join it
+        # streams (stateful calls: VocoderBatcher.new_stream, ChunkFlowBatcher's) until their last call, and the
+        # thread of each one's latest call: a stream call's group closes early once no other live stream's thread
+        # runs (each waits in a group here or in another stacker of the gathering), so none could still join it
         self._streams: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-        self._parked: set[int] = set()
+        self._threads: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         if name == "module":  # not set yet (copy, pickle): no recursion
@@ -131,9 +159,11 @@ class _Stacker:
             group.calls.append(call)
             group.stops.append(should_stop)
             if stream is not None:
-                group.streams.append(id(stream))
-                self._parked.add(id(stream))
-                self._cv.notify_all()  # a leader may wait for this stream only
+                thread = threading.get_ident()
+                self._threads[id(stream)] = thread
+                group.threads.append(thread)
+                self.gathering.parked.add(thread)
+                self._cv.notify_all()  # a leader (here or in another stacker) may wait for this stream only
             if len(group.calls) >= self.max_batch_size:
                 self._close_locked(key, group)
             if leader:
@@ -141,12 +171,13 @@ class _Stacker:
                 while not group.closed:
                     left = end - time.monotonic()
                     if left <= 0:
+                        self.stats.timed_out += 1
                         self._close_locked(key, group)
                         break
-                    if stream is not None and self._parked.issuperset(self._streams.keys()):
+                    if stream is not None and self._all_parked():
                         # every live stream waits in a group: none can join another, so all of them run now
                         for k, g in list(self._open.items()):
-                            if g.streams:
+                            if g.threads:
                                 self._close_locked(k, g)
                         break
                     self._cv.wait(left)
@@ -192,15 +223,30 @@ class _Stacker:
             if lend > threads:
                 torch.set_num_threads(threads)
 
+    def track(self, stream: Any) -> None:
+        """Make ``stream`` live here until its finalizing call (or until it is dropped: a weak reference): a stream
+        call waits for partners only while another live stream runs. A stream's calls track it; a caller that
+        knows its streams earlier may track them at once."""
+        with self._cv:
+            if id(stream) not in self._streams:
+                self._threads.pop(id(stream), None)  # an earlier stream's, at the same address
+            self._streams[id(stream)] = stream
+
     def _forget(self, stream: Any) -> None:
         # a stream's last call is done: no group waits for it any more
         with self._cv:
             self._streams.pop(id(stream), None)
+            self._threads.pop(id(stream), None)
             self._cv.notify_all()
+
+    def _all_parked(self) -> bool:
+        # every live stream's thread waits in a group (a stream not called yet runs: it may still come)
+        parked = self.gathering.parked
+        return all(self._threads.get(s) in parked for s in self._streams.keys())
 
     def _close_locked(self, key: tuple[Any, ...], group: _Group) -> None:
         group.closed = True
-        self._parked.difference_update(group.streams)
+        self.gathering.parked.difference_update(group.threads)
         if self._open.get(key) is group:
             del self._open[key]
         self._cv.notify_all()
@@ -223,12 +269,10 @@ class FlowBatcher(_Stacker):
         max_batch_size: most calls run together (a full group runs at once, without waiting).
         gather_s: how long the first call of a group waits for partners.
         name: for logs and errors.
+        gathering: shared with the model's other stackers (:class:`Gathering`); None: its own.
     """
 
-    def __init__(
-        self, flow: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "flow"
-    ) -> None:
-        super().__init__(flow, max_batch_size, gather_s, name)
+    NAME = "flow"
 
     @property
     def flow(self) -> Any:
@@ -291,10 +335,7 @@ class VocoderBatcher(_Stacker):
     Args: as :class:`FlowBatcher`'s, with the vocoder as the model.
     """
 
-    def __init__(
-        self, hift: Any, max_batch_size: int, *, gather_s: float = 0.005, name: str = "vocoder"
-    ) -> None:
-        super().__init__(hift, max_batch_size, gather_s, name)
+    NAME = "vocoder"
 
     @torch.inference_mode()
     def inference(
@@ -348,8 +389,7 @@ class VocoderBatcher(_Stacker):
         """The vocoder's fresh stream state (see its ``new_stream``), live here until its finalizing call: a
         stream call waits for partners only while another live stream runs (a lone stream never waits)."""
         state = self.module.new_stream(whole)
-        with self._cv:
-            self._streams[id(state)] = state
+        self.track(state)
         return state
 
     def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
@@ -363,3 +403,64 @@ class VocoderBatcher(_Stacker):
             mel, cache_source, sine_phase=sine_phase, sine_noise=sine_noise, should_stop=should_stop
         )
         return [out] if len(calls) == 1 else _rows(out, len(calls))
+
+
+class ChunkFlowBatcher(_Stacker):
+    """A :class:`~cosyserve.models.causal_flow.ChunkFlow` (CosyVoice2's, CosyVoice3's) whose concurrent streams'
+    chunks run stacked.
+
+    A stream's call that goes through its stream (``inference(..., stream=...)``: a streamed call that does not
+    finalize, or any call of a bounded stream, :meth:`~cosyserve.models.causal_flow.ChunkFlow.takes_chunk`) is a
+    :class:`~cosyserve.models.causal_flow.Chunk`; chunks of the same shape (frames computed, Euler steps) run as
+    one batch (:meth:`~cosyserve.models.causal_flow.ChunkFlow.run_chunks`: one estimator call per Euler step over
+    every stream's rows, each at its own offset against its own kept frames, bounded or not; CosyVoice2's encoder
+    runs per stream before it). A stream is live here from its first chunk until its finalizing call (or until
+    it is dropped; or from when a caller :meth:`track` s it: not from ``new_stream``, which also makes the
+    registered voices' kept states): a chunk waits for partners only while another live stream runs, so a lone
+    stream never waits.
+    Other calls (one-shot, an unbounded stream's last call with full attention, a stream on the cumulative path)
+    run alone, as unbatched.
+    Other attributes are the flow's (``streams``, ``new_stream``, ``prefill``, ...).
+
+    Args: as :class:`FlowBatcher`'s.
+    """
+
+    NAME = "flow"
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        token: Tensor,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        streaming: bool,
+        finalize: bool,
+        *,
+        n_timesteps: int | None = None,
+        should_stop: ShouldStop | None = None,
+        stream: Any = None,
+    ) -> Tensor:
+        """Same arguments and result as the flow's ``inference``; a stream's chunk may run stacked with other
+        streams' (a stacked run stops once every request in it asks to stop)."""
+        flow = self.module
+        try:
+            if not flow.takes_chunk(stream, streaming, finalize):
+                return flow.inference(  # type: ignore[no-any-return]
+                    token, prompt_token, prompt_feat, embedding, streaming, finalize,
+                    n_timesteps=n_timesteps, should_stop=should_stop, stream=stream,
+                )  # fmt: skip
+            chunk = flow.chunk(
+                token, prompt_token, prompt_feat, embedding, stream=stream, finalize=finalize,
+                n_timesteps=n_timesteps,
+            )  # fmt: skip
+            self.track(stream)
+            return self._submit(  # type: ignore[no-any-return]
+                (chunk,), "chunk", key=chunk.shape, should_stop=should_stop, stream=stream
+            )
+        finally:
+            if stream is not None and finalize:
+                self._forget(stream)
+
+    def _run(self, calls: list[tuple[Any, ...]], should_stop: ShouldStop | None, *extra: Any) -> list[Any]:
+        return self.module.run_chunks([chunk for (chunk,) in calls], should_stop)  # type: ignore[no-any-return]

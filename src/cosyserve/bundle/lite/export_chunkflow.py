@@ -78,6 +78,11 @@ class GraphStepCache:
         self.values.append(v.movedim(dim, 0).index_select(0, rows))
         return [self.kv[:, i, 0].movedim(0, dim), k], [self.kv[:, i, 1].movedim(0, dim), v]
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        from cosyserve.models.flow_stream import attend
+
+        return attend(q, *self.segments(k, v, dim=2), mask)
+
     def kv_new(self) -> Tensor:
         # (commit, layers, 2, B, H, D)
         return torch.stack([torch.stack(kv, dim=1) for kv in zip(self.keys, self.values, strict=True)], dim=1)

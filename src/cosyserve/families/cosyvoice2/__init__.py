@@ -73,8 +73,8 @@ class CosyVoice2(Family):
     instruct_mode = "instruct2"
     prompt_mel_per_token = 2  # its flow's token_mel_ratio: 50 Hz mel over 25 Hz tokens
     # its vocoder's calls carry their state (the cached mel and source) in their arguments; its flow's streamed
-    # calls keep theirs in each request's FlowStream, of its own length: they run alone
-    stacks = ("hift",)
+    # chunks keep theirs in each request's FlowStream: chunks of as many frames stack, each row against its own
+    stacks = ("flow", "hift")
     test_model = "cosyserve.families.cosyvoice2.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
         (

@@ -76,7 +76,8 @@ class CosyVoice3(CosyVoice2):
     bundle_files = ("campplus.onnx", "speech_tokenizer_v3.onnx", *QWEN_FILES)
     registry_folder = "cosyvoice3"
     random_vocoder = False
-    stacks = ("hift",)  # its flow keeps each stream's attention state (a FlowStream of its own length)
+    # its vocoder's stream calls and its flow's streamed chunks of as many frames stack (each its own state)
+    stacks = ("flow", "hift")
     test_model = "cosyserve.families.cosyvoice3.testmodel:write_model"
     conformance_kinds: ClassVar[dict[str, str]] = dict.fromkeys(
         (

@@ -140,7 +140,7 @@ class LiteChunkFlow:
         streaming: bool,
         should_stop: ShouldStop | None,
     ) -> np.ndarray:
-        # frames stream.frames .. frames-1 computed (ChunkFlow._chunk's rule), those before `keep` kept; returns
+        # frames stream.frames .. frames-1 computed (ChunkFlow.run_chunks' rule), those before `keep` kept; returns
         # the mel (1, 80, frames) of every frame (the kept ones' as they were computed)
         start, ratio, n = stream.frames, self.token_mel_ratio, self.output_size
         if frames <= start:
