@@ -7,10 +7,14 @@ over the one ``flow_estimator`` graph from the fixed noise (a table). A request'
 per Euler step, the final frames' attention keys and values and the causal convs' tails (the torch
 :class:`~cosyserve.models.flow_stream.FlowStream`'s), so that a streamed chunk computes its own frames only: the
 graph takes the kept rows as an input (the first rows of a buffer, bound without a copy) and writes the new final
-ones after them. :class:`LiteCausalVocoder` is :class:`cosyserve.models.causal_hift.CausalHiFTGenerator`:
-the f0 graph, the causal sine source in numpy (the reference's SineGen2, the model's fixed noise buffers given),
-the STFT, the spectrum graph and the iSTFT; a :class:`LiteVocoderStream` keeps the mel of its receptive field, the
-source's phase and its place in the noise, so a chunk vocodes its new frames (plus that context) only.
+ones after them. A registered voice's prompt frames go through the same steps once (:meth:`LiteChunkFlow.prefill`,
+kept by :class:`~cosyserve.voices.voicestates.VoiceStates` as the torch flow's are); a request's stream forks them
+(:meth:`LiteFlowStream.fork`: it reads the voice's rows until its first call that keeps frames copies them into a
+buffer of its own, the graph reading every kept row as one array). :class:`LiteCausalVocoder` is
+:class:`cosyserve.models.causal_hift.CausalHiFTGenerator`: the f0 graph, the causal sine source in numpy (the
+reference's SineGen2, the model's fixed noise buffers given), the STFT, the spectrum graph and the iSTFT; a
+:class:`LiteVocoderStream` keeps the mel of its receptive field, the source's phase and its place in the noise, so
+a chunk vocodes its new frames (plus that context) only.
 """
 
 from __future__ import annotations
@@ -57,6 +61,24 @@ class LiteChunkFlow:
         self._reads: set[str] | None = None  # the estimator graph's inputs
 
     ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
+
+    @property
+    def N_TIMESTEPS(self) -> int:  # noqa: N802 - the torch ChunkFlow's name, which VoiceStates reads
+        """The Euler steps a stream runs when none are named."""
+        return self.n_timesteps
+
+    @property
+    def frame_rate(self) -> int:
+        """Mel frames per second of speech."""
+        return self.input_frame_rate * self.token_mel_ratio
+
+    def state_frame_bytes(self, n_timesteps: int | None = None) -> int:
+        """Bytes a stream keeps per final frame: every estimator layer's keys and values for both CFG rows at every
+        Euler step (float32)."""
+        layers, heads, head_dim = self.kv_shape
+        return (
+            (self.n_timesteps if n_timesteps is None else n_timesteps) * layers * 2 * 2 * heads * head_dim * 4
+        )
 
     def new_stream(self, n_timesteps: int | None = None) -> LiteFlowStream | None:
         """An empty :class:`LiteFlowStream` for a request's chunks (None when this flow cannot keep frames), as
@@ -114,10 +136,6 @@ class LiteChunkFlow:
         frames = self.token_mel_ratio * (ids.shape[1] - look)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        if frames > self.noise.shape[1]:
-            raise ValueError(
-                f"the flow's fixed noise has {self.noise.shape[1]} frames; {frames} were asked for"
-            )
         if stream is None or finalize:
             scratch = self._empty_step()  # a whole call keeps nothing: its steps share one state, left empty
             whole = LiteFlowStream(self.granularity, steps, [scratch] * steps)
@@ -128,6 +146,47 @@ class LiteChunkFlow:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {steps}")
         keep = stream.kept_until(frames)
         return self._chunk(stream, keep, ids, prompt_feat[0], embedding, frames, True, should_stop)[:, :, f:]
+
+    def prefill(
+        self,
+        stream: LiteFlowStream,
+        prompt_token: np.ndarray,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        should_stop: ShouldStop | None = None,
+    ) -> LiteFlowStream:
+        """Keep in the empty ``stream`` every frame that depends on the prompt alone (whole attention chunks of the
+        frames of prompt tokens whose lookahead is prompt too), as the torch flow's
+        :meth:`~cosyserve.models.causal_flow.ChunkFlow.prefill`: what a registered voice computes once. Its arrays
+        are made read-only (a request forks them, :meth:`LiteFlowStream.fork`, and writes its own). Returns
+        ``stream``."""
+        if stream.frames:
+            raise ValueError("prefill needs an empty stream")
+        ratio, look = self.token_mel_ratio, self.pre_lookahead_len
+        keep = stream.kept_until(ratio * (prompt_token.shape[1] - look))
+        if keep > 0:
+            ids = prompt_token[:, : keep // ratio + look].astype(np.int64)
+            self._chunk(stream, keep, ids, prompt_feat[0], embedding, keep, True, should_stop)
+        stream.freeze()
+        return stream
+
+    def stream_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, str]) -> LiteFlowStream:
+        """A stream from what :meth:`LiteFlowStream.to_arrays` gave (a stored voice state, mapped read-only)."""
+        steps = int(meta["n_timesteps"])
+        stream = LiteFlowStream(int(meta["granularity"]), steps, [])
+        stream.frames = int(meta["frames"])
+        stream.mel = arrays.get("mel")
+        for i in range(steps):
+            tails, j = [], 0
+            while f"s{i}.t{j}" in arrays:
+                tails.append(arrays[f"s{i}.t{j}"])
+                j += 1
+            kv = arrays[f"s{i}.kv"]
+            if kv.shape[1:] != (self.kv_shape[0], 2, 2, *self.kv_shape[1:]) or len(tails) != len(self.tails):
+                raise ValueError(f"step {i}'s state is not this flow's (keys and values {kv.shape})")
+            stream.steps.append(_StepState(kv, tails, int(kv.shape[0])))
+        stream.freeze()
+        return stream
 
     def _chunk(
         self,
@@ -145,6 +204,10 @@ class LiteChunkFlow:
         start, ratio, n = stream.frames, self.token_mel_ratio, self.output_size
         if frames <= start:
             raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
+        if frames > self.noise.shape[1]:
+            raise ValueError(
+                f"the flow's fixed noise has {self.noise.shape[1]} frames; {frames} were asked for"
+            )
         first = start // ratio
         lead = first if self.mu_lead is None else min(first, int(self.mu_lead))
         suffix = "_stream" if streaming else ""
@@ -178,6 +241,7 @@ class LiteChunkFlow:
                 if stream.mel is None
                 else np.concatenate([stream.mel, mel[:, :, :commit]], axis=2)
             )
+            stream.lent_mel = False
         whole = mel if start == 0 else np.concatenate([stream.mel[:, :, :start], mel], axis=2)
         stream.frames = keep
         return whole.astype(np.float32)
@@ -237,17 +301,22 @@ class _StepState:
     kv: np.ndarray
     tails: list[np.ndarray]
     kept: int = 0  # rows of kv that are kept frames
+    lent: bool = False  # kv and tails are another stream's (a fork's, until its first call that keeps frames)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows of keys and values, the kept ones where they were (grown by half again: they are
-        copied once in a while, not at every call)."""
-        if rows > self.kv.shape[0]:
+        copied once in a while, not at every call); lent rows are copied into a buffer of this step's own."""
+        if rows > self.kv.shape[0] or (self.lent and rows > self.kept):
             grown = np.empty((max(rows, self.kv.shape[0] * 3 // 2), *self.kv.shape[1:]), self.kv.dtype)
             grown[: self.kept] = self.kv[: self.kept]
-            self.kv = grown
+            self.kv, self.lent = grown, False
+
+    def fork(self) -> _StepState:
+        return _StepState(self.kv[: self.kept], list(self.tails), self.kept, lent=True)
 
     def nbytes(self) -> int:
-        return int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.tails)
+        # a lent step holds nothing of its own (its arrays are counted where they were made)
+        return 0 if self.lent else int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.tails)
 
 
 @dataclass
@@ -261,14 +330,45 @@ class LiteFlowStream:
     steps: list[_StepState]
     frames: int = 0
     mel: np.ndarray | None = None
+    lent_mel: bool = False  # mel is the stream's it was forked from (until a call keeps frames)
 
     def kept_until(self, frames: int) -> int:
         """The frames final after a call that computes up to ``frames``: whole attention chunks only."""
         return frames // self.granularity * self.granularity if self.granularity else 0
 
+    def fork(self) -> LiteFlowStream:
+        """A stream that continues from this one without changing it (a registered voice's, for a request): its
+        steps read this one's kept rows until their first call that keeps frames copies them into a buffer of its
+        own (the graph takes every kept row as one array), so the voice's arrays are never written."""
+        steps = [s.fork() for s in self.steps]
+        return LiteFlowStream(
+            self.granularity, self.n_timesteps, steps, self.frames, self.mel, self.mel is not None
+        )
+
+    def freeze(self) -> None:
+        """Make the kept arrays read-only, each step's buffer cut to its kept rows (a voice's state, which its
+        requests fork: a write into it would change every later request's audio)."""
+        for step in self.steps:
+            step.kv = step.kv[: step.kept]
+            for a in (step.kv, *step.tails):
+                a.flags.writeable = False
+        if self.mel is not None:
+            self.mel.flags.writeable = False
+
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The kept state as named arrays and string metadata (what :mod:`cosyserve.voices.voicestates` stores;
+        :meth:`LiteChunkFlow.stream_from_arrays` reads it back)."""
+        arrays = {} if self.mel is None else {"mel": self.mel}
+        for i, step in enumerate(self.steps):
+            arrays[f"s{i}.kv"] = step.kv[: step.kept]
+            arrays.update({f"s{i}.t{j}": tail for j, tail in enumerate(step.tails)})
+        meta = {"frames": str(self.frames), "granularity": str(self.granularity)}
+        return arrays, {**meta, "n_timesteps": str(self.n_timesteps), "encoder": "0", "arrays": "numpy"}
+
     def nbytes(self) -> int:
-        """Bytes held (each step's buffer, the tails and the mel)."""
-        mel = 0 if self.mel is None else int(self.mel.nbytes)
+        """Bytes this stream holds of its own (each step's buffer, the tails and the mel): a fork's arrays lent by
+        its voice are counted there, until its first call that keeps frames copies them (then counted here)."""
+        mel = 0 if self.mel is None or self.lent_mel else int(self.mel.nbytes)
         return sum(s.nbytes() for s in self.steps) + mel
 
 

@@ -26,13 +26,14 @@ from cosyserve.bundle.lite import (
     LITE_VERSION,
     TABLES_FILE,
 )
+from cosyserve.bundle.safetensors_np import map_safetensors
 from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 
-__all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "map_safetensors", "session_options"]
+__all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "session_options"]
 
 OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
 CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
@@ -194,36 +195,6 @@ class LiteBundle:
         """The weight files this runtime maps (the int8 or the float step graph's, not both)."""
         skip = (self.graphs["llm_step"] if self.int8 else INT8_STEP) + ".data"
         return [f for f in sorted(self.dir.glob("*.data")) if f.name != skip] + [self.dir / TABLES_FILE]
-
-
-_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
-
-
-def map_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors as read-only numpy arrays over one mapping of the file (no copy)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as e:
-        raise BundleError(
-            f"{path}: cannot read it as safetensors ({e}); convert again with --runtime lite"
-        ) from e
-    out: dict[str, np.ndarray] = {}
-    base = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = np.dtype(_NP_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or base + end > mm.size:
-            raise BundleError(
-                f"{path}: tensor {name!r} does not fit its header; convert again with --runtime lite"
-            )
-        out[name] = np.ndarray(shape, dtype=dtype, buffer=mm, offset=base + begin)
-    return out
 
 
 class LiteFlow:
