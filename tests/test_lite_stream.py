@@ -90,7 +90,9 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
 ) -> None:
     """A long streamed utterance's flow calls (the reference's hops, then the final full-attention call) give the
     torch flow's mel chunk by chunk, and each streamed call runs the estimator over its new frames only, against
-    the rows its stream keeps: the estimator's input never grows past a hop and an attention chunk."""
+    the rows its stream keeps: the estimator's input never grows past a hop and an attention chunk; CosyVoice2's
+    encoder (flow_mu_stream) likewise runs a call's own tokens only (its lookahead layer's 2 tokens of left context and
+    the lookahead besides) against its kept state, not every token so far."""
     bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
     sides = _sides(bundle)
     (tflow, _), (lflow, _, _) = sides["torch"], sides["lite"]
@@ -102,17 +104,28 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
     ends = [n + look for n in range(HOP + (-PROMPT) % HOP, TOKENS - look, HOP)]
     assert len(ends) >= 5, ends
     runs = _estimates(monkeypatch)
+    encodes: list[tuple[int, int]] = []  # per encoder run: (tokens given, kept tokens it attends to)
+    encode = LiteChunkFlow._encode
+
+    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, stop: Any) -> Any:
+        encodes.append((tokens.shape[1], states[0].kept))
+        return encode(self, states, tokens, lead, commit, stop)
+
+    monkeypatch.setattr(LiteChunkFlow, "_encode", spy_encode)
     ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
     kept = 0
     for end in ends:
         want = tflow.inference(x["token"][:, :end], x["prompt_token"], x["prompt_feat"], x["embedding"],
                                streaming=True, finalize=False, stream=ts, n_timesteps=STEPS)  # fmt: skip
-        del runs[:]
+        del runs[:], encodes[:]
         got = lflow.inference(xl["token"][:, :end], xl["prompt_token"], xl["prompt_feat"], xl["embedding"],
                               streaming=True, finalize=False, stream=ls, n_timesteps=STEPS)  # fmt: skip
         np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk ending at token {end}")
         frames = ratio * (PROMPT + end - look)
         assert runs == [(frames - kept, kept)] * STEPS, (end, kept)
+        if family == "cosyvoice2":
+            first = kept // ratio
+            assert encodes == [(min(first, 2) + (frames - kept) // ratio + look, first)], (end, encodes)
         assert frames - kept <= ratio * HOP + g  # a hop's frames and an incomplete chunk at most
         kept = frames // g * g
     assert kept >= 4 * g  # the later chunks ran against many kept frames
@@ -242,3 +255,32 @@ def test_a_registered_voice_streams_on_lite_as_inline_computing_only_its_own_fra
     )  # voice_cache_mb below the state: computed for each request, not kept
     small.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], STEPS).result()
     assert len(small) == 0 and small.nbytes == 0
+
+
+def test_a_cosyvoice2_lite_bundle_of_version_2_is_converted_again(
+    cv2_lite_bundle: Path, cv3_lite_bundle: Path, tmp_path: Path
+) -> None:
+    """Lite version 3 changed CosyVoice2's flow_mu_stream graph only (its encoder keeps a stream state): a version 2
+    CosyVoice2 bundle is refused with "convert again" (else its graph, which takes tokens alone, would be fed the
+    encoder's state at the first streamed chunk), while a version 2 bundle without that graph's change is read."""
+    import json
+
+    from cosyserve.core.errors import BundleError
+    from cosyserve.runtime.lite.models import LiteBundle
+
+    def as_version_2(bundle: Path, out: Path, cosyvoice2: bool) -> Path:
+        (out / "lite").mkdir(parents=True)  # the bundle's files linked, its lite manifest rewritten
+        for p in [*bundle.iterdir(), *(bundle / "lite").iterdir()]:
+            if p.name not in ("lite", "manifest.json") or p.parent == bundle and p.name == "manifest.json":
+                (out / p.relative_to(bundle)).symlink_to(p)
+        manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
+        manifest["version"] = 2
+        if cosyvoice2:  # what version 2 wrote for CosyVoice2: no encoder state
+            manifest["config"]["flow"]["mu_lead"] = None
+            del manifest["config"]["flow"]["encoder_state"]
+        (out / "lite" / "manifest.json").write_text(json.dumps(manifest))
+        return out
+
+    with pytest.raises(BundleError, match="convert again"):
+        LiteBundle(as_version_2(cv2_lite_bundle, tmp_path / "cv2", True), verify="none")
+    assert LiteBundle(as_version_2(cv3_lite_bundle, tmp_path / "cv3", False), verify="none").config["flow"]

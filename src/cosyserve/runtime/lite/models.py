@@ -24,6 +24,7 @@ from cosyserve.bundle.lite import (
     LITE_FORMAT,
     LITE_PARTS,
     LITE_VERSION,
+    LITE_VERSIONS,
     TABLES_FILE,
 )
 from cosyserve.bundle.safetensors_np import map_safetensors
@@ -107,7 +108,12 @@ class LiteBundle:
             ) from e
         if not isinstance(self.manifest, dict):
             raise BundleError(f"{where}: not a JSON object; convert the model again with --runtime lite")
-        if self.manifest.get("format") != LITE_FORMAT or self.manifest.get("version") != LITE_VERSION:
+        version, config = self.manifest.get("version"), self.manifest.get("config")
+        flow = config.get("flow") if isinstance(config, dict) else None
+        # version 3 changed CosyVoice2's flow graphs only (its encoder's stream state): a version 2 CosyVoice2 bundle,
+        # whose flow_mu_stream keeps none (mu_lead None), is converted again; the others are read as they are
+        stale = version == 2 and isinstance(flow, dict) and "mu_lead" in flow and flow["mu_lead"] is None
+        if self.manifest.get("format") != LITE_FORMAT or version not in LITE_VERSIONS or stale:
             raise BundleError(
                 f"{where}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}, "
                 f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
