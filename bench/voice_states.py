@@ -3,14 +3,17 @@ the memory each cached voice takes (issue 34, targets 2 and 6).
 
     python bench/voice_states.py --family cosyvoice2                 # full size, made once under --work
     python bench/voice_states.py --dry-run                           # tiny models: the same code (CI)
+    python bench/voice_states.py --runtime lite --model /work/bench-models/full3-lite   # a lite bundle
 
 One process loads the model twice from the same bundle (the weights' pages are shared): with the voice cache
 (the default ``voice_cache_mb``) and without it (``voice_cache_mb=0``: every request computes its prompt's flow
-frames itself, the uncached path). A 2 s and a 12 s voice (synthetic audio: the random-weight model does not care)
-are registered on both; then, interleaved round by round, each (voice, model) streams the same text and its first
-audio is timed from the call (the LM's prefill, which reads the voice's speech tokens, included). Printed: the
-medians, the ratios the targets name (12 s / 2 s registered: <= 1.7; 12 s registered / 12 s uncached: <= 0.3),
-the bytes each voice's state holds in memory (and per second of sample), and the machine's load.
+frames itself, the uncached path); ``--runtime lite``: the same on the lite runtime (``--model``, a bundle converted
+with ``--runtime lite``; by default the --work model, converted once). A 2 s and a 12 s voice (synthetic audio: the
+random-weight model does not care) are registered on both; then, interleaved round by round, each (voice, model)
+streams the same text and its first audio is timed from the call (the LM's prefill, which reads the voice's speech
+tokens, included). Printed: the medians, the ratios the targets name (12 s / 2 s registered: <= 1.7; 12 s registered
+/ 12 s uncached: <= 0.3), the bytes each voice's state holds in memory (and per second of sample), and the machine's
+load.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="cosyvoice2", choices=("cosyvoice2", "cosyvoice3"))
     ap.add_argument("--model", help="a model dir or bundle (default: a random full-size one under --work)")
+    ap.add_argument("--runtime", default="torch", choices=("torch", "lite"))
     ap.add_argument("--work", type=Path, default=Path("out/bench-models"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--text", default="Hello world, this is a test.")
@@ -70,16 +74,23 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import cosyserve
     from cosyserve.voices.voicestates import bytes_per_second
-    from stream_chunks import model_dir
+    from stream_chunks import lite_bundle, model_dir
 
     size = "tiny" if args.dry_run else "full"
     path = args.model or str(model_dir(args.family, size, args.work))
+    if args.runtime == "lite" and not args.model:
+        path = str(lite_bundle(Path(path), args.work))
     rounds = 1 if args.dry_run else args.rounds
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         models = {
             name: cosyserve.load(
-                path, threads=args.threads, registry_dir=str(work / name), voice_cache_mb=mb, warmup=True
+                path,
+                runtime=args.runtime,
+                threads=args.threads,
+                registry_dir=str(work / name),
+                voice_cache_mb=mb,
+                warmup=True,
             )
             for name, mb in (("cached", 4096), ("uncached", 0))
         }
@@ -103,7 +114,9 @@ def main() -> None:
                 out.append(first_audio(models[name], voice, args.text))
         med = {k: statistics.median(v) for k, v in rows.items()}
         load = os.getloadavg()
-        print(f"{path} ({size}), {rounds} round(s), medians; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        print(
+            f"{path} ({size}, {args.runtime} runtime), {rounds} round(s), medians; load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
         for (voice, name), v in med.items():
             print(
                 f"  {voice[1:]:>3} s voice, {name:<9} first audio {v:7.2f} s   (all: {rows[(voice, name)]})"
@@ -117,7 +130,7 @@ def main() -> None:
         per_s = bytes_per_second(flow)
         for k, b in held.items():
             print(f"voice state, {k} sample: {b / 2**20:.1f} MiB in memory")
-        print(f"flow state per second of sample: {per_s / 2**20:.1f} MiB ({flow.cfg.__class__.__name__})")
+        print(f"flow state per second of sample: {per_s / 2**20:.1f} MiB ({type(flow).__name__})")
         if args.json:
             result = {
                 "first_audio_s": {f"{v}/{n}": r for (v, n), r in rows.items()},

@@ -350,6 +350,40 @@ def test_lite_serves_what_the_torch_runtime_serves(served: Any, family: str) -> 
             assert diff < 1e-3, (fields, diff)
 
 
+def test_a_voice_registered_on_lite_has_its_flow_state_computed_once(
+    served: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registering a voice on the lite runtime computes its flow state (in the background, as on torch: the shared
+    pipeline's registration hook), and a streamed request of that voice forks it instead of computing its prompt's
+    frames again. If this fails, lite requests of a registered voice pay for its sample at every first chunk."""
+    import soundfile as sf
+
+    from cosyserve.runtime.lite.chunkflow import LiteChunkFlow
+
+    runtime = served["cosyvoice3", "lite"]
+    pipeline = runtime.pipeline
+    assert pipeline.token2wav.keeps_voices and pipeline.voice_states is not None
+    prefills: list[int] = []
+    prefill = LiteChunkFlow.prefill
+
+    def counted(self: Any, stream: Any, prompt_token: Any, *args: Any) -> Any:
+        prefills.append(prompt_token.shape[1])
+        return prefill(self, stream, prompt_token, *args)
+
+    monkeypatch.setattr(LiteChunkFlow, "prefill", counted)
+    wav = tmp_path / "voice.wav"
+    t = np.arange(32000) / 16000  # 2 s: its prompt's tokens fill a whole attention chunk of frames
+    sf.write(
+        wav, (0.3 * np.sin(2 * np.pi * 160 * t) * (1 + np.sin(2 * np.pi * 2 * t))).astype(np.float32), 16000
+    )
+    before = pipeline.voice_states.nbytes
+    runtime.add_voice("lite-kept", wav, "A short prompt.")
+    pipeline.voice_states.wait()
+    assert len(prefills) == 1 and pipeline.voice_states.nbytes > before, "registration computed no flow state"
+    chunks = _speak(runtime, speaker="lite-kept", stream=True)
+    assert len(chunks) >= 1 and len(prefills) == 1, "the request computed its voice's prompt frames again"
+
+
 def test_lite_streamed_text_runs_the_bistream_rows(served: Any) -> None:
     """Text given as pieces (the WebSocket's) feeds the lite LM as it arrives (CosyVoice3's bistream rules), the
     same tokens as the torch runtime's."""

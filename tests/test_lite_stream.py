@@ -1,10 +1,11 @@
 """The lite runtime's incremental token2wav (CosyVoice2 and CosyVoice3): a streamed chunk computes its own frames
 against the flow's kept per-Euler-step caches (the one ``flow_estimator`` graph's inputs and outputs) and, for
-CosyVoice3, the causal vocoder's kept state, as the torch runtime's.
+CosyVoice3, the causal vocoder's kept state, as the torch runtime's; and a registered voice's flow state is
+computed once (the shared VoiceStates over the lite flow's prefill) and forked by its streams.
 
 If these fail: the lite flow's or vocoder's stream state is not the torch one's (chunks differ beyond the
 fixtures' tolerance), or a lite chunk's work grows with the utterance again (the estimator or the vocoder is
-given every frame so far).
+given every frame so far), or a lite stream of a registered voice computes its prompt's frames again.
 """
 
 from __future__ import annotations
@@ -26,30 +27,46 @@ PROMPT, TOKENS, HOP = 10, 150, 25
 STEPS = 2  # Euler steps: each keeps its own state, two show it as well as ten (the test's cost)
 
 
-def _sides(bundle: Path) -> dict[str, Any]:
-    """{"torch": (flow, hift), "lite": (flow, hift, bundle)} over the same converted bundle."""
-    from cosyserve.bundle.loader import LoadOptions, open_bundle
+def _lite(bundle: Path) -> tuple[Any, Any, Any]:
+    """(flow, hift, bundle) of the lite runtime over a converted bundle."""
     from cosyserve.runtime.lite.chunkflow import LiteCausalVocoder, LiteChunkFlow, LiteVocoder2
     from cosyserve.runtime.lite.models import LiteBundle
 
-    modules = open_bundle(bundle).load(LoadOptions(strategy="lazy", verify="none")).modules
     lb = LiteBundle(bundle, verify="none", threads=1)
     tables = lb.tables()
     vocoder = LiteCausalVocoder if lb.config["hift"].get("causal") else LiteVocoder2
-    return {
-        "torch": (modules["flow"].float().eval(), modules["hift"].float().eval()),
-        "lite": (LiteChunkFlow(lb, tables), vocoder(lb, tables), lb),
-    }
+    return LiteChunkFlow(lb, tables), vocoder(lb, tables), lb
 
 
-def _inputs(seed: int) -> dict[str, torch.Tensor]:
+def _sides(bundle: Path) -> dict[str, Any]:
+    """{"torch": (flow, hift), "lite": (flow, hift, bundle)} over the same converted bundle."""
+    from cosyserve.bundle.loader import LoadOptions, open_bundle
+
+    modules = open_bundle(bundle).load(LoadOptions(strategy="lazy", verify="none")).modules
+    return {"torch": (modules["flow"].float().eval(), modules["hift"].float().eval()), "lite": _lite(bundle)}
+
+
+def _inputs(seed: int, prompt: int = PROMPT, tokens: int = TOKENS) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        "token": torch.randint(0, 4096, (1, TOKENS), generator=g, dtype=torch.int32),
-        "prompt_token": torch.randint(0, 4096, (1, PROMPT), generator=g, dtype=torch.int32),
-        "prompt_feat": torch.randn(1, 2 * PROMPT, 80, generator=g) * 0.5 - 5,
+        "token": torch.randint(0, 4096, (1, tokens), generator=g, dtype=torch.int32),
+        "prompt_token": torch.randint(0, 4096, (1, prompt), generator=g, dtype=torch.int32),
+        "prompt_feat": torch.randn(1, 2 * prompt, 80, generator=g) * 0.5 - 5,
         "embedding": torch.randn(1, 192, generator=g),
     }
+
+
+def _estimates(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Per lite estimator run from now on: (frames given, kept rows it attends to)."""
+    runs: list[tuple[int, int]] = []
+    estimate = LiteChunkFlow._estimate
+
+    def spy(self: Any, h: Any, t: Any, mask: Any, offset: Any, step: Any, commit: int, stop: Any) -> Any:
+        runs.append((h.shape[2], step.kept))
+        return estimate(self, h, t, mask, offset, step, commit, stop)
+
+    monkeypatch.setattr(LiteChunkFlow, "_estimate", spy)
+    return runs
 
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
@@ -73,7 +90,9 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
 ) -> None:
     """A long streamed utterance's flow calls (the reference's hops, then the final full-attention call) give the
     torch flow's mel chunk by chunk, and each streamed call runs the estimator over its new frames only, against
-    the rows its stream keeps: the estimator's input never grows past a hop and an attention chunk."""
+    the rows its stream keeps: the estimator's input never grows past a hop and an attention chunk; CosyVoice2's
+    encoder (flow_mu_stream) likewise runs a call's own tokens only (its lookahead layer's 2 tokens of left context and
+    the lookahead besides) against its kept state, not every token so far."""
     bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
     sides = _sides(bundle)
     (tflow, _), (lflow, _, _) = sides["torch"], sides["lite"]
@@ -84,25 +103,29 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
     # Token2Wav2's chunks: the first hop tops the prompt up to a whole chunk
     ends = [n + look for n in range(HOP + (-PROMPT) % HOP, TOKENS - look, HOP)]
     assert len(ends) >= 5, ends
-    runs: list[tuple[int, int]] = []  # per estimator run: (frames given, kept rows it attends to)
-    estimate = LiteChunkFlow._estimate
+    runs = _estimates(monkeypatch)
+    encodes: list[tuple[int, int]] = []  # per encoder run: (tokens given, kept tokens it attends to)
+    encode = LiteChunkFlow._encode
 
-    def spy(self: Any, h: Any, t: Any, mask: Any, offset: Any, step: Any, commit: int, stop: Any) -> Any:
-        runs.append((h.shape[2], step.kept))
-        return estimate(self, h, t, mask, offset, step, commit, stop)
+    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, stop: Any) -> Any:
+        encodes.append((tokens.shape[1], states[0].kept))
+        return encode(self, states, tokens, lead, commit, stop)
 
-    monkeypatch.setattr(LiteChunkFlow, "_estimate", spy)
+    monkeypatch.setattr(LiteChunkFlow, "_encode", spy_encode)
     ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
     kept = 0
     for end in ends:
         want = tflow.inference(x["token"][:, :end], x["prompt_token"], x["prompt_feat"], x["embedding"],
                                streaming=True, finalize=False, stream=ts, n_timesteps=STEPS)  # fmt: skip
-        del runs[:]
+        del runs[:], encodes[:]
         got = lflow.inference(xl["token"][:, :end], xl["prompt_token"], xl["prompt_feat"], xl["embedding"],
                               streaming=True, finalize=False, stream=ls, n_timesteps=STEPS)  # fmt: skip
         np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk ending at token {end}")
         frames = ratio * (PROMPT + end - look)
         assert runs == [(frames - kept, kept)] * STEPS, (end, kept)
+        if family == "cosyvoice2":
+            first = kept // ratio
+            assert encodes == [(min(first, 2) + (frames - kept) // ratio + look, first)], (end, encodes)
         assert frames - kept <= ratio * HOP + g  # a hop's frames and an incomplete chunk at most
         kept = frames // g * g
     assert kept >= 4 * g  # the later chunks ran against many kept frames
@@ -161,3 +184,103 @@ def test_lite_cosyvoice3_token2wav_streams_torch_chunks_with_a_bounded_vocoder(
     widths = [feeds["mel"].shape[2] for session, feeds in runs if session is decode][:n]  # the unbounded run
     bound = 2 * HOP + lhift.cfg.context + lhift.lookahead + lhift.cfg.conv_pre_look_right
     assert len(widths) == len(chunks["lite"]) and max(widths[:-1]) <= bound, (widths, bound)
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_a_registered_voice_streams_on_lite_as_inline_computing_only_its_own_frames(
+    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A voice's flow state kept at registration on the lite flow (VoiceStates.keep over LiteChunkFlow.prefill, the
+    torch flow's code path) speaks as the same voice given inline, chunk by chunk, while the registered request's
+    first estimator runs are given its own frames only (after the voice's kept rows); a second request forked from
+    the same state gives the same chunks (a fork never writes the voice's arrays, which are read-only); the state
+    counts against the voice cache's bound (not kept past it) and, stored on disk as numpy arrays, is mapped back by
+    a new VoiceStates of the same model tag. If this fails, a lite request of a registered voice recomputes its
+    prompt's frames, or the kept state is not the one a stream resumes from."""
+    from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2, Token2Wav2
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+    from cosyserve.models.causal_hift import source_noise
+    from cosyserve.voices.voicestates import VoiceStates, bytes_per_second
+
+    flow, hift, _ = _lite(cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle)
+    prompt, tokens = 40, 80  # the prompt's kept frames: whole chunks of 2 x (40 - 3 lookahead) = 74 -> 50
+    x = {k: v.numpy() for k, v in _inputs(3, prompt, tokens).items()}
+    policy = StreamPolicy2(token_hop_len=HOP, token_max_hop_len=HOP)
+    if family == "cosyvoice3":
+        rand_ini, sine_waves = (
+            t.numpy() for t in source_noise(2 * (prompt + tokens) * 480, torch.Generator())
+        )
+        make, kw = (
+            Token2Wav3,
+            lambda: {"draws": itertools.repeat({"rand_ini": rand_ini, "sine_waves": sine_waves})},
+        )
+    else:
+        make, kw = (
+            Token2Wav2,
+            lambda: {"generator": np.random.default_rng(5)},
+        )  # the same vocoder draws each time
+
+    def speak(voices: Any) -> list[np.ndarray]:
+        t2w = make(flow, hift, policy, flow_steps=STEPS, voices=voices)
+        assert t2w.keeps_voices == (voices is not None)
+        return list(
+            t2w(x["token"][0].tolist(), embedding=x["embedding"], prompt_token=x["prompt_token"],
+                prompt_feat=x["prompt_feat"], stream=True, **kw())
+        )  # fmt: skip
+
+    inline = speak(None)
+    voices = VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="a")
+    state = voices.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], STEPS).result()
+    kept = flow.granularity
+    assert state.frames == kept and not state.steps[0].kv.flags.writeable
+    assert voices.nbytes == state.nbytes() >= kept * bytes_per_second(flow, STEPS) // flow.frame_rate > 0
+    runs = _estimates(monkeypatch)
+    first = speak(voices)
+    # the first chunk: the first hop (25 + the prompt's pad of 10) and its lookahead make 2 x (40 + 35) frames
+    assert runs[:STEPS] == [(2 * (prompt + HOP + 10) - kept, kept)] * STEPS, runs[:STEPS]
+    assert voices.stream_bytes == 0 and len(voices) == 1  # the stream gave its bytes back; the voice is kept
+    second = speak(voices)
+    assert len(first) == len(inline) >= 3
+    for i, (a, b, c) in enumerate(zip(first, second, inline, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"chunk {i}: the first request changed the voice's state")
+        np.testing.assert_allclose(a, c, atol=ATOL, err_msg=f"chunk {i}: registered vs inline")
+    stored = list((tmp_path / ".flow-states").glob("*.a.safetensors"))
+    assert len(stored) == 1
+    del runs[:]
+    mapped = speak(VoiceStates(1 << 30, folder=lambda: tmp_path, model_tag="a"))
+    assert runs[0][1] == kept, "the stored state was not used: the prompt's frames were computed again"
+    assert all(np.array_equal(a, b) for a, b in zip(first, mapped, strict=True))
+    small = VoiceStates(
+        state.nbytes() - 1
+    )  # voice_cache_mb below the state: computed for each request, not kept
+    small.keep(flow, x["prompt_token"], x["prompt_feat"], x["embedding"], STEPS).result()
+    assert len(small) == 0 and small.nbytes == 0
+
+
+def test_a_cosyvoice2_lite_bundle_of_version_2_is_converted_again(
+    cv2_lite_bundle: Path, cv3_lite_bundle: Path, tmp_path: Path
+) -> None:
+    """Lite version 3 changed CosyVoice2's flow_mu_stream graph only (its encoder keeps a stream state): a version 2
+    CosyVoice2 bundle is refused with "convert again" (else its graph, which takes tokens alone, would be fed the
+    encoder's state at the first streamed chunk), while a version 2 bundle without that graph's change is read."""
+    import json
+
+    from cosyserve.core.errors import BundleError
+    from cosyserve.runtime.lite.models import LiteBundle
+
+    def as_version_2(bundle: Path, out: Path, cosyvoice2: bool) -> Path:
+        (out / "lite").mkdir(parents=True)  # the bundle's files linked, its lite manifest rewritten
+        for p in [*bundle.iterdir(), *(bundle / "lite").iterdir()]:
+            if p.name not in ("lite", "manifest.json") or p.parent == bundle and p.name == "manifest.json":
+                (out / p.relative_to(bundle)).symlink_to(p)
+        manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
+        manifest["version"] = 2
+        if cosyvoice2:  # what version 2 wrote for CosyVoice2: no encoder state
+            manifest["config"]["flow"]["mu_lead"] = None
+            del manifest["config"]["flow"]["encoder_state"]
+        (out / "lite" / "manifest.json").write_text(json.dumps(manifest))
+        return out
+
+    with pytest.raises(BundleError, match="convert again"):
+        LiteBundle(as_version_2(cv2_lite_bundle, tmp_path / "cv2", True), verify="none")
+    assert LiteBundle(as_version_2(cv3_lite_bundle, tmp_path / "cv3", False), verify="none").config["flow"]

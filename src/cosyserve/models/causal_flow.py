@@ -513,6 +513,11 @@ class ChunkFlow(nn.Module):
             self.run_chunks([chunk], should_stop)
         return stream
 
+    def stream_from_arrays(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> FlowStream:
+        """A stream from what :meth:`FlowStream.to_arrays` gave (a stored voice state), on this flow's device."""
+        device = self.spk_embed_affine_layer.weight.device
+        return FlowStream.from_arrays({k: t.to(device) for k, t in tensors.items()}, meta)
+
 
 class CausalMaskedDiffWithXvec(ChunkFlow):
     REPEATED_STACKS = ("encoder.encoders", "encoder.up_encoders", "decoder.estimator.mid_blocks")

@@ -278,6 +278,42 @@ class FlowStream:
         out = [t for s in (*self.steps, *self.encoder) for t in s.tensors()]
         return out if self.mel is None else [*out, self.mel]
 
+    def to_arrays(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The kept state as named tensors (each layer's segments as one) and string metadata: what a stored voice
+        state holds (:mod:`cosyserve.voices.voicestates`); :meth:`from_arrays` reads it back."""
+        tensors: dict[str, Tensor] = {"mel": self.mel.contiguous()} if self.mel is not None else {}
+        for prefix, caches in (("s", self.steps), ("e", self.encoder)):
+            for i, cache in enumerate(caches):
+                for j, tail in enumerate(cache.tails):
+                    tensors[f"{prefix}{i}.t{j}"] = tail.contiguous()
+                for j, (ks, vs) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                    dim = (
+                        2 if prefix == "s" else 1
+                    )  # (B, H, T, D) in the estimator, (B, T, H, D) in the encoder
+                    tensors[f"{prefix}{i}.k{j}"] = torch.cat(ks, dim=dim)
+                    tensors[f"{prefix}{i}.v{j}"] = torch.cat(vs, dim=dim)
+        meta = {"frames": str(self.frames), "granularity": str(self.granularity)}
+        return tensors, {**meta, "n_timesteps": str(self.n_timesteps), "encoder": str(len(self.encoder))}
+
+    @classmethod
+    def from_arrays(cls, tensors: dict[str, Tensor], meta: dict[str, str]) -> FlowStream:
+        """The state :meth:`to_arrays` gave."""
+        state = cls.empty(int(meta["granularity"]), int(meta["n_timesteps"]), int(meta["encoder"]))
+        state.frames = int(meta["frames"])
+        state.mel = tensors.get("mel")
+        for prefix, caches in (("s", state.steps), ("e", state.encoder)):
+            for i, cache in enumerate(caches):
+                j = 0
+                while f"{prefix}{i}.t{j}" in tensors:
+                    cache.tails.append(tensors[f"{prefix}{i}.t{j}"])
+                    j += 1
+                j = 0
+                while f"{prefix}{i}.k{j}" in tensors:
+                    cache.keys.append([tensors[f"{prefix}{i}.k{j}"]])
+                    cache.values.append([tensors[f"{prefix}{i}.v{j}"]])
+                    j += 1
+        return state
+
     def nbytes(self) -> int:
         """Bytes held (shared segments of a fork counted in full)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -250,22 +250,11 @@ def _voice_states(options: RuntimeOptions, bundle: Any, flow: Any, device: Any, 
     """The model's :class:`~cosyserve.voices.voicestates.VoiceStates`: its bounds, and with ``voice_cache_disk`` the
     registry's folder (``registry()`` at each use: it may move); stored states are named by the weights' key,
     the flow's dtype, the device kind and the Euler steps, so a change of any recomputes them."""
-    import hashlib
-
     from cosyserve.voices.voicestates import VoiceStates
 
-    def folder() -> Path | None:
-        r = registry()
-        return Path(r.root) if r is not None else None
-
     dtype = next(flow.parameters()).dtype
-    tag = f"{bundle.model_key}|{dtype}|{device.type}|{options.flow_steps}"
-    return VoiceStates(
-        options.voice_cache_mb << 20,
-        folder if options.voice_cache_disk else None,
-        hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
-        (options.stream_state_mb << 20) or None,
-        options.stream_state_budget(),
+    return VoiceStates.for_model(
+        options, f"{bundle.model_key}|{dtype}|{device.type}|{options.flow_steps}", registry
     )
 
 

@@ -4,7 +4,11 @@ A CosyVoice2/3 flow streams with chunk-causal attention and starts from a fixed 
 whole attention chunks (those whose tokens' lookahead is prompt too) come out the same for every request with
 that prompt: their per-Euler-step keys, values and conv tails (a :class:`~cosyserve.models.flow_stream.FlowStream`)
 are computed once, when a voice is registered (or on its first use after a model change, or an inline prompt's
-first use), and every later streamed request forks them and computes only its own frames.
+first use), and every later streamed request forks them and computes only its own frames. The lite runtime's flow
+(:class:`~cosyserve.runtime.lite.chunkflow.LiteChunkFlow`, numpy arrays in its estimator graph's layout) goes through
+the same code: its states are computed, kept, bounded, stored and forked here as the torch flow's are (a lite fork
+reads its voice's rows until its first call that keeps frames copies them: the graph takes every kept row as one
+array).
 
 States are keyed by a digest of the prompt (speech tokens, mel, speaker embedding) and the Euler steps, held per
 loaded model (a model or precision change loads a new one, with an empty :class:`VoiceStates`), least recently used
@@ -14,8 +18,8 @@ sample, 2 x Euler steps x (keys + values of every attention layer) x 50 frames, 
 
 With a folder (the voice registry's ``.flow-states/``), a registered voice's state is also written there as one
 safetensors file named by the prompt's digest and the model's tag (its weights' key, flow dtype, device kind and
-steps), and mapped from there (zero copy, page cache) by a later process; a file of another tag means the model
-changed since: it is recomputed, written anew and the old one removed.
+steps; the lite flow's graphs), and mapped from there (zero copy, page cache) by a later process; a file of another
+tag means the model changed since: it is recomputed, written anew and the old one removed.
 
 The LM's prompt prefixes are kept here too (:class:`~cosyserve.runtime.lm.Prefix`: the keys and values of a
 one-shot prompt's sos, speaker and prompt text, which the new text follows), under the same bound, in memory only.
@@ -56,23 +60,38 @@ VERSION = "1"
 
 
 def prompt_key(prompt_token: Any, prompt_feat: Any, embedding: Any, n_timesteps: int) -> str:
-    """The digest a voice state is kept under: the prompt's token ids, mel and embedding values (whatever their
-    dtype or device) and the Euler steps."""
-    import torch
-
+    """The digest a voice state is kept under: the prompt's token ids, mel and embedding values (torch tensors or
+    numpy arrays, whatever their dtype or device: the same values give the same key) and the Euler steps."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"steps={n_timesteps};".encode())
-    for t, dtype in ((prompt_token, torch.int64), (prompt_feat, torch.float32), (embedding, torch.float32)):
-        t = t.detach().to(device="cpu", dtype=dtype).contiguous()
-        h.update(repr(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
+    for t, dtype in ((prompt_token, "int64"), (prompt_feat, "float32"), (embedding, "float32")):
+        a = _host(t, dtype)
+        h.update(repr(tuple(a.shape)).encode())
+        h.update(a.tobytes())
     return h.hexdigest()
+
+
+def _host(t: Any, dtype: str) -> Any:
+    # a contiguous numpy array of `dtype` in host memory (the lite runtime's arrays are numpy: no torch there)
+    import numpy as np
+
+    if hasattr(t, "detach"):  # a torch tensor: torch is imported where one was made
+        import torch
+
+        t = t.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous().numpy()
+    return np.ascontiguousarray(t, dtype=dtype)
 
 
 def bytes_per_second(flow: Any, n_timesteps: int | None = None) -> int:
     """Bytes a voice state holds per second of sample for ``flow`` (a
-    :class:`~cosyserve.models.causal_flow.ChunkFlow`): its attention layers' keys and values for both CFG rows at
-    every Euler step, 50 mel frames a second (conv tails and mel are a few KB more per state)."""
+    :class:`~cosyserve.models.causal_flow.ChunkFlow`, or the lite runtime's
+    :class:`~cosyserve.runtime.lite.chunkflow.LiteChunkFlow`): its attention layers' keys and values for both CFG
+    rows at every Euler step, 50 mel frames a second (conv tails and mel are a few KB more per state)."""
+    frame_bytes = getattr(
+        flow, "state_frame_bytes", None
+    )  # the lite flow's: its estimator graph's state shapes
+    if frame_bytes is not None:
+        return int(frame_bytes(n_timesteps) * flow.frame_rate)
     import torch
 
     steps = flow.N_TIMESTEPS if n_timesteps is None else n_timesteps
@@ -132,6 +151,26 @@ class VoiceStates:
         self._pending: dict[str, Future[Any]] = {}  # registrations being computed
         self._worker: ThreadPoolExecutor | None = None
         self.nbytes = 0
+
+    @classmethod
+    def for_model(cls, options: Any, tag: str, registry: Callable[[], Any]) -> VoiceStates:
+        """A loaded model's states under ``options``' bounds (a :class:`~cosyserve.runtime.RuntimeOptions`:
+        ``voice_cache_mb``, ``stream_state_mb``, the streams' budget) and, with ``voice_cache_disk``, stored in the
+        folder of the registry ``registry()`` gives at each use (it may move). ``tag`` names what a state depends on
+        besides its prompt (the weights' key, the flow's dtype and device kind, the Euler steps; the lite flow's
+        graphs): a stored state of another tag is recomputed."""
+
+        def folder() -> Path | None:
+            r = registry()
+            return Path(r.root) if r is not None else None
+
+        return cls(
+            options.voice_cache_mb << 20,
+            folder if options.voice_cache_disk else None,
+            hashlib.blake2b(tag.encode(), digest_size=8).hexdigest(),
+            (options.stream_state_mb << 20) or None,
+            options.stream_state_budget(),
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -329,62 +368,42 @@ class VoiceStates:
 
 
 def _write(path: Path, state: Any) -> None:
-    import torch
-    from safetensors.torch import save_file
-
+    # the state's arrays (its to_arrays: torch tensors, or the lite flow's numpy arrays) as one safetensors file
     from cosyserve.system.atomicfile import atomic_replace
 
-    tensors: dict[str, Any] = {"mel": state.mel.contiguous()} if state.mel is not None else {}
-    for prefix, caches in (("s", state.steps), ("e", state.encoder)):
-        for i, cache in enumerate(caches):
-            for j, tail in enumerate(cache.tails):
-                tensors[f"{prefix}{i}.t{j}"] = tail.contiguous()
-            for j, (ks, vs) in enumerate(zip(cache.keys, cache.values, strict=True)):
-                dim = 2 if prefix == "s" else 1  # (B, H, T, D) in the estimator, (B, T, H, D) in the encoder
-                tensors[f"{prefix}{i}.k{j}"] = torch.cat(ks, dim=dim)
-                tensors[f"{prefix}{i}.v{j}"] = torch.cat(vs, dim=dim)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "frames": str(state.frames),
-        "granularity": str(state.granularity),
-        "n_timesteps": str(state.n_timesteps),
-        "encoder": str(len(state.encoder)),
-    }
-    atomic_replace(path, lambda tmp: save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), meta))
+    arrays, meta = state.to_arrays()
+    meta = {"format": FORMAT, "version": VERSION, **meta}
+    if meta.get("arrays") == "numpy":
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    else:
+        from safetensors.torch import save_file
+
+        arrays = {k: v.cpu() for k, v in arrays.items()}
+    atomic_replace(path, lambda tmp: save_file(arrays, str(tmp), meta))
 
 
 def _read(path: Path, flow: Any, steps: int) -> Any:
-    from cosyserve.bundle.mmap_safetensors import MappedFile
-    from cosyserve.models.flow_stream import FlowStream
+    # a stored state, mapped (zero copy) as the flow's arrays: numpy for the lite flow (no torch), else torch's
+    from cosyserve.bundle.safetensors_np import map_safetensors, safetensors_metadata
 
-    f = MappedFile(path)
-    meta = f.metadata or {}
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION or int(meta["n_timesteps"]) != steps:
+    fix = "it is computed again"
+    meta = safetensors_metadata(path, fix)
+    if (
+        meta.get("format") != FORMAT
+        or meta.get("version") != VERSION
+        or meta.get("n_timesteps") != str(steps)
+    ):
         raise ValueError(f"not a version {VERSION} flow state of {steps} steps")
-    n_enc = int(meta["encoder"])
-    state = FlowStream.empty(int(meta["granularity"]), steps, n_enc)
-    state.frames = int(meta["frames"])
-    weight = flow.spk_embed_affine_layer.weight
-    names = set(f.tensors)
+    if meta.get("arrays") == "numpy":
+        arrays: dict[str, Any] = map_safetensors(path, fix)
+    else:
+        from cosyserve.bundle.mmap_safetensors import MappedFile
 
-    def get(name: str) -> Any:
-        t = f.tensor(name)
-        return t if t.device == weight.device else t.to(weight.device)
-
-    state.mel = get("mel") if "mel" in names else None
-    for prefix, caches in (("s", state.steps), ("e", state.encoder)):
-        for i, cache in enumerate(caches):
-            j = 0
-            while f"{prefix}{i}.t{j}" in names:
-                cache.tails.append(get(f"{prefix}{i}.t{j}"))
-                j += 1
-            j = 0
-            while f"{prefix}{i}.k{j}" in names:
-                cache.keys.append([get(f"{prefix}{i}.k{j}")])
-                cache.values.append([get(f"{prefix}{i}.v{j}")])
-                j += 1
-    return state
+        arrays = MappedFile(path).state_dict()
+    return flow.stream_from_arrays(arrays, meta)
 
 
 def disk_bytes(folder: Path) -> int:

@@ -16,6 +16,7 @@ __all__ = [
     "LITE_PARTS",
     "LITE_FORMAT",
     "LITE_VERSION",
+    "LITE_VERSIONS",
     "MAX_TEXT_POSITIONS",
     "POS_TABLE_ROWS",
     "TABLES_FILE",
@@ -24,7 +25,12 @@ __all__ = [
 
 LITE_DIR = "lite"
 LITE_FORMAT = "cosyserve-lite"
-LITE_VERSION = 2  # 2: CosyVoice2/3's one flow estimator graph, its stream caches as inputs and outputs
+LITE_VERSION = (
+    3  # 2: CosyVoice2/3's one flow estimator graph, its stream caches as inputs and outputs; 3: CosyVoice2's
+)
+# flow encoder keeps its stream state too (flow_mu_stream)
+# the versions read: a version 2 bundle whose graphs version 3 did not change (no CosyVoice2 flow) is served as it is
+LITE_VERSIONS = (2, 3)
 TABLES_FILE = "tables.safetensors"
 # the longest sequence a graph's relative-position table covers (text, prompt + speech tokens)
 MAX_TEXT_POSITIONS = 4096

@@ -12,8 +12,9 @@ torch flow's; the last call (full attention) passes no kept frames. The flow gra
 :func:`share_weights` writes their tensors into one data file, each distinct tensor once. What is cheap stays
 numpy: the token embedding lookup happens inside the graphs (a tiny table), the speaker affine, the fixed noise
 (a table), the Euler loop, classifier-free guidance and the stream's state (:mod:`cosyserve.runtime.lite.chunkflow`).
-CosyVoice2's encoder keeps no caches here: a chunk's ``mu`` comes from every token so far (the encoder is a small
-part of a chunk's work; its frames equal the cached encoder's, its attention being chunk-causal too).
+CosyVoice2's ``flow_mu_stream`` is its encoder against a stream's kept encoder state (:class:`EncoderGraph`: the
+conformer's and the up layers' keys and values, the upsampling conv's tail, as inputs and outputs), so a chunk encodes
+its own tokens only, as the torch flow's.
 
 Vocoder: CosyVoice2's :class:`~cosyserve.models.hift.HiFTGenerator` as CosyVoice-300M's (``hift_f0``,
 ``hift_decode``: :mod:`cosyserve.bundle.lite.export_300m`); CosyVoice3's causal one as ``hift_f0`` (mel with its 3
@@ -28,6 +29,7 @@ import copy
 import hashlib
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -83,9 +85,73 @@ class GraphStepCache:
 
         return attend(q, *self.segments(k, v, dim=2), mask)
 
+    def extend(self, k: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+        ks, vs = self.segments(k, v, dim)
+        return torch.cat(ks, dim=dim), torch.cat(vs, dim=dim)
+
     def kv_new(self) -> Tensor:
         # (commit, layers, 2, B, H, D)
         return torch.stack([torch.stack(kv, dim=1) for kv in zip(self.keys, self.values, strict=True)], dim=1)
+
+
+class EncoderGraph(nn.Module):
+    """CosyVoice2's flow encoder for a streamed call against a stream's kept encoder state (the torch flow's
+    ``stream.encoder``: a :class:`~cosyserve.models.flow_stream.StepCache` at token rate, one at mel rate), so that
+    a chunk encodes its own tokens only: ``tokens`` (1, N) int64, ``lead`` tokens of left context for the lookahead
+    layer, the call's own, then the last ``pre_lookahead_len`` (lookahead only); ``lead`` (L,): its length is the
+    lead (a shape: the graph slices by it); ``commit`` (int64) own tokens whose frames become final; ``kv_tok`` (S,
+    layers, 2, 1, H, D) the kept tokens' keys and values in the conformer layers, ``kv_mel`` (ratio * S, up layers,
+    2, 1, H, D) the kept frames' in the up layers, ``tail`` (1, C, 2 * stride) the upsampling conv's input before the
+    kept boundary -> ``mu`` (1, 80, ratio * own tokens), ``kv_tok_new`` (commit, ...), ``kv_mel_new`` (ratio *
+    commit, ...), ``new_tail``. No kept rows, no lead and commit 0: the whole sequence's streamed ``mu``."""
+
+    def __init__(self, flow: nn.Module) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(
+        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor
+    ) -> tuple[Tensor, ...]:
+        ratio = self.flow.token_mel_ratio
+        caches = [
+            GraphStepCache(kv_tok.shape[0], commit, kv_tok, ()),
+            GraphStepCache(kv_mel.shape[0], commit * ratio, kv_mel, (tail,)),
+        ]
+        mu = self._mu(tokens, lead.shape[0], caches)
+        return (mu, caches[0].kv_new(), caches[1].kv_new(), caches[1].new_tails[0])
+
+    def _mu(self, tokens: Tensor, lead: Any, caches: list[Any]) -> Tensor:
+        f = self.flow
+        x = f.input_embedding(tokens.clamp(min=0))
+        return f._mu(x, f.pre_lookahead_len, True, SimpleNamespace(encoder=caches), lead)
+
+    def reference(
+        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor
+    ) -> tuple[Tensor, ...]:
+        """The same through the torch flow's own stream state: what the graph is checked against at conversion."""
+        from cosyserve.models.flow_stream import StepCache
+
+        ratio, caches = self.flow.token_mel_ratio, []
+        for kv, rows, tails in ((kv_tok, int(commit), []), (kv_mel, int(commit) * ratio, [tail])):
+            layers = range(kv.shape[1])  # (S, layers, 2, B, H, D) -> per layer (B, S, H, D)
+            cache = StepCache(
+                list(tails),
+                [[kv[:, i, 0].movedim(0, 1)] for i in layers],
+                [[kv[:, i, 1].movedim(0, 1)] for i in layers],
+            )
+            cache.begin(int(kv.shape[0]), rows)
+            caches.append(cache)
+        out = [self._mu(tokens, lead.shape[0], caches)]
+        for cache, kv in zip(caches, (kv_tok, kv_mel), strict=True):
+            new = kv[:0]
+            if cache.commit:
+                pairs = zip(cache.keys, cache.values, strict=True)
+                new = torch.stack(
+                    [torch.stack([ks[-1].movedim(1, 0), vs[-1].movedim(1, 0)], dim=1) for ks, vs in pairs],
+                    dim=1,
+                )
+            out.append(new)
+        return (*out, caches[1].tails[0])
 
 
 class EstimatorGraph(nn.Module):
@@ -199,6 +265,43 @@ def share_weights(out: Path, graphs: list[str], data: str) -> None:
     (out / data).chmod(0o644)
 
 
+def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> dict[str, list[int]]:
+    # CosyVoice2's flow_mu_stream with the encoder's stream state (EncoderGraph); returns its state's shapes:
+    # {"tokens": [layers, heads, head_dim], "frames": [up layers, heads, head_dim], "tail": [channels, frames]}
+    enc, look, ratio = flow.encoder, flow.pre_lookahead_len, flow.token_mel_ratio
+    heads = int(enc.cfg.attention_heads)
+    head_dim = int(enc.cfg.output_size) // heads
+    conv = enc.up_layer.conv
+    shapes = {
+        "tokens": [len(enc.encoders), heads, head_dim],
+        "frames": [len(enc.up_encoders), heads, head_dim],
+        "tail": [int(conv.in_channels), int(conv.kernel_size[0]) - 1],
+    }
+    chunk = max(int(enc.cfg.static_chunk_size), 1)  # tokens
+
+    def case(kept: int, lead: int, own: int, commit: int) -> tuple[Tensor, ...]:
+        # `own` tokens after `kept` kept ones (and `lead` of their left context), `commit` of them final
+        return (
+            ex.ints(vocab, lead + own + look), torch.zeros(lead, dtype=torch.int64), torch.tensor(commit),
+            ex.randn(kept, shapes["tokens"][0], 2, 1, heads, head_dim),
+            ex.randn(ratio * kept, shapes["frames"][0], 2, 1, heads, head_dim), ex.randn(1, *shapes["tail"]),
+        )  # fmt: skip
+
+    names = ["tokens", "lead", "commit", "kv_tok", "kv_mel", "tail0"]
+    outs = ["mu", "kv_tok_new", "kv_mel_new", "new_tail0"]
+    dynamic = {
+        "tokens": {1: "n"}, "lead": {0: "l"}, "kv_tok": {0: "s"}, "kv_mel": {0: "f"},
+        "mu": {2: "m"}, "kv_tok_new": {0: "c"}, "kv_mel_new": {0: "cf"},
+    }  # fmt: skip
+    graph = EncoderGraph(flow)
+    ex.graph(
+        "flow_mu_stream", graph, case(chunk, flow.LEAD, chunk + 5, chunk), names, outs, dynamic,
+        [case(0, 0, short, 0), case(0, 0, 2 * chunk + 4, 2 * chunk), case(2 * chunk, flow.LEAD, chunk + 7, chunk)],
+        reference=graph.reference,
+    )  # fmt: skip
+    return shapes
+
+
 def export_flow(ex: Exporter, flow: nn.Module) -> None:
     """Export and check the chunk flow's graphs (see the module docstring) into ``ex``; its tables and config."""
     from cosyserve.bundle.lite import MAX_TEXT_POSITIONS
@@ -209,11 +312,15 @@ def export_flow(ex: Exporter, flow: nn.Module) -> None:
     if encoder is not None:
         encoder.embed.pos_enc._table(2 * MAX_TEXT_POSITIONS, torch.zeros(1))
     vocab = flow.input_embedding.num_embeddings
+    encoder_state = None
     look, chunk = flow.pre_lookahead_len, flow.granularity
     # lengths across attention chunks (chunk frames = chunk / ratio tokens), one shorter than a chunk
     short, long = 5 + look, 2 * chunk // flow.token_mel_ratio + look + 3
     for streaming, name in ((False, "flow_mu"), (True, "flow_mu_stream")):
         ex.step(f"lite: {name}")
+        if streaming and encoder is not None:
+            encoder_state = _export_encoder(ex, flow, vocab, short)
+            continue
         ex.graph(
             name, MuGraph(flow, streaming), (ex.ints(vocab, short + 4),), ["tokens"], ["mu"],
             {"tokens": {1: "n"}, "mu": {2: "m"}}, [(ex.ints(vocab, short),), (ex.ints(vocab, long),)],
@@ -275,9 +382,11 @@ def export_flow(ex: Exporter, flow: nn.Module) -> None:
         "kv_shape": [layers, heads, head_dim],
         "tails": [list(t) for t in tails],
         # whether a stream keeps its final frames (the torch flow's streams): its mu then needs the tokens from
-        # `mu_lead` before its first new one (None: every token, the encoder attends to them)
+        # `mu_lead` before its first new one; CosyVoice2's encoder keeps its own state too (`encoder_state`: the
+        # shapes of flow_mu_stream's kept keys and values per rate and of the upsampling conv's tail)
         "streams": bool(flow.streams),
-        "mu_lead": None if encoder is not None else int(flow.LEAD),
+        "mu_lead": int(flow.LEAD),
+        "encoder_state": encoder_state,
         "n_timesteps": int(flow.N_TIMESTEPS),
         "t_scheduler": cfm.t_scheduler,
         "inference_cfg_rate": float(cfm.inference_cfg_rate),

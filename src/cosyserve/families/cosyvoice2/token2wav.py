@@ -231,23 +231,23 @@ class Token2Wav2:
     @property
     def keeps_voices(self) -> bool:
         """Whether a voice's flow state is computed once and forked by its requests (``voices`` given and a flow
-        that computes a prompt's frames alone: torch's ``ChunkFlow.prefill``). The lite flow keeps a stream's
-        frames but not a voice's: its streams are still in ``voices``' account (their bounds)."""
+        that computes a prompt's frames alone: ``prefill``, torch's ``ChunkFlow`` and the lite ``LiteChunkFlow``)."""
         return self.voices is not None and self.incremental and hasattr(self.flow, "prefill")
 
     def keep_voice(self, features: Mapping[str, Any]) -> Any:
-        """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry) and keep it;
-        returns the future state (see :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
-        import torch
+        """Have ``voices`` compute a registered voice's flow state (``features``: its registry entry, torch tensors
+        or numpy arrays) and keep it; returns the future state (see
+        :meth:`cosyserve.voices.voicestates.VoiceStates.keep`)."""
+        names = ("flow_prompt_speech_token", "prompt_speech_feat", "flow_embedding")
+        if self.ops.torch:
+            import torch
 
-        d = self.device
-        return self.voices.keep(
-            self.flow,
-            torch.as_tensor(features["flow_prompt_speech_token"]).to(d),
-            torch.as_tensor(features["prompt_speech_feat"]).to(d),
-            torch.as_tensor(features["flow_embedding"]).to(d),
-            self.flow_steps,
-        )
+            arrays = [torch.as_tensor(features[n]).to(self.device) for n in names]
+        else:  # the lite flow's numpy (its registry's entries are numpy arrays)
+            import numpy as np
+
+            arrays = [np.asarray(features[n]) for n in names]
+        return self.voices.keep(self.flow, *arrays, self.flow_steps)
 
     def _call(
         self,

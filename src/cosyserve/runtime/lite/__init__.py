@@ -207,12 +207,21 @@ def _pipeline(
         tokenizer=factory,
         config=config,
         frontend=frontend,
-        # the LM's prompt prefixes, and the streams' flow states' account (their bounds; no voice flow states)
-        voice_states=VoiceStates(
-            o.voice_cache_mb << 20, None, "", (o.stream_state_mb << 20) or None, o.stream_state_budget()
-        ),
+        voice_states=VoiceStates.for_model(o, _voice_tag(bundle, lite, o), lambda: pipeline.registry),
     )
     return pipeline
+
+
+def _voice_tag(bundle: Any, lite: Any, o: RuntimeOptions) -> str:
+    # what a lite model's voice states depend on besides their prompt (VoiceStates.for_model): the weights, the lite
+    # format and the flow's graphs (a conversion that changed them recomputes the stored states), float32 on the
+    # CPU, the Euler steps
+    files = lite.manifest.get("files", {})
+    graphs = sorted(
+        f"{name}:{entry.get('sha256')}" for name, entry in files.items() if name.startswith("flow")
+    )
+    version = lite.manifest.get("version")
+    return f"{bundle.model_key}|lite {version} {','.join(graphs)}|float32|cpu|{o.flow_steps}"
 
 
 def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
@@ -220,7 +229,7 @@ def _read_speakers(bundle: Any) -> dict[str, dict[str, Any]]:
     entry = bundle.manifest.get("speakers")
     if not entry:
         return {}
-    from cosyserve.runtime.lite.models import map_safetensors
+    from cosyserve.bundle.safetensors_np import map_safetensors
 
     path = bundle.path / entry["file"]
     if path.stat().st_size != entry["bytes"]:
@@ -289,7 +298,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
             )
         if o.flow_context_seconds:
             logger.warning(
-                "the lite runtime's flow keeps no stream state (each chunk re-runs it on every token, exact): "
+                "the lite runtime's flow has no bounded context (its streams attend to every frame, exact): "
                 "ignored flow_context_seconds=%g",
                 o.flow_context_seconds,
             )

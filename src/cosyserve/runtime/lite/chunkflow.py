@@ -7,10 +7,15 @@ over the one ``flow_estimator`` graph from the fixed noise (a table). A request'
 per Euler step, the final frames' attention keys and values and the causal convs' tails (the torch
 :class:`~cosyserve.models.flow_stream.FlowStream`'s), so that a streamed chunk computes its own frames only: the
 graph takes the kept rows as an input (the first rows of a buffer, bound without a copy) and writes the new final
-ones after them. :class:`LiteCausalVocoder` is :class:`cosyserve.models.causal_hift.CausalHiFTGenerator`:
-the f0 graph, the causal sine source in numpy (the reference's SineGen2, the model's fixed noise buffers given),
-the STFT, the spectrum graph and the iSTFT; a :class:`LiteVocoderStream` keeps the mel of its receptive field, the
-source's phase and its place in the noise, so a chunk vocodes its new frames (plus that context) only.
+ones after them; CosyVoice2's encoder keeps its state the same way (its ``flow_mu_stream`` graph). A registered
+voice's prompt frames go through the same steps once (:meth:`LiteChunkFlow.prefill`, kept by
+:class:`~cosyserve.voices.voicestates.VoiceStates` as the torch flow's are); a request's stream forks them
+(:meth:`LiteFlowStream.fork`: it reads the voice's rows until its first call that keeps frames copies them into a
+buffer of its own, the graph reading every kept row as one array). :class:`LiteCausalVocoder` is
+:class:`cosyserve.models.causal_hift.CausalHiFTGenerator`: the f0 graph, the causal sine source in numpy (the
+reference's SineGen2, the model's fixed noise buffers given), the STFT, the spectrum graph and the iSTFT; a
+:class:`LiteVocoderStream` keeps the mel of its receptive field, the source's phase and its place in the noise, so
+a chunk vocodes its new frames (plus that context) only.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
+from cosyserve.runtime.lite.flowstream import LiteFlowStream, StepState, empty_state
 from cosyserve.runtime.lite.models import LiteVocoder
 
 __all__ = ["LiteCausalVocoder", "LiteChunkFlow", "LiteFlowStream", "LiteVocoder2", "LiteVocoderStream"]
@@ -51,12 +57,39 @@ class LiteChunkFlow:
         self.kv_shape = tuple(int(n) for n in c["kv_shape"])  # (layers, heads, head_dim)
         self.tails = [tuple(int(n) for n in t) for t in c["tails"]]  # (channels, frames) per causal conv
         self.streams = bool(c["streams"])  # whether a stream keeps its final frames (the torch flow's rule)
-        self.mu_lead = c["mu_lead"]  # tokens of left context a chunk's mu needs (None: every token)
+        self.mu_lead = int(c["mu_lead"])  # tokens of left context a chunk's mu needs
+        # CosyVoice2: flow_mu_stream keeps the encoder's state too, per rate (its kept keys and values' (layers, heads,
+        # head_dim) and its convs' tails: the upsampling conv's at mel rate); None: the flow has no encoder
+        enc = c.get("encoder_state")
+        self.encoder_state = None
+        if enc is not None:
+            self.encoder_state = [(tuple(enc["tokens"]), []), (tuple(enc["frames"]), [tuple(enc["tail"])])]
         self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
         self.noise = tables["flow.noise"]  # (80, frames): the reference's fixed noise
-        self._reads: set[str] | None = None  # the estimator graph's inputs
+        self._reads: dict[str, set[str]] = {}  # each graph's inputs
 
     ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
+
+    @property
+    def N_TIMESTEPS(self) -> int:  # noqa: N802 - the torch ChunkFlow's name, which VoiceStates reads
+        """The Euler steps a stream runs when none are named."""
+        return self.n_timesteps
+
+    @property
+    def frame_rate(self) -> int:
+        """Mel frames per second of speech."""
+        return self.input_frame_rate * self.token_mel_ratio
+
+    def state_frame_bytes(self, n_timesteps: int | None = None) -> float:
+        """Bytes a stream keeps per final frame: every estimator layer's keys and values for both CFG rows at every
+        Euler step, and CosyVoice2's encoder's once (its token rate's per token) in float32."""
+        layers, heads, head_dim = self.kv_shape
+        steps = self.n_timesteps if n_timesteps is None else n_timesteps
+        encoder = [
+            math.prod(kv) * 2 * 4 for kv, _ in self.encoder_state or ()
+        ]  # per row: (layers, H, D) x k, v
+        per_token = encoder[0] / self.token_mel_ratio if encoder else 0.0
+        return steps * layers * 2 * 2 * heads * head_dim * 4 + per_token + sum(encoder[1:])
 
     def new_stream(self, n_timesteps: int | None = None) -> LiteFlowStream | None:
         """An empty :class:`LiteFlowStream` for a request's chunks (None when this flow cannot keep frames), as
@@ -64,11 +97,12 @@ class LiteChunkFlow:
         if not self.streams:
             return None
         steps = self.n_timesteps if n_timesteps is None else n_timesteps
-        return LiteFlowStream(self.granularity, steps, [self._empty_step() for _ in range(steps)])
+        steps = [empty_state(self.kv_shape, self.tails, 2) for _ in range(steps)]
+        return LiteFlowStream(self.granularity, len(steps), steps, self._empty_encoder())
 
-    def _empty_step(self) -> _StepState:
-        kv = np.zeros((0, self.kv_shape[0], 2, 2, *self.kv_shape[1:]), np.float32)
-        return _StepState(kv, [np.zeros((2, c, k), np.float32) for c, k in self.tails])
+    def _empty_encoder(self) -> list[StepState]:
+        # CosyVoice2's encoder state at the start of a stream (its token rate's, its mel rate's); none for CosyVoice3
+        return [empty_state(kv, tails, 1) for kv, tails in self.encoder_state or ()]
 
     def inference(
         self,
@@ -114,13 +148,11 @@ class LiteChunkFlow:
         frames = self.token_mel_ratio * (ids.shape[1] - look)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        if frames > self.noise.shape[1]:
-            raise ValueError(
-                f"the flow's fixed noise has {self.noise.shape[1]} frames; {frames} were asked for"
-            )
         if stream is None or finalize:
-            scratch = self._empty_step()  # a whole call keeps nothing: its steps share one state, left empty
-            whole = LiteFlowStream(self.granularity, steps, [scratch] * steps)
+            scratch = empty_state(
+                self.kv_shape, self.tails, 2
+            )  # a whole call keeps nothing: one state, left empty
+            whole = LiteFlowStream(self.granularity, steps, [scratch] * steps, self._empty_encoder())
             return self._chunk(whole, 0, ids, prompt_feat[0], embedding, frames, streaming, should_stop)[
                 :, :, f:
             ]
@@ -128,6 +160,52 @@ class LiteChunkFlow:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {steps}")
         keep = stream.kept_until(frames)
         return self._chunk(stream, keep, ids, prompt_feat[0], embedding, frames, True, should_stop)[:, :, f:]
+
+    def prefill(
+        self,
+        stream: LiteFlowStream,
+        prompt_token: np.ndarray,
+        prompt_feat: np.ndarray,
+        embedding: np.ndarray,
+        should_stop: ShouldStop | None = None,
+    ) -> LiteFlowStream:
+        """Keep in the empty ``stream`` every frame that depends on the prompt alone (whole attention chunks of the
+        frames of prompt tokens whose lookahead is prompt too), as the torch flow's
+        :meth:`~cosyserve.models.causal_flow.ChunkFlow.prefill`: what a registered voice computes once. Its arrays
+        are made read-only (a request forks them, :meth:`LiteFlowStream.fork`, and writes its own). Returns
+        ``stream``."""
+        if stream.frames:
+            raise ValueError("prefill needs an empty stream")
+        ratio, look = self.token_mel_ratio, self.pre_lookahead_len
+        keep = stream.kept_until(ratio * (prompt_token.shape[1] - look))
+        if keep > 0:
+            ids = prompt_token[:, : keep // ratio + look].astype(np.int64)
+            self._chunk(stream, keep, ids, prompt_feat[0], embedding, keep, True, should_stop)
+        stream.freeze()
+        return stream
+
+    def stream_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict[str, str]) -> LiteFlowStream:
+        """A stream from what :meth:`LiteFlowStream.to_arrays` gave (a stored voice state, mapped read-only)."""
+        steps = int(meta["n_timesteps"])
+        stream = LiteFlowStream(
+            int(meta["granularity"]), steps, [], frames=int(meta["frames"]), mel=arrays.get("mel")
+        )
+        shapes = [(self.kv_shape, self.tails, 2)] * steps + [(kv, t, 1) for kv, t in self.encoder_state or ()]
+        if int(meta["encoder"]) != len(shapes) - steps:
+            raise ValueError(
+                f"the stored state has {meta['encoder']} encoder states, this flow {len(shapes) - steps}"
+            )
+        for n, (kv_shape, tail_shapes, batch) in enumerate(shapes):
+            name = f"s{n}" if n < steps else f"e{n - steps}"
+            kv = arrays[f"{name}.kv"]
+            tails = [arrays[f"{name}.t{j}"] for j in range(len(tail_shapes))]
+            if kv.shape[1:] != (kv_shape[0], 2, batch, *kv_shape[1:]) or any(
+                t.shape != (batch, *s) for t, s in zip(tails, tail_shapes, strict=True)
+            ):
+                raise ValueError(f"state {name} is not this flow's (keys and values {kv.shape})")
+            (stream.steps if n < steps else stream.encoder).append(StepState(kv, tails, int(kv.shape[0])))
+        stream.freeze()
+        return stream
 
     def _chunk(
         self,
@@ -145,15 +223,25 @@ class LiteChunkFlow:
         start, ratio, n = stream.frames, self.token_mel_ratio, self.output_size
         if frames <= start:
             raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
+        if frames > self.noise.shape[1]:
+            raise ValueError(
+                f"the flow's fixed noise has {self.noise.shape[1]} frames; {frames} were asked for"
+            )
         first = start // ratio
-        lead = first if self.mu_lead is None else min(first, int(self.mu_lead))
-        suffix = "_stream" if streaming else ""
-        (mu,) = terminate.run(
-            self.bundle.session("flow_mu" + suffix), {"tokens": ids[:, first - lead :]}, should_stop
-        )
+        lead = min(first, self.mu_lead)
+        if streaming and stream.encoder:  # CosyVoice2: its encoder runs the new tokens against its kept state
+            mu = self._encode(
+                stream.encoder, ids[:, first - lead :], lead, (keep - start) // ratio, should_stop
+            )
+        else:
+            suffix = "_stream" if streaming else ""
+            (mu,) = terminate.run(
+                self.bundle.session("flow_mu" + suffix), {"tokens": ids[:, first - lead :]}, should_stop
+            )
+            mu = mu[:, :, lead * ratio :]
         m = frames - start
         h = np.zeros((2, self.in_channels, m), np.float32)  # rows: conditioned, unconditioned
-        h[0, n : 2 * n] = mu[0, :, lead * ratio :]
+        h[0, n : 2 * n] = mu[0]
         h[0, 2 * n : 3 * n] = (dsp.normalize(embedding) @ self.spk_w.T + self.spk_b)[0][:, None]
         f = min(prompt_feat.shape[0], frames)  # a prompt's prefill stops before its last frames
         if f > start:
@@ -178,6 +266,7 @@ class LiteChunkFlow:
                 if stream.mel is None
                 else np.concatenate([stream.mel, mel[:, :, :commit]], axis=2)
             )
+            stream.lent_mel = False
         whole = mel if start == 0 else np.concatenate([stream.mel[:, :, :start], mel], axis=2)
         stream.frames = keep
         return whole.astype(np.float32)
@@ -188,88 +277,96 @@ class LiteChunkFlow:
         t: np.ndarray,
         mask: np.ndarray,
         offset: np.ndarray,
-        step: _StepState,
+        step: StepState,
         commit: int,
         should_stop: ShouldStop | None,
     ) -> np.ndarray:
         # one estimator run over the call's frames after the ones the step keeps: its kept rows bound as the input,
-        # the keys and values of the first `commit` frames written into the rows after them in the same buffer
-        # (ONNX Runtime's IO binding: nothing copied), the convs' tails at the new boundary; -> v (2, 80, m)
-        import onnxruntime as ort
-
-        start = step.kept
-        step.reserve(start + commit)
+        # the keys and values of the first `commit` frames written into the rows after them in the same buffer,
+        # the convs' tails at the new boundary; -> v (2, 80, m)
         v = np.empty((2, self.output_size, h.shape[2]), np.float32)
-        tails = [np.empty_like(tail) for tail in step.tails]
-        sess = self.bundle.session("flow_estimator")
-        io = sess.io_binding()
-        keep = []  # the OrtValues over the arrays live until the run ends
         inputs = {"h": h, "t": t, "mask": mask, "offset": offset, "commit": np.array(commit, np.int64)}
-        inputs["kv"] = step.kv[:start]
-        outputs = {"v": v}
-        if commit:
-            outputs["kv_new"] = step.kv[start : start + commit]
-        else:
-            io.bind_output("kv_new")  # no rows (ORT's own empty output)
-        for j, (old, new) in enumerate(zip(step.tails, tails, strict=True)):
-            inputs[f"tail{j}"], outputs[f"new_tail{j}"] = old, new
-        if self._reads is None:  # CosyVoice2's estimator reads no offset (no positions)
-            self._reads = {i.name for i in sess.get_inputs()}
-        inputs = {name: arr for name, arr in inputs.items() if name in self._reads}
-        for arrays, bind in ((inputs, io.bind_ortvalue_input), (outputs, io.bind_ortvalue_output)):
-            for name, arr in arrays.items():
-                val = ort.OrtValue.ortvalue_from_numpy(arr)
-                keep.append(val)
-                bind(name, val)
-        terminate.run_bound(sess, io, should_stop)
-        if commit:
-            step.kept, step.tails = start + commit, tails
+        outputs: dict[str, np.ndarray | None] = {"v": v}
+        self._bind_state(step, "", commit, inputs, outputs)
+        self._run_bound("flow_estimator", inputs, outputs, should_stop)
+        self._keep_state(step, "", commit, outputs)
         return v
 
+    def _encode(
+        self,
+        states: list[StepState],
+        tokens: np.ndarray,
+        lead: int,
+        commit: int,
+        should_stop: ShouldStop | None,
+    ) -> np.ndarray:
+        # CosyVoice2's flow_mu_stream: the call's own tokens (after `lead` of left context, before the lookahead)
+        # against the encoder's kept state (its token rate's, its mel rate's), the first `commit` tokens' keys and
+        # values (and their frames') written after the kept rows, the upsampling conv's tail at the new boundary;
+        # -> mu (1, 80, ratio * own tokens)
+        ratio = self.token_mel_ratio
+        own = tokens.shape[1] - lead - self.pre_lookahead_len
+        mu = np.empty((1, self.output_size, ratio * own), np.float32)
+        inputs = {"tokens": tokens.astype(np.int64), "lead": np.zeros(lead, np.int64)}
+        inputs["commit"] = np.array(commit, np.int64)
+        outputs: dict[str, np.ndarray | None] = {"mu": mu}
+        rates = (("_tok", commit), ("_mel", ratio * commit))
+        for state, (name, rows) in zip(states, rates, strict=True):
+            self._bind_state(state, name, rows, inputs, outputs)
+        self._run_bound("flow_mu_stream", inputs, outputs, should_stop)
+        for state, (name, rows) in zip(states, rates, strict=True):
+            self._keep_state(state, name, rows, outputs)
+        return mu
 
-@dataclass
-class _StepState:
-    """One Euler step's kept state (:class:`~cosyserve.models.flow_stream.StepCache`'s, in numpy): ``kv``
-    (capacity, layers, 2, B, H, D) whose first ``kept`` rows (the stream's frames) are the kept frames' attention
-    keys and values, frames first so that those rows are the graph's input as they are and the rows after them
-    its output; each causal conv's last input frames before the kept boundary ``tails`` (B, C, kernel - 1)."""
+    @staticmethod
+    def _bind_state(
+        state: StepState, name: str, commit: int, inputs: dict[str, Any], outputs: dict[str, Any]
+    ) -> None:
+        # a kept state's arrays for a graph: its kept rows as the input kv{name}, the rows after them (room made) for
+        # the first `commit` new ones as the output kv{name}_new (None: no rows, ORT's own), its tails and new ones
+        start = state.kept
+        state.reserve(start + commit)
+        inputs[f"kv{name}"] = state.kv[:start]
+        outputs[f"kv{name}_new"] = state.kv[start : start + commit] if commit else None
+        for j, tail in enumerate(state.tails):
+            inputs[f"tail{j}"], outputs[f"new_tail{j}"] = tail, np.empty_like(tail)
 
-    kv: np.ndarray
-    tails: list[np.ndarray]
-    kept: int = 0  # rows of kv that are kept frames
+    @staticmethod
+    def _keep_state(state: StepState, name: str, commit: int, outputs: dict[str, Any]) -> None:
+        # after the run: the new rows are kept, the tails at the new boundary (a call that keeps nothing moves none)
+        if commit:
+            state.kept += commit
+            state.tails = [outputs[f"new_tail{j}"] for j in range(len(state.tails))]
 
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows of keys and values, the kept ones where they were (grown by half again: they are
-        copied once in a while, not at every call)."""
-        if rows > self.kv.shape[0]:
-            grown = np.empty((max(rows, self.kv.shape[0] * 3 // 2), *self.kv.shape[1:]), self.kv.dtype)
-            grown[: self.kept] = self.kv[: self.kept]
-            self.kv = grown
+    def _run_bound(
+        self,
+        graph: str,
+        inputs: dict[str, np.ndarray],
+        outputs: dict[str, np.ndarray | None],
+        should_stop: ShouldStop | None,
+    ) -> None:
+        # one run of `graph` with its inputs and outputs bound to these arrays (ONNX Runtime's IO binding: nothing
+        # copied; an output given as None is ORT's own); an input the graph does not read is not fed (CosyVoice2's
+        # estimator reads no offset: no positions)
+        import onnxruntime as ort
 
-    def nbytes(self) -> int:
-        return int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.tails)
-
-
-@dataclass
-class LiteFlowStream:
-    """A stream's flow state in numpy (:class:`~cosyserve.models.flow_stream.FlowStream`'s): ``frames`` mel frames
-    are final (a multiple of ``granularity``), their mel in ``mel`` (1, 80, frames), and per Euler step a
-    :class:`_StepState`."""
-
-    granularity: int
-    n_timesteps: int
-    steps: list[_StepState]
-    frames: int = 0
-    mel: np.ndarray | None = None
-
-    def kept_until(self, frames: int) -> int:
-        """The frames final after a call that computes up to ``frames``: whole attention chunks only."""
-        return frames // self.granularity * self.granularity if self.granularity else 0
-
-    def nbytes(self) -> int:
-        """Bytes held (each step's buffer, the tails and the mel)."""
-        mel = 0 if self.mel is None else int(self.mel.nbytes)
-        return sum(s.nbytes() for s in self.steps) + mel
+        sess = self.bundle.session(graph)
+        reads = self._reads.get(graph)
+        if reads is None:
+            reads = self._reads[graph] = {i.name for i in sess.get_inputs()}
+        io = sess.io_binding()
+        keep = []  # the OrtValues over the arrays live until the run ends
+        for name, arr in inputs.items():
+            if name in reads:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
+                io.bind_ortvalue_input(name, keep[-1])
+        for name, out in outputs.items():
+            if out is None:
+                io.bind_output(name)
+            else:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(out))
+                io.bind_ortvalue_output(name, keep[-1])
+        terminate.run_bound(sess, io, should_stop)
 
 
 class LiteCausalVocoder:

@@ -25,15 +25,17 @@ from cosyserve.bundle.lite import (
     LITE_FORMAT,
     LITE_PARTS,
     LITE_VERSION,
+    LITE_VERSIONS,
     TABLES_FILE,
 )
+from cosyserve.bundle.safetensors_np import map_safetensors
 from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
 from cosyserve.runtime.lite import terminate
 
-__all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "map_safetensors", "session_options"]
+__all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "session_options"]
 
 OVERLAP_TOKENS = 20  # the length regulator interpolates a chunk's first and last 20 tokens apart
 CACHE_TAIL_FRAMES = 34  # flow cache frames kept after the prompt (the torch flow's)
@@ -107,7 +109,12 @@ class LiteBundle:
             ) from e
         if not isinstance(self.manifest, dict):
             raise BundleError(f"{where}: not a JSON object; convert the model again with --runtime lite")
-        if self.manifest.get("format") != LITE_FORMAT or self.manifest.get("version") != LITE_VERSION:
+        version, config = self.manifest.get("version"), self.manifest.get("config")
+        flow = config.get("flow") if isinstance(config, dict) else None
+        # version 3 changed CosyVoice2's flow graphs only (its encoder's stream state): a version 2 CosyVoice2 bundle,
+        # whose flow_mu_stream keeps none (mu_lead None), is converted again; the others are read as they are
+        stale = version == 2 and isinstance(flow, dict) and "mu_lead" in flow and flow["mu_lead"] is None
+        if self.manifest.get("format") != LITE_FORMAT or version not in LITE_VERSIONS or stale:
             raise BundleError(
                 f"{where}: format {self.manifest.get('format')!r} version {self.manifest.get('version')!r}, "
                 f"this cosyserve reads {LITE_FORMAT!r} version {LITE_VERSION}: convert again with --runtime lite"
@@ -222,36 +229,6 @@ class LiteBundle:
             unused = [INT8_STEP]
         skip = {name + ".data" for name in unused}
         return [f for f in sorted(self.dir.glob("*.data")) if f.name not in skip] + [self.dir / TABLES_FILE]
-
-
-_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
-
-
-def map_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors as read-only numpy arrays over one mapping of the file (no copy)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as e:
-        raise BundleError(
-            f"{path}: cannot read it as safetensors ({e}); convert again with --runtime lite"
-        ) from e
-    out: dict[str, np.ndarray] = {}
-    base = 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = np.dtype(_NP_DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or base + end > mm.size:
-            raise BundleError(
-                f"{path}: tensor {name!r} does not fit its header; convert again with --runtime lite"
-            )
-        out[name] = np.ndarray(shape, dtype=dtype, buffer=mm, offset=base + begin)
-    return out
 
 
 class LiteFlow:
