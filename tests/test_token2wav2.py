@@ -107,6 +107,34 @@ def test_every_request_starts_at_the_first_hop() -> None:
     assert schedule[:half] == schedule[half:] == [28, 78, 178, 200]
 
 
+def test_the_stream_state_is_made_when_its_first_call_is_due() -> None:
+    """A stream's flow state (its voice's fork, or the prompt's frames computed now) is made when its first call
+    is due, after the LM's first hop, not at its first token: a first request after READY decodes its first hop
+    while the flow's session opens (lite), and a request that speaks nothing makes none. If this failed, the first
+    request would wait for the flow before its LM's second token."""
+    t2w = Token2Wav2(FakeFlow(), FakeHift())
+    drawn: list[int] = []
+    made: list[int] = []
+
+    def tokens(n: int) -> Any:
+        for i in range(n):
+            drawn.append(i)
+            yield i
+
+    real = t2w.new_stream
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        made.append(len(drawn))
+        return real(*args, **kwargs)
+
+    t2w.new_stream = spy  # type: ignore[method-assign]
+    for n, expected in ((100, [28]), (10, [10]), (0, [])):  # first hop 25 + 3 lookahead; a short one; none
+        drawn.clear()
+        made.clear()
+        list(t2w(tokens(n), embedding=torch.zeros(1, 192), stream=True))
+        assert made == expected, (n, made)
+
+
 def test_one_shot_is_one_full_attention_call() -> None:
     calls, frames, chunks = run(60, stream=False)
     assert calls == [{"tokens": 60, "streaming": False, "finalize": True}]

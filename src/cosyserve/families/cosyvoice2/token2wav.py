@@ -381,14 +381,17 @@ class Token2Wav2:
         try:
             for tok in tokens:
                 buffer.append(tok)
-                if state is None:
-                    # made when the first token arrives: a request that speaks nothing computes no prompt states
-                    with no_grad():
-                        state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
                 while True:
-                    this_hop = state.hop + pad if state.offset == 0 else state.hop
-                    if len(buffer) - state.offset < this_hop + p.pre_lookahead_len:
+                    offset, hop = (0, p.first_hop) if state is None else (state.offset, state.hop)
+                    this_hop = hop + pad if offset == 0 else hop
+                    if len(buffer) - offset < this_hop + p.pre_lookahead_len:
                         break
+                    if state is None:
+                        # made when its first call is due: the LM's first hop runs before the prompt's flow
+                        # states (a first request after READY decodes while the flow's session opens), and a
+                        # request that speaks nothing computes none
+                        with no_grad():
+                            state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
                     with no_grad():
                         speech = self._call(
                             buffer[: state.offset + this_hop + p.pre_lookahead_len], state, streaming=True,
@@ -398,8 +401,10 @@ class Token2Wav2:
                     state.offset += this_hop
                     state.hop = p.aligned_hop(state.hop, state.offset - pad)
                     yield speech
-            if state is not None:
+            if buffer:
                 with no_grad():
+                    if state is None:  # an utterance shorter than the first hop: its one call
+                        state = self.new_stream(prompt_token, prompt_feat, embedding, should_stop)
                     speech = self._call(
                         buffer, state, streaming=False, finalize=True, speed=1.0, draws=next(draws, {}),
                         generator=generator, should_stop=should_stop,
