@@ -36,6 +36,18 @@ def test_a_request_alone_gets_every_core_and_concurrent_ones_split_them():
     assert share.running == 0  # an extra leave does not go negative (a later request would get too many)
 
 
+def test_a_decode_step_gets_the_share_of_the_requests_whose_rows_it_serves():
+    """8 requests running on 2 cores: a decode step serving all 8 rows (their consumers wait for it) gets both
+    cores, one serving 4 gets one, and the stepping thread goes back to its own request's share after. If this
+    failed, 8 one-shot requests' batched LM steps would run on one core while the other idled."""
+    share = CoreShare(2)
+    for _ in range(8):
+        share.enter()
+    assert share.apply(8) == 2 and torch.get_num_threads() == 2
+    assert share.apply(4) == 1 and share.apply(1) == 1 and torch.get_num_threads() == 1
+    assert share.apply(100) == 2  # never more than the cores
+
+
 def test_share_counts_a_request_from_its_first_chunk_to_its_close_and_sets_the_iterating_threads_count():
     share = CoreShare(2)
     seen: list[tuple[int, int]] = []

@@ -37,9 +37,10 @@ class CoreShare:
         """Threads one request may use now."""
         return max(1, self.cores // max(1, self.running))
 
-    def apply(self) -> int:
-        """Set the calling thread's torch threads to :meth:`threads` (only when it changes: cheap per step)."""
-        n = self.threads()
+    def apply(self, serves: int = 1) -> int:
+        """Set the calling thread's torch threads to the share of ``serves`` requests (:meth:`threads` for its
+        own; a decode step that serves every running request's row gets every core), only when it changes."""
+        n = max(1, min(self.cores, self.cores * serves // max(1, self.running)))
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n

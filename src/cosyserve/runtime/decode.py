@@ -64,8 +64,9 @@ class DecodeLoop:
         lag: steps an id may be read back late (None: 0 where the ids live in host memory, else
             :data:`READ_AHEAD`).
         ahead: tokens a row may be decoded ahead of its consumer.
-        before_step: called in the stepping thread before every step (the torch runtime sets the thread's share
-            of the cores there).
+        before_step: called in the stepping thread before every step with the rows it serves, and with 1 when a
+            consumer goes back to its own request after stepping (the torch runtime sets the thread's share of the
+            cores there: a step that serves every running request gets every core, their consumers wait for it).
         threaded: run ahead in a thread of its own; False: step on demand, in the threads of the consumers that
             wait for a token, one at a time (None: a thread where ids are read back late, i.e. on a device).
         name: for the thread's name and logs.
@@ -78,7 +79,7 @@ class DecodeLoop:
         *,
         lag: int | None = None,
         ahead: int = RUN_AHEAD,
-        before_step: Callable[[], Any] | None = None,
+        before_step: Callable[[int], Any] | None = None,
         threaded: bool | None = None,
         name: str = "lm",
     ) -> None:
@@ -113,6 +114,7 @@ class DecodeLoop:
         self._reads = ReadBack(ops, self.lag, r)
         self._cv = threading.Condition()
         self._stepping = threading.Lock()  # consumer-driven: held by the consumer thread running a step
+        self._busy = False  # consumer-driven: a consumer is stepping (the others wait on _cv for their items)
         self._waiting: deque[Row] = deque()
         self._active: list[Row] = []
         self._free = list(range(max_rows))  # a heap: the lowest rows are reused first
@@ -175,11 +177,26 @@ class DecodeLoop:
         return row.out.get()
 
     def _drive(self, row: Row) -> Any:
-        # step in this thread until the row has an item (only its consumer reads its queue); another consumer's
-        # step may serve it meanwhile
+        # step in this thread until the row has an item (only its consumer reads its queue). While another
+        # consumer steps, wait for this row's item or that step's end, not for the lock: a consumer blocked on
+        # the lock could not take the items that step gives it, its row stalled at the run-ahead bound, and one
+        # thread (the lock is not fair) stepped its own row alone (8 one-shot rows ran ~2.7 per step, not 8)
         while True:
-            with self._stepping:
-                ran = not row.out.empty() or self._step() or self._flush()  # False: nothing could run
+            with self._cv:
+                while self._busy and row.out.empty():
+                    self._cv.wait()
+                if not row.out.empty():
+                    return row.out.get_nowait()
+                self._busy = True
+            try:
+                with self._stepping:
+                    ran = self._step() or self._flush()  # False: nothing could run
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                if self.before_step is not None:
+                    self.before_step(1)  # back to this thread's own request
             if not row.out.empty():
                 return row.out.get_nowait()
             with self._cv:
@@ -276,6 +293,8 @@ class DecodeLoop:
     def _put(self, row: Row, item: Any) -> None:
         with self._cv:
             row.put(item)
+            if not self.threaded:
+                self._cv.notify_all()  # its consumer may wait on _cv while another consumer steps
 
     def _finish_locked(self, row: Row, item: Any = DONE) -> None:
         if row.slot >= 0:
@@ -314,7 +333,7 @@ class DecodeLoop:
                 joiners.append(row)
             texts = [(r, r.pieces.popleft()) for r in self._active if r.pieces]
         if self.before_step is not None:
-            self.before_step()
+            self.before_step(len(self._active))  # the rows it serves (their requests' consumers wait for it)
         for row in joiners:
             self._guard([row], self._admit, row)
         for row, ids in texts:

@@ -77,12 +77,12 @@ class TorchRuntime(RuntimeVoices):
         if options.batch_size > 1:
             self._install_batchers(options, name)
 
-    def _loop_threads(self, options: RuntimeOptions) -> Callable[[], Any]:
+    def _loop_threads(self, options: RuntimeOptions) -> Callable[[int], Any]:
         if not options.worker_threads:
             return self.cores.apply
         n = options.worker_threads
 
-        def fixed() -> None:
+        def fixed(serves: int = 1) -> None:
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
 
