@@ -284,3 +284,50 @@ def test_a_cosyvoice2_lite_bundle_of_version_2_is_converted_again(
     with pytest.raises(BundleError, match="convert again"):
         LiteBundle(as_version_2(cv2_lite_bundle, tmp_path / "cv2", True), verify="none")
     assert LiteBundle(as_version_2(cv3_lite_bundle, tmp_path / "cv3", False), verify="none").config["flow"]
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_a_lite_stream_forked_from_a_voice_reads_its_rows_where_they_are(
+    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path
+) -> None:
+    """A stream forked from a voice's kept flow state (LiteFlowStream.fork) gives the inline stream's mel, chunk by
+    chunk, while the graphs read the voice's read-only rows as their own input (kv*_voice, bound where they are:
+    ORT wraps a read-only array without a copy): every step's (and CosyVoice2's encoder's) buffer holds the
+    stream's own kept frames only, its nbytes counts none of the voice's, and the voice's arrays are unchanged.
+    A graph without that input (an older bundle's) gets the voice's rows copied ahead of the stream's own, as
+    before. If this fails, each stream copies its voice's frames again (~1.8 GB and ~1.3 s a request at full size),
+    or a fork writes into the voice's state."""
+    import onnxruntime as ort
+
+    flow, _, _ = _lite(cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle)
+    x = {k: v.numpy() for k, v in _inputs(4, 40, 80).items()}
+    prompt = (x["prompt_token"], x["prompt_feat"], x["embedding"])
+    voice = flow.prefill(flow.new_stream(STEPS), *prompt)
+    states = [*voice.steps, *voice.encoder]
+    before = [s.kv.copy() for s in states]
+    assert voice.frames == flow.granularity and all(s.kept == s.kv.shape[0] > 0 for s in states)
+    fork, inline = voice.fork(), flow.new_stream(STEPS)
+    assert fork.nbytes() == 0, "a fork holds nothing of its own before its first call"
+    for n in (40, 80):  # a call that keeps 100 frames after the voice's 50, then one that keeps 50 more
+        kw = {"streaming": True, "finalize": False, "n_timesteps": STEPS}
+        got = flow.inference(x["token"][:, :n], *prompt, stream=fork, **kw)
+        want = flow.inference(x["token"][:, :n], *prompt, stream=inline, **kw)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=1e-3, err_msg=f"{n} tokens: forked vs inline")
+    own = [*fork.steps, *fork.encoder]
+    for voiced, mine, old in zip(states, own, before, strict=True):
+        assert mine.voice is voiced.kv and not np.shares_memory(mine.kv, voiced.kv)
+        assert mine.kept == voiced.kept + mine.own and mine.kv.shape[0] == mine.own > 0, (
+            mine.kv.shape,
+            mine.own,
+        )
+        np.testing.assert_array_equal(voiced.kv, old, err_msg="a fork wrote into the voice's kept rows")
+    mel = fork.mel.nbytes
+    assert fork.nbytes() == sum(s.kv.nbytes + sum(t.nbytes for t in s.tails) for s in own) + mel
+    wrapped = ort.OrtValue.ortvalue_from_numpy(states[0].kv)
+    assert wrapped.data_ptr() == states[0].kv.ctypes.data, "ORT copied a read-only array it was given"
+    older = voice.fork().steps[
+        0
+    ]  # an older bundle's graph (no kv_voice): the voice's rows copied, room after them
+    older.reserve(3, share=False)
+    assert older.voice is None and older.kv.shape[0] == older.kept + 3
+    np.testing.assert_array_equal(older.kv[: older.kept], states[0].kv)
