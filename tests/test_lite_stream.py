@@ -284,3 +284,92 @@ def test_a_cosyvoice2_lite_bundle_of_version_2_is_converted_again(
     with pytest.raises(BundleError, match="convert again"):
         LiteBundle(as_version_2(cv2_lite_bundle, tmp_path / "cv2", True), verify="none")
     assert LiteBundle(as_version_2(cv3_lite_bundle, tmp_path / "cv3", False), verify="none").config["flow"]
+
+
+def _fork_and_speak(bundle: Path, shares: bool) -> tuple[Any, np.ndarray]:
+    """A voice's state kept on ``bundle``'s lite flow, a stream forked from it and two streamed calls, checked against
+    an inline stream (``shares``: the graphs take the voice's rows as an input, the checks below hold); returns
+    (the fork, its last mel)."""
+    import onnxruntime as ort
+
+    flow, _, _ = _lite(bundle)
+    assert ("kv_voice" in flow._inputs("flow_estimator")) == shares
+    x = {k: v.numpy() for k, v in _inputs(4, 40, 80).items()}
+    prompt = (x["prompt_token"], x["prompt_feat"], x["embedding"])
+    voice = flow.prefill(flow.new_stream(STEPS), *prompt)
+    states = [*voice.steps, *voice.encoder]
+    before = [s.kv.copy() for s in states]
+    assert voice.frames == flow.granularity and all(s.kept == s.kv.shape[0] > 0 for s in states)
+    fork, inline = voice.fork(), flow.new_stream(STEPS)
+    assert fork.nbytes() == 0, "a fork holds nothing of its own before its first call"
+    for n in (40, 80):  # a call that keeps 100 frames after the voice's 50, then one that keeps 50 more
+        kw = {"streaming": True, "finalize": False, "n_timesteps": STEPS}
+        got = flow.inference(x["token"][:, :n], *prompt, stream=fork, **kw)
+        want = flow.inference(x["token"][:, :n], *prompt, stream=inline, **kw)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=1e-3, err_msg=f"{n} tokens: forked vs inline")
+    own = [*fork.steps, *fork.encoder]
+    for voiced, old in zip(states, before, strict=True):
+        np.testing.assert_array_equal(voiced.kv, old, err_msg="a fork wrote into the voice's kept rows")
+    if not shares:
+        return fork, got
+    for voiced, mine in zip(states, own, strict=True):  # its buffers hold its own rows only, the voice's lent
+        assert mine.voice is voiced.kv and not np.shares_memory(mine.kv, voiced.kv)
+        assert mine.kept == voiced.kept + mine.own and mine.kv.shape[0] == mine.own > 0, mine.kv.shape
+    mel = fork.mel.nbytes
+    assert fork.nbytes() == sum(s.kv.nbytes + sum(t.nbytes for t in s.tails) for s in own) + mel
+    wrapped = ort.OrtValue.ortvalue_from_numpy(states[0].kv)
+    assert wrapped.data_ptr() == states[0].kv.ctypes.data, "ORT copied a read-only array it was given"
+    return fork, got
+
+
+def _without_voice_inputs(bundle: Path, out: Path) -> Path:
+    # the bundle as converted before the voice's rows were an input of their own: its files linked, the flow graphs'
+    # kv*_voice inputs made empty constants (0 rows; the estimator's batch 2, the encoder's 1), their sizes in the
+    # lite manifest rewritten (the test's tmp folder is on the fixture's filesystem: hard links)
+    import json
+
+    import onnx
+    from onnx import numpy_helper
+
+    (out / "lite").mkdir(parents=True)
+    graphs = ("flow_estimator.onnx", "flow_mu_stream.onnx", "manifest.json")
+    for p in [*bundle.iterdir(), *(bundle / "lite").iterdir()]:
+        if p.parent == bundle / "lite" and p.name not in graphs:
+            (out / p.relative_to(bundle)).hardlink_to(p)  # ORT opens no data file outside the graph's folder
+        elif p.name != "lite" and p.parent == bundle:
+            (out / p.relative_to(bundle)).symlink_to(p)
+    manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
+    for name in graphs[:2]:
+        model = onnx.load(str(bundle / "lite" / name), load_external_data=False)
+        for inp in [i for i in model.graph.input if i.name.endswith("_voice")]:
+            dims = [d.dim_value or 2 for d in inp.type.tensor_type.shape.dim]
+            model.graph.input.remove(inp)
+            model.graph.initializer.append(
+                numpy_helper.from_array(np.zeros([0, *dims[1:]], np.float32), inp.name)
+            )
+        onnx.save_model(model, str(out / "lite" / name))
+        manifest["files"][name]["bytes"] = (out / "lite" / name).stat().st_size
+    (out / "lite" / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_a_lite_stream_forked_from_a_voice_reads_its_rows_where_they_are(
+    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path, tmp_path: Path
+) -> None:
+    """A stream forked from a voice's kept flow state (LiteFlowStream.fork) gives the inline stream's mel, chunk by
+    chunk, while the graphs read the voice's read-only rows as their own input (kv*_voice, bound where they are:
+    ORT wraps a read-only array without a copy): every step's (and CosyVoice2's encoder's) buffer holds the
+    stream's own kept frames only, its nbytes counts none of the voice's, and the voice's arrays are unchanged.
+    A bundle whose graphs lack that input (converted before it) gives the same mel, the voice's rows copied into
+    the stream's buffer as before. If this fails, each stream copies its voice's frames again (~1.8 GB and ~1.3 s
+    a request at full size), a fork writes into the voice's state, or an older bundle's forks stop working."""
+    bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
+    _, got = _fork_and_speak(bundle, shares=True)
+    older, old = _fork_and_speak(_without_voice_inputs(bundle, tmp_path / "older"), shares=False)
+    np.testing.assert_allclose(
+        old, got, atol=1e-5, err_msg="an older bundle's fork (the voice's rows copied)"
+    )
+    assert all(s.voice is None for s in (*older.steps, *older.encoder)), (
+        "an older bundle's fork was not copied"
+    )

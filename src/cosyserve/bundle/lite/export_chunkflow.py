@@ -57,14 +57,18 @@ class MuGraph(nn.Module):
 class GraphStepCache:
     """One Euler step's stream state as graph inputs and outputs, with the interface and the rule of
     :class:`~cosyserve.models.flow_stream.StepCache` that the estimator calls: in, the kept frames' keys and values
-    ``kv`` (S, layers, 2, B, H, D: frames first, so that the runtime's buffer passes its first S rows as they
-    are), each causal conv's left frames ``tails`` (B, C, kernel - 1), the first frame's position ``start`` and
-    how many of the call's frames become final, ``commit``; out, those frames' keys and values (:meth:`kv_new`,
+    as two segments, a registered voice's ``voice`` (V, layers, 2, B, H, D: its read-only rows, which a request's
+    stream reads where they are; V = 0 for a stream of its own) then the stream's own ``kv`` (S, layers, 2, B, H,
+    D: frames first, so that the runtime's buffer passes its first S rows as they are), each causal conv's left
+    frames ``tails`` (B, C, kernel - 1), the first frame's position ``start`` and how many of the call's frames
+    become final, ``commit``; out, those frames' keys and values (:meth:`kv_new`,
     (commit, layers, 2, B, H, D), the rows the runtime's buffer takes next) and each conv's tail at the new
     boundary (``new_tails``)."""
 
-    def __init__(self, start: Tensor, commit: Tensor, kv: Tensor, tails: tuple[Tensor, ...]) -> None:
-        self.start, self.commit, self.kv, self.tails = start, commit, kv, tails
+    def __init__(
+        self, start: Tensor, commit: Tensor, kv: Tensor, tails: tuple[Tensor, ...], voice: Tensor
+    ) -> None:
+        self.start, self.commit, self.kv, self.tails, self.voice = start, commit, kv, tails, voice
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.new_tails: list[Tensor] = []
@@ -78,7 +82,8 @@ class GraphStepCache:
         i, rows = len(self.keys), torch.arange(self.commit)
         self.keys.append(k.movedim(dim, 0).index_select(0, rows))
         self.values.append(v.movedim(dim, 0).index_select(0, rows))
-        return [self.kv[:, i, 0].movedim(0, dim), k], [self.kv[:, i, 1].movedim(0, dim), v]
+        kept = [(kv[:, i, 0].movedim(0, dim), kv[:, i, 1].movedim(0, dim)) for kv in (self.voice, self.kv)]
+        return [*(kk for kk, _ in kept), k], [*(vv for _, vv in kept), v]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         from cosyserve.models.flow_stream import attend
@@ -102,7 +107,8 @@ class EncoderGraph(nn.Module):
     lead (a shape: the graph slices by it); ``commit`` (int64) own tokens whose frames become final; ``kv_tok`` (S,
     layers, 2, 1, H, D) the kept tokens' keys and values in the conformer layers, ``kv_mel`` (ratio * S, up layers,
     2, 1, H, D) the kept frames' in the up layers, ``tail`` (1, C, 2 * stride) the upsampling conv's input before the
-    kept boundary -> ``mu`` (1, 80, ratio * own tokens), ``kv_tok_new`` (commit, ...), ``kv_mel_new`` (ratio *
+    kept boundary, ``kv_tok_voice``, ``kv_mel_voice`` a registered voice's kept rows, read before the stream's own
+    (0 rows: none) -> ``mu`` (1, 80, ratio * own tokens), ``kv_tok_new`` (commit, ...), ``kv_mel_new`` (ratio *
     commit, ...), ``new_tail``. No kept rows, no lead and commit 0: the whole sequence's streamed ``mu``."""
 
     def __init__(self, flow: nn.Module) -> None:
@@ -110,12 +116,15 @@ class EncoderGraph(nn.Module):
         self.flow = flow
 
     def forward(
-        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor
-    ) -> tuple[Tensor, ...]:
+        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor,
+        kv_tok_voice: Tensor, kv_mel_voice: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
         ratio = self.flow.token_mel_ratio
         caches = [
-            GraphStepCache(kv_tok.shape[0], commit, kv_tok, ()),
-            GraphStepCache(kv_mel.shape[0], commit * ratio, kv_mel, (tail,)),
+            GraphStepCache(kv_tok_voice.shape[0] + kv_tok.shape[0], commit, kv_tok, (), kv_tok_voice),
+            GraphStepCache(
+                kv_mel_voice.shape[0] + kv_mel.shape[0], commit * ratio, kv_mel, (tail,), kv_mel_voice
+            ),
         ]
         mu = self._mu(tokens, lead.shape[0], caches)
         return (mu, caches[0].kv_new(), caches[1].kv_new(), caches[1].new_tails[0])
@@ -126,20 +135,17 @@ class EncoderGraph(nn.Module):
         return f._mu(x, f.pre_lookahead_len, True, SimpleNamespace(encoder=caches), lead)
 
     def reference(
-        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor
-    ) -> tuple[Tensor, ...]:
+        self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor,
+        kv_tok_voice: Tensor, kv_mel_voice: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
         """The same through the torch flow's own stream state: what the graph is checked against at conversion."""
-        from cosyserve.models.flow_stream import StepCache
-
         ratio, caches = self.flow.token_mel_ratio, []
-        for kv, rows, tails in ((kv_tok, int(commit), []), (kv_mel, int(commit) * ratio, [tail])):
-            layers = range(kv.shape[1])  # (S, layers, 2, B, H, D) -> per layer (B, S, H, D)
-            cache = StepCache(
-                list(tails),
-                [[kv[:, i, 0].movedim(0, 1)] for i in layers],
-                [[kv[:, i, 1].movedim(0, 1)] for i in layers],
-            )
-            cache.begin(int(kv.shape[0]), rows)
+        for kv, voice, rows, tails in (
+            (kv_tok, kv_tok_voice, int(commit), []),
+            (kv_mel, kv_mel_voice, int(commit) * ratio, [tail]),
+        ):
+            cache = _step_cache(tails, (voice, kv), 1)
+            cache.begin(int(voice.shape[0] + kv.shape[0]), rows)
             caches.append(cache)
         out = [self._mu(tokens, lead.shape[0], caches)]
         for cache, kv in zip(caches, (kv_tok, kv_mel), strict=True):
@@ -157,34 +163,30 @@ class EncoderGraph(nn.Module):
 class EstimatorGraph(nn.Module):
     """The one estimator graph, for every call: the packed CFG batch h (B, C_in, n), times t (B,), the attention
     mask of the call's own frames (n, n) bool (chunk attention or all True), the position ``offset`` (int64) of
-    its first frame, ``commit`` (int64) and a stream's kept state (:class:`GraphStepCache`: ``kv`` with S = 0
-    rows, zero ``tail{i}`` and commit 0 for a call that keeps nothing) -> the velocity (B, 80, n), ``kv_new`` and
-    ``new_tail{i}``."""
+    its first frame, ``commit`` (int64) and a stream's kept state (:class:`GraphStepCache`: a voice's rows
+    ``kv_voice`` then its own ``kv``, each with 0 rows, zero ``tail{i}`` and commit 0 for a call that keeps
+    nothing) -> the velocity (B, 80, n), ``kv_new`` and ``new_tail{i}``."""
 
     def __init__(self, flow: nn.Module) -> None:
         super().__init__()
         self.estimator = flow.decoder.estimator
 
     def forward(
-        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv: Tensor, *tails: Tensor
-    ) -> tuple[Tensor, ...]:
-        cache = GraphStepCache(offset.to(torch.float32), commit, kv, tails)
+        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv_voice: Tensor, kv: Tensor,
+        *tails: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        cache = GraphStepCache(offset.to(torch.float32), commit, kv, tails, kv_voice)
         v = self.estimator.forward_masked(h, t, mask, None, cache)
         return (v, cache.kv_new(), *cache.new_tails)
 
     def reference(
-        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv: Tensor, *tails: Tensor
-    ) -> tuple[Tensor, ...]:
-        """The same through the torch flow's own stream state (:class:`~cosyserve.models.flow_stream.StepCache`):
-        what the graph is checked against at conversion."""
-        from cosyserve.models.flow_stream import StepCache
-
-        layers = range(kv.shape[1])
-        cache = StepCache(
-            list(tails),
-            [[kv[:, i, 0].movedim(0, 2)] for i in layers],
-            [[kv[:, i, 1].movedim(0, 2)] for i in layers],
-        )
+        self, h: Tensor, t: Tensor, mask: Tensor, offset: Tensor, commit: Tensor, kv_voice: Tensor, kv: Tensor,
+        *tails: Tensor,
+    ) -> tuple[Tensor, ...]:  # fmt: skip
+        """The same through the torch flow's own stream state (:class:`~cosyserve.models.flow_stream.StepCache`,
+        the voice's rows and the stream's own as its two segments, as a forked torch stream's): what the graph is
+        checked against at conversion."""
+        cache = _step_cache(tails, (kv_voice, kv), 2)
         cache.begin(int(offset), int(commit))
         v = self.estimator.forward_masked(h, t, mask, None, cache)
         new = kv[:0]
@@ -194,6 +196,19 @@ class EstimatorGraph(nn.Module):
                 [torch.stack([ks[-1].movedim(2, 0), vs[-1].movedim(2, 0)], dim=1) for ks, vs in pairs], dim=1
             )
         return (v, new, *cache.tails)
+
+
+def _step_cache(tails: Any, kept: tuple[Tensor, ...], dim: int) -> Any:
+    # the torch StepCache over kept rows given as segments, each (S, layers, 2, B, H, D) -> per layer, keys and
+    # values along `dim` (the estimator's (B, H, S, D): 2; the encoder's (B, S, H, D): 1)
+    from cosyserve.models.flow_stream import StepCache
+
+    layers = range(kept[0].shape[1])
+    return StepCache(
+        list(tails),
+        [[kv[:, i, 0].movedim(0, dim) for kv in kept] for i in layers],
+        [[kv[:, i, 1].movedim(0, dim) for kv in kept] for i in layers],
+    )
 
 
 def _state_shapes(
@@ -279,24 +294,29 @@ def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> di
     }
     chunk = max(int(enc.cfg.static_chunk_size), 1)  # tokens
 
-    def case(kept: int, lead: int, own: int, commit: int) -> tuple[Tensor, ...]:
-        # `own` tokens after `kept` kept ones (and `lead` of their left context), `commit` of them final
+    def case(voice: int, kept: int, lead: int, own: int, commit: int) -> tuple[Tensor, ...]:
+        # `own` tokens after `voice` kept ones of a voice's and `kept` of the stream's (and `lead` of their left
+        # context), `commit` of them final
+        def rows(n: int, rate: str) -> Tensor:
+            return ex.randn(n, shapes[rate][0], 2, 1, heads, head_dim)
+
         return (
             ex.ints(vocab, lead + own + look), torch.zeros(lead, dtype=torch.int64), torch.tensor(commit),
-            ex.randn(kept, shapes["tokens"][0], 2, 1, heads, head_dim),
-            ex.randn(ratio * kept, shapes["frames"][0], 2, 1, heads, head_dim), ex.randn(1, *shapes["tail"]),
+            rows(kept, "tokens"), rows(ratio * kept, "frames"), ex.randn(1, *shapes["tail"]),
+            rows(voice, "tokens"), rows(ratio * voice, "frames"),
         )  # fmt: skip
 
-    names = ["tokens", "lead", "commit", "kv_tok", "kv_mel", "tail0"]
+    names = ["tokens", "lead", "commit", "kv_tok", "kv_mel", "tail0", "kv_tok_voice", "kv_mel_voice"]
     outs = ["mu", "kv_tok_new", "kv_mel_new", "new_tail0"]
     dynamic = {
-        "tokens": {1: "n"}, "lead": {0: "l"}, "kv_tok": {0: "s"}, "kv_mel": {0: "f"},
-        "mu": {2: "m"}, "kv_tok_new": {0: "c"}, "kv_mel_new": {0: "cf"},
+        "tokens": {1: "n"}, "lead": {0: "l"}, "kv_tok": {0: "s"}, "kv_mel": {0: "f"}, "kv_tok_voice": {0: "vs"},
+        "kv_mel_voice": {0: "vf"}, "mu": {2: "m"}, "kv_tok_new": {0: "c"}, "kv_mel_new": {0: "cf"},
     }  # fmt: skip
-    graph = EncoderGraph(flow)
+    graph, lead = EncoderGraph(flow), flow.LEAD
     ex.graph(
-        "flow_mu_stream", graph, case(chunk, flow.LEAD, chunk + 5, chunk), names, outs, dynamic,
-        [case(0, 0, short, 0), case(0, 0, 2 * chunk + 4, 2 * chunk), case(2 * chunk, flow.LEAD, chunk + 7, chunk)],
+        "flow_mu_stream", graph, case(chunk, chunk, lead, chunk + 5, chunk), names, outs, dynamic,
+        [case(0, 0, 0, short, 0), case(0, 0, 0, 2 * chunk + 4, 2 * chunk),
+         case(0, 2 * chunk, lead, chunk + 7, chunk), case(2 * chunk, 0, lead, chunk + 7, chunk)],
         reference=graph.reference,
     )  # fmt: skip
     return shapes
@@ -329,33 +349,35 @@ def export_flow(ex: Exporter, flow: nn.Module) -> None:
     cin, attention = estimator.in_channels, int(estimator.static_chunk_size)
     tails, (layers, heads, head_dim) = _state_shapes(estimator, cin, max(attention, 1))
 
-    def est_case(m: int, kept: int, commit: int, streaming: bool) -> tuple[Tensor, ...]:
-        # m new frames after `kept` kept ones, the first `commit` of them final; chunk attention or whole (all True)
+    def est_case(m: int, voice: int, kept: int, commit: int, streaming: bool) -> tuple[Tensor, ...]:
+        # m new frames after `voice` kept ones of a voice's and `kept` of the stream's, the first `commit` of them
+        # final; chunk attention or whole (all True)
         from cosyserve.models.attention import subsequent_chunk_mask
 
         mask = torch.ones(m, m, dtype=torch.bool)
         if streaming and attention > 0:
             mask = subsequent_chunk_mask(m, attention)
-        kv = ex.randn(kept, layers, 2, 2, heads, head_dim)
         return (
-            ex.randn(2, cin, m), torch.rand(2, generator=ex.gen), mask, torch.tensor(kept), torch.tensor(commit),
-            kv, *(ex.randn(2, c, k) for c, k in tails),
+            ex.randn(2, cin, m), torch.rand(2, generator=ex.gen), mask, torch.tensor(voice + kept),
+            torch.tensor(commit), ex.randn(voice, layers, 2, 2, heads, head_dim),
+            ex.randn(kept, layers, 2, 2, heads, head_dim), *(ex.randn(2, c, k) for c, k in tails),
         )  # fmt: skip
 
     ex.step("lite: flow_estimator")
     n_tails = range(len(tails))
-    names = ["h", "t", "mask", "offset", "commit", "kv", *(f"tail{i}" for i in n_tails)]
+    names = ["h", "t", "mask", "offset", "commit", "kv_voice", "kv", *(f"tail{i}" for i in n_tails)]
     outs = ["v", "kv_new", *(f"new_tail{i}" for i in n_tails)]
     dynamic = {
-        "h": {0: "b", 2: "n"}, "t": {0: "b"}, "mask": {0: "n", 1: "n"}, "kv": {0: "s", 3: "b"},
-        "v": {0: "b", 2: "n"}, "kv_new": {0: "c", 3: "b"},
+        "h": {0: "b", 2: "n"}, "t": {0: "b"}, "mask": {0: "n", 1: "n"}, "kv_voice": {0: "v", 3: "b"},
+        "kv": {0: "s", 3: "b"}, "v": {0: "b", 2: "n"}, "kv_new": {0: "c", 3: "b"},
         **{f"tail{i}": {0: "b"} for i in n_tails}, **{f"new_tail{i}": {0: "b"} for i in n_tails},
     }  # fmt: skip
     graph = EstimatorGraph(flow)
     a = max(attention, 1)
     ex.graph(
-        "flow_estimator", graph, est_case(2 * a + 5, a, a, True), names, outs, dynamic,
-        [est_case(9, 0, 0, False), est_case(2 * chunk + 6, 0, 2 * chunk, True), est_case(a + 7, 2 * a, a, True)],
+        "flow_estimator", graph, est_case(2 * a + 5, a, a, a, True), names, outs, dynamic,
+        [est_case(9, 0, 0, 0, False), est_case(2 * chunk + 6, 0, 0, 2 * chunk, True),
+         est_case(a + 7, 0, 2 * a, a, True), est_case(a + 7, 2 * a, 0, a, True)],
         optimize=True, reference=graph.reference,
     )  # fmt: skip
     ex.step("lite: flow graphs' weights, stored once")

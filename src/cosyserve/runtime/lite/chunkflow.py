@@ -10,8 +10,9 @@ graph takes the kept rows as an input (the first rows of a buffer, bound without
 ones after them; CosyVoice2's encoder keeps its state the same way (its ``flow_mu_stream`` graph). A registered
 voice's prompt frames go through the same steps once (:meth:`LiteChunkFlow.prefill`, kept by
 :class:`~cosyserve.voices.voicestates.VoiceStates` as the torch flow's are); a request's stream forks them
-(:meth:`LiteFlowStream.fork`: it reads the voice's rows until its first call that keeps frames copies them into a
-buffer of its own, the graph reading every kept row as one array). :class:`LiteCausalVocoder` is
+(:meth:`LiteFlowStream.fork`: the graphs take the voice's read-only rows as an input of their own, ``kv*_voice``,
+read before the stream's own kept rows, so a fork never copies them; an older bundle's graphs without that input
+get them copied into the stream's buffer at its first call, as before). :class:`LiteCausalVocoder` is
 :class:`cosyserve.models.causal_hift.CausalHiFTGenerator`: the f0 graph, the causal sine source in numpy (the
 reference's SineGen2, the model's fixed noise buffers given), the STFT, the spectrum graph and the iSTFT; a
 :class:`LiteVocoderStream` keeps the mel of its receptive field, the source's phase and its place in the noise, so
@@ -287,7 +288,7 @@ class LiteChunkFlow:
         v = np.empty((2, self.output_size, h.shape[2]), np.float32)
         inputs = {"h": h, "t": t, "mask": mask, "offset": offset, "commit": np.array(commit, np.int64)}
         outputs: dict[str, np.ndarray | None] = {"v": v}
-        self._bind_state(step, "", commit, inputs, outputs)
+        self._bind_state("flow_estimator", step, "", commit, inputs, outputs)
         self._run_bound("flow_estimator", inputs, outputs, should_stop)
         self._keep_state(step, "", commit, outputs)
         return v
@@ -312,31 +313,38 @@ class LiteChunkFlow:
         outputs: dict[str, np.ndarray | None] = {"mu": mu}
         rates = (("_tok", commit), ("_mel", ratio * commit))
         for state, (name, rows) in zip(states, rates, strict=True):
-            self._bind_state(state, name, rows, inputs, outputs)
+            self._bind_state("flow_mu_stream", state, name, rows, inputs, outputs)
         self._run_bound("flow_mu_stream", inputs, outputs, should_stop)
         for state, (name, rows) in zip(states, rates, strict=True):
             self._keep_state(state, name, rows, outputs)
         return mu
 
-    @staticmethod
     def _bind_state(
-        state: StepState, name: str, commit: int, inputs: dict[str, Any], outputs: dict[str, Any]
-    ) -> None:
-        # a kept state's arrays for a graph: its kept rows as the input kv{name}, the rows after them (room made) for
-        # the first `commit` new ones as the output kv{name}_new (None: no rows, ORT's own), its tails and new ones
-        start = state.kept
-        state.reserve(start + commit)
-        inputs[f"kv{name}"] = state.kv[:start]
-        outputs[f"kv{name}_new"] = state.kv[start : start + commit] if commit else None
+        self, graph: str, state: StepState, name: str, commit: int, inputs: dict[str, Any], outputs: dict[str, Any]
+    ) -> None:  # fmt: skip
+        # a kept state's arrays for `graph`: a voice's rows as the input kv{name}_voice (0 rows: none), the stream's
+        # own kept rows as kv{name}, the rows after them (room made) for the first `commit` new ones as the output
+        # kv{name}_new (None: no rows, ORT's own), its tails and new ones. A graph without kv{name}_voice (converted
+        # before it) takes every kept row as kv{name}: the voice's are copied into the stream's buffer first
+        state.reserve(commit, share=f"kv{name}_voice" in self._inputs(graph))
+        own = state.own
+        inputs[f"kv{name}_voice"] = state.kv[:0] if state.voice is None else state.voice
+        inputs[f"kv{name}"] = state.kv[:own]
+        outputs[f"kv{name}_new"] = state.kv[own : own + commit] if commit else None
         for j, tail in enumerate(state.tails):
             inputs[f"tail{j}"], outputs[f"new_tail{j}"] = tail, np.empty_like(tail)
 
     @staticmethod
     def _keep_state(state: StepState, name: str, commit: int, outputs: dict[str, Any]) -> None:
-        # after the run: the new rows are kept, the tails at the new boundary (a call that keeps nothing moves none)
-        if commit:
-            state.kept += commit
-            state.tails = [outputs[f"new_tail{j}"] for j in range(len(state.tails))]
+        # after the run: the new rows are kept, the tails at the new boundary
+        state.keep(commit, [outputs[f"new_tail{j}"] for j in range(len(state.tails))])
+
+    def _inputs(self, graph: str) -> set[str]:
+        # the names of `graph`'s inputs
+        reads = self._reads.get(graph)
+        if reads is None:
+            reads = self._reads[graph] = {i.name for i in self.bundle.session(graph).get_inputs()}
+        return reads
 
     def _run_bound(
         self,
@@ -350,10 +358,7 @@ class LiteChunkFlow:
         # estimator reads no offset: no positions)
         import onnxruntime as ort
 
-        sess = self.bundle.session(graph)
-        reads = self._reads.get(graph)
-        if reads is None:
-            reads = self._reads[graph] = {i.name for i in sess.get_inputs()}
+        sess, reads = self.bundle.session(graph), self._inputs(graph)
         io = sess.io_binding()
         keep = []  # the OrtValues over the arrays live until the run ends
         for name, arr in inputs.items():

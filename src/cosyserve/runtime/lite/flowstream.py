@@ -1,8 +1,9 @@
 """A lite stream's flow state in numpy (:class:`~cosyserve.models.flow_stream.FlowStream`'s, in the layout the lite
 graphs take): per Euler step (and, for CosyVoice2, per encoder rate) a :class:`StepState` whose kept rows are a graph's
 input as they are and whose next rows its output; :class:`LiteFlowStream` the whole, forked from a registered voice's
-(read-only, copied by a fork's first call that keeps frames) and written to and read from a stored voice state as
-named arrays. :class:`~cosyserve.runtime.lite.chunkflow.LiteChunkFlow` runs the graphs over it. No torch here."""
+(read-only, never copied: the graphs take a voice's rows as an input of their own, read before the stream's) and
+written to and read from a stored voice state as named arrays. :class:`~cosyserve.runtime.lite.chunkflow.LiteChunkFlow`
+runs the graphs over it. No torch here."""
 
 from __future__ import annotations
 
@@ -15,30 +16,66 @@ __all__ = ["LiteFlowStream", "StepState", "empty_state"]
 
 @dataclass
 class StepState:
-    """One Euler step's kept state (:class:`~cosyserve.models.flow_stream.StepCache`'s, in numpy): ``kv``
-    (capacity, layers, 2, B, H, D) whose first ``kept`` rows (the stream's frames) are the kept frames' attention
-    keys and values, frames first so that those rows are the graph's input as they are and the rows after them
-    its output; each causal conv's last input frames before the kept boundary ``tails`` (B, C, kernel - 1)."""
+    """One Euler step's kept state (:class:`~cosyserve.models.flow_stream.StepCache`'s, in numpy): the ``kept``
+    frames' attention keys and values, each row (layers, 2, B, H, D): first the ``voice`` rows (a registered
+    voice's, read-only: a fork reads them where they are, never copied; None for a stream of its own), then this
+    stream's own, the first rows of its buffer ``kv`` (capacity, layers, 2, B, H, D: frames first, so that those
+    rows are the graph's input as they are and the rows after them its output); each causal conv's last input
+    frames before the kept boundary ``tails`` (B, C, kernel - 1)."""
 
     kv: np.ndarray
     tails: list[np.ndarray]
-    kept: int = 0  # rows of kv that are kept frames
-    lent: bool = False  # kv and tails are another stream's (a fork's, until its first call that keeps frames)
+    kept: int = 0  # kept frames: the voice's rows, then this stream's own
+    voice: np.ndarray | None = None  # the voice's kept rows, read before kv's (a fork's)
+    lent: bool = False  # the tails are the voice's (a fork's, until its first call that keeps frames)
 
-    def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows of keys and values, the kept ones where they were (grown by half again: they are
-        copied once in a while, not at every call); lent rows are copied into a buffer of this step's own."""
-        if rows > self.kv.shape[0] or (self.lent and rows > self.kept):
-            grown = np.empty((max(rows, self.kv.shape[0] * 3 // 2), *self.kv.shape[1:]), self.kv.dtype)
-            grown[: self.kept] = self.kv[: self.kept]
-            self.kv, self.lent = grown, False
+    @property
+    def own(self) -> int:
+        """Rows of ``kv`` that are kept frames (after the voice's)."""
+        return self.kept - (0 if self.voice is None else self.voice.shape[0])
+
+    def rows(self) -> np.ndarray:
+        """Every kept row as one array (a view where they are one already)."""
+        own = self.kv if self.kv.shape[0] == self.own else self.kv[: self.own]
+        return (
+            own
+            if self.voice is None
+            else self.voice
+            if not own.shape[0]
+            else np.concatenate([self.voice, own])
+        )
+
+    def reserve(self, rows: int, share: bool = True) -> None:
+        """Room in ``kv`` for ``rows`` rows after the kept ones, which stay where they were (grown by half again:
+        they are copied once in a while, not at every call). ``share`` False (a graph that takes every kept row as
+        one array: an estimator converted before a voice's rows were an input of their own): the voice's rows are
+        copied into this step's own buffer first."""
+        lent = 0 if share or self.voice is None else self.voice.shape[0]
+        own, need = self.own, (self.kept if lent else self.own) + rows
+        if lent or need > self.kv.shape[0]:
+            grown = np.empty((max(need, self.kv.shape[0] * 3 // 2), *self.kv.shape[1:]), self.kv.dtype)
+            if lent:
+                grown[:lent] = self.voice
+            grown[lent : lent + own] = self.kv[:own]
+            self.kv = grown
+            if lent:
+                self.voice = None
+
+    def keep(self, commit: int, tails: list[np.ndarray]) -> None:
+        """A call's first ``commit`` frames are kept (their rows written after the kept ones), with the convs'
+        ``tails`` at the new boundary (a call that keeps nothing moves none)."""
+        if commit:
+            self.kept += commit
+            self.tails, self.lent = tails, False
 
     def fork(self) -> StepState:
-        return StepState(self.kv[: self.kept], list(self.tails), self.kept, lent=True)
+        # the fork reads this step's kept rows as its voice's, and keeps its own in a buffer of its own (none yet)
+        rows = self.rows()
+        return StepState(rows[:0].copy(), list(self.tails), self.kept, voice=rows, lent=True)
 
     def nbytes(self) -> int:
-        # a lent step holds nothing of its own (its arrays are counted where they were made)
-        return 0 if self.lent else int(self.kv.nbytes) + sum(int(t.nbytes) for t in self.tails)
+        # what this step holds of its own: its buffer and, once its own, its tails (a voice's are counted there)
+        return int(self.kv.nbytes) + (0 if self.lent else sum(int(t.nbytes) for t in self.tails))
 
 
 @dataclass
@@ -61,8 +98,9 @@ class LiteFlowStream:
 
     def fork(self) -> LiteFlowStream:
         """A stream that continues from this one without changing it (a registered voice's, for a request): its
-        states read this one's kept rows until their first call that keeps frames copies them into a buffer of
-        their own (a graph takes every kept row as one array), so the voice's arrays are never written."""
+        states read this one's kept rows where they are (the graphs' ``kv*_voice`` inputs) and keep their own
+        after them in buffers of their own, so the voice's arrays are never written nor copied (but for an older
+        bundle's graphs, :meth:`StepState.reserve`)."""
         return LiteFlowStream(
             self.granularity, self.n_timesteps, [s.fork() for s in self.steps], [s.fork() for s in self.encoder],
             frames=self.frames, mel=self.mel, lent_mel=self.mel is not None,
@@ -72,7 +110,7 @@ class LiteFlowStream:
         """Make the kept arrays read-only, each state's buffer cut to its kept rows (a voice's state, which its
         requests fork: a write into it would change every later request's audio)."""
         for state in (*self.steps, *self.encoder):
-            state.kv = state.kv[: state.kept]
+            state.kv, state.voice = state.rows(), None
             for a in (state.kv, *state.tails):
                 a.flags.writeable = False
         if self.mel is not None:
@@ -84,14 +122,14 @@ class LiteFlowStream:
         arrays = {} if self.mel is None else {"mel": self.mel}
         for prefix, states in (("s", self.steps), ("e", self.encoder)):
             for i, state in enumerate(states):
-                arrays[f"{prefix}{i}.kv"] = state.kv[: state.kept]
+                arrays[f"{prefix}{i}.kv"] = state.rows()
                 arrays.update({f"{prefix}{i}.t{j}": tail for j, tail in enumerate(state.tails)})
         meta = {"frames": str(self.frames), "granularity": str(self.granularity), "arrays": "numpy"}
         return arrays, {**meta, "n_timesteps": str(self.n_timesteps), "encoder": str(len(self.encoder))}
 
     def nbytes(self) -> int:
         """Bytes this stream holds of its own (each state's buffer, the tails and the mel): a fork's arrays lent by
-        its voice are counted there, until its first call that keeps frames copies them (then counted here)."""
+        its voice (its kept rows, and its tails and mel until a call keeps frames) are counted there."""
         mel = 0 if self.mel is None or self.lent_mel else int(self.mel.nbytes)
         return sum(s.nbytes() for s in (*self.steps, *self.encoder)) + mel
 
