@@ -306,7 +306,7 @@ def test_no_step_reads_a_tensor_on_the_host(monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_loop_reads_ids_in_one_place() -> None:
     """Code inspection of the one loop and its parts: host conversions (``item``, ``tolist``, ``numpy``, ``cpu``)
     appear only where the ring of read-back ids is made (its one numpy view) and read, and where a consumer turns
-    its text into ids (``_flat``, in the consumer's thread). If this failed, someone added a per-step host read."""
+    its text into ids (``flat_ids``, in the consumer's thread). If this failed, someone added a per-step host read."""
     found = set()
     for module in (decode, readback, rows, lm):
         for fn in ast.walk(ast.parse(inspect.getsource(module))):
@@ -314,7 +314,7 @@ def test_the_loop_reads_ids_in_one_place() -> None:
                 for node in ast.walk(fn):
                     if isinstance(node, ast.Attribute) and node.attr in ("item", "tolist", "numpy", "cpu"):
                         found.add(f"{module.__name__.rsplit('.', 1)[1]}.{fn.name}")
-    assert found == {"readback.__init__", "readback._pop", "decode._flat"}, found
+    assert found == {"readback.__init__", "readback._pop", "rows.flat_ids"}, found
 
 
 @pytest.mark.skipif(

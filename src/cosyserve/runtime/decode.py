@@ -1,31 +1,22 @@
 """The one decode loop: speech tokens of every LM, every runtime, one row or many, text given or still arriving.
 
-An LM gives the loop what :class:`DecodeLM` declares (its stop rules and sampling options, prompts and
-embeddings, an extend of one row and a one-token step over a batch of rows, each at its own position, and its
-caches); the torch LMs (:class:`~cosyserve.models.llm.SpeechLM` and its subclasses) and the lite runtime's
-:class:`~cosyserve.runtime.lite.lm.StepLM` implement it (:mod:`cosyserve.runtime.lm`). :class:`DecodeLoop` drives it for
-one-shot rows (:class:`~cosyserve.runtime.lm.OneShot`), rows whose text still arrives
-(:class:`~cosyserve.runtime.lm.Streamed`, the reference's bistream) and teacher-forced rows of either kind (the
-given tokens instead of samples, every step's log-probabilities kept: conformance, the quality gate).
+An LM gives the loop what :class:`DecodeLM` declares (stop rules, sampling options, prompts and embeddings, an
+extend of one row, a one-token step over a batch of rows each at its own position, its caches); the torch LMs
+(:class:`~cosyserve.models.llm.SpeechLM`) and the lite :class:`~cosyserve.runtime.lite.lm.StepLM` implement it.
+:class:`DecodeLoop` drives it for one-shot rows, rows whose text still arrives (the reference's bistream) and
+teacher-forced rows (conformance, the quality gate). Rows join (their prompt extends a free cache row) and leave (a
+stop id, their step limit, their consumer gone) between steps; every step samples every ready row
+(:class:`~cosyserve.core.sampling.Sampler`: a row's draws depend on its key and token index only, not on its
+neighbours) and runs one batched decode of the rows that go on.
 
-Rows join (their prompt extends a free cache row) and leave (a stop id, their step limit, their consumer gone)
-between steps; every step samples every row that is ready (:class:`~cosyserve.core.sampling.Sampler`: its draws are a
-function of the row's key and token index, so a row's tokens do not depend on its neighbours or on when its ids
-are read) and runs one batched decode of the rows that go on.
-
-No host synchronisation per step: the sampled ids stay on the device (a row that goes on is fed its own id, a stop
-id as 0) and are copied to the host into a ring of buffers, read ``lag`` steps later (a GPU: at once on the CPU and
-for numpy). A stop is seen when read and the steps queued after it are dropped; a streamed-text row that sampled a
-fill is rolled back when the fill is read (its position, token index and history put back): it went on speculating
-that the step was speech.
+No host synchronisation per step: the sampled ids stay on the device and are copied to the host into a ring of
+buffers, read ``lag`` steps later (at once on the CPU); a stop is seen when read (the steps queued after it
+dropped), a streamed-text row's fill rolls it back when read (position, token index and history put back).
 
 Where it steps: on a GPU, in a thread of its own, ahead of its consumers; on the CPU, on demand, in the threads of
-the consumers that wait for a token (one step at a time, each serving every ready row), so a lone request runs its
-LM steps and token2wav in one thread as an unbatched one does (torch keeps an OpenMP team per calling thread: a loop
-thread's team beside a request's made libgomp sleep its workers after every region, 1.6x a lone first audio). A
-consumer gets its row's tokens from its own queue; a streamed-text row asks its consumer for text, which reads its
-text iterator and hands the ids over (the loop never waits for a request's text). Closing the consumer's generator
-frees its row at the next step.
+the consumers that wait for a token (one step at a time, each serving every ready row, with the cores' share of
+the requests it serves), so a lone request runs its LM steps and token2wav in one thread as an unbatched one does
+(torch keeps an OpenMP team per calling thread: a loop thread's beside a request's made its first audio 1.6x).
 """
 
 from __future__ import annotations
@@ -43,10 +34,9 @@ from cosyserve.core.sampling import Sampler
 from cosyserve.core.stop import ShouldStop, Stopped, check
 from cosyserve.runtime.lm import DecodeLM, OneShot, Part, Streamed, StreamedText
 from cosyserve.runtime.readback import ReadBack
-from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row
+from cosyserve.runtime.rows import DONE, NEED_TEXT, DecodeStats, Row, flat_ids
 
 logger = logging.getLogger(__name__)
-
 __all__ = ["READ_AHEAD", "DecodeLoop", "DecodeStats"]
 
 READ_AHEAD = 4  # steps a device may run past the ids read back (bounds the work queued past a stop)
@@ -114,7 +104,7 @@ class DecodeLoop:
         self._reads = ReadBack(ops, self.lag, r)
         self._cv = threading.Condition()
         self._stepping = threading.Lock()  # consumer-driven: held by the consumer thread running a step
-        self._busy = False  # consumer-driven: a consumer is stepping (the others wait on _cv for their items)
+        self._busy = False  # consumer-driven: a consumer steps (the others wait on _cv for their items)
         self._waiting: deque[Row] = deque()
         self._active: list[Row] = []
         self._free = list(range(max_rows))  # a heap: the lowest rows are reused first
@@ -177,10 +167,8 @@ class DecodeLoop:
         return row.out.get()
 
     def _drive(self, row: Row) -> Any:
-        # step in this thread until the row has an item (only its consumer reads its queue). While another
-        # consumer steps, wait for this row's item or that step's end, not for the lock: a consumer blocked on
-        # the lock could not take the items that step gives it, its row stalled at the run-ahead bound, and one
-        # thread (the lock is not fair) stepped its own row alone (8 one-shot rows ran ~2.7 per step, not 8)
+        # step in this thread until the row has an item; while another consumer steps, wait for this row's item
+        # or that step's end, not for the lock (blocked on it, a consumer took no items: its row stalled)
         while True:
             with self._cv:
                 while self._busy and row.out.empty():
@@ -213,7 +201,7 @@ class DecodeLoop:
                     assert row.text is not None
                     # this (the consumer's) thread waits for the text, not the loop
                     piece = next(row.text, None)
-                    ids = None if piece is None else [int(t) for t in _flat(piece)]
+                    ids = None if piece is None else [int(t) for t in flat_ids(piece)]
                     with self._cv:
                         row.pieces.append(ids)
                         self._cv.notify()
@@ -610,8 +598,3 @@ class DecodeLoop:
                 self._finish_locked(row)
             return
         self._ask_text(row)
-
-
-def _flat(piece: Any) -> list[Any]:
-    # a piece of text ids: a list, or a (1, n) / (n,) array
-    return piece.reshape(-1).tolist() if hasattr(piece, "reshape") else list(piece)

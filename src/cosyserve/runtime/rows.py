@@ -101,3 +101,8 @@ class Row:
         if spec.ratio is not None and self.state is not None:
             cap = min(cap, spec.ratio * max(self.state.words, 1))
         return cap
+
+
+def flat_ids(piece: Any) -> list[Any]:
+    """A piece of text ids as a list: a list, or a (1, n) / (n,) array."""
+    return piece.reshape(-1).tolist() if hasattr(piece, "reshape") else list(piece)
