@@ -267,6 +267,31 @@ def test_the_cpu_reads_each_id_at_once_and_steps_on_demand() -> None:
     assert got == _alone(lm, spec, row_key(1))
 
 
+def test_a_consumer_goes_on_with_its_requests_share_of_the_cores_after_its_last_step() -> None:
+    """The step that frees a lone request's row serves no row; its consumer's thread then runs that request's
+    token2wav. If this failed, a lone one-shot request's whole token2wav ran on one of two cores (1.4x its wall
+    time), as the step's share of no rows was applied and never put back."""
+    from cosyserve.runtime.cores import CoreShare
+
+    lm = _lm300()
+    share, calls = CoreShare(2), []
+
+    def before_step(serves: int) -> None:
+        calls.append(serves)
+        share.apply(serves)
+
+    loop = DecodeLoop(lm, 2, before_step=before_step, name="test")
+    share.enter()  # the request counted as running, as the torch runtime's share() does
+    try:
+        assert list(loop.generate(_one_shot(lm, 0, n_text=6), row_key(1)))
+        assert 0 in calls, "no step served zero rows: this test no longer covers the row's freeing step"
+        assert torch.get_num_threads() == 2, f"after its last step the request runs on {torch.get_num_threads()}"
+    finally:
+        share.leave()
+        torch.set_num_threads(1)  # the module's setting
+        loop.close()
+
+
 _CONVERSIONS = (
     "__int__",
     "__index__",

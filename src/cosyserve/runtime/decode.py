@@ -14,9 +14,8 @@ buffers, read ``lag`` steps later (at once on the CPU); a stop is seen when read
 dropped), a streamed-text row's fill rolls it back when read (position, token index and history put back).
 
 Where it steps: on a GPU, in a thread of its own, ahead of its consumers; on the CPU, on demand, in the threads of
-the consumers that wait for a token (one step at a time, each serving every ready row, with the cores' share of
-the requests it serves), so a lone request runs its LM steps and token2wav in one thread as an unbatched one does
-(torch keeps an OpenMP team per calling thread: a loop thread's beside a request's made its first audio 1.6x).
+the consumers that wait for a token (one step at a time, serving every ready row with those requests' cores), so a
+lone request runs LM and token2wav in one thread (a loop thread's OpenMP team beside a request's: 1.6x first audio).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -54,9 +52,8 @@ class DecodeLoop:
         lag: steps an id may be read back late (None: 0 where the ids live in host memory, else
             :data:`READ_AHEAD`).
         ahead: tokens a row may be decoded ahead of its consumer.
-        before_step: called in the stepping thread before every step with the rows it serves, and with 1 when a
-            consumer goes back to its own request after stepping (the torch runtime sets the thread's share of the
-            cores there: a step that serves every running request gets every core, their consumers wait for it).
+        before_step: called in the stepping thread before every step with the rows it serves, and with 1 after a
+            consumer's step (the torch runtime sets the thread's share of the cores there).
         threaded: run ahead in a thread of its own; False: step on demand, in the threads of the consumers that
             wait for a token, one at a time (None: a thread where ids are read back late, i.e. on a device).
         name: for the thread's name and logs.
@@ -130,10 +127,9 @@ class DecodeLoop:
             key: the sampler key (:func:`cosyserve.core.sampling.row_key`).
             teacher: tokens to take instead of samples (a streamed-text row's forced fills take none).
             record: where each step's (log-probabilities before any mask, id) go, fills and stops included.
-            should_stop: the request's stop signal, asked by the loop before the row joins, before each of its
-                steps and after each token its consumer takes, and handed to the LM, which may end the row's
-                running work with it (a prefill between layers; the lite runtime terminates its ONNX Runtime
-                run): the row then ends with :class:`Stopped`, its cache row freed, no step of it run after.
+            should_stop: the request's stop signal, asked before the row joins, before each of its steps and after
+                each token taken, and handed to the LM (which may end a prefill between layers, or a lite ONNX
+                Runtime run, with it): the row then ends with :class:`Stopped`, its cache row freed.
         Raises:
             ValueError: a teacher token the row's phase does not accept, or too few of them.
             Stopped: ``should_stop`` ended the row's work.
@@ -156,10 +152,8 @@ class DecodeLoop:
         return row
 
     def _next_item(self, row: Row) -> Any:
-        try:
+        if not row.out.empty():  # only its consumer takes from it
             return row.out.get_nowait()
-        except queue.Empty:
-            pass
         if not self.threaded:
             return self._drive(row)
         with self._cv:  # its consumer caught up: the row is back under its run-ahead bound
@@ -167,8 +161,7 @@ class DecodeLoop:
         return row.out.get()
 
     def _drive(self, row: Row) -> Any:
-        # step in this thread until the row has an item; while another consumer steps, wait for this row's item
-        # or that step's end, not for the lock (blocked on it, a consumer took no items: its row stalled)
+        # step here until the row has an item; while another consumer steps, wait for the item or that step's end
         while True:
             with self._cv:
                 while self._busy and row.out.empty():
@@ -176,15 +169,7 @@ class DecodeLoop:
                 if not row.out.empty():
                     return row.out.get_nowait()
                 self._busy = True
-            try:
-                with self._stepping:
-                    ran = self._step() or self._flush()  # False: nothing could run
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-                if self.before_step is not None:
-                    self.before_step(1)  # back to this thread's own request
+            ran = self._step_here()
             if not row.out.empty():
                 return row.out.get_nowait()
             with self._cv:
@@ -221,8 +206,23 @@ class DecodeLoop:
                     row.cancelled = True
                     self._cv.notify()
             if not self.threaded:
-                with self._stepping:
-                    self._step()  # frees the row now: the next run may need it
+                with self._cv:
+                    while self._busy:
+                        self._cv.wait()
+                    self._busy = True
+                self._step_here()  # frees the row now: the next run may need it
+
+    def _step_here(self) -> bool:
+        # _busy claimed: one step in this consumer's thread, then its own request's share of the cores (False: none ran)
+        try:
+            with self._stepping:
+                return self._step() or self._flush()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+            if self.before_step is not None:
+                self.before_step(1)
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; rows still running get an error. Idempotent."""
@@ -271,9 +271,8 @@ class DecodeLoop:
 
     def _runnable_locked(self) -> bool:
         # something for a step to do: joiners, text, cancelled rows, or a row to sample
-        if (self._waiting and self._free) or any(r.cancelled or r.pieces for r in self._active):
-            return True
-        return bool(self._eligible())
+        busy = any(r.cancelled or r.pieces for r in self._active)
+        return bool((self._waiting and self._free) or busy or self._eligible())
 
     def _eligible(self) -> list[Row]:
         return [r for r in self._active if r.ready and not (r.stalled or r.finished) and r.lead < self.ahead]
