@@ -146,6 +146,38 @@ def test_int8_step_graph_opens_quick_before_ready_and_prepacked_after(qwen_bundl
     assert len(model.synthesize_all("Hello there.", speaker=speakers[0], seed=1)) > 0
 
 
+def test_flow_and_vocoder_sessions_open_quick_and_upgrade_between_requests(
+    qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORT holds the GIL while a session opens, so the flow's and vocoder's serving forms (2.3 s for the full-size
+    estimator) would stall every request that runs meanwhile: they open quick after READY and are replaced only
+    when no request is in flight. If this failed, a first request arriving at READY would wait for the serving
+    forms' opens (its first audio ~2 s later), or the quick forms (~1.4x slower runs) would serve for good."""
+    import cosyserve
+    from cosyserve.runtime import lite as lite_runtime
+
+    monkeypatch.setattr(lite_runtime, "UPGRADE_WAIT_S", 600.0)  # no forced upgrade while this test looks
+    model = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", threads=1)
+    runtime = model.runtime
+    names = [n for n in runtime.lite.graphs if not n.startswith("llm_")]
+    for _ in range(600):  # the quick forms are open once the after-READY thread timed that step
+        if "sessions_token2wav" in runtime.clock.durations:
+            break
+        threading.Event().wait(0.05)
+    chunks = model.synthesize("Hello there.", speaker=model.speakers[0], seed=1, stream=True)
+    next(chunks)  # a request in flight
+    quick = {n: runtime.lite.sessions[n] for n in names}
+    runtime.join_background(0.5)
+    assert runtime.background.is_alive(), "the after-READY thread ended with a request in flight"
+    assert {n: runtime.lite.sessions[n] for n in names} == quick, "a session was replaced during a request"
+    chunks.close()
+    runtime.join_background(60)
+    assert not runtime.background.is_alive()
+    assert all(runtime.lite.sessions[n] is not quick[n] for n in names), "a quick session was never upgraded"
+    assert runtime.in_flight.running == 0
+    assert len(model.synthesize_all("Hello there.", speaker=model.speakers[0], seed=1)) > 0
+
+
 def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bundles: dict) -> None:
     """The check runs the model's own cached attention on the graph's inputs: a graph exported from other weights
     (here the module with one weight changed after export) is refused, the unchanged module is accepted."""

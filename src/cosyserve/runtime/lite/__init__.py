@@ -3,8 +3,10 @@
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
 step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
 READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
-binding holds the GIL while a session opens (~1.4 s for the flow and vocoder graphs at full size on 2 cores):
-a request that arrives in that window waits for it, later ones do not.
+binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an open:
+the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
+full-size CosyVoice3 estimator in ~0.25 s instead of ~2.3 with a request running), and their serving forms
+(~30% faster runs) replace them when no request is in flight (:data:`UPGRADE_WAIT_S` at the latest).
 
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
@@ -44,7 +46,32 @@ from cosyserve.system.cpus import default_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LiteRuntime", "load"]
+__all__ = ["UPGRADE_WAIT_S", "LiteRuntime", "load"]
+
+UPGRADE_WAIT_S = 20.0  # the longest a quick session waits for no request in flight before its upgrade anyway
+
+
+class InFlight:
+    """Requests in flight (counted from their first chunk asked for to their end or close), and a wait for none."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._cv = threading.Condition()
+
+    def track(self, chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+        with self._cv:
+            self.running += 1
+        try:
+            yield from chunks
+        finally:
+            with self._cv:
+                self.running -= 1
+                self._cv.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until no request is in flight (True) or ``timeout`` seconds passed (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.running == 0, timeout)
 
 
 class LiteRuntime(RuntimeVoices):
@@ -91,10 +118,11 @@ class LiteRuntime(RuntimeVoices):
         self.background: threading.Thread | None = None
         # graphs serving their quick form until the after-READY thread upgrades them
         self.quick: list[str] = []
+        self.in_flight = InFlight()  # the token2wav graphs' upgrades wait for none (their opens hold the GIL)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
-        return self.pipeline.run(request, latched(should_stop))  # type: ignore[no-any-return]
+        return self.in_flight.track(self.pipeline.run(request, latched(should_stop)))
 
     def on_lm_step(self, record: Callable[[int], None]) -> None:
         self.pipeline.decoder.on_step = record
@@ -361,25 +389,37 @@ def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:
         clock.add(phase, (time.perf_counter() - t) * 1e3, start)
 
 
+def _upgrade_between_requests(runtime: LiteRuntime, names: list[str]) -> None:
+    for name in names:
+        if not runtime.in_flight.wait_idle(UPGRADE_WAIT_S):
+            logger.info("%s: upgrading the %s session with requests in flight", runtime.path, name)
+        runtime.lite.upgrade(name)
+
+
 def _after_ready(runtime: LiteRuntime) -> threading.Thread:
-    """The rest of the start, in one thread after READY: the text tier, the text encoder's session, the flow's
-    and vocoder's sessions (and the zero-shot tier's when asked)."""
+    """The rest of the start, in one thread after READY: the int8 LM step's serving form, the flow's and
+    vocoder's quick sessions, the text tier, the text encoder's session (and the zero-shot tier's when asked),
+    then the flow's and vocoder's serving forms between requests."""
     o = runtime.options
     steps: list[tuple[str, Callable[[], Any]]] = []
     for name in runtime.quick:  # first: a first request's LM steps run on it
         steps.append((f"upgrade_{name}", lambda name=name: runtime.lite.upgrade(name)))
+    graphs = runtime.lite.graphs
+    token2wav = [n for n in graphs if not n.startswith("llm_")]
+    # quick forms now (before a first request needs them), serving forms between requests. No flow/vocoder warm-up
+    # run: ORT's first call costs no more than a later one, and a warm-up would take the cores from a first
+    # request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
+    quick: list[str] = []
+    opened = lambda: quick.extend(n for n in token2wav if runtime.lite.open_quick(n))  # noqa: E731
+    steps.append(("sessions_token2wav", opened))
     if o.text_tier == "background" and not o.fork_template:
         steps.append(("text_tier", runtime.pipeline.load_text_tier))
-    graphs = runtime.lite.graphs
     if "llm_text" in graphs:  # CosyVoice-300M's text encoder (the Qwen LM's text embedding is a table)
         steps.append(("sessions_llm_text", lambda: runtime.lite.session("llm_text")))
-    # no flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would take the
-    # cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
-    token2wav = [n for n in graphs if not n.startswith("llm_")]
-    steps.append(("sessions_token2wav", lambda: [runtime.lite.session(n) for n in token2wav]))
     steps += runtime.pipeline.after_ready()  # CosyVoice3's fixed vocoder noise, not by a first request
     if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
+    steps.append(("upgrade_token2wav", lambda: _upgrade_between_requests(runtime, quick)))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
     )

@@ -170,17 +170,20 @@ class LiteBundle:
         return s
 
     def open_quick(self, name: str) -> bool:
-        """Open graph ``name`` now in a quick form where its serving form prepacks its weights, and serve it so
-        until :meth:`upgrade`; returns whether it did (False: the serving form opens as fast and is open now).
-        Why: the int8 LM step graph prepacked takes 0.36 s to open at full size (2-core Xeon), 0.05 s not
-        prepacked, and READY waits for the LM's step graph; its steps run 2.3x slower until the upgrade."""
+        """Open graph ``name`` now in a quick form (no prepacking; a flow or vocoder graph without rewrites either)
+        where its serving form prepacks its weights, and serve it so until :meth:`upgrade`; returns whether it
+        did (False: the serving form opens as fast, or was open already, and is open now). Why: READY waits for
+        the LM's step graph (int8 prepacked: 0.36 s at full size on a 2-core Xeon, 0.05 s not; its steps 2.3x
+        slower until the upgrade), and a first request for the sessions opened after READY (ORT holds the GIL
+        while one opens: the full-size estimator 2.3 s, 0.25 s quick; its runs ~1.4x slower until the upgrade)."""
         int8 = self.int8 and name == "llm_step"
         if not (int8 or self.prepack or not name.startswith("llm_")):
             self.session(name)
             return False
         with self._lock:
-            if name not in self.sessions:
-                self.sessions[name] = self._open(name, quick=True)
+            if name in self.sessions:
+                return False
+            self.sessions[name] = self._open(name, quick=True)
         return True
 
     def upgrade(self, name: str) -> None:
@@ -208,7 +211,7 @@ class LiteBundle:
         options = session_options(
             self.threads,
             prepack=not quick and (self.prepack or int8 or not lm),
-            optimize=int8 or not lm,
+            optimize=int8 or not (lm or quick),  # the int8 step graph's rewrites were made at conversion
             plan_reuse=False,
         )
         try:
