@@ -175,6 +175,15 @@ def _pipeline(
         from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
         flow, hift = LiteFlow(lite, tables), LiteVocoder(lite, tables)
+    flow_context = o.flow_context_seconds
+    if flow_context and not getattr(flow, "bounds", True):
+        logger.warning(
+            "the lite runtime's CosyVoice2 graphs have no bounded flow context (a bounded stream's last call "
+            "needs its encoder without lookahead; its streams attend to every frame, exact): ignored "
+            "flow_context_seconds=%g",
+            flow_context,
+        )
+        flow_context = 0.0
     policy = family.stream_policy(config, flow, o.chunk_policy, o.first_hop)
     pipeline: Pipeline
 
@@ -203,6 +212,7 @@ def _pipeline(
         instruct=bundle.instruct,
         default_voice=o.default_voice,
         flow_steps=o.flow_steps,
+        flow_context=flow_context,
         family=family,
         tokenizer=factory,
         config=config,
@@ -295,12 +305,6 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         if ignored:
             logger.warning(
                 "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)
-            )
-        if o.flow_context_seconds:
-            logger.warning(
-                "the lite runtime's flow has no bounded context (its streams attend to every frame, exact): "
-                "ignored flow_context_seconds=%g",
-                o.flow_context_seconds,
             )
         speakers = _read_speakers(bundle)
         # one registry folder for every model (registry_dir) keeps each family's voices apart, as the torch
