@@ -107,9 +107,9 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
     encodes: list[tuple[int, int]] = []  # per encoder run: (tokens given, kept tokens it attends to)
     encode = LiteChunkFlow._encode
 
-    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, stop: Any) -> Any:
+    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, *rest: Any) -> Any:
         encodes.append((tokens.shape[1], states[0].kept))
-        return encode(self, states, tokens, lead, commit, stop)
+        return encode(self, states, tokens, lead, commit, *rest)
 
     monkeypatch.setattr(LiteChunkFlow, "_encode", spy_encode)
     ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
@@ -323,8 +323,9 @@ def _fork_and_speak(bundle: Path, shares: bool) -> tuple[Any, np.ndarray]:
 
 
 def _without_voice_inputs(bundle: Path, out: Path) -> Path:
-    # the bundle as converted before the voice's rows were an input of their own: its files linked, the flow graphs'
-    # kv*_voice inputs made empty constants (0 rows; the estimator's batch 2, the encoder's 1), their sizes in the
+    # the bundle as converted before the voice's rows were an input of their own (and CosyVoice2's encoder's `ahead`):
+    # its files linked, the flow graphs' kv*_voice inputs made empty constants (0 rows; the estimator's batch 2, the
+    # encoder's 1) and `ahead` a constant 1 (not in its config: no bounded flow context), their sizes in the
     # lite manifest rewritten (the test's tmp folder is on the fixture's filesystem: hard links)
     import json
 
@@ -341,14 +342,15 @@ def _without_voice_inputs(bundle: Path, out: Path) -> Path:
     manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
     for name in graphs[:2]:
         model = onnx.load(str(bundle / "lite" / name), load_external_data=False)
-        for inp in [i for i in model.graph.input if i.name.endswith("_voice")]:
+        for inp in [i for i in model.graph.input if i.name.endswith("_voice") or i.name == "ahead"]:
             dims = [d.dim_value or 2 for d in inp.type.tensor_type.shape.dim]
             model.graph.input.remove(inp)
-            model.graph.initializer.append(
-                numpy_helper.from_array(np.zeros([0, *dims[1:]], np.float32), inp.name)
-            )
+            # before `ahead` too: CosyVoice2's encoder always read its lookahead tokens
+            value = np.ones(1, np.float32) if inp.name == "ahead" else np.zeros([0, *dims[1:]], np.float32)
+            model.graph.initializer.append(numpy_helper.from_array(value, inp.name))
         onnx.save_model(model, str(out / "lite" / name))
         manifest["files"][name]["bytes"] = (out / "lite" / name).stat().st_size
+    (manifest["config"]["flow"].get("encoder_state") or {}).pop("ahead", None)
     (out / "lite" / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -386,9 +388,9 @@ def test_a_bounded_lite_stream_keeps_and_drops_the_torch_streams_frames(
     stream's mel chunk by chunk, keeps exactly the rows the torch stream keeps after every call (the prompt's chunk
     and the most recent generated ones: the shared rule, models/flow_window.py), attends to at most the prompt's,
     the window's and one chunk's rows whatever the utterance's length, and holds the same bytes once its window is
-    full; CosyVoice3's last call goes through the stream as the torch one's (its own frames only, chunk-causal, no
-    lookahead) and gives its mel; CosyVoice2's (whose encoder graph cannot drop its lookahead) is refused with a
-    clear error. If this fails, a lite bounded stream drops other frames than the torch one (audio differs), keeps
+    full; its last call goes through the stream as the torch one's (its own frames only, chunk-causal, no
+    lookahead; CosyVoice2's encoder graph zeroes its lookahead tokens' embeddings, `ahead`) and gives its mel.
+    If this fails, a lite bounded stream drops other frames than the torch one (audio differs), keeps
     every frame (cost and memory grow with the utterance) or runs its last call whole."""
     bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
     sides = _sides(bundle)
@@ -417,11 +419,6 @@ def test_a_bounded_lite_stream_keeps_and_drops_the_torch_streams_frames(
     assert max(rows for _, rows in runs) <= prompt_rows + 2 * g, "prompt + a 1 s window + one chunk at most"
     assert len(set(held[-4:])) == 1, f"the held state should stop growing: {held}"
     final = (x["token"], x["prompt_token"], x["prompt_feat"], x["embedding"])
-    if family == "cosyvoice2":
-        with pytest.raises(ValueError, match="lookahead"):
-            lflow.inference(*(a.numpy() for a in final), streaming=False, finalize=True, stream=ls,
-                            n_timesteps=STEPS)  # fmt: skip
-        return
     want = tflow.inference(*final, streaming=False, finalize=True, stream=ts, n_timesteps=STEPS)
     del runs[:]
     got = lflow.inference(*(a.numpy() for a in final), streaming=False, finalize=True, stream=ls,
@@ -474,24 +471,30 @@ def test_lite_cosyvoice3_token2wav_with_a_flow_context_streams_the_torch_audio_i
     assert all(v.stream_bytes == 0 for v in accounts.values())
 
 
-@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3", "older cosyvoice2"])
 def test_flow_context_seconds_reaches_the_lite_token2wav_or_is_ignored_with_a_warning(
-    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path, caplog: pytest.LogCaptureFixture
+    family: str,
+    cv2_lite_bundle: Path,
+    cv3_lite_bundle: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """``flow_context_seconds`` on the lite runtime: a CosyVoice3 bundle's token2wav gets it (its streams are
-    bounded, no warning); a CosyVoice2 bundle's graphs cannot run a bounded last call, so it is ignored there with
-    a warning that says why. If this fails, the setting is silently dropped on lite or a CosyVoice2 stream would
-    fail at its last call."""
+    """``flow_context_seconds`` on the lite runtime reaches the token2wav of a CosyVoice2 or CosyVoice3 bundle (its
+    streams are bounded, no warning); a CosyVoice2 bundle converted before its encoder graph took ``ahead`` cannot
+    run a bounded last call, so it still serves, the setting ignored with a warning that says why. If this fails,
+    the setting is silently dropped on lite, or an older CosyVoice2 bundle's stream would fail at its last call."""
     import cosyserve
 
-    bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
+    bundle = cv3_lite_bundle if family == "cosyvoice3" else cv2_lite_bundle
+    if family.startswith("older"):
+        bundle = _without_voice_inputs(bundle, tmp_path / "older")
     with caplog.at_level("WARNING", logger="cosyserve.runtime.lite"):
         model = cosyserve.load(bundle, runtime="lite", flow_context_seconds=2, warmup=False, text_tier="lazy",
-                               threads=1)  # fmt: skip
+                               threads=1, verify="none")  # fmt: skip
     warned = [r.getMessage() for r in caplog.records if "flow_context_seconds" in r.getMessage()]
     t2w = model.runtime.pipeline.token2wav
     model.runtime.close()
-    if family == "cosyvoice3":
-        assert t2w.flow_context == 2.0 and not warned, warned
+    if family.startswith("older"):
+        assert t2w.flow_context == 0.0 and len(warned) == 1 and "convert it again" in warned[0], warned
     else:
-        assert t2w.flow_context == 0.0 and len(warned) == 1 and "lookahead" in warned[0], warned
+        assert t2w.flow_context == 2.0 and not warned, warned

@@ -178,9 +178,9 @@ def _pipeline(
     flow_context = o.flow_context_seconds
     if flow_context and not getattr(flow, "bounds", True):
         logger.warning(
-            "the lite runtime's CosyVoice2 graphs have no bounded flow context (a bounded stream's last call "
-            "needs its encoder without lookahead; its streams attend to every frame, exact): ignored "
-            "flow_context_seconds=%g",
+            "this CosyVoice2 bundle's encoder graph always reads its lookahead tokens, which a bounded stream's "
+            "last call has none of (its streams attend to every frame, exact; convert it again to bound them): "
+            "ignored flow_context_seconds=%g",
             flow_context,
         )
         flow_context = 0.0

@@ -69,9 +69,7 @@ class LiteChunkFlow:
         self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
         self.noise = tables["flow.noise"]  # (80, frames): the reference's fixed noise
         self._reads: dict[str, set[str]] = {}  # each graph's inputs
-        # whether a stream may be bounded (flow_context_seconds): its last call's mu has no lookahead, CosyVoice3's
-        # flow_mu graph's; CosyVoice2's flow_mu_stream always reads lookahead tokens (zeros are no token's)
-        self.bounds = self.encoder_state is None
+        self.bounds = enc is None or bool(enc.get("ahead"))  # a stream may be bounded: see inference
 
     ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
 
@@ -133,10 +131,9 @@ class LiteChunkFlow:
                 lookahead only) or the utterance's end (full attention, no lookahead): the two calls the
                 reference's token2wav makes.
             stream: the request's :class:`LiteFlowStream` (:meth:`new_stream`), for a streamed chunk: only the
-                frames after the ones it keeps are computed, and it keeps the new final ones. An unbounded stream
-                is ignored by the last call (its full attention changes every frame: computed whole, as the
-                reference does); a bounded one (``stream.context``) takes the last call too, as the torch flow's:
-                its frames after the kept ones, chunk-causal, no lookahead (:mod:`cosyserve.models.flow_window`).
+                frames after the ones it keeps are computed, and it keeps the new final ones; the last call
+                ignores an unbounded one (computed whole) and goes through a bounded one (``stream.context``)
+                as the torch flow's (:mod:`cosyserve.models.flow_window`).
         """
         if streaming == finalize and not (stream is not None and stream.context):
             raise ValueError(
@@ -164,8 +161,8 @@ class LiteChunkFlow:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {steps}")
         if finalize and not self.bounds:
             raise ValueError(
-                "the lite CosyVoice2 encoder graph (flow_mu_stream) always reads its lookahead tokens: a bounded "
-                "stream's last call (no lookahead) is not in its graphs (the torch runtime serves one)"
+                "this bundle's CosyVoice2 encoder graph (flow_mu_stream) always reads its lookahead tokens: a "
+                "bounded stream's last call (no lookahead) needs the bundle converted again"
             )
         stream.prompt = self.token_mel_ratio * prompt_token.shape[1]
         keep = kept_after(stream.frames, frames, stream.granularity, look)
@@ -242,9 +239,9 @@ class LiteChunkFlow:
             )
         first = start // ratio
         lead = min(first, self.mu_lead)
-        if look and streaming and stream.encoder:  # CosyVoice2: its encoder runs the new tokens on its state
+        if streaming and stream.encoder:  # CosyVoice2: its encoder runs the new tokens on its state
             mu = self._encode(
-                stream.encoder, ids[:, first - lead :], lead, (keep - start) // ratio, should_stop
+                stream.encoder, ids[:, first - lead :], lead, (keep - start) // ratio, should_stop, look
             )
         else:
             # CosyVoice3's mu reads no attention: flow_mu (no lookahead) serves a bounded stream's last call too
@@ -313,16 +310,20 @@ class LiteChunkFlow:
         lead: int,
         commit: int,
         should_stop: ShouldStop | None,
+        look: int | None = None,
     ) -> np.ndarray:
-        # CosyVoice2's flow_mu_stream: the call's own tokens (after `lead` of left context, before the lookahead)
+        # CosyVoice2's flow_mu_stream: the call's own tokens (after `lead` of left context, before the lookahead; none
+        # with `look` 0, a bounded stream's last call: placeholder tokens the graph zeroes by `ahead`)
         # against the encoder's kept state (its token rate's, its mel rate's), the first `commit` tokens' keys and
         # values (and their frames') written after the kept rows, the upsampling conv's tail at the new boundary;
         # -> mu (1, 80, ratio * own tokens)
-        ratio = self.token_mel_ratio
+        ratio, ahead = self.token_mel_ratio, look != 0
+        if not ahead:
+            tokens = np.concatenate([tokens, np.zeros((1, self.pre_lookahead_len), tokens.dtype)], axis=1)
         own = tokens.shape[1] - lead - self.pre_lookahead_len
         mu = np.empty((1, self.output_size, ratio * own), np.float32)
         inputs = {"tokens": tokens.astype(np.int64), "lead": np.zeros(lead, np.int64)}
-        inputs["commit"] = np.array(commit, np.int64)
+        inputs["commit"], inputs["ahead"] = np.array(commit, np.int64), np.full(1, float(ahead), np.float32)
         outputs: dict[str, np.ndarray | None] = {"mu": mu}
         rates = (("_tok", commit), ("_mel", ratio * commit))
         for state, (name, rows) in zip(states, rates, strict=True):
