@@ -83,14 +83,19 @@ def token2wav(
 ) -> Any:
     """The family's token2wav over the dir's flow and vocoder (loaded once per process), with ``policy_name`` and
     ``flow_context`` seconds of bounded flow context (0: unbounded); ``runtime`` lite: over a lite bundle's graphs
-    (``path`` the bundle), as the lite runtime builds it (which has no bounded context)."""
+    (``path`` the bundle), as the lite runtime builds it."""
     if runtime == "lite":
-        key = (str(path), policy_name)
+        key = (str(path), policy_name, flow_context)
         if key not in _LOADED:
             import cosyserve
 
             _LOADED[key] = cosyserve.load(
-                str(path), runtime="lite", chunk_policy=policy_name, threads=THREADS[0], warmup=False
+                str(path),
+                runtime="lite",
+                chunk_policy=policy_name,
+                threads=THREADS[0],
+                warmup=False,
+                flow_context_seconds=flow_context,
             )
         t2w = _LOADED[key].runtime.pipeline.token2wav  # a bench may reach in: the path under test is switched
         t2w.incremental = incremental
@@ -115,7 +120,7 @@ def token2wav(
     return t2w
 
 
-_LOADED: dict[tuple[str, str], Any] = {}
+_LOADED: dict[tuple[str, str, float], Any] = {}
 THREADS: list[int | None] = [None]  # --threads, for the lite runtime's sessions
 
 

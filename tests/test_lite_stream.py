@@ -107,9 +107,9 @@ def test_lite_flow_stream_equals_torch_chunk_by_chunk_on_new_frames_only(
     encodes: list[tuple[int, int]] = []  # per encoder run: (tokens given, kept tokens it attends to)
     encode = LiteChunkFlow._encode
 
-    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, stop: Any) -> Any:
+    def spy_encode(self: Any, states: Any, tokens: Any, lead: int, commit: int, *rest: Any) -> Any:
         encodes.append((tokens.shape[1], states[0].kept))
-        return encode(self, states, tokens, lead, commit, stop)
+        return encode(self, states, tokens, lead, commit, *rest)
 
     monkeypatch.setattr(LiteChunkFlow, "_encode", spy_encode)
     ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
@@ -323,8 +323,9 @@ def _fork_and_speak(bundle: Path, shares: bool) -> tuple[Any, np.ndarray]:
 
 
 def _without_voice_inputs(bundle: Path, out: Path) -> Path:
-    # the bundle as converted before the voice's rows were an input of their own: its files linked, the flow graphs'
-    # kv*_voice inputs made empty constants (0 rows; the estimator's batch 2, the encoder's 1), their sizes in the
+    # the bundle as converted before the voice's rows were an input of their own (and CosyVoice2's encoder's `ahead`):
+    # its files linked, the flow graphs' kv*_voice inputs made empty constants (0 rows; the estimator's batch 2, the
+    # encoder's 1) and `ahead` a constant 1 (not in its config: no bounded flow context), their sizes in the
     # lite manifest rewritten (the test's tmp folder is on the fixture's filesystem: hard links)
     import json
 
@@ -341,14 +342,15 @@ def _without_voice_inputs(bundle: Path, out: Path) -> Path:
     manifest = json.loads((bundle / "lite" / "manifest.json").read_text())
     for name in graphs[:2]:
         model = onnx.load(str(bundle / "lite" / name), load_external_data=False)
-        for inp in [i for i in model.graph.input if i.name.endswith("_voice")]:
+        for inp in [i for i in model.graph.input if i.name.endswith("_voice") or i.name == "ahead"]:
             dims = [d.dim_value or 2 for d in inp.type.tensor_type.shape.dim]
             model.graph.input.remove(inp)
-            model.graph.initializer.append(
-                numpy_helper.from_array(np.zeros([0, *dims[1:]], np.float32), inp.name)
-            )
+            # before `ahead` too: CosyVoice2's encoder always read its lookahead tokens
+            value = np.ones(1, np.float32) if inp.name == "ahead" else np.zeros([0, *dims[1:]], np.float32)
+            model.graph.initializer.append(numpy_helper.from_array(value, inp.name))
         onnx.save_model(model, str(out / "lite" / name))
         manifest["files"][name]["bytes"] = (out / "lite" / name).stat().st_size
+    (manifest["config"]["flow"].get("encoder_state") or {}).pop("ahead", None)
     (out / "lite" / "manifest.json").write_text(json.dumps(manifest))
     return out
 
@@ -373,3 +375,126 @@ def test_a_lite_stream_forked_from_a_voice_reads_its_rows_where_they_are(
     assert all(s.voice is None for s in (*older.steps, *older.encoder)), (
         "an older bundle's fork was not copied"
     )
+
+
+# -- a bounded flow context (flow_context_seconds, opt-in) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_a_bounded_lite_stream_keeps_and_drops_the_torch_streams_frames(
+    family: str, cv2_lite_bundle: Path, cv3_lite_bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream bounded to a 1 s flow context (one attention chunk) over 6 s of speech gives the torch bounded
+    stream's mel chunk by chunk, keeps exactly the rows the torch stream keeps after every call (the prompt's chunk
+    and the most recent generated ones: the shared rule, models/flow_window.py), attends to at most the prompt's,
+    the window's and one chunk's rows whatever the utterance's length, and holds the same bytes once its window is
+    full; its last call goes through the stream as the torch one's (its own frames only, chunk-causal, no
+    lookahead; CosyVoice2's encoder graph zeroes its lookahead tokens' embeddings, `ahead`) and gives its mel.
+    If this fails, a lite bounded stream drops other frames than the torch one (audio differs), keeps
+    every frame (cost and memory grow with the utterance) or runs its last call whole."""
+    bundle = cv2_lite_bundle if family == "cosyvoice2" else cv3_lite_bundle
+    sides = _sides(bundle)
+    (tflow, _), (lflow, _, _) = sides["torch"], sides["lite"]
+    tokens = TOKENS
+    x = _inputs(4, tokens=tokens)
+    xl = {k: v.numpy() for k, v in x.items()}
+    look, ratio, g = lflow.pre_lookahead_len, lflow.token_mel_ratio, lflow.granularity
+    ends = [n + look for n in range(HOP + (-PROMPT) % HOP, tokens - look, HOP)]
+    ts, ls = tflow.new_stream(STEPS), lflow.new_stream(STEPS)
+    ts.context = ls.context = g  # 1 s at 50 frames a second
+    runs = _estimates(monkeypatch)
+    held = []
+    for end in ends:
+        want = tflow.inference(x["token"][:, :end], x["prompt_token"], x["prompt_feat"], x["embedding"],
+                               streaming=True, finalize=False, stream=ts, n_timesteps=STEPS)  # fmt: skip
+        got = lflow.inference(xl["token"][:, :end], xl["prompt_token"], xl["prompt_feat"], xl["embedding"],
+                              streaming=True, finalize=False, stream=ls, n_timesteps=STEPS)  # fmt: skip
+        np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk ending at token {end}")
+        kept = sum(t.shape[2] for t in ts.steps[0].keys[0])  # the torch stream's kept frames
+        assert [s.kept for s in ls.steps] == [kept] * STEPS, (end, kept)
+        assert ls.frames == ts.frames
+        held.append(sum(s.nbytes() for s in ls.steps))
+    assert ls.frames >= 5 * g and ls.steps[0].kept == 2 * g, "only the prompt's chunk and the 1 s window kept"
+    prompt_rows = -(-ratio * PROMPT // g) * g  # the prompt's frames, to the end of the chunk they end in
+    assert max(rows for _, rows in runs) <= prompt_rows + 2 * g, "prompt + a 1 s window + one chunk at most"
+    assert len(set(held[-4:])) == 1, f"the held state should stop growing: {held}"
+    final = (x["token"], x["prompt_token"], x["prompt_feat"], x["embedding"])
+    want = tflow.inference(*final, streaming=False, finalize=True, stream=ts, n_timesteps=STEPS)
+    del runs[:]
+    got = lflow.inference(*(a.numpy() for a in final), streaming=False, finalize=True, stream=ls,
+                          n_timesteps=STEPS)  # fmt: skip
+    np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg="the bounded stream's last call")
+    assert runs == [(ratio * (PROMPT + tokens) - ls.frames, ls.steps[0].kept)] * STEPS, runs
+
+
+def test_lite_cosyvoice3_token2wav_with_a_flow_context_streams_the_torch_audio_in_bounded_memory(
+    cv3_lite_bundle: Path,
+) -> None:
+    """The family's one Token2Wav3 with ``flow_context`` 1 s (what ``flow_context_seconds`` sets) over the lite
+    flow gives the torch runtime's bounded audio chunk by chunk, its last chunk included, for 6 s of speech of a
+    voice whose state VoiceStates keeps and forks; the bytes the model's stream account charges it stop growing
+    once its window is full (but for its kept mel, as the torch stream's; the exact stream's keep growing) and are
+    all given back at its end. If this fails,
+    the setting does not reach the lite flow, the lite audio differs from torch's, or a lite bounded stream is
+    charged (or holds) more as it speaks."""
+    from cosyserve.families.cosyvoice2.token2wav import StreamPolicy2
+    from cosyserve.families.cosyvoice3.token2wav import Token2Wav3
+    from cosyserve.models.causal_hift import source_noise
+    from cosyserve.voices.voicestates import VoiceStates
+
+    sides = _sides(cv3_lite_bundle)
+    (tflow, thift), (lflow, lhift, _) = sides["torch"], sides["lite"]
+    tokens = TOKENS
+    x = _inputs(5, tokens=tokens)
+    rand_ini, sine_waves = source_noise(2 * (PROMPT + tokens) * 480, torch.Generator().manual_seed(2))
+    chunks, charged, accounts = {}, {}, {}
+    runs = (("torch", tflow, thift, lambda t: t, 1.0), ("lite", lflow, lhift, lambda t: t.numpy(), 1.0),
+            ("lite exact", lflow, lhift, lambda t: t.numpy(), 0.0))  # fmt: skip
+    for name, flow, hift, conv, context in runs:
+        voices = accounts[name] = VoiceStates(1 << 30)
+        t2w = Token2Wav3(flow, hift, StreamPolicy2(token_hop_len=HOP, token_max_hop_len=HOP), flow_steps=STEPS,
+                         voices=voices, flow_context=context)  # fmt: skip
+        noise = {"rand_ini": conv(rand_ini), "sine_waves": conv(sine_waves)}
+        chunks[name], charged[name] = [], []
+        for chunk in t2w(x["token"][0].tolist(), embedding=conv(x["embedding"]), prompt_token=conv(x["prompt_token"]),
+                         prompt_feat=conv(x["prompt_feat"]), stream=True, draws=itertools.repeat(noise)):  # fmt: skip
+            chunks[name].append(chunk)
+            charged[name].append(voices.stream_bytes)
+    assert len(chunks["lite"]) == len(chunks["torch"]) >= 6
+    for i, (got, want) in enumerate(zip(chunks["lite"], chunks["torch"], strict=True)):
+        np.testing.assert_allclose(got, want.numpy(), atol=ATOL, err_msg=f"chunk {i}")
+    assert not np.allclose(chunks["lite"][-1], chunks["lite exact"][-1], atol=ATOL), "the bound had no effect"
+    lite, exact = charged["lite"][:-1], charged["lite exact"][:-1]  # the last: given back
+    # its charge grows by its kept mel only (80 float32 a frame, as the torch stream's), not its flow state
+    assert lite[-1] - lite[-4] == 3 * 2 * HOP * 80 * 4 and lite[-1] > 0, f"a bounded stream's charge: {lite}"
+    assert exact[-1] > exact[-4] and exact[-1] > lite[-1], exact
+    assert all(v.stream_bytes == 0 for v in accounts.values())
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3", "older cosyvoice2"])
+def test_flow_context_seconds_reaches_the_lite_token2wav_or_is_ignored_with_a_warning(
+    family: str,
+    cv2_lite_bundle: Path,
+    cv3_lite_bundle: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``flow_context_seconds`` on the lite runtime reaches the token2wav of a CosyVoice2 or CosyVoice3 bundle (its
+    streams are bounded, no warning); a CosyVoice2 bundle converted before its encoder graph took ``ahead`` cannot
+    run a bounded last call, so it still serves, the setting ignored with a warning that says why. If this fails,
+    the setting is silently dropped on lite, or an older CosyVoice2 bundle's stream would fail at its last call."""
+    import cosyserve
+
+    bundle = cv3_lite_bundle if family == "cosyvoice3" else cv2_lite_bundle
+    if family.startswith("older"):
+        bundle = _without_voice_inputs(bundle, tmp_path / "older")
+    with caplog.at_level("WARNING", logger="cosyserve.runtime.lite"):
+        model = cosyserve.load(bundle, runtime="lite", flow_context_seconds=2, warmup=False, text_tier="lazy",
+                               threads=1, verify="none")  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "flow_context_seconds" in r.getMessage()]
+    t2w = model.runtime.pipeline.token2wav
+    model.runtime.close()
+    if family.startswith("older"):
+        assert t2w.flow_context == 0.0 and len(warned) == 1 and "convert it again" in warned[0], warned
+    else:
+        assert t2w.flow_context == 2.0 and not warned, warned

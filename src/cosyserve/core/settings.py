@@ -419,7 +419,8 @@ class Settings:
         "many seconds of its speech (whole 1 s attention chunks), so that each chunk costs the same and its state "
         "stops growing (about 230 MB per second of window in float32 for CosyVoice2), and its last chunk is "
         "computed chunk-causally through the same state instead of the reference's full-attention pass; audio "
-        "beyond the window is no longer the reference's (torch runtime); 0: every frame, the reference's result",
+        "beyond the window is no longer the reference's (a lite CosyVoice2 bundle converted before lite took it "
+        "ignores it); 0: every frame, the reference's result",
     )
     voice_cache_mb: int = _loading(
         4096,

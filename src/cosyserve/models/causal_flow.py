@@ -26,6 +26,7 @@ from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models.causal_flow_decoder import CausalConditionalDecoder, CausalConditionalDecoderConfig
 from cosyserve.models.flow import CFMParams, _euler_schedule
 from cosyserve.models.flow_stream import FlowStream, StepRows, StepState
+from cosyserve.models.flow_window import kept_after, takes_chunk
 from cosyserve.models.upsample_encoder import (
     PRE_LOOKAHEAD_LEN,
     UPSAMPLE_STRIDE,
@@ -208,7 +209,8 @@ class Chunk:
     def keep(self) -> int:
         """The frames final once the call is done (before it runs): its whole attention chunks, or with no
         lookahead (a bounded stream's last call) none of its own."""
-        return self.stream.kept_until(self.frames) if self.lookahead else self.stream.frames
+        s = self.stream
+        return kept_after(s.frames, self.frames, s.granularity, self.lookahead)
 
 
 class ChunkFlow(nn.Module):
@@ -337,7 +339,7 @@ class ChunkFlow(nn.Module):
     def takes_chunk(stream: FlowStream | None, streaming: bool, finalize: bool) -> bool:
         """Whether :meth:`inference` runs a call through its ``stream`` (a :class:`Chunk`): a streamed call that
         does not finalize, or any call of a bounded stream (``stream.context``: its last call too, chunk-causal)."""
-        return stream is not None and (streaming and not finalize or bool(stream.context))
+        return stream is not None and takes_chunk(bool(stream.context), streaming, finalize)
 
     def _plan(
         self,

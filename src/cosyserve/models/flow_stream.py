@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyserve.models.flow_window import dropped
+
 __all__ = ["FlowStream", "StepCache", "StepRows", "StepState", "attend"]
 
 
@@ -258,21 +260,14 @@ class FlowStream:
 
     def trim(self) -> None:
         """A bounded stream's kept generated frames cut to the most recent ``context`` or more (whole segments,
-        the oldest first); the segments that start within the prompt's frames are never dropped."""
+        the oldest first; :func:`~cosyserve.models.flow_window.dropped`, the lite stream's rule too)."""
         if not self.context or not self.steps or not self.steps[0].keys:
             return
         spans = [t.shape[2] for t in self.steps[0].keys[0]]  # frames of each kept segment (every layer alike)
-        pinned, end = 0, 0
-        while pinned < len(spans) and end < self.prompt:
-            end += spans[pinned]
-            pinned += 1
-        left, n = sum(spans[pinned:]), 0
-        while pinned + n < len(spans) and left - spans[pinned + n] >= self.context:
-            left -= spans[pinned + n]
-            n += 1
+        first, n = dropped(spans, self.prompt, self.context)
         if n:
             for cache in self.steps:
-                cache.drop(pinned, n)
+                cache.drop(first, n)
 
     def tensors(self) -> list[Tensor]:
         out = [t for s in (*self.steps, *self.encoder) for t in s.tensors()]

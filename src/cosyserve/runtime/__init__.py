@@ -103,7 +103,8 @@ class RuntimeOptions:
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         flow_context_seconds: seconds of generated speech a streamed CosyVoice2/3 request's flow attends to beyond
             its prompt, so that a chunk's cost and its state's memory stop growing (the last call then chunk-causal
-            too); 0: every frame, the reference's result. The torch runtime's incremental flow only.
+            too); 0: every frame, the reference's result. Both runtimes' incremental flows (lite: a CosyVoice2
+            bundle converted before its encoder graph took ``ahead`` ignores it with a warning).
         voice_cache_mb: memory for voices' precomputed flow states (CosyVoice2/3 streaming,
             :mod:`cosyserve.voices.voicestates`) and LM prompt prefixes (:class:`cosyserve.runtime.lm.Prefix`); 0
             keeps none.

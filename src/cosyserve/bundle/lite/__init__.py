@@ -31,7 +31,8 @@ LITE_VERSION = (
 # flow encoder keeps its stream state too (flow_mu_stream)
 # a voice's kept rows as inputs of their own (flow_estimator's kv_voice, CosyVoice2's flow_mu_stream's kv_*_voice: a
 # fork reads them where they are) are added inputs: a bundle whose graphs lack them still serves, its forks copying
-# the voice's rows (no version change)
+# the voice's rows (no version change); so is CosyVoice2's flow_mu_stream's `ahead` (0: a bounded stream's last call
+# without lookahead; its config's encoder_state.ahead says it is there): a bundle without it serves exact streams
 # the versions read: a version 2 bundle whose graphs version 3 did not change (no CosyVoice2 flow) is served as it is
 LITE_VERSIONS = (2, 3)
 TABLES_FILE = "tables.safetensors"

@@ -108,8 +108,10 @@ class EncoderGraph(nn.Module):
     layers, 2, 1, H, D) the kept tokens' keys and values in the conformer layers, ``kv_mel`` (ratio * S, up layers,
     2, 1, H, D) the kept frames' in the up layers, ``tail`` (1, C, 2 * stride) the upsampling conv's input before the
     kept boundary, ``kv_tok_voice``, ``kv_mel_voice`` a registered voice's kept rows, read before the stream's own
-    (0 rows: none) -> ``mu`` (1, 80, ratio * own tokens), ``kv_tok_new`` (commit, ...), ``kv_mel_new`` (ratio *
-    commit, ...), ``new_tail``. No kept rows, no lead and commit 0: the whole sequence's streamed ``mu``."""
+    (0 rows: none), ``ahead`` (1,) float32: 1, or 0 for a bounded stream's last call (its lookahead tokens then
+    count as none: their embeddings zeroed, as the torch encoder pads a call without lookahead) -> ``mu`` (1, 80,
+    ratio * own tokens), ``kv_tok_new`` (commit, ...), ``kv_mel_new`` (ratio * commit, ...), ``new_tail``. No kept
+    rows, no lead and commit 0: the whole sequence's streamed ``mu``."""
 
     def __init__(self, flow: nn.Module) -> None:
         super().__init__()
@@ -117,7 +119,7 @@ class EncoderGraph(nn.Module):
 
     def forward(
         self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor,
-        kv_tok_voice: Tensor, kv_mel_voice: Tensor,
+        kv_tok_voice: Tensor, kv_mel_voice: Tensor, ahead: Tensor,
     ) -> tuple[Tensor, ...]:  # fmt: skip
         ratio = self.flow.token_mel_ratio
         caches = [
@@ -126,19 +128,25 @@ class EncoderGraph(nn.Module):
                 kv_mel_voice.shape[0] + kv_mel.shape[0], commit * ratio, kv_mel, (tail,), kv_mel_voice
             ),
         ]
-        mu = self._mu(tokens, lead.shape[0], caches)
+        mu = self._mu(tokens, lead.shape[0], caches, ahead)
         return (mu, caches[0].kv_new(), caches[1].kv_new(), caches[1].new_tails[0])
 
-    def _mu(self, tokens: Tensor, lead: Any, caches: list[Any]) -> Tensor:
+    def _mu(self, tokens: Tensor, lead: Any, caches: list[Any], ahead: Tensor) -> Tensor:
         f = self.flow
         x = f.input_embedding(tokens.clamp(min=0))
-        return f._mu(x, f.pre_lookahead_len, True, SimpleNamespace(encoder=caches), lead)
+        layer = f.encoder.pre_lookahead_layer
+        f.encoder.pre_lookahead_layer = _ScaledContext(layer, ahead)
+        try:
+            return f._mu(x, f.pre_lookahead_len, True, SimpleNamespace(encoder=caches), lead)
+        finally:
+            f.encoder.pre_lookahead_layer = layer
 
     def reference(
         self, tokens: Tensor, lead: Tensor, commit: Tensor, kv_tok: Tensor, kv_mel: Tensor, tail: Tensor,
-        kv_tok_voice: Tensor, kv_mel_voice: Tensor,
+        kv_tok_voice: Tensor, kv_mel_voice: Tensor, ahead: Tensor,
     ) -> tuple[Tensor, ...]:  # fmt: skip
-        """The same through the torch flow's own stream state: what the graph is checked against at conversion."""
+        """The same through the torch flow's own stream state: what the graph is checked against at conversion
+        (``ahead`` 0: the torch flow's call without lookahead, the last tokens left out)."""
         ratio, caches = self.flow.token_mel_ratio, []
         for kv, voice, rows, tails in (
             (kv_tok, kv_tok_voice, int(commit), []),
@@ -147,7 +155,12 @@ class EncoderGraph(nn.Module):
             cache = _step_cache(tails, (voice, kv), 1)
             cache.begin(int(voice.shape[0] + kv.shape[0]), rows)
             caches.append(cache)
-        out = [self._mu(tokens, lead.shape[0], caches)]
+        f = self.flow
+        if float(ahead[0]):
+            out = [self._mu(tokens, lead.shape[0], caches, ahead)]
+        else:  # the torch flow's own rule for a call without lookahead
+            x = f.input_embedding(tokens[:, : -f.pre_lookahead_len].clamp(min=0))
+            out = [f._mu(x, 0, True, SimpleNamespace(encoder=caches), lead.shape[0])]
         for cache, kv in zip(caches, (kv_tok, kv_mel), strict=True):
             new = kv[:0]
             if cache.commit:
@@ -158,6 +171,17 @@ class EncoderGraph(nn.Module):
                 )
             out.append(new)
         return (*out, caches[1].tails[0])
+
+
+class _ScaledContext(nn.Module):
+    # the lookahead layer with its context (the lookahead tokens' embeddings) scaled by `scale`: 0 gives the zeros
+    # the layer pads with when it has none (a graph input, so that one graph serves both calls)
+    def __init__(self, layer: nn.Module, scale: Tensor) -> None:
+        super().__init__()
+        self.layer, self.scale = layer, scale
+
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        return self.layer(x, None if context is None else context * self.scale)
 
 
 class EstimatorGraph(nn.Module):
@@ -280,7 +304,7 @@ def share_weights(out: Path, graphs: list[str], data: str) -> None:
     (out / data).chmod(0o644)
 
 
-def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> dict[str, list[int]]:
+def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> dict[str, Any]:
     # CosyVoice2's flow_mu_stream with the encoder's stream state (EncoderGraph); returns its state's shapes:
     # {"tokens": [layers, heads, head_dim], "frames": [up layers, heads, head_dim], "tail": [channels, frames]}
     enc, look, ratio = flow.encoder, flow.pre_lookahead_len, flow.token_mel_ratio
@@ -294,7 +318,9 @@ def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> di
     }
     chunk = max(int(enc.cfg.static_chunk_size), 1)  # tokens
 
-    def case(voice: int, kept: int, lead: int, own: int, commit: int) -> tuple[Tensor, ...]:
+    def case(
+        voice: int, kept: int, lead: int, own: int, commit: int, ahead: bool = True
+    ) -> tuple[Tensor, ...]:
         # `own` tokens after `voice` kept ones of a voice's and `kept` of the stream's (and `lead` of their left
         # context), `commit` of them final
         def rows(n: int, rate: str) -> Tensor:
@@ -303,10 +329,10 @@ def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> di
         return (
             ex.ints(vocab, lead + own + look), torch.zeros(lead, dtype=torch.int64), torch.tensor(commit),
             rows(kept, "tokens"), rows(ratio * kept, "frames"), ex.randn(1, *shapes["tail"]),
-            rows(voice, "tokens"), rows(ratio * voice, "frames"),
+            rows(voice, "tokens"), rows(ratio * voice, "frames"), torch.ones(1) if ahead else torch.zeros(1),
         )  # fmt: skip
 
-    names = ["tokens", "lead", "commit", "kv_tok", "kv_mel", "tail0", "kv_tok_voice", "kv_mel_voice"]
+    names = ["tokens", "lead", "commit", "kv_tok", "kv_mel", "tail0", "kv_tok_voice", "kv_mel_voice", "ahead"]
     outs = ["mu", "kv_tok_new", "kv_mel_new", "new_tail0"]
     dynamic = {
         "tokens": {1: "n"}, "lead": {0: "l"}, "kv_tok": {0: "s"}, "kv_mel": {0: "f"}, "kv_tok_voice": {0: "vs"},
@@ -316,10 +342,11 @@ def _export_encoder(ex: Exporter, flow: nn.Module, vocab: int, short: int) -> di
     ex.graph(
         "flow_mu_stream", graph, case(chunk, chunk, lead, chunk + 5, chunk), names, outs, dynamic,
         [case(0, 0, 0, short, 0), case(0, 0, 0, 2 * chunk + 4, 2 * chunk),
-         case(0, 2 * chunk, lead, chunk + 7, chunk), case(2 * chunk, 0, lead, chunk + 7, chunk)],
+         case(0, 2 * chunk, lead, chunk + 7, chunk), case(2 * chunk, 0, lead, chunk + 7, chunk),
+         case(chunk, chunk, lead, chunk + 7, 0, ahead=False)],
         reference=graph.reference,
     )  # fmt: skip
-    return shapes
+    return {**shapes, "ahead": True}  # the graph takes `ahead` (a bounded stream's last call)
 
 
 def export_flow(ex: Exporter, flow: nn.Module) -> None:

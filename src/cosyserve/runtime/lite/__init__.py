@@ -203,6 +203,15 @@ def _pipeline(
         from cosyserve.runtime.lite.models import LiteFlow, LiteVocoder
 
         flow, hift = LiteFlow(lite, tables), LiteVocoder(lite, tables)
+    flow_context = o.flow_context_seconds
+    if flow_context and not getattr(flow, "bounds", True):
+        logger.warning(
+            "this CosyVoice2 bundle's encoder graph always reads its lookahead tokens, which a bounded stream's "
+            "last call has none of (its streams attend to every frame, exact; convert it again to bound them): "
+            "ignored flow_context_seconds=%g",
+            flow_context,
+        )
+        flow_context = 0.0
     policy = family.stream_policy(config, flow, o.chunk_policy, o.first_hop)
     pipeline: Pipeline
 
@@ -231,6 +240,7 @@ def _pipeline(
         instruct=bundle.instruct,
         default_voice=o.default_voice,
         flow_steps=o.flow_steps,
+        flow_context=flow_context,
         family=family,
         tokenizer=factory,
         config=config,
@@ -323,12 +333,6 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         if ignored:
             logger.warning(
                 "the lite runtime computes in float32 (or int8 LM steps); ignored %s", ", ".join(ignored)
-            )
-        if o.flow_context_seconds:
-            logger.warning(
-                "the lite runtime's flow has no bounded context (its streams attend to every frame, exact): "
-                "ignored flow_context_seconds=%g",
-                o.flow_context_seconds,
             )
         speakers = _read_speakers(bundle)
         # one registry folder for every model (registry_dir) keeps each family's voices apart, as the torch

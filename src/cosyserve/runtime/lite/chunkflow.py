@@ -31,6 +31,7 @@ import numpy as np
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
+from cosyserve.models.flow_window import kept_after, takes_chunk
 from cosyserve.runtime.lite import terminate
 from cosyserve.runtime.lite.flowstream import LiteFlowStream, StepState, empty_state
 from cosyserve.runtime.lite.models import LiteVocoder
@@ -68,6 +69,7 @@ class LiteChunkFlow:
         self.spk_w, self.spk_b = tables["flow.spk_affine.weight"], tables["flow.spk_affine.bias"]
         self.noise = tables["flow.noise"]  # (80, frames): the reference's fixed noise
         self._reads: dict[str, set[str]] = {}  # each graph's inputs
+        self.bounds = enc is None or bool(enc.get("ahead"))  # a stream may be bounded: see inference
 
     ops = ArrayOps(np)  # the array ops of the token2wav that drives it (numpy's)
 
@@ -129,10 +131,11 @@ class LiteChunkFlow:
                 lookahead only) or the utterance's end (full attention, no lookahead): the two calls the
                 reference's token2wav makes.
             stream: the request's :class:`LiteFlowStream` (:meth:`new_stream`), for a streamed chunk: only the
-                frames after the ones it keeps are computed, and it keeps the new final ones; ignored by the last
-                call (its full attention changes every frame: computed whole, as the reference does).
+                frames after the ones it keeps are computed, and it keeps the new final ones; the last call
+                ignores an unbounded one (computed whole) and goes through a bounded one (``stream.context``)
+                as the torch flow's (:mod:`cosyserve.models.flow_window`).
         """
-        if streaming == finalize:
+        if streaming == finalize and not (stream is not None and stream.context):
             raise ValueError(
                 "the lite flow runs a streamed chunk (streaming, not finalize) or the utterance's end (finalize, "
                 f"not streaming); got streaming={streaming}, finalize={finalize}"
@@ -149,18 +152,23 @@ class LiteChunkFlow:
         frames = self.token_mel_ratio * (ids.shape[1] - look)
         if f > frames:
             raise ValueError(f"prompt_feat has {f} frames, more than the {frames} the tokens make")
-        if stream is None or finalize:
-            scratch = empty_state(
-                self.kv_shape, self.tails, 2
-            )  # a whole call keeps nothing: one state, left empty
+        if stream is None or not takes_chunk(bool(stream.context), streaming, finalize):
+            scratch = empty_state(self.kv_shape, self.tails, 2)  # a whole call keeps nothing: one state
             whole = LiteFlowStream(self.granularity, steps, [scratch] * steps, self._empty_encoder())
-            return self._chunk(whole, 0, ids, prompt_feat[0], embedding, frames, streaming, should_stop)[
-                :, :, f:
-            ]
+            mel = self._chunk(whole, 0, ids, prompt_feat[0], embedding, frames, streaming, should_stop, look)
+            return mel[:, :, f:]
         if steps != stream.n_timesteps:
             raise ValueError(f"this stream runs {stream.n_timesteps} Euler steps, not {steps}")
-        keep = stream.kept_until(frames)
-        return self._chunk(stream, keep, ids, prompt_feat[0], embedding, frames, True, should_stop)[:, :, f:]
+        if finalize and not self.bounds:
+            raise ValueError(
+                "this bundle's CosyVoice2 encoder graph (flow_mu_stream) always reads its lookahead tokens: a "
+                "bounded stream's last call (no lookahead) needs the bundle converted again"
+            )
+        stream.prompt = self.token_mel_ratio * prompt_token.shape[1]
+        keep = kept_after(stream.frames, frames, stream.granularity, look)
+        mel = self._chunk(stream, keep, ids, prompt_feat[0], embedding, frames, True, should_stop, look)
+        stream.trim()
+        return mel[:, :, f:]
 
     def prefill(
         self,
@@ -181,7 +189,7 @@ class LiteChunkFlow:
         keep = stream.kept_until(ratio * (prompt_token.shape[1] - look))
         if keep > 0:
             ids = prompt_token[:, : keep // ratio + look].astype(np.int64)
-            self._chunk(stream, keep, ids, prompt_feat[0], embedding, keep, True, should_stop)
+            self._chunk(stream, keep, ids, prompt_feat[0], embedding, keep, True, should_stop, look)
         stream.freeze()
         return stream
 
@@ -218,9 +226,10 @@ class LiteChunkFlow:
         frames: int,
         streaming: bool,
         should_stop: ShouldStop | None,
+        look: int,
     ) -> np.ndarray:
-        # frames stream.frames .. frames-1 computed (ChunkFlow.run_chunks' rule), those before `keep` kept; returns
-        # the mel (1, 80, frames) of every frame (the kept ones' as they were computed)
+        # frames stream.frames .. frames-1 computed (ChunkFlow.run_chunks' rule), those before `keep` kept, the last
+        # `look` tokens lookahead only; returns the mel (1, 80, frames) of every frame (the kept ones' as computed)
         start, ratio, n = stream.frames, self.token_mel_ratio, self.output_size
         if frames <= start:
             raise ValueError(f"a stream's call must add frames: it keeps {start}, this call makes {frames}")
@@ -230,12 +239,13 @@ class LiteChunkFlow:
             )
         first = start // ratio
         lead = min(first, self.mu_lead)
-        if streaming and stream.encoder:  # CosyVoice2: its encoder runs the new tokens against its kept state
+        if streaming and stream.encoder:  # CosyVoice2: its encoder runs the new tokens on its state
             mu = self._encode(
-                stream.encoder, ids[:, first - lead :], lead, (keep - start) // ratio, should_stop
+                stream.encoder, ids[:, first - lead :], lead, (keep - start) // ratio, should_stop, look
             )
         else:
-            suffix = "_stream" if streaming else ""
+            # CosyVoice3's mu reads no attention: flow_mu (no lookahead) serves a bounded stream's last call too
+            suffix = "_stream" if look else ""
             (mu,) = terminate.run(
                 self.bundle.session("flow_mu" + suffix), {"tokens": ids[:, first - lead :]}, should_stop
             )
@@ -300,16 +310,20 @@ class LiteChunkFlow:
         lead: int,
         commit: int,
         should_stop: ShouldStop | None,
+        look: int | None = None,
     ) -> np.ndarray:
-        # CosyVoice2's flow_mu_stream: the call's own tokens (after `lead` of left context, before the lookahead)
+        # CosyVoice2's flow_mu_stream: the call's own tokens (after `lead` of left context, before the lookahead; none
+        # with `look` 0, a bounded stream's last call: placeholder tokens the graph zeroes by `ahead`)
         # against the encoder's kept state (its token rate's, its mel rate's), the first `commit` tokens' keys and
         # values (and their frames') written after the kept rows, the upsampling conv's tail at the new boundary;
         # -> mu (1, 80, ratio * own tokens)
-        ratio = self.token_mel_ratio
+        ratio, ahead = self.token_mel_ratio, look != 0
+        if not ahead:
+            tokens = np.concatenate([tokens, np.zeros((1, self.pre_lookahead_len), tokens.dtype)], axis=1)
         own = tokens.shape[1] - lead - self.pre_lookahead_len
         mu = np.empty((1, self.output_size, ratio * own), np.float32)
         inputs = {"tokens": tokens.astype(np.int64), "lead": np.zeros(lead, np.int64)}
-        inputs["commit"] = np.array(commit, np.int64)
+        inputs["commit"], inputs["ahead"] = np.array(commit, np.int64), np.full(1, float(ahead), np.float32)
         outputs: dict[str, np.ndarray | None] = {"mu": mu}
         rates = (("_tok", commit), ("_mel", ratio * commit))
         for state, (name, rows) in zip(states, rates, strict=True):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cosyserve.models.flow_window import dropped
+
 __all__ = ["LiteFlowStream", "StepState", "empty_state"]
 
 
@@ -68,6 +70,22 @@ class StepState:
             self.kept += commit
             self.tails, self.lent = tails, False
 
+    def drop(self, first: int, n: int) -> None:
+        """Forget kept rows ``first .. first + n - 1`` (this stream's own, after the voice's: a bounded stream's
+        oldest generated frames); the rows after them move up in the buffer."""
+        lent = 0 if self.voice is None else self.voice.shape[0]
+        if first < lent:
+            raise ValueError(f"a stream drops rows of its own, not its voice's ({lent}); asked from {first}")
+        a, own = first - lent, self.own
+        self.kv[a : own - n] = self.kv[a + n : own]  # numpy copies overlapping rows as if through a buffer
+        self.kept -= n
+
+    def spans(self, granularity: int) -> list[int]:
+        """The kept rows as a torch stream's segments (:class:`~cosyserve.models.flow_stream.StepCache`): the
+        voice's as one, then one per attention chunk (a call keeps whole chunks)."""
+        lent = 0 if self.voice is None else self.voice.shape[0]
+        return [lent] * bool(lent) + [granularity] * (self.own // granularity)
+
     def fork(self) -> StepState:
         # the fork reads this step's kept rows as its voice's, and keeps its own in a buffer of its own (none yet)
         rows = self.rows()
@@ -82,7 +100,10 @@ class StepState:
 class LiteFlowStream:
     """A stream's flow state in numpy (:class:`~cosyserve.models.flow_stream.FlowStream`'s): ``frames`` mel frames
     are final (a multiple of ``granularity``), their mel in ``mel`` (1, 80, frames), per Euler step a
-    :class:`StepState` and, for CosyVoice2, the encoder's at token rate and at mel rate (``encoder``)."""
+    :class:`StepState` and, for CosyVoice2, the encoder's at token rate and at mel rate (``encoder``).
+
+    ``context`` bounds the generated frames the estimator attends to and ``prompt`` is the frames never dropped, as
+    the torch stream's (0: every frame; :meth:`trim`, by the rule both share: :mod:`cosyserve.models.flow_window`)."""
 
     granularity: int
     n_timesteps: int
@@ -91,10 +112,24 @@ class LiteFlowStream:
     frames: int = 0
     mel: np.ndarray | None = None
     lent_mel: bool = False  # mel is the stream's it was forked from (until a call keeps frames)
+    context: int = 0
+    prompt: int = 0
 
     def kept_until(self, frames: int) -> int:
         """The frames final after a call that computes up to ``frames``: whole attention chunks only."""
         return frames // self.granularity * self.granularity if self.granularity else 0
+
+    def trim(self) -> None:
+        """A bounded stream's kept generated frames cut to the most recent ``context`` or more, whole attention
+        chunks, the oldest first, by the torch stream's rule (:func:`~cosyserve.models.flow_window.dropped`); the
+        prompt's frames (the voice's among them) stay. The encoder's state is not trimmed (nor the torch one's)."""
+        if not self.context or not self.steps:
+            return
+        spans = self.steps[0].spans(self.granularity)  # every step keeps the same rows
+        first, n = dropped(spans, self.prompt, self.context)
+        if n:
+            for state in self.steps:
+                state.drop(sum(spans[:first]), sum(spans[first : first + n]))
 
     def fork(self) -> LiteFlowStream:
         """A stream that continues from this one without changing it (a registered voice's, for a request): its
@@ -103,7 +138,8 @@ class LiteFlowStream:
         bundle's graphs, :meth:`StepState.reserve`)."""
         return LiteFlowStream(
             self.granularity, self.n_timesteps, [s.fork() for s in self.steps], [s.fork() for s in self.encoder],
-            frames=self.frames, mel=self.mel, lent_mel=self.mel is not None,
+            frames=self.frames, mel=self.mel, lent_mel=self.mel is not None, context=self.context,
+            prompt=self.prompt,
         )  # fmt: skip
 
     def freeze(self) -> None:
