@@ -285,7 +285,9 @@ def test_a_consumer_goes_on_with_its_requests_share_of_the_cores_after_its_last_
     try:
         assert list(loop.generate(_one_shot(lm, 0, n_text=6), row_key(1)))
         assert 0 in calls, "no step served zero rows: this test no longer covers the row's freeing step"
-        assert torch.get_num_threads() == 2, f"after its last step the request runs on {torch.get_num_threads()}"
+        assert torch.get_num_threads() == 2, (
+            f"after its last step the request runs on {torch.get_num_threads()}"
+        )
     finally:
         share.leave()
         torch.set_num_threads(1)  # the module's setting
