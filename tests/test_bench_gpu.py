@@ -1,8 +1,9 @@
 """bench/gpu.py cannot rot: its dry run (the GPU run's code on the CPU at tiny size) prints a table with every
 measurement the GPU run reports, filled, and its offline install step reads the requirements right.
 
-The dry run here serves one family (~15 s); the script's default dry run serves every default family, and the
-table's code is checked with several families below without serving them."""
+The dry run here serves one family (12-14 s with the load average at 4; 20-22 s when its levels sent up to 64
+requests); the script's default dry run serves every default family, and the table's code is checked with several
+families below without serving them."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import pytest
 
 from cosyserve.core.settings import SettingsError
 from cosyserve.deploy.ray_serve import deployment_options, settings_flags
+from server_util import wait_until
 
 
 def test_replicas_fixed_or_autoscaled() -> None:
@@ -189,18 +190,12 @@ def _cpu_per_second(pids: set[int], window: float = 0.5) -> float:
     return (_cpu_seconds(pids) - before) / window
 
 
-def _wait(cond: Any, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-
-
 def test_a_disconnected_stream_frees_its_replica(ray_app: int) -> None:
     # if this fails, a client that goes away keeps its replica synthesizing to nobody. Ray routes new requests
     # to the less busy replica, so the busy one is watched by its CPU time, not asked over HTTP. Each step waits
     # for its state with a generous bound: how much CPU a replica gets depends on what else runs on the machine
     pids = _replica_pids()
-    _wait(lambda: _cpu_per_second(pids) < 0.3, "the replicas are idle before the test")
+    wait_until(lambda: _cpu_per_second(pids) < 0.3, "the replicas are idle before the test", 60)
     start = _cpu_seconds(pids)
     s = socket.create_connection(("127.0.0.1", ray_app), timeout=30)
     body = json.dumps(
@@ -214,9 +209,11 @@ def test_a_disconnected_stream_frees_its_replica(ray_app: int) -> None:
     head = f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     s.sendall(head.encode() + body)
     assert s.recv(4096).startswith(b"HTTP/1.1 200"), "the stream started"
-    _wait(lambda: _cpu_seconds(pids) - start > 1.0, "a replica synthesizes the long stream (1 CPU s of it)")
+    wait_until(
+        lambda: _cpu_seconds(pids) - start > 1.0, "a replica synthesizes the long stream (1 CPU s of it)", 60
+    )
     s.close()
-    _wait(lambda: _cpu_per_second(pids) < 0.3, "the replicas idle again after the client left")
+    wait_until(lambda: _cpu_per_second(pids) < 0.3, "the replicas idle again after the client left", 60)
     # idle CPU alone could be a stream paused by backpressure; a freed replica takes new work at once. Ray sends
     # two requests that arrive together to the two replicas, so a replica still holding the dead stream (one
     # request at a time per replica) would keep one of them waiting past the timeout
