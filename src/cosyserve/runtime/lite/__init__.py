@@ -6,7 +6,8 @@ READY; the text tier and the other graphs' sessions follow in one background thr
 binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an open:
 the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
 full-size CosyVoice3 estimator in ~0.25 s instead of ~2.3 with a request running), and their serving forms
-(~30% faster runs) replace them when no request is in flight (:data:`UPGRADE_WAIT_S` at the latest).
+(~30% faster runs; the int8 LM step's prepacked form too) replace them when no request is in flight
+(:data:`UPGRADE_WAIT_S` at the latest).
 
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
@@ -116,7 +117,7 @@ class LiteRuntime(RuntimeVoices):
                 "%s: concurrent requests' LM rows step one after another: %s", self.path, self.llm.unbatched
             )
         self.background: threading.Thread | None = None
-        # graphs serving their quick form until the after-READY thread upgrades them
+        # graphs opened before READY in a quick form (the int8 LM step), upgraded after READY between requests
         self.quick: list[str] = []
         self.in_flight = InFlight()  # the token2wav graphs' upgrades wait for none (their opens hold the GIL)
 
@@ -401,19 +402,18 @@ def _upgrade_between_requests(runtime: LiteRuntime, names: list[str]) -> None:
 
 
 def _after_ready(runtime: LiteRuntime) -> threading.Thread:
-    """The rest of the start, in one thread after READY: the int8 LM step's serving form, the flow's and
-    vocoder's quick sessions, the text tier, the text encoder's session (and the zero-shot tier's when asked),
-    then the flow's and vocoder's serving forms between requests."""
+    """The rest of the start, in one thread after READY: the flow's and vocoder's quick sessions, the text tier,
+    the text encoder's session (and the zero-shot tier's when asked), then the serving forms of every graph
+    serving a quick form (the int8 LM step's too) between requests (the phase ``upgrades``, its waits included)."""
     o = runtime.options
     steps: list[tuple[str, Callable[[], Any]]] = []
-    for name in runtime.quick:  # first: a first request's LM steps run on it
-        steps.append((f"upgrade_{name}", lambda name=name: runtime.lite.upgrade(name)))
     graphs = runtime.lite.graphs
     token2wav = [n for n in graphs if not n.startswith("llm_")]
-    # quick forms now (before a first request needs them), serving forms between requests. No flow/vocoder warm-up
-    # run: ORT's first call costs no more than a later one, and a warm-up would take the cores from a first
-    # request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
-    quick: list[str] = []
+    # quick forms now (before a first request needs them), serving forms between requests, the int8 LM step's
+    # too (its prepacked open held the GIL ~1.1-1.7 s right after READY, longer than its quick steps cost a first
+    # request). No flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
+    # take the cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
+    quick: list[str] = list(runtime.quick)
     opened = lambda: quick.extend(n for n in token2wav if runtime.lite.open_quick(n))  # noqa: E731
     steps.append(("sessions_token2wav", opened))
     if o.text_tier == "background" and not o.fork_template:
@@ -423,7 +423,7 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     steps += runtime.pipeline.after_ready()  # CosyVoice3's fixed vocoder noise, not by a first request
     if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
-    steps.append(("upgrade_token2wav", lambda: _upgrade_between_requests(runtime, quick)))
+    steps.append(("upgrades", lambda: _upgrade_between_requests(runtime, quick)))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
     )
