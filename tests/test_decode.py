@@ -283,7 +283,7 @@ def test_a_consumer_goes_on_with_its_requests_share_of_the_cores_after_its_last_
     loop = DecodeLoop(lm, 2, before_step=before_step, name="test")
     share.enter()  # the request counted as running, as the torch runtime's share() does
     try:
-        assert list(loop.generate(_one_shot(lm, 0, n_text=6), row_key(1)))
+        assert list(loop.generate(_one_shot(lm, 0, n_text=6, max_tokens=8), row_key(1)))
         assert 0 in calls, "no step served zero rows: this test no longer covers the row's freeing step"
         assert torch.get_num_threads() == 2, (
             f"after its last step the request runs on {torch.get_num_threads()}"
