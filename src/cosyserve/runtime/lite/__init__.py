@@ -119,7 +119,7 @@ class LiteRuntime(RuntimeVoices):
         self.background: threading.Thread | None = None
         # graphs opened before READY in a quick form (the int8 LM step), upgraded after READY between requests
         self.quick: list[str] = []
-        self.in_flight = InFlight()  # the token2wav graphs' upgrades wait for none (their opens hold the GIL)
+        self.in_flight = InFlight()  # the quick sessions' upgrades wait for none (their opens hold the GIL)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
