@@ -163,15 +163,9 @@ class DecodeLoop:
     def _drive(self, row: Row) -> Any:
         # step here until the row has an item; while another consumer steps, wait for the item or that step's end
         while True:
-            with self._cv:
-                while self._busy and row.out.empty():
-                    self._cv.wait()
-                if not row.out.empty():
-                    return row.out.get_nowait()
-                self._busy = True
-            ran = self._step_here()
-            if not row.out.empty():
+            if not self._claim(row):
                 return row.out.get_nowait()
+            ran = self._step_here()  # its item, if the step gave one, is taken by the next claim
             with self._cv:
                 if not ran and row.out.empty():
                     if row.slot >= 0 or self._closed or not self._waiting:
@@ -206,11 +200,18 @@ class DecodeLoop:
                     row.cancelled = True
                     self._cv.notify()
             if not self.threaded:
-                with self._cv:
-                    while self._busy:
-                        self._cv.wait()
-                    self._busy = True
+                self._claim()
                 self._step_here()  # frees the row now: the next run may need it
+
+    def _claim(self, row: Row | None = None) -> bool:
+        # wait until no consumer steps and claim the next step (True), or until ``row`` has an item (False)
+        with self._cv:
+            while self._busy and (row is None or row.out.empty()):
+                self._cv.wait()
+            if row is not None and not row.out.empty():
+                return False
+            self._busy = True
+            return True
 
     def _step_here(self) -> bool:
         # _busy claimed: one step in this consumer's thread, then its own request's share of the cores (False: none ran)
@@ -271,8 +272,8 @@ class DecodeLoop:
 
     def _runnable_locked(self) -> bool:
         # something for a step to do: joiners, text, cancelled rows, or a row to sample
-        busy = any(r.cancelled or r.pieces for r in self._active)
-        return bool((self._waiting and self._free) or busy or self._eligible())
+        pending = any(r.cancelled or r.pieces for r in self._active)
+        return bool((self._waiting and self._free) or pending or self._eligible())
 
     def _eligible(self) -> list[Row]:
         return [r for r in self._active if r.ready and not (r.stalled or r.finished) and r.lead < self.ahead]
