@@ -39,6 +39,7 @@ from cosyserve.core.errors import BundleError
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.stop import latched
 from cosyserve.runtime import RuntimeOptions
+from cosyserve.runtime.cores import Running
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot
 from cosyserve.runtime.modes import RuntimeVoices
@@ -50,29 +51,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["UPGRADE_WAIT_S", "LiteRuntime", "load"]
 
 UPGRADE_WAIT_S = 20.0  # the longest a quick session waits for no request in flight before its upgrade anyway
-
-
-class InFlight:
-    """Requests in flight (counted from their first chunk asked for to their end or close), and a wait for none."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self._cv = threading.Condition()
-
-    def track(self, chunks: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
-        with self._cv:
-            self.running += 1
-        try:
-            yield from chunks
-        finally:
-            with self._cv:
-                self.running -= 1
-                self._cv.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Until no request is in flight (True) or ``timeout`` seconds passed (False)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self.running == 0, timeout)
 
 
 class LiteRuntime(RuntimeVoices):
@@ -119,7 +97,7 @@ class LiteRuntime(RuntimeVoices):
         self.background: threading.Thread | None = None
         # graphs opened before READY in a quick form (the int8 LM step), upgraded after READY between requests
         self.quick: list[str] = []
-        self.in_flight = InFlight()  # the quick sessions' upgrades wait for none (their opens hold the GIL)
+        self.in_flight = Running()  # the quick sessions' upgrades wait for none (their opens hold the GIL)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
@@ -414,8 +392,11 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # request). No flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
     # take the cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     quick: list[str] = list(runtime.quick)
-    opened = lambda: quick.extend(n for n in token2wav if runtime.lite.open_quick(n))  # noqa: E731
-    steps.append(("sessions_token2wav", opened))
+
+    def open_quick() -> None:
+        quick.extend(n for n in token2wav if runtime.lite.open_quick(n))
+
+    steps.append(("sessions_token2wav", open_quick))
     if o.text_tier == "background" and not o.fork_template:
         steps.append(("text_tier", runtime.pipeline.load_text_tier))
     if "llm_text" in graphs:  # CosyVoice-300M's text encoder (the Qwen LM's text embedding is a table)
