@@ -63,7 +63,9 @@ def server(
                     models = c.get("/v1/startup").json()["models"]
                     return next(iter(models.values()), {}).get("phases_ms", {})
 
-                wait_until(lambda: "upgrades" in phases(), lambda: f"no upgrades yet: {phases()}", poll_s=0.05)
+                wait_until(
+                    lambda: "upgrades" in phases(), lambda: f"no upgrades yet: {phases()}", poll_s=0.05
+                )
         yield s
 
 
