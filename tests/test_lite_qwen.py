@@ -129,6 +129,25 @@ def test_manifest_records_the_check_and_the_int8_delta(qwen_bundles: dict) -> No
     np.testing.assert_allclose(a, b, atol=0.5)  # ... computing nearly the same thing
 
 
+def test_ready_waits_for_one_lm_call_of_warm_up(qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up before READY runs the LM's graph once (a one-position prefill and sampling: what it saves a
+    first request is faulting in the mapped weights). If this fails, READY waits for a call (a decode step: ~75 ms
+    at full size fp32) that saves a first request nothing: ORT's first call of a shape costs no more than a
+    later one."""
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+    from cosyserve.runtime.lite.lm import StepLM
+
+    calls: list[str] = []
+    for name in ("_run_step", "_run_batch"):
+        real = getattr(StepLM, name)
+        monkeypatch.setattr(StepLM, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    rt = load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(text_tier="lazy"), runtime="lite")
+    try:
+        assert calls == ["_run_step"], calls
+    finally:
+        rt.close()
+
+
 def test_int8_step_graph_opens_quick_before_ready_and_prepacked_after(qwen_bundles: dict) -> None:
     """READY waits for the int8 step graph's quick form (no prepacking: 0.05 s instead of 0.36 at full size); the
     after-READY thread swaps its prepacked form in between requests, after what a first request needs (the text
@@ -329,7 +348,10 @@ def test_the_flow_estimators_attention_is_one_fused_op_per_layer(qwen_bundles: d
     for family, bundle in qwen_bundles.items():
         graph = onnx.load(str(bundle / "lite" / "flow_estimator.onnx"), load_external_data=False).graph
         ops = [n.op_type for n in graph.node]
-        assert ops.count("MultiHeadAttention") >= 2 and "IsNaN" not in ops and "Softmax" not in ops, (family, ops)
+        assert ops.count("MultiHeadAttention") >= 2 and "IsNaN" not in ops and "Softmax" not in ops, (
+            family,
+            ops,
+        )
 
 
 # -- served: the lite runtime over the shared pipeline, beside the torch runtime on the same bundle ------------------

@@ -1,8 +1,8 @@
 """The lite runtime: a bundle's ``lite/`` ONNX graphs on ONNX Runtime, driven by numpy; no torch in the process.
 
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
-step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs one decode step and returns
-READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
+step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs it once (a one-position prefill)
+and returns READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
 binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an open:
 the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
 full-size CosyVoice3 estimator in ~0.25 s instead of ~2.3 with a request running), and their serving forms
@@ -352,13 +352,15 @@ def _open_lm(runtime: LiteRuntime) -> None:
 
 
 def _warm_up_lm(lm: Any) -> None:
-    # a one-position prefill, a decode step and sampling (ORT's first call costs no more than a later one), on a
-    # copy with caches of its own (requests may be running): nothing is left behind
+    # a one-position prefill and sampling, on a copy with caches of its own (requests may be running): nothing is
+    # left behind. What it saves a first request is faulting in the mapped weights (~24,000 faults, ~90 ms at full
+    # size fp32); ORT's first call of a shape costs no more than a later one, so no decode step: after this warm-up
+    # a prefill and a decode step took 126-133 ms, as warm (120-141), and READY is one LM call (~60-90 ms) sooner
     import copy
 
     lm = copy.copy(lm)
     lm.release()
-    list(generate(lm, OneShot(lm.warmup_prompt(), 2, 2), 0))
+    list(generate(lm, OneShot(lm.warmup_prompt(), 1, 1), 0))
 
 
 def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:
