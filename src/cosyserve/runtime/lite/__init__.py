@@ -6,8 +6,8 @@ and returns READY; the text tier and the other graphs' sessions follow in one ba
 binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an open:
 the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
 full-size CosyVoice3 estimator in ~0.25 s instead of ~2.3 with a request running), and their serving forms
-(~30% faster runs; the int8 LM step's prepacked form too) replace them after the text tier, requests in flight or
-not (a run in flight finishes on the session it holds).
+(~30% faster runs; the int8 LM step's prepacked form too) replace them when no request is in flight
+(:data:`UPGRADE_WAIT_S` at the latest).
 
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
@@ -39,6 +39,7 @@ from cosyserve.core.errors import BundleError
 from cosyserve.core.request import SynthesisRequest
 from cosyserve.core.stop import latched
 from cosyserve.runtime import RuntimeOptions
+from cosyserve.runtime.cores import Running
 from cosyserve.runtime.decode import DecodeLoop
 from cosyserve.runtime.lm import OneShot
 from cosyserve.runtime.modes import RuntimeVoices
@@ -47,7 +48,11 @@ from cosyserve.system.cpus import default_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LiteRuntime", "load"]
+__all__ = ["UPGRADE_WAIT_S", "LiteRuntime", "load"]
+
+UPGRADE_WAIT_S = (
+    20.0  # the longest the quick sessions wait for no request in flight before their upgrades anyway
+)
 
 
 class LiteRuntime(RuntimeVoices):
@@ -92,12 +97,13 @@ class LiteRuntime(RuntimeVoices):
                 "%s: concurrent requests' LM rows step one after another: %s", self.path, self.llm.unbatched
             )
         self.background: threading.Thread | None = None
-        # graphs opened before READY in a quick form (the int8 LM step), upgraded after READY
+        # graphs opened before READY in a quick form (the int8 LM step), upgraded after READY between requests
         self.quick: list[str] = []
+        self.in_flight = Running()  # the quick sessions' upgrades wait for none (their opens hold the GIL)
 
     def start(self, request: SynthesisRequest, should_stop: Callable[[], bool]) -> Iterator[np.ndarray]:
         # the decode loop and ORT's terminate watcher ask it too: once stopped, nobody asks again
-        return self.pipeline.run(request, latched(should_stop))
+        return self.in_flight.track(self.pipeline.run(request, latched(should_stop)))
 
     def on_lm_step(self, record: Callable[[int], None]) -> None:
         self.pipeline.decoder.on_step = record
@@ -370,20 +376,31 @@ def _run_steps(steps: list[tuple[str, Callable[[], Any]]], clock: Any) -> None:
         clock.add(phase, (time.perf_counter() - t) * 1e3, start)
 
 
+def _upgrade_between_requests(runtime: LiteRuntime, names: list[str]) -> None:
+    # each graph at a moment with no request in flight, all by one deadline (a wait of UPGRADE_WAIT_S per graph
+    # kept a long first request's successor on quick forms too). Not during a request: an open holds the GIL, and
+    # a first request's LM steps (short ORT calls between Python) stop for all of it; measured without the wait
+    # (full-size CosyVoice3, 2-core Xeon): a first streamed request with a registered voice gave its first audio
+    # 1.10-1.16x torch's (fp32; int8 1.28-1.37x) instead of 0.95-0.97x, while a first zero-shot one (~10 s of flow
+    # for its prompt, long ORT calls) gained 2-3 s
+    deadline = time.monotonic() + UPGRADE_WAIT_S
+    for name in names:
+        if not runtime.in_flight.wait_idle(max(0.0, deadline - time.monotonic())):
+            logger.info("%s: upgrading the %s session with requests in flight", runtime.path, name)
+        runtime.lite.upgrade(name)
+
+
 def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     """The rest of the start, in one thread after READY: the flow's and vocoder's quick sessions, the text tier,
     the text encoder's session (and the zero-shot tier's when asked), then the serving forms of every graph
-    serving a quick form (the int8 LM step's too: the phase ``upgrades``), requests in flight or not."""
+    serving a quick form (the int8 LM step's too) between requests (the phase ``upgrades``, its waits included)."""
     o = runtime.options
     steps: list[tuple[str, Callable[[], Any]]] = []
     graphs = runtime.lite.graphs
     token2wav = [n for n in graphs if not n.startswith("llm_")]
-    # quick forms now (before a first request needs them), serving forms after what a first request needs (the
-    # text tier): an open holds the GIL (the estimator's ~1.4 s), but a request in flight then runs on at the
-    # serving forms' speed; waiting for no request in flight cost more than the stall (full-size CosyVoice3, 2-core
-    # Xeon: a first zero-shot request, its prompt's flow state ~10 s on the quick forms, gave its first audio 2-3 s
-    # later, and the one after it ran on quick forms too; a short first request the same either way). No
-    # flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
+    # quick forms now (before a first request needs them), serving forms between requests, the int8 LM step's
+    # too (its prepacked open held the GIL ~1.1-1.7 s right after READY, longer than its quick steps cost a first
+    # request). No flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
     # take the cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     quick: list[str] = list(runtime.quick)
 
@@ -398,7 +415,7 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     steps += runtime.pipeline.after_ready()  # CosyVoice3's fixed vocoder noise, not by a first request
     if o.zero_shot_tier == "background" and "zero_shot" in runtime.pipeline.available_modes():
         steps.append(("zero_shot_tier", lambda: runtime.pipeline.frontend().load_sessions()))
-    steps.append(("upgrades", lambda: [runtime.lite.upgrade(name) for name in quick]))
+    steps.append(("upgrades", lambda: _upgrade_between_requests(runtime, quick)))
     thread = threading.Thread(
         target=_run_steps, args=(steps, runtime.clock), name="cosyserve-lite-after-ready", daemon=True
     )
