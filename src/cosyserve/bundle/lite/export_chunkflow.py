@@ -114,9 +114,8 @@ class GraphStepCache:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         keys, values = self.segments(k, v, dim=2)
         k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        if (
-            mask is not None
-        ):  # the kept frames seen whole: an additive bias (1, 1, n, kept + n), -inf = masked
+        if mask is not None:
+            # the kept frames seen whole: an additive bias (1, 1, n, kept + n), -inf = masked
             seen = torch.cat([mask.new_ones(mask.shape[0], k.shape[2] - mask.shape[1]), mask], dim=1)
             mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, -math.inf)[None, None]
         return _MultiHeadAttention.apply(q, k, v, mask, int(q.shape[1]))

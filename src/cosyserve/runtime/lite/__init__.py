@@ -2,12 +2,12 @@
 
 :func:`load` reads the bundle's manifest and speakers (safetensors, numpy), checks the lite files, opens the LM's
 step graph (no weight prepacking: it opens in ~0.1 s over mapped weights), runs it once (a one-position prefill)
-and returns READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's Python
-binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an open:
-the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
+and returns READY; the text tier and the other graphs' sessions follow in one background thread. ONNX Runtime's
+Python binding holds the GIL while a session opens, so every Python thread (a first request's too) waits for an
+open: the flow's and vocoder's graphs open first in a quick form (no weight prepacking, no graph rewrites: the
 full-size CosyVoice3 estimator in ~0.25 s instead of ~2.3 with a request running), and their serving forms
-(~30% faster runs; the int8 LM step's prepacked form too) replace them when no request is in flight
-(:data:`UPGRADE_WAIT_S` at the latest).
+(faster runs; the int8 LM step's prepacked form too) replace them when no request is in flight
+(:data:`UPGRADE_WAIT_S` after the text tier at the latest).
 
 Every bundle is served by the shared :class:`~cosyserve.runtime.pipeline.Pipeline` (numpy arrays through its
 :class:`~cosyserve.core.sampling.ArrayOps`) over the lite LM (:mod:`cosyserve.runtime.lite.lm`) and the flow's
@@ -50,9 +50,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["UPGRADE_WAIT_S", "LiteRuntime", "load"]
 
-UPGRADE_WAIT_S = (
-    20.0  # the longest the quick sessions wait for no request in flight before their upgrades anyway
-)
+UPGRADE_WAIT_S = 20.0  # the longest the quick sessions wait for no request in flight before their upgrades
 
 
 class LiteRuntime(RuntimeVoices):
