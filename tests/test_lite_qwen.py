@@ -222,6 +222,45 @@ def test_the_upgrades_wait_for_an_idle_moment_by_one_deadline_for_all_graphs(
     assert timed_out and sum(timed_out) <= 0.5 * 1.01, waits
 
 
+def test_an_upgrade_opens_the_serving_form_once_the_quick_ones_run_in_flight_returns(
+    qwen_bundles: dict,
+) -> None:
+    """A quick session's run in flight keeps its mapped weights resident; the serving form's open reads every
+    weight to prepack it. If this fails, the two are held at once whenever a request is in flight at the upgrade
+    (full-size CosyVoice3: a 4.9 GB peak instead of 3.5)."""
+    from cosyserve.runtime.lite.models import LiteBundle
+
+    lite = LiteBundle(qwen_bundles["cosyvoice3"], verify="none", threads=1)
+    assert lite.open_quick("flow_estimator")
+    order: list[str] = []
+    release = threading.Event()
+
+    class Blocking:  # the quick session, its one run held in flight until released
+        def run(self, *args: Any) -> list[Any]:
+            release.wait(60)
+            order.append("run returned")
+            return []
+
+    lite.sessions["flow_estimator"].session = Blocking()
+    real_open = lite._open
+    lite._open = lambda name, quick: order.append("serving form opened") or real_open(name, quick)  # type: ignore[method-assign]
+    quick = lite.session("flow_estimator")
+    run = threading.Thread(target=quick.run, args=(None, {}))
+    run.start()
+    for _ in range(6000):  # the run in flight before the upgrade starts
+        if quick.active:
+            break
+        threading.Event().wait(0.01)
+    upgrade = threading.Thread(target=lite.upgrade, args=("flow_estimator",))
+    upgrade.start()
+    upgrade.join(0.5)  # time to open the serving form, had it not waited
+    release.set()
+    run.join(60)
+    upgrade.join(60)
+    assert order == ["run returned", "serving form opened"], order
+    assert not hasattr(lite.sessions["flow_estimator"], "active"), "the serving form is not the quick one"
+
+
 def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bundles: dict) -> None:
     """The check runs the model's own cached attention on the graph's inputs: a graph exported from other weights
     (here the module with one weight changed after export) is refused, the unchanged module is accepted."""
