@@ -248,7 +248,7 @@ def test_an_upgrade_opens_the_serving_form_once_the_quick_ones_run_in_flight_ret
     run = threading.Thread(target=quick.run, args=(None, {}))
     run.start()
     for _ in range(6000):  # the run in flight before the upgrade starts
-        if quick.active:
+        if quick.runs.running:
             break
         threading.Event().wait(0.01)
     upgrade = threading.Thread(target=lite.upgrade, args=("flow_estimator",))
@@ -258,7 +258,7 @@ def test_an_upgrade_opens_the_serving_form_once_the_quick_ones_run_in_flight_ret
     run.join(60)
     upgrade.join(60)
     assert order == ["run returned", "serving form opened"], order
-    assert not hasattr(lite.sessions["flow_estimator"], "active"), "the serving form is not the quick one"
+    assert not hasattr(lite.sessions["flow_estimator"], "runs"), "the serving form is not the quick one"
 
 
 def test_the_export_check_refuses_a_graph_that_differs_from_the_module(qwen_bundles: dict) -> None:

@@ -112,13 +112,13 @@ class GraphStepCache:
         return [*(kk for kk, _ in kept), k], [*(vv for _, vv in kept), v]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        keys, values = self.segments(k, v, dim=2)
-        k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        if mask is not None:
-            # the kept frames seen whole: an additive bias (1, 1, n, kept + n), -inf = masked
-            seen = torch.cat([mask.new_ones(mask.shape[0], k.shape[2] - mask.shape[1]), mask], dim=1)
-            mask = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, -math.inf)[None, None]
-        return _MultiHeadAttention.apply(q, k, v, mask, int(q.shape[1]))
+        from cosyserve.models.flow_stream import joined
+
+        k, v, seen = joined(*self.segments(k, v, dim=2), mask)
+        bias = None  # the mask as an additive bias (1, 1, n, kept + n), -inf = masked
+        if seen is not None:
+            bias = torch.zeros(seen.shape, dtype=q.dtype).masked_fill(~seen, -math.inf)[None, None]
+        return _MultiHeadAttention.apply(q, k, v, bias, int(q.shape[1]))
 
     def extend(self, k: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
         ks, vs = self.segments(k, v, dim)

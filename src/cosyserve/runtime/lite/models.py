@@ -33,6 +33,7 @@ from cosyserve.core.errors import BundleError
 from cosyserve.core.sampling import ArrayOps
 from cosyserve.core.stop import ShouldStop, check
 from cosyserve.models import lite_dsp as dsp
+from cosyserve.runtime.cores import Running
 from cosyserve.runtime.lite import terminate
 
 __all__ = ["LiteBundle", "LiteFlow", "LiteVocoder", "session_options"]
@@ -76,8 +77,7 @@ class CountedRuns:
 
     def __init__(self, session: Any) -> None:
         self.session = session
-        self.active = 0
-        self._cv = threading.Condition()
+        self.runs = Running()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)
@@ -89,19 +89,11 @@ class CountedRuns:
         return self._counted(self.session.run_with_iobinding, args, kwargs)
 
     def _counted(self, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with self._cv:
-            self.active += 1
+        self.runs.enter()
         try:
             return call(*args, **kwargs)
         finally:
-            with self._cv:
-                self.active -= 1
-                self._cv.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Until no run is in flight (True) or ``timeout`` seconds passed (False)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self.active == 0, timeout)
+            self.runs.leave()
 
 
 class LiteBundle:
@@ -229,7 +221,7 @@ class LiteBundle:
         with self._lock:
             quick = self.sessions.pop(name, None)
             if isinstance(quick, CountedRuns):
-                quick.wait_idle(wait_s)
+                quick.runs.wait_idle(wait_s)
             del quick
             self.sessions[name] = self._open(name, quick=False)
 
