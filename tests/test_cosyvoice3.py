@@ -300,3 +300,23 @@ def test_the_numpy_noise_replay_is_the_references_buffers(cv3_set_dir: Path) -> 
     )
     assert np.array_equal(noise["rand_ini"], rand_ini)
     assert np.array_equal(noise["sine_waves"][:, : sine_waves.shape[1]], sine_waves)
+
+
+def test_the_noise_grown_in_steps_equals_the_noise_drawn_at_once(cv3_set_dir: Path) -> None:
+    """A longer prefix of the vocoder noise draws only what it adds, from where the generator stopped. If this
+    fails, a stream that outgrows the first 10 s reads noise that is not the reference's past that point (the
+    generator restarted or skipped), or a prefix handed out earlier changed under a request reading it."""
+    from cosyserve.families import family_named
+    from cosyserve.families.cosyvoice3.noise import INITIAL_SAMPLES, VocoderNoise
+
+    config = family_named("cosyvoice3").read_config(cv3_set_dir / "model")
+    grown = VocoderNoise(config)
+    first = grown.draws(1)
+    kept = first["sine_waves"].copy()
+    assert first["sine_waves"].shape[1] == INITIAL_SAMPLES
+    longer = grown.draws(INITIAL_SAMPLES + 7)
+    assert longer["sine_waves"].shape[1] == 2 * INITIAL_SAMPLES  # doubling, not one more sample at a time
+    assert np.array_equal(first["sine_waves"], kept)
+    at_once = VocoderNoise(config).draws(2 * INITIAL_SAMPLES)
+    assert np.array_equal(longer["rand_ini"], at_once["rand_ini"])
+    assert np.array_equal(longer["sine_waves"], at_once["sine_waves"])

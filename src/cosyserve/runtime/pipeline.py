@@ -195,7 +195,8 @@ class Pipeline(ModelModes):
     def after_ready(self) -> list[tuple[str, Callable[[], Any]]]:
         """The one-time work of this model's requests that a runtime runs after READY (each runtime in its
         after-READY thread), so that no first request pays it: ``(phase, work)`` pairs. CosyVoice3's fixed
-        vocoder noise is replayed once here (numpy, ~0.1 s at full size; its token2wav's ``noise``)."""
+        vocoder noise is replayed once here (numpy: its first 10 s, 23-39 ms at full size; its token2wav's
+        ``noise``)."""
         noise = getattr(self.token2wav, "noise", None)
         return [] if noise is None else [("vocoder_noise", lambda: noise.draws(1))]
 

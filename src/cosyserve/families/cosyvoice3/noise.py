@@ -8,7 +8,8 @@ by the flow's CFM constructor, which drew its own noise (``randn(1, 80, 15000)``
 and speaker projection and of the vocoder's f0 predictor, in that order (KINDS-cosyvoice3.md). Replaying those draws with the same shapes gives the
 same buffers, bit for bit (checked against the fixtures' recorded buffers), so a served model speaks as the
 reference's does. Only a prefix of ``sine_waves`` is ever read (one sample row per output sample of a vocoder
-call): it is made as long as calls need, and no longer.
+call): it is made as long as calls need (10 s at first, doubling), the generator kept where it stopped so that a
+longer prefix draws only what it adds.
 
 The replay is numpy's, without torch (both runtimes use it; a lite bundle carries no noise, only the shapes in its
 manifest's config): torch's CPU generator is a 32-bit Mersenne Twister seeded as ``init_genrand(seed)``; a float32
@@ -30,6 +31,7 @@ __all__ = ["REFERENCE_SAMPLES", "VocoderNoise", "draws_before"]
 REFERENCE_SAMPLES = 7_200_000  # the reference's buffer: a vocoder call over more samples fails there
 FLOW_NOISE = 80 * 15000  # the flow's fixed noise, randn(1, 80, 15000)
 SEED = 0
+INITIAL_SAMPLES = 240_000  # 10 s at 24 kHz: the first prefix drawn
 
 
 def _get(config: Any, name: str) -> Any:
@@ -88,9 +90,11 @@ class VocoderNoise:
         self.harmonics = int(_get(_get(config, "hift"), "nb_harmonics")) + 1
         self._lock = threading.Lock()
         self._buffers: dict[str, np.ndarray] | None = None
+        self._bg: np.random.MT19937 | None = None  # after the last sine_waves row drawn
 
     def draws(self, samples: int) -> dict[str, np.ndarray]:
-        """``{"rand_ini": [1, H], "sine_waves": [1, >= samples, H]}`` float32 for a vocoder call of ``samples``."""
+        """``{"rand_ini": [1, H], "sine_waves": [1, >= samples, H]}`` float32 for a vocoder call of ``samples``.
+        The arrays returned are never written afterwards (a longer prefix is a new array)."""
         if samples > REFERENCE_SAMPLES:
             raise ValueError(
                 f"a vocoder call over {samples} samples exceeds the reference's noise buffer "
@@ -99,18 +103,24 @@ class VocoderNoise:
         with self._lock:
             have = self._buffers
             if have is None or have["sine_waves"].shape[1] < samples:
-                # at least a minute at 24 kHz, doubling: a few regenerations per process at most
-                n = min(
-                    REFERENCE_SAMPLES,
-                    max(samples, 2 * (0 if have is None else have["sine_waves"].shape[1]), 1_440_000),
-                )
-                self._buffers = have = self._replay(n)
+                # 10 s at 24 kHz at first (a start draws ~30 ms of it, not the ~0.1-0.2 s a minute took while a
+                # first request's LM prefill ran beside it), then doubling
+                before = 0 if have is None else have["sine_waves"].shape[1]
+                n = min(REFERENCE_SAMPLES, max(samples, 2 * before, INITIAL_SAMPLES))
+                self._buffers = have = self._extend(have, n)
         return have
 
-    def _replay(self, samples: int) -> dict[str, np.ndarray]:
-        bg, h = _mt19937(SEED), self.harmonics
-        for i in range(0, self.skip, 1 << 22):
-            bg.random_raw(min(1 << 22, self.skip - i))
-        rand_ini = _uniform(bg, h).reshape(1, h)
-        rand_ini[:, 0] = 0
-        return {"rand_ini": rand_ini, "sine_waves": _uniform(bg, samples * h).reshape(1, samples, h)}
+    def _extend(self, have: dict[str, np.ndarray] | None, samples: int) -> dict[str, np.ndarray]:
+        h = self.harmonics
+        if have is None or self._bg is None:
+            bg = self._bg = _mt19937(SEED)
+            bg.random_raw(self.skip, output=False)  # advanced, nothing stored
+            rand_ini = _uniform(bg, h).reshape(1, h)
+            rand_ini[:, 0] = 0
+            have = {"rand_ini": rand_ini, "sine_waves": np.empty((1, 0, h), np.float32)}
+        before = have["sine_waves"].shape[1]
+        more = _uniform(self._bg, (samples - before) * h).reshape(1, samples - before, h)
+        return {
+            "rand_ini": have["rand_ini"],
+            "sine_waves": np.concatenate([have["sine_waves"], more], axis=1),
+        }
