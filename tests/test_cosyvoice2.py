@@ -175,3 +175,29 @@ def test_a_broken_tokenizer_file_is_refused_at_conversion(cv2_model_dir: Path, t
     (broken / "CosyVoice-BlankEN" / "tokenizer_config.json").unlink()
     with pytest.raises(ModelDirError, match="tokenizer_config.json"):
         convert(broken, tmp_path / "b2", progress=False)
+
+
+def test_the_qwen_vocabulary_maps_each_character_to_its_byte_and_refuses_what_is_not_byte_level(
+    tmp_path: Path,
+) -> None:
+    """The vocabulary's tokens become bytes through GPT-2's byte stand-ins (all tokens at once): if this fails, a
+    token's bytes are wrong (its text encodes to other ids than the reference's), or a vocabulary that is not
+    byte-level BPE (a space, a CJK character, a lone surrogate in a token; a negative or boolean id) is served
+    instead of refused with the file and the token named."""
+    from cosyserve.core.errors import ModelDirError
+    from cosyserve.frontend.qwen_tokenizer import _byte_ranks, _unicode_to_byte
+
+    stand_in = {b: ch for ch, b in _unicode_to_byte().items()}
+    words = [b"hello", b" world", b"\n", b"\x00\xff", "中".encode(), b"!~\xa1\xad"]
+    vocab = {"".join(stand_in[b] for b in w): i for i, w in enumerate(words)}
+    assert _byte_ranks(vocab, tmp_path) == {w: i for i, w in enumerate(words)}
+    for bad, what in [
+        ({**vocab, "a b": 6}, "'a b' is not byte-level"),
+        ({**vocab, "中": 6}, "'中' is not byte-level"),
+        ({**vocab, "\ud800": 6}, "is not byte-level"),
+        ({**vocab, "ab": -1}, "has id -1"),
+        ({**vocab, "ab": True}, "has id True"),
+    ]:
+        with pytest.raises(ModelDirError, match=what) as e:
+            _byte_ranks(bad, tmp_path / "vocab.json")
+        assert "vocab.json" in str(e.value)

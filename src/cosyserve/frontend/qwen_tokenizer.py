@@ -23,6 +23,7 @@ import re
 import threading
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 from cosyserve.core.errors import ModelDirError
 
@@ -111,6 +112,34 @@ def _load_cached(path: str, specials: tuple[str, ...]) -> QwenTokenizer:
     return _build(Path(path), specials)
 
 
+def _byte_ranks(vocab: dict[str, Any], where: Path) -> dict[bytes, int]:
+    """The vocabulary's tokens as bytes (each character a byte's printable stand-in) -> their ids. All tokens at
+    once through numpy (the full-size vocabulary's 151k tokens: ~50 ms, ~120 with a generator per token)."""
+    import itertools
+
+    import numpy as np
+
+    to_byte = _unicode_to_byte()
+    lut = np.full(max(map(ord, to_byte)) + 1, -1, np.int16)
+    for ch, b in to_byte.items():
+        lut[ord(ch)] = b
+    joined = "".join(vocab)
+    codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), np.uint32)
+    wrong = codes >= lut.size
+    wrong[~wrong] = lut[codes[~wrong]] < 0
+    if wrong.any():
+        ch = joined[int(np.argmax(wrong))]
+        token = next(t for t in vocab if ch in t)
+        raise ModelDirError(f"{where}: token {token!r} is not byte-level BPE text")
+    raw = lut[codes].astype(np.uint8).tobytes()
+    for token, rank in vocab.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ModelDirError(f"{where}: token {token!r} has id {rank!r}, not a non-negative integer")
+    ends = list(itertools.accumulate(map(len, vocab), initial=0))
+    keys = [raw[a:b] for a, b in itertools.pairwise(ends)]
+    return dict(zip(keys, vocab.values(), strict=True))
+
+
 def _build(folder: Path, added: tuple[str, ...]) -> QwenTokenizer:
     vocab_path, config_path = folder / "vocab.json", folder / "tokenizer_config.json"
     try:
@@ -119,16 +148,7 @@ def _build(folder: Path, added: tuple[str, ...]) -> QwenTokenizer:
         raise ModelDirError(f"cannot read the Qwen vocabulary {vocab_path}: {e}") from e
     if not isinstance(vocab, dict) or not vocab:
         raise ModelDirError(f"{vocab_path}: expected a JSON object of token -> id")
-    to_byte = _unicode_to_byte()
-    ranks: dict[bytes, int] = {}
-    for token, rank in vocab.items():
-        try:
-            key = bytes(to_byte[ch] for ch in token)
-        except KeyError:
-            raise ModelDirError(f"{vocab_path}: token {token!r} is not byte-level BPE text") from None
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise ModelDirError(f"{vocab_path}: token {token!r} has id {rank!r}, not a non-negative integer")
-        ranks[key] = rank
+    ranks = _byte_ranks(vocab, vocab_path)
     if len(set(ranks.values())) != len(ranks) or max(ranks.values()) != len(ranks) - 1:
         raise ModelDirError(f"{vocab_path}: the ids must be 0..{len(ranks) - 1}, each once")
     specials: dict[str, int] = {}
