@@ -114,10 +114,10 @@ def test_the_vocoder_noise_is_replayed_after_ready_not_by_the_first_request(
     assert "vocoder_noise" in runtime.clock.durations, runtime.clock.durations
     noise = runtime.pipeline.token2wav.noise
 
-    def replay(samples: int) -> Any:
+    def replay(have: Any, samples: int) -> Any:
         raise AssertionError(f"a request replayed the vocoder noise ({samples} samples)")
 
-    monkeypatch.setattr(noise, "_replay", replay)
+    monkeypatch.setattr(noise, "_extend", replay)
     assert len(model.synthesize_all("Hello world.", SPK, seed=4)) > 0
 
 

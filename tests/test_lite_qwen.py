@@ -176,8 +176,16 @@ def test_flow_and_vocoder_sessions_open_quick_and_upgrade_between_requests(
     forms' opens (its first audio ~2 s later), or the quick forms (~1.4x slower runs) would serve for good."""
     import cosyserve
     from cosyserve.runtime import lite as lite_runtime
+    from cosyserve.runtime.pipeline import Pipeline
 
     monkeypatch.setattr(lite_runtime, "UPGRADE_WAIT_S", 600.0)  # no forced upgrade while this test looks
+    # the after-READY thread held before its upgrades until a request is in flight (else, with the text tier
+    # cached by an earlier test in this process, it may reach them before the request starts)
+    in_flight = threading.Event()
+    after_ready = Pipeline.after_ready
+    monkeypatch.setattr(
+        Pipeline, "after_ready", lambda self: [*after_ready(self), ("held", lambda: in_flight.wait(60))]
+    )
     model = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", threads=1)
     runtime = model.runtime
     names = [n for n in runtime.lite.graphs if not n.startswith("llm_")]
@@ -187,6 +195,7 @@ def test_flow_and_vocoder_sessions_open_quick_and_upgrade_between_requests(
         threading.Event().wait(0.05)
     chunks = model.synthesize("Hello there.", speaker=model.speakers[0], seed=1, stream=True)
     next(chunks)  # a request in flight
+    in_flight.set()
     quick = {n: runtime.lite.sessions[n] for n in names}
     runtime.join_background(0.5)
     assert runtime.background.is_alive(), "the after-READY thread ended with a request in flight"
