@@ -8,11 +8,10 @@ Usage (issue 35's targets, full-size CosyVoice3; any family's lite bundle works)
     python bench/lite.py full3-lite --int8-bundle full3-lite-int8 --rounds 3 --json lite.json
     python bench/lite.py --dry-run        # a tiny CosyVoice3 model, one round (what the tests run)
 
-Each round runs, in alternating order, the two floors (``python -c "import onnxruntime"``, ``python -c "import
-torch"``) and, for each LM precision, one fresh process per runtime: ``fp32`` serves ``BUNDLE`` with
-``llm_quantize=none`` on both; ``int8`` serves ``--int8-bundle`` with ``llm_quantize=int8`` on both (the lite
-runtime's int8 step graph, the torch runtime's int8 linears; a bundle with float weights and the int8 step graph
-has torch quantize in memory at load). Each process loads the bundle, notes READY (ms since its process started),
+Each round runs the floor ``python -c "import torch"`` and, for each LM precision, one fresh process per runtime
+in alternating order: ``fp32`` serves ``BUNDLE`` with ``llm_quantize=none`` on both; ``int8`` serves
+``--int8-bundle`` with ``llm_quantize=int8`` on both (the lite runtime's int8 step graph, the torch runtime's int8
+linears; a bundle with float weights and the int8 step graph has torch quantize in memory at load). Each process loads the bundle, notes READY (ms since its process started),
 streams a short sentence (first audio since process start, and since the request), waits for the work each
 runtime does after READY and streams it again (warm TTFA), then synthesizes ``--text`` one-shot (RTF: compute
 seconds per audio second; random weights speak for as long as their LM samples). A model without pre-defined
@@ -23,7 +22,7 @@ again right before each process starts (warm page cache: this VM evicts pages un
 takes longer), and each process's own figures are printed as they come, its start's phases before READY among
 them. READY against `import onnxruntime` is taken per pair: a floor is timed right before each lite process, in
 the same state of the machine (the cache just read, the other runtime's process just gone), and the median of the
-pairs' ratios is the figure. Put the load average beside the figures (printed first and last).
+pairs' ratios is the figure (the floor printed is the median of those floors). Put the load average beside the figures (printed first and last).
 """
 
 from __future__ import annotations
@@ -205,7 +204,6 @@ def main() -> None:
         passes["int8"] = (args.int8_bundle, "int8")
     rows: dict[str, list] = {"floor onnxruntime": [], "floor torch": []}
     for r in range(args.rounds):
-        rows["floor onnxruntime"].append(_floor("onnxruntime"))
         rows["floor torch"].append(_floor("torch"))
         for name, (bundle, quantize) in passes.items():
             for side in ("lite", "torch") if r % 2 == 0 else ("torch", "lite"):
@@ -216,6 +214,7 @@ def main() -> None:
                 got = _run(bundle, side, quantize, args)
                 if floor is not None:
                     got["floor_onnxruntime_ms"] = floor
+                    rows["floor onnxruntime"].append(floor)
                 rows.setdefault(f"{side} {name}", []).append(got)
                 print(f"round {r} {side} {name}: {json.dumps(got)}", flush=True)
     figures = _report(rows, passes, args)

@@ -89,8 +89,8 @@ class VocoderNoise:
         self.skip = draws_before(config)
         self.harmonics = int(_get(_get(config, "hift"), "nb_harmonics")) + 1
         self._lock = threading.Lock()
-        self._buffers: dict[str, np.ndarray] | None = None
-        self._bg: np.random.MT19937 | None = None  # after the last sine_waves row drawn
+        # the buffers drawn so far, and the generator where they stop (a longer prefix draws on from there)
+        self._drawn: tuple[dict[str, np.ndarray], np.random.MT19937] | None = None
 
     def draws(self, samples: int) -> dict[str, np.ndarray]:
         """``{"rand_ini": [1, H], "sine_waves": [1, >= samples, H]}`` float32 for a vocoder call of ``samples``.
@@ -101,26 +101,27 @@ class VocoderNoise:
                 f"({REFERENCE_SAMPLES} samples)"
             )
         with self._lock:
-            have = self._buffers
-            if have is None or have["sine_waves"].shape[1] < samples:
+            drawn = self._drawn
+            if drawn is None or drawn[0]["sine_waves"].shape[1] < samples:
                 # 10 s at 24 kHz at first (a start draws ~30 ms of it, not the ~0.1-0.2 s a minute took while a
                 # first request's LM prefill ran beside it), then doubling
-                before = 0 if have is None else have["sine_waves"].shape[1]
+                before = 0 if drawn is None else drawn[0]["sine_waves"].shape[1]
                 n = min(REFERENCE_SAMPLES, max(samples, 2 * before, INITIAL_SAMPLES))
-                self._buffers = have = self._extend(have, n)
-        return have
+                self._drawn = drawn = self._extend(drawn, n)
+        return drawn[0]
 
-    def _extend(self, have: dict[str, np.ndarray] | None, samples: int) -> dict[str, np.ndarray]:
+    def _extend(
+        self, drawn: tuple[dict[str, np.ndarray], np.random.MT19937] | None, samples: int
+    ) -> tuple[dict[str, np.ndarray], np.random.MT19937]:
         h = self.harmonics
-        if have is None or self._bg is None:
-            bg = self._bg = _mt19937(SEED)
+        if drawn is None:
+            bg = _mt19937(SEED)
             bg.random_raw(self.skip, output=False)  # advanced, nothing stored
             rand_ini = _uniform(bg, h).reshape(1, h)
             rand_ini[:, 0] = 0
-            have = {"rand_ini": rand_ini, "sine_waves": np.empty((1, 0, h), np.float32)}
+            drawn = ({"rand_ini": rand_ini, "sine_waves": np.empty((1, 0, h), np.float32)}, bg)
+        have, bg = drawn
         before = have["sine_waves"].shape[1]
-        more = _uniform(self._bg, (samples - before) * h).reshape(1, samples - before, h)
-        return {
-            "rand_ini": have["rand_ini"],
-            "sine_waves": np.concatenate([have["sine_waves"], more], axis=1),
-        }
+        more = _uniform(bg, (samples - before) * h).reshape(1, samples - before, h)
+        sine_waves = np.concatenate([have["sine_waves"], more], axis=1)
+        return {"rand_ini": have["rand_ini"], "sine_waves": sine_waves}, bg
