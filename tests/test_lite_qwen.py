@@ -129,21 +129,38 @@ def test_manifest_records_the_check_and_the_int8_delta(qwen_bundles: dict) -> No
     np.testing.assert_allclose(a, b, atol=0.5)  # ... computing nearly the same thing
 
 
-def test_ready_waits_for_one_lm_call_of_warm_up(qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warm-up before READY runs the LM's graph once (a one-position prefill and sampling: what it saves a
-    first request is faulting in the mapped weights). If this fails, READY waits for a call (a decode step: ~75 ms
-    at full size fp32) that saves a first request nothing: ORT's first call of a shape costs no more than a
-    later one."""
+def test_the_lm_warm_up_is_one_call_first_after_ready(
+    qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LM's warm-up runs its graph once (a one-position prefill and sampling: what it saves a first request is
+    faulting in the mapped weights), as the first step after READY. If this fails, READY waits for the faults
+    again (100-150 ms of a full-size fp32 start, for no earlier first audio), the warm-up comes after the
+    seconds of session opens and the text tier a first request would overlap it with, or it runs a decode step
+    that saves nothing (ORT's first call of a shape costs no more than a later one)."""
+    import threading
+
     from cosyserve.runtime import RuntimeOptions, load_runtime
     from cosyserve.runtime.lite.lm import StepLM
 
-    calls: list[str] = []
+    calls: list[tuple[str, str]] = []
     for name in ("_run_step", "_run_batch"):
         real = getattr(StepLM, name)
-        monkeypatch.setattr(StepLM, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
-    rt = load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(text_tier="lazy"), runtime="lite")
+
+        def spy(*a, _r=real, _n=name, **k):  # type: ignore[no-untyped-def]
+            calls.append((_n, threading.current_thread().name))
+            return _r(*a, **k)
+
+        monkeypatch.setattr(StepLM, name, spy)
+    rt = load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(text_tier="background"), runtime="lite")
     try:
-        assert calls == ["_run_step"], calls
+        rt.join_background()
+        assert calls == [("_run_step", "cosyserve-lite-after-ready")], calls
+        starts = rt.clock.starts
+        ready = rt.clock.points["ready"]
+        assert ready <= starts["warmup"] <= starts["sessions_token2wav"] <= starts["text_tier"], (
+            ready,
+            starts,
+        )
     finally:
         rt.close()
 

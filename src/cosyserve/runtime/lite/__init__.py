@@ -341,21 +341,20 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
 
 
 def _open_lm(runtime: LiteRuntime) -> None:
-    clock, o = runtime.clock, runtime.options
+    clock = runtime.clock
     with clock.phase("sessions"):
         # the step graph's serving form when it is quick to open, else a quick form upgraded after READY; the
         # text encoder's and the rest open after READY
         runtime.quick = ["llm_step"] if runtime.lite.open_quick("llm_step") else []
-    if o.warmup:
-        with clock.phase("warmup"):
-            _warm_up_lm(runtime.llm)
 
 
 def _warm_up_lm(lm: Any) -> None:
     # a one-position prefill and sampling, on a copy with caches of its own (requests may be running): nothing is
     # left behind. What it saves a first request is faulting in the mapped weights (~24,000 faults, ~90 ms at full
-    # size fp32); ORT's first call of a shape costs no more than a later one, so no decode step: after this warm-up
-    # a prefill and a decode step took 126-133 ms, as warm (120-141), and READY is one LM call (~60-90 ms) sooner
+    # size fp32); ORT's first call of a shape costs no more than a later one, so no decode step. It runs first
+    # after READY, not before: ORT releases the GIL while it runs, and a first request's own frontend (text,
+    # voice) takes longer than the faults, so READY came 100-150 ms sooner (full-size CosyVoice3 fp32, 2-core
+    # Xeon; int8 ~60 ms) with a first request's first audio no later (6 interleaved pairs each, medians)
     import copy
 
     lm = copy.copy(lm)
@@ -401,6 +400,8 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # request). No flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
     # take the cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     quick: list[str] = list(runtime.quick)
+    if o.warmup:
+        steps.append(("warmup", lambda: _warm_up_lm(runtime.llm)))
 
     def open_quick() -> None:
         quick.extend(n for n in token2wav if runtime.lite.open_quick(n))
