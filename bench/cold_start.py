@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from startup import byte_compile
+
 NAIVE = r"""
 import time, resource, sys
 import torch
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
+    byte_compile(Path(__file__).resolve().parents[1] / "src")  # as pip install leaves it (bench/startup.py)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from cosyserve.system.pagecache import evict, prefetch_files

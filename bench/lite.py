@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from startup import byte_compile
 from zero_shot_ttfa import _voice  # a voice-like prompt for models without speakers
 
 CHILD = r"""
@@ -189,6 +190,7 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="also write the medians and ratios here")
     args = ap.parse_args()
+    byte_compile()  # as pip install leaves it (bench/startup.py)
     print(f"load average {os.getloadavg()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-lite-"))
     if args.dry_run:

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from startup import byte_compile
+
 CHILD = r"""
 import json, resource, sys, time
 import numpy as np
@@ -143,6 +145,7 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, help="also write the medians here")
     args = ap.parse_args()
+    byte_compile()  # as pip install leaves it (bench/startup.py)
     quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     if any(q not in ("none", "int8") for q in quantize):
         ap.error(f"--quantize takes none and int8, got {args.quantize!r}")

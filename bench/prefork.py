@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from startup import byte_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "Hello there, how are you today?"
 READY_RE = re.compile(r"worker (\d+) ready ([0-9.]+) ms after its fork")
@@ -191,6 +193,7 @@ def main() -> None:
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    byte_compile(ROOT / "src")  # as pip install leaves it (bench/startup.py)
     if args.serve is not None:
         serve(args.bundle, args.serve, args.port, args.threads)
         return
