@@ -129,17 +129,9 @@ def test_manifest_records_the_check_and_the_int8_delta(qwen_bundles: dict) -> No
     np.testing.assert_allclose(a, b, atol=0.5)  # ... computing nearly the same thing
 
 
-def test_the_lm_warm_up_is_one_call_first_after_ready(
-    qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The LM's warm-up runs its graph once (a one-position prefill and sampling: what it saves a first request is
-    faulting in the mapped weights), as the first step after READY. If this fails, READY waits for the faults
-    again (100-150 ms of a full-size fp32 start, for no earlier first audio), the warm-up comes after the
-    seconds of session opens and the text tier a first request would overlap it with, or it runs a decode step
-    that saves nothing (ORT's first call of a shape costs no more than a later one)."""
+def _spy_lm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     import threading
 
-    from cosyserve.runtime import RuntimeOptions, load_runtime
     from cosyserve.runtime.lite.lm import StepLM
 
     calls: list[tuple[str, str]] = []
@@ -151,16 +143,67 @@ def test_the_lm_warm_up_is_one_call_first_after_ready(
             return _r(*a, **k)
 
         monkeypatch.setattr(StepLM, name, spy)
-    rt = load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(text_tier="background"), runtime="lite")
+    return calls
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_ready_maps_the_lm_step_weights_in_without_a_call(
+    qwen_bundles: dict, quantize: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before READY the LM step graph's weights, which ONNX Runtime maps, are mapped in (MADV_POPULATE_READ) and
+    the graph is not run. If this fails, a first request faults them in itself (~90 ms at full size fp32), or
+    READY waits for a call that saves it nothing more (~70 ms: ORT's first call of a shape costs no more than a
+    later one)."""
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+    from cosyserve.system import pagecache
+
+    calls = _spy_lm_calls(monkeypatch)
+    populated: list[tuple[str, int]] = []
+    real = pagecache.populate_mapped
+
+    def spy(path: Path) -> int:
+        populated.append((Path(path).name, real(path)))
+        return populated[-1][1]
+
+    monkeypatch.setattr(pagecache, "populate_mapped", spy)
+    options = RuntimeOptions(text_tier="lazy", llm_quantize=quantize)
+    rt = load_runtime(qwen_bundles["cosyvoice3"], options, runtime="lite")
     try:
-        rt.join_background()
-        assert calls == [("_run_step", "cosyserve-lite-after-ready")], calls
-        starts = rt.clock.starts
-        ready = rt.clock.points["ready"]
-        assert ready <= starts["warmup"] <= starts["sessions_token2wav"] <= starts["text_tier"], (
-            ready,
-            starts,
-        )
+        graph = rt.lite.graph_file("llm_step")
+        data = graph.with_name(graph.name + ".data")
+        assert [name for name, _ in populated] == [data.name], populated
+        assert populated[0][1] > 0, "ONNX Runtime's mappings of the weights were not found"
+        rt.join_background()  # the int8 graph's prepacked form replaces the quick one (and its mappings) here
+        assert calls == [], calls
+        if quantize == "none":  # the float step graph keeps its mapped weights: every page of them mapped in
+            mapped = 0
+            for line in Path("/proc/self/maps").read_text().splitlines():
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].strip() == str(data.resolve()):
+                    a, b = (int(x, 16) for x in parts[0].split("-"))
+                    mapped += b - a
+            assert pagecache.rss_of_files([data]) == mapped == populated[0][1]
+    finally:
+        rt.close()
+
+
+def test_ready_runs_one_lm_call_where_the_kernel_cannot_map_the_weights_in(
+    qwen_bundles: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where MADV_POPULATE_READ is refused (Linux before 5.14) the weights are faulted in by one call of the
+    graph before READY (a one-position prefill and sampling, no decode step). If this fails, such a machine's
+    first request pays the faults, or its start fails."""
+    from cosyserve.runtime import RuntimeOptions, load_runtime
+    from cosyserve.system import pagecache
+
+    def refused(path: object) -> int:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(pagecache, "populate_mapped", refused)
+    calls = _spy_lm_calls(monkeypatch)
+    rt = load_runtime(qwen_bundles["cosyvoice3"], RuntimeOptions(text_tier="lazy"), runtime="lite")
+    try:
+        assert calls == [("_run_step", "MainThread")], calls
     finally:
         rt.close()
 

@@ -58,6 +58,33 @@ def test_populate_and_touch_map_the_pages_in(tmp_path: Path) -> None:
         mm.close()
 
 
+def test_populate_mapped_maps_in_another_librarys_mappings_of_a_file(tmp_path: Path) -> None:
+    """If this fails, the lite runtime's start leaves its LM step weights (mapped by ONNX Runtime, not by us) to
+    fault in on a first request, or maps in a file it was not asked for."""
+    path, other = tmp_path / "w", tmp_path / "other"
+    path.write_bytes(os.urandom(64 * PAGE))
+    other.write_bytes(os.urandom(8 * PAGE))
+    with open(path, "rb") as f, open(other, "rb") as g:
+        mm = mmap.mmap(
+            f.fileno(), 0, access=mmap.ACCESS_READ
+        )  # read-only and never touched: nothing resident
+        mo = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if pagecache.rss_of_files([path]) != 0:
+            pytest.skip("this kernel maps a fresh mapping's pages in at mmap time")
+        try:
+            mapped = pagecache.populate_mapped(path)
+        except OSError as e:
+            pytest.skip(f"no MADV_POPULATE_READ here ({e})")
+        assert mapped == 64 * PAGE
+        assert pagecache.rss_of_files([path]) == 64 * PAGE
+        assert pagecache.rss_of_files([other]) == 0
+        assert pagecache.populate_mapped(tmp_path / "not-mapped") == 0
+    finally:
+        mm.close()
+        mo.close()
+
+
 def test_memory_probes_report_sane_figures() -> None:
     """If this fails, the pool's pressure rule reads nonsense (a limit of 0, usage above the limit)."""
     used, limit = pagecache.memory_usage()

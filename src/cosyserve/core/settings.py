@@ -303,8 +303,8 @@ class Settings:
         env="PREWARM_MODELS",
         cast=Bool({"all": True, "none": False}),
         doc="warm-up on dummy inputs: only the LLM before READY; the flow and the vocoder right after it, in the "
-        "background (timed as `warmup_token2wav`; a request reaches them seconds later); the lite runtime's LLM "
-        "call right after READY too (timed as `warmup`) (boolean, `all`, `none`)",
+        "background (timed as `warmup_token2wav`; a request reaches them seconds later); the lite runtime maps its "
+        "LLM step weights in instead of running it (boolean, `all`, `none`)",
     )
     warmup_tokens: int = _loading(
         2,

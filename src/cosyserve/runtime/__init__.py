@@ -76,8 +76,8 @@ class RuntimeOptions:
         strategy: ``preload`` (map and touch every weight page before READY), ``lazy`` or ``prefetch``.
         verify: bundle checksum policy ``stamp`` / ``full`` / ``none``.
         use_mmap: map the weights (True) or copy them into private memory.
-        warmup: run each component once on dummy inputs (the torch runtime's LM before READY, the rest right
-            after it; the lite runtime's LM call, which only faults its mapped weights in, first after READY).
+        warmup: run each component once on dummy inputs (the LM before READY, the rest right after; the lite
+            runtime maps its LM step graph's weights in before READY instead, where the kernel can).
         warmup_tokens: speech tokens the warm-up generates.
         threads: intra-op threads of the process (None: the library's default).
         worker_threads: intra-op threads of each thread that runs requests (None: the process's threads shared

@@ -4,7 +4,8 @@ the process, dropping it, and how much memory the process and its cgroup hold.
 - residency: :func:`resident_map` / :func:`resident_pages` / :func:`resident_bytes` (mincore(2));
 - reading in: :func:`read_ranges` (threads of ``os.preadv``), :func:`missing_ranges`, :func:`prefetch_files` and
   :func:`prefetch_bundles` (in the background, while the interpreter imports torch), :func:`cold_read_rate`;
-- mapping in: :func:`madvise` (through ctypes, so the GIL is released), :func:`populate`, :func:`touch`;
+- mapping in: :func:`madvise` (through ctypes, so the GIL is released), :func:`populate`, :func:`touch`,
+  :func:`populate_mapped` (another library's mappings of a file);
 - dropping: :func:`evict` (posix_fadvise DONTNEED);
 - memory: :func:`memory_limit_bytes`, :func:`memory_usage` (cgroup v2, else the machine), :func:`rss_of_files`
   (/proc/self/smaps).
@@ -31,6 +32,7 @@ __all__ = [
     "memory_usage",
     "missing_ranges",
     "populate",
+    "populate_mapped",
     "prefetch_bundles",
     "prefetch_files",
     "read_range",
@@ -437,6 +439,43 @@ def populate(mm: Any, begin: int = 0, end: int | None = None) -> None:
     except (OSError, ValueError, AttributeError):
         pass  # no readahead advice here: the touch below reads page by page
     touch(mm, begin, end)
+
+
+def populate_mapped(path: str | os.PathLike[str]) -> int:
+    """Map in every page of the mappings of ``path`` that this process holds already, made by another library
+    (ONNX Runtime maps a graph's external weights itself), with ``MADV_POPULATE_READ``: one call per piece, the
+    GIL released, no page faults left for their first reader (faulting them in one by one costs more: ~90 ms
+    against ~60 for 1.4 GB of cached pages, 2-core Xeon).
+
+    Args:
+        path: the mapped file (its mappings are found in /proc/self/maps by the path, resolved).
+
+    Returns:
+        The bytes mapped in; 0 where the process holds no mapping of it, or cannot tell (no /proc/self/maps).
+
+    Raises OSError where the kernel refuses (EINVAL before Linux 5.14), AttributeError where the C library has
+    no madvise.
+    """
+    import ctypes
+
+    wanted = str(Path(path).resolve())
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == wanted:
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        return 0
+    for start, end in ranges:
+        for off in range(start, end, _LOCK_PIECE):
+            length = ctypes.c_size_t(min(_LOCK_PIECE, end - off))
+            if libc().madvise(ctypes.c_void_p(off), length, ctypes.c_int(_MADV_POPULATE_READ)) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_POPULATE_READ) on {wanted}: {os.strerror(err)}")
+    return sum(end - start for start, end in ranges)
 
 
 # -- memory of the process and its cgroup ------------------------------------------------------------------

@@ -108,7 +108,7 @@ class LiteRuntime(RuntimeVoices):
 
     def warm_up(self) -> None:
         with self.clock.phase("warmup"):
-            _warm_up_lm(self.llm)
+            _fault_in_lm(self)
 
     # -- memory ---------------------------------------------------------------------------------------------------
 
@@ -341,20 +341,37 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
 
 
 def _open_lm(runtime: LiteRuntime) -> None:
-    clock = runtime.clock
+    clock, o = runtime.clock, runtime.options
     with clock.phase("sessions"):
         # the step graph's serving form when it is quick to open, else a quick form upgraded after READY; the
         # text encoder's and the rest open after READY
         runtime.quick = ["llm_step"] if runtime.lite.open_quick("llm_step") else []
+    if o.warmup:
+        with clock.phase("warmup"):
+            _fault_in_lm(runtime)
+
+
+def _fault_in_lm(runtime: LiteRuntime) -> None:
+    # what a first request would pay: page faults over the step graph's mapped weights (~24,000 at full size fp32).
+    # Not after READY: a first request's text and voice work takes both cores meanwhile, and the faults slowed it
+    # as much as they took off READY. Mapped in with MADV_POPULATE_READ (~60 ms at full size fp32, 2-core Xeon)
+    # rather than by a call of the graph (~150 ms: the faults, ~90, and a pass over the weights, ~70, that saves a
+    # first request nothing: ORT's first call of a shape costs no more than a later one); the call where the
+    # kernel cannot (before Linux 5.14, not Linux) or ORT did not map the weights (it copied or prepacked them)
+    from cosyserve.system.pagecache import populate_mapped
+
+    graph = runtime.lite.graph_file("llm_step")
+    try:
+        if populate_mapped(graph.with_name(graph.name + ".data")):
+            return
+    except (OSError, AttributeError) as e:
+        logger.debug("%s: the step graph's weights are faulted in by a call instead (%s)", runtime.path, e)
+    _warm_up_lm(runtime.llm)
 
 
 def _warm_up_lm(lm: Any) -> None:
     # a one-position prefill and sampling, on a copy with caches of its own (requests may be running): nothing is
-    # left behind. What it saves a first request is faulting in the mapped weights (~24,000 faults, ~90 ms at full
-    # size fp32); ORT's first call of a shape costs no more than a later one, so no decode step. It runs first
-    # after READY, not before: ORT releases the GIL while it runs, and a first request's own frontend (text,
-    # voice) takes longer than the faults, so READY came 100-150 ms sooner (full-size CosyVoice3 fp32, 2-core
-    # Xeon; int8 ~60 ms) with a first request's first audio no later (6 interleaved pairs each, medians)
+    # left behind
     import copy
 
     lm = copy.copy(lm)
@@ -400,8 +417,6 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     # request). No flow/vocoder warm-up run: ORT's first call costs no more than a later one, and a warm-up would
     # take the cores from a first request that arrives meanwhile (measured: ~1.1 s of CPU at full size)
     quick: list[str] = list(runtime.quick)
-    if o.warmup:
-        steps.append(("warmup", lambda: _warm_up_lm(runtime.llm)))
 
     def open_quick() -> None:
         quick.extend(n for n in token2wav if runtime.lite.open_quick(n))

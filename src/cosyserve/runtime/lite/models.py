@@ -225,6 +225,12 @@ class LiteBundle:
             del quick
             self.sessions[name] = self._open(name, quick=False)
 
+    def graph_file(self, name: str) -> Path:
+        """The ONNX file of graph ``name`` (the int8 step graph's where the LM steps in int8); its external
+        weights, where it has them, lie beside it with ``.data`` added."""
+        int8 = self.int8 and name == "llm_step"
+        return self.dir / (INT8_STEP if int8 else self.graphs[name])
+
     def _open(self, name: str, quick: bool) -> Any:
         import onnxruntime as ort
 
@@ -233,7 +239,7 @@ class LiteBundle:
             raise BundleError(
                 f"{self.path}: its lite graphs ({', '.join(self.parts)}) hold no {name!r} graph"
             )
-        path = self.dir / (INT8_STEP if int8 else self.graphs[name])
+        path = self.graph_file(name)
         # the LM's float graphs: no prepacking, no rewrites (they open before READY); flow and vocoder (after
         # READY) prepacked and fully optimized (their convolutions run ~30% faster so, the estimator's 50-frame
         # step 250 ms instead of 310); the int8 step graph prepacked (its steps 2.3x faster). No graph gets the
