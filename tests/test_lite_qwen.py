@@ -169,19 +169,13 @@ def test_ready_maps_the_lm_step_weights_in_without_a_call(
     options = RuntimeOptions(text_tier="lazy", llm_quantize=quantize)
     rt = load_runtime(qwen_bundles["cosyvoice3"], options, runtime="lite")
     try:
-        graph = rt.lite.graph_file("llm_step")
-        data = graph.with_name(graph.name + ".data")
+        data = rt.lite.weights_file("llm_step")
         assert [name for name, _ in populated] == [data.name], populated
         assert populated[0][1] > 0, "ONNX Runtime's mappings of the weights were not found"
         rt.join_background()  # the int8 graph's prepacked form replaces the quick one (and its mappings) here
         assert calls == [], calls
         if quantize == "none":  # the float step graph keeps its mapped weights: every page of them mapped in
-            mapped = 0
-            for line in Path("/proc/self/maps").read_text().splitlines():
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].strip() == str(data.resolve()):
-                    a, b = (int(x, 16) for x in parts[0].split("-"))
-                    mapped += b - a
+            mapped = sum(b - a for a, b in pagecache.mapped_ranges(data))
             assert pagecache.rss_of_files([data]) == mapped == populated[0][1]
     finally:
         rt.close()

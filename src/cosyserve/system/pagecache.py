@@ -28,6 +28,7 @@ __all__ = [
     "evict",
     "libc",
     "madvise",
+    "mapped_ranges",
     "memory_limit_bytes",
     "memory_usage",
     "missing_ranges",
@@ -386,13 +387,20 @@ def madvise(mm: Any, advice: int, begin: int = 0, end: int | None = None) -> Non
     buf = ctypes.c_char.from_buffer(mm)  # an export of the mapping, released below before anyone may close it
     try:
         base = ctypes.addressof(buf)
-        for off in range(begin, end, _LOCK_PIECE):
-            length = ctypes.c_size_t(min(_LOCK_PIECE, end - off))
-            if libc().madvise(ctypes.c_void_p(base + off), length, ctypes.c_int(advice)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
+        _advise(base + begin, base + end, advice)
     finally:
         del buf
+
+
+def _advise(start: int, end: int, advice: int, what: str = "") -> None:
+    # madvise(2) over the addresses [start, end) of a mapping, one call per piece
+    import ctypes
+
+    for off in range(start, end, _LOCK_PIECE):
+        length = ctypes.c_size_t(min(_LOCK_PIECE, end - off))
+        if libc().madvise(ctypes.c_void_p(off), length, ctypes.c_int(advice)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise on {what}: {os.strerror(err)}" if what else os.strerror(err))
 
 
 def touch(mm: Any, begin: int = 0, end: int | None = None) -> int:
@@ -456,8 +464,15 @@ def populate_mapped(path: str | os.PathLike[str]) -> int:
     Raises OSError where the kernel refuses (EINVAL before Linux 5.14), AttributeError where the C library has
     no madvise.
     """
-    import ctypes
+    ranges = mapped_ranges(path)
+    for start, end in ranges:
+        _advise(start, end, _MADV_POPULATE_READ, f"{path} (MADV_POPULATE_READ)")
+    return sum(end - start for start, end in ranges)
 
+
+def mapped_ranges(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
+    """The address ranges ``[start, end)`` of this process's mappings of ``path`` (by its resolved path in
+    /proc/self/maps); none where that is unreadable."""
     wanted = str(Path(path).resolve())
     ranges = []
     try:
@@ -468,14 +483,8 @@ def populate_mapped(path: str | os.PathLike[str]) -> int:
                     start, end = (int(x, 16) for x in parts[0].split("-"))
                     ranges.append((start, end))
     except OSError:
-        return 0
-    for start, end in ranges:
-        for off in range(start, end, _LOCK_PIECE):
-            length = ctypes.c_size_t(min(_LOCK_PIECE, end - off))
-            if libc().madvise(ctypes.c_void_p(off), length, ctypes.c_int(_MADV_POPULATE_READ)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"madvise(MADV_POPULATE_READ) on {wanted}: {os.strerror(err)}")
-    return sum(end - start for start, end in ranges)
+        return []
+    return ranges
 
 
 # -- memory of the process and its cgroup ------------------------------------------------------------------

@@ -360,9 +360,8 @@ def _fault_in_lm(runtime: LiteRuntime) -> None:
     # kernel cannot (before Linux 5.14, not Linux) or ORT did not map the weights (it copied or prepacked them)
     from cosyserve.system.pagecache import populate_mapped
 
-    graph = runtime.lite.graph_file("llm_step")
     try:
-        if populate_mapped(graph.with_name(graph.name + ".data")):
+        if populate_mapped(runtime.lite.weights_file("llm_step")):
             return
     except (OSError, AttributeError) as e:
         logger.debug("%s: the step graph's weights are faulted in by a call instead (%s)", runtime.path, e)

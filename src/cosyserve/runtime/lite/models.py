@@ -226,10 +226,14 @@ class LiteBundle:
             self.sessions[name] = self._open(name, quick=False)
 
     def graph_file(self, name: str) -> Path:
-        """The ONNX file of graph ``name`` (the int8 step graph's where the LM steps in int8); its external
-        weights, where it has them, lie beside it with ``.data`` added."""
+        """The ONNX file of graph ``name`` (the int8 step graph's where the LM steps in int8)."""
         int8 = self.int8 and name == "llm_step"
         return self.dir / (INT8_STEP if int8 else self.graphs[name])
+
+    def weights_file(self, name: str) -> Path:
+        """Where graph ``name``'s external weights lie, if it has them: beside it, ``.data`` added."""
+        graph = self.graph_file(name)
+        return graph.with_name(graph.name + ".data")
 
     def _open(self, name: str, quick: bool) -> Any:
         import onnxruntime as ort
