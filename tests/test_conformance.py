@@ -153,3 +153,24 @@ def test_cosyvoice3_fixture_set_passes_through_a_bundle(
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.endswith(")") and " PASS " in ln]
     assert len(lines) == len(doc["cases"])
+
+
+@pytest.mark.parametrize("mode", ["transposed", "linear"])
+def test_lm_kinds_pass_in_either_decode_product_layout(
+    conformance: Callable[..., Run],
+    fixture_set_dir: Path,
+    cv3_set_dir: Path,
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The LM kinds with the decode steps' products pinned to one layout (cosyserve.models.gemm; ``auto`` serves
+    whichever this CPU runs faster, so each must meet the reference's tolerances): a transposed or padded product
+    that computed anything but x·Wᵀ would move the log-probabilities far past them."""
+    monkeypatch.setenv("COSYSERVE_LLM_GEMM", mode)
+    for set_dir in (fixture_set_dir, cv3_set_dir):
+        doc = json.loads((set_dir / "cases.json").read_text())
+        kinds = {c["kind"] for c in doc["cases"] if c["kind"].startswith("llm_")}
+        r = conformance(str(set_dir), "--kinds", ",".join(sorted(kinds)))
+        assert r.returncode == 0, r.stdout + r.stderr
+        cases = [c for c in doc["cases"] if c["kind"] in kinds]
+        assert f"{len(cases)} passed, 0 failed" in r.stdout

@@ -215,7 +215,13 @@ def _cmd_conformance(args: argparse.Namespace, settings: Settings) -> None:
 
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     try:
-        results = run_conformance(args.dir, kinds=kinds, via_bundle=args.via_bundle, runtime=args.runtime)
+        results = run_conformance(
+            args.dir,
+            kinds=kinds,
+            via_bundle=args.via_bundle,
+            runtime=args.runtime,
+            llm_gemm=settings.llm_gemm,
+        )
     except ValueError as e:
         raise CLIError(str(e)) from e
     if not results:

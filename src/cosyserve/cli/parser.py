@@ -19,7 +19,7 @@ __all__ = ["build_parser", "flags_of"]
 _SETTINGS = {s.name: s for s in declared()}
 # the compute and memory settings `synth` and `serve` take as flags
 _PRECISION = (
-    "device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps", "flow_context_seconds",
+    "device", "llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "llm_gemm", "flow_steps", "flow_context_seconds",
     "voice_cache_mb", "stream_state_mb", "stream_state_budget_mb",
 )  # fmt: skip
 

@@ -54,6 +54,7 @@ __all__ = [
     "quantize_llm",
     "quantize_per_channel",
     "quantized_linears",
+    "replace_submodule",
     "use_int8_linears",
 ]
 
@@ -312,7 +313,8 @@ def quantized_linears(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZ
             yield name
 
 
-def _replace(module: nn.Module, name: str, new: nn.Module) -> None:
+def replace_submodule(module: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where ``module``'s submodule ``name`` (dotted) is."""
     owner, _, attr = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, attr, new)
 
@@ -325,7 +327,7 @@ def use_int8_linears(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZE
         lin = module.get_submodule(name)
         assert isinstance(lin, nn.Linear)
         new = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, device=lin.weight.device)
-        _replace(module, name, new)
+        replace_submodule(module, name, new)
     return module
 
 
@@ -336,5 +338,5 @@ def quantize_llm(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZED) -
     for name in list(quantized_linears(module, prefixes)):
         lin = module.get_submodule(name)
         assert isinstance(lin, nn.Linear)
-        _replace(module, name, Int8Linear.from_linear(lin))
+        replace_submodule(module, name, Int8Linear.from_linear(lin))
     return module

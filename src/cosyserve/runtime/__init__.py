@@ -101,6 +101,8 @@ class RuntimeOptions:
             ``float16`` (None: as the bundle stores it); a cast makes private copies of the cast weights.
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
+        llm_gemm: the float32 LLM's decode products on CPU (:mod:`cosyserve.models.gemm`): ``auto`` (timed on the
+            first steps of each row count), ``linear`` (``x·Wᵀ``) or ``transposed`` (``W·xᵀ``).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         flow_context_seconds: seconds of generated speech a streamed CosyVoice2/3 request's flow attends to beyond
             its prompt, so that a chunk's cost and its state's memory stop growing (the last call then chunk-causal
@@ -147,6 +149,7 @@ class RuntimeOptions:
     flow_dtype: str | None = None
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
+    llm_gemm: Literal["auto", "linear", "transposed"] = "auto"
     flow_steps: int | None = None
     flow_context_seconds: float = 0.0
     voice_cache_mb: int = 4096
@@ -179,6 +182,7 @@ class RuntimeOptions:
             flow_dtype=s.flow_dtype,
             hift_dtype=s.hift_dtype,
             llm_quantize=s.llm_quantize,
+            llm_gemm=s.llm_gemm,
             flow_steps=s.flow_steps,
             flow_context_seconds=s.flow_context_seconds,
             voice_cache_mb=s.voice_cache_mb,
@@ -214,6 +218,8 @@ class RuntimeOptions:
                 raise ValueError(f"{name} must be float32, bfloat16, float16 or None, got {value!r}")
         if self.llm_quantize not in ("none", "int8"):
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
+        if self.llm_gemm not in ("auto", "linear", "transposed"):
+            raise ValueError(f"llm_gemm must be auto, linear or transposed, got {self.llm_gemm!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
         context = self.flow_context_seconds

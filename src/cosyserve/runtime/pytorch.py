@@ -340,7 +340,12 @@ def _place(bundle: Any, parts: Any, o: RuntimeOptions, clock: Any) -> tuple[torc
     if casts or quantize:
         with clock.phase("precision"):
             _set_precision(parts.modules, casts, quantize)
-    if device.type != "cpu":
+    if device.type == "cpu":
+        from cosyserve.models.gemm import use_decode_linears
+
+        # the LM's float linears decode in the layout timed fastest here (cosyserve.models.gemm)
+        use_decode_linears(parts.modules["llm"], o.llm_gemm)
+    else:
         # from the mapped files to the device tensor by tensor through pinned staging (no host copy of the model)
         with clock.phase("to_device"):
             for module in parts.modules.values():

@@ -166,6 +166,7 @@ def run_conformance(
     report: Callable[[str], None] | None = print,
     via_bundle: bool = False,
     runtime: str = "torch",
+    llm_gemm: str = "auto",
 ) -> list[CaseResult]:
     """Run every case of a fixture set (optionally only some kinds) and report one line per case.
 
@@ -178,6 +179,8 @@ def run_conformance(
         runtime: ``torch`` (our torch modules) or ``lite`` (the set's model converted with ``--runtime lite``, or
             for a family whose lite export covers some parts only, those parts: the kinds the lite runtime serves
             run on its ONNX graphs and numpy code, the others are reported as not served).
+        llm_gemm: the torch LM's decode products, as the setting of that name serves them
+            (:mod:`cosyserve.models.gemm`).
     Returns:
         The per-case results; the run passed when every case that was served (``served``) ``passed``.
     """
@@ -205,6 +208,7 @@ def run_conformance(
         raise ValueError(f"runtime must be torch or lite, got {runtime!r}")
     ctx = CaseContext(set_dir, set_dir / doc.get("model", "model"))
     ctx.runtime = runtime
+    ctx.llm_gemm = llm_gemm
     if runtime == "lite" and not ctx.family.lite_parts:
         raise ValueError(f"{set_dir}: the lite runtime serves no part of {ctx.family.title}")
     tmp = None

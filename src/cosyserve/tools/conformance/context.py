@@ -21,6 +21,8 @@ class CaseContext:
         self.runtime = (
             "torch"  # "lite": the model kinds run on the bundle's lite graphs (conformance.kinds_lite)
         )
+        self.llm_gemm = "auto"  # the torch LM's decode products (the llm_gemm setting, cosyserve.models.gemm)
+        self._decode_linears = False
 
     @cached_property
     def family(self) -> Any:
@@ -52,7 +54,13 @@ class CaseContext:
         return self._modules[name]
 
     def llm(self) -> Any:
-        return self._component("llm")
+        lm = self._component("llm")
+        if self.runtime == "torch" and not self._decode_linears:
+            from cosyserve.models.gemm import use_decode_linears
+
+            use_decode_linears(lm, self.llm_gemm)  # the decode steps' products as the torch runtime runs them
+            self._decode_linears = True
+        return lm
 
     def flow(self) -> Any:
         return self._component("flow")

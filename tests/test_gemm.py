@@ -1,0 +1,150 @@
+"""The LM decode step's two product layouts (cosyserve.models.gemm): the same products either way, the choice
+between them made from timings as the module says, and the torch runtime's LM decoding through them."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyserve.core.errors import SettingsError
+from cosyserve.models import gemm
+from cosyserve.models.gemm import ROWS, SAMPLES, DecodeLinear, use_decode_linears
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices() -> Iterator[None]:
+    gemm.forget()
+    yield
+    gemm.forget()
+
+
+def _linear(n: int, k: int, bias: bool) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(k, n, bias=bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, ROWS, ROWS + 1, 40])
+def test_both_layouts_give_torchs_linear(rows: int, bias: bool) -> None:
+    # a wrong transpose, a dropped bias, a row of padding left in, or a (B, T, C) input flattened the wrong way
+    # would all differ from F.linear by far more than float32 rounding
+    lin = _linear(48, 32, bias)
+    x = torch.randn(rows, 1, 32)
+    want = F.linear(x, lin.weight, lin.bias)
+    for mode in ("transposed", "linear", "auto"):
+        got = DecodeLinear(lin, mode)(x)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # activations laid out column by column (a transposed view: the kernel must still get rows of x)
+    xt = torch.randn(32, rows).t()
+    torch.testing.assert_close(DecodeLinear(lin, "transposed")(xt), F.linear(xt, lin.weight, lin.bias))
+
+
+def test_the_module_keeps_the_linears_parameters_and_keys() -> None:
+    lin = _linear(8, 4, True)
+    wrapped = DecodeLinear(lin, "transposed")
+    assert isinstance(wrapped, nn.Linear)
+    assert wrapped.weight is lin.weight and wrapped.bias is lin.bias
+    assert list(wrapped.state_dict()) == list(lin.state_dict())
+    with pytest.raises(ValueError, match="decode GEMM mode must be one of auto, linear, transposed"):
+        DecodeLinear(lin, "fast")
+
+
+def _count_transposed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = gemm._transposed
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.size(0))
+        return real(x, w, b)
+
+    monkeypatch.setattr(gemm, "_transposed", spy)
+    return calls
+
+
+def test_only_few_float32_cpu_rows_take_the_transposed_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_transposed(monkeypatch)
+    lin = DecodeLinear(_linear(16, 8, True), "transposed")
+    lin(torch.randn(ROWS + 1, 8))  # a prefill
+    lin.to(torch.bfloat16)(torch.randn(2, 8, dtype=torch.bfloat16))  # a half dtype: its own kernels
+    assert calls == []
+    lin.float()(torch.randn(3, 8))
+    assert calls == [3]
+    DecodeLinear(_linear(16, 8, True), "linear")(torch.randn(3, 8))
+    assert calls == [3]
+
+
+def _feed(choice_key: tuple[int, int, int], linear_s: float, transposed_s: float) -> str | None:
+    choice = gemm._choices.setdefault(choice_key, gemm._Choice())
+    for _ in range(SAMPLES):
+        gemm._record(choice_key, choice, "linear", linear_s)
+        gemm._record(choice_key, choice, "transposed", transposed_s)
+    return choice.way
+
+
+def test_the_faster_layout_is_kept_and_the_default_wins_within_the_margin() -> None:
+    assert _feed((8, 8, 1), 1.0, 0.5) == "transposed"
+    assert _feed((8, 8, 2), 1.0, 0.95) == "linear"  # within 10%: F.linear stays
+    assert _feed((8, 8, 3), 0.5, 1.0) == "linear"
+    assert gemm.decisions() == {(8, 8, 1): "transposed", (8, 8, 2): "linear", (8, 8, 3): "linear"}
+    # one shape and row count: another shape or row count is timed on its own
+    assert (8, 8, 4) not in gemm.decisions()
+
+
+def test_auto_times_both_layouts_then_keeps_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_transposed(monkeypatch)
+    lin = DecodeLinear(_linear(16, 8, False), "auto")
+    x = torch.randn(2, 8)
+    lin(x)  # the module's first call: run, never timed (it may fault the weights in)
+    assert gemm._choices[(16, 8, 2)].times == {"linear": [], "transposed": []}
+    for _ in range(2 * SAMPLES):
+        lin(x)
+    choice = gemm._choices[(16, 8, 2)]
+    assert [len(t) for t in choice.times.values()] == [SAMPLES, SAMPLES]
+    assert choice.way in ("linear", "transposed")
+    # the untimed first call ran F.linear, the timed ones each layout SAMPLES times; once decided, only the kept
+    # layout runs
+    assert len(calls) == SAMPLES
+    for _ in range(10):
+        lin(x)
+    assert len(calls) == SAMPLES + (10 if choice.way == "transposed" else 0)
+
+
+def test_the_torch_runtime_decodes_through_the_chosen_layout(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyserve
+
+    monkeypatch.setenv("COSYSERVE_LLM_GEMM", "transposed")
+    calls = _count_transposed(monkeypatch)
+    m = cosyserve.load(tiny_model_dir, warmup=False)
+    llm = m.runtime.pipeline.llm
+    decode = {n for n, mod in llm.named_modules() if isinstance(mod, DecodeLinear)}
+    # the speech LM's linears and its head; not the text encoder (run once per request) nor the position
+    # projections (once per position)
+    assert "llm_decoder" in decode and any(n.startswith("llm.") for n in decode)
+    assert not any(n.startswith("text_encoder") or n.endswith("linear_pos") for n in decode)
+    audio = m.synthesize_all("Hello there.", m.speakers[0], seed=3)
+    assert audio.size and calls.count(1) > 10  # a lone request's decode steps: one row each
+    # pinned to torch's linear (an option beats the environment), no product takes the other layout
+    m2 = cosyserve.load(tiny_model_dir, warmup=False, llm_gemm="linear")
+    n = len(calls)
+    assert m2.synthesize_all("Hello there.", m2.speakers[0], seed=3).size
+    assert len(calls) == n
+    monkeypatch.setenv("COSYSERVE_LLM_GEMM", "fastest")
+    with pytest.raises(SettingsError, match=r"COSYSERVE_LLM_GEMM='fastest': expected one of auto, linear"):
+        cosyserve.load(tiny_model_dir)
+
+
+def test_an_int8_lm_keeps_its_int8_linears(tiny_model_dir: Path) -> None:
+    import cosyserve
+    from cosyserve.models.precision import Int8Linear
+
+    m = cosyserve.load(tiny_model_dir, warmup=False, llm_quantize="int8")
+    llm = m.runtime.pipeline.llm
+    assert isinstance(llm.llm_decoder, Int8Linear)
+    assert not any(isinstance(mod, DecodeLinear) for mod in llm.modules())
+    assert use_decode_linears(llm, "auto") == 0
