@@ -1,6 +1,10 @@
 """The LM decode step's two product layouts (cosyserve.models.gemm): the same products either way, the choice
 between them made from timings as the module says, and the torch runtime's LM decoding through them."""
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +152,20 @@ def test_an_int8_lm_keeps_its_int8_linears(tiny_model_dir: Path) -> None:
     assert isinstance(llm.llm_decoder, Int8Linear)
     assert not any(isinstance(mod, DecodeLinear) for mod in llm.modules())
     assert use_decode_linears(llm, "auto") == 0
+
+
+def test_decode_gemm_bench_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: Path) -> None:
+    """If this fails, bench/decode_gemm.py (the figures behind models/gemm.py's choice) no longer runs end to end."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, str(root / "bench" / "decode_gemm.py"), "--dry-run", "--model", str(cv2_model_dir)]
+    r = subprocess.run(
+        [*cmd, "--rows", "1,3", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures["rows"]) == {"1", "3"}
+    for row in figures["rows"].values():
+        assert row["linear_ms"] > 0 and row["transposed_ms"] > 0
+    assert "ratio" in r.stdout and figures["cpu"]

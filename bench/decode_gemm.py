@@ -1,0 +1,133 @@
+"""The torch LM's decode step in each product layout (cosyserve.models.gemm), side by side, by rows per step.
+
+    python bench/decode_gemm.py --model CV2_BUNDLE [--rows 1,2,4,8] [--rounds 5] [--steps 8]
+    python bench/decode_gemm.py --dry-run          # a tiny CosyVoice2 model made here (CI: tests/test_gemm)
+
+One process loads the model (default settings, no warm-up) and fills ``max(rows)`` cache rows with a prompt of
+``--context`` positions. Then, round by round, for each row count and each layout in turn (``linear``: torch's
+``x·Wᵀ``; ``transposed``: ``W·xᵀ``), it runs ``--steps`` decode steps of that many rows (each row at its own
+position past the prompt) and keeps the median step; printed: the minimum over rounds of each, their ratio, and
+what ``auto`` (the default) chose for the row count after timing its own steps. The first step of every series is
+not counted (it may page weights in). The decode steps are the runtime's own (``pipeline.decoder.lm.decode``):
+every linear of the LM and its head, the attention over the context, the log-softmax. Run on a quiet machine and
+name the CPU; the layouts' order differs by CPU, BLAS and row count, which is why ``auto`` times them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _series(lm: Any, rows: int, context: int, steps: int) -> float:
+    import torch
+
+    tokens = torch.arange(rows, dtype=torch.int64) % max(lm.rules.vocab - 8, 1)
+    times = []
+    for i in range(steps + 1):
+        pos = torch.full((rows,), context + i, dtype=torch.int64)
+        t = time.perf_counter()
+        lm.decode(tokens, pos, context + i + 1, None)
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(model: str, rows: list[int], rounds: int, steps: int, context: int) -> dict[str, Any]:
+    import torch
+
+    import cosyserve
+    from cosyserve.models import gemm
+    from cosyserve.models.gemm import DecodeLinear
+
+    m = cosyserve.load(model, warmup=False)
+    lm = m.runtime.pipeline.decoder.lm
+    linears = [mod for mod in m.runtime.pipeline.llm.modules() if isinstance(mod, DecodeLinear)]
+    if not linears:
+        raise SystemExit("this model's LM has no float32 CPU linears to time (int8, or not on the CPU)")
+    with torch.inference_mode():
+        lm.reserve(max(rows), context + steps + 2)
+        x, _ = lm.prompt(m.runtime._lm.warmup_input())
+        x = x[:, :1].expand(1, context, -1).contiguous() if x.size(1) < context else x[:, :context]
+        for r in range(max(rows)):
+            lm.extend(x, r, 0)
+        best: dict[tuple[int, str], float] = {}
+        for _ in range(rounds):
+            for n in rows:
+                for mode in ("linear", "transposed", "auto"):
+                    for mod in linears:
+                        mod.mode = mode
+                    t = _series(lm, n, context, steps)
+                    if mode != "auto":
+                        best[(n, mode)] = min(best.get((n, mode), float("inf")), t)
+    chosen = gemm.decisions()
+    out: dict[str, Any] = {
+        "cpu": _cpu(),
+        "load": os.getloadavg(),
+        "threads": torch.get_num_threads(),
+        "rows": {},
+    }
+    print(f"{_cpu()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; {model}")
+    print(f"{'rows':>4}  {'x·Wᵀ ms':>9}  {'W·xᵀ ms':>9}  ratio  auto chose (per weight shape)")
+    for n in rows:
+        a, b = best[(n, "linear")] * 1e3, best[(n, "transposed")] * 1e3
+        picks = sorted(
+            f"{k[0]}x{k[1]}:{'T' if w == 'transposed' else 'L'}" for k, w in chosen.items() if k[2] == n
+        )
+        print(f"{n:>4}  {a:>9.1f}  {b:>9.1f}  {b / a:5.2f}  {' '.join(picks)}")
+        out["rows"][n] = {"linear_ms": a, "transposed_ms": b, "auto": picks}
+    m.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a bundle or model dir (full-size CosyVoice2 or 3 for real figures)")
+    ap.add_argument("--rows", default="1,2,4,8", help="rows per step to time (default 1,2,4,8)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per series (default 8)")
+    ap.add_argument("--context", type=int, default=200, help="prompt positions per row (default 200)")
+    ap.add_argument("--dry-run", action="store_true", help="2 rounds of 2 steps on a tiny CosyVoice2 model")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    if not rows or min(rows) < 1:
+        ap.error(f"--rows {args.rows}: expected positive integers")
+    if args.dry_run:
+        args.rounds, args.steps, args.context = 2, 2, 16
+    with tempfile.TemporaryDirectory(prefix="decode-gemm-") as tmp:
+        model = args.model
+        if model is None:
+            if not args.dry_run:
+                ap.error("--model is required (or --dry-run)")
+            from cosyserve.families.testmodel import make_test_model
+
+            model = str(Path(tmp) / "cv2")
+            make_test_model(model, size="tiny", seed=0, family="cosyvoice2")
+        out = measure(model, rows, args.rounds, args.steps, args.context)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
