@@ -1,16 +1,22 @@
 """The torch LM's decode step in each product layout (cosyserve.models.gemm), side by side, by rows per step.
 
-    python bench/decode_gemm.py --model CV2_BUNDLE [--rows 1,2,4,8] [--rounds 5] [--steps 8]
+    python bench/decode_gemm.py --model CV2_BUNDLE [--rows 1,2,4,8] [--rounds 5] [--steps 8] [--requests 4]
     python bench/decode_gemm.py --dry-run          # a tiny CosyVoice2 model made here (CI: tests/test_gemm)
 
 One process loads the model (default settings, no warm-up) and fills ``max(rows)`` cache rows with a prompt of
 ``--context`` positions. Then, round by round, for each row count and each layout in turn (``linear``: torch's
-``x·Wᵀ``; ``transposed``: ``W·xᵀ``), it runs ``--steps`` decode steps of that many rows (each row at its own
-position past the prompt) and keeps the median step; printed: the minimum over rounds of each, their ratio, and
-what ``auto`` (the default) chose for the row count after timing its own steps. The first step of every series is
-not counted (it may page weights in). The decode steps are the runtime's own (``pipeline.decoder.lm.decode``):
-every linear of the LM and its head, the attention over the context, the log-softmax. Run on a quiet machine and
-name the CPU; the layouts' order differs by CPU, BLAS and row count, which is why ``auto`` times them.
+``x·Wᵀ``; ``transposed``: ``W·xᵀ``; ``auto``: the default), it runs ``--steps`` decode steps of that many rows
+(each row at its own position past the prompt) and keeps the median step; printed: the minimum over rounds of
+each (``auto``'s from the rounds after its first decisions), the ratio of the two layouts, and what ``auto`` chose
+per weight shape. The first step of every series is not counted (it may page weights in). The decode steps are
+the runtime's own (``pipeline.decoder.lm.decode``): every linear of the LM and its head, the attention over the
+context, the log-softmax. Run on a quiet machine and name the CPU; the layouts' order differs by CPU, BLAS and row
+count, which is why ``auto`` times them.
+
+``--requests N``: then N interleaved pairs of lone requests on the same model, ``linear`` against ``auto`` (the
+order swapped every pair; the LM's linears switched between them, ``auto``'s choices kept from its first
+request): a streamed request's first audio and a one-shot request's wall time per audio second ("Hello there,
+this is a test of the first audio of a lone request.", random weights: it speaks to the LM's length limit).
 """
 
 from __future__ import annotations
@@ -52,7 +58,46 @@ def _series(lm: Any, rows: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure(model: str, rows: list[int], rounds: int, steps: int, context: int) -> dict[str, Any]:
+TEXT = "Hello there, this is a test of the first audio of a lone request."
+
+
+def _requests(m: Any, linears: list[Any], pairs: int) -> dict[str, Any]:
+    speaker = m.speakers[0] if m.speakers else None
+
+    def first_audio(seed: int) -> float:
+        t = time.perf_counter()
+        chunks = m.synthesize(TEXT, speaker=speaker, stream=True, seed=seed)
+        next(iter(chunks))
+        chunks.close()
+        return time.perf_counter() - t
+
+    def per_audio_second(seed: int) -> float:
+        t = time.perf_counter()
+        audio = m.synthesize_all(TEXT, speaker=speaker, seed=seed)
+        return (time.perf_counter() - t) / (audio.size / m.sample_rate)
+
+    got: dict[str, dict[str, list[float]]] = {mode: {"first": [], "rtf": []} for mode in ("linear", "auto")}
+    for i in range(
+        pairs + 1
+    ):  # the first pair warms both (auto decides its row count there) and is not counted
+        for mode in ("linear", "auto") if i % 2 else ("auto", "linear"):
+            for mod in linears:
+                mod.mode = mode
+            first, rtf = first_audio(10 + i), per_audio_second(10 + i)
+            if i:
+                got[mode]["first"].append(first)
+                got[mode]["rtf"].append(rtf)
+    out = {mode: {k: statistics.median(v) for k, v in d.items()} for mode, d in got.items()}
+    a, b = out["linear"], out["auto"]
+    print(f"lone requests, {pairs} interleaved pairs (medians): x·Wᵀ only / auto / ratio")
+    print(f"  first audio (s)       {a['first']:6.2f}  {b['first']:6.2f}  {b['first'] / a['first']:.2f}")
+    print(f"  RTF (one-shot)        {a['rtf']:6.2f}  {b['rtf']:6.2f}  {b['rtf'] / a['rtf']:.2f}")
+    return out
+
+
+def measure(
+    model: str, rows: list[int], rounds: int, steps: int, context: int, requests: int = 0
+) -> dict[str, Any]:
     import torch
 
     import cosyserve
@@ -77,7 +122,7 @@ def measure(model: str, rows: list[int], rounds: int, steps: int, context: int) 
                     for mod in linears:
                         mod.mode = mode
                     t = _series(lm, n, context, steps)
-                    if mode != "auto":
+                    if mode != "auto" or gemm.decisions():  # auto's steps once it has decided something
                         best[(n, mode)] = min(best.get((n, mode), float("inf")), t)
     chosen = gemm.decisions()
     out: dict[str, Any] = {
@@ -87,14 +132,20 @@ def measure(model: str, rows: list[int], rounds: int, steps: int, context: int) 
         "rows": {},
     }
     print(f"{_cpu()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; {model}")
-    print(f"{'rows':>4}  {'x·Wᵀ ms':>9}  {'W·xᵀ ms':>9}  ratio  auto chose (per weight shape)")
+    print(
+        f"{'rows':>4}  {'x·Wᵀ ms':>9}  {'W·xᵀ ms':>9}  ratio  {'auto ms':>9}  auto chose (per weight shape)"
+    )
     for n in rows:
         a, b = best[(n, "linear")] * 1e3, best[(n, "transposed")] * 1e3
+        c = best.get((n, "auto"), float("nan")) * 1e3
         picks = sorted(
             f"{k[0]}x{k[1]}:{'T' if w == 'transposed' else 'L'}" for k, w in chosen.items() if k[2] == n
         )
-        print(f"{n:>4}  {a:>9.1f}  {b:>9.1f}  {b / a:5.2f}  {' '.join(picks)}")
-        out["rows"][n] = {"linear_ms": a, "transposed_ms": b, "auto": picks}
+        print(f"{n:>4}  {a:>9.1f}  {b:>9.1f}  {b / a:5.2f}  {c:>9.1f}  {' '.join(picks)}")
+        out["rows"][n] = {"linear_ms": a, "transposed_ms": b, "auto_ms": c, "auto": picks}
+    if requests:
+        lm.release()
+        out["requests"] = _requests(m, linears, requests)
     m.close()
     return out
 
@@ -106,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per series (default 8)")
     ap.add_argument("--context", type=int, default=200, help="prompt positions per row (default 200)")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="then this many pairs of lone requests (default 0)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="2 rounds of 2 steps on a tiny CosyVoice2 model")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -123,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(Path(tmp) / "cv2")
             make_test_model(model, size="tiny", seed=0, family="cosyvoice2")
-        out = measure(model, rows, args.rounds, args.steps, args.context)
+        out = measure(model, rows, args.rounds, args.steps, args.context, args.requests)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -161,7 +161,11 @@ def test_decode_gemm_bench_dry_run_prints_every_figure(tmp_path: Path, cv2_model
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
     cmd = [sys.executable, str(root / "bench" / "decode_gemm.py"), "--dry-run", "--model", str(cv2_model_dir)]
     r = subprocess.run(
-        [*cmd, "--rows", "1,3", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env
+        [*cmd, "--rows", "1,3", "--requests", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -169,3 +173,4 @@ def test_decode_gemm_bench_dry_run_prints_every_figure(tmp_path: Path, cv2_model
     for row in figures["rows"].values():
         assert row["linear_ms"] > 0 and row["transposed_ms"] > 0
     assert "ratio" in r.stdout and figures["cpu"]
+    assert figures["requests"]["auto"]["first"] > 0 and figures["requests"]["linear"]["rtf"] > 0
