@@ -13,6 +13,8 @@ the runtime's own (``pipeline.decoder.lm.decode``): every linear of the LM and i
 context, the log-softmax. Run on a quiet machine and name the CPU; the layouts' order differs by CPU, BLAS and row
 count, which is why ``auto`` times them.
 
+``--packed``: also ``packed`` (oneDNN-blocked copies of the LM's weights, made first: their size in memory).
+
 ``--requests N``: then N interleaved pairs of lone requests on the same model, ``linear`` against ``auto`` (the
 order swapped every pair; the LM's linears switched between them, ``auto``'s choices kept from its first
 request): a streamed request's first audio and a one-shot request's wall time per audio second ("Hello there,
@@ -61,7 +63,7 @@ def _series(lm: Any, rows: int, context: int, steps: int) -> float:
 TEXT = "Hello there, this is a test of the first audio of a lone request."
 
 
-def _requests(m: Any, linears: list[Any], pairs: int) -> dict[str, Any]:
+def _requests(m: Any, linears: list[Any], pairs: int, modes: tuple[str, ...]) -> dict[str, Any]:
     speaker = m.speakers[0] if m.speakers else None
 
     def first_audio(seed: int) -> float:
@@ -76,11 +78,11 @@ def _requests(m: Any, linears: list[Any], pairs: int) -> dict[str, Any]:
         audio = m.synthesize_all(TEXT, speaker=speaker, seed=seed)
         return (time.perf_counter() - t) / (audio.size / m.sample_rate)
 
-    got: dict[str, dict[str, list[float]]] = {mode: {"first": [], "rtf": []} for mode in ("linear", "auto")}
+    got: dict[str, dict[str, list[float]]] = {mode: {"first": [], "rtf": []} for mode in modes}
     for i in range(
         pairs + 1
     ):  # the first pair warms both (auto decides its row count there) and is not counted
-        for mode in ("linear", "auto") if i % 2 else ("auto", "linear"):
+        for mode in modes if i % 2 else modes[::-1]:
             for mod in linears:
                 mod.mode = mode
             first, rtf = first_audio(10 + i), per_audio_second(10 + i)
@@ -88,15 +90,22 @@ def _requests(m: Any, linears: list[Any], pairs: int) -> dict[str, Any]:
                 got[mode]["first"].append(first)
                 got[mode]["rtf"].append(rtf)
     out = {mode: {k: statistics.median(v) for k, v in d.items()} for mode, d in got.items()}
-    a, b = out["linear"], out["auto"]
-    print(f"lone requests, {pairs} interleaved pairs (medians): x·Wᵀ only / auto / ratio")
-    print(f"  first audio (s)       {a['first']:6.2f}  {b['first']:6.2f}  {b['first'] / a['first']:.2f}")
-    print(f"  RTF (one-shot)        {a['rtf']:6.2f}  {b['rtf']:6.2f}  {b['rtf'] / a['rtf']:.2f}")
+    a = out["linear"]
+    print(f"lone requests, {pairs} interleaved pairs (medians): " + " / ".join(modes) + " (each / linear)")
+    for what, key in (("first audio (s)", "first"), ("RTF (one-shot)", "rtf")):
+        cells = "  ".join(f"{out[mode][key]:6.2f} ({out[mode][key] / a[key]:.2f})" for mode in modes)
+        print(f"  {what:<20}  {cells}")
     return out
 
 
 def measure(
-    model: str, rows: list[int], rounds: int, steps: int, context: int, requests: int = 0
+    model: str,
+    rows: list[int],
+    rounds: int,
+    steps: int,
+    context: int,
+    requests: int = 0,
+    packed: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -109,6 +118,11 @@ def measure(
     linears = [mod for mod in m.runtime.pipeline.llm.modules() if isinstance(mod, DecodeLinear)]
     if not linears:
         raise SystemExit("this model's LM has no float32 CPU linears to time (int8, or not on the CPU)")
+    modes: tuple[str, ...] = ("linear", "transposed", "auto")
+    if packed:
+        for mod in linears:
+            mod.pack()
+        modes += ("packed",)
     with torch.inference_mode():
         lm.reserve(max(rows), context + steps + 2)
         x, _ = lm.prompt(m.runtime._lm.warmup_input())
@@ -118,7 +132,7 @@ def measure(
         best: dict[tuple[int, str], float] = {}
         for _ in range(rounds):
             for n in rows:
-                for mode in ("linear", "transposed", "auto"):
+                for mode in modes:
                     for mod in linears:
                         mod.mode = mode
                     t = _series(lm, n, context, steps)
@@ -133,19 +147,22 @@ def measure(
     }
     print(f"{_cpu()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; {model}")
     print(
-        f"{'rows':>4}  {'x·Wᵀ ms':>9}  {'W·xᵀ ms':>9}  ratio  {'auto ms':>9}  auto chose (per weight shape)"
+        f"{'rows':>4}  {'x·Wᵀ ms':>9}  {'W·xᵀ ms':>9}  ratio  {'auto ms':>9}  {'packed ms':>9}  "
+        "auto chose (per weight shape)"
     )
     for n in rows:
         a, b = best[(n, "linear")] * 1e3, best[(n, "transposed")] * 1e3
         c = best.get((n, "auto"), float("nan")) * 1e3
+        d = best.get((n, "packed"), float("nan")) * 1e3
         picks = sorted(
             f"{k[0]}x{k[1]}:{'T' if w == 'transposed' else 'L'}" for k, w in chosen.items() if k[2] == n
         )
-        print(f"{n:>4}  {a:>9.1f}  {b:>9.1f}  {b / a:5.2f}  {c:>9.1f}  {' '.join(picks)}")
-        out["rows"][n] = {"linear_ms": a, "transposed_ms": b, "auto_ms": c, "auto": picks}
+        print(f"{n:>4}  {a:>9.1f}  {b:>9.1f}  {b / a:5.2f}  {c:>9.1f}  {d:>9.1f}  {' '.join(picks)}")
+        out["rows"][n] = {"linear_ms": a, "transposed_ms": b, "auto_ms": c, "packed_ms": d, "auto": picks}
     if requests:
         lm.release()
-        out["requests"] = _requests(m, linears, requests)
+        modes = ("linear", "auto", "packed") if packed else ("linear", "auto")
+        out["requests"] = _requests(m, linears, requests, modes)
     m.close()
     return out
 
@@ -159,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=200, help="prompt positions per row (default 200)")
     ap.add_argument(
         "--requests", type=int, default=0, help="then this many pairs of lone requests (default 0)"
+    )
+    ap.add_argument(
+        "--packed", action="store_true", help="also llm_gemm=packed (packs the weights: +their size)"
     )
     ap.add_argument("--dry-run", action="store_true", help="2 rounds of 2 steps on a tiny CosyVoice2 model")
     ap.add_argument("--json", type=Path, help="also write the figures here")
@@ -177,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(Path(tmp) / "cv2")
             make_test_model(model, size="tiny", seed=0, family="cosyvoice2")
-        out = measure(model, rows, args.rounds, args.steps, args.context, args.requests)
+        out = measure(model, rows, args.rounds, args.steps, args.context, args.requests, args.packed)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

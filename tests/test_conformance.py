@@ -155,7 +155,7 @@ def test_cosyvoice3_fixture_set_passes_through_a_bundle(
     assert len(lines) == len(doc["cases"])
 
 
-@pytest.mark.parametrize("mode", ["transposed", "linear"])
+@pytest.mark.parametrize("mode", ["transposed", "linear", "packed"])
 def test_lm_kinds_pass_in_either_decode_product_layout(
     conformance: Callable[..., Run],
     fixture_set_dir: Path,

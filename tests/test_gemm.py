@@ -38,8 +38,11 @@ def test_both_layouts_give_torchs_linear(rows: int, bias: bool) -> None:
     lin = _linear(48, 32, bias)
     x = torch.randn(rows, 1, 32)
     want = F.linear(x, lin.weight, lin.bias)
-    for mode in ("transposed", "linear", "auto"):
-        got = DecodeLinear(lin, mode)(x)
+    for mode in ("transposed", "linear", "auto", "packed"):
+        mod = DecodeLinear(lin, mode)
+        if mode == "packed":
+            mod.pack()
+        got = mod(x)
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # activations laid out column by column (a transposed view: the kernel must still get rows of x)
@@ -53,7 +56,10 @@ def test_the_module_keeps_the_linears_parameters_and_keys() -> None:
     assert isinstance(wrapped, nn.Linear)
     assert wrapped.weight is lin.weight and wrapped.bias is lin.bias
     assert list(wrapped.state_dict()) == list(lin.state_dict())
-    with pytest.raises(ValueError, match="decode GEMM mode must be one of auto, linear, transposed"):
+    assert wrapped.packed is None and "packed" not in wrapped.state_dict()
+    wrapped.pack()
+    assert wrapped.packed is not None and list(wrapped.state_dict()) == list(lin.state_dict())
+    with pytest.raises(ValueError, match="decode GEMM mode must be one of auto, linear, transposed, packed"):
         DecodeLinear(lin, "fast")
 
 
@@ -161,7 +167,7 @@ def test_decode_gemm_bench_dry_run_prints_every_figure(tmp_path: Path, cv2_model
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
     cmd = [sys.executable, str(root / "bench" / "decode_gemm.py"), "--dry-run", "--model", str(cv2_model_dir)]
     r = subprocess.run(
-        [*cmd, "--rows", "1,3", "--requests", "1", "--json", str(out)],
+        [*cmd, "--rows", "1,3", "--requests", "1", "--packed", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -171,6 +177,27 @@ def test_decode_gemm_bench_dry_run_prints_every_figure(tmp_path: Path, cv2_model
     figures = json.loads(out.read_text())
     assert set(figures["rows"]) == {"1", "3"}
     for row in figures["rows"].values():
-        assert row["linear_ms"] > 0 and row["transposed_ms"] > 0
+        assert row["linear_ms"] > 0 and row["transposed_ms"] > 0 and row["packed_ms"] > 0
     assert "ratio" in r.stdout and figures["cpu"]
-    assert figures["requests"]["auto"]["first"] > 0 and figures["requests"]["linear"]["rtf"] > 0
+    assert figures["requests"]["auto"]["first"] > 0 and figures["requests"]["packed"]["rtf"] > 0
+
+
+def test_packed_lm_multiplies_with_its_packed_copies(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cosyserve
+
+    used: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *rest: object) -> torch.Tensor:
+        used.append(x.numel())
+        return real(x, *rest)
+
+    m = cosyserve.load(tiny_model_dir, warmup=False, llm_gemm="packed")
+    assert "gemm_pack" in m.clock.durations
+    decode = [mod for mod in m.runtime.pipeline.llm.modules() if isinstance(mod, DecodeLinear)]
+    assert decode and all(mod.packed is not None for mod in decode)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    assert m.synthesize_all("Hello there.", m.speakers[0], seed=3).size
+    assert len(used) > 10 * len(decode)  # the prefill and every decode step, each linear

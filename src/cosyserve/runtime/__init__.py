@@ -102,7 +102,8 @@ class RuntimeOptions:
         llm_quantize: ``int8`` (the LLM's transformer and speech-head linears as weight-only int8, quantized in
             memory when the bundle holds float weights) or ``none`` (as stored).
         llm_gemm: the float32 LLM's decode products on CPU (:mod:`cosyserve.models.gemm`): ``auto`` (timed on the
-            first steps of each row count), ``linear`` (``x·Wᵀ``) or ``transposed`` (``W·xᵀ``).
+            first steps of each row count), ``linear`` (``x·Wᵀ``), ``transposed`` (``W·xᵀ``) or ``packed`` (oneDNN-blocked
+            copies of the weights, made at load).
         flow_steps: the flow's Euler steps, >= 1 (None: the model's own count, 10 for CosyVoice-300M).
         flow_context_seconds: seconds of generated speech a streamed CosyVoice2/3 request's flow attends to beyond
             its prompt, so that a chunk's cost and its state's memory stop growing (the last call then chunk-causal
@@ -149,7 +150,7 @@ class RuntimeOptions:
     flow_dtype: str | None = None
     hift_dtype: str | None = None
     llm_quantize: Literal["none", "int8"] = "none"
-    llm_gemm: Literal["auto", "linear", "transposed"] = "auto"
+    llm_gemm: Literal["auto", "linear", "transposed", "packed"] = "auto"
     flow_steps: int | None = None
     flow_context_seconds: float = 0.0
     voice_cache_mb: int = 4096
@@ -218,8 +219,8 @@ class RuntimeOptions:
                 raise ValueError(f"{name} must be float32, bfloat16, float16 or None, got {value!r}")
         if self.llm_quantize not in ("none", "int8"):
             raise ValueError(f"llm_quantize must be none or int8, got {self.llm_quantize!r}")
-        if self.llm_gemm not in ("auto", "linear", "transposed"):
-            raise ValueError(f"llm_gemm must be auto, linear or transposed, got {self.llm_gemm!r}")
+        if self.llm_gemm not in ("auto", "linear", "transposed", "packed"):
+            raise ValueError(f"llm_gemm must be auto, linear, transposed or packed, got {self.llm_gemm!r}")
         if self.flow_steps is not None and (isinstance(self.flow_steps, bool) or self.flow_steps < 1):
             raise ValueError(f"flow_steps must be an integer >= 1 or None, got {self.flow_steps!r}")
         context = self.flow_context_seconds

@@ -9,6 +9,7 @@ background thread right after: a request needs them only later.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -343,8 +344,9 @@ def _place(bundle: Any, parts: Any, o: RuntimeOptions, clock: Any) -> tuple[torc
     if device.type == "cpu":
         from cosyserve.models.gemm import use_decode_linears
 
-        # the LM's float linears decode in the layout timed fastest here (cosyserve.models.gemm)
-        use_decode_linears(parts.modules["llm"], o.llm_gemm)
+        # the LM's float linears decode in the layout timed fastest here, or packed (cosyserve.models.gemm)
+        with clock.phase("gemm_pack") if o.llm_gemm == "packed" else contextlib.nullcontext():
+            use_decode_linears(parts.modules["llm"], o.llm_gemm)
     else:
         # from the mapped files to the device tensor by tensor through pinned staging (no host copy of the model)
         with clock.phase("to_device"):
