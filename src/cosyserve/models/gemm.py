@@ -46,7 +46,7 @@ ROWS = 16
 SAMPLES = 12
 # W·xᵀ must take at most this fraction of F.linear's median to be kept
 MARGIN = 0.9
-# the row count oneDNN's blocked layout is chosen for (it serves every count; this one's blocking measured best)
+# the row-count hint the blocked layout is made for (it serves every count; the figures above are with 8)
 PACK_ROWS = 8
 
 
