@@ -14,7 +14,9 @@ from cosyserve.runtime import RuntimeOptions, load_runtime
 from cosyserve.tools import quality
 from cosyserve.tools.quality import BOUNDS, QualityReport, compare, parse_options
 
-OPTIONS = RuntimeOptions(warmup=False, text_tier="lazy")
+# the gate's own reference options (tools.quality.run_quality): the LM's products pinned, so that a model compared
+# with itself is exact (llm_gemm=auto changes the last bits once it has timed its two layouts)
+OPTIONS = RuntimeOptions(warmup=False, text_tier="lazy", llm_gemm="linear")
 
 
 @pytest.fixture(scope="module")

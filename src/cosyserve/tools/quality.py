@@ -497,8 +497,9 @@ def run_quality(
     seed: int = 0,
     parts: Sequence[str] = PARTS,
 ) -> QualityReport:
-    """Load ``model`` in fp32 with default options (the reference path) and the variant (``against`` or
-    ``model`` again, with ``options``), check they are the same model, and measure the gate's figures.
+    """Load ``model`` in fp32 with default options but ``llm_gemm=linear`` (the reference path) and the variant
+    (``against`` or ``model`` again, with ``options``), check they are the same model, and measure the gate's
+    figures.
 
     Args:
         model: the model (bundle, official dir, hub id); it is loaded with fp32 default options as the reference.
@@ -512,7 +513,9 @@ def run_quality(
     Raises:
         ValueError: bad options, or ``against`` is another model.
     """
-    base = RuntimeOptions(warmup=False, threads=threads, text_tier="lazy")
+    # the LM's products pinned to torch's F.linear (the reference's): llm_gemm=auto times two layouts on its first
+    # steps and keeps one, which moves the last bits between the gate's own runs (--option llm_gemm=... measures it)
+    base = RuntimeOptions(warmup=False, threads=threads, text_tier="lazy", llm_gemm="linear")
     fp32 = dict.fromkeys(("llm_dtype", "flow_dtype", "hift_dtype"), "float32")
     try:
         variant_options = dataclasses.replace(base, **(options or {}))
