@@ -102,7 +102,8 @@ def _record(key: tuple[int, int, int], choice: _Choice, way: str, seconds: float
 
 class DecodeLinear(nn.Linear):
     """An ``nn.Linear`` (the same parameters, keys and type) whose products of at most :data:`ROWS` float32 rows on
-    CPU take the layout ``mode`` names: ``auto`` (timed, see the module docstring), ``linear`` or ``transposed``."""
+    CPU take the layout ``mode`` names: ``auto`` (timed, see the module docstring), ``linear`` or ``transposed``;
+    ``packed`` multiplies every float32 CPU input with :attr:`packed` once :meth:`pack` has made it."""
 
     def __init__(self, linear: nn.Linear, mode: str = "auto") -> None:
         if mode not in GEMM_MODES:
@@ -112,9 +113,8 @@ class DecodeLinear(nn.Linear):
         self.weight = linear.weight
         self.bias = linear.bias
         self.mode = mode
-        self.packed: Tensor | None = (
-            None  # the weight in oneDNN's blocked layout (mode packed; not a state key)
-        )
+        # the weight in oneDNN's blocked layout (mode packed, made by pack(); not a state key)
+        self.packed: Tensor | None = None
         self._warm = False  # a first call may fault the weights in: never timed
 
     @classmethod
