@@ -56,6 +56,16 @@ def test_the_module_keeps_the_linears_parameters_and_keys() -> None:
     assert isinstance(wrapped, nn.Linear)
     assert wrapped.weight is lin.weight and wrapped.bias is lin.bias
     assert list(wrapped.state_dict()) == list(lin.state_dict())
+    # the runtime's way: the module itself becomes one (no new module, the same object wherever it is held)
+    other = _linear(8, 4, False)
+    keys = list(other.state_dict())
+    same = DecodeLinear.wrap(other, "transposed")
+    assert same is other and isinstance(other, DecodeLinear) and other.mode == "transposed"
+    assert list(other.state_dict()) == keys and other.packed is None
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(other(x), F.linear(x, other.weight))
+    with pytest.raises(ValueError, match="decode GEMM mode must be one of"):
+        DecodeLinear.wrap(other, "fastest")
     assert wrapped.packed is None and "packed" not in wrapped.state_dict()
     wrapped.pack()
     assert wrapped.packed is not None and list(wrapped.state_dict()) == list(lin.state_dict())

@@ -119,10 +119,18 @@ class DecodeLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear, mode: str) -> DecodeLinear:
-        if isinstance(linear, DecodeLinear):
-            linear.mode = mode
-            return linear
-        return cls(linear, mode)
+        """``linear`` itself made a :class:`DecodeLinear` with ``mode`` (its class changed in place: no new module,
+        ~1 us instead of ~80 for a new one, 169 of them in a CosyVoice2 LM)."""
+        if mode not in GEMM_MODES:
+            raise ValueError(f"decode GEMM mode must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+        if not isinstance(linear, DecodeLinear):
+            linear.__class__ = cls
+            linear.__dict__.update(
+                packed=None, _warm=False
+            )  # plain attributes (nn.Module's setattr is slower)
+        assert isinstance(linear, DecodeLinear)
+        linear.__dict__["mode"] = mode
+        return linear
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -169,16 +177,16 @@ def use_decode_linears(llm: nn.Module, mode: str) -> int:
     """Make each float linear of the LM ``llm`` that a decode step runs (those int8 quantization would replace:
     :func:`cosyserve.models.precision.quantized_linears`) a :class:`DecodeLinear` with ``mode``, in place, the
     parameters shared; ``packed``: each float32 one packed (see the module docstring). Returns how many."""
-    from cosyserve.models.precision import quantized_linears, replace_submodule
+    from cosyserve.models.precision import quantized_linears
 
     n = 0
+    modules = dict(llm.named_modules())
     for name in list(quantized_linears(llm)):
-        lin = llm.get_submodule(name)
+        lin = modules[name]
         if type(lin) is nn.Linear or isinstance(lin, DecodeLinear):
             new = DecodeLinear.wrap(lin, mode)
             if mode == "packed" and new.weight.dtype == torch.float32 and new.weight.device.type == "cpu":
                 new.pack()
-            replace_submodule(llm, name, new)
             n += 1
     return n
 
