@@ -54,7 +54,6 @@ __all__ = [
     "quantize_llm",
     "quantize_per_channel",
     "quantized_linears",
-    "replace_submodule",
     "use_int8_linears",
 ]
 
@@ -313,8 +312,7 @@ def quantized_linears(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZ
             yield name
 
 
-def replace_submodule(module: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` where ``module``'s submodule ``name`` (dotted) is."""
+def _replace(module: nn.Module, name: str, new: nn.Module) -> None:
     owner, _, attr = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, attr, new)
 
@@ -327,7 +325,7 @@ def use_int8_linears(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZE
         lin = module.get_submodule(name)
         assert isinstance(lin, nn.Linear)
         new = Int8Linear(lin.in_features, lin.out_features, lin.bias is not None, device=lin.weight.device)
-        replace_submodule(module, name, new)
+        _replace(module, name, new)
     return module
 
 
@@ -338,5 +336,5 @@ def quantize_llm(module: nn.Module, prefixes: tuple[str, ...] = LLM_QUANTIZED) -
     for name in list(quantized_linears(module, prefixes)):
         lin = module.get_submodule(name)
         assert isinstance(lin, nn.Linear)
-        replace_submodule(module, name, Int8Linear.from_linear(lin))
+        _replace(module, name, Int8Linear.from_linear(lin))
     return module
