@@ -15,6 +15,9 @@ count, which is why ``auto`` times them.
 
 ``--packed``: also ``packed`` (oneDNN-blocked copies of the LM's weights, made first: their size in memory).
 
+``--runtime lite`` (a bundle converted with ``--runtime lite``): the lite runtime's steps, its LM batch graph
+unpacked (the default) against prepacked (``llm_gemm=packed``), two loads in this process.
+
 ``--requests N``: then N interleaved pairs of lone requests on the same model, ``linear`` against ``auto`` (the
 order swapped every pair; the LM's linears switched between them, ``auto``'s choices kept from its first
 request): a streamed request's first audio and a one-shot request's wall time per audio second ("Hello there,
@@ -47,12 +50,11 @@ def _cpu() -> str:
 
 
 def _series(lm: Any, rows: int, context: int, steps: int) -> float:
-    import torch
-
-    tokens = torch.arange(rows, dtype=torch.int64) % max(lm.rules.vocab - 8, 1)
+    xp = lm.ops.xp  # torch or numpy, as the runtime's LM computes
+    tokens = xp.asarray([r % 100 for r in range(rows)], dtype=xp.int64)
     times = []
     for i in range(steps + 1):
-        pos = torch.full((rows,), context + i, dtype=torch.int64)
+        pos = xp.asarray([context + i] * rows, dtype=xp.int64)
         t = time.perf_counter()
         lm.decode(tokens, pos, context + i + 1, None)
         if i:
@@ -98,6 +100,41 @@ def _requests(m: Any, linears: list[Any], pairs: int, modes: tuple[str, ...]) ->
     return out
 
 
+def _fill(lm: Any, rows: int, context: int) -> None:
+    # every cache row holds ``context`` positions of speech-token embeddings (any ids: the cost is the same)
+    x = lm.embed([("speech", [i % 100 for i in range(context)])])  # (1, context, C)
+    for r in range(rows):
+        lm.extend(x, r, 0)
+
+
+def measure_lite(model: str, rows: list[int], rounds: int, steps: int, context: int) -> dict[str, Any]:
+    """The lite runtime's decode steps with its LM batch graph unpacked (the default) and prepacked
+    (``llm_gemm=packed``), two loads of ``model`` in this process, their series interleaved."""
+    import cosyserve
+
+    loads = {gemm: cosyserve.load(model, runtime="lite", llm_gemm=gemm) for gemm in ("auto", "packed")}
+    lms = {gemm: m.runtime.pipeline.decoder.lm for gemm, m in loads.items()}
+    for lm in lms.values():
+        lm.reserve(max(rows), context + steps + 2)
+        _fill(lm, max(rows), context)
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(rounds):
+        for n in rows:
+            for gemm, lm in lms.items():
+                t = _series(lm, n, context, steps)
+                best[(n, gemm)] = min(best.get((n, gemm), float("inf")), t)
+    print(f"{_cpu()}, lite runtime, load {os.getloadavg()[0]:.2f}; {model}")
+    print(f"{'rows':>4}  {'unpacked ms':>11}  {'packed ms':>9}  ratio")
+    out: dict[str, Any] = {"cpu": _cpu(), "load": os.getloadavg(), "runtime": "lite", "rows": {}}
+    for n in rows:
+        a, b = best[(n, "auto")] * 1e3, best[(n, "packed")] * 1e3
+        print(f"{n:>4}  {a:>11.1f}  {b:>9.1f}  {b / a:5.2f}")
+        out["rows"][n] = {"unpacked_ms": a, "packed_ms": b}
+    for m in loads.values():
+        m.close()
+    return out
+
+
 def measure(
     model: str,
     rows: list[int],
@@ -125,10 +162,7 @@ def measure(
         modes += ("packed",)
     with torch.inference_mode():
         lm.reserve(max(rows), context + steps + 2)
-        x, _ = lm.prompt(m.runtime._lm.warmup_input())
-        x = x[:, :1].expand(1, context, -1).contiguous() if x.size(1) < context else x[:, :context]
-        for r in range(max(rows)):
-            lm.extend(x, r, 0)
+        _fill(lm, max(rows), context)
         best: dict[tuple[int, str], float] = {}
         for _ in range(rounds):
             for n in rows:
@@ -180,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--packed", action="store_true", help="also llm_gemm=packed (packs the weights: +their size)"
     )
+    ap.add_argument(
+        "--runtime",
+        choices=["torch", "lite"],
+        default="torch",
+        help="lite: its batch graph unpacked vs packed",
+    )
     ap.add_argument("--dry-run", action="store_true", help="2 rounds of 2 steps on a tiny CosyVoice2 model")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -197,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
 
             model = str(Path(tmp) / "cv2")
             make_test_model(model, size="tiny", seed=0, family="cosyvoice2")
-        out = measure(model, rows, args.rounds, args.steps, args.context, args.requests, args.packed)
+        if args.runtime == "lite":
+            out = measure_lite(model, rows, args.rounds, args.steps, args.context)
+        else:
+            out = measure(model, rows, args.rounds, args.steps, args.context, args.requests, args.packed)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

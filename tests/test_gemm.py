@@ -211,3 +211,22 @@ def test_packed_lm_multiplies_with_its_packed_copies(
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
     assert m.synthesize_all("Hello there.", m.speakers[0], seed=3).size
     assert len(used) > 10 * len(decode)  # the prefill and every decode step, each linear
+
+
+def test_decode_gemm_bench_dry_run_on_the_lite_runtime(tmp_path: Path, cv3_lite_bundle: Path) -> None:
+    """If this fails, bench/decode_gemm.py --runtime lite (the lite batch graph unpacked vs prepacked) no longer
+    runs end to end."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "figures.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, str(root / "bench" / "decode_gemm.py"), "--dry-run", "--runtime", "lite"]
+    r = subprocess.run(
+        [*cmd, "--model", str(cv3_lite_bundle), "--rows", "1,2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1", "2"} and all(v["unpacked_ms"] > 0 and v["packed_ms"] > 0 for v in rows.values())

@@ -697,3 +697,26 @@ def test_a_stop_ends_a_running_lite_flow(served: Any) -> None:
         )  # fmt: skip
     # asked during the call's work (a check at its end alone says False and would let it return)
     assert len(asked) >= 3, len(asked)
+
+
+def test_packed_prepacks_the_batch_graph_only(qwen_bundles: dict) -> None:
+    """llm_gemm=packed on the lite runtime prepacks the LM's batch graph (MLAS, several rows per step), not its
+    step graph (READY waits for that one: it opens unpacked) nor anything else it did not already. If this failed,
+    the setting would do nothing on the lite runtime, or READY would wait for a prepacking."""
+    import cosyserve
+    from cosyserve.bundle.lite import BATCH_STEP
+
+    def prepacked(session: Any) -> bool:
+        try:
+            entry = session.get_session_options().get_session_config_entry("session.disable_prepacking")
+        except RuntimeError:  # not set: ORT prepacks
+            return True
+        return entry != "1"
+
+    for gemm, want in (("packed", True), ("auto", False)):
+        model = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", llm_gemm=gemm, threads=1)
+        lite = model.runtime.lite
+        assert lite.prepack_batch is want
+        assert not prepacked(lite.session("llm_step")), gemm
+        assert prepacked(lite.session(BATCH_STEP)) is want, gemm
+        model.close()

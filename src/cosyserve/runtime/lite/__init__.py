@@ -305,7 +305,13 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
         bundle.verify = o.verify
         threads = o.threads or default_threads()
         lite = LiteBundle(
-            bundle.path, verify=o.verify, threads=threads, int8=o.llm_quantize == "int8", bundle=bundle
+            bundle.path,
+            verify=o.verify,
+            threads=threads,
+            int8=o.llm_quantize == "int8",
+            bundle=bundle,
+            prepack_batch=o.llm_gemm
+            == "packed",  # MLAS's prepacked weights: batched steps ~2x cheaper on a Zen 4
         )
         names = ("llm_dtype", "flow_dtype", "hift_dtype")
         ignored = [f"{n}={v}" for n in names if (v := getattr(o, n)) not in (None, "float32")]

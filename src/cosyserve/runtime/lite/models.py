@@ -105,6 +105,8 @@ class LiteBundle:
             does), ``none`` (sizes only).
         threads: intra-op threads of each session.
         prepack: prepack the LM graphs' weights too (the flow's and vocoder's always are).
+        prepack_batch: prepack the LM's batch graph only (``llm_gemm=packed``: its steps of several rows, opened by
+            the first such step, then take ~1.5 s to open and the weights' size again in memory).
         int8: serve the int8 LM step graph.
         bundle: the opened :class:`cosyserve.bundle.loader.Bundle` (default: opened here), whose file check and
             stamps the lite files share.
@@ -118,6 +120,7 @@ class LiteBundle:
         prepack: bool = False,
         int8: bool = False,
         bundle: Any = None,
+        prepack_batch: bool = False,
     ):
         self.path = Path(path)
         self.dir = self.path / LITE_DIR
@@ -169,6 +172,7 @@ class LiteBundle:
         self._check_files(verify, bundle)
         self.threads = threads
         self.prepack = prepack
+        self.prepack_batch = prepack_batch
         self.sessions: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -250,9 +254,10 @@ class LiteBundle:
         # buffer-reuse plan: it took 0.9 of the full-size estimator's 2.2 s open and 0.1 of the vocoder's 0.24
         # (2-core Xeon), its runs and peak RSS the same without it (the arena reuses freed blocks anyway)
         lm = name.startswith("llm_")
+        batch = self.prepack_batch and name == BATCH_STEP
         options = session_options(
             self.threads,
-            prepack=not quick and (self.prepack or int8 or not lm),
+            prepack=not quick and (self.prepack or int8 or batch or not lm),
             optimize=int8 or not (lm or quick),  # the int8 step graph's rewrites were made at conversion
             plan_reuse=False,
         )
