@@ -700,9 +700,9 @@ def test_a_stop_ends_a_running_lite_flow(served: Any) -> None:
 
 
 def test_packed_prepacks_the_batch_graph_only(qwen_bundles: dict) -> None:
-    """llm_gemm=packed on the lite runtime prepacks the LM's batch graph (MLAS, several rows per step), not its
-    step graph (READY waits for that one: it opens unpacked) nor anything else it did not already. If this failed,
-    the setting would do nothing on the lite runtime, or READY would wait for a prepacking."""
+    """llm_gemm=packed on the lite runtime prepacks the LM's batch graph (MLAS, several rows per step), after READY,
+    not its step graph (READY waits for that one: it opens unpacked). If this failed, the setting would do nothing
+    on the lite runtime, READY would wait for a prepacking, or a first batched step would stall for it."""
     import cosyserve
     from cosyserve.bundle.lite import BATCH_STEP
 
@@ -717,6 +717,13 @@ def test_packed_prepacks_the_batch_graph_only(qwen_bundles: dict) -> None:
         model = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", llm_gemm=gemm, threads=1)
         lite = model.runtime.lite
         assert lite.prepack_batch is want
+        model.runtime.join_background()
+        # packed: opened after READY between requests (its open holds the GIL ~1.2 s at full size), not by a
+        # first batched step; unpacked: opened by that step (milliseconds)
+        assert (BATCH_STEP in lite.sessions) is want, gemm
+        opened = lite.session(BATCH_STEP)
         assert not prepacked(lite.session("llm_step")), gemm
-        assert prepacked(lite.session(BATCH_STEP)) is want, gemm
+        assert prepacked(opened) is want, gemm
+        lite.upgrade(BATCH_STEP)  # a later upgrade keeps a serving form as it is
+        assert lite.session(BATCH_STEP) is opened
         model.close()

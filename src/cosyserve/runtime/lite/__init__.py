@@ -424,7 +424,11 @@ def _after_ready(runtime: LiteRuntime) -> threading.Thread:
     quick: list[str] = list(runtime.quick)
 
     def open_quick() -> None:
+        from cosyserve.bundle.lite import BATCH_STEP
+
         quick.extend(n for n in token2wav if runtime.lite.open_quick(n))
+        if runtime.lite.prepack_batch and BATCH_STEP in graphs:
+            quick.append(BATCH_STEP)  # llm_gemm=packed: its prepacked open (~1.2 s) between requests too
 
     steps.append(("sessions_token2wav", open_quick))
     if o.text_tier == "background" and not o.fork_template:

@@ -105,8 +105,9 @@ class LiteBundle:
             does), ``none`` (sizes only).
         threads: intra-op threads of each session.
         prepack: prepack the LM graphs' weights too (the flow's and vocoder's always are).
-        prepack_batch: prepack the LM's batch graph only (``llm_gemm=packed``: its steps of several rows, opened by
-            the first such step, then take ~1.5 s to open and the weights' size again in memory).
+        prepack_batch: prepack the LM's batch graph only (``llm_gemm=packed``: its steps of several rows ~2x
+            cheaper on a Zen 4 EPYC; the open takes ~1.2 s at full size and the weights' size again in memory, so
+            the lite runtime opens it after READY between requests, or a first batched step does).
         int8: serve the int8 LM step graph.
         bundle: the opened :class:`cosyserve.bundle.loader.Bundle` (default: opened here), whose file check and
             stamps the lite files share.
@@ -223,6 +224,9 @@ class LiteBundle:
         the quick form's weights, which a run in flight keeps mapped and resident, held 1.3 GB more at the peak
         (full-size CosyVoice3: 4.9 GB instead of 3.5 with a first request in flight at the upgrade)."""
         with self._lock:
+            current = self.sessions.get(name)
+            if current is not None and not isinstance(current, CountedRuns):
+                return  # its serving form already (a graph opened by its first use, the batch graph's)
             quick = self.sessions.pop(name, None)
             if isinstance(quick, CountedRuns):
                 quick.runs.wait_idle(wait_s)
