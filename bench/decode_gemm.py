@@ -39,14 +39,9 @@ from typing import Any
 
 
 def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    from cosyserve.system.cpus import cpu_name
+
+    return cpu_name() or platform.processor() or "unknown CPU"
 
 
 def _series(lm: Any, rows: int, context: int, steps: int) -> float:

@@ -158,13 +158,10 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs"
+    from cosyserve.system.cpus import cpu_name
+
+    name = cpu_name()
+    return f"{name} x{os.cpu_count()}" if name else f"{os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

@@ -105,32 +105,37 @@ class DecodeLinear(nn.Linear):
     CPU take the layout ``mode`` names: ``auto`` (timed, see the module docstring), ``linear`` or ``transposed``;
     ``packed`` multiplies every float32 CPU input with :attr:`packed` once :meth:`pack` has made it."""
 
+    mode: str
+    packed: (
+        Tensor | None
+    )  # the weight in oneDNN's blocked layout (mode packed, made by pack(); not a state key)
+    _warm: bool  # a first call may fault the weights in: never timed
+
     def __init__(self, linear: nn.Linear, mode: str = "auto") -> None:
-        if mode not in GEMM_MODES:
-            raise ValueError(f"decode GEMM mode must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+        # a new module over ``linear``'s parameters (the runtime converts its own in place: :meth:`wrap`)
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.mode = mode
-        # the weight in oneDNN's blocked layout (mode packed, made by pack(); not a state key)
-        self.packed: Tensor | None = None
-        self._warm = False  # a first call may fault the weights in: never timed
+        self._become(mode)
 
     @classmethod
     def wrap(cls, linear: nn.Linear, mode: str) -> DecodeLinear:
         """``linear`` itself made a :class:`DecodeLinear` with ``mode`` (its class changed in place: no new module,
         ~1 us instead of ~80 for a new one, 169 of them in a CosyVoice2 LM)."""
-        if mode not in GEMM_MODES:
-            raise ValueError(f"decode GEMM mode must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
         if not isinstance(linear, DecodeLinear):
             linear.__class__ = cls
-            linear.__dict__.update(
-                packed=None, _warm=False
-            )  # plain attributes (nn.Module's setattr is slower)
         assert isinstance(linear, DecodeLinear)
-        linear.__dict__["mode"] = mode
+        linear._become(mode)
         return linear
+
+    def _become(self, mode: str) -> None:
+        if mode not in GEMM_MODES:
+            raise ValueError(f"decode GEMM mode must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+        # plain attributes, set directly (nn.Module's setattr is slower); a packed copy is kept across mode changes
+        self.__dict__.setdefault("packed", None)
+        self.__dict__.setdefault("_warm", False)
+        self.__dict__["mode"] = mode
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -144,12 +149,11 @@ class DecodeLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
         w = self.weight
+        warm, self._warm = self._warm, True
         native = x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
         if native and self.mode == "packed" and self.packed is not None:
-            self._warm = True
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if self.mode in ("linear", "packed") or rows > ROWS or not native:
-            self._warm = True
             return F.linear(x, w, self.bias)
         flat = x.reshape(rows, self.in_features)
         way, timed = self.mode, None
@@ -160,9 +164,8 @@ class DecodeLinear(nn.Linear):
             if way is None:
                 way = _ORDER[choice.calls % len(_ORDER)]
                 choice.calls += 1
-                if self._warm:
+                if warm:
                     timed = key, choice
-        self._warm = True
         start = time.perf_counter()
         y = F.linear(flat, w, self.bias) if way == "linear" else _transposed(flat, w, self.bias)
         if timed is not None:

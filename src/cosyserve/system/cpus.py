@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["default_threads", "usable_cpus"]
+__all__ = ["cpu_name", "default_threads", "usable_cpus"]
 
 
 def usable_cpus() -> int:
@@ -26,3 +26,15 @@ def default_threads() -> int:
     if value.isdigit() and int(value) > 0:
         return int(value)
     return usable_cpus()
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name as /proc/cpuinfo gives it (what a bench prints beside its figures), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
