@@ -230,3 +230,19 @@ def test_decode_gemm_bench_dry_run_on_the_lite_runtime(tmp_path: Path, cv3_lite_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"1", "2"} and all(v["unpacked_ms"] > 0 and v["packed_ms"] > 0 for v in rows.values())
+
+
+def test_a_pool_model_sets_its_own_decode_products(tmp_path: Path) -> None:
+    """A model of the pool file sets llm_gemm in its `load` table, checked there like every load setting: else a
+    packed (or pinned) model would need the whole server's setting, or a bad value would surface at its load."""
+    from cosyserve.core.settings import Settings
+    from cosyserve.engine.poolfile import load_pool_config
+    from cosyserve.runtime import RuntimeOptions
+
+    pool = tmp_path / "pool.toml"
+    pool.write_text("[models.a]\npath='x'\nload={llm_gemm='fastest'}\n")
+    with pytest.raises(SettingsError, match=r"\[models.a\] load.llm_gemm = 'fastest': expected one of auto"):
+        load_pool_config(Settings.load(env={}, file=pool))
+    pool.write_text("[models.a]\npath='x'\nload={llm_gemm='packed'}\n")
+    options = load_pool_config(Settings.load(env={}, file=pool)).models["a"].load_options
+    assert RuntimeOptions(**options).llm_gemm == "packed"

@@ -85,7 +85,15 @@ TENANT_KEYS = frozenset({"models", "max_models", "max_memory", "max_concurrent"}
 # the loading settings a model may set for itself in its `load` table (passed to cosyserve.load)
 LOAD_KEYS = frozenset(
     {"strategy", "verify", "use_mmap", "threads", "warmup_tokens"}
-    | {"llm_dtype", "flow_dtype", "hift_dtype", "llm_quantize", "flow_steps", "flow_context_seconds"}
+    | {
+        "llm_dtype",
+        "flow_dtype",
+        "hift_dtype",
+        "llm_quantize",
+        "llm_gemm",
+        "flow_steps",
+        "flow_context_seconds",
+    }
     | {"chunk_policy", "first_hop_tokens"}
 )
 # load keys named as their setting where the RuntimeOptions field has another name
