@@ -115,6 +115,26 @@ def test_pool_config_reads_batch_size(tmp_path: Path) -> None:
     assert (cfg.models["a"].batch_size, cfg.models["b"].batch_size) == (4, 4)
     with pytest.raises(SettingsError, match="COSYSERVE_BATCH_SIZE"):
         Settings.load(env={"COSYSERVE_BATCH_SIZE": "0"}, file=f)
+    f.write_text('[models.a]\npath = "a"\n')
+    assert load_pool_config(Settings.load(env={}, file=f)).models["a"].batch_size is None  # the family's
+
+
+def test_a_model_serves_its_familys_batch_size_unless_one_is_set(
+    tiny_model_dir: Path, cv2_model_dir: Path
+) -> None:
+    """If this fails, a model with no batch_size set serves another number of requests at once than its family
+    says (CosyVoice2/3 8, CosyVoice-300M 4), or a batch_size given (an option, a pool model's own) is ignored."""
+    import cosyserve
+    from cosyserve.engine.entries import ModelSpec
+    from cosyserve.runtime import RuntimeOptions
+
+    assert cosyserve.load(cv2_model_dir, warmup=False).runtime.slots == 8
+    assert cosyserve.load(tiny_model_dir, warmup=False).runtime.slots == 4
+    assert cosyserve.load(cv2_model_dir, warmup=False, batch_size=2).runtime.slots == 2
+    assert ModelSpec("m", str(cv2_model_dir), warmup=False).load(None, False).slots == 8
+    base = RuntimeOptions(warmup=False, batch_size=3)  # the pool's (COSYSERVE_BATCH_SIZE)
+    assert ModelSpec("m", str(cv2_model_dir), warmup=False).load(base, False).slots == 3
+    assert ModelSpec("m", str(cv2_model_dir), warmup=False, batch_size=5).load(base, False).slots == 5
 
 
 @torch.inference_mode()

@@ -97,11 +97,16 @@ def test_only_few_float32_cpu_rows_take_the_transposed_layout(monkeypatch: pytes
     assert calls == [3]
 
 
-def _feed(choice_key: tuple[int, int, int], linear_s: float, transposed_s: float) -> str | None:
-    choice = gemm._choices.setdefault(choice_key, gemm._Choice())
+def _feed(
+    choice_key: tuple[int, int, int], linear_s: float, transposed_s: float, packed_s: float | None = None
+) -> str | None:
+    choice = gemm._choices.setdefault(choice_key, gemm._Choice(packed_s is not None))
     for _ in range(SAMPLES):
         gemm._record(choice_key, choice, "linear", linear_s)
         gemm._record(choice_key, choice, "transposed", transposed_s)
+        if packed_s is not None:
+            assert choice.way is None  # not decided before every candidate has its samples
+            gemm._record(choice_key, choice, "packed", packed_s)
     return choice.way
 
 
@@ -112,6 +117,124 @@ def test_the_faster_layout_is_kept_and_the_default_wins_within_the_margin() -> N
     assert gemm.decisions() == {(8, 8, 1): "transposed", (8, 8, 2): "linear", (8, 8, 3): "linear"}
     # one shape and row count: another shape or row count is timed on its own
     assert (8, 8, 4) not in gemm.decisions()
+
+
+def test_the_packed_layout_is_kept_where_it_beats_the_better_plain_one_by_the_margin() -> None:
+    """If this fails, auto keeps the packed copies where they save less than 10% (or loses them where they save
+    more), or compares them against the slower plain layout."""
+    assert _feed((8, 8, 1), 1.0, 0.5, 0.46) == "transposed"  # 8% under the better plain one: not enough
+    assert gemm._choices[(8, 8, 1)].plain == "transposed"
+    assert _feed((8, 8, 2), 1.0, 0.5, 0.4) == "packed"
+    assert gemm._choices[(8, 8, 2)].plain == "transposed"  # what a module without a copy runs
+    assert _feed((8, 8, 4), 0.5, 1.0, 0.6) == "linear"
+
+
+def test_a_module_with_a_packed_copy_times_three_layouts_and_one_without_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If this fails, auto never times the packed layout of a module that has its copy, or a module of the same
+    shape without one (another model's) fails or runs a layout not timed for it once packed is kept."""
+    calls: list[str] = []
+    blocked, transposed = gemm._blocked, gemm._transposed
+    monkeypatch.setattr(gemm, "_blocked", lambda *a: calls.append("packed") or blocked(*a))
+    monkeypatch.setattr(gemm, "_transposed", lambda *a: calls.append("transposed") or transposed(*a))
+    lin = DecodeLinear(_linear(16, 8, True), "auto")
+    lin.pack()
+    x = torch.randn(2, 8)
+    ref = F.linear(x, lin.weight, lin.bias)
+    for _ in range(3 * SAMPLES + 1):
+        torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    choice = gemm._choices[(16, 8, 2)]
+    assert {w: len(t) for w, t in choice.times.items()} == {
+        "linear": SAMPLES,
+        "transposed": SAMPLES,
+        "packed": SAMPLES,
+    }
+    assert calls.count("packed") == calls.count("transposed") == SAMPLES
+    # the decision forced to packed: the module with a copy runs it, one without runs the better plain layout
+    choice.way, choice.plain = "packed", "transposed"
+    calls.clear()
+    other = DecodeLinear(_linear(16, 8, True), "auto")
+    torch.testing.assert_close(other(x), F.linear(x, other.weight, other.bias), rtol=1e-5, atol=1e-5)
+    lin(x)
+    assert calls == ["transposed", "packed"]
+
+
+def _four_linears() -> list[DecodeLinear]:
+    return [DecodeLinear(_linear(16, 8, i % 2 == 0), "auto") for i in range(4)]
+
+
+def test_autopack_packs_on_the_first_batched_step_then_times_every_layout_again() -> None:
+    """If this fails, auto packs for lone requests (memory for nothing), never packs for batches, or keeps
+    decisions taken without the packed layout."""
+    linears = _four_linears()
+    pack = gemm.AutoPack(linears, free=lambda: 1 << 40)
+    assert pack.bytes == 4 * 16 * 8 * 4
+    _feed((16, 8, 1), 1.0, 0.5)
+    pack.rows(1)  # a lone request's step
+    assert pack.state == "idle" and pack.thread is None
+    pack.rows(2)
+    pack.join(30)
+    assert pack.state == "packed" and all(m.packed is not None for m in linears)
+    assert gemm.decisions() == {}  # timed again, the packed layout among the candidates
+    pack.rows(3)  # once
+    assert pack.state == "packed"
+    x = torch.randn(2, 8)
+    for m in linears:
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    pack.close()
+    assert all(m.packed is None for m in linears) and pack.linears == []
+
+
+def test_autopack_leaves_the_lm_unpacked_without_twice_the_copies_free(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """If this fails, auto makes the copies on a machine that cannot hold them twice over."""
+    linears = _four_linears()
+    pack = gemm.AutoPack(linears, name="m", free=lambda: 2 * 16 * 8 * 4 * 4 - 1)
+    with caplog.at_level("INFO", logger="cosyserve.models.gemm"):
+        pack.rows(8)
+        pack.join(30)
+    assert pack.state == "refused" and all(m.packed is None for m in linears)
+    assert "m: the LM's decode linears stay unpacked" in caplog.text
+
+
+def test_a_batched_torch_runtime_packs_its_lm_once_requests_share_a_step(cv2_model_dir: Path) -> None:
+    """If this fails, the runtime's llm_gemm=auto never makes the packed copies its concurrent requests would
+    decode with (or makes them for a lone request), or keeps them after close."""
+    import threading
+
+    import cosyserve
+
+    m = cosyserve.load(cv2_model_dir, warmup=False, batch_size=2)
+    pack = m.runtime.autopack
+    assert pack is not None and pack.linears
+    m.synthesize_all("Hello there.", m.speakers[0] if m.speakers else None, seed=1)
+    assert pack.state == "idle"  # a lone request: one row per step
+    rows: list[int] = []
+    m.runtime.on_lm_step(rows.append)
+    gate = threading.Barrier(2)
+
+    def one(seed: int) -> None:
+        gate.wait()
+        m.synthesize_all("Hello there, how are you today?", m.speakers[0] if m.speakers else None, seed=seed)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert max(rows) == 2
+    pack.join(60)
+    assert pack.state == "packed" and all(lin.packed is not None for lin in pack.linears)
+    linears = list(pack.linears)
+    m.close()
+    assert all(lin.packed is None for lin in linears)
+    # pinned layouts and lone-request models make none
+    assert (
+        cosyserve.load(cv2_model_dir, warmup=False, batch_size=2, llm_gemm="linear").runtime.autopack is None
+    )
+    assert cosyserve.load(cv2_model_dir, warmup=False, batch_size=1).runtime.autopack is None
 
 
 def test_auto_times_both_layouts_then_keeps_one(monkeypatch: pytest.MonkeyPatch) -> None:

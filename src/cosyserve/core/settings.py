@@ -410,11 +410,12 @@ class Settings:
         cast=Choice("auto", "linear", "transposed", "packed"),
         doc="how the LLM's float32 decode steps multiply on CPU: `auto` times `x·Wᵀ` (torch's linear) against "
         "`W·xᵀ` on the first steps of each batch size and keeps the faster (up to 1.7x faster steps on an AMD "
-        "EPYC); `linear` or `transposed` fixes one, so that runs repeat to the last bit; `packed` multiplies with "
-        "oneDNN-blocked copies of the weights made at load (batched steps up to 2.6x faster on that EPYC; costs "
-        "the linears' size in private memory, 1.4 GB for CosyVoice2/3, and ~2 s of start); on the lite runtime "
-        "`packed` prepacks the LM's batch graph after READY (batched steps ~2x faster on that EPYC; the weights' "
-        "size again in memory) and the others change nothing",
+        "EPYC), and once a step serves several requests also makes oneDNN-blocked copies of the weights (where "
+        "memory holds twice their size: 1.4 GB for CosyVoice2/3) and times them too (batched steps up to 2.3x "
+        "faster on that EPYC); `linear` or `transposed` fixes one, so that runs repeat to the last bit; `packed` "
+        "makes the blocked copies at load (~2 s of start) and multiplies every step and prefill with them; on the "
+        "lite runtime `packed` prepacks the LM's batch graph after READY (batched steps ~2x faster on that EPYC; "
+        "the weights' size again in memory) and the others change nothing",
     )
     flow_steps: int | None = _loading(
         None,
@@ -714,13 +715,14 @@ class Settings:
         cast=Int(1),
         doc="prewarmed instances per model (the variable also wins over a model's own `instances`)",
     )
-    batch_size: int = _pool(
-        4,
+    batch_size: int | None = _pool(
+        None,
         env="COSYSERVE_BATCH_SIZE",
         key="batch_size",
         cast=Int(1),
         doc="requests served at once per instance, LM decode steps batched across them (the variable also wins "
-        "over a model's own `batch_size`)",
+        "over a model's own `batch_size`); unset: the family's, 8 for CosyVoice2/3, 4 for CosyVoice-300M",
+        shown="8 (CosyVoice2/3), 4 (300M)",
     )
     queue_limit: int = _pool(
         16,

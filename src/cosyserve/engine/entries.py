@@ -36,7 +36,8 @@ class ModelSpec:
         pinned: never evicted (neither TTL nor pressure nor budget).
         idle_ttl_s: release after this many idle seconds (None: never).
         instances: prewarmed instances (``MODEL_POOL_SIZE``), each with its own worker.
-        batch_size: requests each instance serves at once, LM steps batched (``COSYSERVE_BATCH_SIZE``).
+        batch_size: requests each instance serves at once, LM steps batched (``COSYSERVE_BATCH_SIZE``; None: the
+            model family's).
         runtime: the runtime that runs it (a key of :data:`cosyserve.runtime.RUNTIMES`).
         queue_limit: requests allowed to wait per model before :class:`OverloadedError`.
         size_bytes: memory estimate used before the first load (default: the bundle's file sizes).
@@ -54,7 +55,7 @@ class ModelSpec:
     pinned: bool = False
     idle_ttl_s: float | None = None
     instances: int = 1
-    batch_size: int = 4
+    batch_size: int | None = None
     queue_limit: int = 16
     size_bytes: int | None = None
     warmup: bool = True
@@ -68,7 +69,7 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: policy must be preload or lazy, got {self.policy!r}")
         if self.instances < 1:
             raise ValueError(f"model {self.name!r}: instances must be >= 1, got {self.instances}")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"model {self.name!r}: batch_size must be >= 1, got {self.batch_size}")
         if self.idle_ttl_s is not None and self.idle_ttl_s <= 0:
             raise ValueError(f"model {self.name!r}: idle_ttl_s must be > 0, got {self.idle_ttl_s}")
@@ -83,9 +84,8 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r} has no path")
         base = runtime_options or RuntimeOptions()
         warmup = self.reload_warmup if reload else self.warmup
-        options = replace(
-            base, **{"warmup": warmup and base.warmup, "batch_size": self.batch_size, **self.load_options}
-        )
+        own = {"batch_size": self.batch_size} if self.batch_size is not None else {}  # None: the family's
+        options = replace(base, **{"warmup": warmup and base.warmup, **own, **self.load_options})
         # a first load's phases count from process start (the server's start-up report); a reload's from now
         clock = PhaseClock(t0=time.time()) if reload else PhaseClock()
         return load_runtime(self.path, options, runtime=self.runtime, clock=clock)

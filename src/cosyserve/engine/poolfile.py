@@ -13,7 +13,8 @@ Example::
     pressure_threshold = 0.8     # evict idle models when memory in use / limit goes above this
     lru_k = 2
     instances = 1                # default prewarmed instances per model (env MODEL_POOL_SIZE)
-    batch_size = 4               # default requests per instance at once, LM batched (env COSYSERVE_BATCH_SIZE)
+    batch_size = 4               # default requests per instance at once, LM batched (env COSYSERVE_BATCH_SIZE;
+                                 # unset: the family's, 8 for CosyVoice2/3, 4 for CosyVoice-300M)
     queue_limit = 16             # default waiting requests per model
     idle_ttl_s = 600             # default idle TTL (omit: never)
     torch_threads = 2            # torch threads per request (unset: shared among the running requests)

@@ -238,6 +238,9 @@ class Family:
             are trimmed to exactly that ratio (CosyVoice2/3: 2, the reference's 24 kHz rule); None keeps them as
             extracted (CosyVoice-300M).
         random_vocoder: the vocoder draws random numbers (its draws can be given); CosyVoice3's reads fixed noise.
+        batch_size: the requests one of its models serves at once where the ``batch_size`` setting is unset (their
+            LM steps batched): CosyVoice-300M 4 (its LM's KV cache holds 112 KiB per position and row),
+            CosyVoice2/3 8 (24 KiB; a batched step of their Qwen2 LM costs little more than a lone one).
         stacks: the token2wav parts (``flow``, ``hift``) whose concurrent same-shape calls may run stacked
             (``batch_flow``, :mod:`cosyserve.runtime.stacking`): a part whose calls carry no state of their own
             between chunks, or carry it in their arguments.
@@ -266,6 +269,7 @@ class Family:
     reruns_flow: ClassVar[bool] = True
     prompt_mel_per_token: ClassVar[int | None] = None
     random_vocoder: ClassVar[bool] = True
+    batch_size: ClassVar[int] = 4
     stacks: ClassVar[tuple[str, ...]] = ()
     test_model: ClassVar[str]
     conformance_kinds: ClassVar[Mapping[str, str]]

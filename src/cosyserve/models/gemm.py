@@ -16,12 +16,16 @@ So it is timed where it runs (``auto``): for each weight shape and row count up 
 the speech head (one call per step) within :data:`SAMPLES` steps. The two layouts round differently (float32, a few
 ulps), so ``linear`` or ``transposed`` pins one where runs must repeat exactly.
 
-``packed`` (opt-in) gives each linear a copy of its weight in oneDNN's blocked layout at load and multiplies every
-row count with it, prefills included: on the same EPYC the 24 layers' linears took 56 ms for 1 row, 64 for 2 and 8,
-88 for 16 (against 61, 63, 165 and more in the better of the two layouts above) and a 64-row prefill 281 against
-394. It costs a private copy of the LM's linear weights (1.4 GB for the Qwen2 LMs; the mapped originals go unread)
-and the packing at load (~1.7 s on 2 cores); on a 2-core Xeon an earlier session measured oneDNN's blocked weights
-slower for one row (0.73 against 0.63 ms per matrix), so it is not chosen for you.
+oneDNN's blocked layout is a third way, faster still for batches: on the same EPYC the 24 layers' linears took 56 ms
+for 1 row, 64 for 2 and 8, 88 for 16 (against 61, 63, 165 and more in the better of the two layouts above) and a
+64-row prefill 281 against 394. It needs a private copy of the LM's linear weights in that layout (1.4 GB for the
+Qwen2 LMs) and ~1.7 s to make it; on a 2-core Xeon an earlier session measured oneDNN's blocked weights slower for
+one row (0.73 against 0.63 ms per matrix). So ``auto`` makes the copy only where batches are served and memory
+allows (:class:`AutoPack`): the first time a decode step serves :data:`PACK_AT` rows or more, a thread of its own
+packs every decode linear of that LM (one thread, the steps go on meanwhile) if the memory the process may use has
+twice the copy free; then every shape and row count is timed again with the packed layout as a third candidate,
+kept where it is 10% faster than the better of the other two. A server that never sees concurrent requests never
+pays the copy. ``packed`` makes the copy at load and multiplies every row count with it, prefills included.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,34 +42,51 @@ from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GEMM_MODES", "ROWS", "SAMPLES", "DecodeLinear", "decisions", "forget", "use_decode_linears"]
+__all__ = [
+    "GEMM_MODES",
+    "PACK_AT",
+    "ROWS",
+    "SAMPLES",
+    "AutoPack",
+    "DecodeLinear",
+    "decisions",
+    "forget",
+    "use_decode_linears",
+]
 
 GEMM_MODES = ("auto", "linear", "transposed", "packed")
 # at most this many activation rows are decode rows (one per request of a batch); more are a prefill: F.linear
 ROWS = 16
 # timed calls of each layout before a shape and row count is decided
 SAMPLES = 12
-# W·xᵀ must take at most this fraction of F.linear's median to be kept
+# W·xᵀ must take at most this fraction of F.linear's median to be kept, and packed of the better of those two
 MARGIN = 0.9
 # the row-count hint the blocked layout is made for (it serves every count; the figures above are with 8)
 PACK_ROWS = 8
+# auto: the first decode step of at least this many rows packs the LM's decode linears (AutoPack)
+PACK_AT = 2
 
 
 class _Choice:
-    __slots__ = ("calls", "times", "way")
+    __slots__ = ("calls", "order", "plain", "times", "way")
 
-    def __init__(self) -> None:
+    def __init__(self, packed: bool) -> None:
         self.calls = 0
-        self.times: dict[str, list[float]] = {"linear": [], "transposed": []}
-        self.way: str | None = None
+        # the order the layouts are timed in, repeated (ABBA: none always runs first)
+        self.order = _ORDER_PACKED if packed else _ORDER
+        self.times: dict[str, list[float]] = {way: [] for way in self.order}
+        self.way: str | None = None  # the layout kept
+        self.plain: str | None = (
+            None  # the better of linear and transposed (for a module without a packed copy)
+        )
 
 
 # (out_features, in_features, rows) -> what was timed and chosen, for the whole process: it is the CPU's and BLAS's
 # answer, the same for every model with that shape
 _choices: dict[tuple[int, int, int], _Choice] = {}
 _lock = threading.Lock()
-# the order the two layouts are timed in, repeated (ABBA: neither always runs first)
 _ORDER = ("linear", "transposed", "transposed", "linear")
+_ORDER_PACKED = ("linear", "transposed", "packed", "packed", "transposed", "linear")
 
 
 def _transposed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -79,24 +101,28 @@ def _transposed(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y.t()[:m].contiguous()
 
 
+def _blocked(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def _record(key: tuple[int, int, int], choice: _Choice, way: str, seconds: float) -> None:
     with _lock:
         if choice.way is not None:
             return
         choice.times[way].append(seconds)
-        lin, tra = choice.times["linear"], choice.times["transposed"]
-        if len(lin) < SAMPLES or len(tra) < SAMPLES:
+        if any(len(t) < SAMPLES for t in choice.times.values()):
             return
-        a, b = statistics.median(lin), statistics.median(tra)
-        choice.way = "transposed" if b <= MARGIN * a else "linear"
+        med = {w: statistics.median(t) for w, t in choice.times.items()}
+        choice.plain = "transposed" if med["transposed"] <= MARGIN * med["linear"] else "linear"
+        packed = "packed" in med and med["packed"] <= MARGIN * med[choice.plain]
+        choice.way = "packed" if packed else choice.plain
     logger.debug(
-        "decode GEMM %dx%d, %d rows: %s (median x·Wᵀ %.3f ms, W·xᵀ %.3f ms)",
+        "decode GEMM %dx%d, %d rows: %s (medians: %s)",
         key[0],
         key[1],
         key[2],
         choice.way,
-        a * 1e3,
-        b * 1e3,
+        ", ".join(f"{w} {t * 1e3:.3f} ms" for w, t in med.items()),
     )
 
 
@@ -137,37 +163,55 @@ class DecodeLinear(nn.Linear):
         self.__dict__.setdefault("_warm", False)
         self.__dict__["mode"] = mode
 
-    @torch.no_grad()
     def pack(self) -> None:
         """Make :attr:`packed` (a private copy the weight's size) from the float32 CPU weight."""
-        if not torch.backends.mkldnn.is_available():
+        if not can_pack():
             raise RuntimeError(
                 "llm_gemm=packed needs torch built with oneDNN (mkldnn), which this torch is not"
             )
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(), PACK_ROWS)
+        self.packed = self.blocked()
+
+    @torch.no_grad()
+    def blocked(self) -> Tensor:
+        """A copy of the float32 CPU weight in oneDNN's blocked layout (what :attr:`packed` holds)."""
+        return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().float(), PACK_ROWS)
+
+    @property
+    def packable(self) -> bool:
+        w = self.weight
+        return w.dtype == torch.float32 and w.device.type == "cpu"
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // self.in_features
-        w = self.weight
+        w, packed = self.weight, self.packed
         warm, self._warm = self._warm, True
         native = x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-        if native and self.mode == "packed" and self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if native and self.mode == "packed" and packed is not None:
+            return _blocked(x, packed, self.bias)
         if self.mode in ("linear", "packed") or rows > ROWS or not native:
             return F.linear(x, w, self.bias)
         flat = x.reshape(rows, self.in_features)
         way, timed = self.mode, None
         if way == "auto":
             key = (self.out_features, self.in_features, rows)
-            choice = _choices.get(key) or _choices.setdefault(key, _Choice())
+            choice = _choices.get(key) or _choices.setdefault(key, _Choice(packed is not None))
             way = choice.way
             if way is None:
-                way = _ORDER[choice.calls % len(_ORDER)]
+                way = choice.order[choice.calls % len(choice.order)]
                 choice.calls += 1
                 if warm:
                     timed = key, choice
+            if (
+                way == "packed" and packed is None
+            ):  # another model's module of this shape has a copy, this not
+                way, timed = choice.plain or "linear", None
         start = time.perf_counter()
-        y = F.linear(flat, w, self.bias) if way == "linear" else _transposed(flat, w, self.bias)
+        if way == "packed":
+            y = _blocked(flat, packed, self.bias)
+        elif way == "linear":
+            y = F.linear(flat, w, self.bias)
+        else:
+            y = _transposed(flat, w, self.bias)
         if timed is not None:
             _record(*timed, way, time.perf_counter() - start)
         return y.view(*x.shape[:-1], self.out_features)
@@ -188,10 +232,105 @@ def use_decode_linears(llm: nn.Module, mode: str) -> int:
         lin = modules[name]
         if type(lin) is nn.Linear or isinstance(lin, DecodeLinear):
             new = DecodeLinear.wrap(lin, mode)
-            if mode == "packed" and new.weight.dtype == torch.float32 and new.weight.device.type == "cpu":
+            if mode == "packed" and new.packable:
                 new.pack()
             n += 1
     return n
+
+
+def can_pack() -> bool:
+    """Whether this torch has oneDNN, whose blocked layout ``packed`` is."""
+    return bool(torch.backends.mkldnn.is_available())
+
+
+class AutoPack:
+    """``auto``'s packed layout for one LM: its decode linears' blocked copies, made the first time a step serves
+    :data:`PACK_AT` rows or more (:meth:`rows`, which the runtime's decode loop calls before each step), in a thread
+    of its own, where the memory the process may use has twice the copies' size free; then every shape and row
+    count is timed again with the packed layout among the candidates (see the module docstring).
+
+    Args:
+        linears: the LM's :class:`DecodeLinear` modules (mode ``auto``); those not float32 on CPU are left alone.
+        name: the model, for the log.
+        free: bytes the process may still take (default: the limit less the use of
+            :func:`cosyserve.system.pagecache.memory_usage`).
+    """
+
+    def __init__(
+        self, linears: list[DecodeLinear], name: str = "lm", free: Callable[[], int] | None = None
+    ) -> None:
+        self.linears = [m for m in linears if m.packable]
+        self.bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.linears)
+        self.name = name
+        self._free = free or _free_memory
+        self.state = "idle"  # idle -> packing -> packed | refused | failed | closed
+        self.thread: threading.Thread | None = None
+        self._closed = False
+
+    def rows(self, n: int) -> None:
+        """A decode step is about to serve ``n`` rows: the first with :data:`PACK_AT` or more starts the packing."""
+        if n >= PACK_AT and self.state == "idle" and self.linears and can_pack():
+            self.state = "packing"
+            self.thread = threading.Thread(target=self._run, name=f"{self.name} gemm pack", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        free = self._free()
+        if free < 2 * self.bytes:
+            self.state = "refused"
+            logger.info(
+                "%s: the LM's decode linears stay unpacked: their blocked copies need %.2f GB and the process may "
+                "take %.2f GB more (twice the copies' size wanted)",
+                self.name,
+                self.bytes / 1e9,
+                free / 1e9,
+            )
+            return
+        torch.set_num_threads(1)  # this thread's own pool: the steps keep the cores
+        start = time.perf_counter()
+        try:
+            copies = []
+            for m in self.linears:
+                if self._closed:
+                    self.state = "closed"
+                    return
+                copies.append(m.blocked())
+        except Exception:  # a torch without the op at run time: the two plain layouts serve
+            self.state = "failed"
+            logger.warning(
+                "%s: packing the LM's decode linears failed; they stay unpacked", self.name, exc_info=True
+            )
+            return
+        for m, c in zip(self.linears, copies, strict=True):
+            m.packed = c
+        forget()  # every shape and row count timed again, packed among the candidates
+        self.state = "packed"
+        logger.info(
+            "%s: packed the LM's %d decode linears for batched steps (%.2f GB, %.1f s); their layouts are timed again",
+            self.name,
+            len(self.linears),
+            self.bytes / 1e9,
+            time.perf_counter() - start,
+        )
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def close(self) -> None:
+        """Stop a packing under way (its copies dropped) and let go of the made ones."""
+        self._closed = True
+        self.join()
+        for m in self.linears:
+            m.packed = None
+        self.linears = []
+
+
+def _free_memory() -> int:
+    from cosyserve.system.pagecache import memory_usage
+
+    used, limit = memory_usage()
+    return limit - used
 
 
 def decisions() -> dict[tuple[int, int, int], str]:

@@ -83,7 +83,8 @@ class RuntimeOptions:
         worker_threads: intra-op threads of each thread that runs requests (None: the process's threads shared
             among the requests running at once, see :mod:`cosyserve.runtime.cores`).
         batch_size: requests served at once, their LM steps batched in the model's one decode loop (its rows); 1
-            serves one at a time.
+            serves one at a time (None: the family's, :attr:`cosyserve.families.base.Family.batch_size`: 8 for
+            CosyVoice2/3, 4 for CosyVoice-300M).
         batch_flow: with ``batch_size`` > 1, also stack concurrent flow and vocoder calls of equal shapes (the
             parts the family stacks: CosyVoice-300M's flow and vocoder, CosyVoice2's and CosyVoice3's vocoders and
             streamed flow chunks).
@@ -136,7 +137,7 @@ class RuntimeOptions:
     warmup_tokens: int = 2
     threads: int | None = None
     worker_threads: int | None = None
-    batch_size: int = 4
+    batch_size: int | None = None
     batch_flow: bool = False
     chunk_policy: Literal["reference", "low-latency"] = "low-latency"
     first_hop: int = FIRST_HOP_DEFAULT
@@ -195,8 +196,14 @@ class RuntimeOptions:
         )
         return dataclasses.replace(options, **overrides) if overrides else options
 
+    def for_family(self, family: Any) -> RuntimeOptions:
+        """These options with what they leave to the model's family filled in (``batch_size``)."""
+        if self.batch_size is None:
+            return dataclasses.replace(self, batch_size=family.batch_size)
+        return self
+
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.warmup_tokens < 1:
             raise ValueError(f"warmup_tokens must be >= 1, got {self.warmup_tokens}")

@@ -71,12 +71,25 @@ class TorchRuntime(RuntimeVoices):
         name = self.bundle.path.name if self.bundle is not None else "model"
         # the runtime's slots share one model: their LM steps run as one batch in the model's decode loop, whose
         # thread takes the cores' share of a request (or worker_threads) before every step
+        self.autopack = _autopack(pipeline.llm, options, name)
         pipeline.decoder = DecodeLoop(
-            pipeline.llm, options.batch_size, before_step=self._loop_threads(options), name=name
+            pipeline.llm, options.batch_size, before_step=self._before_step(options), name=name
         )
         self._batchers.append(pipeline.decoder)
         if options.batch_size > 1:
             self._install_batchers(options, name)
+
+    def _before_step(self, options: RuntimeOptions) -> Callable[[int], Any]:
+        threads = self._loop_threads(options)
+        if self.autopack is None:
+            return threads
+        pack = self.autopack.rows
+
+        def before(serves: int = 1) -> None:
+            pack(serves)  # llm_gemm=auto: a first batched step packs the LM's decode linears (models/gemm.py)
+            threads(serves)
+
+        return before
 
     def _loop_threads(self, options: RuntimeOptions) -> Callable[[int], Any]:
         if not options.worker_threads:
@@ -174,9 +187,22 @@ class TorchRuntime(RuntimeVoices):
         for batcher in self._batchers:
             batcher.close()
         self._batchers = []
+        if self.autopack is not None:
+            self.autopack.close()
         if self.pipeline.prompt_prefixes is not None:
             self.pipeline.prompt_prefixes.close()  # the voice states (flow and LM)
         self._parts = None
+
+
+def _autopack(llm: Any, options: RuntimeOptions, name: str) -> Any:
+    """llm_gemm=auto with batches: the LM's decode linears packed once a step serves several rows (None: not)."""
+    if options.llm_gemm != "auto" or options.batch_size < 2:
+        return None
+    from cosyserve.models.gemm import AutoPack, DecodeLinear
+
+    linears = [m for m in llm.modules() if isinstance(m, DecodeLinear)]
+    pack = AutoPack(linears, name)
+    return pack if pack.linears else None
 
 
 def _warm_up_lm(lm: Any, n_tokens: int) -> None:
@@ -293,6 +319,7 @@ def _load(path: str | Path, o: RuntimeOptions, clock: Any) -> TorchRuntime:
     elif o.threads:
         torch.set_num_threads(o.threads)
     bundle, bundle_dir, cache_dir, parts = _open(path, o, clock)
+    o = o.for_family(bundle.config.family_spec)
     device, precision = _place(bundle, parts, o, clock)
     with clock.phase("construct"):
         pipeline = _pipeline(path, o, bundle, bundle_dir, cache_dir, parts, device)

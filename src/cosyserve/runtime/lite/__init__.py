@@ -298,6 +298,7 @@ def load(path: str | Path, options: RuntimeOptions, clock: Any = None) -> LiteRu
             )
         bundle = open_bundle(path)
         family = bundle.family
+        o = o.for_family(family)
         if not family.lite:
             raise BundleError(
                 f"{path}: the lite runtime does not serve {family.title} bundles: serve it on the torch runtime"
