@@ -69,6 +69,17 @@ TEXT = "Hello there, this is a test of the first audio of a lone request."
 DRY_TEXT = "Hello there."
 
 
+def _layouts() -> dict[int, dict[str, int]]:
+    """Rows per step -> how many weight shapes llm_gemm=auto decided for each layout (cosyserve.models.gemm)."""
+    from cosyserve.models.gemm import decisions
+
+    kept: dict[int, dict[str, int]] = {}
+    for (_out, _in, rows), way in sorted(decisions().items()):
+        kept.setdefault(rows, {}).setdefault(way, 0)
+        kept[rows][way] += 1
+    return kept
+
+
 def _load(
     model: str,
     batch_size: int | None,
@@ -300,6 +311,15 @@ def throughput(
     tenths = [[r for t, r in trace if k * wn / 10 <= t - t0 < (k + 1) * wn / 10] for k in range(10)]
     print("   " + "  ".join(f"{len(b)}/{(sum(b) / len(b) if b else 0):.1f}" for b in tenths))
     out["timeline"] = [[len(b), sum(b)] for b in tenths]
+    import resource
+
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  peak RSS            {out['peak_rss_mb']:.0f} MB")
+    pack = getattr(m.runtime, "autopack", None)  # llm_gemm=auto: the LM's linears packed for batched steps
+    if pack is not None:
+        out["autopack"] = pack.state
+        out["layouts"] = _layouts()
+        print(f"  LM linears packed   {pack.state} (auto); layouts kept per rows: {out['layouts']}")
     for part, st in stacked.items():
         print(
             f"  {part} calls stacked  {st['stacked_calls']} of {st['calls']} "

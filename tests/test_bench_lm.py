@@ -49,6 +49,9 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
     stacked = t["stacked"]
     assert t["stream"] and t["flow_context_seconds"] == 0.5 and set(stacked) == {"flow", "hift"}, stacked
     assert stacked["flow"]["calls"] > 0 and stacked["hift"]["calls"] > 0, stacked
+    # llm_gemm=auto: the concurrent run's batched steps packed the LM's linears, and what auto kept is shown
+    # (a tiny model's small matrices may drop the copies again: the plain layouts win there)
+    assert t["autopack"] in ("packing", "packed", "dropped") and t["layouts"], t
     assert (
         "this tree / baseline" in r.stdout and "LM rows per step" in r.stdout and "calls stacked" in r.stdout
     )

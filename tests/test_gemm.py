@@ -186,6 +186,36 @@ def test_autopack_packs_on_the_first_batched_step_then_times_every_layout_again(
     assert all(m.packed is None for m in linears) and pack.linears == []
 
 
+def test_autopack_drops_copies_that_no_decided_batched_shape_kept() -> None:
+    """If this fails, auto keeps copies the size of the LM's linears on a CPU where the packed layout loses (or
+    drops them where it won, or leaves a shape still being timed with a layout it can no longer run)."""
+    linears = _four_linears()
+    pack = gemm.AutoPack(linears, free=lambda: 1 << 40)
+    pack.rows(2)
+    pack.join(30)
+    assert pack.state == "packed"
+    _feed((16, 8, 2), 1.0, 0.5, 0.6)  # decided: transposed
+    gemm._choices[(16, 8, 3)] = gemm._Choice(True)  # undecided, packed among its layouts
+    for _ in range(gemm.JUDGE_AFTER - 1):
+        pack.rows(2)
+    assert pack.state == "packed"
+    pack.rows(1)  # a lone step does not count
+    pack.rows(4)
+    assert pack.state == "dropped" and all(m.packed is None for m in linears)
+    assert gemm.decisions() == {(16, 8, 2): "transposed"} and (16, 8, 3) not in gemm._choices
+    # where a decided batched shape kept them, they stay
+    gemm.forget()
+    linears = _four_linears()
+    pack = gemm.AutoPack(linears, free=lambda: 1 << 40)
+    pack.rows(2)
+    pack.join(30)
+    _feed((16, 8, 2), 1.0, 0.5, 0.6)
+    _feed((16, 8, 4), 1.0, 0.5, 0.3)
+    for _ in range(gemm.JUDGE_AFTER + 5):
+        pack.rows(8)
+    assert pack.state == "packed" and all(m.packed is not None for m in linears)
+
+
 def test_autopack_leaves_the_lm_unpacked_without_twice_the_copies_free(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -226,7 +256,9 @@ def test_a_batched_torch_runtime_packs_its_lm_once_requests_share_a_step(cv2_mod
         t.join(120)
     assert max(rows) == 2
     pack.join(60)
-    assert pack.state == "packed" and all(lin.packed is not None for lin in pack.linears)
+    # packed, and on a tiny model's small matrices maybe already dropped again (the plain layouts won there)
+    assert pack.state in ("packed", "dropped"), pack.state
+    assert all((lin.packed is not None) == (pack.state == "packed") for lin in pack.linears)
     linears = list(pack.linears)
     m.close()
     assert all(lin.packed is None for lin in linears)

@@ -65,6 +65,8 @@ MARGIN = 0.9
 PACK_ROWS = 8
 # auto: the first decode step of at least this many rows packs the LM's decode linears (AutoPack)
 PACK_AT = 2
+# auto: this many batched steps after the packing, copies that no decided shape and row count kept are dropped
+JUDGE_AFTER = 32
 
 
 class _Choice:
@@ -76,15 +78,15 @@ class _Choice:
         self.order = _ORDER_PACKED if packed else _ORDER
         self.times: dict[str, list[float]] = {way: [] for way in self.order}
         self.way: str | None = None  # the layout kept
-        self.plain: str | None = (
-            None  # the better of linear and transposed (for a module without a packed copy)
-        )
+        # the better of linear and transposed (what a module without a packed copy runs where packed is kept)
+        self.plain: str | None = None
 
 
 # (out_features, in_features, rows) -> what was timed and chosen, for the whole process: it is the CPU's and BLAS's
 # answer, the same for every model with that shape
 _choices: dict[tuple[int, int, int], _Choice] = {}
 _lock = threading.Lock()
+# the orders the layouts are timed in, repeated (ABBA: none always runs first)
 _ORDER = ("linear", "transposed", "transposed", "linear")
 _ORDER_PACKED = ("linear", "transposed", "packed", "packed", "transposed", "linear")
 
@@ -263,16 +265,44 @@ class AutoPack:
         self.bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.linears)
         self.name = name
         self._free = free or _free_memory
-        self.state = "idle"  # idle -> packing -> packed | refused | failed | closed
+        self.state = "idle"  # idle -> packing -> packed (-> dropped) | refused | failed | closed
         self.thread: threading.Thread | None = None
         self._closed = False
+        self._steps = 0  # batched steps since the packing
 
     def rows(self, n: int) -> None:
-        """A decode step is about to serve ``n`` rows: the first with :data:`PACK_AT` or more starts the packing."""
-        if n >= PACK_AT and self.state == "idle" and self.linears and can_pack():
+        """A decode step is about to serve ``n`` rows: the first with :data:`PACK_AT` or more starts the packing;
+        :data:`JUDGE_AFTER` such steps after it, copies that nothing decided kept are dropped."""
+        if n < PACK_AT:
+            return
+        if self.state == "idle" and self.linears and can_pack():
             self.state = "packing"
             self.thread = threading.Thread(target=self._run, name=f"{self.name} gemm pack", daemon=True)
             self.thread.start()
+        elif self.state == "packed":
+            self._steps += 1
+            if self._steps == JUDGE_AFTER:
+                self._judge()
+
+    def _judge(self) -> None:
+        # the copies stay if any decided shape and row count of this LM kept them, or none is decided yet
+        shapes = {(m.out_features, m.in_features) for m in self.linears}
+        kept = [way for (o, i, rows), way in decisions().items() if (o, i) in shapes and rows >= PACK_AT]
+        if not kept or "packed" in kept:
+            return
+        for m in self.linears:
+            m.packed = None
+        with _lock:  # shapes still being timed with the packed layout among theirs start again without it
+            for key in [k for k, c in _choices.items() if c.way is None]:
+                del _choices[key]
+        self.state = "dropped"
+        logger.info(
+            "%s: the packed layout lost to the plain ones at every batched shape decided (%d): its %.2f GB of "
+            "copies are dropped",
+            self.name,
+            len(kept),
+            self.bytes / 1e9,
+        )
 
     def _run(self) -> None:
         free = self._free()
