@@ -34,8 +34,11 @@ and encoding are the same code in both trees and left out). Printed: the median 
 this tree / baseline <= 1.05).
 
 throughput: one process of this tree, the model loaded with default settings; one request alone, then
-``--concurrency`` requests at once (threads, each its own seed, the same text): audio seconds over wall seconds
-for each, their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
+``--concurrency`` requests at once (threads, each its own seed, the same text), then one alone again: audio seconds
+over wall seconds for the concurrent run against the mean of the two lone ones (this VM's speed drifts by 20-40%
+over minutes), their ratio (target >= 2 at 8), and the LM's mean rows per decode step over the concurrent run.
+With ``llm_gemm=auto`` the concurrent run's first batched step packs the LM's linears: the lone request after it
+is a server's steady state once it has served concurrent requests.
 ``--stream`` makes every request streamed (chunks as the model's chunk policy cuts them); ``--batch-flow`` loads
 with ``batch_flow=True`` and prints, per token2wav part the family stacks, its calls in the concurrent run, how
 many of them ran stacked, the mean calls per run and how many gathers ran out (``--gather-ms``: how long a call
@@ -264,6 +267,9 @@ def throughput(
     an = sum(each)
     decoder.on_step = told
     steps, rows = decoder.stats.steps - steps0, decoder.stats.rows - rows0
+    # the lone request again, after: this VM's speed drifts over minutes, so the concurrent run is compared with
+    # the mean rate of a lone request on either side of it
+    lone_after, w1_after = run(1)
     stacked = {}
     for part, b in stackers.items():
         calls = b.stats.calls - before[part].calls
@@ -275,17 +281,19 @@ def throughput(
             "mean_batch": calls / runs if runs else 0.0,
             "timed_out": b.stats.timed_out - before[part].timed_out,
         }
+    rates = [a1 / w1, sum(lone_after) / w1_after]
     out = {
         "batch_size": decoder.max_rows,
         "stream": stream,
         "flow_context_seconds": flow_context,
-        "one": a1 / w1,
+        "one": statistics.mean(rates),
+        "one_before_after": rates,
         # a random-weight LM stops where its samples say: a lone request much shorter than the concurrent ones
         # pays its fixed costs (prompt, first chunk) over fewer audio seconds, and the ratio flatters
         "one_audio_s": a1,
         "concurrent_audio_s": each,
         "concurrent": an / wn,
-        "ratio": (an / wn) / (a1 / w1),
+        "ratio": (an / wn) / statistics.mean(rates),
         "mean_rows": rows / steps if steps else 0.0,
         "batch_graph_steps": getattr(decoder.lm, "batch_steps", 0) - graph0,
         "stacked": stacked,
@@ -296,7 +304,10 @@ def throughput(
         f"audio s per wall s (batch_size {out['batch_size']}, {which}; batch_flow {batch_flow}; "
         f"flow_context_seconds {flow_context:g}):"
     )
-    print(f"  1 of the {what:<8}    {out['one']:.3f} ({a1:.1f} s of audio in {w1:.1f} s)")
+    print(
+        f"  1 of the {what:<8}    {out['one']:.3f} (the mean of one before, {a1:.1f} s of audio in {w1:.1f} s, "
+        f"and one after, {sum(lone_after):.1f} s in {w1_after:.1f} s)"
+    )
     print(
         f"  {concurrency} concurrent        {out['concurrent']:.3f} ({an:.1f} s of audio in {wn:.1f} s; each "
         + " ".join(f"{a:.1f}" for a in each)
