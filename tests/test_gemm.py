@@ -216,6 +216,30 @@ def test_autopack_drops_copies_that_no_decided_batched_shape_kept() -> None:
     assert pack.state == "packed" and all(m.packed is not None for m in linears)
 
 
+def test_closing_during_the_packing_stops_it_and_keeps_no_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If this fails, a model closed (evicted, reloaded) while its LM is being packed keeps packing in the
+    background, or leaves copies on its modules."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real = DecodeLinear.blocked
+
+    def slow(self: DecodeLinear) -> torch.Tensor:
+        started.set()
+        release.wait(10)
+        return real(self)
+
+    monkeypatch.setattr(DecodeLinear, "blocked", slow)
+    linears = _four_linears()
+    pack = gemm.AutoPack(linears, free=lambda: 1 << 40)
+    pack.rows(2)
+    assert started.wait(10) and pack.state == "packing"
+    threading.Timer(0.2, release.set).start()
+    pack.close()  # waits for the module being packed, then stops
+    assert pack.state == "closed" and not pack.thread.is_alive()
+    assert all(m.packed is None for m in linears)
+
+
 def test_autopack_leaves_the_lm_unpacked_without_twice_the_copies_free(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -265,7 +265,7 @@ class AutoPack:
         self.bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.linears)
         self.name = name
         self._free = free or _free_memory
-        self.state = "idle"  # idle -> packing -> packed (-> dropped) | refused | failed | closed
+        self.state = "idle"  # idle -> packing -> packed (-> dropped) | refused | failed; close(): closed
         self.thread: threading.Thread | None = None
         self._closed = False
         self._steps = 0  # batched steps since the packing
@@ -354,6 +354,7 @@ class AutoPack:
         for m in self.linears:
             m.packed = None
         self.linears = []
+        self.state = "closed"
 
 
 def _free_memory() -> int:
