@@ -699,6 +699,48 @@ def test_a_stop_ends_a_running_lite_flow(served: Any) -> None:
     assert len(asked) >= 3, len(asked)
 
 
+def test_auto_prepacks_the_batch_graph_between_requests_once_steps_batch(qwen_bundles: dict) -> None:
+    """llm_gemm=auto on the lite runtime: a lone request's steps leave the batch graph as it is; the first step of
+    two rows starts its prepacking, done once no request is in flight (its open holds the GIL). If this failed,
+    auto would never give batches the prepacked graph (2x cheaper 2-8-row steps at full size), or would stall
+    running streams for its open, or pay its memory for lone requests."""
+    import time
+
+    import cosyserve
+    from cosyserve.bundle.lite import BATCH_STEP
+
+    model = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", batch_size=2, threads=1)
+    rt = model.runtime
+    rt.join_background()
+    speaker = model.speakers[0] if model.speakers else None
+    model.synthesize_all("Hello there.", speaker, seed=1)
+    assert rt.batch_pack is None and not rt.lite.prepack_batch  # one row per step
+    unpacked = rt.lite.session(BATCH_STEP)
+    before_step = rt.pipeline.decoder.before_step
+    rt.in_flight.enter()  # a request in flight (the decode loop calls before_step within one)
+    before_step(2)  # the loop's first step of two rows
+    assert rt.batch_pack is not None
+    time.sleep(1.5)
+    assert not rt.lite.prepack_batch and rt.lite.session(BATCH_STEP) is unpacked  # not while it runs
+    rt.in_flight.leave()
+    rt.batch_pack.join(60)
+    assert rt.lite.prepack_batch
+    packed = rt.lite.session(BATCH_STEP)
+    assert packed is not unpacked
+    try:
+        assert packed.get_session_options().get_session_config_entry("session.disable_prepacking") != "1"
+    except RuntimeError:  # not set: ORT prepacks
+        pass
+    before_step(2)  # once
+    assert rt.lite.session(BATCH_STEP) is packed
+    assert model.synthesize_all("Hello there.", speaker, seed=1).size  # served on it
+    model.close()
+    # pinned layouts make no such thread
+    pinned = cosyserve.load(qwen_bundles["cosyvoice3"], runtime="lite", batch_size=2, llm_gemm="linear")
+    assert pinned.runtime.pipeline.decoder.before_step is None
+    pinned.close()
+
+
 def test_packed_prepacks_the_batch_graph_only(qwen_bundles: dict) -> None:
     """llm_gemm=packed on the lite runtime prepacks the LM's batch graph (MLAS, several rows per step), after READY,
     not its step graph (READY waits for that one: it opens unpacked). If this failed, the setting would do nothing

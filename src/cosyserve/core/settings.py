@@ -415,7 +415,8 @@ class Settings:
         "faster on that EPYC); `linear` or `transposed` fixes one, so that runs repeat to the last bit; `packed` "
         "makes the blocked copies at load (~2 s of start) and multiplies every step and prefill with them; on the "
         "lite runtime `packed` prepacks the LM's batch graph after READY (batched steps ~2x faster on that EPYC; "
-        "the weights' size again in memory) and the others change nothing",
+        "the weights' size again in memory), `auto` does so at the first moment with no request in flight after a "
+        "batched step (where memory holds twice that), and `linear` and `transposed` change nothing",
     )
     flow_steps: int | None = _loading(
         None,

@@ -233,6 +233,13 @@ class LiteBundle:
             del quick
             self.sessions[name] = self._open(name, quick=False)
 
+    def prepack_batch_graph(self) -> None:
+        """Serve the LM's batch graph from now on prepacked (``llm_gemm=auto`` once steps serve several rows; a
+        run in flight on the unpacked session keeps it until it returns)."""
+        with self._lock:
+            self.prepack_batch = True
+            self.sessions[BATCH_STEP] = self._open(BATCH_STEP, quick=False)
+
     def graph_file(self, name: str) -> Path:
         """The ONNX file of graph ``name`` (the int8 step graph's where the LM steps in int8)."""
         int8 = self.int8 and name == "llm_step"
