@@ -89,9 +89,8 @@ class LiteRuntime(RuntimeVoices):
             check=lambda p: bundle.check_onnx(p.name),
         )
         # the LM's decode loop: batch_size rows (one batch graph run per step where the bundle has it)
-        self.batch_pack: threading.Thread | None = (
-            None  # llm_gemm=auto: the batch graph prepacked between requests
-        )
+        # llm_gemm=auto: the thread that prepacks the batch graph between requests, once steps batch
+        self.batch_pack: threading.Thread | None = None
         self._closed = False
         self.pipeline.decoder = DecodeLoop(
             self.llm,
