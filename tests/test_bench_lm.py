@@ -44,7 +44,9 @@ def test_lm_batching_dry_run_prints_every_figure(tmp_path: Path, cv2_model_dir: 
     assert all(s > 0 for s in first["median_s"].values()) and first["ratio"] > 0
     t = figures["throughput"]
     assert t["batch_size"] >= 2, "batching is the default"
-    assert t["primed"]  # a first burst ran before the measured runs (and the packing it started was waited for)
+    assert t[
+        "primed"
+    ]  # a first burst ran before the measured runs (and the packing it started was waited for)
     assert t["one"] > 0 and t["concurrent"] > 0 and t["mean_rows"] >= 1.0
     # streamed, token2wav stacked where the family allows (CosyVoice2: the flow's streamed chunks, bounded streams'
     # last calls among them, and the vocoder): their calls are counted

@@ -704,7 +704,9 @@ def test_auto_prepacks_the_batch_graph_between_requests_once_steps_batch(qwen_bu
     two rows starts its prepacking, done once no request is in flight (its open holds the GIL). If this failed,
     auto would never give batches the prepacked graph (2x cheaper 2-8-row steps at full size), or would stall
     running streams for its open, or pay its memory for lone requests."""
+    import gc
     import time
+    import weakref
 
     import cosyserve
     from cosyserve.bundle.lite import BATCH_STEP
@@ -715,22 +717,30 @@ def test_auto_prepacks_the_batch_graph_between_requests_once_steps_batch(qwen_bu
     speaker = model.speakers[0] if model.speakers else None
     model.synthesize_all("Hello there.", speaker, seed=1)
     assert rt.batch_pack is None and not rt.lite.prepack_batch  # one row per step
-    unpacked = rt.lite.session(BATCH_STEP)
+    unpacked = weakref.ref(rt.lite.session(BATCH_STEP))
+    lm = rt.llm  # a batched step on the unpacked graph: its IO binding is made on that session
+    lm.reserve(2, 16)
+    tokens, pos, rows = np.array([1, 2]), np.array([0, 0]), np.array([0, 1])
+    before = lm.decode(tokens, pos, 1, rows)
     before_step = rt.pipeline.decoder.before_step
     rt.in_flight.enter()  # a request in flight (the decode loop calls before_step within one)
     before_step(2)  # the loop's first step of two rows
     assert rt.batch_pack is not None
     time.sleep(1.5)
-    assert not rt.lite.prepack_batch and rt.lite.session(BATCH_STEP) is unpacked  # not while it runs
+    assert not rt.lite.prepack_batch and rt.lite.session(BATCH_STEP) is unpacked()  # not while it runs
     rt.in_flight.leave()
     rt.batch_pack.join(60)
     assert rt.lite.prepack_batch
     packed = rt.lite.session(BATCH_STEP)
-    assert packed is not unpacked
     try:
         assert packed.get_session_options().get_session_config_entry("session.disable_prepacking") != "1"
     except RuntimeError:  # not set: ORT prepacks
         pass
+    # the same step on the prepacked graph: the same log-probabilities (a binding kept from the replaced session
+    # would run a freed one: a segfault)
+    np.testing.assert_allclose(lm.decode(tokens, pos, 1, rows), before, rtol=1e-4, atol=1e-4)
+    gc.collect()
+    assert unpacked() is None  # replaced, its bindings dropped, and let go of (its memory returns)
     before_step(2)  # once
     assert rt.lite.session(BATCH_STEP) is packed
     assert model.synthesize_all("Hello there.", speaker, seed=1).size  # served on it

@@ -149,6 +149,11 @@ class StepLM:
         # an IO binding of cache rows 0..n-1 (inputs) and staging rows 0..n-1 (outputs), kept until the arrays change
         import onnxruntime as ort
 
+        if sess is not self._bound_session:
+            # a binding lives on in its session: one made on a session since replaced (llm_gemm=auto reopens the
+            # batch graph prepacked) would run a freed session (a segfault)
+            self._bound = {}
+            self._bound_session = sess
         bound = self._bound.get(n)
         if bound is None:
             assert self._cache is not None and self._stage is not None, "reserve() first"
@@ -219,9 +224,9 @@ class StepLM:
     def release(self) -> None:
         self._cache: np.ndarray | None = None  # (buffers, rows, positions, *cache_shape)
         self._stage: np.ndarray | None = None  # (buffers, rows, *cache_shape): a batch step's new keys/values
-        self._bound: dict[
-            int, tuple[Any, list[Any]]
-        ] = {}  # rows bound -> the batch graph's IO binding, values
+        # rows bound -> the batch graph's IO binding and values, made on the session _bound_session
+        self._bound: dict[int, tuple[Any, list[Any]]] = {}
+        self._bound_session: Any = None
 
     def prefix_positions(self, model_input: Mapping[str, Any]) -> int:
         return 0  # a subclass whose input order allows a prefix says how many positions
