@@ -134,9 +134,8 @@ class DecodeLinear(nn.Linear):
     ``packed`` multiplies every float32 CPU input with :attr:`packed` once :meth:`pack` has made it."""
 
     mode: str
-    packed: (
-        Tensor | None
-    )  # the weight in oneDNN's blocked layout (mode packed, made by pack(); not a state key)
+    # the weight in oneDNN's blocked layout (made by pack() or AutoPack; not a state key)
+    packed: Tensor | None
     _warm: bool  # a first call may fault the weights in: never timed
 
     def __init__(self, linear: nn.Linear, mode: str = "auto") -> None:
@@ -203,9 +202,8 @@ class DecodeLinear(nn.Linear):
                 choice.calls += 1
                 if warm:
                     timed = key, choice
-            if (
-                way == "packed" and packed is None
-            ):  # another model's module of this shape has a copy, this not
+            # another model's module of this shape has a copy, this one not: the better plain layout, untimed
+            if way == "packed" and packed is None:
                 way, timed = choice.plain or "linear", None
         start = time.perf_counter()
         if way == "packed":
@@ -254,8 +252,7 @@ class AutoPack:
     Args:
         linears: the LM's :class:`DecodeLinear` modules (mode ``auto``); those not float32 on CPU are left alone.
         name: the model, for the log.
-        free: bytes the process may still take (default: the limit less the use of
-            :func:`cosyserve.system.pagecache.memory_usage`).
+        free: bytes the process may still take (default: :func:`cosyserve.system.pagecache.memory_free`).
     """
 
     def __init__(
@@ -264,7 +261,9 @@ class AutoPack:
         self.linears = [m for m in linears if m.packable]
         self.bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.linears)
         self.name = name
-        self._free = free or _free_memory
+        from cosyserve.system.pagecache import memory_free
+
+        self._free = free or memory_free
         self.state = "idle"  # idle -> packing -> packed (-> dropped) | refused | failed; close(): closed
         self.thread: threading.Thread | None = None
         self._closed = False
@@ -355,13 +354,6 @@ class AutoPack:
             m.packed = None
         self.linears = []
         self.state = "closed"
-
-
-def _free_memory() -> int:
-    from cosyserve.system.pagecache import memory_usage
-
-    used, limit = memory_usage()
-    return limit - used
 
 
 def decisions() -> dict[tuple[int, int, int], str]:

@@ -29,6 +29,7 @@ __all__ = [
     "libc",
     "madvise",
     "mapped_ranges",
+    "memory_free",
     "memory_limit_bytes",
     "memory_usage",
     "missing_ranges",
@@ -529,6 +530,13 @@ def memory_usage() -> tuple[int, int]:
             info[key] = int(rest.split()[0]) * 1024
     total = info["MemTotal"]
     return total - info.get("MemAvailable", info.get("MemFree", 0)), total
+
+
+def memory_free() -> int:
+    """Bytes this process may still take: the limit less the use of :func:`memory_usage` (what the LM's packed
+    copies, torch's and the lite runtime's, check for twice their size before they are made)."""
+    used, limit = memory_usage()
+    return limit - used
 
 
 def rss_of_files(paths: Iterable[str | os.PathLike[str]]) -> int:

@@ -428,17 +428,17 @@ def _prepack_batch_graph(runtime: LiteRuntime) -> None:
     # the LM's batch graph again with MLAS's prepacked weights (2-8-row steps ~2x cheaper on a Zen 4, +the LM's
     # weights in memory), where memory holds twice that and at a moment with no request in flight (its ~1.2 s open
     # holds the GIL: every stream would stall), as llm_gemm=packed's after-READY upgrade
-    from cosyserve.system.pagecache import memory_usage
+    from cosyserve.system.pagecache import memory_free
 
     size = runtime.lite.weights_file("llm_step").stat().st_size  # the batch graph's weights are the step's
-    used, limit = memory_usage()
-    if limit - used < 2 * size:
+    free = memory_free()
+    if free < 2 * size:
         logger.info(
             "%s: the LM's batch graph stays unpacked: prepacking takes %.2f GB and the process may take %.2f GB "
             "more (twice that wanted)",
             runtime.path,
             size / 1e9,
-            (limit - used) / 1e9,
+            free / 1e9,
         )
         return
     while not runtime.in_flight.wait_idle(1.0):
